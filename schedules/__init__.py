@@ -1,0 +1,2 @@
+"""Hand schedules, installed as ``tvm_mamba.schedules``: ``rule.py`` (the contract), ``cpu/<op>.py`` and
+``cuda/<op>.py`` (one module per op, each exposing ``apply(func, target, decisions)``)."""

@@ -1,0 +1,1 @@
+"""CPU (llvm) schedules: one module per op, ``apply(func, target, decisions) -> Schedule | None``."""

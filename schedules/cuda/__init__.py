@@ -1,0 +1,1 @@
+"""CUDA schedules: one module per op, ``apply(func, target, decisions) -> Schedule | None``."""

@@ -1,0 +1,63 @@
+"""The schedule-rule contract.
+
+Every ``schedules/<cpu|cuda>/<op>.py`` exposes::
+
+    def apply(func: PrimFunc, target: Target, decisions: Decisions) -> s_tir.Schedule | None
+
+``func`` is the compute builder's PrimFunc for one kernel; its ``tvm_mamba.kernel`` attribute names the
+kernel (``causal_conv1d_fwd``) and ``tvm_mamba.static`` carries its static dims and dtypes. A rule checks
+that it knows the kernel first and returns None when it does not (never raises on a foreign pattern).
+
+Each rule is a *design space*: every choice (vector width, time tile, threads per block, unroll, chunk
+length, algorithm) is made through ``decisions.pick(name, candidates, default)``. With no tuning record the
+defaults are used, so the hand schedule and the tuned one are the same code. CPU kernels whose state is
+per vector lane (scans, windowed convs with a scalar head/tail) are written as explicit loop nests from a
+template (see TVM_FIELD_GUIDE §10: vectorizing a scan block returns wrong numbers); the rule then returns a
+Schedule over that loop nest, and its knobs are searched by measurement.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Mapping
+
+import tvm
+from tvm import s_tir
+
+
+class Decisions:
+    """Knob values for one kernel: fixed (defaults or a tuning record), recorded as they are read."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None):
+        self.values = dict(values or {})
+        self.used: dict[str, Any] = {}
+        self.space: dict[str, tuple] = {}
+
+    def pick(self, name: str, candidates: Iterable[Any], default: Any) -> Any:
+        candidates = tuple(candidates)
+        if default not in candidates:
+            raise ValueError(f"decision {name}: default {default!r} not among {candidates}")
+        value = self.values.get(name, default)
+        if value not in candidates:  # a stale record for another shape: fall back to the default
+            value = default
+        self.used[name] = value
+        self.space[name] = candidates
+        return value
+
+    def digest(self) -> str:
+        return json.dumps(self.values, sort_keys=True)
+
+
+def kernel_attrs(func: tvm.tirx.PrimFunc) -> tuple[str | None, dict]:
+    """(kernel name, static dict) stamped on a compute builder's PrimFunc; (None, {}) if foreign."""
+    attrs = func.attrs
+    if attrs is None or "tvm_mamba.kernel" not in attrs:
+        return None, {}
+    static = json.loads(str(attrs["tvm_mamba.static"])) if "tvm_mamba.static" in attrs else {}
+    return str(attrs["tvm_mamba.kernel"]), static
+
+
+def schedule_of(func: tvm.tirx.PrimFunc, name: str = "main") -> s_tir.Schedule:
+    """A Schedule over ``func`` (used by template rules that return a hand-written loop nest)."""
+    sch = s_tir.Schedule(tvm.IRModule({name: func}))
+    sch.work_on(name)
+    return sch

@@ -1,0 +1,225 @@
+"""Depthwise causal conv1d (causal-conv1d 1.7.0 semantics) as TE: forward, backward, decode update.
+
+    out[b, c, t] = act(bias[c] + sum_k weight[c, k] * xx[b, c, t - (width-1) + k])
+
+where ``xx`` is x extended to the left by ``initial_states`` (or zeros), and, with ``seq_idx``, a tap
+contributes only when its position has the same sequence id as ``t`` (packed variable-length batches).
+``act`` is identity or SiLU. Accumulation is float32; out has x's dtype.
+
+Every kernel has a fixed parameter list; an optional input that is absent is a (1,)*ndim placeholder
+that the kernel never reads (its ``has_*`` flag is False). Batch and seqlen are symbolic.
+These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules
+emit hand-written loop nests with the same parameters (schedules/cpu/causal_conv1d.py).
+"""
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ._common import check_dtype, f32, sigmoid, stamp
+
+ACTIVATIONS = ("none", "silu")
+WIDTHS = range(2, 9)
+
+
+def _check(dim: int, width: int, activation: str) -> None:
+    if width not in WIDTHS:
+        raise ValueError(f"width: must be in 2..8, got {width}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: must be one of {ACTIVATIONS}, got {activation!r}")
+    if dim < 1:
+        raise ValueError(f"dim: must be >= 1, got {dim}")
+
+
+def _inputs(dim, width, has_bias, has_seq_idx, has_init, x_dtype, weight_dtype):
+    batch, seqlen = te.var("batch"), te.var("seqlen")
+    x = te.placeholder((batch, dim, seqlen), x_dtype, name="x")
+    weight = te.placeholder((dim, width), weight_dtype, name="weight")
+    bias = te.placeholder((dim,) if has_bias else (1,), weight_dtype, name="bias")
+    seq_idx = te.placeholder((batch, seqlen) if has_seq_idx else (1, 1), "int32", name="seq_idx")
+    init = te.placeholder((batch, dim, width - 1) if has_init else (1, 1, 1), x_dtype, name="initial_states")
+    return batch, seqlen, x, weight, bias, seq_idx, init
+
+
+def window_value(x, init, seq_idx, width, has_seq_idx, has_init, b, c, s, t):
+    """xx[b, c, s] as seen from output position t (float32): x, initial state, or 0 across a seq_idx change."""
+    zero = tirx.const(0.0, "float32")
+    inside = f32(x[b, c, tirx.max(s, 0)])
+    if has_seq_idx:
+        inside = tirx.Select(seq_idx[b, tirx.max(s, 0)] == seq_idx[b, t], inside, zero)
+    before = f32(init[b, c, tirx.max(s + (width - 1), 0)]) if has_init else zero
+    return tirx.if_then_else(s >= 0, inside, before)
+
+
+def causal_conv1d_fwd(dim: int, width: int, activation: str = "none", has_bias: bool = False,
+                      has_seq_idx: bool = False, has_init: bool = False, return_final: bool = False,
+                      x_dtype: str = "float32", weight_dtype: str = "float32") -> tirx.PrimFunc:
+    """x: (batch, dim, seqlen); weight: (dim, width); bias: (dim,); seq_idx: (batch, seqlen) int32;
+    initial_states: (batch, dim, width-1) -> out: (batch, dim, seqlen), final_states: (batch, dim, width-1).
+
+    out = act(bias + sum_k weight[:, k] * xx[..., t-(width-1)+k]); final_states = xx[..., seqlen-(width-1):].
+    """
+    _check(dim, width, activation)
+    check_dtype("x", x_dtype)
+    check_dtype("weight", weight_dtype)
+    batch, seqlen, x, weight, bias, seq_idx, init = _inputs(dim, width, has_bias, has_seq_idx, has_init,
+                                                            x_dtype, weight_dtype)
+    k = te.reduce_axis((0, width), name="width")
+    acc = te.compute(
+        (batch, dim, seqlen),
+        lambda b, c, t: te.sum(f32(weight[c, k]) * window_value(
+            x, init, seq_idx, width, has_seq_idx, has_init, b, c, t - (width - 1) + k, t), axis=k),
+        name="conv_acc")
+
+    def finish(b, c, t):
+        v = acc[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
+        return (v * sigmoid(v) if activation == "silu" else v).astype(x_dtype)
+
+    out = te.compute((batch, dim, seqlen), finish, name="out")
+    fshape = (batch, dim, width - 1) if return_final else (1, 1, 1)
+    final = te.compute(
+        fshape,
+        lambda b, c, j: window_value(x, init, seq_idx, width, False, has_init, b, c,
+                                     seqlen - (width - 1) + j, 0).astype(x_dtype)
+        if return_final else tirx.const(0, x_dtype),
+        name="final_states")
+    func = te.create_prim_func([x, weight, bias, seq_idx, init, out, final])
+    static = dict(dim=dim, width=width, activation=activation, has_bias=has_bias, has_seq_idx=has_seq_idx,
+                  has_init=has_init, return_final=return_final, x_dtype=x_dtype, weight_dtype=weight_dtype)
+    return stamp(func, "causal_conv1d_fwd", static)
+
+
+def causal_conv1d_bwd(dim: int, width: int, activation: str = "none", has_bias: bool = False,
+                      has_seq_idx: bool = False, has_init: bool = False, has_dfinal: bool = False,
+                      x_dtype: str = "float32", weight_dtype: str = "float32") -> tirx.PrimFunc:
+    """Backward of :func:`causal_conv1d_fwd`.
+
+    Inputs as the forward plus dout: (batch, dim, seqlen) and dfinal: (batch, dim, width-1).
+    Outputs: dx: (batch, dim, seqlen), dweight: (dim, width), dbias: (dim,), dinit: (batch, dim, width-1),
+    and two float32 workspaces written by the kernel: g: (batch, dim, seqlen) = dout * act'(pre) and
+    partial: (batch, dim, width+1), the first stage of the deterministic two-stage dweight/dbias reduction
+    (per row over time; the second stage sums rows over batch in a fixed order).
+
+    dx[s] = sum_k weight[k] * g[s + (width-1) - k] (same seq id) + dfinal[s - (seqlen-(width-1))];
+    dweight[c, k] = sum_{b,t} g[b,c,t] * xx[b, c, t-(width-1)+k]; dbias[c] = sum_{b,t} g[b,c,t].
+    """
+    _check(dim, width, activation)
+    check_dtype("x", x_dtype)
+    check_dtype("weight", weight_dtype)
+    W = width
+    batch, seqlen, x, weight, bias, seq_idx, init = _inputs(dim, width, has_bias, has_seq_idx, has_init,
+                                                            x_dtype, weight_dtype)
+    dout = te.placeholder((batch, dim, seqlen), x_dtype, name="dout")
+    dfinal = te.placeholder((batch, dim, W - 1) if has_dfinal else (1, 1, 1), x_dtype, name="dfinal")
+
+    def xx(b, c, s, t):
+        return window_value(x, init, seq_idx, W, has_seq_idx, has_init, b, c, s, t)
+
+    k = te.reduce_axis((0, W), name="width")
+    pre = te.compute((batch, dim, seqlen),
+                     lambda b, c, t: te.sum(f32(weight[c, k]) * xx(b, c, t - (W - 1) + k, t), axis=k),
+                     name="pre_acc")
+
+    def grad_pre(b, c, t):
+        d = f32(dout[b, c, t])
+        if activation != "silu":
+            return d
+        v = pre[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
+        s = sigmoid(v)
+        return d * s * (1.0 + v * (1.0 - s))
+
+    g = te.compute((batch, dim, seqlen), grad_pre, name="g")
+    zero = tirx.const(0.0, "float32")
+
+    def g_at(b, c, src, s):
+        """g[b, c, src] if src is a valid later position in the same sequence as s, else 0."""
+        ok = tirx.all(src >= 0, src < seqlen)
+        val = g[b, c, tirx.min(tirx.max(src, 0), seqlen - 1)]
+        if has_seq_idx:
+            val = tirx.Select(seq_idx[b, tirx.min(tirx.max(src, 0), seqlen - 1)] == seq_idx[b, tirx.max(s, 0)],
+                              val, zero)
+        return tirx.if_then_else(ok, val, zero)
+
+    def final_grad(b, c, s):
+        """dfinal flows to position s when s is among the last width-1 positions of xx."""
+        if not has_dfinal:
+            return zero
+        j = s - (seqlen - (W - 1))
+        return tirx.if_then_else(tirx.all(j >= 0, j < W - 1), f32(dfinal[b, c, tirx.min(tirx.max(j, 0), W - 2)]), zero)
+
+    k2 = te.reduce_axis((0, W), name="width")
+    dx_acc = te.compute((batch, dim, seqlen),
+                        lambda b, c, s: te.sum(f32(weight[c, k2]) * g_at(b, c, s + (W - 1) - k2, s), axis=k2),
+                        name="dx_acc")
+    dx = te.compute((batch, dim, seqlen),
+                    lambda b, c, s: (dx_acc[b, c, s] + final_grad(b, c, s)).astype(x_dtype), name="dx")
+    k3 = te.reduce_axis((0, W), name="width")
+    if has_init:
+        dinit_acc = te.compute(
+            (batch, dim, W - 1),
+            lambda b, c, j: te.sum(f32(weight[c, k3]) * g_at(b, c, j - k3, 0), axis=k3), name="dinit_acc")
+        dinit = te.compute((batch, dim, W - 1),
+                           lambda b, c, j: (dinit_acc[b, c, j] + final_grad(b, c, j - (W - 1))).astype(x_dtype),
+                           name="dinit")
+    else:
+        dinit = te.compute((1, 1, 1), lambda b, c, j: tirx.const(0, x_dtype), name="dinit")
+    t_ax = te.reduce_axis((0, seqlen), name="seqlen")
+    partial = te.compute(
+        (batch, dim, W + 1),
+        lambda b, c, kk: te.sum(g[b, c, t_ax] * tirx.if_then_else(
+            kk < W, xx(b, c, t_ax - (W - 1) + tirx.min(kk, W - 1), t_ax), tirx.const(1.0, "float32")),
+            axis=t_ax),
+        name="partial")
+    b_ax = te.reduce_axis((0, batch), name="batch")
+    dweight_acc = te.compute((dim, W), lambda c, kk: te.sum(partial[b_ax, c, kk], axis=b_ax), name="dweight_acc")
+    dweight = te.compute((dim, W), lambda c, kk: dweight_acc[c, kk].astype(weight_dtype), name="dweight")
+    if has_bias:
+        b_ax2 = te.reduce_axis((0, batch), name="batch")
+        dbias_acc = te.compute((dim,), lambda c: te.sum(partial[b_ax2, c, W], axis=b_ax2), name="dbias_acc")
+        dbias = te.compute((dim,), lambda c: dbias_acc[c].astype(weight_dtype), name="dbias")
+    else:
+        dbias = te.compute((1,), lambda c: tirx.const(0, weight_dtype), name="dbias")
+    func = te.create_prim_func([x, weight, bias, seq_idx, init, dout, dfinal, dx, dweight, dbias, dinit, g, partial])
+    static = dict(dim=dim, width=width, activation=activation, has_bias=has_bias, has_seq_idx=has_seq_idx,
+                  has_init=has_init, has_dfinal=has_dfinal, x_dtype=x_dtype, weight_dtype=weight_dtype)
+    return stamp(func, "causal_conv1d_bwd", static)
+
+
+def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str = "none", has_bias: bool = False,
+                         x_dtype: str = "float32", weight_dtype: str = "float32",
+                         state_dtype: str = "float32") -> tirx.PrimFunc:
+    """Decode step. x: (batch, dim, seqlen) new tokens; conv_state: (batch, dim, state_len), state_len >=
+    width-1 -> out: (batch, dim, seqlen), new_state: (batch, dim, state_len).
+
+    With xs = concat(conv_state, x) along time: out[t] = act(bias + sum_k weight[k] * xs[state_len + t -
+    (width-1) + k]) and new_state = xs[-state_len:]. (The torch op passes conv_state as both the input and
+    the new_state output: the CPU kernel updates it in place, reading ahead of where it writes.)
+    """
+    _check(dim, width, activation)
+    if state_len < width - 1:
+        raise ValueError(f"conv_state: state length must be >= width-1 = {width - 1}, got {state_len}")
+    batch, seqlen = te.var("batch"), te.var("seqlen")
+    x = te.placeholder((batch, dim, seqlen), x_dtype, name="x")
+    state = te.placeholder((batch, dim, state_len), state_dtype, name="conv_state")
+    weight = te.placeholder((dim, width), weight_dtype, name="weight")
+    bias = te.placeholder((dim,) if has_bias else (1,), weight_dtype, name="bias")
+
+    def xs(b, c, p):  # p indexes concat(state, x)
+        return tirx.if_then_else(p < state_len, f32(state[b, c, tirx.min(p, state_len - 1)]),
+                                 f32(x[b, c, tirx.max(p - state_len, 0)]))
+
+    k = te.reduce_axis((0, width), name="width")
+    acc = te.compute((batch, dim, seqlen),
+                     lambda b, c, t: te.sum(f32(weight[c, k]) * xs(b, c, state_len + t - (width - 1) + k), axis=k),
+                     name="update_acc")
+
+    def finish(b, c, t):
+        v = acc[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
+        return (v * sigmoid(v) if activation == "silu" else v).astype(x_dtype)
+
+    out = te.compute((batch, dim, seqlen), finish, name="out")
+    new_state = te.compute((batch, dim, state_len), lambda b, c, j: xs(b, c, j + seqlen).astype(state_dtype),
+                           name="new_state")
+    func = te.create_prim_func([x, state, weight, bias, out, new_state])
+    static = dict(dim=dim, width=width, state_len=state_len, activation=activation, has_bias=has_bias,
+                  x_dtype=x_dtype, weight_dtype=weight_dtype, state_dtype=state_dtype)
+    return stamp(func, "causal_conv1d_update", static)

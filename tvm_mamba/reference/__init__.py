@@ -1,0 +1,1 @@
+"""PyTorch references written from the math (float64-capable). No TVM. Used by tests and benchmarks."""

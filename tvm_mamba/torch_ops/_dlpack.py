@@ -1,0 +1,69 @@
+"""All tensor/stream glue between torch and the TVM kernels, in one place.
+
+Tensors are passed to kernels as torch tensors: tvm_ffi converts them through DLPack with zero copy and,
+for CUDA tensors, runs the kernel on torch's current stream (tvm_ffi asks torch for it per call).
+Kernels assume compact, 64-byte aligned buffers (unaligned data segfaults vectorized CPU code; field
+guide §6), so every input goes through :func:`prepare` first.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..runtime import KernelKey, build_and_load, shape_bucket, target_for_device, target_key
+
+ALIGN = 64
+TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.int8: "int8", torch.int32: "int32", torch.int64: "int64", torch.float64: "float64"}
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tvm_dtype(t: torch.Tensor) -> str:
+    return TORCH_TO_TVM[t.dtype]
+
+
+def prepare(t: torch.Tensor) -> torch.Tensor:
+    """Compact (contiguous) and 64-byte aligned; copies only when needed."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() and t.data_ptr() % ALIGN:
+        t = t.clone()  # torch's allocator returns aligned storage
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    return torch.zeros((1,) * ndim, device=device, dtype=dtype)
+
+
+def dummy(device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """A (1,)*ndim placeholder for an absent optional input (its static flag tells the kernel to ignore it)."""
+    return _dummy(torch.device(device), dtype, ndim)
+
+
+def kernel_for(op: str, direction: str, device, dtypes: dict, static: dict, **dynamic: int):
+    """Build or load the kernel for a call on ``device``; ``dynamic`` dims only choose the bucket."""
+    key = KernelKey.make(op, direction, dtypes, static, target_key(target_for_device(device)),
+                         shape_bucket(**dynamic))
+    return build_and_load(key)
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None) -> None:
+    """TypeError/ValueError naming the argument for a wrong type, dtype, rank or device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: dtype must be one of ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where x is), got {t.device}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: tvm_mamba runs on cpu and cuda tensors, got {t.device}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
