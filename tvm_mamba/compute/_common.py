@@ -26,8 +26,8 @@ def check_dtype(name: str, dtype: str, allowed=FLOAT_DTYPES) -> str:
 
 
 def f32(expr) -> tirx.PrimExpr:
-    """Widen to float32 (no-op for float32)."""
-    return expr if expr.dtype == "float32" else expr.astype("float32")
+    """Widen to float32 (a float32 -> float32 cast folds away)."""
+    return expr.astype("float32")
 
 
 def sigmoid(v):

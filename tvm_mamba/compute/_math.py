@@ -1,0 +1,77 @@
+"""Vectorizable float32 math for CPU loop nests: exp, sigmoid, silu, softplus, log1p-free softplus.
+
+Why: TVM lowers ``T.exp`` to LLVM's ``llvm.exp`` intrinsic, which LLVM scalarizes into one libm call per
+vector lane (a conv1d + SiLU went from 0.42 ms to 9.5 ms). These versions are plain arithmetic, so a
+``T.vectorized`` loop stays in zmm registers.
+
+exp: Cody-Waite range reduction x = n*ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for e^r
+(truncation error r^7/7! < 1.2e-7 relative), and 2^n built in the exponent bits. Max relative error
+against float64 exp is ~2e-7 on [-87, 88] (tests/compute/test_math.py). Inputs below -87 give ~1e-38
+give 0; NaN propagates; +inf saturates at e^88 ~ 1.65e38.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693145751953125  # ln2 split so that n*_LN2_HI is exact for |n| < 2^11
+_LN2_LO = 1.428606820309417e-06
+_COEFFS = (1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0)  # Horner, highest power first
+
+
+def _c(v: float):
+    return tirx.const(v, "float32")
+
+
+def exp(x):
+    """e^x for a float32 PrimExpr, vectorizable (no libm call)."""
+    xc = tirx.min(tirx.max(x, _c(-87.0)), _c(88.0))
+    n = tirx.floor(xc * _c(_LOG2E) + _c(0.5))
+    r = xc - n * _c(_LN2_HI) - n * _c(_LN2_LO)
+    p = _c(_COEFFS[0])
+    for coef in _COEFFS[1:]:
+        p = p * r + _c(coef)
+    scale = tirx.reinterpret("float32", tirx.shift_left(n.astype("int32") + 127, tirx.const(23, "int32")))
+    # NaN in, NaN out (the clamp above would drop it; an `x != x` test is folded away under LLVM's
+    # fast-math flags, so test the bits); below -87 return 0 instead of ~1e-38.
+    bits = tirx.reinterpret("int32", x) & tirx.const(0x7FFFFFFF, "int32")
+    res = tirx.Select(x < _c(-87.0), _c(0.0), p * scale)
+    return tirx.Select(bits > tirx.const(0x7F800000, "int32"), x, res)
+
+
+def sigmoid(x):
+    """1 / (1 + e^-x)."""
+    return _c(1.0) / (_c(1.0) + exp(-x))
+
+
+def silu(x):
+    """x * sigmoid(x)."""
+    return x * sigmoid(x)
+
+
+def silu_grad(x):
+    """d silu / dx = s * (1 + x * (1 - s)), s = sigmoid(x)."""
+    s = sigmoid(x)
+    return s * (_c(1.0) + x * (_c(1.0) - s))
+
+
+def log1p_small(y):
+    """log(1 + y) for y in [0, 1] (y = e^-|x| in softplus), vectorizable: atanh series on u = y / (2 + y),
+    log(1+y) = 2*(u + u^3/3 + u^5/5 + ...), |u| <= 1/3, 8 terms: error < 3^-17/17 ~ 5e-10."""
+    u = y / (_c(2.0) + y)
+    u2 = u * u
+    acc = _c(1.0 / 15)
+    for k in (13, 11, 9, 7, 5, 3, 1):
+        acc = acc * u2 + _c(1.0 / k)
+    return _c(2.0) * u * acc
+
+
+def softplus(x):
+    """log(1 + e^x) = max(x, 0) + log1p(e^-|x|); equals x above 20 as in torch/mamba_ssm."""
+    sp = tirx.max(x, _c(0.0)) + log1p_small(exp(-tirx.abs(x)))
+    return tirx.Select(x > _c(20.0), x, sp)
+
+
+def softplus_grad(x):
+    """d softplus / dx = sigmoid(x) (1 above the threshold 20)."""
+    return tirx.Select(x > _c(20.0), _c(1.0), sigmoid(x))

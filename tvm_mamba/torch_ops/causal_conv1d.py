@@ -1,0 +1,227 @@
+"""causal_conv1d_fn / causal_conv1d_update: causal-conv1d 1.7.0's API on TVM kernels, as torch custom ops.
+
+Ops (namespace ``tvm_mamba``): ``causal_conv1d_fwd``, ``causal_conv1d_bwd``, ``causal_conv1d_update``; each
+has a fake (meta) implementation for torch.compile, and the forward has autograd registered.
+
+Backward memory: the forward saves only its inputs (x, weight, bias, seq_idx, initial_states); the
+backward recomputes the pre-activation (one extra pass over x, cheaper than storing batch*dim*seqlen
+fp32) and uses two fp32 workspaces: g = dout * act'(pre) (batch, dim, seqlen) and the per-row dweight /
+dbias partials (batch, dim, width+1), summed over batch in a fixed order (deterministic, no atomics).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, tvm_dtype
+
+OP = "causal_conv1d"
+
+
+def _static(x: Tensor, weight: Tensor, silu: bool, bias, seq_idx, initial_states) -> dict:
+    return dict(dim=x.shape[1], width=weight.shape[1], activation="silu" if silu else "none",
+                has_bias=bias is not None, has_seq_idx=seq_idx is not None, has_init=initial_states is not None)
+
+
+def _dtypes(x: Tensor, weight: Tensor) -> dict:
+    return {"x": tvm_dtype(x), "weight": tvm_dtype(weight)}
+
+
+def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
+    return prepare(t) if t is not None else dummy(like.device, dtype, ndim)
+
+
+@torch.library.custom_op("tvm_mamba::causal_conv1d_fwd", mutates_args=())
+def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
+                      initial_states: Optional[Tensor], return_final_states: bool,
+                      silu: bool) -> tuple[Tensor, Tensor]:
+    """x: (batch, dim, seqlen) -> out: (batch, dim, seqlen), final_states: (batch, dim, width-1) (or (0,))."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    x, weight = prepare(x), prepare(weight)
+    out = torch.empty_like(x)
+    final = x.new_empty((batch, dim, width - 1) if return_final_states else (0,))
+    if x.numel() == 0:
+        if return_final_states and batch * dim:
+            final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
+        return out, final
+    static = dict(_static(x, weight, silu, bias, seq_idx, initial_states), return_final=return_final_states)
+    kern = kernel_for(OP, "fwd", x.device, _dtypes(x, weight), static, seqlen=seqlen)
+    kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(seq_idx, x, torch.int32, 2),
+         _opt(initial_states, x, x.dtype, 3), out,
+         final if return_final_states else x.new_empty((1, 1, 1)))
+    return out, final
+
+
+@causal_conv1d_fwd.register_fake
+def _(x, weight, bias, seq_idx, initial_states, return_final_states, silu):
+    batch, dim, _ = x.shape
+    final = x.new_empty((batch, dim, weight.shape[1] - 1) if return_final_states else (0,))
+    return torch.empty_like(x, memory_format=torch.contiguous_format), final
+
+
+@torch.library.custom_op("tvm_mamba::causal_conv1d_bwd", mutates_args=())
+def causal_conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
+                      initial_states: Optional[Tensor], dout: Tensor, dfinal: Optional[Tensor],
+                      silu: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dx, dweight, dbias or (0,), dinitial_states or (0,)) of causal_conv1d_fwd."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    x, weight, dout = prepare(x), prepare(weight), prepare(dout.to(x.dtype))
+    dx = torch.empty_like(x)
+    dweight = torch.zeros_like(weight)
+    dbias = torch.zeros_like(bias) if bias is not None else weight.new_empty((0,))
+    dinit = x.new_empty((batch, dim, width - 1)) if initial_states is not None else x.new_empty((0,))
+    if x.numel() == 0:
+        if initial_states is not None:
+            dinit.copy_(dfinal if dfinal is not None else torch.zeros_like(dinit))
+        return dx, dweight, dbias, dinit
+    static = dict(_static(x, weight, silu, bias, seq_idx, initial_states), has_dfinal=dfinal is not None)
+    kern = kernel_for(OP, "bwd", x.device, _dtypes(x, weight), static, seqlen=seqlen)
+    g = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    partial = torch.empty((batch, dim, width + 1), device=x.device, dtype=torch.float32)
+    kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(seq_idx, x, torch.int32, 2),
+         _opt(initial_states, x, x.dtype, 3), dout,
+         prepare(dfinal.to(x.dtype)) if dfinal is not None else dummy(x.device, x.dtype, 3),
+         dx, dweight, dbias if bias is not None else weight.new_empty((1,)),
+         dinit if initial_states is not None else x.new_empty((1, 1, 1)), g, partial)
+    return dx, dweight, dbias, dinit
+
+
+@causal_conv1d_bwd.register_fake
+def _(x, weight, bias, seq_idx, initial_states, dout, dfinal, silu):
+    batch, dim, _ = x.shape
+    dbias = torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
+    dinit = x.new_empty((batch, dim, weight.shape[1] - 1)) if initial_states is not None else x.new_empty((0,))
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), dbias, dinit)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, seq_idx, initial_states, _, silu = inputs
+    ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
+    ctx.silu = silu
+
+
+def _backward(ctx, dout, dfinal):
+    x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
+    if dfinal is not None and dfinal.numel() == 0:
+        dfinal = None
+    if dout is None:
+        dout = torch.zeros_like(x)
+    dx, dweight, dbias, dinit = torch.ops.tvm_mamba.causal_conv1d_bwd(
+        x, weight, bias, seq_idx, initial_states, dout, dfinal, ctx.silu)
+    return (dx, dweight, dbias if bias is not None else None, None,
+            dinit if initial_states is not None else None, None, None)
+
+
+causal_conv1d_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("tvm_mamba::causal_conv1d_update", mutates_args=("conv_state",))
+def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
+                            silu: bool) -> Tensor:
+    """x: (batch, dim, seqlen); conv_state: (batch, dim, state_len), updated in place -> out."""
+    batch, dim, seqlen = x.shape
+    xk, weight, state = prepare(x), prepare(weight), prepare(conv_state)
+    out = torch.empty_like(xk)
+    if batch * dim == 0 or seqlen == 0:
+        return out
+    new_state = torch.empty_like(state)
+    static = dict(dim=dim, width=weight.shape[1], state_len=state.shape[2],
+                  activation="silu" if silu else "none", has_bias=bias is not None)
+    dtypes = {"x": tvm_dtype(xk), "weight": tvm_dtype(weight), "state": tvm_dtype(state)}
+    kern = kernel_for(OP, "update", x.device, dtypes, static, seqlen=seqlen)
+    kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), out, new_state)
+    conv_state.copy_(new_state)  # a separate output, then one copy: safe for every schedule (CUDA too)
+    return out
+
+
+@causal_conv1d_update_op.register_fake
+def _(x, conv_state, weight, bias, silu):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API (causal-conv1d 1.7.0 names, argument order and semantics)
+# ----------------------------------------------------------------------------------------------------
+def _activation(activation) -> bool:
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation: must be None, 'silu' or 'swish', got {activation!r}")
+    return activation in ("silu", "swish")
+
+
+def _check_weight_bias(weight, bias, x, dim):
+    check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, x.dtype), device=x.device)
+    if weight.shape[0] != dim:
+        raise ValueError(f"weight: expected (dim={dim}, width), got {tuple(weight.shape)}")
+    if not 2 <= weight.shape[1] <= 8:
+        raise ValueError(f"weight: width must be in 2..8, got {weight.shape[1]}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(weight.dtype,), device=x.device)
+        check_shape("bias", bias, (dim,))
+
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None):
+    """Causal depthwise conv1d.
+
+    x: (batch, dim, seqlen), contiguous or channel-last (x.stride(1) == 1); weight: (dim, width), width 2..8,
+    float32 or x's dtype; bias: (dim,) same dtype as weight; seq_idx: (batch, seqlen) int32 (taps never
+    cross a change of id); initial_states: (batch, dim, width-1) in x's dtype; activation: None, "silu" or
+    "swish". Returns out: (batch, dim, seqlen) in x's dtype (contiguous), and final_states
+    (batch, dim, width-1) — the last width-1 inputs — when return_final_states (written into
+    final_states_out when given).
+
+    out[b, c, t] = act(bias[c] + sum_k weight[c, k] * xx[b, c, t - (width-1) + k]), xx = [initial_states | x].
+    Extensions over upstream (which asserts against them): seq_idx may be combined with initial_states
+    (they continue the first sequence of each row) and with return_final_states (raw last inputs).
+    """
+    check_tensor("x", x, ndim=3, dtypes=FLOATS)
+    batch, dim, seqlen = x.shape
+    silu = _activation(activation)
+    _check_weight_bias(weight, bias, x, dim)
+    width = weight.shape[1]
+    if seq_idx is not None:
+        check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=x.device)
+        check_shape("seq_idx", seq_idx, (batch, seqlen))
+    if initial_states is not None:
+        check_tensor("initial_states", initial_states, ndim=3, dtypes=(x.dtype,), device=x.device)
+        check_shape("initial_states", initial_states, (batch, dim, width - 1))
+    if final_states_out is not None:
+        if not return_final_states:
+            raise ValueError("final_states_out: given but return_final_states is False")
+        check_tensor("final_states_out", final_states_out, ndim=3, dtypes=(x.dtype,), device=x.device)
+        check_shape("final_states_out", final_states_out, (batch, dim, width - 1))
+    out, final = torch.ops.tvm_mamba.causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states,
+                                                      bool(return_final_states), silu)
+    if not return_final_states:
+        return out
+    if final_states_out is not None:
+        final_states_out.copy_(final)
+        final = final_states_out
+    return out, final
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """One decode step (or a few tokens): x: (batch, dim) or (batch, dim, seqlen); conv_state:
+    (batch, dim, state_len) with state_len >= width-1, updated in place; returns out shaped like x.
+
+    xs = [conv_state | x]; out[t] = act(bias + sum_k weight[k] * xs[state_len + t - (width-1) + k]);
+    conv_state <- xs[..., -state_len:].
+    """
+    check_tensor("x", x, dtypes=FLOATS)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected (batch, dim) or (batch, dim, seqlen), got shape {tuple(x.shape)}")
+    squeeze = x.dim() == 2
+    x3 = x.unsqueeze(-1) if squeeze else x
+    batch, dim, _ = x3.shape
+    silu = _activation(activation)
+    _check_weight_bias(weight, bias, x, dim)
+    check_tensor("conv_state", conv_state, ndim=3, dtypes=FLOATS, device=x.device)
+    if conv_state.shape[0] != batch or conv_state.shape[1] != dim or conv_state.shape[2] < weight.shape[1] - 1:
+        raise ValueError(f"conv_state: expected (batch={batch}, dim={dim}, state_len>={weight.shape[1] - 1}), "
+                         f"got {tuple(conv_state.shape)}")
+    out = torch.ops.tvm_mamba.causal_conv1d_update(x3, conv_state, weight, bias, silu)
+    return out.squeeze(-1) if squeeze else out
