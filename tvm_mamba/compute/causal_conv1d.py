@@ -223,3 +223,20 @@ def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str =
     static = dict(dim=dim, width=width, state_len=state_len, activation=activation, has_bias=has_bias,
                   x_dtype=x_dtype, weight_dtype=weight_dtype, state_dtype=state_dtype)
     return stamp(func, "causal_conv1d_update", static)
+
+
+def build_check_configs() -> list[tuple[str, dict, dict]]:
+    """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA.
+    d_inner 1536 is Mamba-130M's; width 4 is every released Mamba's, 8 the widest supported."""
+    out = []
+    for x_dtype in ("float32", "bfloat16"):
+        dt = {"x": x_dtype, "weight": "float32"}
+        for width in (4, 8):
+            base = dict(dim=1536, width=width, activation="silu", has_bias=True)
+            out.append(("fwd", dict(base, has_seq_idx=False, has_init=False, return_final=False), dt))
+            out.append(("bwd", dict(base, has_seq_idx=False, has_init=False, has_dfinal=False), dt))
+        base = dict(dim=1536, width=4, activation="silu", has_bias=True)
+        out.append(("fwd", dict(base, has_seq_idx=True, has_init=True, return_final=True), dt))
+        out.append(("bwd", dict(base, has_seq_idx=True, has_init=True, has_dfinal=True), dt))
+        out.append(("update", dict(base, state_len=3), dict(dt, state=x_dtype)))
+    return out

@@ -1,0 +1,22 @@
+"""The wheel maps schedules/ into the package and ships tuning_logs/ as data."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_wheel_contains_schedules_and_tuning_logs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheel = next(tmp_path.glob("tvm_mamba-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "tvm_mamba/schedules/rule.py" in names
+    assert "tvm_mamba/schedules/cpu/causal_conv1d.py" in names
+    assert "tvm_mamba/schedules/cuda/causal_conv1d.py" in names
+    assert "tvm_mamba/tuning_logs/README.md" in names
+    assert "tvm_mamba/compute/causal_conv1d.py" in names

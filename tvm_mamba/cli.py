@@ -1,0 +1,122 @@
+"""``python -m tvm_mamba <command>``: info, build-check.
+
+info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
+             against the float64 reference).
+build-check  builds every registered kernel configuration (each compute module's build_check_configs())
+             for CUDA with no GPU: TVM codegen, then nvcc --cubin with ptxas -v; prints registers, shared
+             memory and spill bytes per kernel and ends with exactly one line
+             ``build-check: N kernels, F failed, S spilling (cuda sm_XY)``. Exit 1 if F > 0.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import pathlib
+import sys
+import time
+
+
+def _compute_modules() -> list[str]:
+    root = pathlib.Path(__file__).resolve().parent / "compute"
+    return sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_"))
+
+
+def cmd_info(args) -> int:
+    import torch
+    import tvm
+    import tvm_ffi
+
+    import tvm_mamba
+    from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
+    from tvm_mamba.runtime import cache, target_for_device
+
+    print(f"tvm_mamba {tvm_mamba.__version__}  (tvm {tvm.__version__}, tvm-ffi {tvm_ffi.__version__}, "
+          f"torch {torch.__version__})")
+    print(f"cpu target:  {target_for_device('cpu')}")
+    print(f"threads:     TVM {__import__('os').environ.get('TVM_NUM_THREADS')}, torch {torch.get_num_threads()}")
+    if torch.cuda.is_available():
+        print(f"cuda target: {target_for_device('cuda:0')}")
+    print(f"cache:       {cache.cache_root()}")
+    x = torch.randn(2, 64, 300)
+    w, b = torch.randn(64, 4), torch.randn(64)
+    t0 = time.perf_counter()
+    out = tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu")
+    dt = time.perf_counter() - t0
+    err = (out.double() - causal_conv1d_ref(x.double(), w.double(), b.double(), activation="silu")).abs().max().item()
+    ok = err < 1e-4
+    print(f"check:       causal_conv1d_fn (2, 64, 300) silu: max |err| vs float64 reference = {err:.2e} "
+          f"({'ok' if ok else 'FAILED'}; first call incl. build/load {dt:.2f}s)")
+    return 0 if ok else 1
+
+
+def _configs(ops: list[str]):
+    for op in ops:
+        mod = importlib.import_module(f"tvm_mamba.compute.{op}")
+        fn = getattr(mod, "build_check_configs", None)
+        if fn is None:
+            continue
+        for direction, static, dtypes in fn():
+            yield op, direction, static, dtypes
+
+
+def cmd_build_check(args) -> int:
+    from tvm_mamba.runtime import KernelKey, cuda_target, target_key
+    from tvm_mamba.runtime import dispatch
+    from tvm_mamba.runtime.cache import compile_module
+    from tvm_mamba.runtime.nvcc import ptxas_stats
+
+    if args.target != "cuda":
+        print(f"build-check: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
+        return 2
+    arch = args.arch
+    tkey = target_key(cuda_target(arch))
+    ops = args.ops.split(",") if args.ops else _compute_modules()
+    jobs = []
+    failed = spilling = n_codegen_failed = 0
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs)
+    for op, direction, static, dtypes in _configs(ops):
+        key = KernelKey.make(op, direction, dtypes, static, tkey)
+        try:
+            ex = compile_module(key, dispatch.schedule(key))
+            src = ex.mod.imports[0].inspect_source("cuda")
+            jobs.append((key, pool.submit(ptxas_stats, src, arch)))
+        except Exception as err:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            n_codegen_failed += 1
+            msg = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+            print(f"FAIL  {key}\n      codegen: {msg}")
+    for key, fut in jobs:
+        stats = fut.result()
+        if not stats["ok"]:
+            failed += 1
+            print(f"FAIL  {key}\n      nvcc: {stats['error'][:400]}")
+            continue
+        spills = sum(k["spill_stores"] + k["spill_loads"] for k in stats["kernels"])
+        spilling += spills > 0
+        print(f"{'SPILL' if spills else 'ok   '} {key}")
+        for k in stats["kernels"]:
+            print(f"      {k['name']:<44} regs {k['registers']:>3}  smem {k['smem']:>6} B  "
+                  f"spill {k['spill_stores']}/{k['spill_loads']} B  stack {k['stack']} B")
+    pool.shutdown()
+    total = n_codegen_failed + len(jobs)
+    print(f"build-check: {total} kernels, {failed} failed, {spilling} spilling (cuda {arch})")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tvm_mamba", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="target, cache, and one checked kernel call")
+    bc = sub.add_parser("build-check", help="build every kernel for CUDA here (nvcc, ptxas -v)")
+    bc.add_argument("--target", default="cuda")
+    bc.add_argument("--arch", default="sm_90")
+    bc.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    bc.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
+    args = ap.parse_args(argv)
+    return {"info": cmd_info, "build-check": cmd_build_check}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
