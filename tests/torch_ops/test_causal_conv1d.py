@@ -287,3 +287,21 @@ def test_bad_input_raises_before_any_kernel(call, match):
     x, w, b = _inputs()
     with pytest.raises((ValueError, TypeError), match=match):
         call(x, w, b)
+
+
+def test_tensors_reach_the_kernel_as_torch_tensors(monkeypatch):
+    """tvm_ffi runs a kernel on torch's current CUDA stream when it is handed torch tensors (it asks torch
+    for the stream per call); check our glue hands it torch tensors, not copies or TVM arrays."""
+    from tvm_mamba.runtime import cache
+
+    seen = []
+    real_call = cache.Kernel.__call__
+
+    def spy(self, *args):
+        seen.append([type(a) for a in args])
+        return real_call(self, *args)
+
+    monkeypatch.setattr(cache.Kernel, "__call__", spy)
+    x, w, b = _inputs(seqlen=20)
+    causal_conv1d_fn(x, w, b, activation="silu")
+    assert seen and all(t is torch.Tensor for t in seen[0])
