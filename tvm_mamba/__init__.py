@@ -9,5 +9,6 @@ __version__ = "0.1.0"
 
 from .torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402,F401
 from .explain import explain  # noqa: E402,F401
+from .runtime.tuning import tuning_logs  # noqa: E402,F401
 
-__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "explain", "__version__"]
+__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "explain", "tuning_logs", "__version__"]

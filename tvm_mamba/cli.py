@@ -1,4 +1,4 @@
-"""``python -m tvm_mamba <command>``: info, build-check.
+"""``python -m tvm_mamba <command>``: info, build-check, tune.
 
 info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
              against the float64 reference).
@@ -6,6 +6,8 @@ build-check  builds every registered kernel configuration (each compute module's
              for CUDA with no GPU: TVM codegen, then nvcc --cubin with ptxas -v; prints registers, shared
              memory and spill bytes per kernel and ends with exactly one line
              ``build-check: N kernels, F failed, S spilling (cuda sm_XY)``. Exit 1 if F > 0.
+tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
+             through a TVM RPC tracker) and appends the best to tuning_logs/<device-key>/ (tvm_mamba/tune.py).
 """
 from __future__ import annotations
 
@@ -104,6 +106,22 @@ def cmd_build_check(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_tune(args) -> int:
+    from tvm_mamba import tune
+
+    ops = args.ops.split(",") if args.ops else _compute_modules()
+    seqlens = tuple(int(v) for v in args.seqlens.split(","))
+    batches = tuple(int(v) for v in args.batches.split(","))
+    if args.rpc_tracker and not args.rpc_key:
+        print("tune: --rpc-key is required with --rpc-tracker", file=sys.stderr)
+        return 2
+    folder = tune.run(ops, preset=args.preset, seqlens=seqlens, batches=batches, trials=args.trials,
+                      budget_s=60.0 * args.budget_min, out=args.out, rpc_tracker=args.rpc_tracker,
+                      rpc_key=args.rpc_key)
+    print(f"tune: records in {folder}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tvm_mamba", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,8 +132,18 @@ def main(argv=None) -> int:
     bc.add_argument("--arch", default="sm_90")
     bc.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     bc.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
+    tu = sub.add_parser("tune", help="search schedule knobs per shape bucket on this machine and log the best")
+    tu.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    tu.add_argument("--preset", default="default", help="model preset or group: default, all, mamba-130m, ...")
+    tu.add_argument("--seqlens", default="512,2048", help="sequence-length buckets (powers of two)")
+    tu.add_argument("--batches", default="1,4", help="batch buckets (powers of two)")
+    tu.add_argument("--trials", type=int, default=8, help="candidates per workload (the default included)")
+    tu.add_argument("--budget-min", type=float, default=60.0, help="stop after this many minutes (resumable)")
+    tu.add_argument("--out", default=None, help="logs folder (default: $TVM_MAMBA_TUNING_LOGS or the package's)")
+    tu.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker to measure on")
+    tu.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
     args = ap.parse_args(argv)
-    return {"info": cmd_info, "build-check": cmd_build_check}[args.cmd](args)
+    return {"info": cmd_info, "build-check": cmd_build_check, "tune": cmd_tune}[args.cmd](args)
 
 
 if __name__ == "__main__":

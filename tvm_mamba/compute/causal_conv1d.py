@@ -240,3 +240,18 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
         out.append(("bwd", dict(base, has_seq_idx=True, has_init=True, has_dfinal=True), dt))
         out.append(("update", dict(base, state_len=3), dict(dt, state=x_dtype)))
     return out
+
+
+def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
+    """Tuning workloads: the conv of each preset model (Mamba: d_inner channels; Mamba-2: conv_dim),
+    width 4, SiLU, bias; forward and backward, fp32."""
+    from ._presets import presets
+
+    out = []
+    for _, dims in presets(preset):
+        base = dict(dim=dims.get("conv_dim", dims["d_inner"]), width=dims["d_conv"], activation="silu",
+                    has_bias=True, has_seq_idx=False, has_init=False)
+        dt = {"x": "float32", "weight": "float32"}
+        out.append(("fwd", dict(base, return_final=False), dt))
+        out.append(("bwd", dict(base, has_dfinal=False), dt))
+    return out

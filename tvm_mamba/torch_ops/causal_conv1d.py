@@ -48,7 +48,7 @@ def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx
             final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
         return out, final
     static = dict(_static(x, weight, silu, bias, seq_idx, initial_states), return_final=return_final_states)
-    kern = kernel_for(OP, "fwd", x.device, _dtypes(x, weight), static, seqlen=seqlen)
+    kern = kernel_for(OP, "fwd", x.device, _dtypes(x, weight), static, batch=batch, seqlen=seqlen)
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(seq_idx, x, torch.int32, 2),
          _opt(initial_states, x, x.dtype, 3), out,
          final if return_final_states else x.new_empty((1, 1, 1)))
@@ -79,7 +79,7 @@ def causal_conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx
             dinit.copy_(dfinal if dfinal is not None else torch.zeros_like(dinit))
         return dx, dweight, dbias, dinit
     static = dict(_static(x, weight, silu, bias, seq_idx, initial_states), has_dfinal=dfinal is not None)
-    kern = kernel_for(OP, "bwd", x.device, _dtypes(x, weight), static, seqlen=seqlen)
+    kern = kernel_for(OP, "bwd", x.device, _dtypes(x, weight), static, batch=batch, seqlen=seqlen)
     g = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     partial = torch.empty((batch, dim, width + 1), device=x.device, dtype=torch.float32)
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(seq_idx, x, torch.int32, 2),
@@ -132,7 +132,7 @@ def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias:
     static = dict(dim=dim, width=weight.shape[1], state_len=state.shape[2],
                   activation="silu" if silu else "none", has_bias=bias is not None)
     dtypes = {"x": tvm_dtype(xk), "weight": tvm_dtype(weight), "state": tvm_dtype(state)}
-    kern = kernel_for(OP, "update", x.device, dtypes, static, seqlen=seqlen)
+    kern = kernel_for(OP, "update", x.device, dtypes, static, batch=batch, seqlen=seqlen)
     kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), out, new_state)
     conv_state.copy_(new_state)  # a separate output, then one copy: safe for every schedule (CUDA too)
     return out

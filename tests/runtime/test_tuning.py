@@ -1,0 +1,173 @@
+"""Tuning logs: lookup by bucket, never slower than default, A/B switch, explain, bad logs, the tuner
+(resumable, interrupted runs), distributed measuring through a TVM RPC tracker on loopback, and replay of
+every committed record against the hand default."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import tvm
+
+import tvm_mamba
+from tvm_mamba import tune
+from tvm_mamba.runtime import KernelKey, cpu_target, dispatch, target_key, tuning
+from tvm_mamba.runtime.cache import compile_module
+from tvm_mamba.schedules.rule import Decisions
+
+STATIC = dict(dim=16, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False,
+              return_final=False)
+DT = {"x": "float32", "weight": "float32"}
+
+
+def _key(batch=1, seqlen=512):
+    return KernelKey.make("causal_conv1d", "fwd", DT, STATIC, target_key(cpu_target()),
+                          {"batch": batch, "seqlen": seqlen})
+
+
+def _write_logs(root, records, meta=None):
+    dev = tuning.device_key(target_key(cpu_target()))
+    folder = root / dev
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps(meta if meta is not None else tuning.running_meta()))
+    for key, decisions, t, t0 in records:
+        tuning.append_record(folder, key, decisions, t, t0, 3)
+    return folder
+
+
+@pytest.fixture
+def logs(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "logs"))
+    return tmp_path / "logs"
+
+
+def test_exact_and_nearest_bucket_and_never_slower(logs):
+    _write_logs(logs, [(_key(seqlen=512), {"vector": 32}, 1e-3, 2e-3),
+                       (_key(seqlen=4096), {"vector": 8}, 1e-3, 2e-3),
+                       (_key(seqlen=65536), {"vector": 8}, 3e-3, 2e-3)])  # slower than default: unused
+    assert dict(dispatch.plan(_key(seqlen=512)).decisions) == {"vector": 32}
+    assert dict(dispatch.plan(_key(seqlen=1024)).decisions) == {"vector": 32}  # nearest (log2 distance 1)
+    assert dict(dispatch.plan(_key(seqlen=8192)).decisions) == {"vector": 8}
+    assert dict(dispatch.plan(_key(seqlen=65536)).decisions) == {"vector": 8}  # 4096's, not the slow one
+    other = KernelKey.make("causal_conv1d", "fwd", DT, dict(STATIC, dim=32), target_key(cpu_target()), {"seqlen": 512})
+    assert dispatch.plan(other).source == "default"
+
+
+def test_disable_switch_env_and_explain(logs):
+    _write_logs(logs, [(_key(batch=2, seqlen=64), {"vector": 8}, 1e-3, 2e-3)])
+    x, w, b = torch.randn(2, 16, 50), torch.randn(16, 4), torch.randn(16)
+    text = tvm_mamba.explain(tvm_mamba.causal_conv1d_fn, x, w, b, activation="silu")
+    assert "tuned:" in text and "records.jsonl" in text and "vector=8" in text
+    with tvm_mamba.tuning_logs(enabled=False):
+        assert "schedule: default" in tvm_mamba.explain(tvm_mamba.causal_conv1d_fn, x, w, b, activation="silu")
+        out_default = tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu")
+    assert torch.allclose(tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu"), out_default, atol=1e-6)
+
+
+def test_malformed_foreign_and_mismatched_logs_are_skipped_with_a_warning(logs):
+    folder = _write_logs(logs, [(_key(seqlen=256), {"vector": 8}, 1e-3, 2e-3)])
+    rec = folder / "causal_conv1d" / "records.jsonl"
+    with open(rec, "a") as f:
+        f.write('{"key": {"op": "causal_conv1d"}, "decisions": "import os"}\n')  # foreign / wrong types
+        f.write('{"key": {"op": "causal_conv1d", "direc')  # truncated by an interrupted run
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = dispatch.plan(_key(seqlen=256))
+    assert dict(plan.decisions) == {"vector": 8}
+    assert any("malformed" in str(w.message) and str(rec) in str(w.message) for w in caught)
+    (folder / "meta.json").write_text(json.dumps(dict(tuning.running_meta(), tvm="0.0.1")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dispatch.plan(_key(seqlen=256)).source == "default"
+    assert any("ignoring tuning logs" in str(w.message) for w in caught)
+
+
+def test_tuner_writes_resumes_and_survives_interruption(logs):
+    out = logs / "run"
+    folder = tune.run(["causal_conv1d"], preset="mamba-130m", seqlens=(64,), batches=(1,), trials=2,
+                      budget_s=600, out=str(out))
+    rec = folder / "causal_conv1d" / "records.jsonl"
+    lines = rec.read_text().splitlines()
+    assert len(lines) == 2 and json.loads((folder / "meta.json").read_text())["tvm"] == tvm.__version__
+    for line in lines:
+        obj = json.loads(line)
+        assert obj["candidates"] == 2 and obj["time_s"] <= obj["default_time_s"] and "vector" in obj["decisions"]
+    tune.run(["causal_conv1d"], preset="mamba-130m", seqlens=(64,), batches=(1,), trials=2, out=str(out))
+    assert rec.read_text().splitlines() == lines  # nothing re-tuned
+    rec.write_text(lines[0] + "\n" + lines[1][:40])  # interrupted while writing the second record
+    tune.run(["causal_conv1d"], preset="mamba-130m", seqlens=(64,), batches=(1,), trials=2, out=str(out))
+    done = tuning.recorded_keys(folder)
+    assert len(done) == 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tuning_through_an_rpc_tracker_on_loopback(logs):
+    pytest.importorskip("tornado")
+    port = _free_port()
+    tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
+                                "--port-end", str(port + 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = None
+    try:
+        time.sleep(2)
+        server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
+                                   "--key", "loopback", "--host", "127.0.0.1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(3)
+        folder = tune.run(["causal_conv1d"], preset="mamba-130m", seqlens=(64,), batches=(1,), trials=2,
+                          out=str(logs / "rpc"), rpc_tracker=f"127.0.0.1:{port}", rpc_key="loopback")
+        lines = (folder / "causal_conv1d" / "records.jsonl").read_text().splitlines()
+        assert len(lines) == 2
+        assert json.loads((folder / "meta.json").read_text())["budget"]["rpc"] is True
+    finally:
+        for p in (server, tracker):
+            if p is not None:
+                p.terminate()
+                p.wait(timeout=30)
+
+
+def _committed_records():
+    root = tuning.package_logs_dir()
+    out = []
+    for f in sorted(root.glob("*/*/records.jsonl")):
+        for line in f.read_text().splitlines():
+            obj = json.loads(line)
+            key = KernelKey.from_json(obj["key"])
+            if key.target.startswith("llvm-") or key.target.startswith("cuda-"):
+                out.append(pytest.param(key, obj["decisions"], id=f"{f.parent.parent.name}:{key.slug()}"))
+    return out
+
+
+@pytest.mark.parametrize("key,decisions", _committed_records() or [pytest.param(None, None, marks=pytest.mark.skip(reason="no committed logs"))])
+def test_committed_record_replays_and_matches_the_default(key, decisions):
+    """Every committed record is replayed: CPU records built and run at a small shape of their bucket
+    against the hand-default kernel (itself tested against the float64 references); CUDA records built."""
+    tuned_mod = dispatch.schedule(key, Decisions(decisions))
+    if key.target.startswith("cuda-"):
+        target = dispatch.target_from_key(key.target)
+        with target:
+            ex = tvm.compile(tuned_mod, target=target)
+        assert "__global__" in ex.mod.imports[0].inspect_source("cuda")
+        return
+    if key.target != target_key(cpu_target()):
+        pytest.skip(f"record for another CPU ({key.target})")
+    small = KernelKey.make(key.op, key.direction, dict(key.dtypes), dict(key.static_dims), key.target,
+                           {**dict(key.shape_bucket), "batch": 1, "seqlen": 37})
+    results = []
+    for mod in (tuned_mod, dispatch.schedule(key, Decisions())):
+        ex = compile_module(key, mod)
+        args = tune.make_args(small, tvm.cpu(0), seed=7)
+        ex[f"{key.op}_{key.direction}"](*args)
+        results.append([a.numpy().astype("float64") for a in args])
+    for tuned, default in zip(*results):
+        np.testing.assert_allclose(tuned, default, rtol=2e-4, atol=2e-4)

@@ -1,0 +1,194 @@
+"""``python -m tvm_mamba tune``: search each kernel's design space per shape bucket and record the best.
+
+Workloads: every op's ``tuning_configs(preset)`` (else its ``build_check_configs()``) x batch buckets x
+seqlen buckets. For each workload the rule is applied once with its defaults to learn its design space
+(``Decisions.space``); candidates (all combinations, or a sample of ``--trials`` always including the
+default) are compiled and timed with TVM's ``time_evaluator`` on inputs of the bucket's shape — locally,
+or on a remote device through TVM's RPC tracker (``--rpc-tracker host:port --rpc-key key``). The best is
+appended to ``tuning_logs/<device-key>/<op>/records.jsonl`` with the default's time beside it.
+
+Resumable: a workload already in the log is skipped; each record is fsynced as it is written, so an
+interrupted run loses only the workload in flight. Tuning never executes anything read from the logs.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import pathlib
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tvm
+
+from .runtime import KernelKey, cpu_target, target_key
+from .runtime import dispatch, tuning
+from .runtime.cache import compile_module
+from .schedules.rule import Decisions
+
+SEQLENS = (512, 2048)
+BATCHES = (1, 4)
+
+
+def _configs(op: str, preset: str):
+    mod = importlib.import_module(f"tvm_mamba.compute.{op}")
+    if hasattr(mod, "tuning_configs"):
+        return mod.tuning_configs(preset)
+    return mod.build_check_configs() if hasattr(mod, "build_check_configs") else []
+
+
+def workloads(ops, target, preset: str = "default", seqlens=SEQLENS, batches=BATCHES) -> list[KernelKey]:
+    tkey = target_key(target)
+    keys = []
+    for op in ops:
+        for direction, static, dtypes in _configs(op, preset):
+            for b, L in itertools.product(batches, seqlens):
+                keys.append(KernelKey.make(op, direction, dtypes, static, tkey, {"batch": b, "seqlen": L}))
+    return list(dict.fromkeys(keys))
+
+
+def design_space(key: KernelKey) -> dict[str, tuple]:
+    d = Decisions()
+    dispatch.schedule(key, d)
+    return d.space
+
+
+def candidates(space: dict[str, tuple], defaults: dict, trials: int, seed: int = 0) -> list[dict]:
+    names = sorted(space)
+    every = [dict(zip(names, combo)) for combo in itertools.product(*(space[n] for n in names))]
+    default = {n: defaults[n] for n in names}
+    rest = [c for c in every if c != default]
+    random.Random(seed).shuffle(rest)
+    return [default] + rest[: max(trials - 1, 0)]
+
+
+def _shape(param, bucket: dict) -> tuple[int, ...]:
+    dims = []
+    for s in param.shape:
+        if isinstance(s, tvm.tirx.IntImm) or isinstance(s, int):
+            dims.append(int(s))
+        else:
+            name = getattr(s, "name", str(s))
+            if name not in bucket:
+                raise ValueError(f"tuning: no bucket value for symbolic dim {name!r}")
+            dims.append(int(bucket[name]))
+    return tuple(dims)
+
+
+def make_args(key: KernelKey, dev, seed: int = 0) -> list:
+    """Inputs of the bucket's shape: random floats in [-1, 1), zeros for integer tensors."""
+    func = dispatch.build_func(key)
+    bucket = dict(key.shape_bucket)
+    rng = np.random.default_rng(seed)
+    args = []
+    for p in func.params:
+        shape, dtype = _shape(p, bucket), str(p.dtype)
+        if dtype.startswith("float") or dtype == "bfloat16":
+            host = rng.uniform(-1, 1, size=shape).astype("float32")
+            if dtype == "bfloat16":
+                import ml_dtypes
+
+                host = host.astype(ml_dtypes.bfloat16)
+            else:
+                host = host.astype(dtype)
+        else:
+            host = np.zeros(shape, dtype=dtype)
+        args.append(tvm.runtime.tensor(host, dev))
+    return args
+
+
+class LocalMeasurer:
+    def __init__(self):
+        self.dev = tvm.cpu(0)
+
+    def __call__(self, key: KernelKey, ex, args) -> float:
+        name = f"{key.op}_{key.direction}"
+        timer = ex.mod.time_evaluator(name, self.dev, number=3, repeat=5, min_repeat_ms=20)
+        return float(np.median(timer(*args).results))
+
+    def args(self, key):
+        return make_args(key, self.dev)
+
+
+class RPCMeasurer:
+    """Measure on a device registered with a TVM RPC tracker (export -> upload -> time remotely)."""
+
+    def __init__(self, tracker: str, rpc_key: str, timeout: int = 60):
+        from tvm import rpc
+
+        host, port = tracker.rsplit(":", 1)
+        self.tracker = rpc.connect_tracker(host, int(port))
+        self.session = self.tracker.request(rpc_key, priority=1, session_timeout=timeout)
+        self.dev = self.session.cpu(0)
+        self.uploads = 0
+
+    def __call__(self, key, ex, args) -> float:
+        # a fresh file name per upload: re-uploading over a library the server has loaded (dlopen keeps
+        # it mapped) crashes the server process
+        self.uploads += 1
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, f"{key.slug()}-{self.uploads}.so")
+            ex.export_library(path)
+            self.session.upload(path)
+        remote = self.session.load_module(os.path.basename(path))
+        timer = remote.time_evaluator(f"{key.op}_{key.direction}", self.dev, number=3, repeat=5, min_repeat_ms=20)
+        return float(np.median(timer(*args).results))
+
+    def args(self, key):
+        return make_args(key, self.dev)
+
+
+def tune_one(key: KernelKey, measure, trials: int) -> tuple[dict, float, float, int]:
+    """(best decisions, best time, default time, number of candidates) for one workload."""
+    space = design_space(key)
+    defaults = Decisions()
+    dispatch.schedule(key, defaults)
+    cands = candidates(space, defaults.used, trials)
+    args = measure.args(key)
+    times = []
+    for values in cands:
+        ex = compile_module(key, dispatch.schedule(key, Decisions(values)))
+        times.append(measure(key, ex, args))
+    best = int(np.argmin(times))
+    return cands[best], times[best], times[0], len(cands)
+
+
+def _progress(i: int, n: int, t0: float, label: str) -> None:
+    elapsed = time.perf_counter() - t0
+    eta = elapsed / i * (n - i) if i else 0.0
+    bar = "#" * int(30 * i / max(n, 1))
+    sys.stderr.write(f"\r[{bar:<30}] {i}/{n}  elapsed {elapsed:6.0f}s  eta {eta:6.0f}s  {label[:60]:<60}")
+    sys.stderr.flush()
+
+
+def run(ops, preset="default", seqlens=SEQLENS, batches=BATCHES, trials=8, budget_s=3600.0,
+        out: str | None = None, rpc_tracker: str | None = None, rpc_key: str | None = None,
+        target=None) -> pathlib.Path:
+    target = target or cpu_target()
+    dev = tuning.device_key(target_key(target))
+    folder = pathlib.Path(out or tuning.logs_dir()) / dev
+    keys = workloads(ops, target, preset, seqlens, batches)
+    done = tuning.recorded_keys(folder)
+    todo = [k for k in keys if k not in done]
+    tuning.write_meta(folder, dev, {"trials_per_workload": trials, "budget_s": budget_s, "workloads": len(keys),
+                                    "rpc": bool(rpc_tracker)})
+    measure = RPCMeasurer(rpc_tracker, rpc_key) if rpc_tracker else LocalMeasurer()
+    print(f"tune: {len(keys)} workloads for {dev} ({len(keys) - len(todo)} already recorded) -> {folder}")
+    t0 = time.perf_counter()
+    for i, key in enumerate(todo):
+        if time.perf_counter() - t0 > budget_s:
+            print(f"\ntune: budget of {budget_s:.0f}s spent; {len(todo) - i} workloads left (rerun to resume)")
+            break
+        _progress(i, len(todo), t0, str(key))
+        try:
+            best, t_best, t_default, n = tune_one(key, measure, trials)
+        except Exception as err:  # noqa: BLE001 - one bad workload must not stop the run
+            print(f"\ntune: skipped {key}: {type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}")
+            continue
+        tuning.append_record(folder, key, best, t_best, t_default, n)
+    _progress(len(todo), len(todo), t0, "done")
+    sys.stderr.write("\n")
+    return folder
