@@ -33,7 +33,6 @@ def main(argv=None) -> int:
     for name in names:
         mod = importlib.import_module(f"bench_{name}")
         rows.extend(mod.run(quick=args.quick))
-        print(format_table(rows[-len(rows):]) if False else "", end="")
     print(format_table(rows))
     return 0
 

@@ -1,4 +1,4 @@
-"""``python -m tvm_mamba <command>``: info, build-check, tune.
+"""``python -m tvm_mamba <command>``: info, build-check, tune, aot.
 
 info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
              against the float64 reference).
@@ -8,6 +8,7 @@ build-check  builds every registered kernel configuration (each compute module's
              ``build-check: N kernels, F failed, S spilling (cuda sm_XY)``. Exit 1 if F > 0.
 tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
              through a TVM RPC tracker) and appends the best to tuning_logs/<device-key>/ (tvm_mamba/tune.py).
+aot          builds a kernel pack for a machine with only the TVM runtime (tvm_mamba/aot.py, runtime/pack.py).
 """
 from __future__ import annotations
 
@@ -142,7 +143,20 @@ def main(argv=None) -> int:
     tu.add_argument("--out", default=None, help="logs folder (default: $TVM_MAMBA_TUNING_LOGS or the package's)")
     tu.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker to measure on")
     tu.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
+    ao = sub.add_parser("aot", help="build a kernel pack (one .so per kernel + manifest) for a runtime-only machine")
+    ao.add_argument("--target", default="cuda", choices=("cuda", "cpu"))
+    ao.add_argument("--arch", default="sm_90")
+    ao.add_argument("--mcpu", default=None, help="CPU to build for (default: this host's)")
+    ao.add_argument("--out", required=True)
+    ao.add_argument("--ops", default="")
+    ao.add_argument("--preset", default="default")
+    ao.add_argument("--seqlens", default="512,2048")
+    ao.add_argument("--batches", default="1,4")
     args = ap.parse_args(argv)
+    if args.cmd == "aot":
+        from tvm_mamba import aot
+
+        return aot.main(args)
     return {"info": cmd_info, "build-check": cmd_build_check, "tune": cmd_tune}[args.cmd](args)
 
 

@@ -18,4 +18,4 @@ def explain(fn, *args, **kwargs) -> str:
             torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
     if not keys:
         return "no tvm_mamba kernel was called"
-    return "\n".join(dispatch.explain_key(k) for k in keys)
+    return "\n".join(dispatch.explain_key(k, served) for k, served in keys)

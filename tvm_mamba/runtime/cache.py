@@ -24,7 +24,7 @@ from typing import Any
 import tvm
 import tvm_ffi
 
-from . import dispatch
+from . import dispatch, pack
 from .key import KernelKey
 
 _PKG_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ class Kernel:
         self.fn = module[f"{key.op}_{key.direction}"]
 
     def __call__(self, *args):
-        dispatch.note_key(self.key)
+        dispatch.note_key(self.key, self.plan)
         return self.fn(*args)
 
     def __repr__(self) -> str:
@@ -103,8 +103,37 @@ def _try_load(path: pathlib.Path):
         return None
 
 
+def _from_pack(key: KernelKey) -> Kernel | None:
+    """Serve ``key`` from the AOT pack named by $TVM_MAMBA_KERNEL_PACK, if any (see pack.py)."""
+    pk = pack.active_pack()
+    if pk is None:
+        return None
+    found = pk.find(key)
+    if found is None:
+        if pack.runtime_only():
+            raise RuntimeError(f"kernel {key} is not in the kernel pack {pk.folder} and this TVM has no compiler "
+                               f"(TVM_USE_RUNTIME_LIB=1); add it with `python -m tvm_mamba aot` on a build host")
+        return None
+    path, source = found
+    memo_key = (key.workload(), str(path))
+    kern = _memo.get(memo_key)
+    if kern is None:
+        if key.target.startswith("cuda-"):
+            pack.load_cuda_runtime()
+        t0 = time.perf_counter()
+        module = tvm.runtime.load_module(str(path))
+        kern = Kernel(key, dispatch.Plan(key, (), f"pack: {path.name} ({source})"), module, path, 0.0,
+                      time.perf_counter() - t0)
+        _memo[memo_key] = kern
+    return kern
+
+
 def build_and_load(key: KernelKey) -> Kernel:
-    """Return the compiled kernel for ``key`` (memo -> disk -> lock -> re-check -> build -> atomic write)."""
+    """Return the compiled kernel for ``key``: an AOT pack if one is active, else memo -> disk -> lock ->
+    re-check -> build -> atomic write."""
+    kern = _from_pack(key)
+    if kern is not None:
+        return kern
     plan = dispatch.plan(key)
     memo_key = (key.workload(), plan.digest())
     kern = _memo.get(memo_key)

@@ -91,8 +91,8 @@ def schedule(key: KernelKey, decisions: Decisions | None = None) -> tvm.IRModule
     return tvm.IRModule({f"{key.op}_{key.direction}": func})
 
 
-def explain_key(key: KernelKey) -> str:
-    p = plan(key)
+def explain_key(key: KernelKey, served: Plan | None = None) -> str:
+    p = served or plan(key)
     knobs = ", ".join(f"{k}={v}" for k, v in p.decisions) or "hand defaults"
     return f"{key}\n    schedule: {p.source} ({knobs})"
 
@@ -101,15 +101,15 @@ def explain_key(key: KernelKey) -> str:
 _recording = threading.local()
 
 
-def note_key(key: KernelKey) -> None:
-    """Called by the torch ops for every kernel they run (cheap when nobody records)."""
+def note_key(key: KernelKey, served: Plan | None = None) -> None:
+    """Called for every kernel run (cheap when nobody records): the key and the plan that served it."""
     rec = getattr(_recording, "keys", None)
-    if rec is not None and key not in rec:
-        rec.append(key)
+    if rec is not None and all(k != key for k, _ in rec):
+        rec.append((key, served))
 
 
 class record_keys:
-    """``with record_keys() as keys: fn(...)`` collects the kernel keys the call used."""
+    """``with record_keys() as used: fn(...)`` collects (key, plan) for every kernel the call ran."""
 
     def __enter__(self) -> list[KernelKey]:
         self._prev = getattr(_recording, "keys", None)

@@ -71,6 +71,30 @@ def target_for_device(device) -> Target:
     raise ValueError(f"device: tvm_mamba runs on 'cpu' and 'cuda' tensors, got {device!r}")
 
 
+def device_target_key(device) -> str:
+    """The target key serving torch ``device`` without constructing a Target (works with only the TVM
+    runtime installed: then the CPU key comes from the active kernel pack)."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    if kind == "cuda":
+        import torch
+
+        index = getattr(device, "index", None)
+        major, minor = torch.cuda.get_device_capability(index if index is not None else 0)
+        return f"cuda-sm_{major}{minor}"
+    if kind != "cpu":
+        raise ValueError(f"device: tvm_mamba runs on 'cpu' and 'cuda' tensors, got {device!r}")
+    try:
+        return f"llvm-{host_cpu()}"
+    except AttributeError:  # runtime-only TVM: no LLVM to ask
+        from .pack import active_pack
+
+        pk = active_pack()
+        if pk is None or not pk.target.startswith("llvm-"):
+            raise RuntimeError("this TVM has no compiler (TVM_USE_RUNTIME_LIB=1) and no CPU kernel pack is set "
+                               "($TVM_MAMBA_KERNEL_PACK)") from None
+        return pk.target
+
+
 def target_key(target: Target) -> str:
     """Short, path-safe name of a target: ``llvm-rocketlake`` or ``cuda-sm_90``."""
     kind = target.kind.name

@@ -11,7 +11,8 @@ import functools
 
 import torch
 
-from ..runtime import KernelKey, build_and_load, shape_bucket, target_for_device, target_key
+from ..runtime import KernelKey, build_and_load, shape_bucket
+from ..runtime.target import device_target_key
 
 ALIGN = 64
 TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -44,7 +45,7 @@ def dummy(device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
 
 def kernel_for(op: str, direction: str, device, dtypes: dict, static: dict, **dynamic: int):
     """Build or load the kernel for a call on ``device``; ``dynamic`` dims only choose the bucket."""
-    key = KernelKey.make(op, direction, dtypes, static, target_key(target_for_device(device)),
+    key = KernelKey.make(op, direction, dtypes, static, device_target_key(device),
                          shape_bucket(**dynamic))
     return build_and_load(key)
 

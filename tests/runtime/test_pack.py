@@ -1,0 +1,66 @@
+"""AOT kernel packs: built here, served with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), CUDA cubins
+built with no GPU."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tvm_mamba.aot import build_pack
+
+STATIC = dict(dim=24, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False)
+DT = {"x": "float32", "weight": "float32"}
+CONFIGS = [("causal_conv1d", "fwd", dict(STATIC, return_final=False), DT),
+           ("causal_conv1d", "bwd", dict(STATIC, has_dfinal=False), DT)]
+
+RUN = """
+import torch, tvm.base
+import tvm_mamba
+from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
+assert tvm.base._RUNTIME_ONLY
+x = torch.randn(3, 24, 77, requires_grad=True); w = torch.randn(24, 4); b = torch.randn(24)
+out = tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu")
+xd = x.detach().double().requires_grad_()
+ref = causal_conv1d_ref(xd, w.double(), b.double(), activation="silu")
+assert (out - ref).abs().max() < 1e-4
+out.sum().backward(); ref.sum().backward()
+assert (x.grad - xd.grad).abs().max() < 1e-4
+assert "pack:" in tvm_mamba.explain(tvm_mamba.causal_conv1d_fn, x, w, b, activation="silu")
+try:
+    tvm_mamba.causal_conv1d_fn(torch.randn(1, 8, 10), torch.randn(8, 4))
+    raise SystemExit("expected an error for a kernel missing from the pack")
+except RuntimeError as err:
+    assert "not in the kernel pack" in str(err) and "aot" in str(err)
+print("runtime-only ok")
+"""
+
+
+def test_cpu_pack_runs_with_only_the_tvm_runtime(tmp_path):
+    folder = build_pack([], str(tmp_path / "pack"), "cpu", seqlens=(64,), batches=(1, 4), configs=CONFIGS)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format"] == 1 and len(manifest["entries"]) == 4 and len(list(folder.glob("*.so"))) == 2
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder),
+               TVM_MAMBA_CACHE_DIR=str(tmp_path / "no-cache"))
+    proc = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "runtime-only ok" in proc.stdout
+    assert not (tmp_path / "no-cache").exists()  # nothing was built
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")
+def test_cuda_pack_contains_cubins(tmp_path):
+    out = tmp_path / "sm90"
+    proc = subprocess.run([sys.executable, "-m", "tvm_mamba", "aot", "--target", "cuda", "--arch", "sm_90",
+                           "--ops", "causal_conv1d", "--preset", "mamba-130m", "--seqlens", "512", "--batches", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target"] == "cuda-sm_90" and manifest["entries"]
+    so = out / manifest["entries"][0]["file"]
+    blob = so.read_bytes()
+    assert b"nv.info" in blob or b".nv." in blob  # a device ELF (cubin), not CUDA source
+    assert b"__global__" not in blob

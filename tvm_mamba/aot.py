@@ -1,0 +1,90 @@
+"""``python -m tvm_mamba aot``: build an AOT kernel pack (see runtime/pack.py for the format and loading).
+
+    python -m tvm_mamba aot --target cuda --arch sm_90 --out packs/sm_90
+    python -m tvm_mamba aot --target cpu --out packs/cpu
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+from .runtime import KernelKey, cpu_target, cuda_target, target_key
+from .runtime import dispatch, pack
+from .runtime.cache import compile_module
+
+
+def _configs(op: str, preset: str):
+    mod = importlib.import_module(f"tvm_mamba.compute.{op}")
+    seen, out = set(), []
+    for fn in ("build_check_configs", "tuning_configs"):
+        f = getattr(mod, fn, None)
+        if f is None:
+            continue
+        for direction, static, dtypes in (f() if fn == "build_check_configs" else f(preset)):
+            marker = (direction, tuple(sorted(static.items())), tuple(sorted(dtypes.items())))
+            if marker not in seen:
+                seen.add(marker)
+                out.append((direction, static, dtypes))
+    return out
+
+
+def _needs_stub_reexec(target_kind: str) -> bool:
+    if target_kind != "cuda":
+        return False
+    import tvm_ffi
+
+    has_cuda = tvm_ffi.get_global_func("ffi.Module.create.cuda", allow_missing=True) is not None
+    return not (has_cuda and os.environ.get("TVM_CUDA_COMPILE_MODE") == "nvcc")
+
+
+def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", preset: str = "default",
+               seqlens=(512, 2048), batches=(1, 4), mcpu: str | None = None, configs=None) -> pathlib.Path:
+    """Build the pack into ``out``; ``configs`` ([(op, direction, static, dtypes)]) overrides the ops' lists."""
+    target = cuda_target(arch) if target_kind == "cuda" else cpu_target(mcpu)
+    tkey = target_key(target)
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries, built = [], {}
+    configs = configs if configs is not None else [(op, *c) for op in ops for c in _configs(op, preset)]
+    t0 = time.perf_counter()
+    for i, (op, direction, static, dtypes) in enumerate(configs):
+        for b, L in itertools.product(batches, seqlens):
+            key = KernelKey.make(op, direction, dtypes, static, tkey, {"batch": b, "seqlen": L})
+            plan = dispatch.plan(key)
+            ident = (key.workload(), plan.digest())
+            if ident not in built:
+                ex = compile_module(key, dispatch.schedule(key))
+                name = f"{key.workload().slug()}-{len(built)}.so"
+                ex.export_library(str(folder / name))
+                built[ident] = name
+            entries.append({"key": key.to_json(), "file": built[ident], "plan": plan.source})
+        sys.stderr.write(f"\raot: {i + 1}/{len(configs)} configurations, {len(built)} files, "
+                         f"{time.perf_counter() - t0:.0f}s")
+    sys.stderr.write("\n")
+    pack.write_manifest(folder, tkey, entries)
+    return folder
+
+
+def main(args) -> int:
+    from .cli import _compute_modules
+
+    ops = args.ops.split(",") if args.ops else _compute_modules()
+    if _needs_stub_reexec(args.target):
+        with tempfile.TemporaryDirectory(prefix="tvm_mamba_stub_") as tmp:
+            stub = pack.make_stub_driver(pathlib.Path(tmp))
+            env = dict(os.environ, TVM_CUDA_COMPILE_MODE="nvcc",
+                       LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("LD_LIBRARY_PATH")])))
+            return subprocess.run([sys.executable, "-m", "tvm_mamba", *sys.argv[1:]], env=env).returncode
+    seqlens = tuple(int(v) for v in args.seqlens.split(","))
+    batches = tuple(int(v) for v in args.batches.split(","))
+    folder = build_pack(ops, args.out, args.target, args.arch, args.preset, seqlens, batches, args.mcpu)
+    n = len(list(folder.glob("*.so")))
+    print(f"aot: {n} kernel files for {args.target} {args.arch if args.target == 'cuda' else ''} in {folder} "
+          f"(manifest {folder / pack.MANIFEST})")
+    return 0
