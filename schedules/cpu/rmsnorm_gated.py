@@ -1,0 +1,187 @@
+"""CPU rule for gated RMSNorm: hand-written loop nests (parallel over rows, vectorized over hidden).
+
+Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated.py). Hidden and group_size are static,
+so every vectorized loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1
+dividing group_size. Sums of squares keep one partial sum per vector lane (field guide §10) and are added
+horizontally once per group. SiLU uses the vectorizable exp of compute/_math.py (llvm.exp is scalarized).
+
+Backward: rows are split into ``nparts`` contiguous parts (nparts = the partial buffer's first dim, chosen
+by the torch op from the row count only, so results do not depend on the thread count); each part
+accumulates its weight/bias partial sums in a fixed row order (stage 1), and a second loop adds the parts
+in order (stage 2): deterministic, no atomics.
+Knobs: ``vector`` (lane count, default the largest dividing group_size).
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from tvm_mamba.compute import _math
+from tvm_mamba.schedules import rule
+
+KERNELS = ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")
+
+
+def _f32(v):
+    """Widen a load to float32 (a float32 -> float32 cast is dropped by the simplifier)."""
+    return v.astype("float32")
+
+
+def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
+    G, NV = hidden // gs, gs // V
+    gate_in, gate_out = has_z and not nbg, has_z and nbg
+    inv_gs = 1.0 / gs
+
+    def u(x, z, r, h):
+        v = _f32(x[r, h])
+        return v * _math.silu(_f32(z[r, h])) if gate_in else v
+
+    def y(x, w, b, z, rs, r, h):
+        v = u(x, z, r, h) * rs * _f32(w[h])
+        if has_bias:
+            v = v + _f32(b[h])
+        if gate_out:
+            v = v * _math.silu(_f32(z[r, h]))
+        return v.astype(x_dtype)
+
+    @T.prim_func
+    def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, o_h: T.handle,
+                          r_h: T.handle):
+        T.func_attr({"global_symbol": "rmsnorm_gated_fwd", "tirx.noalias": True})
+        rows = T.int32()
+        x = T.match_buffer(x_h, (rows, hidden), x_dtype)
+        w = T.match_buffer(w_h, (hidden,), w_dtype)
+        b = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
+        z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), x_dtype)
+        out = T.match_buffer(o_h, (rows, hidden), x_dtype)
+        rstd = T.match_buffer(r_h, (rows, G), "float32")
+        for r in T.parallel(rows):
+            acc = T.alloc_buffer((V,), "float32")
+            tot = T.alloc_buffer((1,), "float32")
+            for g in range(G):
+                for i in T.vectorized(V):
+                    acc[i] = T.float32(0)
+                for j in range(NV):
+                    for i in T.vectorized(V):
+                        acc[i] = acc[i] + u(x, z, r, g * gs + j * V + i) * u(x, z, r, g * gs + j * V + i)
+                tot[0] = T.float32(0)
+                for i in range(V):
+                    tot[0] = tot[0] + acc[i]
+                tot[0] = T.float32(1) / T.sqrt(tot[0] * T.float32(inv_gs) + T.float32(eps))
+                rstd[r, g] = tot[0]
+                for j in range(NV):
+                    for i in T.vectorized(V):
+                        out[r, g * gs + j * V + i] = y(x, w, b, z, tot[0], r, g * gs + j * V + i)
+
+    return rmsnorm_gated_fwd
+
+
+def _bwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
+    G, NV, HV = hidden // gs, gs // V, hidden // V
+    gate_in, gate_out = has_z and not nbg, has_z and nbg
+    inv_gs = 1.0 / gs
+
+    def zf(z, r, h):
+        return _f32(z[r, h])
+
+    def xhat(x, z, rs, r, h):
+        v = _f32(x[r, h])
+        return (v * _math.silu(zf(z, r, h)) if gate_in else v) * rs
+
+    def dy(d, z, r, h):
+        v = _f32(d[r, h])
+        return v * _math.silu(zf(z, r, h)) if gate_out else v
+
+    def du(x, w, z, d, rs, c, r, h):
+        return rs * (dy(d, z, r, h) * _f32(w[h]) - xhat(x, z, rs, r, h) * c)
+
+    def dx_val(x, w, z, d, rs, c, r, h):
+        v = du(x, w, z, d, rs, c, r, h)
+        return (v * _math.silu(zf(z, r, h)) if gate_in else v).astype(x_dtype)
+
+    def dz_val(x, w, b, z, d, rs, c, r, h):
+        if not has_z:
+            return T.float32(0).astype(x_dtype)
+        if nbg:
+            yv = xhat(x, z, rs, r, h) * _f32(w[h]) + (_f32(b[h]) if has_bias else T.float32(0))
+            v = _f32(d[r, h]) * yv * _math.silu_grad(zf(z, r, h))
+        else:
+            v = du(x, w, z, d, rs, c, r, h) * _f32(x[r, h]) * _math.silu_grad(zf(z, r, h))
+        return v.astype(x_dtype)
+
+    @T.prim_func
+    def rmsnorm_gated_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, d_h: T.handle,
+                          r_h: T.handle, dx_h: T.handle, dz_h: T.handle, dw_h: T.handle, db_h: T.handle,
+                          p_h: T.handle):
+        T.func_attr({"global_symbol": "rmsnorm_gated_bwd", "tirx.noalias": True})
+        rows = T.int32()
+        nparts = T.int32()
+        x = T.match_buffer(x_h, (rows, hidden), x_dtype)
+        w = T.match_buffer(w_h, (hidden,), w_dtype)
+        b = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
+        z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), x_dtype)
+        d = T.match_buffer(d_h, (rows, hidden), x_dtype)
+        rstd = T.match_buffer(r_h, (rows, G), "float32")
+        dx = T.match_buffer(dx_h, (rows, hidden), x_dtype)
+        dz = T.match_buffer(dz_h, (rows, hidden) if has_z else (1, 1), x_dtype)
+        dw = T.match_buffer(dw_h, (hidden,), w_dtype)
+        db = T.match_buffer(db_h, (hidden,) if has_bias else (1,), w_dtype)
+        part = T.match_buffer(p_h, (nparts, 2, hidden), "float32")
+        for p in T.parallel(nparts):
+            acc = T.alloc_buffer((V,), "float32")
+            tot = T.alloc_buffer((1,), "float32")
+            for j in range(HV):
+                for i in T.vectorized(V):
+                    part[p, 0, j * V + i] = T.float32(0)
+                    part[p, 1, j * V + i] = T.float32(0)
+            chunk = T.meta_var((rows + nparts - 1) // nparts)
+            for q in range(T.max(T.min(chunk, rows - p * chunk), 0)):
+                r = T.meta_var(p * chunk + q)
+                for g in range(G):
+                    rs = T.meta_var(rstd[r, g])
+                    for i in T.vectorized(V):
+                        acc[i] = T.float32(0)
+                    for j in range(NV):
+                        for i in T.vectorized(V):
+                            h = T.meta_var(g * gs + j * V + i)
+                            acc[i] = acc[i] + dy(d, z, r, h) * _f32(w[h]) * xhat(x, z, rs, r, h)
+                    tot[0] = T.float32(0)
+                    for i in range(V):
+                        tot[0] = tot[0] + acc[i]
+                    tot[0] = tot[0] * T.float32(inv_gs)
+                    for j in range(NV):
+                        for i in T.vectorized(V):
+                            h = T.meta_var(g * gs + j * V + i)
+                            dx[r, h] = dx_val(x, w, z, d, rs, tot[0], r, h)
+                            if has_z:
+                                dz[r, h] = dz_val(x, w, b, z, d, rs, tot[0], r, h)
+                            part[p, 0, h] = part[p, 0, h] + dy(d, z, r, h) * xhat(x, z, rs, r, h)
+                            part[p, 1, h] = part[p, 1, h] + dy(d, z, r, h)
+        for j in T.parallel(HV):
+            a2 = T.alloc_buffer((2, V), "float32")
+            for i in T.vectorized(V):
+                a2[0, i] = T.float32(0)
+                a2[1, i] = T.float32(0)
+            for p in range(nparts):
+                for i in T.vectorized(V):
+                    a2[0, i] = a2[0, i] + part[p, 0, j * V + i]
+                    a2[1, i] = a2[1, i] + part[p, 1, j * V + i]
+            for i in T.vectorized(V):
+                dw[j * V + i] = a2[0, i].astype(w_dtype)
+                if has_bias:
+                    db[j * V + i] = a2[1, i].astype(w_dtype)
+
+    return rmsnorm_gated_bwd
+
+
+def apply(func, target, decisions: rule.Decisions):
+    """Loop-nest schedule of a gated RMSNorm kernel, or None for a foreign PrimFunc."""
+    name, st = rule.kernel_attrs(func)
+    if name not in KERNELS:
+        return None
+    gs = st["group_size"]
+    widths = tuple(v for v in (16, 8, 4, 2, 1) if gs % v == 0)
+    V = decisions.pick("vector", widths, widths[0])
+    make = _fwd if name == "rmsnorm_gated_fwd" else _bwd
+    tmpl = make(st["hidden"], gs, st["eps"], st["has_bias"], st["has_z"], st["norm_before_gate"],
+                st["x_dtype"], st["weight_dtype"], V)
+    return rule.schedule_of(tmpl, name=name)

@@ -1,0 +1,72 @@
+"""CUDA rules for the int8 dot family.
+
+matmul: one row of a x ``tile`` columns of b per block (one output per thread), K staged through shared memory in chunks of
+``kchunk`` bytes, and the inner 4-wide dot tensorized with TVM's ``dp4a_s8s8s32`` intrinsic, so the
+source contains ``__dp4a`` (the intrinsic needs its operands in shared memory and the accumulator in a
+local register: field guide §8). Needs K % 4 == 0; otherwise (and for foreign functions) None, and the
+dispatcher's dlight fallback schedules the plain int32 dot.
+pack / unpack: elementwise, one thread per output word / byte.
+Knobs: ``tile`` (threads per block edge), ``kchunk`` (K bytes staged per step).
+"""
+from __future__ import annotations
+
+import tvm.s_tir.tensor_intrin  # noqa: F401  (registers dp4a_s8s8s32)
+from tvm.s_tir.tensor_intrin.dot_product_common import DP4A_S8S8S32_INTRIN
+
+from tvm_mamba.schedules import rule
+
+
+def _matmul(func, N: int, K: int, decisions):
+    # One row of a per block (blockIdx.y = m: M is symbolic, and an inexact split of it would put a
+    # predicate on the compute block, which the dp4a tensorize cannot match), `tile` columns of b per block
+    # (one output per thread), K staged through shared memory `kchunk` bytes at a time.
+    tiles = tuple(t for t in (32, 64, 128, 256) if N % t == 0) or (1,)
+    tile = decisions.pick("tile", tiles, 128 if 128 in tiles else tiles[-1])
+    kchunks = tuple(c for c in (16, 32, 64, 128) if K % c == 0) or (4,)
+    kchunk = decisions.pick("kchunk", kchunks, 64 if 64 in kchunks else kchunks[-1])
+    sch = rule.schedule_of(func, name="int8_dot_matmul")
+    blk = sch.get_sblock("c")
+    m, n, k = sch.get_loops(blk)
+    no, ni = sch.split(n, [None, tile])
+    k2, k1, ki = sch.split(k, [None, kchunk // 4, 4])
+    sch.reorder(m, no, ni, k2, k1, ki)
+    sch.bind(m, "blockIdx.y")
+    sch.bind(no, "blockIdx.x")
+    sch.bind(ni, "threadIdx.x")
+    cl = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(cl, ni)
+    for idx in (0, 1):
+        s = sch.cache_read(blk, idx, "shared")
+        sch.compute_at(s, k2)
+        inner = sch.get_loops(s)[4:]  # under m, no, ni, k2
+        fused = sch.fuse(*inner) if len(inner) > 1 else inner[0]
+        _, tx = sch.split(fused, [None, tile])
+        sch.bind(tx, "threadIdx.x")
+    sch.decompose_reduction(blk, k2)
+    sch.tensorize(ki, DP4A_S8S8S32_INTRIN)
+    return sch
+
+
+def _elementwise(func, name: str, block: str, decisions):
+    threads = decisions.pick("threads", (128, 256, 512), 256)
+    sch = rule.schedule_of(func, name=name)
+    blk = sch.get_sblock(block)
+    fused = sch.fuse(*sch.get_loops(blk))
+    bx, tx = sch.split(fused, [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    return sch
+
+
+def apply(func, target, decisions: rule.Decisions):
+    """Schedule an int8_dot kernel for CUDA, or None for a foreign PrimFunc / unsupported shape."""
+    name, st = rule.kernel_attrs(func)
+    if name == "int8_dot_matmul":
+        if st["K"] % 4:
+            return None
+        return _matmul(func, st["N"], st["K"], decisions)
+    if name == "int8_dot_pack":
+        return _elementwise(func, name, "packed", decisions)
+    if name == "int8_dot_unpack":
+        return _elementwise(func, name, "codes", decisions)
+    return None

@@ -1,0 +1,46 @@
+"""Gated RMSNorm schedule rules: CPU rule contract; CUDA build-check configs compile clean (no GPU needed)."""
+from __future__ import annotations
+
+import pytest
+import tvm
+
+from tvm_mamba.compute import rmsnorm_gated as C
+from tvm_mamba.runtime import cpu_target, cuda_target, dispatch
+from tvm_mamba.runtime.cache import compile_module
+from tvm_mamba.runtime.key import KernelKey
+from tvm_mamba.runtime.nvcc import ptxas_stats
+from tvm_mamba.schedules.cpu import rmsnorm_gated as cpu_rule
+from tvm_mamba.schedules.cuda import rmsnorm_gated as cuda_rule
+from tvm_mamba.schedules.rule import Decisions
+
+
+def test_rules_return_none_on_foreign_funcs():
+    from tvm_mamba.compute.int8_dot import int8_dot_pack
+
+    foreign = int8_dot_pack(8)
+    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
+    assert cuda_rule.apply(foreign, cuda_target("sm_90"), Decisions()) is None
+
+
+@pytest.mark.parametrize("gs,width", [(48, 16), (24, 8), (6, 2), (5, 1)])
+def test_cpu_vector_width_divides_group(gs, width):
+    d = Decisions()
+    sch = cpu_rule.apply(C.rmsnorm_gated_fwd(gs * 2, gs, has_z=True), cpu_target(), d)
+    assert sch is not None and d.used["vector"] == width
+
+
+def test_cpu_forward_is_vectorized():
+    sch = cpu_rule.apply(C.rmsnorm_gated_fwd(256, 64, has_z=True), cpu_target(), Decisions())
+    asm = tvm.compile(sch.mod, target=cpu_target()).mod.inspect_source("asm")
+    assert "zmm" in asm and "expf" not in asm  # 16-lane vectors; the SiLU's exp is inline, not libm
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_cuda_build_check_configs_compile_clean(arch):
+    for direction, static, dtypes in C.build_check_configs():
+        key = KernelKey.make("rmsnorm_gated", direction, dtypes, static, f"cuda-{arch}")
+        src = compile_module(key, dispatch.schedule(key)).mod.imports[0].inspect_source("cuda")
+        stats = ptxas_stats(src, arch)
+        assert stats["ok"], stats["error"]
+        for k in stats["kernels"]:
+            assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (direction, static, k)
