@@ -108,11 +108,27 @@ def cmd_build_check(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from tvm_mamba import tune
-
     ops = args.ops.split(",") if args.ops else _compute_modules()
     seqlens = tuple(int(v) for v in args.seqlens.split(","))
     batches = tuple(int(v) for v in args.batches.split(","))
+    if args.emit_candidates or args.measure or args.commit:
+        from tvm_mamba import candidates
+
+        if args.measure:
+            path = candidates.measure(args.measure, args.timings or "timings.json")
+            print(f"tune: timings written to {path}")
+        elif args.commit:
+            print(f"tune: records in {candidates.commit(args.commit, args.out)}")
+        else:
+            if not args.out:
+                print("tune: --emit-candidates needs --out DIR", file=sys.stderr)
+                return 2
+            folder = candidates.emit(ops, args.out, args.emit_candidates, args.target, args.arch, args.preset,
+                                     seqlens, batches)
+            print(f"tune: candidate pack in {folder}")
+        return 0
+    from tvm_mamba import tune
+
     if args.rpc_tracker and not args.rpc_key:
         print("tune: --rpc-key is required with --rpc-tracker", file=sys.stderr)
         return 2
@@ -143,6 +159,13 @@ def main(argv=None) -> int:
     tu.add_argument("--out", default=None, help="logs folder (default: $TVM_MAMBA_TUNING_LOGS or the package's)")
     tu.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker to measure on")
     tu.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
+    tu.add_argument("--emit-candidates", type=int, default=0, metavar="N",
+                    help="build N schedule candidates per workload into a pack (--out) for a runtime-only device")
+    tu.add_argument("--target", default="cuda", choices=("cuda", "cpu"), help="with --emit-candidates")
+    tu.add_argument("--arch", default="sm_90", help="with --emit-candidates --target cuda")
+    tu.add_argument("--measure", default=None, metavar="PACK", help="time a candidate pack here (runtime only)")
+    tu.add_argument("--timings", default=None, help="with --measure: where to write the timings JSON")
+    tu.add_argument("--commit", default=None, metavar="TIMINGS", help="record the best of measured timings")
     ao = sub.add_parser("aot", help="build a kernel pack (one .so per kernel + manifest) for a runtime-only machine")
     ao.add_argument("--target", default="cuda", choices=("cuda", "cpu"))
     ao.add_argument("--arch", default="sm_90")

@@ -64,3 +64,22 @@ def test_cuda_pack_contains_cubins(tmp_path):
     blob = so.read_bytes()
     assert b"nv.info" in blob or b".nv." in blob  # a device ELF (cubin), not CUDA source
     assert b"__global__" not in blob
+
+
+def test_candidate_round_emit_measure_runtime_only_commit(tmp_path):
+    """The GPU tuning round, exercised on this CPU: emit candidates, time them in a runtime-only process,
+    commit the best into tuning logs that dispatch then uses."""
+    def cli(*args, env=None):
+        proc = subprocess.run([sys.executable, "-m", "tvm_mamba", "tune", *args], capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    cand, timings, logs = tmp_path / "cand", tmp_path / "timings.json", tmp_path / "logs"
+    cli("--emit-candidates", "2", "--target", "cpu", "--ops", "causal_conv1d", "--preset", "mamba-130m",
+        "--seqlens", "128", "--batches", "1", "--out", str(cand))
+    cli("--measure", str(cand), "--timings", str(timings), env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"))
+    data = json.loads(timings.read_text())
+    assert len(data["results"]) == 4 and sum(r["default"] for r in data["results"]) == 2
+    cli("--commit", str(timings), "--out", str(logs))
+    records = [json.loads(l) for l in next(logs.glob("*/causal_conv1d/records.jsonl")).read_text().splitlines()]
+    assert len(records) == 2 and all(r["candidates"] == 2 for r in records)
