@@ -7,6 +7,33 @@ import change::
 """
 __version__ = "0.1.0"
 
+
+def _map_schedules_from_checkout() -> None:
+    """``schedules/`` sits beside the package in the repository and is installed as tvm_mamba.schedules
+    (pyproject). When the repository is used straight from a checkout (PYTHONPATH, e.g. on a GPU
+    machine with only the TVM runtime), map it the same way."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    try:
+        if importlib.util.find_spec("tvm_mamba.schedules") is not None:
+            return  # installed (or editable-installed): pyproject maps it
+    except (ImportError, ValueError):
+        pass
+    folder = pathlib.Path(__file__).resolve().parent.parent / "schedules"
+    spec = importlib.util.spec_from_file_location("tvm_mamba.schedules", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tvm_mamba.schedules"] = module
+    spec.loader.exec_module(module)
+    globals()["schedules"] = module
+
+
+_map_schedules_from_checkout()
+
 from .torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402,F401
 from .explain import explain  # noqa: E402,F401
 from .runtime.tuning import tuning_logs  # noqa: E402,F401

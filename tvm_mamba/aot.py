@@ -50,7 +50,7 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
     tkey = target_key(target)
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    entries, built = [], {}
+    entries, built, failed = [], {}, []
     configs = configs if configs is not None else [(op, *c) for op in ops for c in _configs(op, preset)]
     t0 = time.perf_counter()
     for i, (op, direction, static, dtypes) in enumerate(configs):
@@ -59,7 +59,11 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
             plan = dispatch.plan(key)
             ident = (key.workload(), plan.digest())
             if ident not in built:
-                ex = compile_module(key, dispatch.schedule(key))
+                try:
+                    ex = compile_module(key, dispatch.schedule(key))
+                except Exception as err:  # noqa: BLE001 - report it, build the rest
+                    failed.append(f"{key.workload()}: {type(err).__name__}: {str(err).strip()[-300:]}")
+                    break
                 name = f"{key.workload().slug()}-{len(built)}.so"
                 ex.export_library(str(folder / name))
                 built[ident] = name
@@ -67,7 +71,10 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
         sys.stderr.write(f"\raot: {i + 1}/{len(configs)} configurations, {len(built)} files, "
                          f"{time.perf_counter() - t0:.0f}s")
     sys.stderr.write("\n")
+    for line in failed:
+        print(f"aot: FAILED {line}", file=sys.stderr)
     pack.write_manifest(folder, tkey, entries)
+    build_pack.failed = failed
     return folder
 
 
@@ -85,6 +92,7 @@ def main(args) -> int:
     batches = tuple(int(v) for v in args.batches.split(","))
     folder = build_pack(ops, args.out, args.target, args.arch, args.preset, seqlens, batches, args.mcpu)
     n = len(list(folder.glob("*.so")))
+    failed = getattr(build_pack, "failed", [])
     print(f"aot: {n} kernel files for {args.target} {args.arch if args.target == 'cuda' else ''} in {folder} "
-          f"(manifest {folder / pack.MANIFEST})")
-    return 0
+          f"(manifest {folder / pack.MANIFEST}); {len(failed)} configuration(s) failed")
+    return 1 if failed else 0

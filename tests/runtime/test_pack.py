@@ -83,3 +83,20 @@ def test_candidate_round_emit_measure_runtime_only_commit(tmp_path):
     cli("--commit", str(timings), "--out", str(logs))
     records = [json.loads(l) for l in next(logs.glob("*/causal_conv1d/records.jsonl")).read_text().splitlines()]
     assert len(records) == 2 and all(r["candidates"] == 2 for r in records)
+
+
+def test_gpu_check_script_on_cpu_with_runtime_only(tmp_path):
+    """scripts/gpu_check.py is the GPU machine's check; rehearse it on this CPU, runtime-only, from a pack
+    holding exactly the kernels it needs (the GPU run itself needs the lent GPU: scripts/gpu_check.sh)."""
+    from tvm_mamba.compute.causal_conv1d import build_check_configs
+
+    configs = [("causal_conv1d", d, s, t) for d, s, t in build_check_configs()[:4]]
+    folder = build_pack([], str(tmp_path / "pack"), "cpu", seqlens=(2048,), batches=(2,), configs=configs)
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder))
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu_check.py")
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "out"), "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert len(data["rows"]) == 2 and all(r["ok"] for r in data["rows"])
+    assert "gpu_check: 2 checks, 0 failed" in proc.stdout
