@@ -1,0 +1,345 @@
+"""CUDA templates for the SSD chunk-scan kernels (see ssd.py in this folder): one thread per output element.
+
+Backward launch order inside ssd_chunk_scan_bwd (each launch reads only what earlier launches finished):
+dx, dB, dC (per position), then XB[s] = <x_s, dSo B_s> into ddt_out as scratch, then d dA_cs (reads every
+XB of its chunk), then d dt (overwrites its own scratch entry), then the dD partials.
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .ssd import F32, I32, Z4, _Ctx, _math
+
+
+def _dims(s):
+    return s["nheads"], s["ngroups"], s["headdim"], s["dstate"], s["chunk_size"]
+
+
+def _chunk_scan(s, TH):
+    k = _Ctx(s)
+    H, G, P, N, Q = _dims(s)
+    R = k.R
+    xd, bcd, seq = s["x_dtype"], s["bc_dtype"], s["has_seq_idx"]
+    has_D, D_hd, has_z = s["has_D"], s["D_has_hdim"], s["has_z"]
+
+    @T.prim_func
+    def func(x_h: T.handle, z_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
+             sin_h: T.handle, d_h: T.handle, s_h: T.handle, y_h: T.handle, yp_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        NC = T.int32()
+        x = T.match_buffer(x_h, (Bt, L, H, P), xd)
+        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else Z4, xd)
+        Bm = T.match_buffer(b_h, (Bt, L, G, N), bcd)
+        Cm = T.match_buffer(c_h, (Bt, L, G, N), bcd)
+        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
+        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
+        Dm = T.match_buffer(d_h, ((H, P) if D_hd else (H,)) if has_D else (1,), F32)
+        seq_idx = T.match_buffer(s_h, (Bt, L) if seq else (1, 1), I32)
+        y = T.match_buffer(y_h, (Bt, L, H, P), xd)
+        y_pre = T.match_buffer(yp_h, (Bt, L, H, P) if has_z else Z4, xd)
+        for bx in k.loop(T.ceildiv(Bt * L * H * P, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((2,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
+                it = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(ib[0])
+                t = T.meta_var(it[0])
+                h = T.meta_var(i // P % H)
+                p = T.meta_var(i % P)
+                c = T.meta_var(t // Q)
+                l = T.meta_var(t % Q)
+                if i < Bt * L * H * P:
+                    ib[0] = i // (L * H * P)
+                    it[0] = i // (H * P) % L
+                    acc[0] = T.float32(0)
+                    for n in range(N):
+                        acc[0] = acc[0] + Cm[b, t, h // R, n].astype(F32) * sin[b, c, h, p, n]
+                    acc[0] = acc[0] * k.e(dA_cs, seq_idx, b, h, c, l, L)
+                    if has_D:
+                        acc[0] = acc[0] + (Dm[h, p] if D_hd else Dm[h]) * x[b, t, h, p].astype(F32)
+                    for sp in range(l + 1):
+                        acc[1] = T.float32(0)
+                        for n in range(N):
+                            acc[1] = acc[1] + Cm[b, t, h // R, n].astype(F32) * Bm[b, c * Q + sp, h // R, n].astype(F32)
+                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sp, L) * dt_out[b, h, c, sp] * x[
+                            b, c * Q + sp, h, p].astype(F32)
+                    if has_z:
+                        y_pre[b, t, h, p] = acc[0].astype(xd)
+                        y[b, t, h, p] = (acc[0] * _math.silu(z[b, t, h, p].astype(F32))).astype(xd)
+                    else:
+                        y[b, t, h, p] = acc[0].astype(xd)
+
+    return func
+
+
+def _chunk_scan_bwd_dstates(s, TH):
+    k = _Ctx(s)
+    H, G, P, N, Q = _dims(s)
+    R = k.R
+    xd, bcd, seq, has_z = s["x_dtype"], s["bc_dtype"], s["has_seq_idx"], s["has_z"]
+
+    @T.prim_func
+    def func(dy_h: T.handle, z_h: T.handle, yp_h: T.handle, c_h: T.handle, dac_h: T.handle, s_h: T.handle,
+             dsl_h: T.handle, dz_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        NC = T.int32()
+        dy = T.match_buffer(dy_h, (Bt, L, H, P), xd)
+        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else Z4, xd)
+        y_pre = T.match_buffer(yp_h, (Bt, L, H, P) if has_z else Z4, xd)
+        Cm = T.match_buffer(c_h, (Bt, L, G, N), bcd)
+        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
+        seq_idx = T.match_buffer(s_h, (Bt, L) if seq else (1, 1), I32)
+        dsl = T.match_buffer(dsl_h, (Bt, NC, H, P, N), F32)
+        dz = T.match_buffer(dz_h, (Bt, L, H, P) if has_z else Z4, xd)
+        for bx in k.loop(T.ceildiv(Bt * NC * H * P * N, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((1,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # decomposed once: the symbolic floordiv/mod
+                ic = T.alloc_buffer((1,), I32, scope=k.scope)  # index math, recomputed per use, spilled
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(ib[0])
+                c = T.meta_var(ic[0])
+                h = T.meta_var(i // (P * N) % H)
+                p = T.meta_var(i // N % P)
+                n = T.meta_var(i % N)
+                if i < Bt * NC * H * P * N:
+                    ib[0] = i // (NC * H * P * N)
+                    ic[0] = i // (H * P * N) % NC
+                    acc[0] = T.float32(0)
+                    for l in range(T.min(Q, L - c * Q)):
+                        acc[0] = acc[0] + k.e(dA_cs, seq_idx, b, h, c, l, L) * k.g(
+                            dy, z, b, c * Q + l, h, p, L, has_z) * Cm[b, c * Q + l, h // R, n].astype(F32)
+                    dsl[b, c, h, p, n] = acc[0]
+        if has_z:
+            for bx in k.loop(T.ceildiv(Bt * L * H * P, TH), "blockIdx.x"):
+                for tx in k.loop(TH, "threadIdx.x"):
+                    i = T.meta_var(bx * TH + tx)
+                    if i < Bt * L * H * P:
+                        b = T.meta_var(i // (L * H * P))
+                        t = T.meta_var(i // (H * P) % L)
+                        h = T.meta_var(i // P % H)
+                        p = T.meta_var(i % P)
+                        dz[b, t, h, p] = (dy[b, t, h, p].astype(F32) * y_pre[b, t, h, p].astype(F32)
+                                          * _math.silu_grad(z[b, t, h, p].astype(F32))).astype(xd)
+
+    return func
+
+
+def _chunk_scan_bwd(s, TH):
+    k = _Ctx(s)
+    H, G, P, N, Q = _dims(s)
+    R = k.R
+    xd, bcd, seq = s["x_dtype"], s["bc_dtype"], s["has_seq_idx"]
+    has_D, D_hd, has_z = s["has_D"], s["D_has_hdim"], s["has_z"]
+
+    def X(x, b, c, s_, h, p, L):  # x at chunk position s_ (0 past seqlen)
+        return k.ld(x, (b, T.min(c * Q + s_, L - 1), h, p), L, c * Q + s_)
+
+    def BC(m, b, c, s_, h, n, L):
+        return k.ld(m, (b, T.min(c * Q + s_, L - 1), h // R, n), L, c * Q + s_)
+
+    def grad(dy, z, b, c, l, h, p, L):
+        return k.g(dy, z, b, c * Q + l, h, p, L, has_z)
+
+    @T.prim_func
+    def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle,
+             dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle, dx_h: T.handle,
+             db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        NC = T.int32()
+        x = T.match_buffer(x_h, (Bt, L, H, P), xd)
+        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else Z4, xd)
+        dy = T.match_buffer(dy_h, (Bt, L, H, P), xd)
+        Bm = T.match_buffer(b_h, (Bt, L, G, N), bcd)
+        Cm = T.match_buffer(c_h, (Bt, L, G, N), bcd)
+        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
+        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
+        dso = T.match_buffer(dso_h, (Bt, NC, H, P, N), F32)
+        Dm = T.match_buffer(d_h, ((H, P) if D_hd else (H,)) if has_D else (1,), F32)
+        seq_idx = T.match_buffer(s_h, (Bt, L) if seq else (1, 1), I32)
+        dx = T.match_buffer(dx_h, (Bt, L, H, P), xd)
+        dBh = T.match_buffer(db_h, (Bt, L, H, N), F32)
+        dCh = T.match_buffer(dc_h, (Bt, L, H, N), F32)
+        ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
+        ddA_cs = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
+        dD_part = T.match_buffer(dd_h, (Bt, NC, H, P) if has_D else Z4, F32)
+        # dx[s, p] = sum_{l>=s} (C_l.B_s) K dt[s] g[l, p] + w[s] dt[s] (dSo B_s)[p] + D g[s, p]
+        for bx in k.loop(T.ceildiv(Bt * L * H * P, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((2,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
+                it = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(ib[0])
+                t = T.meta_var(it[0])
+                h = T.meta_var(i // P % H)
+                p = T.meta_var(i % P)
+                c = T.meta_var(t // Q)
+                sq = T.meta_var(t % Q)
+                if i < Bt * L * H * P:
+                    ib[0] = i // (L * H * P)
+                    it[0] = i // (H * P) % L
+                    acc[0] = T.float32(0)
+                    for n in range(N):
+                        acc[0] = acc[0] + Bm[b, t, h // R, n].astype(F32) * dso[b, c, h, p, n]
+                    acc[0] = acc[0] * k.w(dA_cs, seq_idx, b, h, c, sq, L) * dt_out[b, h, c, sq]
+                    if has_D:
+                        acc[0] = acc[0] + (Dm[h, p] if D_hd else Dm[h]) * grad(dy, z, b, c, sq, h, p, L)
+                    for l in range(sq, T.min(Q, L - c * Q)):
+                        acc[1] = T.float32(0)
+                        for n in range(N):
+                            acc[1] = acc[1] + BC(Cm, b, c, l, h, n, L) * Bm[b, t, h // R, n].astype(F32)
+                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
+                            b, h, c, sq] * grad(dy, z, b, c, l, h, p, L)
+                    dx[b, t, h, p] = acc[0].astype(xd)
+        # dB[s, n] = sum_{l>=s} (g_l.x_s) K dt[s] C[l, n] + w[s] dt[s] (x_s dSo)[n]
+        for bx in k.loop(T.ceildiv(Bt * L * H * N, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((2,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
+                it = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(ib[0])
+                t = T.meta_var(it[0])
+                h = T.meta_var(i // N % H)
+                n = T.meta_var(i % N)
+                c = T.meta_var(t // Q)
+                sq = T.meta_var(t % Q)
+                if i < Bt * L * H * N:
+                    ib[0] = i // (L * H * N)
+                    it[0] = i // (H * N) % L
+                    acc[0] = T.float32(0)
+                    for p in range(P):
+                        acc[0] = acc[0] + x[b, t, h, p].astype(F32) * dso[b, c, h, p, n]
+                    acc[0] = acc[0] * k.w(dA_cs, seq_idx, b, h, c, sq, L) * dt_out[b, h, c, sq]
+                    for l in range(sq, T.min(Q, L - c * Q)):
+                        acc[1] = T.float32(0)
+                        for p in range(P):
+                            acc[1] = acc[1] + grad(dy, z, b, c, l, h, p, L) * x[b, t, h, p].astype(F32)
+                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
+                            b, h, c, sq] * BC(Cm, b, c, l, h, n, L)
+                    dBh[b, t, h, n] = acc[0]
+        # dC[l, n] = e[l] (g_l Sin)[n] + sum_{s<=l} (g_l.x_s) K dt[s] B[s, n]
+        for bx in k.loop(T.ceildiv(Bt * L * H * N, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((2,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
+                it = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(ib[0])
+                t = T.meta_var(it[0])
+                h = T.meta_var(i // N % H)
+                n = T.meta_var(i % N)
+                c = T.meta_var(t // Q)
+                lq = T.meta_var(t % Q)
+                if i < Bt * L * H * N:
+                    ib[0] = i // (L * H * N)
+                    it[0] = i // (H * N) % L
+                    acc[0] = T.float32(0)
+                    for p in range(P):
+                        acc[0] = acc[0] + grad(dy, z, b, c, lq, h, p, L) * sin[b, c, h, p, n]
+                    acc[0] = acc[0] * k.e(dA_cs, seq_idx, b, h, c, lq, L)
+                    for sp in range(lq + 1):
+                        acc[1] = T.float32(0)
+                        for p in range(P):
+                            acc[1] = acc[1] + grad(dy, z, b, c, lq, h, p, L) * x[b, c * Q + sp, h, p].astype(F32)
+                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, lq, sp, L) * dt_out[
+                            b, h, c, sp] * Bm[b, c * Q + sp, h // R, n].astype(F32)
+                    dCh[b, t, h, n] = acc[0]
+        # XB[s] = <x_s, dSo B_s> -> ddt_out (scratch)
+        for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((2,), F32, scope=k.scope)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(i // (NC * H * Q))
+                c = T.meta_var(i // (H * Q) % NC)
+                h = T.meta_var(i // Q % H)
+                sq = T.meta_var(i % Q)
+                if i < Bt * NC * H * Q:
+                    acc[0] = T.float32(0)
+                    for p in range(P):
+                        acc[1] = T.float32(0)
+                        for n in range(N):
+                            acc[1] = acc[1] + BC(Bm, b, c, sq, h, n, L) * dso[b, c, h, p, n]
+                        acc[0] = acc[0] + X(x, b, c, sq, h, p, L) * acc[1]
+                    ddt_out[b, h, c, sq] = acc[0]
+        # d dA_cs[q] = rows - columns of G = (g.x)(C.B) K dt + e <g_q, C_q Sin> + chunk-state terms
+        for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((4,), F32, scope=k.scope)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(i // (NC * H * Q))
+                c = T.meta_var(i // (H * Q) % NC)
+                h = T.meta_var(i // Q % H)
+                q = T.meta_var(i % Q)
+                if i < Bt * NC * H * Q:
+                    acc[0] = T.float32(0)
+                    for j in range(Q):  # row q (s = j <= q) minus column q (l = j >= q)
+                        acc[1] = T.float32(0)
+                        acc[2] = T.float32(0)
+                        acc[3] = T.float32(0)
+                        for p in range(P):
+                            acc[1] = acc[1] + grad(dy, z, b, c, q, h, p, L) * X(x, b, c, j, h, p, L)
+                            acc[2] = acc[2] + grad(dy, z, b, c, j, h, p, L) * X(x, b, c, q, h, p, L)
+                        for n in range(N):
+                            acc[3] = acc[3] + BC(Cm, b, c, q, h, n, L) * BC(Bm, b, c, j, h, n, L)
+                        acc[0] = acc[0] + acc[1] * acc[3] * k.seg(dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j]
+                        acc[3] = T.float32(0)
+                        for n in range(N):
+                            acc[3] = acc[3] + BC(Cm, b, c, j, h, n, L) * BC(Bm, b, c, q, h, n, L)
+                        acc[0] = acc[0] - acc[2] * acc[3] * k.seg(dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q]
+                    acc[1] = T.float32(0)
+                    for n in range(N):
+                        acc[2] = T.float32(0)
+                        for p in range(P):
+                            acc[2] = acc[2] + grad(dy, z, b, c, q, h, p, L) * sin[b, c, h, p, n]
+                        acc[1] = acc[1] + BC(Cm, b, c, q, h, n, L) * acc[2]
+                    acc[0] = acc[0] + k.e(dA_cs, seq_idx, b, h, c, q, L) * acc[1]
+                    acc[0] = acc[0] - k.w(dA_cs, seq_idx, b, h, c, q, L) * dt_out[b, h, c, q] * ddt_out[b, h, c, q]
+                    if q == Q - 1:
+                        for j in range(Q):
+                            acc[0] = acc[0] + k.w(dA_cs, seq_idx, b, h, c, j, L) * dt_out[b, h, c, j] * ddt_out[
+                                b, h, c, j]
+                    ddA_cs[b, h, c, q] = acc[0]
+        # d dt[q] = sum_{l>=q} (g_l.x_q)(C_l.B_q) K + exp(dA_cs[Q-1]-dA_cs[q]) XB[q]
+        for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((3,), F32, scope=k.scope)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(i // (NC * H * Q))
+                c = T.meta_var(i // (H * Q) % NC)
+                h = T.meta_var(i // Q % H)
+                q = T.meta_var(i % Q)
+                if i < Bt * NC * H * Q:
+                    acc[0] = k.w(dA_cs, seq_idx, b, h, c, q, L) * ddt_out[b, h, c, q]
+                    for l in range(q, Q):
+                        acc[1] = T.float32(0)
+                        acc[2] = T.float32(0)
+                        for p in range(P):
+                            acc[1] = acc[1] + grad(dy, z, b, c, l, h, p, L) * X(x, b, c, q, h, p, L)
+                        for n in range(N):
+                            acc[2] = acc[2] + BC(Cm, b, c, l, h, n, L) * BC(Bm, b, c, q, h, n, L)
+                        acc[0] = acc[0] + acc[1] * acc[2] * k.seg(dA_cs, seq_idx, b, h, c, l, q, L)
+                    ddt_out[b, h, c, q] = acc[0]
+        if has_D:
+            for bx in k.loop(T.ceildiv(Bt * NC * H * P, TH), "blockIdx.x"):
+                for tx in k.loop(TH, "threadIdx.x"):
+                    acc = T.alloc_buffer((1,), F32, scope=k.scope)
+                    i = T.meta_var(bx * TH + tx)
+                    b = T.meta_var(i // (NC * H * P))
+                    c = T.meta_var(i // (H * P) % NC)
+                    h = T.meta_var(i // P % H)
+                    p = T.meta_var(i % P)
+                    if i < Bt * NC * H * P:
+                        acc[0] = T.float32(0)
+                        for l in range(Q):
+                            acc[0] = acc[0] + grad(dy, z, b, c, l, h, p, L) * X(x, b, c, l, h, p, L)
+                        dD_part[b, c, h, p] = acc[0]
+
+    return func

@@ -1,0 +1,80 @@
+"""CPU rule for the SSD kernels: accepts SSD kernels only, and every scheduled kernel compiles for llvm."""
+from __future__ import annotations
+
+import pytest
+import tvm
+from tvm.script import tirx as T
+
+from tvm_mamba.compute import ssd
+from tvm_mamba.runtime.target import cpu_target
+from tvm_mamba.schedules.cpu import ssd as cpu_rule
+from tvm_mamba.schedules.rule import Decisions
+
+
+def test_rule_declines_foreign_functions():
+    @T.prim_func
+    def foreign(a: T.Buffer((4,), "float32")):
+        for i in range(4):
+            a[i] = T.float32(0)
+
+    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
+
+
+@pytest.mark.parametrize("direction", ["chunk_scan", "chunk_scan_bwd"])
+def test_rule_schedules_and_compiles(direction):
+    func = getattr(ssd, f"ssd_{direction}")(nheads=2, ngroups=1, headdim=4, dstate=4, chunk_size=4, has_D=True,
+                                            has_z=True, has_seq_idx=True, x_dtype="bfloat16")
+    sch = cpu_rule.apply(func, cpu_target(), Decisions())
+    assert sch is not None
+    with cpu_target():
+        ex = tvm.compile(sch.mod, target=cpu_target())
+    assert ex[f"ssd_{direction}"] is not None
+
+
+def _serial_cuda_kernel_for(op, direction, device, dtypes, static, **dynamic):
+    """kernel_for stand-in: the CUDA template with its thread loops made serial, compiled for the CPU."""
+    from tvm_mamba.schedules.cuda import ssd as cuda_rule
+
+    name = f"{op}_{direction}"
+    full = dict(static, **{f"{k}_dtype": v for k, v in dtypes.items()})
+    func = cuda_rule.template(name, full, serial=True).with_attrs({"global_symbol": name, "tirx.noalias": True})
+    with cpu_target():
+        ex = tvm.compile(tvm.IRModule({name: func}), target=cpu_target())
+    return ex[name]
+
+
+def test_cuda_templates_compute_the_same_math(monkeypatch):
+    """No GPU here: run the CUDA templates' arithmetic serially on the CPU through the whole op (forward and
+    every gradient, ragged seqlen, seq_idx, z, D, dt_bias/softplus/limit, initial and final states)."""
+    import torch
+
+    from tests.conftest import assert_close_to_ref
+    from tvm_mamba.reference.ssd import ssd_recurrence_ref
+    from tvm_mamba.torch_ops import ssd as ssd_op
+
+    monkeypatch.setattr(ssd_op, "kernel_for", _serial_cuda_kernel_for)
+    g = torch.Generator().manual_seed(0)
+    b, L, h, gr, p, n, cs = 2, 11, 2, 1, 3, 4, 4
+    names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+    inp = dict(x=torch.randn(b, L, h, p, generator=g), dt=torch.randn(b, L, h, generator=g) - 1,
+               A=-torch.rand(h, generator=g) - 0.5, B=torch.randn(b, L, gr, n, generator=g),
+               C=torch.randn(b, L, gr, n, generator=g), D=torch.randn(h, generator=g),
+               z=torch.randn(b, L, h, p, generator=g), dt_bias=torch.randn(h, generator=g) * 0.3,
+               initial_states=torch.randn(b, h, p, n, generator=g))
+    seq_idx = torch.tensor([[0] * 6 + [1] * 5, [0] * 2 + [3] * 9], dtype=torch.int32)
+    kw = dict(seq_idx=seq_idx, dt_softplus=True, dt_limit=(0.0, 3.0), return_final_states=True)
+    ref = {k: v.double().clone().requires_grad_() for k, v in inp.items()}
+    leaves = {k: v.clone().requires_grad_() for k, v in inp.items()}
+    y, f = ssd_op.mamba_chunk_scan_combined(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], cs,
+                                            D=leaves["D"], z=leaves["z"], dt_bias=leaves["dt_bias"],
+                                            initial_states=leaves["initial_states"], **kw)
+    yr, fr = ssd_recurrence_ref(**ref, **kw)
+    assert_close_to_ref(y, yr, atol=1e-4, rtol=1e-4, name="y")
+    assert_close_to_ref(f, fr, atol=1e-4, rtol=1e-4, name="final_states")
+    gy, gf = torch.randn(yr.shape, generator=g, dtype=torch.float64), torch.randn(fr.shape, generator=g,
+                                                                                  dtype=torch.float64)
+    ((y.double() * gy).sum() + (f.double() * gf).sum()).backward()
+    ((yr * gy).sum() + (fr * gf).sum()).backward()
+    for k in names:
+        scale = max(ref[k].grad.abs().max().item(), 1.0)
+        assert_close_to_ref(leaves[k].grad, ref[k].grad, atol=3e-5 * scale, rtol=1e-4, name="d" + k)

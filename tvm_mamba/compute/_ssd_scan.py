@@ -1,0 +1,220 @@
+"""SSD chunk-scan kernels (forward, dstates, per-chunk backward); see ssd.py for the algorithm.
+
+Every kernel runs one (batch, chunk, head) per parallel iteration and stages the chunk in float32 stack
+buffers (x, B, C, transposes), so each chunk-local matmul is a row update vectorized over its contiguous
+static axis (headdim, dstate or chunk_size): acc[l, :] += a[l, k] * b[k, :].
+Positions past seqlen are staged as zeros (their dt_out is 0 too), so the ragged last chunk needs no
+special case inside the matmuls.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from . import _math
+from ._common import check_dtype, stamp
+
+F32 = "float32"
+I32 = "int32"
+NEG = -100.0
+
+
+def _ld(buf, idx, L, t):
+    """buf[idx] as float32 when position t < L, else 0 (t is clamped into range for the load)."""
+    return tirx.if_then_else(t < L, buf[idx].astype(F32), tirx.const(0.0, F32))
+
+
+def _seg_exp(acs, sid, l, s, has_seq_idx):
+    """exp(dA_cs[l] - dA_cs[s]) for s <= l in the same sequence, else 0 (masked before the exp)."""
+    ok = s <= l
+    if has_seq_idx:
+        ok = tirx.all(ok, sid[l] == sid[s])
+    return _math.exp(tirx.Select(ok, acs[l] - acs[s], tirx.const(NEG, F32)))
+
+
+def _static(H, G, P, N, Q, **kw):
+    return dict(nheads=H, ngroups=G, headdim=P, dstate=N, chunk_size=Q, **kw)
+
+
+def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
+                   D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
+                   x_dtype: str = F32, bc_dtype: str = F32) -> tirx.PrimFunc:
+    """x, z: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
+    (batch, nheads, nchunks, chunk_size) f32; states_in: (batch, nchunks, nheads, headdim, dstate) f32;
+    D: (nheads,) or (nheads, headdim) f32; seq_idx: (batch, seqlen) int32
+    -> y: (batch, seqlen, nheads, headdim), y_pre: same (the pre-gate output, written only with z).
+
+    y0[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l]-dA_cs[s]) dt_out[s] x[s] + exp(dA_cs[l]) Sin C_l + D x[l];
+    y = y0 * silu(z).
+    """
+    check_dtype("x", x_dtype)
+    check_dtype("B", bc_dtype)
+    H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
+    R = H // G
+    zshape = (1, 1, 1, 1)
+
+    @T.prim_func
+    def func(x_h: T.handle, z_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
+             sin_h: T.handle, d_h: T.handle, s_h: T.handle, y_h: T.handle, yp_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        NC = T.int32()
+        x = T.match_buffer(x_h, (Bt, L, H, P), x_dtype)
+        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
+        Bm = T.match_buffer(b_h, (Bt, L, G, N), bc_dtype)
+        Cm = T.match_buffer(c_h, (Bt, L, G, N), bc_dtype)
+        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
+        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
+        Dm = T.match_buffer(d_h, ((H, P) if D_has_hdim else (H,)) if has_D else (1,), F32)
+        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
+        y = T.match_buffer(y_h, (Bt, L, H, P), x_dtype)
+        y_pre = T.match_buffer(yp_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
+        for bch in T.parallel(Bt * NC * H):
+            b = T.meta_var(bch // (NC * H))
+            c = T.meta_var(bch // H % NC)
+            h = T.meta_var(bch % H)
+            g = T.meta_var(h // R)
+            acs = T.alloc_buffer((Q,), F32)
+            dtl = T.alloc_buffer((Q,), F32)
+            sid = T.alloc_buffer((Q,), I32)
+            e = T.alloc_buffer((Q,), F32)
+            xl = T.alloc_buffer((Q, P), F32)
+            cl = T.alloc_buffer((Q, N), F32)
+            bt = T.alloc_buffer((N, Q), F32)
+            sint = T.alloc_buffer((N, P), F32)
+            cb = T.alloc_buffer((Q, Q), F32)
+            acc = T.alloc_buffer((Q, P), F32)
+            row = T.alloc_buffer((P,), F32)
+            rowq = T.alloc_buffer((Q,), F32)
+            for l in range(Q):
+                t = T.meta_var(T.min(c * Q + l, L - 1))
+                acs[l] = dA_cs[b, h, c, l]
+                dtl[l] = dt_out[b, h, c, l]
+                if has_seq_idx:
+                    sid[l] = seq_idx[b, t]
+                    e[l] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
+                                    _math.exp(acs[l]), T.float32(0))
+                else:
+                    e[l] = _math.exp(acs[l])
+                for p in T.vectorized(P):
+                    xl[l, p] = _ld(x, (b, t, h, p), L, c * Q + l)
+                for n in T.vectorized(N):
+                    cl[l, n] = _ld(Cm, (b, t, g, n), L, c * Q + l)
+                for n in range(N):
+                    bt[n, l] = _ld(Bm, (b, t, g, n), L, c * Q + l)
+            for p in range(P):
+                for n in range(N):
+                    sint[n, p] = sin[b, c, h, p, n]
+            # cb[l, s] = C_l . B_s, then * exp(segsum) * dt[s]
+            for l in range(Q):  # rows accumulate in registers (a (Q,) / (P,) stack row), then store
+                for s in T.vectorized(Q):
+                    rowq[s] = T.float32(0)
+                for n in range(N):
+                    for s in T.vectorized(Q):
+                        rowq[s] = rowq[s] + cl[l, n] * bt[n, s]
+                for s in T.vectorized(Q):
+                    cb[l, s] = rowq[s] * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s]
+            for l in range(Q):
+                for p in T.vectorized(P):
+                    row[p] = T.float32(0)
+                for n in range(N):
+                    for p in T.vectorized(P):
+                        row[p] = row[p] + cl[l, n] * sint[n, p]
+                for p in T.vectorized(P):
+                    row[p] = e[l] * row[p]
+                    if has_D:
+                        row[p] = row[p] + (Dm[h, p] if D_has_hdim else Dm[h]) * xl[l, p]
+                for s in range(l + 1):
+                    for p in T.vectorized(P):
+                        row[p] = row[p] + cb[l, s] * xl[s, p]
+                for p in T.vectorized(P):
+                    acc[l, p] = row[p]
+            for l in range(T.min(Q, L - c * Q)):
+                for p in T.vectorized(P):
+                    if has_z:
+                        y_pre[b, c * Q + l, h, p] = acc[l, p].astype(x_dtype)
+                        y[b, c * Q + l, h, p] = (acc[l, p] * _math.silu(
+                            z[b, c * Q + l, h, p].astype(F32))).astype(x_dtype)
+                    else:
+                        y[b, c * Q + l, h, p] = acc[l, p].astype(x_dtype)
+
+    return stamp(func, "ssd_chunk_scan", _static(H, G, P, N, Q, has_D=has_D, D_has_hdim=D_has_hdim, has_z=has_z,
+                                                  has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype))
+
+
+def _gate(dy, z, idx, L, t, has_z):
+    """g = dy * silu(z) (the gradient reaching the pre-gate output), 0 past seqlen."""
+    g = _ld(dy, idx, L, t)
+    if has_z:
+        g = g * _math.silu(_ld(z, idx, L, t))
+    return g
+
+
+def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int,
+                               has_z: bool = False, has_seq_idx: bool = False, x_dtype: str = F32,
+                               bc_dtype: str = F32) -> tirx.PrimFunc:
+    """dy, z, y_pre: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate); dA_cumsum:
+    (batch, nheads, nchunks, chunk_size); seq_idx: (batch, seqlen)
+    -> dstates_local: (batch, nchunks, nheads, headdim, dstate) f32, dz: (batch, seqlen, nheads, headdim).
+
+    dstates_local[c, p, n] = sum_l exp(dA_cs[l]) g[l, p] C[l, n] (seq-masked), g = dy silu(z);
+    dz = dy * y_pre * silu'(z).
+    """
+    H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
+    R = H // G
+    zshape = (1, 1, 1, 1)
+
+    @T.prim_func
+    def func(dy_h: T.handle, z_h: T.handle, yp_h: T.handle, c_h: T.handle, dac_h: T.handle, s_h: T.handle,
+             dsl_h: T.handle, dz_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        NC = T.int32()
+        dy = T.match_buffer(dy_h, (Bt, L, H, P), x_dtype)
+        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
+        y_pre = T.match_buffer(yp_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
+        Cm = T.match_buffer(c_h, (Bt, L, G, N), bc_dtype)
+        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
+        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
+        dsl = T.match_buffer(dsl_h, (Bt, NC, H, P, N), F32)
+        dz = T.match_buffer(dz_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
+        for bch in T.parallel(Bt * NC * H):
+            b = T.meta_var(bch // (NC * H))
+            c = T.meta_var(bch // H % NC)
+            h = T.meta_var(bch % H)
+            ce = T.alloc_buffer((Q, N), F32)  # C rows scaled by exp(dA_cs[l]) (0 past seqlen)
+            gt = T.alloc_buffer((P, Q), F32)  # g transposed
+            gv = T.alloc_buffer((P,), F32)
+            e = T.alloc_buffer((1,), F32)
+            row = T.alloc_buffer((N,), F32)
+            for l in range(Q):
+                t = T.meta_var(T.min(c * Q + l, L - 1))
+                e[0] = T.float32(0)
+                if c * Q + l < L:
+                    e[0] = _math.exp(dA_cs[b, h, c, l])
+                    if has_seq_idx:
+                        e[0] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
+                                        e[0], T.float32(0))
+                for n in T.vectorized(N):
+                    ce[l, n] = Cm[b, t, h // R, n].astype(F32) * e[0]
+                for p in T.vectorized(P):  # vectorized (silu's exp), then transposed by a scalar copy
+                    gv[p] = _gate(dy, z, (b, t, h, p), L, c * Q + l, has_z)
+                for p in range(P):
+                    gt[p, l] = gv[p]
+                if has_z:
+                    if c * Q + l < L:
+                        for p in T.vectorized(P):
+                            dz[b, t, h, p] = (dy[b, t, h, p].astype(F32) * y_pre[b, t, h, p].astype(F32)
+                                              * _math.silu_grad(z[b, t, h, p].astype(F32))).astype(x_dtype)
+            for p in range(P):
+                for n in T.vectorized(N):
+                    row[n] = T.float32(0)
+                for l in range(Q):
+                    for n in T.vectorized(N):
+                        row[n] = row[n] + gt[p, l] * ce[l, n]
+                for n in T.vectorized(N):
+                    dsl[b, c, h, p, n] = row[n]
+
+    return stamp(func, "ssd_chunk_scan_bwd_dstates", _static(H, G, P, N, Q, has_z=has_z, has_seq_idx=has_seq_idx,
+                                                              x_dtype=x_dtype, bc_dtype=bc_dtype))

@@ -1,0 +1,223 @@
+"""SSD per-chunk backward kernel (every gradient of one (batch, chunk, head) in one pass; see ssd.py).
+
+With g = dy * silu(z), K[l, s] = exp(dA_cs[l] - dA_cs[s]) (s <= l, same sequence), CB = C B^T,
+GX = g x^T, e[l] = exp(dA_cs[l]) (carried-state mask), w[s] = dt[s] exp(dA_cs[Q-1] - dA_cs[s]) (chunk-state
+mask), Sin the state entering the chunk and dSo the gradient of the state leaving it:
+
+    dx[s]    = sum_{l>=s} CB K dt[s] g[l] + w[s] dSo B_s + D g[s]
+    dC[l]    = e[l] g_l Sin + sum_{s<=l} GX K dt[s] B_s
+    dB[s]    = sum_{l>=s} GX K dt[s] C_l + w[s] x_s dSo
+    d dt[s]  = sum_l GX CB K + exp(dA_cs[Q-1]-dA_cs[s]) <x_s, dSo B_s>
+    d dA_cs  = rows - columns of (GX CB K dt) + e[l] <g_l, C_l Sin> + the chunk-state term at Q-1 and s
+    dD       = sum_l g x  (per (batch, chunk) partial)
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from . import _math
+from ._common import check_dtype, stamp
+from ._ssd_scan import _gate, _ld, _seg_exp, _static
+
+F32 = "float32"
+I32 = "int32"
+
+
+def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
+                       D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
+                       x_dtype: str = F32, bc_dtype: str = F32):
+    """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
+    (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
+    dstate) f32; D: (nheads,) / (nheads, headdim); seq_idx: (batch, seqlen)
+    -> dx: (batch, seqlen, nheads, headdim); dB_heads, dC_heads: (batch, seqlen, nheads, dstate) f32;
+    ddt_out, ddA_cumsum: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim).
+    """
+    check_dtype("x", x_dtype)
+    check_dtype("B", bc_dtype)
+    H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
+    R = H // G
+    zshape = (1, 1, 1, 1)
+
+    @T.prim_func
+    def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle,
+             dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle, dx_h: T.handle,
+             db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        NC = T.int32()
+        x = T.match_buffer(x_h, (Bt, L, H, P), x_dtype)
+        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
+        dy = T.match_buffer(dy_h, (Bt, L, H, P), x_dtype)
+        Bm = T.match_buffer(b_h, (Bt, L, G, N), bc_dtype)
+        Cm = T.match_buffer(c_h, (Bt, L, G, N), bc_dtype)
+        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
+        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
+        dso = T.match_buffer(dso_h, (Bt, NC, H, P, N), F32)
+        Dm = T.match_buffer(d_h, ((H, P) if D_has_hdim else (H,)) if has_D else (1,), F32)
+        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
+        dx = T.match_buffer(dx_h, (Bt, L, H, P), x_dtype)
+        dBh = T.match_buffer(db_h, (Bt, L, H, N), F32)
+        dCh = T.match_buffer(dc_h, (Bt, L, H, N), F32)
+        ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
+        ddA_cs = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
+        dD_part = T.match_buffer(dd_h, (Bt, NC, H, P) if has_D else zshape, F32)
+        for bch in T.parallel(Bt * NC * H):
+            b = T.meta_var(bch // (NC * H))
+            c = T.meta_var(bch // H % NC)
+            h = T.meta_var(bch % H)
+            g = T.meta_var(h // R)
+            acs = T.alloc_buffer((Q,), F32)
+            dtl = T.alloc_buffer((Q,), F32)
+            sid = T.alloc_buffer((Q,), I32)
+            e = T.alloc_buffer((Q,), F32)
+            wst = T.alloc_buffer((Q,), F32)
+            xl = T.alloc_buffer((Q, P), F32)
+            xt = T.alloc_buffer((P, Q), F32)
+            gl = T.alloc_buffer((Q, P), F32)
+            cl = T.alloc_buffer((Q, N), F32)
+            bl = T.alloc_buffer((Q, N), F32)
+            bt = T.alloc_buffer((N, Q), F32)
+            dsot = T.alloc_buffer((N, P), F32)
+            cb = T.alloc_buffer((Q, Q), F32)
+            gx = T.alloc_buffer((Q, Q), F32)
+            gr = T.alloc_buffer((Q,), F32)
+            kk = T.alloc_buffer((Q,), F32)
+            dcol = T.alloc_buffer((Q,), F32)
+            dd = T.alloc_buffer((Q,), F32)
+            dac = T.alloc_buffer((Q,), F32)
+            rp = T.alloc_buffer((P,), F32)
+            rp2 = T.alloc_buffer((P,), F32)
+            rn = T.alloc_buffer((N,), F32)
+            rn2 = T.alloc_buffer((N,), F32)
+            sc = T.alloc_buffer((2,), F32)  # scalar accumulators: [0] reductions, [1] chunk-state dA_cs[Q-1]
+            # -- stage the chunk (zeros past seqlen) --
+            for l in range(Q):
+                t = T.meta_var(T.min(c * Q + l, L - 1))
+                acs[l] = dA_cs[b, h, c, l]
+                dtl[l] = dt_out[b, h, c, l]
+                dd[l] = T.float32(0)
+                dac[l] = T.float32(0)
+                dcol[l] = T.float32(0)
+            for l in range(Q):
+                t = T.meta_var(T.min(c * Q + l, L - 1))
+                if has_seq_idx:
+                    sid[l] = seq_idx[b, t]
+                    e[l] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
+                                    _math.exp(acs[l]), T.float32(0))
+                    wst[l] = T.Select(seq_idx[b, t] == seq_idx[b, T.min(c * Q + Q, L) - 1],
+                                      _math.exp(acs[Q - 1] - acs[l]), T.float32(0))
+                else:
+                    e[l] = _math.exp(acs[l])
+                    wst[l] = _math.exp(acs[Q - 1] - acs[l])
+                for p in T.vectorized(P):
+                    xl[l, p] = _ld(x, (b, t, h, p), L, c * Q + l)
+                    gl[l, p] = _gate(dy, z, (b, t, h, p), L, c * Q + l, has_z)
+                for n in T.vectorized(N):
+                    cl[l, n] = _ld(Cm, (b, t, g, n), L, c * Q + l)
+                    bl[l, n] = _ld(Bm, (b, t, g, n), L, c * Q + l)
+                for p in range(P):
+                    xt[p, l] = xl[l, p]
+                for n in range(N):
+                    bt[n, l] = bl[l, n]
+            for p in range(P):
+                for n in range(N):
+                    dsot[n, p] = dso[b, c, h, p, n]
+            # -- cb = C B^T, gx = g x^T --
+            for l in range(Q):  # each row accumulates in registers (gr as a (Q,) row), then is stored
+                for s in T.vectorized(Q):
+                    gr[s] = T.float32(0)
+                for n in range(N):
+                    for s in T.vectorized(Q):
+                        gr[s] = gr[s] + cl[l, n] * bt[n, s]
+                for s in T.vectorized(Q):
+                    cb[l, s] = gr[s]
+                    gr[s] = T.float32(0)
+                for p in range(P):
+                    for s in T.vectorized(Q):
+                        gr[s] = gr[s] + gl[l, p] * xt[p, s]
+                for s in T.vectorized(Q):
+                    gx[l, s] = gr[s]
+            # -- masks, decays, d dt and d dA_cs of the intra-chunk term --
+            for l in range(Q):
+                for s in T.vectorized(Q):
+                    kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
+                    gr[s] = gx[l, s] * cb[l, s] * kk[s]
+                    dd[s] = dd[s] + gr[s]
+                    cb[l, s] = cb[l, s] * kk[s] * dtl[s]
+                    gx[l, s] = gx[l, s] * kk[s] * dtl[s]
+                    gr[s] = gr[s] * dtl[s]
+                    dcol[s] = dcol[s] - gr[s]
+                sc[0] = T.float32(0)
+                for s in range(Q):
+                    sc[0] = sc[0] + gr[s]
+                dac[l] = dac[l] + sc[0]
+            # -- dx, and the chunk-state terms of d dt / d dA_cs --
+            sc[1] = T.float32(0)
+            for s in range(Q):
+                for p in T.vectorized(P):
+                    if has_D:
+                        rp[p] = (Dm[h, p] if D_has_hdim else Dm[h]) * gl[s, p]
+                    else:
+                        rp[p] = T.float32(0)
+                    rp2[p] = T.float32(0)
+                for l in range(s, Q):
+                    for p in T.vectorized(P):
+                        rp[p] = rp[p] + cb[l, s] * gl[l, p]
+                for n in range(N):
+                    for p in T.vectorized(P):
+                        rp2[p] = rp2[p] + bl[s, n] * dsot[n, p]
+                sc[0] = T.float32(0)
+                for p in range(P):
+                    sc[0] = sc[0] + xl[s, p] * rp2[p]
+                dd[s] = dd[s] + wst[s] * sc[0]
+                dac[s] = dac[s] - wst[s] * dtl[s] * sc[0]
+                sc[1] = sc[1] + wst[s] * dtl[s] * sc[0]
+                if c * Q + s < L:
+                    for p in T.vectorized(P):
+                        dx[b, c * Q + s, h, p] = (rp[p] + wst[s] * dtl[s] * rp2[p]).astype(x_dtype)
+            # -- dC --
+            for l in range(T.min(Q, L - c * Q)):
+                for n in T.vectorized(N):
+                    rn[n] = T.float32(0)
+                    rn2[n] = T.float32(0)
+                for p in range(P):
+                    for n in T.vectorized(N):
+                        rn[n] = rn[n] + gl[l, p] * sin[b, c, h, p, n]
+                sc[0] = T.float32(0)
+                for n in range(N):
+                    sc[0] = sc[0] + cl[l, n] * rn[n]
+                dac[l] = dac[l] + e[l] * sc[0]
+                for s in range(l + 1):
+                    for n in T.vectorized(N):
+                        rn2[n] = rn2[n] + gx[l, s] * bl[s, n]
+                for n in T.vectorized(N):
+                    dCh[b, c * Q + l, h, n] = e[l] * rn[n] + rn2[n]
+            # -- dB --
+            for s in range(T.min(Q, L - c * Q)):
+                for n in T.vectorized(N):
+                    rn[n] = T.float32(0)
+                    rn2[n] = T.float32(0)
+                for l in range(s, Q):
+                    for n in T.vectorized(N):
+                        rn[n] = rn[n] + gx[l, s] * cl[l, n]
+                for p in range(P):
+                    for n in T.vectorized(N):
+                        rn2[n] = rn2[n] + xl[s, p] * dso[b, c, h, p, n]
+                for n in T.vectorized(N):
+                    dBh[b, c * Q + s, h, n] = rn[n] + wst[s] * dtl[s] * rn2[n]
+            # -- dD partial --
+            if has_D:
+                for p in T.vectorized(P):
+                    rp[p] = T.float32(0)
+                for l in range(Q):
+                    for p in T.vectorized(P):
+                        rp[p] = rp[p] + gl[l, p] * xl[l, p]
+                for p in T.vectorized(P):
+                    dD_part[b, c, h, p] = rp[p]
+            for l in range(Q):
+                ddt_out[b, h, c, l] = dd[l]
+                ddA_cs[b, h, c, l] = dac[l] + dcol[l] + T.if_then_else(l == Q - 1, sc[1], T.float32(0))
+
+    return stamp(func, "ssd_chunk_scan_bwd", _static(H, G, P, N, Q, has_D=has_D, D_has_hdim=D_has_hdim, has_z=has_z,
+                                                      has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype))

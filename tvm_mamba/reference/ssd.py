@@ -1,0 +1,129 @@
+"""Mamba-2 SSD (state-space duality) scan written from the math in plain PyTorch (no TVM).
+
+Two references with mamba_ssm 2.3.x ``mamba_chunk_scan_combined`` semantics:
+
+* :func:`ssd_recurrence_ref` — the test oracle: a step-by-step recurrence over time (run it in float64),
+  h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t,  y_t = h_t C_t + D x_t,  y <- y * silu(z);
+  the state restarts from zero where seq_idx changes (the id "before" position 0 is 0, so initial_states
+  belong to the sequence with id 0, as upstream's kernels read it).
+* :func:`ssd_chunked_ref` — the benchmark baseline: the chunked einsum algorithm the way upstream's
+  reference (``ssd_minimal_discrete`` / ``chunk_scan_ref``) is written: segment sums, intra-chunk
+  C B^T L x, chunk states, inter-chunk recurrence, state -> output.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """dt: (batch, seqlen, nheads) -> dt': same shape. dt' = clamp(softplus(dt + dt_bias), *dt_limit)
+    (softplus only when asked, clamp only when dt_limit != (0, inf), as upstream)."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)  # threshold 20, like upstream's kernels
+    if tuple(dt_limit) != (0.0, float("inf")):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def ssd_recurrence_ref(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                       dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+    """x, z: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,);
+    B, C: (batch, seqlen, ngroups, dstate); D: (nheads,) or (nheads, headdim); dt_bias: (nheads,);
+    initial_states: (batch, nheads, headdim, dstate); seq_idx: (batch, seqlen) int
+    -> y: (batch, seqlen, nheads, headdim) [, final_states: (batch, nheads, headdim, dstate)].
+
+    Step by step: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T; y_t = h_t C_t + D x_t; y *= silu(z).
+    Computed in x's dtype (pass float64 tensors for the oracle); differentiable by autograd.
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    rep = nheads // ngroups
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    Bh = B.repeat_interleave(rep, dim=2)  # (batch, seqlen, nheads, dstate)
+    Ch = C.repeat_interleave(rep, dim=2)
+    h = (initial_states.to(x.dtype) if initial_states is not None
+         else x.new_zeros(batch, nheads, headdim, dstate))
+    prev_id = None if seq_idx is None else torch.zeros(batch, dtype=seq_idx.dtype, device=x.device)
+    ys = []
+    for t in range(seqlen):
+        if seq_idx is not None:
+            keep = (seq_idx[:, t] == prev_id).to(x.dtype)[:, None, None, None]
+            h = h * keep
+            prev_id = seq_idx[:, t]
+        dA = torch.exp(dt[:, t] * A.to(x.dtype))  # (batch, nheads)
+        h = dA[..., None, None] * h + (dt[:, t, :, None] * x[:, t])[..., None] * Bh[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        Dx = D.to(x.dtype)[:, None] if D.dim() == 1 else D.to(x.dtype)
+        y = y + x * Dx
+    if z is not None:
+        y = y * F.silu(z)
+    return (y, h) if return_final_states else y
+
+
+def segsum(x):
+    """x: (..., T) -> (..., T, T): out[..., i, j] = sum_{j < k <= i} x[..., k] for j <= i, -inf above the
+    diagonal. Exponentials of segment sums computed as differences of masked cumulative sums (stable)."""
+    T = x.size(-1)
+    xr = x[..., None].expand(*x.shape, T)
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=-1)
+    xr = xr.masked_fill(~mask, 0)
+    xs = torch.cumsum(xr, dim=-2)
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=0)
+    return xs.masked_fill(~mask, -math.inf)
+
+
+def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+    """Shapes as :func:`ssd_recurrence_ref` (no seq_idx). The chunked SSD algorithm in einsums, after
+    upstream's ``ssd_minimal_discrete``: Y = Y_diag (C B^T * exp(segsum) * dt, times x) + Y_off (C times
+    the carried chunk states); the states pass between chunks through exp(segsum of chunk totals).
+    seqlen is zero-padded up to a multiple of chunk_size (padding has dt = 0: no decay, no input).
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups = B.shape[2]
+    rep = nheads // ngroups
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    pad = (-seqlen) % chunk_size
+    if pad:
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        dt = F.pad(dt, (0, 0, 0, pad))
+        B = F.pad(B, (0, 0, 0, 0, 0, pad))
+        C = F.pad(C, (0, 0, 0, 0, 0, pad))
+    nchunks = x.shape[1] // chunk_size
+    Bh = B.repeat_interleave(rep, dim=2)
+    Ch = C.repeat_interleave(rep, dim=2)
+
+    def chunk(t):  # (b, l, ...) -> (b, c, l, ...)
+        return t.reshape(batch, nchunks, chunk_size, *t.shape[2:])
+
+    X = chunk(x * dt[..., None])  # discretized input
+    Aa = chunk(dt * A.to(dt.dtype)).permute(0, 3, 1, 2)  # (b, h, c, l)
+    Bc, Cc = chunk(Bh), chunk(Ch)
+    A_cumsum = torch.cumsum(Aa, dim=-1)
+    L = torch.exp(segsum(Aa))  # (b, h, c, l, s)
+    Y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, L, X)
+    decay_states = torch.exp(A_cumsum[..., -1:] - A_cumsum)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, decay_states, X)
+    init = (initial_states.to(states.dtype) if initial_states is not None
+            else torch.zeros_like(states[:, 0]))
+    states = torch.cat([init[:, None], states], dim=1)  # (b, c+1, h, p, n)
+    decay_chunk = torch.exp(segsum(F.pad(A_cumsum[..., -1], (1, 0))))  # (b, h, c+1, c+1)
+    new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
+    states, final_state = new_states[:, :-1], new_states[:, -1]
+    state_decay_out = torch.exp(A_cumsum)
+    Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, states, state_decay_out)
+    y = (Y_diag + Y_off).reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :seqlen]
+    x = x[:, :seqlen]
+    if D is not None:
+        Dx = D.to(y.dtype)[:, None] if D.dim() == 1 else D.to(y.dtype)
+        y = y + x * Dx
+    if z is not None:
+        y = y * F.silu(z)
+    return (y, final_state) if return_final_states else y

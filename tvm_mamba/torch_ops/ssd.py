@@ -1,0 +1,318 @@
+"""mamba_chunk_scan_combined: mamba_ssm 2.3.x's Mamba-2 SSD API on TVM kernels, as torch custom ops.
+
+Ops (namespace ``tvm_mamba``): ``ssd_fwd`` and ``ssd_bwd``, each with a fake (meta) implementation; the
+forward has autograd registered.
+
+Forward: ssd_chunk_cumsum -> ssd_chunk_state -> ssd_state_passing -> ssd_chunk_scan (compute/ssd.py).
+Backward: ssd_chunk_scan_bwd_dstates -> ssd_state_passing_bwd -> ssd_chunk_scan_bwd -> ssd_chunk_cumsum_bwd,
+then fixed-order torch sums of the per-head dB/dC and per-(batch, chunk) dD/dA/ddt_bias partials
+(deterministic: no atomics anywhere).
+
+What backward keeps (two memory modes, ``keep_chunk_states``):
+* default (False, lean): inputs + dt_out and dA_cumsum (2 * batch*nheads*seqlen fp32) + y_pre (the
+  pre-gate output, only with z, x's dtype). The per-chunk states are recomputed in backward
+  (chunk_state + state_passing: about a quarter of the forward's work).
+* True: additionally the states entering every chunk, batch*nchunks*nheads*headdim*dstate fp32
+  (e.g. 8*16*64*64*4 B = 2 MiB per sequence of 1024 at chunk 128), saving that recompute.
+Both give bit-identical gradients (same kernels, same order).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, tvm_dtype
+
+OP = "ssd"
+F32 = torch.float32
+NO_LIMIT = (0.0, math.inf)
+
+
+def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else prepare(t.to(F32))
+
+
+def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
+    return prepare(t) if t is not None else dummy(like.device, dtype, ndim)
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+class _Call:
+    """Static dims, dtypes and the per-call normalized tensors shared by forward and backward."""
+
+    def __init__(self, x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit):
+        self.batch, self.seqlen, self.nheads, self.headdim = x.shape
+        self.ngroups, self.dstate = B.shape[2], B.shape[3]
+        self.Q = int(chunk_size)
+        self.nchunks = -(-self.seqlen // self.Q)
+        self.dev = x.device
+        self.x, self.B, self.C = prepare(x), prepare(B), prepare(C.to(B.dtype))
+        self.z = prepare(z.to(x.dtype)) if z is not None else None
+        self.dt, self.A, self.dt_bias = _f32(dt), _f32(A), _f32(dt_bias)
+        self.D = _f32(D)
+        self.seq_idx = prepare(seq_idx) if seq_idx is not None else None
+        self.has_limit = tuple(float(v) for v in dt_limit) != NO_LIMIT
+        self.limit = (torch.tensor([float(v) for v in dt_limit], dtype=F32, device=x.device) if self.has_limit
+                      else dummy(x.device, F32, 1))
+        self.dims = dict(nheads=self.nheads, ngroups=self.ngroups, headdim=self.headdim, dstate=self.dstate,
+                         chunk_size=self.Q)
+        self.dt_flags = dict(nheads=self.nheads, chunk_size=self.Q, has_dt_bias=dt_bias is not None,
+                             dt_softplus=bool(dt_softplus), has_dt_limit=self.has_limit)
+        self.state_dims = dict(nheads=self.nheads, headdim=self.headdim, dstate=self.dstate, chunk_size=self.Q)
+        self.dtypes = {"x": tvm_dtype(self.x), "bc": tvm_dtype(self.B)}
+        self.has_seq = seq_idx is not None
+
+    def kernel(self, direction, static, dtypes=None):
+        return kernel_for(OP, direction, self.dev, self.dtypes if dtypes is None else dtypes, static,
+                          seqlen=self.seqlen)
+
+    def chunk_shape(self):
+        return (self.batch, self.nheads, self.nchunks, self.Q)
+
+    def state_shape(self):
+        return (self.batch, self.nchunks, self.nheads, self.headdim, self.dstate)
+
+    def new(self, shape, dtype=F32):
+        return torch.empty(shape, device=self.dev, dtype=dtype)
+
+    @property
+    def seq(self):
+        return _opt(self.seq_idx, self.x, torch.int32, 2)
+
+    @property
+    def Dk(self):
+        return self.D if self.D is not None else dummy(self.dev, F32, 1)
+
+    def cumsum(self):
+        dt_out, dA_cs = self.new(self.chunk_shape()), self.new(self.chunk_shape())
+        self.kernel("chunk_cumsum", self.dt_flags, {})(
+            self.dt, _opt(self.dt_bias, self.x, F32, 1), self.A, self.limit, dt_out, dA_cs)
+        return dt_out, dA_cs
+
+    def states(self, dt_out, dA_cs, init):
+        states = self.new(self.state_shape())
+        self.kernel("chunk_state", dict(self.dims, has_seq_idx=self.has_seq))(
+            self.x, self.B, dt_out, dA_cs, self.seq, states)
+        states_in = self.new(self.state_shape())
+        final = self.new((self.batch, self.nheads, self.headdim, self.dstate))
+        self.kernel("state_passing", dict(self.state_dims, has_init=init is not None, has_seq_idx=self.has_seq),
+                    {})(states, dA_cs, _opt(init, self.x, F32, 4), self.seq, states_in, final)
+        return states_in, final
+
+
+def _call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit):
+    return _Call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit)
+
+
+@torch.library.custom_op("tvm_mamba::ssd_fwd", mutates_args=())
+def ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
+            z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
+            seq_idx: Optional[Tensor], dt_softplus: bool, dt_limit: Sequence[float],
+            keep_chunk_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x: (batch, seqlen, nheads, headdim) ... -> y (x's dtype), final_states (batch, nheads, headdim, dstate)
+    f32, and for backward: dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32, states_in
+    (batch, nchunks, nheads, headdim, dstate) f32 or (0,), y_pre (x's shape and dtype, or (0,) without z)."""
+    k = _call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit)
+    dt_out, dA_cs = k.cumsum()
+    states_in, final = k.states(dt_out, dA_cs, _f32(initial_states))
+    y = torch.empty_like(k.x)
+    y_pre = torch.empty_like(k.x) if z is not None else _empty(k.x)
+    static = dict(k.dims, has_D=D is not None, D_has_hdim=D is not None and D.dim() == 2, has_z=z is not None,
+                  has_seq_idx=k.has_seq)
+    k.kernel("chunk_scan", static)(k.x, _opt(k.z, k.x, k.x.dtype, 4), k.B, k.C, dt_out, dA_cs, states_in, k.Dk,
+                                   k.seq, y, y_pre if z is not None else dummy(k.dev, k.x.dtype, 4))
+    return y, final, dt_out, dA_cs, states_in if keep_chunk_states else _empty(final), y_pre
+
+
+@ssd_fwd.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit, keep_chunk_states):
+    batch, seqlen, nheads, headdim = x.shape
+    dstate = B.shape[3]
+    nchunks = -(-seqlen // chunk_size)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    final = x.new_empty((batch, nheads, headdim, dstate), dtype=F32)
+    dt_out = x.new_empty((batch, nheads, nchunks, chunk_size), dtype=F32)
+    states = (x.new_empty((batch, nchunks, nheads, headdim, dstate), dtype=F32) if keep_chunk_states
+              else x.new_empty((0,), dtype=F32))
+    y_pre = torch.empty_like(y) if z is not None else x.new_empty((0,))
+    return y, final, dt_out, torch.empty_like(dt_out), states, y_pre
+
+
+@torch.library.custom_op("tvm_mamba::ssd_bwd", mutates_args=())
+def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+            chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+            initial_states: Optional[Tensor], seq_idx: Optional[Tensor], dt_softplus: bool,
+            dt_limit: Sequence[float], dt_out: Tensor, dA_cs: Tensor, states_in: Optional[Tensor],
+            y_pre: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dx, ddt, dA, dB, dC, dD or (0,), dz or (0,), ddt_bias or (0,), dinitial_states or (0,)) of
+    ssd_fwd; states_in None means recompute the chunk states."""
+    k = _call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit)
+    init = _f32(initial_states)
+    if states_in is None:
+        states_in, _ = k.states(dt_out, dA_cs, init)
+    dy = prepare(dy.to(k.x.dtype))
+    has_z = z is not None
+    xdt = k.x.dtype
+    # 1. dstates from the carried-state term of every chunk (and dz)
+    dsl = k.new(k.state_shape())
+    dz = torch.empty_like(k.x) if has_z else _empty(k.x)
+    k.kernel("chunk_scan_bwd_dstates", dict(k.dims, has_z=has_z, has_seq_idx=k.has_seq))(
+        dy, _opt(k.z, k.x, xdt, 4), _opt(prepare(y_pre) if has_z else None, k.x, xdt, 4), k.C, dA_cs, k.seq,
+        dsl, dz if has_z else dummy(k.dev, xdt, 4))
+    # 2. reverse state passing
+    dso = k.new(k.state_shape())
+    dinit = k.new((k.batch, k.nheads, k.headdim, k.dstate)) if init is not None else _empty(dso)
+    ddecay = k.new((k.batch, k.nheads, k.nchunks))
+    k.kernel("state_passing_bwd", dict(k.state_dims, has_init=init is not None, has_dfinal=dfinal is not None,
+                                       has_seq_idx=k.has_seq), {})(
+        states_in, dsl, dA_cs, _f32(dfinal) if dfinal is not None else dummy(k.dev, F32, 4), k.seq, dso,
+        dinit if init is not None else dummy(k.dev, F32, 4), ddecay)
+    # 3. every per-chunk gradient
+    dx = torch.empty_like(k.x)
+    dBh = k.new((k.batch, k.seqlen, k.nheads, k.dstate))
+    dCh = k.new((k.batch, k.seqlen, k.nheads, k.dstate))
+    ddt_out, ddA = k.new(k.chunk_shape()), k.new(k.chunk_shape())
+    has_D = D is not None
+    dD_part = k.new((k.batch, k.nchunks, k.nheads, k.headdim)) if has_D else dummy(k.dev, F32, 4)
+    k.kernel("chunk_scan_bwd", dict(k.dims, has_D=has_D, D_has_hdim=has_D and D.dim() == 2, has_z=has_z,
+                                    has_seq_idx=k.has_seq))(
+        k.x, _opt(k.z, k.x, xdt, 4), dy, k.B, k.C, dt_out, dA_cs, states_in, dso, k.Dk, k.seq, dx, dBh, dCh,
+        ddt_out, ddA, dD_part)
+    # 4. through the chunk cumsum, softplus and clamp
+    ddt = k.new((k.batch, k.seqlen, k.nheads))
+    dA_part, dbias_part = k.new((k.batch, k.nheads)), k.new((k.batch, k.nheads))
+    k.kernel("chunk_cumsum_bwd", k.dt_flags, {})(
+        k.dt, _opt(k.dt_bias, k.x, F32, 1), k.A, k.limit, dt_out, ddt_out, ddA, ddecay, ddt, dA_part, dbias_part)
+    # fixed-order reductions of the partials (heads of a group, batch, chunks)
+    rep = k.nheads // k.ngroups
+    dB = dBh.view(k.batch, k.seqlen, k.ngroups, rep, k.dstate).sum(3).to(B.dtype)
+    dC = dCh.view(k.batch, k.seqlen, k.ngroups, rep, k.dstate).sum(3).to(C.dtype)
+    dD = _empty(dx)
+    if has_D:
+        dD = dD_part.sum((0, 1))
+        dD = (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
+    ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else _empty(dx)
+    dinit = dinit.to(initial_states.dtype) if initial_states is not None else dinit
+    return (dx, ddt.to(dt.dtype), dA_part.sum(0).to(A.dtype), dB, dC, dD, dz, ddt_bias, dinit)
+
+
+@ssd_bwd.register_fake
+def _(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+      dt_out, dA_cs, states_in, y_pre):
+    e = x.new_empty((0,))
+    cf = torch.contiguous_format
+    return (torch.empty_like(x, memory_format=cf), torch.empty_like(dt, memory_format=cf), torch.empty_like(A),
+            torch.empty_like(B, memory_format=cf), torch.empty_like(C, memory_format=cf),
+            torch.empty_like(D) if D is not None else e,
+            torch.empty_like(x, memory_format=cf) if z is not None else e,
+            torch.empty_like(dt_bias) if dt_bias is not None else e,
+            torch.empty_like(initial_states, memory_format=cf) if initial_states is not None else e.float())
+
+
+def _setup_context(ctx, inputs, output):
+    (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+     keep_chunk_states) = inputs
+    _, _, dt_out, dA_cs, states_in, y_pre = output
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_out, dA_cs,
+                          states_in if keep_chunk_states else None, y_pre if z is not None else None)
+    ctx.args = (chunk_size, dt_softplus, tuple(dt_limit))
+
+
+def _backward(ctx, dy, dfinal, *_aux):
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_out, dA_cs, states_in, y_pre = ctx.saved_tensors
+    chunk_size, dt_softplus, dt_limit = ctx.args
+    if dy is None:
+        dy = torch.zeros_like(x)
+    grads = torch.ops.tvm_mamba.ssd_bwd(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+                                        seq_idx, dt_softplus, list(dt_limit), dt_out, dA_cs, states_in, y_pre)
+    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
+    return (dx, ddt, dA, dB, dC, None, dD if D is not None else None, dz if z is not None else None,
+            ddt_bias if dt_bias is not None else None, dinit if initial_states is not None else None,
+            None, None, None, None)
+
+
+ssd_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API (mamba_ssm 2.3.x mamba_chunk_scan_combined name, argument order and semantics)
+# ----------------------------------------------------------------------------------------------------
+def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
+    check_tensor("x", x, ndim=4, dtypes=FLOATS)
+    batch, seqlen, nheads, headdim = x.shape
+    dev = x.device
+    if batch < 1 or seqlen < 1 or nheads < 1:
+        raise ValueError(f"x: batch, seqlen and nheads must be >= 1, got shape {tuple(x.shape)}")
+    if not 1 <= headdim <= 256:
+        raise ValueError(f"x: headdim must be in 1..256, got {headdim}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+    if not 1 <= chunk_size <= 256:
+        raise ValueError(f"chunk_size: must be in 1..256, got {chunk_size}")
+    check_tensor("dt", dt, ndim=3, dtypes=FLOATS, device=dev)
+    check_shape("dt", dt, (batch, seqlen, nheads))
+    check_tensor("A", A, ndim=1, dtypes=FLOATS, device=dev)
+    check_shape("A", A, (nheads,))
+    check_tensor("B", B, ndim=4, dtypes=FLOATS, device=dev)
+    ngroups, dstate = B.shape[2], B.shape[3]
+    if B.shape[:2] != (batch, seqlen) or ngroups < 1:
+        raise ValueError(f"B: expected (batch={batch}, seqlen={seqlen}, ngroups, dstate), got {tuple(B.shape)}")
+    if nheads % ngroups:
+        raise ValueError(f"B: ngroups={ngroups} must divide nheads={nheads}")
+    if not 1 <= dstate <= 256:
+        raise ValueError(f"B: dstate must be in 1..256, got {dstate}")
+    check_tensor("C", C, ndim=4, dtypes=FLOATS, device=dev)
+    check_shape("C", C, tuple(B.shape))
+    if D is not None:
+        check_tensor("D", D, dtypes=FLOATS, device=dev)
+        if tuple(D.shape) not in ((nheads,), (nheads, headdim)):
+            raise ValueError(f"D: expected shape ({nheads},) or ({nheads}, {headdim}), got {tuple(D.shape)}")
+    if z is not None:
+        check_tensor("z", z, ndim=4, dtypes=FLOATS, device=dev)
+        check_shape("z", z, tuple(x.shape))
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, ndim=1, dtypes=FLOATS, device=dev)
+        check_shape("dt_bias", dt_bias, (nheads,))
+    if initial_states is not None:
+        check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=dev)
+        check_shape("initial_states", initial_states, (batch, nheads, headdim, dstate))
+    if seq_idx is not None:
+        check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
+        check_shape("seq_idx", seq_idx, (batch, seqlen))
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise TypeError(f"dt_limit: expected a pair of floats (low, high), got {dt_limit!r}") from None
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+        raise ValueError(f"dt_limit: expected low <= high, got {dt_limit!r}")
+    return lo, hi
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, *, keep_chunk_states=False):
+    """Mamba-2 SSD scan.
+
+    x, z: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,); B, C:
+    (batch, seqlen, ngroups, dstate), ngroups | nheads; D: (nheads,) or (nheads, headdim); dt_bias:
+    (nheads,); initial_states: (batch, nheads, headdim, dstate); seq_idx: (batch, seqlen) int32,
+    nondecreasing per row; chunk_size in 1..256 (any seqlen).
+    Returns y: (batch, seqlen, nheads, headdim) in x's dtype, and final_states (batch, nheads, headdim,
+    dstate) float32 when return_final_states.
+
+    dt <- clamp(softplus(dt + dt_bias)) (softplus if dt_softplus, clamp if dt_limit != (0, inf));
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T; y_t = h_t C_t + D x_t; y *= silu(z); h restarts from 0
+    where seq_idx changes (initial_states continue the sequence with id 0).
+    keep_chunk_states (extension): keep the per-chunk states from the forward for backward instead of
+    recomputing them (faster backward, batch*nchunks*nheads*headdim*dstate fp32 more memory).
+    """
+    lo, hi = _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
+    y, final, *_ = torch.ops.tvm_mamba.ssd_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                               bool(dt_softplus), [lo, hi], bool(keep_chunk_states))
+    return (y, final) if return_final_states else y
