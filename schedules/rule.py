@@ -17,7 +17,9 @@ Schedule over that loop nest, and its knobs are searched by measurement.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from typing import Any, Iterable, Mapping
 
 import tvm
@@ -56,8 +58,46 @@ def kernel_attrs(func: tvm.tirx.PrimFunc) -> tuple[str | None, dict]:
     return str(attrs["tvm_mamba.kernel"]), static
 
 
+class SampledDecisions(Decisions):
+    """MetaSchedule mode: each pick becomes ``sch.sample_categorical`` (default = the initial decision),
+    so a rule written for fixed decisions generates a MetaSchedule design space unchanged. Integer knobs
+    only; the value returned is an ExprRV (usable as a split factor, not in Python arithmetic)."""
+
+    def __init__(self, sch: s_tir.Schedule):
+        super().__init__()
+        self.sch = sch
+        self.order: list[str] = []
+
+    def pick(self, name: str, candidates: Iterable[Any], default: Any) -> Any:
+        candidates = tuple(candidates)
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in candidates):
+            raise TypeError(f"decision {name}: MetaSchedule samples integer knobs only, got {candidates}")
+        rv = self.sch.sample_categorical(list(candidates), [1.0 / len(candidates)] * len(candidates),
+                                         decision=candidates.index(default))
+        self.space[name], self.used[name] = candidates, rv
+        self.order.append(name)
+        return rv
+
+
+_active = threading.local()
+
+
+@contextlib.contextmanager
+def on_schedule(sch: s_tir.Schedule):
+    """Within the block, ``schedule_of`` hands rules this schedule (MetaSchedule's) instead of a new one."""
+    prev = getattr(_active, "sch", None)
+    _active.sch = sch
+    try:
+        yield sch
+    finally:
+        _active.sch = prev
+
+
 def schedule_of(func: tvm.tirx.PrimFunc, name: str = "main") -> s_tir.Schedule:
-    """A Schedule over ``func`` (used by template rules that return a hand-written loop nest)."""
+    """A Schedule over ``func`` (or, inside ``on_schedule``, the schedule being sampled)."""
+    active = getattr(_active, "sch", None)
+    if active is not None:
+        return active
     sch = s_tir.Schedule(tvm.IRModule({name: func}))
     sch.work_on(name)
     return sch
