@@ -25,7 +25,9 @@ from .schedules.rule import Decisions
 
 
 def emit(ops, out: str, n: int, target_kind: str = "cuda", arch: str = "sm_90", preset: str = "default",
-         seqlens=(512, 2048), batches=(1, 4)) -> pathlib.Path:
+         seqlens=(512, 2048), batches=(1, 4), metaschedule: bool = False) -> pathlib.Path:
+    """Build n candidates per workload; with ``metaschedule`` they are drawn from the rule's MetaSchedule
+    design space (replay-trace sampling) instead of enumerated from its knob lists."""
     from . import tune
 
     target = cuda_target(arch) if target_kind == "cuda" else cpu_target()
@@ -38,7 +40,13 @@ def emit(ops, out: str, n: int, target_kind: str = "cuda", arch: str = "sm_90", 
         dispatch.schedule(key, defaults)
         func = dispatch.build_func(key)
         params = [{"shape": list(tune._shape(p, dict(key.shape_bucket))), "dtype": str(p.dtype)} for p in func.params]
-        for j, values in enumerate(tune.candidates(defaults.space, defaults.used, n)):
+        if metaschedule:
+            from . import metaschedule as msd
+
+            cands = msd.sample_candidates(key, n)
+        else:
+            cands = tune.candidates(defaults.space, defaults.used, n)
+        for j, values in enumerate(cands):
             ex = compile_module(key, dispatch.schedule(key, Decisions(values)))
             name = f"{key.slug()}-{dict(key.shape_bucket).get('batch', 1)}x{dict(key.shape_bucket).get('seqlen', 1)}-c{j}.so"
             ex.export_library(str(folder / name))

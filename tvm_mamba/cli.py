@@ -124,7 +124,7 @@ def cmd_tune(args) -> int:
                 print("tune: --emit-candidates needs --out DIR", file=sys.stderr)
                 return 2
             folder = candidates.emit(ops, args.out, args.emit_candidates, args.target, args.arch, args.preset,
-                                     seqlens, batches)
+                                     seqlens, batches, metaschedule=args.metaschedule)
             print(f"tune: candidate pack in {folder}")
         return 0
     from tvm_mamba import tune
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     tu.add_argument("--emit-candidates", type=int, default=0, metavar="N",
                     help="build N schedule candidates per workload into a pack (--out) for a runtime-only device")
     tu.add_argument("--target", default="cuda", choices=("cuda", "cpu"), help="with --emit-candidates")
+    tu.add_argument("--metaschedule", action="store_true",
+                    help="with --emit-candidates: draw candidates from the rule's MetaSchedule design space")
     tu.add_argument("--arch", default="sm_90", help="with --emit-candidates --target cuda")
     tu.add_argument("--measure", default=None, metavar="PACK", help="time a candidate pack here (runtime only)")
     tu.add_argument("--timings", default=None, help="with --measure: where to write the timings JSON")
