@@ -2,15 +2,22 @@
 
 matmul: a hand-written loop nest on AVX-512 VNNI (``vpdpbusd``: 16 int32 lanes, each += the dot product of
 4 unsigned bytes with 4 signed bytes), called directly through ``T.call_llvm_pure_intrin`` (the body of
-TVM's ``dot_16x4_vnni`` tensor intrinsic). Layout: both operands are read along K, 64 bytes per vector, so
-neither a nor b needs repacking; each of the MB x NB accumulators holds 16 partial sums of one output,
-added horizontally once at the end. Signedness: vpdpbusd wants one unsigned operand, so a is offset by
-+128 (xor 0x80) and 128 * sum_k b[n, k] (one more vpdpbusd against ones, once per n) is subtracted:
-exact for every int8 input. K % 64 leftover columns are done in scalar code.
-Loop order: blocks of MO rows (sequential) x N/NB column tiles (parallel) x MB-row tiles x K; the NB rows
-of b of a tile stay in L1 while the MO rows of a stream from L2.
-Knobs: ``mb`` (rows per tile), ``nb`` (b rows per tile), ``mo`` (rows per L2 block).
+TVM's ``dot_16x4_vnni`` tensor intrinsic). Two paths in one kernel, chosen at run time on M:
+- direct (M < pack_min_rows = 128; decode-like): both operands read along K, 64 bytes per vector, no
+  repacking; each of the MB x NB accumulators holds 16 partial sums of one output, added horizontally at the
+  end. a is offset by +128 (xor 0x80, unsigned operand) and 128 * sum_k b[n, k] is subtracted. Blocks of MO
+  rows (sequential) x N/NB column tiles (parallel) x MB-row tiles x K: a b tile stays in L1 while a streams
+  from L2, and b is read from memory once per MO rows. K % 64 leftovers in scalar code.
+- packed (M >= 128, N % 64 == 0, K % 256 == 0): per 64-column tile and K block the b tile is repacked into
+  the VNNI layout in a stack buffer (b becomes the unsigned operand), and broadcast 4-byte groups of a rows
+  give 16 outputs per vpdpbusd: 6 x 4 accumulators, no horizontal sums (:func:`_packed_body`). Measured
+  crossover between M = 64 (direct faster) and M = 128 (packed faster), K = N = 4096.
+Both exact for every int8 input, -128 included.
+Knobs: ``mb``, ``nb``, ``mo`` (direct); ``pack_mr``, ``pack_kc``, ``pack_mo``, ``pack_min_rows`` (packed).
 
+dgrad / wgrad (the float32 straight-through backward): loop nests vectorized over the contiguous output
+axis with register tiles; wgrad's sum over rows is two-stage (fixed parts, fixed order). Knobs ``vector``,
+``rows`` (dgrad rows per register tile).
 pack / unpack: parallel over rows; elementwise, default (unscheduled TE, serial per row) inner loops.
 """
 from __future__ import annotations
@@ -30,20 +37,18 @@ def _vnni(acc, u8, s8):
                                    acc, u8, s8, dtype="int32x16")
 
 
-def _matmul(N: int, K: int, MB: int, NB: int, MO: int):
+def _matmul(N: int, K: int, MB: int, NB: int, MO: int, packed: tuple | None):
+    """The VNNI matmul. ``packed`` = (MR, KC, MO2, PM): rows >= PM take the packed path (:func:`_packed_body`),
+    fewer rows the direct one below; None = direct only (N % 64 or K % KC != 0)."""
     KV, KT = K // VEC, K % VEC
     KM = KV * VEC  # columns done by vpdpbusd
 
     def a_u8(a, m, k0):
         return T.bitwise_xor(a[m, T.ramp(k0, 1, VEC)], T.broadcast(T.int8(-128), VEC))
 
-    @T.prim_func
-    def int8_dot_matmul(a_h: T.handle, b_h: T.handle, c_h: T.handle):
-        T.func_attr({"global_symbol": "int8_dot_matmul", "tirx.noalias": True})
-        M = T.int32()
-        a = T.match_buffer(a_h, (M, K), "int8")
-        b = T.match_buffer(b_h, (N, K), "int8")
-        c = T.match_buffer(c_h, (M, N), "int32")
+    @T.macro
+    def direct(a, b, c, M):
+        # small M (decode-like): b is streamed once from memory, each b tile (NB rows) stays in L1
         bsum = T.alloc_buffer((N,), "int32")
         for mo in range((M + MO - 1) // MO):
             for nt in T.parallel(N // NB):
@@ -98,7 +103,230 @@ def _matmul(N: int, K: int, MB: int, NB: int, MO: int):
                                 "int32", b[nt * NB + j, KM + kt])
                         c[mo * MO + rows - rows % MB + mr, nt * NB + j] = tot[0]
 
+    if packed is not None:
+        packed_body = _packed_body(N, K, *packed[:3])
+        PM = packed[3]
+
+    @T.prim_func
+    def int8_dot_matmul(a_h: T.handle, b_h: T.handle, c_h: T.handle):
+        T.func_attr({"global_symbol": "int8_dot_matmul", "tirx.noalias": True})
+        M = T.int32()
+        a = T.match_buffer(a_h, (M, K), "int8")
+        b = T.match_buffer(b_h, (N, K), "int8")
+        c = T.match_buffer(c_h, (M, N), "int32")
+        if packed is None:
+            direct(a, b, c, M)
+        else:
+            if M >= PM:
+                packed_body(a, b, c, M)
+            else:
+                direct(a, b, c, M)
+
     return int8_dot_matmul
+
+
+XOR80 = -2139062144  # 0x80808080 as int32
+
+
+def _packed_body(N: int, K: int, MR: int, KC: int, MO: int):
+    """Large M: blocks of MO rows x 64 columns x KC of K. Per (64-column tile, K block) the b tile is packed
+    once into a 16 KiB stack buffer in the VNNI layout [KC/4][64 n][4 k] (xor 0x80: b becomes the unsigned
+    operand), so one vpdpbusd of a broadcast 4-byte group of a row against one packed vector gives 16
+    different outputs: MR x 4 accumulators (24 zmm at MR=6), 10 loads per 24 vpdpbusd, no horizontal sums.
+    The partial sums live in c between K blocks. Correction: 128 * sum_k a[m, k] (computed per row block)."""
+    K4, KC4, NT = K // 4, KC // 4, N // 64
+
+    @T.macro
+    def body(a, b, c, M):
+        a32 = T.decl_buffer((M, K4), "int32", data=a.data)
+        b32 = T.decl_buffer((N, K4), "int32", data=b.data)
+        asum = T.alloc_buffer((MO,), "int32")
+        for mo in range((M + MO - 1) // MO):
+            rows = T.meta_var(T.min(MO, M - mo * MO))
+            for i in T.parallel(rows):
+                s16 = T.alloc_buffer((16,), "int32")
+                tot = T.alloc_buffer((1,), "int32")
+                s16[T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+                for kk in range(K // 64):
+                    s16[T.ramp(0, 1, 16)] = _vnni(s16[T.ramp(0, 1, 16)], T.broadcast(T.int8(1), 64),
+                                                  a[mo * MO + i, T.ramp(kk * 64, 1, 64)])
+                tot[0] = T.int32(0)
+                for l in range(16):
+                    tot[0] = tot[0] + s16[l]
+                asum[i] = tot[0] * 128
+            for nt in T.parallel(NT):
+                bp = T.alloc_buffer((KC4 * 64,), "int32")
+                acc = T.alloc_buffer((MR * 4 * 16,), "int32")
+                for kb in range(K // KC):
+                    for j in range(64):
+                        for k4 in range(KC4):
+                            bp[k4 * 64 + j] = T.bitwise_xor(b32[nt * 64 + j, kb * KC4 + k4], T.int32(XOR80))
+                    for mt in range(rows // MR + rows % MR):
+                        if mt < rows // MR:
+                            _packed_tile(a32, c, bp, asum, acc, MR, KC4, mo * MO + mt * MR, mt * MR, nt, kb)
+                        else:
+                            _packed_tile(a32, c, bp, asum, acc, 1, KC4, mo * MO + rows - rows % MR + mt - rows // MR,
+                                         rows - rows % MR + mt - rows // MR, nt, kb)
+
+    return body
+
+
+@T.macro
+def _packed_tile(a32, c, bp, asum, acc, R, KC4, m0, i0, nt, kb):
+    for i in T.unroll(R):
+        for v in T.unroll(4):
+            if kb == 0:
+                acc[T.ramp((i * 4 + v) * 16, 1, 16)] = T.broadcast(T.int32(0) - asum[i0 + i], 16)
+            else:
+                acc[T.ramp((i * 4 + v) * 16, 1, 16)] = c[m0 + i, T.ramp(nt * 64 + v * 16, 1, 16)]
+    for k4 in range(KC4):
+        for i in T.unroll(R):
+            for v in T.unroll(4):
+                acc[T.ramp((i * 4 + v) * 16, 1, 16)] = _vnni(
+                    acc[T.ramp((i * 4 + v) * 16, 1, 16)],
+                    T.reinterpret("int8x64", bp[T.ramp(k4 * 64 + v * 16, 1, 16)]),
+                    T.reinterpret("int8x64", T.broadcast(a32[m0 + i, kb * KC4 + k4], 16)))
+    for i in T.unroll(R):
+        for v in T.unroll(4):
+            c[m0 + i, T.ramp(nt * 64 + v * 16, 1, 16)] = acc[T.ramp((i * 4 + v) * 16, 1, 16)]
+
+
+def _largest_div(n: int, cands=(4, 2, 1)) -> int:
+    return next(c for c in cands if n % c == 0) if n else 1
+
+
+def _dgrad(H: int, N: int, K: int, V: int, MB: int):
+    """out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]. Register tile: MB rows of m x NB vectors of
+    V columns of n (16 zmm at 4 x 4); each k: NB int8->f32 codes vectors (converted once, shared by the MB
+    rows), MB broadcasts of g, MB*NB FMAs. Rows past the last full MB block and the N % V columns go
+    through the one-row loops. Parallel over (h, row block)."""
+    NV, NT = N // V, N % V
+    NB = _largest_div(NV, tuple(c for c in (4, 2, 1) if c * MB <= 16))  # <= 16 accumulators
+
+    @T.macro
+    def rows_tile(g, codes, scale, out, acc, R, h, m0, jb):
+        for t in T.unroll(R * NB):
+            for i in T.vectorized(V):
+                acc[t * V + i] = T.float32(0)
+        for k in range(K):
+            for r in T.unroll(R):
+                for t in T.unroll(NB):
+                    for i in T.vectorized(V):
+                        acc[(r * NB + t) * V + i] = acc[(r * NB + t) * V + i] + g[h, m0 + r, k] * T.Cast(
+                            "float32", codes[h, k, (jb * NB + t) * V + i])
+        for r in T.unroll(R):
+            for t in T.unroll(NB):
+                for i in T.vectorized(V):
+                    out[h, m0 + r, (jb * NB + t) * V + i] = acc[(r * NB + t) * V + i] * scale[0]
+
+    @T.prim_func
+    def int8_dot_dgrad(g_h: T.handle, c_h: T.handle, s_h: T.handle, o_h: T.handle):
+        T.func_attr({"global_symbol": "int8_dot_dgrad", "tirx.noalias": True})
+        M = T.int32()
+        g = T.match_buffer(g_h, (H, M, K), "float32")
+        codes = T.match_buffer(c_h, (H, K, N), "int8")
+        scale = T.match_buffer(s_h, (1,), "float32")
+        out = T.match_buffer(o_h, (H, M, N), "float32")
+        for hb in T.parallel(H * ((M + MB - 1) // MB)):
+            acc = T.alloc_buffer((MB * NB * V,), "float32")
+            tac = T.alloc_buffer((1,), "float32")
+            h = T.meta_var(hb // ((M + MB - 1) // MB))
+            m0 = T.meta_var(hb % ((M + MB - 1) // MB) * MB)
+            for jb in range(NV // NB):
+                if m0 + MB <= M:
+                    rows_tile(g, codes, scale, out, acc, MB, h, m0, jb)
+                else:
+                    for r in range(M - m0):
+                        rows_tile(g, codes, scale, out, acc, 1, h, m0 + r, jb)
+            for r in range(T.min(MB, M - m0)):
+                for nt in range(NT):
+                    tac[0] = T.float32(0)
+                    for k in range(K):
+                        tac[0] = tac[0] + g[h, m0 + r, k] * T.Cast("float32", codes[h, k, NV * V + nt])
+                    out[h, m0 + r, NV * V + nt] = tac[0] * scale[0]
+
+    return int8_dot_dgrad
+
+
+def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4):
+    """Stage 1: part p, head h, KB vectors of k: partial[p, h, n, k] = sum over the part's rows m (in order)
+    of codes[h|0, m, n] * g[h, m, k]. For one (p, h, k block) the NB-column blocks of n run innermost, so the
+    part's rows x KB*V floats of g (128 KiB at 512 rows x 64) stay in L2 while every column block streams
+    them; register tile NB x KB vectors (each m: NB int8 broadcasts, KB loads of g, NB*KB FMAs). K % V
+    columns: scalar loop. Parallel over (part, head, k block).
+    Stage 2: out[h, n, k] = scale * sum_p partial[p, h, n, k], parts in order. Parallel over (h, n)."""
+    KV, KT = K // V, K % V
+    KB = _largest_div(KV, tuple(c for c in (8, 4, 2, 1) if c <= KBM))
+    NB = _largest_div(N, tuple(c for c in (4, 2, 1) if c * KB <= 16))  # <= 16 accumulators
+    NNB, NKB = N // NB, KV // KB
+    NKB1 = max(NKB, 1)  # divisor in the index math of a loop that runs 0 times when K < V
+
+    def hc(h):
+        return h if CH > 1 else 0
+
+    @T.prim_func
+    def int8_dot_wgrad(c_h: T.handle, g_h: T.handle, s_h: T.handle, o_h: T.handle, p_h: T.handle):
+        T.func_attr({"global_symbol": "int8_dot_wgrad", "tirx.noalias": True})
+        M = T.int32()
+        nparts = T.int32()
+        codes = T.match_buffer(c_h, (CH, M, N), "int8")
+        g = T.match_buffer(g_h, (H, M, K), "float32")
+        scale = T.match_buffer(s_h, (1,), "float32")
+        out = T.match_buffer(o_h, (H, N, K), "float32")
+        part = T.match_buffer(p_h, (nparts, H, N, K), "float32")
+        chunk = T.meta_var((M + nparts - 1) // nparts)
+        for phk in T.parallel(nparts * H * NKB):
+            acc = T.alloc_buffer((NB * KB * V,), "float32")
+            p = T.meta_var(phk // (H * NKB1))
+            h = T.meta_var(phk // NKB1 % H)
+            k0 = T.meta_var(phk % NKB1 * KB * V)
+            for nb in range(NNB):
+                for t in T.unroll(NB * KB):
+                    for i in T.vectorized(V):
+                        acc[t * V + i] = T.float32(0)
+                for q in range(T.max(T.min(chunk, M - p * chunk), 0)):
+                    for t in T.unroll(NB):
+                        for u in T.unroll(KB):
+                            for i in T.vectorized(V):
+                                acc[(t * KB + u) * V + i] = acc[(t * KB + u) * V + i] + T.Cast(
+                                    "float32", codes[hc(h), p * chunk + q, nb * NB + t]) * g[
+                                        h, p * chunk + q, k0 + u * V + i]
+                for t in T.unroll(NB):
+                    for u in T.unroll(KB):
+                        for i in T.vectorized(V):
+                            part[p, h, nb * NB + t, k0 + u * V + i] = acc[(t * KB + u) * V + i]
+        for phn in T.parallel(nparts * H * NNB * T.min(KT, 1)):
+            tac = T.alloc_buffer((NB,), "float32")
+            p = T.meta_var(phn // (H * NNB))
+            h = T.meta_var(phn // NNB % H)
+            n0 = T.meta_var(phn % NNB * NB)
+            for kt in range(KT):
+                for t in T.unroll(NB):
+                    tac[t] = T.float32(0)
+                for q in range(T.max(T.min(chunk, M - p * chunk), 0)):
+                    for t in T.unroll(NB):
+                        tac[t] = tac[t] + T.Cast("float32", codes[hc(h), p * chunk + q, n0 + t]) * g[
+                            h, p * chunk + q, KV * V + kt]
+                for t in T.unroll(NB):
+                    part[p, h, n0 + t, KV * V + kt] = tac[t]
+        for hn in T.parallel(H * N):
+            a2 = T.alloc_buffer((V,), "float32")
+            t2 = T.alloc_buffer((1,), "float32")
+            for kv in range(KV):
+                for i in T.vectorized(V):
+                    a2[i] = T.float32(0)
+                for p in range(nparts):
+                    for i in T.vectorized(V):
+                        a2[i] = a2[i] + part[p, hn // N, hn % N, kv * V + i]
+                for i in T.vectorized(V):
+                    out[hn // N, hn % N, kv * V + i] = a2[i] * scale[0]
+            for kt in range(KT):
+                t2[0] = T.float32(0)
+                for p in range(nparts):
+                    t2[0] = t2[0] + part[p, hn // N, hn % N, KV * V + kt]
+                out[hn // N, hn % N, KV * V + kt] = t2[0] * scale[0]
+
+    return int8_dot_wgrad
 
 
 def _has_vnni(target) -> bool:
@@ -120,7 +348,23 @@ def apply(func, target, decisions: rule.Decisions):
         NB = decisions.pick("nb", nbs, nbs[0])
         MB = decisions.pick("mb", (1, 2, 4, 6, 8), 4)
         MO = decisions.pick("mo", (32, 64, 128, 256), 64)
-        return rule.schedule_of(_matmul(N, K, MB, NB, MO), name=name)
+        packed = None
+        kcs = tuple(v for v in (256, 512, 1024) if K % v == 0)
+        if N % 64 == 0 and kcs:
+            MR = decisions.pick("pack_mr", (4, 6), 6)
+            KC = decisions.pick("pack_kc", kcs, 512 if 512 in kcs else kcs[0])
+            MO2 = decisions.pick("pack_mo", (128, 256, 512), 256)
+            PM = decisions.pick("pack_min_rows", (64, 128, 256, 1 << 30), 128)
+            packed = (MR, KC, MO2, PM)
+        return rule.schedule_of(_matmul(N, K, MB, NB, MO, packed), name=name)
+    if name == "int8_dot_dgrad":
+        V = decisions.pick("vector", (16, 8), 16)
+        MB = decisions.pick("rows", (1, 2, 4, 8), 4)
+        return rule.schedule_of(_dgrad(st["heads"], st["N"], st["K"], V, MB), name=name)
+    if name == "int8_dot_wgrad":
+        V = decisions.pick("vector", (16, 8), 16)
+        KBM = decisions.pick("k_vectors", (2, 4, 8), 4)
+        return rule.schedule_of(_wgrad(st["heads"], st["code_heads"], st["N"], st["K"], V, KBM), name=name)
     if name in ("int8_dot_pack", "int8_dot_unpack"):
         sch = rule.schedule_of(func, name=name)
         blk = sch.get_sblock("packed" if name == "int8_dot_pack" else "codes")

@@ -5,8 +5,11 @@ matmul: one row of a x ``tile`` columns of b per block (one output per thread), 
 source contains ``__dp4a`` (the intrinsic needs its operands in shared memory and the accumulator in a
 local register: field guide §8). Needs K % 4 == 0; otherwise (and for foreign functions) None, and the
 dispatcher's dlight fallback schedules the plain int32 dot.
+dgrad / wgrad (float32 straight-through backward): one thread per output element, reductions serial per
+thread in registers; wgrad's two-stage sum over rows keeps the fixed part order (deterministic).
 pack / unpack: elementwise, one thread per output word / byte.
-Knobs: ``tile`` (threads per block edge), ``kchunk`` (K bytes staged per step).
+Knobs: ``tile`` (threads per block edge), ``kchunk`` (K bytes staged per step), ``threads`` (dgrad/wgrad
+and elementwise threads per block).
 """
 from __future__ import annotations
 
@@ -58,6 +61,40 @@ def _elementwise(func, name: str, block: str, decisions):
     return sch
 
 
+def _dgrad(func, N: int, decisions):
+    # out[h, m, n]: one block per (h, m) row x `threads` columns of n (threads read consecutive bytes of a
+    # codes row: coalesced; g[h, m, k] is a broadcast), the K reduction serial per thread in a register.
+    threads = decisions.pick("threads", (64, 128, 256), 128)
+    sch = rule.schedule_of(func, name="int8_dot_dgrad")
+    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
+    h, m, n, _ = sch.get_loops(acc)
+    no, ni = sch.split(n, [None, threads])
+    sch.bind(sch.fuse(h, m), "blockIdx.x")
+    sch.bind(no, "blockIdx.y")
+    sch.bind(ni, "threadIdx.x")
+    sch.reverse_compute_at(out, ni)
+    sch.set_scope(acc, 0, "local")
+    return sch
+
+
+def _wgrad(func, decisions):
+    # Stage 1: one thread per partial[p, h, n, k] (consecutive k across a warp: coalesced g reads and
+    # partial writes), the part's rows summed serially in order. Stage 2: one thread per out[h, n, k],
+    # parts summed in order in a register, then scaled. Deterministic (no atomics).
+    threads = decisions.pick("threads", (64, 128, 256), 256)
+    sch = rule.schedule_of(func, name="int8_dot_wgrad")
+    part, acc, out = sch.get_sblock("partial"), sch.get_sblock("acc"), sch.get_sblock("out")
+    bx, tx = sch.split(sch.fuse(*sch.get_loops(part)[:4]), [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    bx, tx = sch.split(sch.fuse(*sch.get_loops(acc)[:3]), [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.reverse_compute_at(out, tx)
+    sch.set_scope(acc, 0, "local")
+    return sch
+
+
 def apply(func, target, decisions: rule.Decisions):
     """Schedule an int8_dot kernel for CUDA, or None for a foreign PrimFunc / unsupported shape."""
     name, st = rule.kernel_attrs(func)
@@ -65,6 +102,10 @@ def apply(func, target, decisions: rule.Decisions):
         if st["K"] % 4:
             return None
         return _matmul(func, st["N"], st["K"], decisions)
+    if name == "int8_dot_dgrad":
+        return _dgrad(func, st["N"], decisions)
+    if name == "int8_dot_wgrad":
+        return _wgrad(func, decisions)
     if name == "int8_dot_pack":
         return _elementwise(func, name, "packed", decisions)
     if name == "int8_dot_unpack":

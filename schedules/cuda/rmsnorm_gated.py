@@ -3,9 +3,12 @@
 Forward: two launches, both one block per row with ``threads`` threads across hidden: rstd (the per-group
 sum of squares as a cross-thread reduction, warp shuffles + shared memory, kept in registers), then out
 (reads rstd back; rstd is an output, and s_tir refuses compute_at of an output block into a consumer).
-Backward: not hand-scheduled yet; apply returns None and the dispatcher's dlight Fallback binds the
-spatial loops (reductions serial per thread). It compiles clean (tests/schedules), untuned.
-Knobs: ``threads`` (forward threads per block).
+Backward: three launches. (1) one block per row: the per-group dot(dxhat, xhat) as a cross-thread reduction
+kept in registers, computed once under the row loop for both dx and dz (the TE computes dx and dz as one
+two-output op so they share that loop), then dx, dz per thread; (2) stage 1 of dweight/dbias: one block per
+(row part, ``part_threads`` features), each thread sums its feature over the part's rows in order; (3)
+stage 2: one thread per feature adds the parts in order. Deterministic, no atomics.
+Knobs: ``threads`` (threads per row block, forward and backward), ``part_threads`` (stage 1 / 2).
 """
 from __future__ import annotations
 
@@ -34,9 +37,61 @@ def _fwd(func, hidden: int, gs: int, decisions):
     return sch
 
 
+def _threads_over(sch, loop, threads):
+    bo, tx = sch.split(loop, [None, threads])
+    sch.bind(bo, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    return tx
+
+
+def _bwd(func, hidden: int, gs: int, has_z: bool, has_bias: bool, decisions):
+    cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
+    threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
+    pthreads = decisions.pick("part_threads", (64, 128, 256), 128)
+    sch = rule.schedule_of(func, name="rmsnorm_gated_bwd")
+    # kernel 1: one block per row; the row's per-group dot(dxhat, xhat) is a cross-thread reduction (warp
+    # shuffles + shared memory) kept in registers, then each thread writes its dx (and dz) elements.
+    dx = sch.get_sblock("dxdz_v0" if has_z else "dx")
+    r, h = sch.get_loops(dx)
+    sch.bind(r, "blockIdx.x")
+    # threads divides group_size: each group is gs/threads consecutive chunks, so the group's dot is
+    # computed under the group loop and held in one register (a per-row array of G dots indexed by a
+    # runtime loop variable went to local memory: 4 spill stores on sm_90)
+    grp, _, hi = sch.split(h, [hidden // gs, None, threads])
+    sch.bind(hi, "threadIdx.x")
+    dot = sch.get_sblock("dot")
+    sch.compute_at(dot, grp)
+    _, ki = sch.split(sch.get_loops(dot)[-1], [None, threads])
+    sch.bind(ki, "threadIdx.x")
+    sch.set_scope(dot, 0, "local")
+    # kernel 2 (stage 1 of dweight/dbias): one block per (row part, `pthreads` features); each thread sums
+    # dy*xhat and dy over the part's rows in order (coalesced across the features of a row).
+    part = sch.get_sblock("partial")
+    p, s, hh, _ = sch.get_loops(part)
+    sch.reorder(p, hh, s)
+    ho, hi2 = sch.split(hh, [None, pthreads])
+    sch.bind(p, "blockIdx.y")
+    sch.bind(ho, "blockIdx.x")
+    sch.bind(hi2, "threadIdx.x")
+    # kernel 3 (stage 2): one thread per feature, parts added in order in a register, then cast.
+    for acc_name, fin_name, present in (("dweight_acc", "dweight", True), ("dbias_acc", "dbias", has_bias)):
+        if present:
+            acc = sch.get_sblock(acc_name)
+            tx = _threads_over(sch, sch.get_loops(acc)[0], pthreads)
+            sch.reverse_compute_at(sch.get_sblock(fin_name), tx)
+            sch.set_scope(acc, 0, "local")
+        else:  # the (1,) placeholder output
+            _threads_over(sch, sch.fuse(*sch.get_loops(sch.get_sblock(fin_name))), 1)
+    if not has_z:
+        _threads_over(sch, sch.fuse(*sch.get_loops(sch.get_sblock("dz"))), 1)
+    return sch
+
+
 def apply(func, target, decisions: rule.Decisions):
-    """Schedule a gated RMSNorm kernel for CUDA; None for foreign functions and for the backward."""
+    """Schedule a gated RMSNorm kernel for CUDA; None for foreign functions."""
     name, st = rule.kernel_attrs(func)
     if name == "rmsnorm_gated_fwd":
         return _fwd(func, st["hidden"], st["group_size"], decisions)
+    if name == "rmsnorm_gated_bwd":
+        return _bwd(func, st["hidden"], st["group_size"], st["has_z"], st["has_bias"], decisions)
     return None

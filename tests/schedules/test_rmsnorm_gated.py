@@ -44,3 +44,17 @@ def test_cuda_build_check_configs_compile_clean(arch):
         assert stats["ok"], stats["error"]
         for k in stats["kernels"]:
             assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (direction, static, k)
+
+
+@pytest.mark.parametrize("has_z,nbg", [(True, False), (False, True)])
+def test_cuda_backward_is_hand_scheduled(has_z, nbg):
+    # one block per row with a cross-thread (warp shuffle) reduction, not the dlight Fallback
+    func = C.rmsnorm_gated_bwd(512, 128, 1e-5, True, has_z, nbg, "bfloat16", "float32")
+    d = Decisions()
+    sch = cuda_rule.apply(func, cuda_target("sm_90"), d)
+    assert sch is not None and d.used["threads"] == 128
+    with cuda_target("sm_90"):
+        src = tvm.compile(sch.mod, target=cuda_target("sm_90")).mod.imports[0].inspect_source("cuda")
+    assert "__shfl_down_sync" in src and "blockIdx.y" in src  # row reduction; stage-1 parts on y
+    stats = ptxas_stats(src, "sm_90")
+    assert stats["ok"] and all(k["spill_stores"] == 0 for k in stats["kernels"])

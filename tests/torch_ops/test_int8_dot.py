@@ -16,7 +16,8 @@ def _codes(*shape, seed=0, lo=-128):
     return torch.randint(lo, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 8, 64), (7, 12, 200), (9, 4, 3), (64 + 5, 16, 128)])
+# (131, 64, 256): M >= 128 rows take the CPU kernel's packed-b path (131 = 21 tiles of 6 rows + 5)
+@pytest.mark.parametrize("M,N,K", [(1, 8, 64), (7, 12, 200), (9, 4, 3), (64 + 5, 16, 128), (131, 64, 256)])
 def test_matmul_exact(M, N, K):
     a, b = _codes(M, K, seed=1), _codes(N, K, seed=2)
     c = int8_matmul(a, b)
@@ -27,6 +28,10 @@ def test_matmul_extremes_exact():
     # every product at its extreme (-128 * -128) exercises the +128 offset / correction path
     a = torch.full((6, 128), -128, dtype=torch.int8)
     b = torch.cat([torch.full((4, 128), -128, dtype=torch.int8), torch.full((4, 128), 127, dtype=torch.int8)])
+    assert torch.equal(int8_matmul(a, b).long(), int8_matmul_ref(a, b))
+    # the packed path (M >= 128, N % 64 == 0): b is the unsigned operand there, a the signed one
+    a = torch.full((128, 256), -128, dtype=torch.int8)
+    b = torch.cat([torch.full((32, 256), -128, dtype=torch.int8), torch.full((32, 256), 127, dtype=torch.int8)])
     assert torch.equal(int8_matmul(a, b).long(), int8_matmul_ref(a, b))
 
 
@@ -167,3 +172,46 @@ def test_other_bad_input():
         int8_decoder_tail(y, dec, yc, dc.float(), 1.0, 1.0)
     with pytest.raises(ValueError, match="^decoder:"):
         int8_decoder_tail(y, dec[:20], yc, dc[:20], 1.0, 1.0)
+
+
+# --- the straight-through backward kernels themselves -----------------------------------------------
+@pytest.mark.parametrize("H,M,N,K", [(1, 9, 37, 21), (3, 4, 64, 128)])
+def test_dgrad_kernel_against_float64(H, M, N, K):
+    g = torch.randn(H, M, K, generator=torch.Generator().manual_seed(5))
+    codes = _codes(H, K, N, seed=6)
+    out = torch.ops.tvm_mamba.int8_dgrad(g, codes, torch.tensor(0.3))
+    ref = 0.3 * torch.einsum("hmk,hkn->hmn", g.double(), codes.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-4 * K, rtol=1e-5)
+    torch.library.opcheck(torch.ops.tvm_mamba.int8_dgrad.default, (g, codes, torch.tensor(0.3)))
+
+
+@pytest.mark.parametrize("H,CH,M,N,K", [(2, 1, 1100, 5, 19), (3, 3, 7, 16, 32)])
+def test_wgrad_kernel_two_stage_against_float64(H, CH, M, N, K):
+    from tvm_mamba.torch_ops.int8_dot import _wgrad_parts
+
+    codes = _codes(CH, M, N, seed=8)
+    g = torch.randn(H, M, K, generator=torch.Generator().manual_seed(9))
+    out = torch.ops.tvm_mamba.int8_wgrad(codes, g, torch.tensor(0.25))
+    ref = 0.25 * torch.einsum("hmn,hmk->hnk", codes.double().expand(H, -1, -1), g.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * M, rtol=1e-5)
+    assert torch.equal(out, torch.ops.tvm_mamba.int8_wgrad(codes, g, torch.tensor(0.25)))  # deterministic
+    if M >= 1024:
+        assert _wgrad_parts(M) > 1  # the multi-part path of the two-stage sum ran
+    torch.library.opcheck(torch.ops.tvm_mamba.int8_wgrad.default, (codes[:, :7], g[:, :7], torch.tensor(0.25)))
+
+
+def test_backward_runs_on_tvm_kernels(monkeypatch):
+    from tvm_mamba.torch_ops import int8_dot as mod
+
+    used, real = [], mod.kernel_for
+    monkeypatch.setattr(mod, "kernel_for", lambda op, direction, *a, **k: used.append(direction) or
+                        real(op, direction, *a, **k))
+    monkeypatch.setattr(torch, "matmul", None)  # no torch float matmul fallback anywhere in the backward
+    monkeypatch.setattr(torch, "einsum", None)
+    for hin in (1, 3):
+        x, w, xc, wc, sa, sw = _proj_case(hin)
+        int8_lowrank_projection(x, w, xc, wc, sa, sw, latent_out=6).sum().backward()
+    y = torch.randn(2, 3, 4, 8, requires_grad=True)
+    dec = torch.randn(24, 10, requires_grad=True)
+    int8_decoder_tail(y, dec, *quantize_int8(y)[:1], quantize_int8(dec)[0], 0.1, 0.1).sum().backward()
+    assert used.count("dgrad") == 3 and used.count("wgrad") == 3, used

@@ -3,6 +3,8 @@
     matmul: c[m, n] = sum_k a[m, k] * b[n, k]  (int32 accumulation; a: (M, K), b: (N, K), both int8)
     pack:   packed[r, j] = sum_i (codes[r, 4j+i] & 0xff) << 8i   (zero padded past K; little-endian lanes)
     unpack: codes[r, k] = sign-extended byte (k % 4) of packed[r, k // 4]
+    dgrad:  out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]         (float32; straight-through)
+    wgrad:  out[h, n, k] = scale * sum_m codes[h|0, m, n] * g[h, m, k]       (float32; two-stage over m)
 
 M / rows are symbolic; N and K are static. These TE definitions are the semantic source of truth and what
 the CUDA rules schedule (dp4a tensorize); the CPU rule emits a VNNI loop nest with the same parameters
@@ -65,8 +67,67 @@ def int8_dot_unpack(K: int) -> tirx.PrimFunc:
     return stamp(te.create_prim_func([packed, codes]), "int8_dot_unpack", dict(K=K))
 
 
+def int8_dot_dgrad(heads: int, N: int, K: int) -> tirx.PrimFunc:
+    """Straight-through input gradient, a float x codes matmul (the scale is a device tensor, no host sync).
+
+    g: (heads, M, K) float32, codes: (heads, K, N) int8, scale: (1,) float32 -> out: (heads, M, N) float32;
+    out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]. (Projection: k = latent (h, l), n = E;
+    decoder tail: k = D, n = (h, l).) M is symbolic.
+    """
+    for name, v in (("heads", heads), ("N", N), ("K", K)):
+        _check_pos(name, v)
+    M = te.var("M")
+    g = te.placeholder((heads, M, K), "float32", name="g")
+    codes = te.placeholder((heads, K, N), "int8", name="codes")
+    scale = te.placeholder((1,), "float32", name="scale")
+    k = te.reduce_axis((0, K), name="K")
+    acc = te.compute((heads, M, N),
+                     lambda h, m, n: te.sum(g[h, m, k] * codes[h, k, n].astype("float32"), axis=k), name="acc")
+    out = te.compute((heads, M, N), lambda h, m, n: acc[h, m, n] * scale[0], name="out")
+    return stamp(te.create_prim_func([g, codes, scale, out]), "int8_dot_dgrad", dict(heads=heads, N=N, K=K))
+
+
+def int8_dot_wgrad(heads: int, code_heads: int, N: int, K: int) -> tirx.PrimFunc:
+    """Straight-through weight gradient, codes^T x float summed over the rows M = batch*T in two stages.
+
+    codes: (code_heads, M, N) int8 (code_heads 1 = shared by every head), g: (heads, M, K) float32,
+    scale: (1,) float32 -> out: (heads, N, K) float32 and partial: (nparts, heads, N, K) float32 (stage 1:
+    part p sums rows [p*chunk, (p+1)*chunk) in order, chunk = ceil(M/nparts); stage 2 adds the parts in
+    order: deterministic, no atomics). out[h, n, k] = scale * sum_m codes[h|0, m, n] * g[h, m, k].
+    """
+    for name, v in (("heads", heads), ("code_heads", code_heads), ("N", N), ("K", K)):
+        _check_pos(name, v)
+    if code_heads not in (1, heads):
+        raise ValueError(f"code_heads: must be 1 or heads={heads}, got {code_heads}")
+    M = te.var("M")
+    nparts = te.var("nparts")
+    codes = te.placeholder((code_heads, M, N), "int8", name="codes")
+    g = te.placeholder((heads, M, K), "float32", name="g")
+    scale = te.placeholder((1,), "float32", name="scale")
+    chunk = tirx.indexdiv(M + nparts - 1, nparts)
+    j = te.reduce_axis((0, chunk), name="chunk")
+
+    def part(p, h, n, kk):
+        m = tirx.min(p * chunk + j, M - 1)
+        v = codes[h if code_heads > 1 else 0, m, n].astype("float32") * g[h, m, kk]
+        # te.sum(where=...) is dropped by create_prim_func in TVM 0.27: mask the summand instead
+        return te.sum(tirx.if_then_else(p * chunk + j < M, v, tirx.const(0.0, "float32")), axis=j)
+
+    partial = te.compute((nparts, heads, N, K), part, name="partial")
+    pa = te.reduce_axis((0, nparts), name="nparts")
+    acc = te.compute((heads, N, K), lambda h, n, kk: te.sum(partial[pa, h, n, kk], axis=pa), name="acc")
+    out = te.compute((heads, N, K), lambda h, n, kk: acc[h, n, kk] * scale[0], name="out")
+    return stamp(te.create_prim_func([codes, g, scale, out, partial]), "int8_dot_wgrad",
+                 dict(heads=heads, code_heads=code_heads, N=N, K=K))
+
+
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static_dims, dtypes) for the CUDA build-check: the issue's K = N = 4096 matmul, a
     low-rank projection shape (E=1024 -> Lc=128) and the packing kernels."""
     return [("matmul", dict(N=4096, K=4096), {}), ("matmul", dict(N=128, K=1024), {}),
-            ("pack", dict(K=4096), {}), ("unpack", dict(K=4096), {})]
+            ("pack", dict(K=4096), {}), ("unpack", dict(K=4096), {}),
+            # straight-through backward: projection H=8, E=1024, latent 128 (per head, and heads summed
+            # for input_heads=1), decoder tail H*L=1024 -> D=2048
+            ("dgrad", dict(heads=8, N=1024, K=128), {}), ("dgrad", dict(heads=1, N=1024, K=1024), {}),
+            ("wgrad", dict(heads=8, code_heads=1, N=1024, K=128), {}),
+            ("wgrad", dict(heads=1, code_heads=1, N=1024, K=2048), {})]

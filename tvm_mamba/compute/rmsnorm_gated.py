@@ -130,7 +130,6 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
         v = du(r, h)
         return (v * (zf(r, h) * sigmoid(zf(r, h))) if gate_in else v).astype(x_dtype)
 
-    dx = te.compute((rows, hidden), dx_val, name="dx")
     if has_z:
         def dz_val(r, h):
             if norm_before_gate:
@@ -140,8 +139,11 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
                 v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
             return v.astype(x_dtype)
 
-        dz = te.compute((rows, hidden), dz_val, name="dz")
+        # one two-output compute: blocks "dxdz_v0" (dx) and "dxdz_v1" (dz) share the (rows, hidden) loop
+        # nest, so a schedule can compute the row's reduction once under the row loop for both
+        dx, dz = te.compute((rows, hidden), lambda r, h: (dx_val(r, h), dz_val(r, h)), name="dxdz")
     else:
+        dx = te.compute((rows, hidden), dx_val, name="dx")
         dz = te.compute((1, 1), lambda i, j: tirx.const(0, x_dtype), name="dz")
     chunk = tirx.indexdiv(rows + nparts - 1, nparts)
     j = te.reduce_axis((0, chunk), name="chunk")

@@ -3,8 +3,9 @@ straight-through low-rank projection / decoder tail of the seed's low-bit traini
 
 Ops (namespace ``tvm_mamba``): ``int8_matmul``, ``int8_pack``, ``int8_unpack`` (kernels), and
 ``int8_lowrank_projection_fwd`` / ``int8_decoder_tail_fwd`` (forward = int8 matmul kernel + scale; autograd
-registered: straight-through gradients to the float master tensors, computed in float32 with torch matmuls
-against the int8 codes).
+registered: straight-through gradients to the float master tensors, computed in float32 by the
+``int8_dgrad`` (float x codes) and ``int8_wgrad`` (codes^T x float, two-stage sum over rows) kernels;
+torch only permutes/reshapes and applies the ReLU mask).
 
 Saved for backward: the activation codes (int8; with ``offload_codes`` packed i8x4 into int32 words and,
 for CUDA tensors, copied to pinned host memory, restored in the backward), the weight codes, the two
@@ -73,6 +74,56 @@ def int8_unpack_op(packed: Tensor, K: int) -> Tensor:
 @int8_unpack_op.register_fake
 def _(packed, K):
     return packed.new_empty((packed.shape[0], K), dtype=torch.int8)
+
+
+@torch.library.custom_op("tvm_mamba::int8_dgrad", mutates_args=())
+def int8_dgrad_op(g: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
+    """g: (heads, M, K) float32, codes: (heads, K, N) int8, scale: 0-dim float32 -> (heads, M, N) float32:
+    out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n] (straight-through input gradient)."""
+    H, M, K = g.shape
+    N = codes.shape[2]
+    out = torch.empty((H, M, N), device=g.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    kern = kernel_for(OP, "dgrad", g.device, {}, dict(heads=H, N=N, K=K), M=M)
+    kern(prepare(g), prepare(codes), prepare(scale.reshape(1)), out)
+    return out
+
+
+@int8_dgrad_op.register_fake
+def _(g, codes, scale):
+    return g.new_empty((g.shape[0], g.shape[1], codes.shape[2]))
+
+
+@torch.library.custom_op("tvm_mamba::int8_wgrad", mutates_args=())
+def int8_wgrad_op(codes: Tensor, g: Tensor, scale: Tensor) -> Tensor:
+    """codes: (1 or heads, M, N) int8, g: (heads, M, K) float32, scale: 0-dim float32 -> (heads, N, K) float32:
+    out[h, n, k] = scale * sum_m codes[h|0, m, n] * g[h, m, k] (straight-through weight gradient)."""
+    CH, M, N = codes.shape
+    H, _, K = g.shape
+    out = torch.empty((H, N, K), device=g.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    if M == 0:
+        return out.zero_()
+    nparts = _wgrad_parts(M)
+    partial = torch.empty((nparts, H, N, K), device=g.device, dtype=torch.float32)
+    kern = kernel_for(OP, "wgrad", g.device, {}, dict(heads=H, code_heads=CH, N=N, K=K), M=M)
+    kern(prepare(codes), prepare(g), prepare(scale.reshape(1)), out, partial)
+    return out
+
+
+@int8_wgrad_op.register_fake
+def _(codes, g, scale):
+    return g.new_empty((g.shape[0], codes.shape[2], g.shape[2]))
+
+
+def _wgrad_parts(M: int) -> int:
+    """Stage-1 parts of the weight-gradient sum over rows: a function of M only (same bits on every machine
+    and thread count); 1 part per 512 rows, at most 8 (workspace <= 8x the gradient)."""
+    return max(1, min(8, M // 512))
 
 
 # --- public helpers ------------------------------------------------------------------------------------
@@ -201,14 +252,22 @@ def _proj_backward(ctx, grad_out):
     g = grad_out.to(torch.float32)
     if thresholded:
         g = g * (out > 0)
-    wc = weight_codes[:, :, :lo].to(torch.float32)  # (H, E, lo)
-    gi = torch.matmul(g, wc.transpose(1, 2)) * _scale_tensor(sw, dev)  # (batch, H, T, E)
-    if in_shape[1] == 1:
-        gi = gi.sum(dim=1, keepdim=True)
-    gw = torch.zeros(weight_codes.shape, dtype=torch.float32, device=dev)
-    ci = codes.to(torch.float32).expand(-1, g.shape[1], -1, -1)  # (batch, H, T, E)
-    gw[:, :, :lo] = torch.einsum("bhte,bhtl->hel", ci, g) * _scale_tensor(sa, dev)
-    return gi.to(in_dtype), gw.to(w_dtype), None, None, None, None, None, None, None
+    batch, H, T, _ = g.shape
+    hin, E = in_shape[1], in_shape[3]
+    wl = weight_codes[:, :, :lo]  # (H, E, lo)
+    gh = g.permute(1, 0, 2, 3).reshape(H, batch * T, lo)  # per head, rows (b, t)
+    if hin == 1:  # summed over heads: one reduction over k = (h, l)
+        gf = g.permute(0, 2, 1, 3).reshape(1, batch * T, H * lo)
+        gi = int8_dgrad_op(gf, wl.permute(0, 2, 1).reshape(1, H * lo, E), sw).reshape(batch, 1, T, E)
+    else:
+        gi = int8_dgrad_op(gh, wl.transpose(1, 2), sw).reshape(H, batch, T, E).permute(1, 0, 2, 3)
+    gwl = int8_wgrad_op(codes.permute(1, 0, 2, 3).reshape(hin, batch * T, E), gh, sa)  # (H, E, lo)
+    if lo == weight_codes.shape[2]:
+        gw = gwl
+    else:
+        gw = torch.zeros(weight_codes.shape, dtype=torch.float32, device=dev)
+        gw[:, :, :lo] = gwl
+    return gi.to(in_dtype).contiguous(), gw.to(w_dtype), None, None, None, None, None, None, None
 
 
 int8_lowrank_projection_fwd.register_autograd(_proj_backward, setup_context=_proj_setup)
@@ -282,11 +341,11 @@ def _tail_backward(ctx, grad_out):
     y_dtype, d_dtype, (batch, H, T, L) = ctx.meta
     dev = grad_out.device
     codes = _load_codes(saved, ctx.K, dev).reshape(batch, H, T, L)
-    g = grad_out.to(torch.float32)[:, 0].reshape(batch * T, -1)  # (batch*T, D)
-    dc = decoder_codes.to(torch.float32)
-    gy = (g @ dc.T * _scale_tensor(sw, dev)).reshape(batch, T, H, L).permute(0, 2, 1, 3)
-    flat = codes.permute(0, 2, 1, 3).reshape(batch * T, H * L).to(torch.float32)
-    gd = flat.T @ g * _scale_tensor(sa, dev)
+    g = grad_out.to(torch.float32)[:, 0].reshape(1, batch * T, -1)  # (1, batch*T, D)
+    gy = int8_dgrad_op(g, decoder_codes.T.unsqueeze(0), sw)  # (1, batch*T, H*L)
+    gy = gy.reshape(batch, T, H, L).permute(0, 2, 1, 3)
+    flat = codes.permute(0, 2, 1, 3).reshape(1, batch * T, H * L)
+    gd = int8_wgrad_op(flat, g, sa)[0]  # (H*L, D)
     return gy.to(y_dtype).contiguous(), gd.to(d_dtype), None, None, None, None, None
 
 
