@@ -1,0 +1,56 @@
+"""Schedule rules for the selective scan: CPU loop nests (vectorized, parallel) and CUDA (warp shuffles),
+compiled without a GPU; CUDA kernels through nvcc/ptxas (0 spills)."""
+from __future__ import annotations
+
+import pytest
+import tvm
+
+from tvm_mamba.compute import selective_scan as ss
+from tvm_mamba.compute.causal_conv1d import causal_conv1d_fwd
+from tvm_mamba.runtime.nvcc import nvcc_path, ptxas_stats
+from tvm_mamba.runtime.target import cpu_target, cuda_target
+from tvm_mamba.schedules.cpu import selective_scan as cpu_rule
+from tvm_mamba.schedules.cuda import selective_scan as cuda_rule
+from tvm_mamba.schedules.rule import Decisions
+
+STATIC = dict(dim=32, dstate=16, b_groups=1, c_groups=1, has_D=True, has_z=True, has_delta_bias=True,
+              delta_softplus=True, has_init=False, chunk=64)
+
+
+def test_rules_ignore_foreign_kernels():
+    foreign = causal_conv1d_fwd(dim=8, width=4)
+    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
+    assert cuda_rule.apply(foreign, cuda_target("sm_90"), Decisions()) is None
+    assert cuda_rule.apply(ss.selective_scan_fwd(**STATIC), cpu_target(), Decisions()) is None
+
+
+@pytest.mark.parametrize("layout,used", [(None, {"layout": "channels"}),
+                                         ("dstate", {"layout": "dstate", "vector": 16})])
+def test_cpu_forward_layouts_are_vectorized(layout, used):
+    dec = Decisions({"layout": layout} if layout else {})
+    sch = cpu_rule.apply(ss.selective_scan_fwd(**STATIC), cpu_target(), dec)
+    assert dec.used == used
+    asm = tvm.compile(sch.mod, target=cpu_target()).mod.inspect_source("asm")
+    assert "zmm" in asm or "ymm" in asm  # vector registers (AVX-512 / AVX2 hosts)
+
+
+def test_cpu_forward_dim_not_multiple_of_16_uses_dstate_layout():
+    dec = Decisions()
+    cpu_rule.apply(ss.selective_scan_fwd(**dict(STATIC, dim=24)), cpu_target(), dec)
+    assert dec.used == {"vector": 16}
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("dstate", [16, 256])
+def test_cuda_scan_kernels_compile_without_spills(dstate):
+    st = dict(STATIC, dim=64, dstate=dstate, chunk=ss.chunk_size(dstate))
+    dt = dict(u_dtype="bfloat16", B_dtype="bfloat16", C_dtype="float32")
+    tgt = cuda_target("sm_90")
+    for func in (ss.selective_scan_fwd(**st, **dt), ss.selective_scan_bwd(**st, block=16, **dt)):
+        sch = cuda_rule.apply(func, tgt, Decisions())
+        with tgt:
+            src = tvm.compile(sch.mod, target=tgt).mod.imports[0].inspect_source("cuda")
+        assert "__shfl_xor_sync" in src  # the dstate sums are warp shuffles
+        stats = ptxas_stats(src, "sm_90")
+        assert stats["ok"], stats["error"]
+        assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]

@@ -1,0 +1,85 @@
+"""Mamba-1 selective scan and its decode step, written from the math in plain PyTorch (no TVM).
+
+Step-by-step recurrence (float64-capable), used by the tests and benchmarks as the independent reference;
+autograd through it gives the reference gradients (including through ``last_state`` and ``initial_state``).
+Semantics follow mamba_ssm 2.3.x ``selective_scan_ref`` / ``selective_state_update_ref``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _bc_at(M, t, batch, dim):
+    """B or C at time t as (batch, dim, dstate): (dim, dstate), (batch, dstate, L) or (batch, g, dstate, L)."""
+    if M.dim() == 2:
+        return M[None].expand(batch, -1, -1)
+    if M.dim() == 3:
+        return M[:, None, :, t].expand(-1, dim, -1)
+    groups = M.shape[1]
+    return M[:, :, :, t].repeat_interleave(dim // groups, dim=1)
+
+
+def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False, initial_state=None, dtype=torch.float64):
+    """u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (dim, dstate) | (batch, dstate, seqlen) |
+    (batch, groups, dstate, seqlen); D, delta_bias: (dim,); initial_state: (batch, dim, dstate)
+    -> out: (batch, dim, seqlen) [, last_state: (batch, dim, dstate)].
+
+    dt = softplus?(delta + delta_bias); h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t; y_t = C_t . h_t + D u_t;
+    out = y * silu(z). Computed step by step in ``dtype`` (float64 by default); out is cast to u's dtype.
+    """
+    batch, dim, seqlen = u.shape
+    uu, dt = u.to(dtype), delta.to(dtype)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype)[None, :, None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    A_, B_, C_ = A.to(dtype), B.to(dtype), C.to(dtype)
+    h = (initial_state.to(dtype) if initial_state is not None
+         else torch.zeros(batch, dim, A.shape[1], dtype=dtype, device=u.device))
+    ys = []
+    for t in range(seqlen):
+        dA = torch.exp(dt[:, :, t, None] * A_[None])
+        h = dA * h + (dt[:, :, t] * uu[:, :, t])[..., None] * _bc_at(B_, t, batch, dim)
+        ys.append((h * _bc_at(C_, t, batch, dim)).sum(-1))
+    y = torch.stack(ys, dim=-1)
+    if D is not None:
+        y = y + D.to(dtype)[None, :, None] * uu
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    out = y.to(u.dtype) if u.dtype != dtype and u.dtype != torch.float64 else y
+    return (out, h) if return_last_state else out
+
+
+def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One decode step; pure (returns (out, new_state)), float64 math.
+
+    Mamba-1: state (batch, dim, dstate); x, dt, z: (batch, dim); A: (dim, dstate); B, C: (batch, dstate) or
+    (batch, groups, dstate); D, dt_bias: (dim,).
+    Mamba-2 heads: state (batch, nheads, headdim, dstate); x, dt, z: (batch, nheads, headdim);
+    A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim).
+
+    dt' = softplus?(dt + dt_bias); state' = exp(dt' A) state + dt' B x; out = (C . state' + D x) * silu(z).
+    """
+    f = torch.float64
+    if B.dim() == 2:  # Mamba-1 (batch, dstate): one group
+        B, C = B[:, None], C[:, None]
+    lead = x.shape[1]  # dim or nheads
+    groups = B.shape[1]
+    Bx = B.to(f).repeat_interleave(lead // groups, dim=1)  # (batch, lead, dstate)
+    Cx = C.to(f).repeat_interleave(lead // groups, dim=1)
+    if x.dim() == 3:  # heads: broadcast over headdim
+        Bx, Cx = Bx[:, :, None], Cx[:, :, None]
+    d = dt.to(f)
+    if dt_bias is not None:
+        d = d + dt_bias.to(f)
+    if dt_softplus:
+        d = F.softplus(d)
+    new_state = torch.exp(d[..., None] * A.to(f)) * state.to(f) + (d * x.to(f))[..., None] * Bx
+    out = (new_state * Cx).sum(-1)
+    if D is not None:
+        out = out + D.to(f) * x.to(f)
+    if z is not None:
+        out = out * F.silu(z.to(f))
+    return out, new_state

@@ -1,0 +1,326 @@
+"""selective_scan_fn / selective_state_update: mamba_ssm 2.3.x's Mamba-1 scan API on TVM kernels.
+
+Ops (namespace ``tvm_mamba``): ``selective_scan_fwd`` (autograd registered), ``selective_scan_bwd``,
+``selective_state_update`` (state updated in place); each has a fake (meta) implementation.
+
+Backward memory: the forward saves its inputs plus the chunk-boundary states ``checkpoints``
+(batch, dim, ceil(seqlen/chunk), dstate) fp32 — seqlen/chunk states per lane instead of seqlen (a factor
+``chunk`` = 64 at dstate 16 less than storing every state). The backward recomputes the states of one
+chunk at a time from its checkpoint (one extra forward pass of the recurrence), then runs the reverse scan.
+Workspaces (fp32): per-(batch, channel) partials of dA / D / delta_bias / time-invariant dB, dC
+(batch, dim, dstate); for time-varying B/C, per-(batch, channel block) partials (batch, dim/block, seqlen,
+dstate), summed in a fixed order in a second stage (deterministic, no atomics).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..compute.selective_scan import block_size, chunk_size
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, tvm_dtype
+
+OP = "selective_scan"
+
+
+def chunk_for(dstate: int) -> int:
+    """Checkpoint interval: the backward keeps (chunk+1) x dstate states per lane on the stack (<= 17 KiB);
+    checkpoint memory is 1/chunk of storing every state."""
+    return chunk_size(dstate)
+
+
+def _acc(u: Tensor) -> torch.dtype:
+    return torch.float64 if u.dtype == torch.float64 else torch.float32
+
+
+def _bc_kernel(M: Tensor) -> tuple[Tensor, int]:
+    """B/C in the kernel layout: (dim, dstate) stays; (batch, dstate, L) / (batch, g, dstate, L) become
+    (batch, g, L, dstate) contiguous. Returns (tensor, groups) with groups 0 for time-invariant."""
+    if M.dim() == 2:
+        return prepare(M), 0
+    if M.dim() == 3:
+        M = M.unsqueeze(1)
+    return prepare(M.transpose(-1, -2)), M.shape[1]
+
+
+def _bc_user(dM: Tensor, like: Tensor) -> Tensor:
+    """Inverse of :func:`_bc_kernel` for gradients."""
+    if like.dim() == 2:
+        return dM
+    dM = dM.transpose(-1, -2)
+    return (dM.squeeze(1) if like.dim() == 3 else dM).contiguous()
+
+
+def _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state) -> dict:
+    return dict(dim=u.shape[1], dstate=A.shape[1], b_groups=bg, c_groups=cg, has_D=D is not None,
+                has_z=z is not None, has_delta_bias=delta_bias is not None, delta_softplus=bool(delta_softplus),
+                has_init=initial_state is not None, chunk=chunk_for(A.shape[1]))
+
+
+def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
+    return prepare(t) if t is not None else dummy(like.device, dtype, ndim)
+
+
+@torch.library.custom_op("tvm_mamba::selective_scan_fwd", mutates_args=())
+def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                       z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+                       delta_softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """u: (batch, dim, seqlen) -> out: (batch, dim, seqlen), last_state: (batch, dim, dstate),
+    checkpoints: (batch, dim, ceil(seqlen/chunk), dstate) (the state before each chunk)."""
+    batch, dim, seqlen = u.shape
+    dstate, acc = A.shape[1], _acc(u)
+    Bk, bg = _bc_kernel(B)
+    Ck, cg = _bc_kernel(C)
+    static = _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state)
+    nchunk = -(-seqlen // static["chunk"])
+    u, delta = prepare(u), prepare(delta)
+    out = torch.empty_like(u)
+    last = u.new_empty((batch, dim, dstate), dtype=acc)
+    ck = u.new_empty((batch, dim, nchunk, dstate), dtype=acc)
+    kern = kernel_for(OP, "fwd", u.device, {"u": tvm_dtype(u), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)}, static,
+                      seqlen=seqlen)
+    kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
+         _opt(initial_state, u, acc, 3), out, last, ck)
+    return out, last, ck
+
+
+@selective_scan_fwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
+    batch, dim, seqlen = u.shape
+    dstate, acc = A.shape[1], _acc(u)
+    nchunk = -(-seqlen // chunk_for(dstate))
+    return (torch.empty_like(u, memory_format=torch.contiguous_format),
+            u.new_empty((batch, dim, dstate), dtype=acc), u.new_empty((batch, dim, nchunk, dstate), dtype=acc))
+
+
+def _empty0(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+@torch.library.custom_op("tvm_mamba::selective_scan_bwd", mutates_args=())
+def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                       z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+                       checkpoints: Tensor, dout: Tensor, dlast: Optional[Tensor], delta_softplus: bool
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state) of selective_scan_fwd;
+    absent optional inputs get (0,) gradients. dlast: gradient flowing in through last_state."""
+    batch, dim, seqlen = u.shape
+    dstate, acc = A.shape[1], _acc(u)
+    Bk, bg = _bc_kernel(B)
+    Ck, cg = _bc_kernel(C)
+    static = _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state)
+    static["block"] = blk = block_size(dim, bg, cg)
+    u, delta = prepare(u), prepare(delta)
+    dout = prepare(dout.to(u.dtype))
+    dlast = prepare(dlast.to(acc)) if dlast is not None else u.new_zeros((batch, dim, dstate), dtype=acc)
+    du, ddelta = torch.empty_like(u), torch.empty_like(u)
+    dA = torch.empty_like(prepare(A))
+    dBk, dCk = torch.empty_like(Bk), torch.empty_like(Ck)
+    dD = torch.empty_like(D) if D is not None else u.new_empty((1,), dtype=acc)
+    dz = torch.empty_like(u) if z is not None else u.new_empty((1, 1, 1))
+    ddb = torch.empty_like(delta_bias) if delta_bias is not None else u.new_empty((1,), dtype=acc)
+    dinit = u.new_empty((batch, dim, dstate), dtype=acc) if initial_state is not None else u.new_empty((1, 1, 1), dtype=acc)
+    ws = dict(dtype=acc, device=u.device)
+    wsA = torch.empty((batch, dim, dstate), **ws)
+    wsB = torch.empty((batch, dim // blk, seqlen, dstate) if bg else (batch, dim, dstate), **ws)
+    wsC = torch.empty((batch, dim // blk, seqlen, dstate) if cg else (batch, dim, dstate), **ws)
+    wsS = torch.empty((batch, dim, 2), **ws)
+    kern = kernel_for(OP, "bwd", u.device, {"u": tvm_dtype(u), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)}, static,
+                      seqlen=seqlen)
+    kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
+         _opt(initial_state, u, acc, 3), prepare(checkpoints), dout, dlast,
+         du, ddelta, dA, dBk, dCk, dD, ddb, dz, dinit, wsA, wsB, wsC, wsS)
+    return (du, ddelta, dA, _bc_user(dBk, B), _bc_user(dCk, C),
+            dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
+            ddb if delta_bias is not None else _empty0(ddb), dinit if initial_state is not None else _empty0(dinit))
+
+
+@selective_scan_bwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, checkpoints, dout, dlast, delta_softplus):
+    acc = _acc(u)
+    like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return (like(u), like(u), like(A), like(B), like(C),
+            like(D) if D is not None else u.new_empty((0,), dtype=acc),
+            like(u) if z is not None else u.new_empty((0,)),
+            like(delta_bias) if delta_bias is not None else u.new_empty((0,), dtype=acc),
+            u.new_empty(tuple(u.shape[:2]) + (A.shape[1],), dtype=acc) if initial_state is not None
+            else u.new_empty((0,), dtype=acc))
+
+
+def _setup_context(ctx, inputs, output):
+    u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, output[2])
+    ctx.delta_softplus = delta_softplus
+
+
+def _backward(ctx, dout, dlast, _dck):
+    u, delta, A, B, C, D, z, delta_bias, initial_state, ck = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(u)
+    grads = torch.ops.tvm_mamba.selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, initial_state, ck,
+                                                   dout, dlast, ctx.delta_softplus)
+    du, ddelta, dA, dB, dC, dD, dz, ddb, dinit = grads
+    return (du, ddelta, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
+            ddb if delta_bias is not None else None, dinit if initial_state is not None else None, None)
+
+
+selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("tvm_mamba::selective_state_update", mutates_args=("state",))
+def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                              D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+                              dt_softplus: bool) -> Tensor:
+    """Head layout: state (batch, nheads, headdim, dstate) updated in place; x, dt, z: (batch, nheads, headdim);
+    A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim) -> out."""
+    batch, nheads, headdim, dstate = state.shape
+    acc = _acc(x)
+    xk, st = prepare(x), prepare(state)
+    out = torch.empty_like(xk)
+    Bk, Ck = prepare(B), prepare(C)
+    static = dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=B.shape[1], has_D=D is not None,
+                  has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus))
+    kern = kernel_for(OP, "update", x.device, {"x": tvm_dtype(xk), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)},
+                      static)
+    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, _opt(D, x, acc, 2), _opt(z, x, x.dtype, 3),
+         _opt(dt_bias, x, acc, 2), out)
+    if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
+        state.copy_(st)
+    return out
+
+
+@selective_state_update_op.register_fake
+def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API (mamba_ssm 2.3.x names, argument order and semantics)
+# ----------------------------------------------------------------------------------------------------
+def _io_dtypes(u: Tensor):
+    return (torch.float64,) if u.dtype == torch.float64 else FLOATS
+
+
+def _check_A(A, ndim, acc, device):
+    if isinstance(A, Tensor) and A.is_complex():
+        raise ValueError("A: complex A is not supported (real float32 A only)")
+    check_tensor("A", A, ndim=ndim, dtypes=(acc,), device=device)
+
+
+def _check_bc(name, M, batch, dim, dstate, seqlen, u):
+    check_tensor(name, M, dtypes=_io_dtypes(u), device=u.device)
+    if M.is_complex():
+        raise ValueError(f"{name}: complex B/C are not supported")
+    if M.dim() == 2:
+        check_shape(name, M, (dim, dstate))
+    elif M.dim() == 3:
+        check_shape(name, M, (batch, dstate, seqlen))
+    elif M.dim() == 4:
+        groups = M.shape[1]
+        if groups < 1 or dim % groups:
+            raise ValueError(f"{name}: groups={groups} must divide dim={dim}")
+        check_shape(name, M, (batch, groups, dstate, seqlen))
+    else:
+        raise ValueError(f"{name}: expected (dim, dstate), (batch, dstate, seqlen) or "
+                         f"(batch, groups, dstate, seqlen), got shape {tuple(M.shape)}")
+
+
+def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      return_last_state=False, initial_state=None):
+    """Mamba-1 selective scan (mamba_ssm.ops.selective_scan_interface.selective_scan_fn).
+
+    u, delta, z: (batch, dim, seqlen) float32/float16/bfloat16 (all one dtype); A: (dim, dstate) real float32;
+    B, C: (dim, dstate) time-invariant, (batch, dstate, seqlen), or (batch, groups, dstate, seqlen) with
+    dim % groups == 0 (float32 or u's dtype; B and C may differ in kind); D, delta_bias: (dim,) float32;
+    initial_state: (batch, dim, dstate) float32 (extension: the scan starts from it).
+    Returns out: (batch, dim, seqlen) in u's dtype [, last_state: (batch, dim, dstate) float32].
+
+    dt = softplus?(delta + delta_bias); h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t; out = (C_t.h_t + D u_t) silu(z).
+    Differentiable in every tensor argument, including through last_state. float64 inputs (all of them)
+    run a float64 kernel (used for gradcheck).
+    """
+    check_tensor("u", u, ndim=3, dtypes=FLOATS + (torch.float64,))
+    batch, dim, seqlen = u.shape
+    if seqlen < 1:
+        raise ValueError(f"u: seqlen must be >= 1, got shape {tuple(u.shape)}")
+    acc = _acc(u)
+    check_tensor("delta", delta, ndim=3, dtypes=(u.dtype,), device=u.device)
+    check_shape("delta", delta, u.shape)
+    _check_A(A, 2, acc, u.device)
+    if A.shape[0] != dim:
+        raise ValueError(f"A: expected (dim={dim}, dstate), got {tuple(A.shape)}")
+    dstate = A.shape[1]
+    if dstate < 1:
+        raise ValueError(f"A: dstate must be >= 1, got {tuple(A.shape)}")
+    _check_bc("B", B, batch, dim, dstate, seqlen, u)
+    _check_bc("C", C, batch, dim, dstate, seqlen, u)
+    for name, v in (("D", D), ("delta_bias", delta_bias)):
+        if v is not None:
+            check_tensor(name, v, ndim=1, dtypes=(acc,), device=u.device)
+            check_shape(name, v, (dim,))
+    if z is not None:
+        check_tensor("z", z, ndim=3, dtypes=(u.dtype,), device=u.device)
+        check_shape("z", z, u.shape)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, ndim=3, dtypes=(acc,), device=u.device)
+        check_shape("initial_state", initial_state, (batch, dim, dstate))
+    out, last, _ = torch.ops.tvm_mamba.selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state,
+                                                         bool(delta_softplus))
+    return (out, last) if return_last_state else out
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One decode step, state updated in place; returns out (mamba_ssm.ops.triton.selective_state_update).
+
+    Mamba-1: state (batch, dim, dstate) float32; x, dt, z: (batch, dim); A: (dim, dstate) float32;
+    B, C: (batch, dstate) or (batch, groups, dstate); D, dt_bias: (dim,) float32 -> out (batch, dim).
+    Mamba-2 heads: state (batch, nheads, headdim, dstate); x, dt, z: (batch, nheads, headdim);
+    A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim).
+
+    dt' = softplus?(dt + dt_bias); state = exp(dt' A) state + dt' B x; out = (C . state + D x) * silu(z).
+    """
+    check_tensor("x", x, dtypes=FLOATS + (torch.float64,))
+    acc = _acc(x)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected (batch, dim) or (batch, nheads, headdim), got shape {tuple(x.shape)}")
+    heads = x.dim() == 3
+    check_tensor("state", state, ndim=x.dim() + 1, dtypes=(acc,), device=x.device)
+    if tuple(state.shape[:-1]) != tuple(x.shape):
+        raise ValueError(f"state: expected {tuple(x.shape)} + (dstate,), got {tuple(state.shape)}")
+    dstate = state.shape[-1]
+    batch, lead = x.shape[0], x.shape[1]
+    check_tensor("dt", dt, dtypes=(x.dtype,), device=x.device)
+    check_shape("dt", dt, x.shape)
+    _check_A(A, x.dim(), acc, x.device)
+    check_shape("A", A, tuple(state.shape[1:]))
+    for name, M in (("B", B), ("C", C)):
+        check_tensor(name, M, dtypes=_io_dtypes(x), device=x.device)
+        if M.dim() == 2 and not heads:
+            check_shape(name, M, (batch, dstate))
+        elif M.dim() == 3:
+            if M.shape[1] < 1 or lead % M.shape[1]:
+                raise ValueError(f"{name}: groups={M.shape[1]} must divide {'nheads' if heads else 'dim'}={lead}")
+            check_shape(name, M, (batch, M.shape[1], dstate))
+        else:
+            raise ValueError(f"{name}: expected (batch, dstate) or (batch, groups, dstate), got {tuple(M.shape)}")
+    if B.dim() != C.dim() or (B.dim() == 3 and B.shape[1] != C.shape[1]):
+        raise ValueError(f"C: expected the same groups as B {tuple(B.shape)}, got {tuple(C.shape)}")
+    for name, v in (("D", D), ("dt_bias", dt_bias)):
+        if v is not None:
+            check_tensor(name, v, dtypes=(acc,), device=x.device)
+            check_shape(name, v, tuple(x.shape[1:]))
+    if z is not None:
+        check_tensor("z", z, dtypes=(x.dtype,), device=x.device)
+        check_shape("z", z, x.shape)
+    if not heads:  # Mamba-1 is the head layout with nheads = dim, headdim = 1
+        B3 = B if B.dim() == 3 else B.unsqueeze(1)
+        C3 = C if C.dim() == 3 else C.unsqueeze(1)
+        u = lambda t: t.unsqueeze(-1) if t is not None else None  # noqa: E731
+        if not state.is_contiguous():
+            raise ValueError("state: must be contiguous (it is updated in place)")
+        out = torch.ops.tvm_mamba.selective_state_update(
+            state.unsqueeze(2), u(x), u(dt), A.unsqueeze(1), B3, C3, u(D), u(z), u(dt_bias), bool(dt_softplus))
+        return out.squeeze(-1)
+    return torch.ops.tvm_mamba.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
