@@ -39,7 +39,9 @@ def emit(ops, out: str, n: int, target_kind: str = "cuda", arch: str = "sm_90", 
         defaults = Decisions()
         dispatch.schedule(key, defaults)
         func = dispatch.build_func(key)
-        params = [{"shape": list(tune._shape(p, dict(key.shape_bucket))), "dtype": str(p.dtype)} for p in func.params]
+        analyzer = tune.bucket_analyzer(func, dict(key.shape_bucket))
+        params = [{"shape": list(tune._shape(p, dict(key.shape_bucket), analyzer)), "dtype": str(p.dtype)}
+                  for p in func.params]
         if metaschedule:
             from . import metaschedule as msd
 

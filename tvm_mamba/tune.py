@@ -65,27 +65,46 @@ def candidates(space: dict[str, tuple], defaults: dict, trials: int, seed: int =
     return [default] + rest[: max(trials - 1, 0)]
 
 
-def _shape(param, bucket: dict) -> tuple[int, ...]:
+def _shape(param, bucket: dict, analyzer=None) -> tuple[int, ...]:
+    """A parameter's concrete shape at the bucket: symbolic dims (bare vars or expressions of them, such
+    as a checkpoint count ceil(seqlen / chunk)) are evaluated with the bucket's values bound."""
     dims = []
     for s in param.shape:
-        if isinstance(s, tvm.tirx.IntImm) or isinstance(s, int):
+        if isinstance(s, (int, tvm.tirx.IntImm)):
             dims.append(int(s))
-        else:
-            name = getattr(s, "name", str(s))
-            if name not in bucket:
-                raise ValueError(f"tuning: no bucket value for symbolic dim {name!r}")
-            dims.append(int(bucket[name]))
+            continue
+        if isinstance(s, tvm.tirx.Var) and s.name not in bucket:
+            raise ValueError(f"tuning: no bucket value for symbolic dim {s.name!r}")
+        value = analyzer.simplify(s) if analyzer is not None else s
+        if not isinstance(value, tvm.tirx.IntImm):
+            value = bucket.get(getattr(s, "name", None))
+            if value is None:
+                raise ValueError(f"tuning: cannot evaluate dim {s} at bucket {bucket}")
+        dims.append(int(value))
     return tuple(dims)
+
+
+def bucket_analyzer(func, bucket: dict):
+    """An arith Analyzer with every symbolic dim var of ``func`` bound to its bucket value."""
+    from tvm.sym.analyzer import Analyzer
+
+    analyzer = Analyzer()
+    for p in func.params:
+        for s in p.shape:
+            if isinstance(s, tvm.tirx.Var) and s.name in bucket:
+                analyzer.bind(s, tvm.tirx.const(int(bucket[s.name]), "int32"))
+    return analyzer
 
 
 def make_args(key: KernelKey, dev, seed: int = 0) -> list:
     """Inputs of the bucket's shape: random floats in [-1, 1), zeros for integer tensors."""
     func = dispatch.build_func(key)
     bucket = dict(key.shape_bucket)
+    analyzer = bucket_analyzer(func, bucket)
     rng = np.random.default_rng(seed)
     args = []
     for p in func.params:
-        shape, dtype = _shape(p, bucket), str(p.dtype)
+        shape, dtype = _shape(p, bucket, analyzer), str(p.dtype)
         if dtype.startswith("float") or dtype == "bfloat16":
             host = rng.uniform(-1, 1, size=shape).astype("float32")
             if dtype == "bfloat16":
@@ -144,6 +163,8 @@ class RPCMeasurer:
 def tune_one(key: KernelKey, measure, trials: int) -> tuple[dict, float, float, int]:
     """(best decisions, best time, default time, number of candidates) for one workload."""
     space = design_space(key)
+    if not space:
+        raise ValueError("its schedule has no knobs to tune")
     defaults = Decisions()
     dispatch.schedule(key, defaults)
     cands = candidates(space, defaults.used, trials)
