@@ -38,8 +38,10 @@ from .torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # n
 from .torch_ops.ssd import mamba_chunk_scan_combined  # noqa: E402,F401
 from .torch_ops.selective_scan import selective_scan_fn, selective_state_update  # noqa: E402,F401
 from .torch_ops.rmsnorm_gated import rmsnorm_fn  # noqa: E402,F401
+from .modules import Mamba, Mamba2, MambaConfig, MambaLMHeadModel, RMSNormGated  # noqa: E402,F401
 from .explain import explain  # noqa: E402,F401
 from .runtime.tuning import tuning_logs  # noqa: E402,F401
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "mamba_chunk_scan_combined", "selective_scan_fn",
-           "selective_state_update", "rmsnorm_fn", "explain", "tuning_logs", "__version__"]
+           "selective_state_update", "rmsnorm_fn", "Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel",
+           "RMSNormGated", "explain", "tuning_logs", "__version__"]

@@ -35,6 +35,7 @@ RECORDS = "records.jsonl"
 _state = threading.local()
 
 
+@functools.lru_cache(maxsize=None)  # find_spec checks the filesystem: ~0.4 ms per kernel call otherwise
 def package_logs_dir() -> pathlib.Path:
     spec = importlib.util.find_spec("tvm_mamba.tuning_logs")
     if spec is not None and spec.submodule_search_locations:
@@ -57,6 +58,7 @@ def tuning_logs(enabled: bool = True, path: str | os.PathLike | None = None):
     ``path=`` reads another logs folder for the block."""
     prev = getattr(_state, "enabled", True), getattr(_state, "path", None)
     _state.enabled, _state.path = enabled, (str(path) if path else prev[1])
+    refresh()
     try:
         yield
     finally:
@@ -162,12 +164,29 @@ def _load(root: str, dev: str, stamp: tuple) -> dict:
     return index
 
 
+_STAMP_TTL_S = 1.0  # re-stat the logs at most once a second: plan() runs on every kernel call
+_stamps: dict[tuple[str, str], tuple[float, tuple]] = {}
+
+
+def refresh() -> None:
+    """Forget cached log state (the next lookup re-reads changed files)."""
+    _stamps.clear()
+
+
 def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
+    import time
+
+    now = time.monotonic()
+    cached = _stamps.get((str(root), dev))
+    if cached is not None and now - cached[0] < _STAMP_TTL_S:
+        return cached[1]
     folder = root / dev
     try:
-        return tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.rglob("*.json*")))
+        stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.rglob("*.json*")))
     except OSError:
-        return ()
+        stamp = ()
+    _stamps[(str(root), dev)] = (now, stamp)
+    return stamp
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -219,6 +238,7 @@ def write_meta(folder: pathlib.Path, device: str, budget: dict) -> None:
     import datetime
 
     folder.mkdir(parents=True, exist_ok=True)
+    refresh()
     meta = dict(running_meta(), device=device, date=datetime.date.today().isoformat(), budget=budget)
     tmp = folder / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
@@ -230,6 +250,7 @@ def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s:
     """Append one record line (flushed and fsynced: an interrupted run leaves a valid log)."""
     path = folder / key.op / RECORDS
     path.parent.mkdir(parents=True, exist_ok=True)
+    refresh()
     line = json.dumps({"key": key.to_json(), "decisions": decisions, "time_s": time_s,
                        "default_time_s": default_time_s, "candidates": candidates}, sort_keys=True)
     with open(path, "a+b") as f:
