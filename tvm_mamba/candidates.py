@@ -39,9 +39,10 @@ def emit(ops, out: str, n: int, target_kind: str = "cuda", arch: str = "sm_90", 
         defaults = Decisions()
         dispatch.schedule(key, defaults)
         func = dispatch.build_func(key)
-        analyzer = tune.bucket_analyzer(func, dict(key.shape_bucket))
-        params = [{"shape": list(tune._shape(p, dict(key.shape_bucket), analyzer)), "dtype": str(p.dtype)}
-                  for p in func.params]
+        dims = dict(key.shape_bucket)
+        dims.update(tune._derived(key, dims))
+        analyzer = tune.bucket_analyzer(func, dims)
+        params = [{"shape": list(tune._shape(p, dims, analyzer)), "dtype": str(p.dtype)} for p in func.params]
         if metaschedule:
             from . import metaschedule as msd
 

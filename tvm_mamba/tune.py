@@ -40,13 +40,38 @@ def _configs(op: str, preset: str):
     return mod.build_check_configs() if hasattr(mod, "build_check_configs") else []
 
 
+def symbolic_dims(key: KernelKey) -> list[str]:
+    """Names of the kernel's symbolic (dynamic) dims, e.g. ["batch", "seqlen"] or ["rows"] or ["M"]."""
+    names = []
+    for p in dispatch.build_func(key).params:
+        for d in p.shape:
+            if isinstance(d, tvm.tirx.Var) and d.name not in names:
+                names.append(d.name)
+    return names
+
+
+def bucket_for(names: list[str], batch: int, seqlen: int) -> dict[str, int]:
+    """The grid point (batch, seqlen) in the kernel's own dims: batch and seqlen as such; any other dynamic
+    dim (token rows of a norm, M of an int8 matmul) is the token count batch*seqlen."""
+    return {n: batch if n == "batch" else seqlen if n == "seqlen" else batch * seqlen for n in names}
+
+
+def _derived(key: KernelKey, dims: dict) -> dict:
+    """Dims the op derives from the others (e.g. a reduction's part count), via compute.<op>.derived_dims."""
+    fn = getattr(importlib.import_module(f"tvm_mamba.compute.{key.op}"), "derived_dims", None)
+    return fn(key.direction, dims) if fn is not None else {}
+
+
 def workloads(ops, target, preset: str = "default", seqlens=SEQLENS, batches=BATCHES) -> list[KernelKey]:
     tkey = target_key(target)
     keys = []
     for op in ops:
         for direction, static, dtypes in _configs(op, preset):
+            base = KernelKey.make(op, direction, dtypes, static, tkey)
+            names = symbolic_dims(base)
+            names = [n for n in names if n not in _derived(base, {n: 1 for n in names})]
             for b, L in itertools.product(batches, seqlens):
-                keys.append(KernelKey.make(op, direction, dtypes, static, tkey, {"batch": b, "seqlen": L}))
+                keys.append(KernelKey.make(op, direction, dtypes, static, tkey, bucket_for(names, b, L)))
     return list(dict.fromkeys(keys))
 
 
@@ -100,6 +125,7 @@ def make_args(key: KernelKey, dev, seed: int = 0) -> list:
     """Inputs of the bucket's shape: random floats in [-1, 1), zeros for integer tensors."""
     func = dispatch.build_func(key)
     bucket = dict(key.shape_bucket)
+    bucket.update(_derived(key, bucket))
     analyzer = bucket_analyzer(func, bucket)
     rng = np.random.default_rng(seed)
     args = []

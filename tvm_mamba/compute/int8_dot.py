@@ -131,3 +131,9 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             ("dgrad", dict(heads=8, N=1024, K=128), {}), ("dgrad", dict(heads=1, N=1024, K=1024), {}),
             ("wgrad", dict(heads=8, code_heads=1, N=1024, K=128), {}),
             ("wgrad", dict(heads=1, code_heads=1, N=1024, K=2048), {})]
+
+
+def derived_dims(direction: str, dims: dict) -> dict:
+    """Dynamic dims that follow from the others (for tuning-time inputs): wgrad's stage-1 part count,
+    clamp(M // 512, 1, 8) as torch_ops/int8_dot.py allocates it."""
+    return {"nparts": max(1, min(dims["M"] // 512, 8))} if direction == "wgrad" and "M" in dims else {}

@@ -181,3 +181,9 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
         out.append((direction, dict(hidden=2048, group_size=2048, eps=1e-5, has_bias=True, has_z=False,
                                     norm_before_gate=True), dict(x="float32", weight="float32")))
     return out
+
+
+def derived_dims(direction: str, dims: dict) -> dict:
+    """Dynamic dims that follow from the others (for tuning-time inputs): the backward's stage-1 part
+    count, min(rows, 64) as torch_ops/rmsnorm_gated.py allocates it."""
+    return {"nparts": min(dims["rows"], 64)} if direction == "bwd" and "rows" in dims else {}
