@@ -76,7 +76,8 @@ def test_malformed_foreign_and_mismatched_logs_are_skipped_with_a_warning(logs):
     with open(rec, "a") as f:
         f.write('{"key": {"op": "causal_conv1d"}, "decisions": "import os"}\n')  # foreign / wrong types
         f.write('{"key": {"op": "causal_conv1d", "direc')  # truncated by an interrupted run
-    tuning.refresh()  # logs are re-read at most once a second; this test edits them by hand    with warnings.catch_warnings(record=True) as caught:
+    tuning.refresh()  # logs are re-read at most once a second; this test edits them by hand
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = dispatch.plan(_key(seqlen=256))
     assert dict(plan.decisions) == {"vector": 8}
@@ -162,8 +163,9 @@ def test_committed_record_replays_and_matches_the_default(key, decisions):
         return
     if key.target != target_key(cpu_target()):
         pytest.skip(f"record for another CPU ({key.target})")
+    names = list(dict(key.shape_bucket))
     small = KernelKey.make(key.op, key.direction, dict(key.dtypes), dict(key.static_dims), key.target,
-                           {**dict(key.shape_bucket), "batch": 1, "seqlen": 37})
+                           tune.bucket_for(names, 1, 37))  # a small, odd shape inside the kernel's domain
     results = []
     for mod in (tuned_mod, dispatch.schedule(key, Decisions())):
         ex = compile_module(key, mod)
@@ -171,4 +173,4 @@ def test_committed_record_replays_and_matches_the_default(key, decisions):
         ex[f"{key.op}_{key.direction}"](*args)
         results.append([a.numpy().astype("float64") for a in args])
     for tuned, default in zip(*results):
-        np.testing.assert_allclose(tuned, default, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(tuned, default, rtol=1e-3, atol=1e-3)  # fp32, another summation order
