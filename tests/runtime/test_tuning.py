@@ -114,18 +114,32 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _wait_for(cond, what: str, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} not ready after {timeout}s")
+
+
 def test_tuning_through_an_rpc_tracker_on_loopback(logs):
     pytest.importorskip("tornado")
+    from tvm import rpc
+
     port = _free_port()
     tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
                                 "--port-end", str(port + 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = None
     try:
-        time.sleep(2)
+        _wait_for(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() is None, "RPC tracker")
         server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
                                    "--key", "loopback", "--host", "127.0.0.1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(3)
+        _wait_for(lambda: "loopback" in str(rpc.connect_tracker("127.0.0.1", port).summary()), "RPC server")
         folder = tune.run(["causal_conv1d"], preset="mamba-130m", seqlens=(64,), batches=(1,), trials=2,
                           out=str(logs / "rpc"), rpc_tracker=f"127.0.0.1:{port}", rpc_key="loopback")
         lines = (folder / "causal_conv1d" / "records.jsonl").read_text().splitlines()

@@ -24,13 +24,13 @@ No cumulative products or divisions by running decays: only the step recurrence 
 from __future__ import annotations
 
 import functools
-import math
 
 from tvm import tirx
 from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
+from ._selective_scan_dims import block_size, chunk_size  # noqa: F401  (re-exported)
 
 IO_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -228,20 +228,6 @@ def selective_scan_fwd(dim: int, dstate: int, b_groups: int = 0, c_groups: int =
                      chunk, u_dtype, B_dtype, C_dtype)
     func = selective_scan_fwd_template(**static)
     return stamp(func, "selective_scan_fwd", static)
-
-
-def chunk_size(dstate: int) -> int:
-    """Default checkpoint interval (the torch op's choice; a static dim of the kernels)."""
-    return max(8, min(48, 4096 // dstate))
-
-
-def block_size(dim: int, b_groups: int, c_groups: int, want: int = 16) -> int:
-    """Channels per backward lane: the largest divisor <= want of every group's channel count."""
-    g = dim
-    for groups in (b_groups, c_groups):
-        if groups:
-            g = math.gcd(g, dim // groups)
-    return max(k for k in range(1, min(want, g) + 1) if g % k == 0)
 
 
 def selective_scan_bwd_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool, has_z: bool,

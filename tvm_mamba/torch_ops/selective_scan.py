@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.selective_scan import block_size, chunk_size
+from ..compute._selective_scan_dims import block_size, chunk_size
 from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, tvm_dtype
 
 OP = "selective_scan"
