@@ -39,9 +39,21 @@ def exp(x):
     return tirx.Select(bits > tirx.const(0x7F800000, "int32"), x, res)
 
 
+def reciprocal(d):
+    """1 / d for d >= 1 (the sigmoid denominator), division-free: a bit-trick first guess (rel. error
+    <= 12%) and three Newton steps r <- r (2 - d r) (error squares each step: ~1e-7 after three). vdivps on
+    zmm costs ~10 cycles of throughput; this is six FMAs (conv1d + SiLU forward at (4, 768, 2048): 1.75 -> 1.67 ms)."""
+    d = tirx.min(d, _c(4.0e37))  # keeps the bit-trick guess a normal float (1/4e37 = 2.5e-38)
+    guess = tirx.reinterpret("float32", tirx.const(0x7EF311C3, "int32") - tirx.reinterpret("int32", d))
+    r = guess
+    for _ in range(3):
+        r = r * (_c(2.0) - d * r)
+    return r
+
+
 def sigmoid(x):
     """1 / (1 + e^-x)."""
-    return _c(1.0) / (_c(1.0) + exp(-x))
+    return reciprocal(_c(1.0) + exp(-x))
 
 
 def silu(x):
