@@ -27,6 +27,7 @@ CH = 16  # channels per vector in the channels layout (one zmm of fp32)
 
 _TEMPLATES = {
     "selective_scan_fwd": compute.selective_scan_fwd_template,
+    "selective_scan_fwd_chunked": compute.selective_scan_fwd_chunked_template,
     "selective_scan_bwd": compute.selective_scan_bwd_template,
     "selective_scan_update": compute.selective_scan_update_template,
 }

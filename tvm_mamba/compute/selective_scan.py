@@ -510,8 +510,11 @@ def selective_scan_bwd(dim: int, dstate: int, b_groups: int = 0, c_groups: int =
     return stamp(func, "selective_scan_bwd", static)
 
 
-# The decode step lives in _selective_scan_update.py (imported here, after the helpers it uses are defined).
+# The decode step and the chunked (parallel-in-time) forward live in their own files (imported here, after
+# the helpers they use are defined).
 from ._selective_scan_update import selective_scan_update, selective_scan_update_template  # noqa: E402,F401
+from ._selective_scan_chunked import (  # noqa: E402,F401
+    selective_scan_fwd_chunked, selective_scan_fwd_chunked_template)
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
