@@ -22,7 +22,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import stamp
-from .selective_scan import _check, _lanes, _Math, _static, _vec_loop, acc_dtype
+from .selective_scan import _check, _fwd_step_fns, _lanes, _Math, _static, _vec_loop, acc_dtype
 
 
 def selective_scan_fwd_chunked_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool,
@@ -37,23 +37,9 @@ def selective_scan_fwd_chunked_template(dim: int, dstate: int, b_groups: int, c_
     m = _Math(ACC)
     OUTER = _lanes(mode, 1)[0]
     VEC = _vec_loop(mode)
-    BPG = dim // b_groups if b_groups else 1
-    CPG = dim // c_groups if c_groups else 1
     VARB, VARC = b_groups > 0, c_groups > 0
-
-    def bval(Bm, b, d, t, n):
-        return m.cast(Bm[b, d // BPG, t, n]) if VARB else m.cast(Bm[d, n])
-
-    def cval(Cm, b, d, t, n):
-        return m.cast(Cm[b, d // CPG, t, n]) if VARC else m.cast(Cm[d, n])
-
-    def dt_of(delta, db, b, d, t):
-        x = m.cast(delta[b, d, t]) + (db[d] if has_delta_bias else m.zero)
-        return m.softplus(x) if delta_softplus else x
-
-    def finish(yb, u, Dv, z, b, d, t0, i):
-        y = yb[i] + (Dv[d] * m.cast(u[b, d, t0 + i]) if has_D else m.zero)
-        return (y * m.silu(m.cast(z[b, d, t0 + i])) if has_z else y).astype(u_dtype)
+    bval, cval, dt_of, finish = _fwd_step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus, has_D,
+                                              has_z, u_dtype)
 
     @T.prim_func
     def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,

@@ -102,21 +102,12 @@ def _vec_loop(mode: str):
     return T.vectorized if mode == "cpu" else T.serial
 
 
-def selective_scan_fwd_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool, has_z: bool,
-                                has_delta_bias: bool, delta_softplus: bool, has_init: bool, chunk: int,
-                                u_dtype: str, B_dtype: str, C_dtype: str, mode: str = "generic",
-                                vec: int = 1, tvec: int = 16, threads: int = 64) -> tirx.PrimFunc:
-    """The forward loop nest; ``mode`` "generic" (serial) or "cpu" (parallel lanes, dstate vectors of ``vec``,
-    per-step scalar math in time vectors of ``tvec``)."""
-    N, V, TV = dstate, vec, tvec
-    NV = N // V
-    ACC = acc_dtype(u_dtype)
-    m = _Math(ACC)
-    OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
-    VEC = _vec_loop(mode)
+def _fwd_step_fns(m: "_Math", dim, b_groups, c_groups, has_delta_bias, delta_softplus, has_D, has_z, u_dtype):
+    """The forward's per-step expressions, shared by the sequential and chunked templates:
+    bval/cval: B_t[n], C_t[n] of channel d (time-invariant or per group); dt_of: softplus?(delta + bias);
+    finish: out = (y + D u) * silu(z) in u's dtype, y read from the chunk's y buffer."""
     BPG = dim // b_groups if b_groups else 1  # channels per group
     CPG = dim // c_groups if c_groups else 1
-    VARB, VARC = b_groups > 0, c_groups > 0
 
     def bval(Bm, b, d, t, n):
         return m.cast(Bm[b, d // BPG, t, n]) if b_groups else m.cast(Bm[d, n])
@@ -131,6 +122,25 @@ def selective_scan_fwd_template(dim: int, dstate: int, b_groups: int, c_groups: 
     def finish(yb, u, Dv, z, b, d, t0, i):
         y = yb[i] + (Dv[d] * m.cast(u[b, d, t0 + i]) if has_D else m.zero)
         return (y * m.silu(m.cast(z[b, d, t0 + i])) if has_z else y).astype(u_dtype)
+
+    return bval, cval, dt_of, finish
+
+
+def selective_scan_fwd_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool, has_z: bool,
+                                has_delta_bias: bool, delta_softplus: bool, has_init: bool, chunk: int,
+                                u_dtype: str, B_dtype: str, C_dtype: str, mode: str = "generic",
+                                vec: int = 1, tvec: int = 16, threads: int = 64) -> tirx.PrimFunc:
+    """The forward loop nest; ``mode`` "generic" (serial) or "cpu" (parallel lanes, dstate vectors of ``vec``,
+    per-step scalar math in time vectors of ``tvec``)."""
+    N, V, TV = dstate, vec, tvec
+    NV = N // V
+    ACC = acc_dtype(u_dtype)
+    m = _Math(ACC)
+    OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
+    VEC = _vec_loop(mode)
+    VARB, VARC = b_groups > 0, c_groups > 0
+    bval, cval, dt_of, finish = _fwd_step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus, has_D,
+                                              has_z, u_dtype)
 
     @T.prim_func
     def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
