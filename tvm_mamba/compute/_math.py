@@ -1,4 +1,4 @@
-"""Vectorizable float32 math for CPU loop nests: exp, sigmoid, silu, softplus, log1p-free softplus.
+"""Vectorizable float32 math for CPU loop nests: exp, sigmoid, tanh, silu, softplus.
 
 Why: TVM lowers ``T.exp`` to LLVM's ``llvm.exp`` intrinsic, which LLVM scalarizes into one libm call per
 vector lane (a conv1d + SiLU went from 0.42 ms to 9.5 ms). These versions are plain arithmetic, so a
@@ -56,15 +56,40 @@ def sigmoid(x):
     return reciprocal(_c(1.0) + exp(-x))
 
 
+# tanh(x) ~ x P(x^2) / Q(x^2) on |x| <= 9 (tanh rounds to +-1 in float32 beyond ~8.7): a (9, 8) rational
+# fitted here by iteratively reweighted least squares on the relative error (fit error 2e-8; evaluated in
+# float32 the error is <= 3.3e-7 relative, tests/compute/test_math.py).
+_TANH_P = (0.9999999795613904, 0.13381029497634064, 0.0034955905176978896, 2.06090405435586e-05,
+           1.3354477704104973e-08)
+_TANH_Q = (1.0, 0.46714345160432946, 0.025876996961711585, 0.0003285635088399482, 7.776508087962017e-07)
+
+
+def _poly(coeffs, u):
+    acc = _c(coeffs[-1])
+    for coef in reversed(coeffs[:-1]):
+        acc = acc * u + _c(coef)
+    return acc
+
+
+def tanh(x):
+    """tanh(x) as one rational function: 2 clamps, 9 FMAs and one division, no exp (cheaper than
+    exp + reciprocal; SiLU through it made the conv1d + SiLU forward at (4, 768, 2048) 1.85 -> 1.15 ms)."""
+    xc = tirx.min(tirx.max(x, _c(-9.0)), _c(9.0))
+    u = xc * xc
+    return xc * _poly(_TANH_P, u) / _poly(_TANH_Q, u)
+
+
 def silu(x):
-    """x * sigmoid(x)."""
-    return x * sigmoid(x)
+    """x * sigmoid(x) = h + h tanh(h), h = x / 2. For x < 0 the factor 1 + tanh(h) cancels: absolute error
+    <= 2e-7 |x| (about one float32 ulp of x), relative 2e-6 elsewhere."""
+    h = _c(0.5) * x
+    return h + h * tanh(h)
 
 
 def silu_grad(x):
-    """d silu / dx = s * (1 + x * (1 - s)), s = sigmoid(x)."""
-    s = sigmoid(x)
-    return s * (_c(1.0) + x * (_c(1.0) - s))
+    """d silu / dx = s (1 + x (1 - s)) with s = (1 + t) / 2, t = tanh(x / 2): (1 + t) / 2 + x (1 - t^2) / 4."""
+    t = tanh(_c(0.5) * x)
+    return _c(0.5) + _c(0.5) * t + _c(0.25) * x * (_c(1.0) - t * t)
 
 
 def log1p_small(y):
