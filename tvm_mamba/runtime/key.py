@@ -56,7 +56,11 @@ class KernelKey:
 
     def workload(self) -> "KernelKey":
         """The same key without its shape bucket: what the compiled binary depends on."""
-        return dataclasses.replace(self, shape_bucket=())
+        found = self.__dict__.get("_workload")
+        if found is None:  # memoized on the instance (not a field: eq/hash/repr ignore it)
+            found = self if not self.shape_bucket else dataclasses.replace(self, shape_bucket=())
+            object.__setattr__(self, "_workload", found)
+        return found
 
     def to_json(self) -> dict:
         return {"op": self.op, "direction": self.direction, "dtypes": dict(self.dtypes),

@@ -44,8 +44,13 @@ def package_logs_dir() -> pathlib.Path:
 
 
 def logs_dir() -> pathlib.Path:
-    override = getattr(_state, "path", None)
-    return pathlib.Path(override or os.environ.get(ENV) or package_logs_dir())
+    override = getattr(_state, "path", None) or os.environ.get(ENV)
+    return _as_path(str(override)) if override else package_logs_dir()
+
+
+@functools.lru_cache(maxsize=64)
+def _as_path(raw: str) -> pathlib.Path:
+    return pathlib.Path(raw)
 
 
 def enabled() -> bool:
@@ -171,6 +176,7 @@ _stamps: dict[tuple[str, str], tuple[float, tuple]] = {}
 def refresh() -> None:
     """Forget cached log state (the next lookup re-reads changed files)."""
     _stamps.clear()
+    _dev_memo.clear()
 
 
 def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
@@ -194,15 +200,40 @@ def _distance(a: dict, b: dict) -> float:
     return sum(abs(math.log2(max(a.get(n, 1), 1)) - math.log2(max(b.get(n, 1), 1))) for n in names)
 
 
+_dev_memo: dict[tuple[str, str], str] = {}
+_found_memo: dict[tuple, object] = {}  # (key, root, dev, stamp) -> find_record's answer (runs on every call)
+
+
+def _device_folder(root: pathlib.Path, target_key: str) -> str:
+    memo = (str(root), target_key)
+    dev = _dev_memo.get(memo)
+    if dev is None:
+        dev = device_key(target_key)
+        if target_key.startswith("cuda-"):  # the GPU model is not in the target key: take this arch's folder
+            found = sorted(root.glob(f"nvidia-*-{target_key[5:].replace('_', '')}"))
+            dev = found[0].name if found else dev
+        _dev_memo[memo] = dev
+    return dev
+
+
 def find_record(key: KernelKey, dev: str | None = None):
     """(record dict, file) serving ``key``, or None."""
     root = logs_dir()
     if dev is None:
-        dev = device_key(key.target)
-        if key.target.startswith("cuda-"):  # the GPU model is not in the target key: take this arch's folder
-            found = sorted(root.glob(f"nvidia-*-{key.target[5:].replace('_', '')}"))
-            dev = found[0].name if found else dev
-    index = _load(str(root), dev, _folder_stamp(root, dev))
+        dev = _device_folder(root, key.target)
+    stamp = _folder_stamp(root, dev)
+    memo = (key, str(root), dev, stamp)
+    if memo in _found_memo:
+        return _found_memo[memo]
+    if len(_found_memo) > 4096:
+        _found_memo.clear()
+    found = _find(key, root, dev, stamp)
+    _found_memo[memo] = found
+    return found
+
+
+def _find(key: KernelKey, root: pathlib.Path, dev: str, stamp: tuple):
+    index = _load(str(root), dev, stamp)
     entries = index.get(key.workload())
     if not entries:
         return None

@@ -45,9 +45,21 @@ def dummy(device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
 
 def kernel_for(op: str, direction: str, device, dtypes: dict, static: dict, **dynamic: int):
     """Build or load the kernel for a call on ``device``; ``dynamic`` dims only choose the bucket."""
-    key = KernelKey.make(op, direction, dtypes, static, device_target_key(device),
-                         shape_bucket(**dynamic))
+    target = device_target_key(device)
+    bucket = shape_bucket(**dynamic)
+    try:
+        memo = (op, direction, target, tuple(dtypes.items()), tuple(static.items()), tuple(bucket.items()))
+        key = _keys.get(memo)
+    except TypeError:  # an unhashable static value: no memo (KernelKey.make validates it)
+        memo, key = None, None
+    if key is None:
+        key = KernelKey.make(op, direction, dtypes, static, target, bucket)
+        if memo is not None and len(_keys) < 65536:
+            _keys[memo] = key
     return build_and_load(key)
+
+
+_keys: dict[tuple, KernelKey] = {}  # call signature -> its KernelKey (building one costs ~5 us per call)
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None) -> None:
