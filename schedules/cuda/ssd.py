@@ -65,7 +65,7 @@ class _Ctx:
 
     def __init__(self, s):
         self.s = s
-        self.H, self.Q = s["nheads"], s["chunk_size"]
+        self.H, self.Q = s["nheads"], s.get("chunk_size", 1)  # head_sum has no chunk
         self.G = s.get("ngroups", 1)
         self.R = self.H // self.G
         self.seq = s.get("has_seq_idx", False)
@@ -356,13 +356,40 @@ def _state_passing_bwd(s, TH):
     return func
 
 
+def _head_sum(s, TH):
+    k = _Ctx(s)
+    H, N, out_dtype = s["nheads"], s["dstate"], s["out_dtype"]
+    G, R = k.G, k.R
+
+    @T.prim_func
+    def func(ph_h: T.handle, o_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        per_head = T.match_buffer(ph_h, (Bt, L, H, N), F32)
+        out = T.match_buffer(o_h, (Bt, L, G, N), out_dtype)
+        for bx in k.loop(T.ceildiv(Bt * L * G * N, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((1,), F32, scope=k.scope)
+                i = T.meta_var(bx * TH + tx)
+                bt = T.meta_var(i // (G * N))
+                g = T.meta_var(i // N % G)
+                n = T.meta_var(i % N)
+                if i < Bt * L * G * N:
+                    acc[0] = T.float32(0)
+                    for r in range(R):
+                        acc[0] = acc[0] + per_head[bt // L, bt % L, g * R + r, n]
+                    out[bt // L, bt % L, g, n] = acc[0].astype(out_dtype)
+
+    return func
+
+
 # the chunk-scan templates (forward, dstates, backward) are in _ssd_scan.py (file size)
 from ._ssd_scan import _chunk_scan, _chunk_scan_bwd, _chunk_scan_bwd_dstates  # noqa: E402
 
 TEMPLATES = {"ssd_chunk_cumsum": _cumsum, "ssd_chunk_cumsum_bwd": _cumsum_bwd, "ssd_chunk_state": _chunk_state,
              "ssd_state_passing": _state_passing, "ssd_state_passing_bwd": _state_passing_bwd,
              "ssd_chunk_scan": _chunk_scan, "ssd_chunk_scan_bwd_dstates": _chunk_scan_bwd_dstates,
-             "ssd_chunk_scan_bwd": _chunk_scan_bwd}
+             "ssd_chunk_scan_bwd": _chunk_scan_bwd, "ssd_head_sum": _head_sum}
 
 
 def template(name: str, static: dict, threads: int = 128, serial: bool = False):

@@ -342,12 +342,40 @@ def ssd_state_passing_bwd(nheads: int, headdim: int, dstate: int, chunk_size: in
                                                       has_seq_idx=has_seq_idx))
 
 
+def ssd_head_sum(nheads: int, ngroups: int, dstate: int, out_dtype: str = F32) -> tirx.PrimFunc:
+    """per_head: (batch, seqlen, nheads, dstate) f32 -> out: (batch, seqlen, ngroups, dstate) in out_dtype,
+    the sum over the heads of each group in head order (dB / dC: the backward writes one partial per head;
+    summing here, in a fixed order, keeps it deterministic without atomics)."""
+    check_dtype("out", out_dtype)
+    H, G, N = nheads, ngroups, dstate
+    R = H // G
+
+    @T.prim_func
+    def func(ph_h: T.handle, o_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        per_head = T.match_buffer(ph_h, (Bt, L, H, N), F32)
+        out = T.match_buffer(o_h, (Bt, L, G, N), out_dtype)
+        for bt in T.parallel(Bt * L):
+            acc = T.alloc_buffer((N,), F32)
+            for g in range(G):
+                for n in T.vectorized(N):
+                    acc[n] = per_head[bt // L, bt % L, g * R, n]
+                for r in range(1, R):
+                    for n in T.vectorized(N):
+                        acc[n] = acc[n] + per_head[bt // L, bt % L, g * R + r, n]
+                for n in T.vectorized(N):
+                    out[bt // L, bt % L, g, n] = acc[n].astype(out_dtype)
+
+    return stamp(func, "ssd_head_sum", dict(nheads=H, ngroups=G, dstate=N, out_dtype=out_dtype))
+
+
 # The two chunk-scan kernels (forward and the per-chunk backward) live in _ssd_scan.py (file size).
 from ._ssd_scan import ssd_chunk_scan, ssd_chunk_scan_bwd_dstates  # noqa: E402,F401
 from ._ssd_scan_bwd import ssd_chunk_scan_bwd  # noqa: E402,F401
 
 DIRECTIONS = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
-              "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd")
+              "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum")
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
@@ -369,4 +397,5 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                     ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts),
                     ("chunk_scan_bwd_dstates", dict(dims, has_z=on, has_seq_idx=on), dts),
                     ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts)]
+        out.append(("head_sum", dict(nheads=80, ngroups=1, dstate=dstate), {"out": "bfloat16"}))
     return out

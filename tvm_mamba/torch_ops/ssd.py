@@ -190,16 +190,19 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
     k.kernel("chunk_cumsum_bwd", k.dt_flags, {})(
         k.dt, _opt(k.dt_bias, k.x, F32, 1), k.A, k.limit, dt_out, ddt_out, ddA, ddecay, ddt, dA_part, dbias_part)
     # fixed-order reductions of the partials (heads of a group, batch, chunks)
-    rep = k.nheads // k.ngroups
-    dB = dBh.view(k.batch, k.seqlen, k.ngroups, rep, k.dstate).sum(3).to(B.dtype)
-    dC = dCh.view(k.batch, k.seqlen, k.ngroups, rep, k.dstate).sum(3).to(C.dtype)
+    head_sum = k.kernel("head_sum", dict(nheads=k.nheads, ngroups=k.ngroups, dstate=k.dstate),
+                        {"out": tvm_dtype(k.B)})
+    dB, dC = (k.new((k.batch, k.seqlen, k.ngroups, k.dstate), k.B.dtype) for _ in range(2))
+    head_sum(dBh, dB)
+    head_sum(dCh, dC)
     dD = _empty(dx)
     if has_D:
         dD = dD_part.sum((0, 1))
         dD = (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else _empty(dx)
     dinit = dinit.to(initial_states.dtype) if initial_states is not None else dinit
-    return (dx, ddt.to(dt.dtype), dA_part.sum(0).to(A.dtype), dB, dC, dD, dz, ddt_bias, dinit)
+    return (dx, ddt.to(dt.dtype), dA_part.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
+            dinit)
 
 
 @ssd_bwd.register_fake
@@ -219,6 +222,10 @@ def _setup_context(ctx, inputs, output):
     (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
      keep_chunk_states) = inputs
     _, _, dt_out, dA_cs, states_in, y_pre = output
+    # the aux outputs carry no gradient; unused gradients stay None (no zero-filled (batch, seqlen, ...)
+    # tensors from the autograd engine: y_pre alone is x's size)
+    ctx.mark_non_differentiable(dt_out, dA_cs, states_in, y_pre)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_out, dA_cs,
                           states_in if keep_chunk_states else None, y_pre if z is not None else None)
     ctx.args = (chunk_size, dt_softplus, tuple(dt_limit))
@@ -227,6 +234,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, dfinal, *_aux):
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_out, dA_cs, states_in, y_pre = ctx.saved_tensors
     chunk_size, dt_softplus, dt_limit = ctx.args
+    if dy is None and dfinal is None:
+        return (None,) * 14
     if dy is None:
         dy = torch.zeros_like(x)
     grads = torch.ops.tvm_mamba.ssd_bwd(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
