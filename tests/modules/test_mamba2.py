@@ -172,6 +172,9 @@ def _ddp_worker(rank, world, port, x, state, out_path):
         (ddp(part) ** 2).mean().backward()
         if rank == 0:
             torch.save({k: p.grad for k, p in m.named_parameters()}, out_path)
+        # both ranks leave together: a rank tearing gloo down while its peer still works aborted the peer once
+        # ("terminate called without an active exception", loaded machine)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
