@@ -17,6 +17,7 @@ ssd_chunk_scan_bwd_dstates   dSloc_c = sum_l exp(dA_cs[l]) g[l] C_l^T (g = dy * 
 ssd_state_passing_bwd  reverse scan: dS_c = dH_{c+1}, dH_c = dSloc_c + a_c dH_{c+1}, dinit = dH_0
 ssd_chunk_scan_bwd     every per-chunk gradient: dx, dB, dC (per head), d dt', d dA_cs, dD
 ssd_chunk_cumsum_bwd   reverse cumsum of d dA_cs -> d dt', d A, through softplus/clamp -> d dt, d dt_bias
+ssd_head_sum           dB, dC: the per-head partials summed over the heads of each group (fixed order)
 =====================  ============================================================================
 
 Segment decays are always exp of a *difference* of cumulative sums, masked (s <= l, same seq_idx) before
