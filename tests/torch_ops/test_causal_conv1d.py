@@ -305,3 +305,33 @@ def test_tensors_reach_the_kernel_as_torch_tensors(monkeypatch):
     x, w, b = _inputs(seqlen=20)
     causal_conv1d_fn(x, w, b, activation="silu")
     assert seen and all(t is torch.Tensor for t in seen[0])
+
+
+def test_eager_calls_skip_the_dispatcher_only_when_nothing_needs_it(monkeypatch):
+    """No-grad eager calls run the op's implementation directly (same kernel, bitwise-equal result); calls that
+    need autograd, a dispatch mode (fake tensors) or compilation go through the registered op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tvm_mamba.torch_ops import causal_conv1d as cc
+    from tvm_mamba.torch_ops._dlpack import eager_direct
+
+    x, w, b = _inputs(seqlen=40)
+    direct = []
+    real = cc._fwd_impl
+    monkeypatch.setattr(cc, "_fwd_impl", lambda *a: direct.append(1) or real(*a))
+    out_direct = causal_conv1d_fn(x, w, b, activation="silu")
+    assert direct == [1]
+    out_op = torch.ops.tvm_mamba.causal_conv1d_fwd(x, w, b, None, None, False, True)[0]
+    assert torch.equal(out_direct, out_op)
+    xg = x.clone().requires_grad_()
+    causal_conv1d_fn(xg, w, b, activation="silu").sum().backward()  # autograd: through the op
+    assert direct == [1] and xg.grad is not None
+    with torch.no_grad():
+        causal_conv1d_fn(xg, w, b, activation="silu")  # no grad needed: direct again
+    assert direct == [1, 1]
+    assert eager_direct(x, None, w) and not eager_direct(xg, w)
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        assert not eager_direct(fx)
+        assert causal_conv1d_fn(fx, mode.from_tensor(w), mode.from_tensor(b)).shape == x.shape  # the fake impl
+    assert direct == [1, 1]

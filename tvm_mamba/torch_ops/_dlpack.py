@@ -39,7 +39,10 @@ def _dummy(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
 
 
 def dummy(device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    """A (1,)*ndim placeholder for an absent optional input (its static flag tells the kernel to ignore it)."""
+    """A (1,)*ndim placeholder for an absent optional input or output (its static flag tells the kernel to
+    ignore it; kernels never write one). Cached: a fresh 4-byte tensor allocated per call after a large
+    output sat on top of glibc's heap and made every next large allocation page-fault (conv1d forward at
+    (4, 768, 2048): 245-980 faults per call, +0.1-0.2 ms)."""
     return _dummy(torch.device(device), dtype, ndim)
 
 
@@ -60,6 +63,26 @@ def kernel_for(op: str, direction: str, device, dtypes: dict, static: dict, **dy
 
 
 _keys: dict[tuple, KernelKey] = {}  # call signature -> its KernelKey (building one costs ~5 us per call)
+
+
+def eager_direct(*tensors) -> bool:
+    """True when an op call may run its implementation directly instead of through the torch dispatcher:
+    eager mode (not compiling, no dispatch or function modes), plain tensors (no subclasses such as
+    FakeTensor, no functorch wrappers) and no gradient needed. The dispatcher and custom-op wrapper cost
+    0.1-0.2 ms per call for large tensors here (conv1d forward at (4, 768, 2048): 1.30 vs 1.15 ms), more than
+    the whole dispatch of a small call; everything else (autograd, torch.compile, opcheck, fake tensors) goes
+    through the registered op."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
+            torch._C._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or (grad and t.requires_grad) or \
+                torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+    return True
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None) -> None:

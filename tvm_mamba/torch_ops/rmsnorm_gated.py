@@ -77,8 +77,8 @@ def rmsnorm_gated_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
     kern = kernel_for(OP, "bwd", x.device, _dtypes(x, weight),
                       _static(x, bias, z, eps, group_size, norm_before_gate), rows=rows)
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(z, x, x.dtype, 2), dout, rstd, dx,
-         dz if z is not None else x.new_empty((1, 1)), dweight,
-         dbias if bias is not None else weight.new_empty((1,)), partial)
+         dz if z is not None else dummy(x.device, x.dtype, 2), dweight,
+         dbias if bias is not None else dummy(x.device, weight.dtype, 1), partial)
     return dx, dz, dweight, dbias
 
 

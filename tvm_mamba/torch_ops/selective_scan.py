@@ -148,10 +148,11 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     du, ddelta = torch.empty_like(u), torch.empty_like(u)
     dA = torch.empty_like(prepare(A))
     dBk, dCk = torch.empty_like(Bk), torch.empty_like(Ck)
-    dD = torch.empty_like(D) if D is not None else u.new_empty((1,), dtype=acc)
-    dz = torch.empty_like(u) if z is not None else u.new_empty((1, 1, 1))
-    ddb = torch.empty_like(delta_bias) if delta_bias is not None else u.new_empty((1,), dtype=acc)
-    dinit = u.new_empty((batch, dim, dstate), dtype=acc) if initial_state is not None else u.new_empty((1, 1, 1), dtype=acc)
+    dD = torch.empty_like(D) if D is not None else dummy(u.device, acc, 1)
+    dz = torch.empty_like(u) if z is not None else dummy(u.device, u.dtype, 3)
+    ddb = torch.empty_like(delta_bias) if delta_bias is not None else dummy(u.device, acc, 1)
+    dinit = (u.new_empty((batch, dim, dstate), dtype=acc) if initial_state is not None
+             else dummy(u.device, acc, 3))  # cached placeholder: a fresh small tensor after big ones page-faults
     ws = dict(dtype=acc, device=u.device)
     wsA = torch.empty((batch, dim, dstate), **ws)
     wsB = torch.empty((batch, dim // blk, seqlen, dstate) if bg else (batch, dim, dstate), **ws)
