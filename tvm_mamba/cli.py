@@ -37,7 +37,9 @@ def cmd_info(args) -> int:
     print(f"tvm_mamba {tvm_mamba.__version__}  (tvm {tvm.__version__}, tvm-ffi {tvm_ffi.__version__}, "
           f"torch {torch.__version__})")
     print(f"cpu target:  {target_for_device('cpu')}")
-    print(f"threads:     TVM {__import__('os').environ.get('TVM_NUM_THREADS')}, torch {torch.get_num_threads()}")
+    env = __import__("os").environ
+    print(f"threads:     TVM {env.get('TVM_NUM_THREADS')} (bind {env.get('TVM_BIND_THREADS')}), "
+          f"torch {torch.get_num_threads()}")
     if torch.cuda.is_available():
         print(f"cuda target: {target_for_device('cuda:0')}")
     print(f"cache:       {cache.cache_root()}")
