@@ -317,8 +317,8 @@ def test_eager_calls_skip_the_dispatcher_only_when_nothing_needs_it(monkeypatch)
 
     x, w, b = _inputs(seqlen=40)
     direct = []
-    real = cc._fwd_impl
-    monkeypatch.setattr(cc, "_fwd_impl", lambda *a: direct.append(1) or real(*a))
+    real = cc.causal_conv1d_fwd._init_fn
+    monkeypatch.setattr(cc.causal_conv1d_fwd, "_init_fn", lambda *a: direct.append(1) or real(*a))
     out_direct = causal_conv1d_fn(x, w, b, activation="silu")
     assert direct == [1]
     out_op = torch.ops.tvm_mamba.causal_conv1d_fwd(x, w, b, None, None, False, True)[0]

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, eager_direct, kernel_for, prepare, tvm_dtype
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "causal_conv1d"
 
@@ -33,8 +33,10 @@ def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
     return prepare(t) if t is not None else dummy(like.device, dtype, ndim)
 
 
-def _fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
-              initial_states: Optional[Tensor], return_final_states: bool, silu: bool) -> tuple[Tensor, Tensor]:
+@torch.library.custom_op("tvm_mamba::causal_conv1d_fwd", mutates_args=())
+def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Optional[Tensor],
+                      initial_states: Optional[Tensor], return_final_states: bool,
+                      silu: bool) -> tuple[Tensor, Tensor]:
     """x: (batch, dim, seqlen) -> out: (batch, dim, seqlen), final_states: (batch, dim, width-1) (or (0,))."""
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
@@ -51,9 +53,6 @@ def _fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx: Option
          _opt(initial_states, x, x.dtype, 3), out,
          final if return_final_states else dummy(x.device, x.dtype, 3))
     return out, final
-
-
-causal_conv1d_fwd = torch.library.custom_op("tvm_mamba::causal_conv1d_fwd", mutates_args=())(_fwd_impl)
 
 
 @causal_conv1d_fwd.register_fake
@@ -120,7 +119,9 @@ def _backward(ctx, dout, dfinal):
 causal_conv1d_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _update_impl(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor], silu: bool) -> Tensor:
+@torch.library.custom_op("tvm_mamba::causal_conv1d_update", mutates_args=("conv_state",))
+def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
+                            silu: bool) -> Tensor:
     """x: (batch, dim, seqlen); conv_state: (batch, dim, state_len), updated in place -> out."""
     batch, dim, seqlen = x.shape
     xk, weight, state = prepare(x), prepare(weight), prepare(conv_state)
@@ -135,10 +136,6 @@ def _update_impl(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[T
     kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), out, new_state)
     conv_state.copy_(new_state)  # a separate output, then one copy: safe for every schedule (CUDA too)
     return out
-
-
-causal_conv1d_update_op = torch.library.custom_op("tvm_mamba::causal_conv1d_update",
-                                                  mutates_args=("conv_state",))(_update_impl)
 
 
 @causal_conv1d_update_op.register_fake
@@ -197,9 +194,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
             raise ValueError("final_states_out: given but return_final_states is False")
         check_tensor("final_states_out", final_states_out, ndim=3, dtypes=(x.dtype,), device=x.device)
         check_shape("final_states_out", final_states_out, (batch, dim, width - 1))
-    direct = eager_direct(x, weight, bias, seq_idx, initial_states)  # no grad, plain eager: skip the dispatcher
-    fwd = _fwd_impl if direct else torch.ops.tvm_mamba.causal_conv1d_fwd
-    out, final = fwd(x, weight, bias, seq_idx, initial_states, bool(return_final_states), silu)
+    out, final = run_op(causal_conv1d_fwd, x, weight, bias, seq_idx, initial_states, bool(return_final_states), silu)
     if not return_final_states:
         return out
     if final_states_out is not None:
@@ -227,6 +222,5 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     if conv_state.shape[0] != batch or conv_state.shape[1] != dim or conv_state.shape[2] < weight.shape[1] - 1:
         raise ValueError(f"conv_state: expected (batch={batch}, dim={dim}, state_len>={weight.shape[1] - 1}), "
                          f"got {tuple(conv_state.shape)}")
-    direct = eager_direct(x3, conv_state, weight, bias)
-    out = (_update_impl if direct else torch.ops.tvm_mamba.causal_conv1d_update)(x3, conv_state, weight, bias, silu)
+    out = run_op(causal_conv1d_update_op, x3, conv_state, weight, bias, silu)
     return out.squeeze(-1) if squeeze else out

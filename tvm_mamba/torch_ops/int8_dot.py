@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._dlpack import FLOATS, check_tensor, kernel_for, prepare
+from ._dlpack import FLOATS, check_tensor, kernel_for, prepare, run_op
 
 OP = "int8_dot"
 _INT8 = (torch.int8,)
@@ -147,7 +147,7 @@ def pack_int8x4(codes):
     if codes.dim() < 1:
         raise ValueError("codes: expected at least 1 dim (..., K)")
     K = codes.shape[-1]
-    out = torch.ops.tvm_mamba.int8_pack(codes.reshape(-1, K))
+    out = run_op(int8_pack_op, codes.reshape(-1, K))
     return out.reshape(*codes.shape[:-1], (K + 3) // 4)
 
 
@@ -158,7 +158,7 @@ def unpack_int8x4(packed, K):
         raise ValueError(f"K: expected a non-negative int, got {K!r}")
     if packed.dim() < 1 or packed.shape[-1] != (K + 3) // 4:
         raise ValueError(f"packed: last dim must be ceil(K/4) = {(K + 3) // 4}, got shape {tuple(packed.shape)}")
-    out = torch.ops.tvm_mamba.int8_unpack(packed.reshape(-1, packed.shape[-1]), int(K))
+    out = run_op(int8_unpack_op, packed.reshape(-1, packed.shape[-1]), int(K))
     return out.reshape(*packed.shape[:-1], K)
 
 
@@ -169,7 +169,7 @@ def int8_matmul(a, b):
     check_tensor("b", b, ndim=2, dtypes=_INT8, device=a.device)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"b: K mismatch, a is {tuple(a.shape)} (M, K) and b is {tuple(b.shape)} (N, K)")
-    return torch.ops.tvm_mamba.int8_matmul(a, b)
+    return run_op(int8_matmul_op, a, b)
 
 
 # --- straight-through projection / decoder tail --------------------------------------------------------
@@ -307,8 +307,8 @@ def int8_lowrank_projection(input, weight, input_codes, weight_codes, activation
                                        or not isinstance(relu_threshold, numbers.Real)):
         raise TypeError(f"relu_threshold: expected a float or None, got {type(relu_threshold).__name__}")
     sa, sw = _scale_tensor(activation_scale, input.device), _scale_tensor(weight_scale, input.device)
-    return torch.ops.tvm_mamba.int8_lowrank_projection_fwd(
-        input, weight, input_codes, weight_codes, sa, sw, int(lo),
+    return run_op(
+        int8_lowrank_projection_fwd, input, weight, input_codes, weight_codes, sa, sw, int(lo),
         None if relu_threshold is None else float(relu_threshold), bool(offload_codes))
 
 
@@ -370,4 +370,4 @@ def int8_decoder_tail(y, decoder, y_codes, decoder_codes, activation_scale, weig
     _check_scale("activation_scale", activation_scale)
     _check_scale("weight_scale", weight_scale)
     sa, sw = _scale_tensor(activation_scale, y.device), _scale_tensor(weight_scale, y.device)
-    return torch.ops.tvm_mamba.int8_decoder_tail_fwd(y, decoder, y_codes, decoder_codes, sa, sw, bool(offload_codes))
+    return run_op(int8_decoder_tail_fwd, y, decoder, y_codes, decoder_codes, sa, sw, bool(offload_codes))

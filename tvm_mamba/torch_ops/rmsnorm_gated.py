@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, tvm_dtype
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "rmsnorm_gated"
 MAX_PARTS = 64
@@ -138,6 +138,5 @@ def rmsnorm_fn(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_bef
     shape = x.shape
     x2 = x.reshape(-1, hidden)
     z2 = z.reshape(-1, hidden) if z is not None else None
-    out, _ = torch.ops.tvm_mamba.rmsnorm_gated_fwd(x2, weight, bias, z2, float(eps), int(group_size),
-                                                   bool(norm_before_gate))
+    out, _ = run_op(rmsnorm_gated_fwd, x2, weight, bias, z2, float(eps), int(group_size), bool(norm_before_gate))
     return out.reshape(shape)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..compute._selective_scan_dims import block_size, chunk_size
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, tvm_dtype
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "selective_scan"
 
@@ -298,8 +298,8 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     if initial_state is not None:
         check_tensor("initial_state", initial_state, ndim=3, dtypes=(acc,), device=u.device)
         check_shape("initial_state", initial_state, (batch, dim, dstate))
-    out, last, _ = torch.ops.tvm_mamba.selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state,
-                                                         bool(delta_softplus))
+    out, last, _ = run_op(selective_scan_fwd, u, delta, A, B, C, D, z, delta_bias, initial_state,
+                          bool(delta_softplus))
     return (out, last) if return_last_state else out
 
 
@@ -352,7 +352,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         u = lambda t: t.unsqueeze(-1) if t is not None else None  # noqa: E731
         if not state.is_contiguous():
             raise ValueError("state: must be contiguous (it is updated in place)")
-        out = torch.ops.tvm_mamba.selective_state_update(
-            state.unsqueeze(2), u(x), u(dt), A.unsqueeze(1), B3, C3, u(D), u(z), u(dt_bias), bool(dt_softplus))
+        out = run_op(selective_state_update_op, state.unsqueeze(2), u(x), u(dt), A.unsqueeze(1), B3, C3, u(D), u(z),
+                     u(dt_bias), bool(dt_softplus))
         return out.squeeze(-1)
-    return torch.ops.tvm_mamba.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
+    return run_op(selective_state_update_op, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, tvm_dtype
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "ssd"
 F32 = torch.float32
@@ -322,6 +322,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     recomputing them (faster backward, batch*nchunks*nheads*headdim*dstate fp32 more memory).
     """
     lo, hi = _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
-    y, final, *_ = torch.ops.tvm_mamba.ssd_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                               bool(dt_softplus), [lo, hi], bool(keep_chunk_states))
+    y, final, *_ = run_op(ssd_fwd, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                          bool(dt_softplus), [lo, hi], bool(keep_chunk_states))
     return (y, final) if return_final_states else y
