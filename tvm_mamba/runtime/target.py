@@ -15,11 +15,6 @@ import os
 # these 2-vCPU machines that is one thread (conv1d forward: 740 us with 1 thread, 420 us with 2). Use
 # every CPU this process may run on unless the user said otherwise. Must be set before the pool starts.
 os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-# TVM pins its workers to cores by default. Next to torch's OpenMP threads, which spin after each parallel
-# region, a pinned worker can share its core with a spinning OpenMP thread and wait a scheduler slice per
-# kernel: the small LM's 32-token decode took 920-940 ms instead of 80 ms in 2 of 5 processes (per process,
-# depending on where the OpenMP threads landed). Unpinned it never exceeded 210 ms; large kernels time the same.
-os.environ.setdefault("TVM_BIND_THREADS", "0")
 
 import tvm  # noqa: E402
 from tvm.target import Target  # noqa: E402
