@@ -26,6 +26,9 @@ import tvm
 from tvm import s_tir
 
 
+from tvm_mamba.compute._common import SERIAL_WORK  # noqa: E402,F401  (re-exported for the rules)
+
+
 class Decisions:
     """Knob values for one kernel: fixed (defaults or a tuning record), recorded as they are read."""
 

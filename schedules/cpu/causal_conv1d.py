@@ -16,7 +16,7 @@ from tvm.script import tirx as T
 
 from ...compute import _math
 from ...compute.causal_conv1d import window_value
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ..rule import SERIAL_WORK, Decisions, kernel_attrs, schedule_of
 
 F32 = "float32"
 
@@ -239,6 +239,19 @@ def _update(dim, width, state_len, activation, has_bias, x_dtype, weight_dtype, 
         return tirx.if_then_else(p < S, state[b, c, tirx.min(p, S - 1)].astype(F32),
                                  x[b, c, tirx.max(p - S, 0)].astype(F32))
 
+    @T.macro
+    def row_step(x, state, weight, bias, out, new_state, L, row):
+        b = T.meta_var(row // D)
+        c = T.meta_var(row % D)
+        acc = T.alloc_buffer((1,), F32)
+        for t in range(L):
+            acc[0] = bias[c].astype(F32) if has_bias else T.float32(0)
+            for k in T.unroll(W):
+                acc[0] = acc[0] + weight[c, k].astype(F32) * xs(x, state, b, c, S + t - (W - 1) + k)
+            out[b, c, t] = _act(acc[0], activation).astype(x_dtype)
+        for j in range(S):
+            new_state[b, c, j] = xs(x, state, b, c, j + L).astype(state_dtype)
+
     @T.prim_func
     def causal_conv1d_update(x_h: T.handle, s_h: T.handle, w_h: T.handle, b_h: T.handle, o_h: T.handle,
                              n_h: T.handle):
@@ -251,17 +264,12 @@ def _update(dim, width, state_len, activation, has_bias, x_dtype, weight_dtype, 
         bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
         out = T.match_buffer(o_h, (B, D, L), x_dtype)
         new_state = T.match_buffer(n_h, (B, D, S), state_dtype)
-        for row in T.parallel(B * D):
-            b = T.meta_var(row // D)
-            c = T.meta_var(row % D)
-            acc = T.alloc_buffer((1,), F32)
-            for t in range(L):
-                acc[0] = bias[c].astype(F32) if has_bias else T.float32(0)
-                for k in T.unroll(W):
-                    acc[0] = acc[0] + weight[c, k].astype(F32) * xs(x, state, b, c, S + t - (W - 1) + k)
-                out[b, c, t] = _act(acc[0], activation).astype(x_dtype)
-            for j in range(S):
-                new_state[b, c, j] = xs(x, state, b, c, j + L).astype(state_dtype)
+        if B * D * (L + S) <= SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
+            for row in T.serial(B * D):
+                row_step(x, state, weight, bias, out, new_state, L, row)
+        else:
+            for row in T.parallel(B * D):
+                row_step(x, state, weight, bias, out, new_state, L, row)
 
     return causal_conv1d_update
 

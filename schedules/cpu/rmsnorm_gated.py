@@ -43,6 +43,25 @@ def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
             v = v * _math.silu(_f32(z[r, h]))
         return v.astype(x_dtype)
 
+    @T.macro
+    def row(x, w, b, z, out, rstd, r):
+        acc = T.alloc_buffer((V,), "float32")
+        tot = T.alloc_buffer((1,), "float32")
+        for g in range(G):
+            for i in T.vectorized(V):
+                acc[i] = T.float32(0)
+            for j in range(NV):
+                for i in T.vectorized(V):
+                    acc[i] = acc[i] + u(x, z, r, g * gs + j * V + i) * u(x, z, r, g * gs + j * V + i)
+            tot[0] = T.float32(0)
+            for i in range(V):
+                tot[0] = tot[0] + acc[i]
+            tot[0] = T.float32(1) / T.sqrt(tot[0] * T.float32(inv_gs) + T.float32(eps))
+            rstd[r, g] = tot[0]
+            for j in range(NV):
+                for i in T.vectorized(V):
+                    out[r, g * gs + j * V + i] = y(x, w, b, z, tot[0], r, g * gs + j * V + i)
+
     @T.prim_func
     def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, o_h: T.handle,
                           r_h: T.handle):
@@ -54,23 +73,12 @@ def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
         z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), x_dtype)
         out = T.match_buffer(o_h, (rows, hidden), x_dtype)
         rstd = T.match_buffer(r_h, (rows, G), "float32")
-        for r in T.parallel(rows):
-            acc = T.alloc_buffer((V,), "float32")
-            tot = T.alloc_buffer((1,), "float32")
-            for g in range(G):
-                for i in T.vectorized(V):
-                    acc[i] = T.float32(0)
-                for j in range(NV):
-                    for i in T.vectorized(V):
-                        acc[i] = acc[i] + u(x, z, r, g * gs + j * V + i) * u(x, z, r, g * gs + j * V + i)
-                tot[0] = T.float32(0)
-                for i in range(V):
-                    tot[0] = tot[0] + acc[i]
-                tot[0] = T.float32(1) / T.sqrt(tot[0] * T.float32(inv_gs) + T.float32(eps))
-                rstd[r, g] = tot[0]
-                for j in range(NV):
-                    for i in T.vectorized(V):
-                        out[r, g * gs + j * V + i] = y(x, w, b, z, tot[0], r, g * gs + j * V + i)
+        if rows * hidden <= rule.SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
+            for r in T.serial(rows):
+                row(x, w, b, z, out, rstd, r)
+        else:
+            for r in T.parallel(rows):
+                row(x, w, b, z, out, rstd, r)
 
     return rmsnorm_gated_fwd
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import check_dtype, stamp
+from ._common import SERIAL_WORK, check_dtype, stamp
 from .selective_scan import IO_DTYPES, _lanes, _Math, _vec_loop, acc_dtype
 
 
@@ -27,6 +27,36 @@ def selective_scan_update_template(nheads: int, headdim: int, dstate: int, ngrou
     m = _Math(ACC)
     OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
     VEC = _vec_loop(mode)
+    CPU = mode == "cpu"
+
+    @T.macro
+    def lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, batch, lane_o):
+        for lane_i in INNER(TPB):
+            if lane_o * TPB + lane_i < batch * H * P:
+                lane = T.meta_var(lane_o * TPB + lane_i)
+                yv = T.alloc_buffer((V,), ACC, scope=SCOPE)
+                s = T.alloc_buffer((4,), ACC, scope=SCOPE)
+                b = T.meta_var(lane // (H * P))
+                hh = T.meta_var(lane // P % H)
+                p = T.meta_var(lane % P)
+                s[3] = m.cast(dt[b, hh, p]) + (dtb[hh, p] if has_dt_bias else m.zero)
+                s[0] = m.softplus(s[3]) if dt_softplus else s[3]
+                s[1] = s[0] * m.cast(x[b, hh, p])
+                for ni in VEC(V):
+                    yv[ni] = m.zero
+                for no in range(NV):
+                    for ni in VEC(V):
+                        state[b, hh, p, no * V + ni] = (
+                            m.exp(s[0] * A[hh, p, no * V + ni]) * state[b, hh, p, no * V + ni]
+                            + s[1] * m.cast(Bm[b, hh // HPG, no * V + ni]))
+                        yv[ni] = yv[ni] + m.cast(Cm[b, hh // HPG, no * V + ni]) * state[b, hh, p, no * V + ni]
+                s[2] = (Dv[hh, p] * m.cast(x[b, hh, p])) if has_D else m.zero
+                for ni in range(V):
+                    s[2] = s[2] + yv[ni]
+                if has_z:
+                    out[b, hh, p] = (s[2] * m.silu(m.cast(z[b, hh, p]))).astype(x_dtype)
+                else:
+                    out[b, hh, p] = s[2].astype(x_dtype)
 
     @T.prim_func
     def update(state_h: T.handle, x_h: T.handle, dt_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle,
@@ -42,33 +72,16 @@ def selective_scan_update_template(nheads: int, headdim: int, dstate: int, ngrou
         z = T.match_buffer(z_h, (batch, H, P) if has_z else (1, 1, 1), x_dtype)
         dtb = T.match_buffer(dtb_h, (H, P) if has_dt_bias else (1, 1), ACC)
         out = T.match_buffer(out_h, (batch, H, P), x_dtype)
-        for lane_o in OUTER((batch * H * P + TPB - 1) // TPB):
-            for lane_i in INNER(TPB):
-                if lane_o * TPB + lane_i < batch * H * P:
-                    lane = T.meta_var(lane_o * TPB + lane_i)
-                    yv = T.alloc_buffer((V,), ACC, scope=SCOPE)
-                    s = T.alloc_buffer((4,), ACC, scope=SCOPE)
-                    b = T.meta_var(lane // (H * P))
-                    hh = T.meta_var(lane // P % H)
-                    p = T.meta_var(lane % P)
-                    s[3] = m.cast(dt[b, hh, p]) + (dtb[hh, p] if has_dt_bias else m.zero)
-                    s[0] = m.softplus(s[3]) if dt_softplus else s[3]
-                    s[1] = s[0] * m.cast(x[b, hh, p])
-                    for ni in VEC(V):
-                        yv[ni] = m.zero
-                    for no in range(NV):
-                        for ni in VEC(V):
-                            state[b, hh, p, no * V + ni] = (
-                                m.exp(s[0] * A[hh, p, no * V + ni]) * state[b, hh, p, no * V + ni]
-                                + s[1] * m.cast(Bm[b, hh // HPG, no * V + ni]))
-                            yv[ni] = yv[ni] + m.cast(Cm[b, hh // HPG, no * V + ni]) * state[b, hh, p, no * V + ni]
-                    s[2] = (Dv[hh, p] * m.cast(x[b, hh, p])) if has_D else m.zero
-                    for ni in range(V):
-                        s[2] = s[2] + yv[ni]
-                    if has_z:
-                        out[b, hh, p] = (s[2] * m.silu(m.cast(z[b, hh, p]))).astype(x_dtype)
-                    else:
-                        out[b, hh, p] = s[2].astype(x_dtype)
+        if CPU:
+            if batch * H * P * N <= SERIAL_WORK:  # decode-size: on the calling thread, no pool launch
+                for lane_o in T.serial((batch * H * P + TPB - 1) // TPB):
+                    lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, batch, lane_o)
+            else:
+                for lane_o in OUTER((batch * H * P + TPB - 1) // TPB):
+                    lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, batch, lane_o)
+        else:
+            for lane_o in OUTER((batch * H * P + TPB - 1) // TPB):
+                lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, batch, lane_o)
 
     return update
 
