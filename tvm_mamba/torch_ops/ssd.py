@@ -192,7 +192,7 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
     # fixed-order reductions of the partials (heads of a group, batch, chunks)
     head_sum = k.kernel("head_sum", dict(nheads=k.nheads, ngroups=k.ngroups, dstate=k.dstate),
                         {"out": tvm_dtype(k.B)})
-    dB, dC = (k.new((k.batch, k.seqlen, k.ngroups, k.dstate), k.B.dtype) for _ in range(2))
+    dB, dC = (k.new((k.batch, k.seqlen, k.ngroups, k.dstate), k.B.dtype) for _ in range(2))  # in B's dtype (C is cast to it)
     head_sum(dBh, dB)
     head_sum(dCh, dC)
     dD = _empty(dx)
@@ -201,7 +201,7 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
         dD = (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
     ddt_bias = dbias_part.sum(0).to(dt_bias.dtype) if dt_bias is not None else _empty(dx)
     dinit = dinit.to(initial_states.dtype) if initial_states is not None else dinit
-    return (dx, ddt.to(dt.dtype), dA_part.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
+    return (dx, ddt.to(dt.dtype), dA_part.sum(0).to(A.dtype), dB, dC.to(C.dtype), dD, dz, ddt_bias,
             dinit)
 
 
