@@ -96,10 +96,38 @@ def on_schedule(sch: s_tir.Schedule):
         _active.sch = prev
 
 
+@contextlib.contextmanager
+def watch(func: tvm.tirx.PrimFunc):
+    """Within the block, ``schedule_of`` notes whether a rule scheduled ``func`` itself (``.block`` True: a
+    block-scheduled rule, a MetaSchedule design space) or a PrimFunc of its own (a loop-nest template)."""
+    seen = _Seen(func)
+    prev = getattr(_active, "watch", None)
+    _active.watch = seen
+    try:
+        yield seen
+    finally:
+        _active.watch = prev
+
+
+class _Seen:
+    def __init__(self, func):
+        self.func, self.block = func, None
+
+
+class NotBlockScheduled(TypeError):
+    """A loop-nest template rule was asked for a MetaSchedule design space (it builds a new PrimFunc)."""
+
+
 def schedule_of(func: tvm.tirx.PrimFunc, name: str = "main") -> s_tir.Schedule:
-    """A Schedule over ``func`` (or, inside ``on_schedule``, the schedule being sampled)."""
+    """A Schedule over ``func`` (or, inside ``on_schedule``, the schedule being sampled: only a rule that
+    schedules the compute's own PrimFunc can be one; a template's new PrimFunc raises NotBlockScheduled)."""
+    seen = getattr(_active, "watch", None)
+    if seen is not None:
+        seen.block = func.same_as(seen.func)
     active = getattr(_active, "sch", None)
     if active is not None:
+        if not func.same_as(active.mod[active.func_working_on or "main"]):
+            raise NotBlockScheduled("a loop-nest template is not a MetaSchedule design space")
         return active
     sch = s_tir.Schedule(tvm.IRModule({name: func}))
     sch.work_on(name)

@@ -8,7 +8,9 @@ The candidate pack is an AOT pack (runtime/pack.py layout) whose manifest entrie
 candidate's decisions, whether it is the hand default, and the kernel's parameter shapes and dtypes at
 the bucket's shape, so the measuring side needs neither the compiler nor the compute definitions.
 Measuring uses torch tensors (CUDA events on a GPU, wall clock on a CPU); committing appends the best of
-each workload, with the default's time, to tuning_logs/<device-key>/ exactly like a local tuning run.
+each workload, with the default's time, to tuning_logs/<device-key>/ exactly like a local tuning run; the
+trials of block-scheduled kernels (MetaSchedule design spaces: most CUDA rules) also go, with their traces, to
+the op's MetaSchedule JSONDatabase there.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import statistics
 import sys
 import time
 
+from . import metaschedule as msd
 from .runtime import KernelKey, cpu_target, cuda_target, target_key
 from .runtime import dispatch, pack, tuning
 from .runtime.cache import compile_module
@@ -25,7 +28,7 @@ from .schedules.rule import Decisions
 
 
 def emit(ops, out: str, n: int, target_kind: str = "cuda", arch: str = "sm_90", preset: str = "default",
-         seqlens=(512, 2048), batches=(1, 4), metaschedule: bool = False) -> pathlib.Path:
+         seqlens=(512, 2048), batches=(1, 4), metaschedule: bool = False, directions=None) -> pathlib.Path:
     """Build n candidates per workload; with ``metaschedule`` they are drawn from the rule's MetaSchedule
     design space (replay-trace sampling) instead of enumerated from its knob lists."""
     from . import tune
@@ -34,7 +37,7 @@ def emit(ops, out: str, n: int, target_kind: str = "cuda", arch: str = "sm_90", 
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     entries = []
-    keys = tune.workloads(ops, target, preset, seqlens, batches)
+    keys = tune.workloads(ops, target, preset, seqlens, batches, directions)
     for i, key in enumerate(keys):
         defaults = Decisions()
         dispatch.schedule(key, defaults)
@@ -129,5 +132,11 @@ def commit(timings: str, out: str | None = None) -> pathlib.Path:
         if default is None:
             continue
         best = min(rs, key=lambda r: r["time_s"])
-        tuning.append_record(folder, key, best["decisions"], best["time_s"], default["time_s"], len(rs))
+        source = "template"
+        if msd.block_scheduled(key):  # every measured trial also goes to the op's MetaSchedule JSONDatabase
+            for r in rs:
+                msd.commit_trial(key, folder / key.op, r["decisions"], r["time_s"])
+            source = "metaschedule"
+        tuning.append_record(folder, key, best["decisions"], best["time_s"], default["time_s"], len(rs),
+                             source=source)
     return folder

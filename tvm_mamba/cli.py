@@ -109,6 +109,10 @@ def cmd_build_check(args) -> int:
     return 1 if failed else 0
 
 
+def _directions(args):
+    return tuple(d for d in args.directions.split(",") if d) or None
+
+
 def cmd_tune(args) -> int:
     ops = args.ops.split(",") if args.ops else _compute_modules()
     seqlens = tuple(int(v) for v in args.seqlens.split(","))
@@ -126,7 +130,8 @@ def cmd_tune(args) -> int:
                 print("tune: --emit-candidates needs --out DIR", file=sys.stderr)
                 return 2
             folder = candidates.emit(ops, args.out, args.emit_candidates, args.target, args.arch, args.preset,
-                                     seqlens, batches, metaschedule=args.metaschedule)
+                                     seqlens, batches, metaschedule=args.metaschedule,
+                                     directions=_directions(args))
             print(f"tune: candidate pack in {folder}")
         return 0
     from tvm_mamba import tune
@@ -136,7 +141,7 @@ def cmd_tune(args) -> int:
         return 2
     folder = tune.run(ops, preset=args.preset, seqlens=seqlens, batches=batches, trials=args.trials,
                       budget_s=60.0 * args.budget_min, out=args.out, rpc_tracker=args.rpc_tracker,
-                      rpc_key=args.rpc_key)
+                      rpc_key=args.rpc_key, directions=_directions(args))
     print(f"tune: records in {folder}")
     return 0
 
@@ -156,6 +161,7 @@ def main(argv=None) -> int:
     tu.add_argument("--preset", default="default", help="model preset or group: default, all, mamba-130m, ...")
     tu.add_argument("--seqlens", default="512,2048", help="sequence-length buckets (powers of two)")
     tu.add_argument("--batches", default="1,4", help="batch buckets (powers of two)")
+    tu.add_argument("--directions", default="", help="comma-separated kernel directions (default: all), e.g. fwd,bwd")
     tu.add_argument("--trials", type=int, default=8, help="candidates per workload (the default included)")
     tu.add_argument("--budget-min", type=float, default=60.0, help="stop after this many minutes (resumable)")
     tu.add_argument("--out", default=None, help="logs folder (default: $TVM_MAMBA_TUNING_LOGS or the package's)")

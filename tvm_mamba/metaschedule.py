@@ -8,15 +8,27 @@ seqlen. ``sample_candidates`` draws candidates with MetaSchedule's replay-trace 
 tuning logs, candidate packs and the dispatcher use (so MetaSchedule-found and measured-template records
 are one format). Measuring CUDA candidates needs a GPU: through a TVM RPC tracker
 (``ms.runner.RPCRunner``) or the runtime-only candidate round (candidates.py).
+
+``search(key, folder, trials, runner)`` is the tuner's path for block-scheduled kernels: ``ms.tune_tir`` over
+the rule's design space with MetaSchedule's builder and runner (local, or ``RPCRunner`` through a tracker),
+its trials appended to the op's JSONDatabase (``database_workload.json`` / ``database_tuning_record.json``
+beside the knob records), and the best trace's knob values returned. ``commit_trial`` writes a trial measured
+elsewhere (the runtime-only GPU round) into the same database. ``replay`` builds a database record the
+MetaSchedule way (``compile_tir``: the trace applied to the bucket's static PrimFunc).
 """
 from __future__ import annotations
+
+import logging
 
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
 from .runtime import KernelKey, dispatch
 from .runtime.target import target_from_key
-from .schedules.rule import SampledDecisions, on_schedule
+from .schedules.rule import Decisions, SampledDecisions, on_schedule
+from .schedules.rule import watch as rule_watch
+
+WORKLOADS, TRIALS = "database_workload.json", "database_tuning_record.json"
 
 
 def static_func(key: KernelKey) -> tvm.tirx.PrimFunc:
@@ -79,3 +91,98 @@ def sample_candidates(key: KernelKey, n: int, seed: int = 0) -> list[dict]:
             break
     ctx.post_tuning()
     return out
+
+
+def block_scheduled(key: KernelKey) -> bool:
+    """Whether the key's rule schedules the compute's own blocks, i.e. is a MetaSchedule design space (loop-nest
+    templates build a new PrimFunc from integer knobs and are not)."""
+    target = target_from_key(key.target)
+    rules = dispatch.rule_module(target, key.op)
+    func = dispatch.build_func(key)
+    with rule_watch(func) as seen:
+        out = rules.apply(func, target, Decisions()) if rules is not None else None
+    return out is not None and bool(seen.block)
+
+
+def _module(key: KernelKey) -> tvm.IRModule:
+    return tvm.IRModule({"main": static_func(key).with_attr("global_symbol", "main")})
+
+
+def database(folder) -> "ms.database.JSONDatabase":
+    """The op folder's MetaSchedule JSONDatabase (append-only; created if missing)."""
+    import pathlib
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return ms.database.JSONDatabase(path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / TRIALS))
+
+
+def _build_in_target(mod, target, _params):
+    with target:
+        return tvm.compile(mod, target=target)
+
+
+def search(key: KernelKey, folder, trials: int, runner="local", seed: int = 0) -> tuple[dict, int]:
+    """MetaSchedule tuning of one block-scheduled workload at its bucket's static shape: (knob values of the
+    best measured trace, trials in the database for it). Trials go to ``folder``'s JSONDatabase."""
+    import tempfile
+
+    target = target_from_key(key.target)
+    gen, _ = design_space(key)
+    mod = _module(key)
+    db = database(folder)
+    builder = ms.builder.LocalBuilder(f_build=_build_in_target) if target.kind.name == "cuda" else "local"
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)  # its per-round tables
+    with tempfile.TemporaryDirectory() as work:  # MetaSchedule's text logs; the records go to db
+        ms.tune_tir(mod, target, work_dir=work, max_trials_global=trials, num_trials_per_iter=trials,
+                    space=gen, strategy="replay-trace", database=db, builder=builder, runner=runner,
+                    cost_model="random", num_tuning_cores=1, seed=seed)
+    records = db.get_top_k(db.commit_workload(mod), 1 << 20)
+    if not records:
+        raise RuntimeError(f"MetaSchedule measured no valid trial for {key}")
+    return knobs_of(key, records[0].trace), len(records)
+
+
+def knobs_of(key: KernelKey, trace) -> dict:
+    """Knob values of a trace of the key's design space (e.g. a JSONDatabase record's)."""
+    gen, picks = design_space(key)
+    ms.TuneContext(mod=_module(key), target=target_from_key(key.target), space_generator=gen,
+                   task_name=key.slug(), num_threads=1).generate_design_space()
+    return decisions_of(trace, picks)
+
+
+def trace_of(key: KernelKey, values: dict):
+    """(module, trace) of the rule's design space with its categorical decisions set to ``values``."""
+    target = target_from_key(key.target)
+    gen, picks = design_space(key)
+    mod = _module(key)
+    space = ms.TuneContext(mod=mod, target=target, space_generator=gen, task_name=key.slug(),
+                           num_threads=1).generate_design_space()[0]
+    trace, names = space.trace, iter(n for n, _ in picks)
+    for inst in list(trace.insts):
+        if inst.kind.name == "SampleCategorical":
+            name = next(names)
+            cands = [int(c) for c in inst.attrs[0]]
+            trace = trace.with_decision(inst, tvm.tirx.IntImm("int64", cands.index(int(values[name]))), True)
+    return mod, trace
+
+
+def commit_trial(key: KernelKey, folder, values: dict, time_s: float) -> None:
+    """Record one trial measured elsewhere (e.g. on a GPU with the runtime only) in the op's database."""
+    target = target_from_key(key.target)
+    mod, trace = trace_of(key, values)
+    db = database(folder)
+    args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
+    db.commit_tuning_record(ms.database.TuningRecord(trace, db.commit_workload(mod), [float(time_s)], target, args))
+
+
+def replay(key: KernelKey, folder):
+    """(scheduled static module, TuningRecord) of the database's best record for ``key``, rebuilt the
+    MetaSchedule way (the trace applied to the bucket's PrimFunc); LookupError if there is none."""
+    target = target_from_key(key.target)
+    mod = _module(key)
+    db = database(folder)
+    rec = db.query_tuning_record(mod, target, workload_name="main") if db.has_workload(mod) else None
+    if rec is None:
+        raise LookupError(f"no MetaSchedule record for {key} in {folder}")
+    return db.query_schedule(mod, target, workload_name="main").mod, rec

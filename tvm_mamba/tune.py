@@ -25,6 +25,7 @@ import time
 import numpy as np
 import tvm
 
+from . import metaschedule as msd
 from .runtime import KernelKey, cpu_target, target_key
 from .runtime import dispatch, tuning
 from .runtime.cache import compile_module
@@ -65,11 +66,14 @@ def _derived(key: KernelKey, dims: dict) -> dict:
     return fn(key.direction, dims) if fn is not None else {}
 
 
-def workloads(ops, target, preset: str = "default", seqlens=SEQLENS, batches=BATCHES) -> list[KernelKey]:
+def workloads(ops, target, preset: str = "default", seqlens=SEQLENS, batches=BATCHES,
+              directions=None) -> list[KernelKey]:
     tkey = target_key(target)
     keys = []
     for op in ops:
         for direction, static, dtypes in _configs(op, preset):
+            if directions and direction not in directions:
+                continue
             base = KernelKey.make(op, direction, dtypes, static, tkey)
             names = symbolic_dims(base)
             names = [n for n in names if n not in _derived(base, {n: 1 for n in names})]
@@ -160,6 +164,9 @@ class LocalMeasurer:
     def args(self, key):
         return make_args(key, self.dev)
 
+    def ms_runner(self):
+        return "local"
+
 
 class RPCMeasurer:
     """Measure on a device registered with a TVM RPC tracker (export -> upload -> time remotely)."""
@@ -168,8 +175,9 @@ class RPCMeasurer:
         from tvm import rpc
 
         host, port = tracker.rsplit(":", 1)
+        self.where = (host, int(port), rpc_key, timeout)
         self.tracker = rpc.connect_tracker(host, int(port))
-        self.session = self.tracker.request(rpc_key, priority=1, session_timeout=timeout)
+        self.session = self.tracker.request(rpc_key, priority=1, session_timeout=0)  # held for the run
         self.dev = self.session.cpu(0)
         self.uploads = 0
 
@@ -188,15 +196,33 @@ class RPCMeasurer:
     def args(self, key):
         return make_args(key, self.dev)
 
+    def ms_runner(self):
+        from tvm.s_tir import meta_schedule as ms
 
-def tune_one(key: KernelKey, measure, trials: int) -> tuple[dict, float, float, int]:
-    """(best decisions, best time, default time, number of candidates) for one workload."""
+        host, port, rpc_key, timeout = self.where
+        return ms.runner.RPCRunner(ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
+                                                       session_timeout_sec=timeout))
+
+
+def tune_one(key: KernelKey, measure, trials: int, folder: pathlib.Path | None = None
+             ) -> tuple[dict, float, float, int, str]:
+    """(best decisions, best time, default time, number of candidates, source) for one workload; source is
+    "metaschedule" or "template". A block-scheduled
+    kernel (a MetaSchedule design space) is searched by MetaSchedule when ``folder`` is given: its trials go
+    to ``folder/<op>/``'s JSONDatabase and its best trace's knobs face the default below; a loop-nest
+    template's candidates are enumerated (or sampled) from its knob lists and measured here."""
     space = design_space(key)
     if not space:
         raise ValueError("its schedule has no knobs to tune")
     defaults = Decisions()
     dispatch.schedule(key, defaults)
-    cands = candidates(space, defaults.used, trials)
+    if folder is not None and msd.block_scheduled(key):
+        found, n_trials = msd.search(key, folder / key.op, trials, measure.ms_runner())
+        cands = [defaults.used] + ([found] if found != defaults.used else [])
+        source = "metaschedule"
+    else:
+        cands = candidates(space, defaults.used, trials)
+        n_trials, source = len(cands), "template"
     args = measure.args(key)
     times, built = [], []
     for values in cands:
@@ -204,7 +230,7 @@ def tune_one(key: KernelKey, measure, trials: int) -> tuple[dict, float, float, 
         times.append(measure(key, built[-1], args))
     best = int(np.argmin(times))
     if best == 0:
-        return cands[0], times[0], times[0], len(cands)
+        return cands[0], times[0], times[0], n_trials, source
     # Confirm: a single measurement on a shared machine picks noise (re-measured "5.8x" records were 0.76x).
     # Time the winner and the default alternately; keep the winner only if it is faster by CONFIRM_MARGIN.
     t_best, t_def = [], []
@@ -213,8 +239,8 @@ def tune_one(key: KernelKey, measure, trials: int) -> tuple[dict, float, float, 
         t_best.append(measure(key, built[best], args))
     t_best_m, t_def_m = float(np.median(t_best)), float(np.median(t_def))
     if t_best_m > t_def_m * (1.0 - CONFIRM_MARGIN):
-        return cands[0], t_def_m, t_def_m, len(cands)
-    return cands[best], t_best_m, t_def_m, len(cands)
+        return cands[0], t_def_m, t_def_m, n_trials, source
+    return cands[best], t_best_m, t_def_m, n_trials, source
 
 
 def _progress(i: int, n: int, t0: float, label: str) -> None:
@@ -227,11 +253,11 @@ def _progress(i: int, n: int, t0: float, label: str) -> None:
 
 def run(ops, preset="default", seqlens=SEQLENS, batches=BATCHES, trials=8, budget_s=3600.0,
         out: str | None = None, rpc_tracker: str | None = None, rpc_key: str | None = None,
-        target=None) -> pathlib.Path:
+        target=None, directions=None) -> pathlib.Path:
     target = target or cpu_target()
     dev = tuning.device_key(target_key(target))
     folder = pathlib.Path(out or tuning.logs_dir()) / dev
-    keys = workloads(ops, target, preset, seqlens, batches)
+    keys = workloads(ops, target, preset, seqlens, batches, directions)
     done = tuning.recorded_keys(folder)
     todo = [k for k in keys if k not in done]
     tuning.write_meta(folder, dev, {"trials_per_workload": trials, "budget_s": budget_s, "workloads": len(keys),
@@ -244,12 +270,14 @@ def run(ops, preset="default", seqlens=SEQLENS, batches=BATCHES, trials=8, budge
             print(f"\ntune: budget of {budget_s:.0f}s spent; {len(todo) - i} workloads left (rerun to resume)")
             break
         _progress(i, len(todo), t0, str(key))
+        t_key = time.perf_counter()
         try:
-            best, t_best, t_default, n = tune_one(key, measure, trials)
+            best, t_best, t_default, n, source = tune_one(key, measure, trials, folder)
         except Exception as err:  # noqa: BLE001 - one bad workload must not stop the run
             print(f"\ntune: skipped {key}: {type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}")
             continue
-        tuning.append_record(folder, key, best, t_best, t_default, n)
+        tuning.append_record(folder, key, best, t_best, t_default, n, tune_s=round(time.perf_counter() - t_key, 1),
+                             source=source)
     _progress(len(todo), len(todo), t0, "done")
     sys.stderr.write("\n")
     return folder

@@ -18,7 +18,8 @@ Knobs: ``mb``, ``nb``, ``mo`` (direct); ``pack_mr``, ``pack_kc``, ``pack_mo``, `
 dgrad / wgrad (the float32 straight-through backward): loop nests vectorized over the contiguous output
 axis with register tiles; wgrad's sum over rows is two-stage (fixed parts, fixed order). Knobs ``vector``,
 ``rows`` (dgrad rows per register tile).
-pack / unpack: parallel over rows; elementwise, default (unscheduled TE, serial per row) inner loops.
+pack / unpack: block-scheduled (so also a MetaSchedule design space on CPU): parallel over rows, knob
+``vector`` splits the contiguous axis and vectorizes the inner part (default 1: the serial loop).
 """
 from __future__ import annotations
 
@@ -369,8 +370,17 @@ def apply(func, target, decisions: rule.Decisions):
         KBM = decisions.pick("k_vectors", (2, 4, 8), 4)
         return rule.schedule_of(_wgrad(st["heads"], st["code_heads"], st["N"], st["K"], V, KBM), name=name)
     if name in ("int8_dot_pack", "int8_dot_unpack"):
+        # block-scheduled (a MetaSchedule design space on CPU too): rows in parallel; the contiguous axis
+        # (K/4 words or K bytes) split by ``vector`` and the inner part vectorized (1: the plain serial loop,
+        # today's hand schedule, left to LLVM's loop vectorizer)
         sch = rule.schedule_of(func, name=name)
         blk = sch.get_sblock("packed" if name == "int8_dot_pack" else "codes")
-        sch.parallel(sch.get_loops(blk)[0])
+        r, j = sch.get_loops(blk)
+        extent = (st["K"] + 3) // 4 if name == "int8_dot_pack" else st["K"]
+        lanes = (4, 8, 16, 32) if name == "int8_dot_pack" else (16, 32, 64)
+        vec = decisions.pick("vector", (1,) + tuple(v for v in lanes if extent % v == 0), 1)
+        _, ji = sch.split(j, [None, vec])
+        sch.vectorize(ji)
+        sch.parallel(r)
         return sch
     return None

@@ -1,14 +1,14 @@
 """CUDA rules for the int8 dot family.
 
 matmul: one row of a x ``tile`` columns of b per block (one output per thread), K staged through shared memory in chunks of
-``kchunk`` bytes, and the inner 4-wide dot tensorized with TVM's ``dp4a_s8s8s32`` intrinsic, so the
+``4 * kgroups`` bytes, and the inner 4-wide dot tensorized with TVM's ``dp4a_s8s8s32`` intrinsic, so the
 source contains ``__dp4a`` (the intrinsic needs its operands in shared memory and the accumulator in a
 local register: field guide §8). Needs K % 4 == 0; otherwise (and for foreign functions) None, and the
 dispatcher's dlight fallback schedules the plain int32 dot.
 dgrad / wgrad (float32 straight-through backward): one thread per output element, reductions serial per
 thread in registers; wgrad's two-stage sum over rows keeps the fixed part order (deterministic).
 pack / unpack: elementwise, one thread per output word / byte.
-Knobs: ``tile`` (threads per block edge), ``kchunk`` (K bytes staged per step), ``threads`` (dgrad/wgrad
+Knobs: ``tile`` (threads per block edge), ``kgroups`` (4-byte K groups staged per step), ``threads`` (dgrad/wgrad
 and elementwise threads per block).
 """
 from __future__ import annotations
@@ -22,16 +22,17 @@ from tvm_mamba.schedules import rule
 def _matmul(func, N: int, K: int, decisions):
     # One row of a per block (blockIdx.y = m: M is symbolic, and an inexact split of it would put a
     # predicate on the compute block, which the dp4a tensorize cannot match), `tile` columns of b per block
-    # (one output per thread), K staged through shared memory `kchunk` bytes at a time.
+    # (one output per thread), K staged through shared memory `kgroups` 4-byte groups at a time (the knob is
+    # the group count, not bytes, so MetaSchedule's trace has no arithmetic on the sampled value).
     tiles = tuple(t for t in (32, 64, 128, 256) if N % t == 0) or (1,)
     tile = decisions.pick("tile", tiles, 128 if 128 in tiles else tiles[-1])
-    kchunks = tuple(c for c in (16, 32, 64, 128) if K % c == 0) or (4,)
-    kchunk = decisions.pick("kchunk", kchunks, 64 if 64 in kchunks else kchunks[-1])
+    kgroups = tuple(c for c in (4, 8, 16, 32) if K % (4 * c) == 0) or (1,)
+    kgroup = decisions.pick("kgroups", kgroups, 16 if 16 in kgroups else kgroups[-1])
     sch = rule.schedule_of(func, name="int8_dot_matmul")
     blk = sch.get_sblock("c")
     m, n, k = sch.get_loops(blk)
     no, ni = sch.split(n, [None, tile])
-    k2, k1, ki = sch.split(k, [None, kchunk // 4, 4])
+    k2, k1, ki = sch.split(k, [None, kgroup, 4])
     sch.reorder(m, no, ni, k2, k1, ki)
     sch.bind(m, "blockIdx.y")
     sch.bind(no, "blockIdx.x")

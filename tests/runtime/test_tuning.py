@@ -140,10 +140,17 @@ def test_tuning_through_an_rpc_tracker_on_loopback(logs):
                                    "--key", "loopback", "--host", "127.0.0.1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_for(lambda: "loopback" in str(rpc.connect_tracker("127.0.0.1", port).summary()), "RPC server")
-        folder = tune.run(["causal_conv1d"], preset="mamba-130m", seqlens=(64,), batches=(1,), trials=2,
-                          out=str(logs / "rpc"), rpc_tracker=f"127.0.0.1:{port}", rpc_key="loopback")
+        # conv1d forward: loop-nest templates measured by our RPC measurer; int8 pack: block-scheduled, so
+        # tuned by MetaSchedule (tune_tir with its RPCRunner) into the op's JSONDatabase
+        folder = tune.run(["causal_conv1d", "int8_dot"], preset="mamba-130m", seqlens=(64,), batches=(1,),
+                          trials=2, out=str(logs / "rpc"), rpc_tracker=f"127.0.0.1:{port}", rpc_key="loopback",
+                          directions=("fwd", "pack"))
         lines = (folder / "causal_conv1d" / "records.jsonl").read_text().splitlines()
-        assert len(lines) == 2
+        assert len(lines) == 2 and all(json.loads(l)["source"] == "template" for l in lines)
+        (pack,) = [json.loads(l) for l in (folder / "int8_dot" / "records.jsonl").read_text().splitlines()]
+        assert pack["source"] == "metaschedule" and pack["candidates"] >= 1
+        trials = (folder / "int8_dot" / "database_tuning_record.json").read_text().splitlines()
+        assert len(trials) == pack["candidates"] and all(json.loads(t)[1][1][0] < 1.0 for t in trials)  # measured
         assert json.loads((folder / "meta.json").read_text())["budget"]["rpc"] is True
     finally:
         for p in (server, tracker):

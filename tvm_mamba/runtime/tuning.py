@@ -277,13 +277,15 @@ def write_meta(folder: pathlib.Path, device: str, budget: dict) -> None:
 
 
 def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s: float, default_time_s: float,
-                  candidates: int) -> None:
-    """Append one record line (flushed and fsynced: an interrupted run leaves a valid log)."""
+                  candidates: int, **extra) -> None:
+    """Append one record line (flushed and fsynced: an interrupted run leaves a valid log). ``extra``:
+    JSON fields kept beside (``tune_s``: seconds spent tuning it; ``source``: "metaschedule" when the
+    candidates came from the op's MetaSchedule JSONDatabase)."""
     path = folder / key.op / RECORDS
     path.parent.mkdir(parents=True, exist_ok=True)
     refresh()
     line = json.dumps({"key": key.to_json(), "decisions": decisions, "time_s": time_s,
-                       "default_time_s": default_time_s, "candidates": candidates}, sort_keys=True)
+                       "default_time_s": default_time_s, "candidates": candidates, **extra}, sort_keys=True)
     with open(path, "a+b") as f:
         f.seek(0, os.SEEK_END)
         if f.tell():  # an interrupted run may have left a partial last line: start a fresh one

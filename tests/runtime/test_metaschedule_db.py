@@ -1,0 +1,89 @@
+"""MetaSchedule JSONDatabase files: trials measured elsewhere (the runtime-only GPU round) are committed with
+their traces, and every committed database record is rebuilt the MetaSchedule way (trace applied to the
+bucket's static PrimFunc) and checked against the hand-default kernel (CPU) or built (CUDA)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+
+from tvm_mamba import candidates, metaschedule as msd, tune
+from tvm_mamba.compute.causal_conv1d import build_check_configs
+from tvm_mamba.runtime import KernelKey, cpu_target, cuda_target, dispatch, target_key, tuning
+from tvm_mamba.runtime.cache import compile_module
+from tvm_mamba.schedules.rule import Decisions
+
+
+def test_gpu_round_commit_writes_a_metaschedule_database(tmp_path):
+    d, st, dt = build_check_configs()[0]
+    key = KernelKey.make("causal_conv1d", d, dt, st, target_key(cuda_target("sm_90")), {"batch": 1, "seqlen": 512})
+    assert msd.block_scheduled(key)
+    times = {256: 3e-5, 128: 2e-5, 64: 4e-5}  # as `tune --measure` would write them on the GPU
+    results = [{"key": key.to_json(), "decisions": {"threads": t}, "default": t == 256, "time_s": s}
+               for t, s in times.items()]
+    timings = tmp_path / "timings.json"
+    timings.write_text(json.dumps({"target": "cuda-sm_90", "device": "nvidia-h200-sm90", "results": results}))
+    folder = candidates.commit(str(timings), str(tmp_path / "logs"))
+    (rec,) = [json.loads(l) for l in (folder / "causal_conv1d" / tuning.RECORDS).read_text().splitlines()]
+    assert rec["source"] == "metaschedule" and rec["decisions"] == {"threads": 128}
+    assert rec["time_s"] == 2e-5 and rec["default_time_s"] == 3e-5
+    db = msd.database(folder / "causal_conv1d")
+    assert len(db) == 3
+    mod, best = msd.replay(key, folder / "causal_conv1d")
+    assert [float(s) for s in best.run_secs] == [2e-5]
+    assert msd.knobs_of(key, best.trace) == {"threads": 128}
+    target = cuda_target("sm_90")
+    with target:
+        ex = tvm.compile(mod, target=target)
+    assert "__launch_bounds__(128)" in ex.mod.imports[0].inspect_source("cuda")
+
+
+def _db_records():
+    out = []
+    for f in sorted(tuning.package_logs_dir().glob(f"*/*/{tuning.RECORDS}")):
+        for line in f.read_text().splitlines():
+            obj = json.loads(line)
+            if obj.get("source") == "metaschedule":
+                key = KernelKey.from_json(obj["key"])
+                out.append(pytest.param(key, f.parent, id=f"{f.parent.parent.name}:{key.slug()}"))
+    return out
+
+
+def _random_args(func, bucket, seed):
+    rng = np.random.default_rng(seed)
+    analyzer = tune.bucket_analyzer(func, bucket)
+    args = []
+    for p in func.params:
+        shape, dtype = tune._shape(p, bucket, analyzer), str(p.dtype)
+        if dtype.startswith("int"):
+            info = np.iinfo(dtype)
+            host = rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
+        else:
+            host = rng.uniform(-1, 1, size=shape).astype(dtype)
+        args.append(host)
+    return args
+
+
+@pytest.mark.parametrize("key,folder", _db_records() or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no committed MetaSchedule records"))])
+def test_committed_database_record_replays(key, folder):
+    mod, rec = msd.replay(key, folder)
+    target = dispatch.target_from_key(key.target)
+    with target:
+        ex = tvm.compile(mod, target=target)
+    if key.target.startswith("cuda-"):
+        assert "__global__" in ex.mod.imports[0].inspect_source("cuda")
+        return
+    if key.target != target_key(cpu_target()):
+        pytest.skip(f"record for another CPU ({key.target})")
+    bucket = dict(key.shape_bucket)
+    host = _random_args(dispatch.build_func(key), bucket, seed=3)
+    outs = []
+    for fn in (ex["main"], compile_module(key, dispatch.schedule(key, Decisions()))[f"{key.op}_{key.direction}"]):
+        args = [tvm.runtime.tensor(h.copy()) for h in host]
+        fn(*args)
+        outs.append([a.numpy() for a in args])
+    for got, want in zip(*outs):
+        np.testing.assert_array_equal(got, want)
