@@ -108,13 +108,62 @@ def _module(key: KernelKey) -> tvm.IRModule:
     return tvm.IRModule({"main": static_func(key).with_attr("global_symbol", "main")})
 
 
+def _line_ok(kind: str, obj, n_workloads: int) -> bool:
+    if kind == WORKLOADS:
+        return isinstance(obj, list) and len(obj) == 2 and all(isinstance(v, str) for v in obj)
+    return (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and 0 <= obj[0] < n_workloads
+            and isinstance(obj[1], list) and len(obj[1]) == 4)
+
+
+def _sanitize(folder) -> None:
+    """Drop lines MetaSchedule's loader would die on (a line cut by an interrupted run, foreign text), with
+    a warning naming the file: JSONDatabase raises on the first bad line and would lose the whole file."""
+    import json
+    import warnings
+
+    n_workloads = 0
+    for kind in (WORKLOADS, TRIALS):
+        path = folder / kind
+        if not path.exists():
+            continue
+        lines = path.read_text(errors="replace").splitlines()
+        good = []
+        for line in lines:
+            try:
+                ok = line.strip() and _line_ok(kind, json.loads(line), n_workloads)
+            except ValueError:
+                ok = False
+            if ok:
+                good.append(line)
+        if len(good) != len([ln for ln in lines if ln.strip()]):
+            warnings.warn(f"tvm_mamba: dropped {len(lines) - len(good)} malformed line(s) of MetaSchedule "
+                          f"database {path}", RuntimeWarning, stacklevel=3)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in good))
+            tmp.replace(path)
+        if kind == WORKLOADS:
+            n_workloads = len(good)
+
+
 def database(folder) -> "ms.database.JSONDatabase":
-    """The op folder's MetaSchedule JSONDatabase (append-only; created if missing)."""
+    """The op folder's MetaSchedule JSONDatabase (append-only; created if missing). Malformed lines are
+    dropped first; a file MetaSchedule still cannot load is moved aside (``*.bad``), both with a warning."""
     import pathlib
+    import warnings
 
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    return ms.database.JSONDatabase(path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / TRIALS))
+    _sanitize(folder)
+    paths = dict(path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / TRIALS))
+    try:
+        return ms.database.JSONDatabase(**paths)
+    except Exception as err:  # noqa: BLE001 - TVM raises a bare RuntimeError for any parse failure
+        for kind in (WORKLOADS, TRIALS):
+            if (folder / kind).exists():
+                (folder / kind).replace(folder / f"{kind}.bad")
+        warnings.warn(f"tvm_mamba: MetaSchedule database in {folder} could not be loaded ({str(err)[-120:]}); "
+                      f"moved aside to *.bad, starting a new one", RuntimeWarning, stacklevel=2)
+        return ms.database.JSONDatabase(**paths)
 
 
 def _build_in_target(mod, target, _params):

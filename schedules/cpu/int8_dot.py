@@ -17,7 +17,7 @@ Knobs: ``mb``, ``nb``, ``mo`` (direct); ``pack_mr``, ``pack_kc``, ``pack_mo``, `
 
 dgrad / wgrad (the float32 straight-through backward): loop nests vectorized over the contiguous output
 axis with register tiles; wgrad's sum over rows is two-stage (fixed parts, fixed order). Knobs ``vector``,
-``rows`` (dgrad rows per register tile).
+``rows`` (dgrad rows per register tile), ``k_vectors`` and ``row_tile`` (wgrad register tile and loop order).
 pack / unpack: block-scheduled (so also a MetaSchedule design space on CPU): parallel over rows, knob
 ``vector`` splits the contiguous axis and vectorizes the inner part (default 1: the serial loop).
 """
@@ -249,13 +249,17 @@ def _dgrad(H: int, N: int, K: int, V: int, MB: int):
     return int8_dot_dgrad
 
 
-def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4):
+def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4, RT: int = 0):
     """Stage 1: part p, head h, KB vectors of k: partial[p, h, n, k] = sum over the part's rows m (in order)
-    of codes[h|0, m, n] * g[h, m, k]. For one (p, h, k block) the NB-column blocks of n run innermost, so the
-    part's rows x KB*V floats of g (128 KiB at 512 rows x 64) stay in L2 while every column block streams
-    them; register tile NB x KB vectors (each m: NB int8 broadcasts, KB loads of g, NB*KB FMAs). K % V
-    columns: scalar loop. Parallel over (part, head, k block).
-    Stage 2: out[h, n, k] = scale * sum_p partial[p, h, n, k], parts in order. Parallel over (h, n)."""
+    of codes[h|0, m, n] * g[h, m, k]; register tile NB x KB vectors (each m: NB int8 broadcasts, KB loads of
+    g, NB*KB FMAs). Parallel over (part, head, k block). Loop order, knob ``row_tile`` (RT):
+    - 0: for one (p, h, k block) the NB-column blocks of n run over all the part's rows, so the part's rows
+      x KB*V floats of g (128 KiB at 512 rows x 64) are streamed from L2 by every column block;
+    - RT > 0: the part's rows are taken RT at a time, and every column block runs over those rows before the
+      next tile (its accumulators carried through ``partial``), so the RT x KB*V floats of g stay in L1.
+      Same per-element summation order as 0: bitwise equal results.
+    K % V columns: scalar loop. Stage 2: out[h, n, k] = scale * sum_p partial[p, h, n, k], parts in order.
+    Parallel over (h, n)."""
     KV, KT = K // V, K % V
     KB = _largest_div(KV, tuple(c for c in (8, 4, 2, 1) if c <= KBM))
     NB = _largest_div(N, tuple(c for c in (4, 2, 1) if c * KB <= 16))  # <= 16 accumulators
@@ -264,6 +268,34 @@ def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4):
 
     def hc(h):
         return h if CH > 1 else 0
+
+    @T.macro
+    def column_block(codes, g, part, acc, p, h, k0, nb, m0, rows, carry):
+        for t in T.unroll(NB):
+            for u in T.unroll(KB):
+                for i in T.vectorized(V):
+                    acc[(t * KB + u) * V + i] = T.if_then_else(carry, part[p, h, nb * NB + t, k0 + u * V + i],
+                                                               T.float32(0))
+        for q in range(rows):
+            for t in T.unroll(NB):
+                for u in T.unroll(KB):
+                    for i in T.vectorized(V):
+                        acc[(t * KB + u) * V + i] = acc[(t * KB + u) * V + i] + T.Cast(
+                            "float32", codes[hc(h), m0 + q, nb * NB + t]) * g[h, m0 + q, k0 + u * V + i]
+        for t in T.unroll(NB):
+            for u in T.unroll(KB):
+                for i in T.vectorized(V):
+                    part[p, h, nb * NB + t, k0 + u * V + i] = acc[(t * KB + u) * V + i]
+
+    @T.macro
+    def part_rows(codes, g, part, acc, p, h, k0, m0, rows):
+        if RT == 0:
+            for nb in range(NNB):
+                column_block(codes, g, part, acc, p, h, k0, nb, m0, rows, False)
+        else:
+            for qo in range((rows + RT - 1) // RT):
+                for nb in range(NNB):
+                    column_block(codes, g, part, acc, p, h, k0, nb, m0 + qo * RT, T.min(RT, rows - qo * RT), qo > 0)
 
     @T.prim_func
     def int8_dot_wgrad(c_h: T.handle, g_h: T.handle, s_h: T.handle, o_h: T.handle, p_h: T.handle):
@@ -279,23 +311,8 @@ def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4):
         for phk in T.parallel(nparts * H * NKB):
             acc = T.alloc_buffer((NB * KB * V,), "float32")
             p = T.meta_var(phk // (H * NKB1))
-            h = T.meta_var(phk // NKB1 % H)
-            k0 = T.meta_var(phk % NKB1 * KB * V)
-            for nb in range(NNB):
-                for t in T.unroll(NB * KB):
-                    for i in T.vectorized(V):
-                        acc[t * V + i] = T.float32(0)
-                for q in range(T.max(T.min(chunk, M - p * chunk), 0)):
-                    for t in T.unroll(NB):
-                        for u in T.unroll(KB):
-                            for i in T.vectorized(V):
-                                acc[(t * KB + u) * V + i] = acc[(t * KB + u) * V + i] + T.Cast(
-                                    "float32", codes[hc(h), p * chunk + q, nb * NB + t]) * g[
-                                        h, p * chunk + q, k0 + u * V + i]
-                for t in T.unroll(NB):
-                    for u in T.unroll(KB):
-                        for i in T.vectorized(V):
-                            part[p, h, nb * NB + t, k0 + u * V + i] = acc[(t * KB + u) * V + i]
+            part_rows(codes, g, part, acc, p, phk // NKB1 % H, phk % NKB1 * KB * V, p * chunk,
+                      T.max(T.min(chunk, M - p * chunk), 0))
         for phn in T.parallel(nparts * H * NNB * T.min(KT, 1)):
             tac = T.alloc_buffer((NB,), "float32")
             p = T.meta_var(phn // (H * NNB))
@@ -368,7 +385,10 @@ def apply(func, target, decisions: rule.Decisions):
     if name == "int8_dot_wgrad":
         V = decisions.pick("vector", (16, 8), 16)
         KBM = decisions.pick("k_vectors", (2, 4, 8), 4)
-        return rule.schedule_of(_wgrad(st["heads"], st["code_heads"], st["N"], st["K"], V, KBM), name=name)
+        # row_tile 64: the g tile (64 rows x KB*V floats = 16 KiB) fits any L1d of 32 KiB or more; 0 was the
+        # hand schedule before the knob (1.6-1.9x slower at K = 2048 here), 128 / 256 are for larger L1s
+        RT = decisions.pick("row_tile", (0, 64, 128, 256), 64)
+        return rule.schedule_of(_wgrad(st["heads"], st["code_heads"], st["N"], st["K"], V, KBM, RT), name=name)
     if name in ("int8_dot_pack", "int8_dot_unpack"):
         # block-scheduled (a MetaSchedule design space on CPU too): rows in parallel; the contiguous axis
         # (K/4 words or K bytes) split by ``vector`` and the inner part vectorized (1: the plain serial loop,

@@ -39,6 +39,17 @@ def test_gpu_round_commit_writes_a_metaschedule_database(tmp_path):
         ex = tvm.compile(mod, target=target)
     assert "__launch_bounds__(128)" in ex.mod.imports[0].inspect_source("cuda")
 
+    # an interrupted run's cut line and foreign text: dropped with a warning naming the file, the rest kept
+    trials = folder / "causal_conv1d" / msd.TRIALS
+    trials.write_bytes(trials.read_bytes()[:-40])
+    with open(folder / "causal_conv1d" / msd.WORKLOADS, "a") as f:
+        f.write("not json {\n")
+    with pytest.warns(RuntimeWarning, match="database_tuning_record.json"):
+        db = msd.database(folder / "causal_conv1d")
+    assert len(db) == 2
+    msd.commit_trial(key, folder / "causal_conv1d", {"threads": 512}, 5e-5)  # appendable after the repair
+    assert len(msd.database(folder / "causal_conv1d")) == 3
+
 
 def _db_records():
     out = []

@@ -45,3 +45,26 @@ def test_cuda_build_check_configs_compile_clean(arch):
         assert stats["ok"], stats["error"]
         for k in stats["kernels"]:
             assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (direction, static, k)
+
+
+@pytest.mark.parametrize("knobs", [{"row_tile": 0}, {"row_tile": 64, "k_vectors": 2}, {"row_tile": 256, "k_vectors": 8}])
+def test_cpu_wgrad_knobs_against_float64(knobs):
+    """The wgrad template's knobs (loop order over row tiles, register tile) at a shape with a ragged last
+    part (1100 rows in 3 parts of 367), ragged row tiles and K % 16 columns: same sums as float64, and every
+    row tiling bitwise equal to the untiled order."""
+    import torch
+
+    H, CH, M, N, K, nparts = 2, 1, 1100, 8, 72, 3
+    sch = cpu_rule.apply(C.int8_dot_wgrad(H, CH, N, K), cpu_target(), Decisions(knobs))
+    fn = tvm.compile(sch.mod, target=cpu_target())["int8_dot_wgrad"]
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-128, 128, (CH, M, N), dtype=torch.int8, generator=gen)
+    g = torch.randn(H, M, K, generator=gen)
+    out, part = torch.empty(H, N, K), torch.empty(nparts, H, N, K)
+    fn(codes, g, torch.tensor([0.5]), out, part)
+    ref = 0.5 * torch.einsum("mn,hmk->hnk", codes[0].double(), g.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * M, rtol=1e-5)
+    untiled = cpu_rule.apply(C.int8_dot_wgrad(H, CH, N, K), cpu_target(), Decisions(dict(knobs, row_tile=0)))
+    out0 = torch.empty(H, N, K)
+    tvm.compile(untiled.mod, target=cpu_target())["int8_dot_wgrad"](codes, g, torch.tensor([0.5]), out0, part)
+    assert torch.equal(out, out0)

@@ -257,8 +257,9 @@ def lookup(key: KernelKey) -> "dispatch.Plan | None":
     rec, file = found
     decisions = tuple(sorted(rec["decisions"].items()))
     bucket = ",".join(f"{k}={v}" for k, v in sorted(rec["key"].get("shape_bucket", {}).items()))
+    how = ", MetaSchedule" if rec.get("source") == "metaschedule" else ""
     return dispatch.Plan(key, decisions, f"tuned: {file} [{bucket}] ({1e3 * rec['time_s']:.3f} ms vs default "
-                                         f"{1e3 * rec['default_time_s']:.3f} ms)")
+                                         f"{1e3 * rec['default_time_s']:.3f} ms{how})")
 
 
 dispatch.register_plan_hook(lookup)
@@ -270,7 +271,14 @@ def write_meta(folder: pathlib.Path, device: str, budget: dict) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     refresh()
-    meta = dict(running_meta(), device=device, date=datetime.date.today().isoformat(), budget=budget)
+    today = datetime.date.today().isoformat()
+    try:  # keep the history of runs made with these versions (the latest also as "budget")
+        old = json.loads((folder / "meta.json").read_text())
+        runs = old.get("runs", [old["budget"]] if "budget" in old else [])
+        runs = runs if all(str(old.get(k)) == str(v) for k, v in running_meta().items()) else []
+    except (OSError, ValueError, AttributeError):
+        runs = []
+    meta = dict(running_meta(), device=device, date=today, budget=budget, runs=runs + [dict(budget, date=today)])
     tmp = folder / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     tmp.replace(folder / "meta.json")
