@@ -1,4 +1,6 @@
-"""int8_matmul (K = N = 4096) against torch._int_mm at M = 32, 512, 2048, and the offload memory figure."""
+"""int8_matmul (K = N = 4096) against torch._int_mm at M = 32, 512, 2048; the straight-through backward kernels
+(decoder-tail shapes: rows M = 4096, codes width 1024, g width 2048) against torch's float matmul on
+codes.float(), which is what a PyTorch straight-through backward computes."""
 from __future__ import annotations
 
 import torch
@@ -24,6 +26,21 @@ def run(quick: bool) -> list[Row]:
         gops = 2 * M * N * K / tvm_ms / 1e6
         rows.append(Row("int8_matmul", f"M={M}, K=N={K} (exact int32)", tvm_ms, ref_ms,
                         median_ms(lambda: b.clone()), "torch._int_mm", f"{gops:.0f} GOPS"))
+    M, N, K = (1024 if quick else 4096), 1024, 2048
+    codes = torch.randint(-127, 128, (1, M, N), dtype=torch.int8, generator=g)
+    grad = torch.randn(1, M, K, generator=g)
+    scale = torch.tensor(0.01)
+    wg = torch.ops.tvm_mamba.int8_wgrad
+    torch.testing.assert_close(wg(codes, grad, scale), (codes[0].float().t() @ grad[0] * scale)[None],
+                               rtol=1e-4, atol=1e-3)
+    rows.append(Row("int8_wgrad", f"codes^T g: M={M}, N={N}, K={K}", median_ms(lambda: wg(codes, grad, scale), iters=5),
+                    median_ms(lambda: codes[0].float().t() @ grad[0] * scale, iters=5), None,
+                    "torch float matmul", f"{2 * M * N * K / 1e9:.1f} GFLOP"))
+    dcodes = torch.randint(-127, 128, (1, K, N), dtype=torch.int8, generator=g)
+    dg = torch.ops.tvm_mamba.int8_dgrad
+    rows.append(Row("int8_dgrad", f"g codes: M={M}, K={K}, N={N}", median_ms(lambda: dg(grad, dcodes, scale), iters=5),
+                    median_ms(lambda: grad[0] @ dcodes[0].float() * scale, iters=5), None,
+                    "torch float matmul", f"{2 * M * N * K / 1e9:.1f} GFLOP"))
     return rows
 
 
