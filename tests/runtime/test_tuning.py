@@ -36,8 +36,8 @@ def _write_logs(root, records, meta=None):
     folder = root / dev
     folder.mkdir(parents=True)
     (folder / "meta.json").write_text(json.dumps(meta if meta is not None else tuning.running_meta()))
-    for key, decisions, t, t0 in records:
-        tuning.append_record(folder, key, decisions, t, t0, 3)
+    for key, decisions, t, t0, *source in records:
+        tuning.append_record(folder, key, decisions, t, t0, 3, **({"source": source[0]} if source else {}))
     return folder
 
 
@@ -63,11 +63,18 @@ def test_disable_switch_env_and_explain(logs):
     _write_logs(logs, [(_key(batch=2, seqlen=64), {"vector": 8}, 1e-3, 2e-3)])
     x, w, b = torch.randn(2, 16, 50), torch.randn(16, 4), torch.randn(16)
     text = tvm_mamba.explain(tvm_mamba.causal_conv1d_fn, x, w, b, activation="silu")
-    assert "tuned:" in text and "records.jsonl" in text and "vector=8" in text
+    assert "tuned:" in text and "records.jsonl" in text and "vector=8" in text and "MetaSchedule" not in text
     with tvm_mamba.tuning_logs(enabled=False):
         assert "schedule: default" in tvm_mamba.explain(tvm_mamba.causal_conv1d_fn, x, w, b, activation="silu")
         out_default = tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu")
     assert torch.allclose(tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu"), out_default, atol=1e-6)
+
+
+def test_explain_names_a_metaschedule_record(logs):
+    _write_logs(logs, [(_key(batch=1, seqlen=64), {"vector": 32}, 1e-3, 2e-3, "metaschedule")])
+    text = tvm_mamba.explain(tvm_mamba.causal_conv1d_fn, torch.randn(1, 16, 50), torch.randn(16, 4),
+                             torch.randn(16), activation="silu")
+    assert "vector=32" in text and "MetaSchedule)" in text
 
 
 def test_malformed_foreign_and_mismatched_logs_are_skipped_with_a_warning(logs):
