@@ -136,6 +136,10 @@ def cmd_tune(args) -> int:
         return 0
     from tvm_mamba import tune
 
+    if args.recheck:
+        checked, demoted = tune.recheck(ops, args.out)
+        print(f"tune: rechecked {checked} winning records, {demoted} no longer faster than the default: demoted")
+        return 0
     if args.rpc_tracker and not args.rpc_key:
         print("tune: --rpc-key is required with --rpc-tracker", file=sys.stderr)
         return 2
@@ -176,6 +180,8 @@ def main(argv=None) -> int:
     tu.add_argument("--measure", default=None, metavar="PACK", help="time a candidate pack here (runtime only)")
     tu.add_argument("--timings", default=None, help="with --measure: where to write the timings JSON")
     tu.add_argument("--commit", default=None, metavar="TIMINGS", help="record the best of measured timings")
+    tu.add_argument("--recheck", action="store_true",
+                    help="re-time every winning record against the default here; demote those that do not hold")
     ao = sub.add_parser("aot", help="build a kernel pack (one .so per kernel + manifest) for a runtime-only machine")
     ao.add_argument("--target", default="cuda", choices=("cuda", "cpu"))
     ao.add_argument("--arch", default="sm_90")

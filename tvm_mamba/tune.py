@@ -232,15 +232,63 @@ def tune_one(key: KernelKey, measure, trials: int, folder: pathlib.Path | None =
     if best == 0:
         return cands[0], times[0], times[0], n_trials, source
     # Confirm: a single measurement on a shared machine picks noise (re-measured "5.8x" records were 0.76x).
-    # Time the winner and the default alternately; keep the winner only if it is faster by CONFIRM_MARGIN.
-    t_best, t_def = [], []
-    for _ in range(CONFIRM_ROUNDS):
-        t_def.append(measure(key, built[0], args))
-        t_best.append(measure(key, built[best], args))
-    t_best_m, t_def_m = float(np.median(t_best)), float(np.median(t_def))
+    t_best_m, t_def_m = confirm(key, measure, built[best], built[0], args)
     if t_best_m > t_def_m * (1.0 - CONFIRM_MARGIN):
         return cands[0], t_def_m, t_def_m, n_trials, source
     return cands[best], t_best_m, t_def_m, n_trials, source
+
+
+def confirm(key, measure, ex_best, ex_default, args, rounds: int = CONFIRM_ROUNDS) -> tuple[float, float]:
+    """(winner, default) medians of ``rounds`` alternating measurements of the two."""
+    t_best, t_def = [], []
+    for _ in range(rounds):
+        t_def.append(measure(key, ex_default, args))
+        t_best.append(measure(key, ex_best, args))
+    return float(np.median(t_best)), float(np.median(t_def))
+
+
+def _winner(rec: dict) -> bool:
+    return rec["time_s"] < rec["default_time_s"] and not rec.get("rechecked")
+
+
+def recheck(ops, out: str | None = None, rounds: int = 5, target=None) -> tuple[int, int]:
+    """Re-time every winning record of ``ops`` in this machine's logs against the hand default (``rounds``
+    alternations, a fresh process's view); a winner that is no longer CONFIRM_MARGIN faster is rewritten as
+    "default kept" (so dispatch serves the default). Returns (records rechecked, records demoted)."""
+    import json
+
+    target = target or cpu_target()
+    folder = pathlib.Path(out or tuning.logs_dir()) / tuning.device_key(target_key(target))
+    measure, checked, demoted, t0 = LocalMeasurer(), 0, 0, time.perf_counter()
+    files = [folder / op / tuning.RECORDS for op in ops if (folder / op / tuning.RECORDS).exists()]
+    todo = sum(1 for f in files for ln in f.read_text().splitlines() if ln.strip() and _winner(json.loads(ln)))
+    for path in files:
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        for i, line in enumerate(lines):
+            rec = json.loads(line)
+            if not _winner(rec):
+                continue
+            key = KernelKey.from_json(rec["key"])
+            _progress(checked, todo, t0, str(key))
+            defaults = Decisions()
+            dispatch.schedule(key, defaults)
+            t_best, t_def = confirm(key, measure, compile_module(key, dispatch.schedule(key, Decisions(rec["decisions"]))),
+                                    compile_module(key, dispatch.schedule(key, defaults)), measure.args(key), rounds)
+            checked += 1
+            if t_best > t_def * (1.0 - CONFIRM_MARGIN):
+                rec.update(decisions=defaults.used, time_s=t_def, default_time_s=t_def)
+                demoted += 1
+            else:
+                rec.update(time_s=t_best, default_time_s=t_def)
+            rec["rechecked"] = True
+            lines[i] = json.dumps(rec, sort_keys=True)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in lines))
+        tmp.replace(path)
+    _progress(checked, todo, t0, "done")
+    sys.stderr.write("\n")
+    tuning.refresh()
+    return checked, demoted
 
 
 def _progress(i: int, n: int, t0: float, label: str) -> None:

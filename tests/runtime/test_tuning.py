@@ -97,6 +97,30 @@ def test_malformed_foreign_and_mismatched_logs_are_skipped_with_a_warning(logs):
     assert any("ignoring tuning logs" in str(w.message) for w in caught)
 
 
+def test_recheck_demotes_winners_that_do_not_hold(logs, monkeypatch):
+    """`tune --recheck`: winners re-timed against the default; one that is no longer CONFIRM_MARGIN faster is
+    rewritten as "default kept" (dispatch then serves the default), one that holds keeps its decisions."""
+    folder = _write_logs(logs, [(_key(seqlen=512), {"vector": 32}, 1e-3, 2e-3),
+                                (_key(seqlen=4096), {"vector": 8}, 1e-3, 2e-3),
+                                (_key(seqlen=64), {"vector": 16}, 2e-3, 2e-3)])  # default kept: not rechecked
+    timed = []
+
+    def fake_confirm(key, measure, ex_best, ex_default, args, rounds):
+        timed.append(dict(key.shape_bucket)["seqlen"])
+        return (1.0, 1.01) if dict(key.shape_bucket)["seqlen"] == 512 else (0.5, 1.0)
+
+    monkeypatch.setattr(tune, "confirm", fake_confirm)
+    assert tune.recheck(["causal_conv1d"], str(logs)) == (2, 1)
+    assert sorted(timed) == [512, 4096]
+    recs = {dict(KernelKey.from_json(r["key"]).shape_bucket)["seqlen"]: r for r in map(
+        json.loads, (folder / "causal_conv1d" / "records.jsonl").read_text().splitlines())}
+    assert recs[512]["decisions"] == {"vector": 16} and recs[512]["time_s"] == recs[512]["default_time_s"]
+    assert recs[4096]["decisions"] == {"vector": 8} and recs[4096]["rechecked"]
+    assert dispatch.plan(_key(seqlen=512)).decisions != (("vector", 32),)
+    assert dict(dispatch.plan(_key(seqlen=4096)).decisions) == {"vector": 8}
+    assert tune.recheck(["causal_conv1d"], str(logs)) == (0, 0)  # rechecked records are not timed again
+
+
 def test_tuner_writes_resumes_and_survives_interruption(logs):
     out = logs / "run"
     folder = tune.run(["causal_conv1d"], preset="mamba-130m", seqlens=(64,), batches=(1,), trials=2,
