@@ -169,7 +169,9 @@ class LocalMeasurer:
 
 
 class RPCMeasurer:
-    """Measure on a device registered with a TVM RPC tracker (export -> upload -> time remotely)."""
+    """Measure on a device registered with a TVM RPC tracker (export -> upload -> time remotely). The session
+    is requested when first needed and released before a MetaSchedule search: a server serves one session at a
+    time, so MetaSchedule's RPCRunner would otherwise wait for ours forever."""
 
     def __init__(self, tracker: str, rpc_key: str, timeout: int = 60):
         from tvm import rpc
@@ -177,28 +179,38 @@ class RPCMeasurer:
         host, port = tracker.rsplit(":", 1)
         self.where = (host, int(port), rpc_key, timeout)
         self.tracker = rpc.connect_tracker(host, int(port))
-        self.session = self.tracker.request(rpc_key, priority=1, session_timeout=0)  # held for the run
-        self.dev = self.session.cpu(0)
+        self.session = None
         self.uploads = 0
+
+    @property
+    def dev(self):
+        if self.session is None:
+            self.session = self.tracker.request(self.where[2], priority=1, session_timeout=0)
+        return self.session.cpu(0)
 
     def __call__(self, key, ex, args) -> float:
         # a fresh file name per upload: re-uploading over a library the server has loaded (dlopen keeps
         # it mapped) crashes the server process
+        dev = self.dev
         self.uploads += 1
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, f"{key.slug()}-{self.uploads}.so")
             ex.export_library(path)
             self.session.upload(path)
         remote = self.session.load_module(os.path.basename(path))
-        timer = remote.time_evaluator(f"{key.op}_{key.direction}", self.dev, number=3, repeat=5, min_repeat_ms=20)
+        timer = remote.time_evaluator(f"{key.op}_{key.direction}", dev, number=3, repeat=5, min_repeat_ms=20)
         return float(np.median(timer(*args).results))
 
     def args(self, key):
         return make_args(key, self.dev)
 
     def ms_runner(self):
+        import gc
+
         from tvm.s_tir import meta_schedule as ms
 
+        self.session = None  # release ours (closed when collected) so the runner's session can start
+        gc.collect()
         host, port, rpc_key, timeout = self.where
         return ms.runner.RPCRunner(ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
                                                        session_timeout_sec=timeout))
