@@ -86,27 +86,24 @@ _active = threading.local()
 
 
 @contextlib.contextmanager
+def _scoped(name: str, value):
+    prev = getattr(_active, name, None)
+    setattr(_active, name, value)
+    try:
+        yield value
+    finally:
+        setattr(_active, name, prev)
+
+
 def on_schedule(sch: s_tir.Schedule):
     """Within the block, ``schedule_of`` hands rules this schedule (MetaSchedule's) instead of a new one."""
-    prev = getattr(_active, "sch", None)
-    _active.sch = sch
-    try:
-        yield sch
-    finally:
-        _active.sch = prev
+    return _scoped("sch", sch)
 
 
-@contextlib.contextmanager
 def watch(func: tvm.tirx.PrimFunc):
     """Within the block, ``schedule_of`` notes whether a rule scheduled ``func`` itself (``.block`` True: a
     block-scheduled rule, a MetaSchedule design space) or a PrimFunc of its own (a loop-nest template)."""
-    seen = _Seen(func)
-    prev = getattr(_active, "watch", None)
-    _active.watch = seen
-    try:
-        yield seen
-    finally:
-        _active.watch = prev
+    return _scoped("watch", _Seen(func))
 
 
 class _Seen:

@@ -197,65 +197,15 @@ def _largest_div(n: int, cands=(4, 2, 1)) -> int:
     return next(c for c in cands if n % c == 0) if n else 1
 
 
-def _dgrad(H: int, N: int, K: int, V: int, MB: int):
-    """out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]. Register tile: MB rows of m x NB vectors of
-    V columns of n (16 zmm at 4 x 4); each k: NB int8->f32 codes vectors (converted once, shared by the MB
-    rows), MB broadcasts of g, MB*NB FMAs. Rows past the last full MB block and the N % V columns go
-    through the one-row loops. Parallel over (h, row block)."""
-    NV, NT = N // V, N % V
-    NB = _largest_div(NV, tuple(c for c in (4, 2, 1) if c * MB <= 16))  # <= 16 accumulators
-
-    @T.macro
-    def rows_tile(g, codes, scale, out, acc, R, h, m0, jb):
-        for t in T.unroll(R * NB):
-            for i in T.vectorized(V):
-                acc[t * V + i] = T.float32(0)
-        for k in range(K):
-            for r in T.unroll(R):
-                for t in T.unroll(NB):
-                    for i in T.vectorized(V):
-                        acc[(r * NB + t) * V + i] = acc[(r * NB + t) * V + i] + g[h, m0 + r, k] * T.Cast(
-                            "float32", codes[h, k, (jb * NB + t) * V + i])
-        for r in T.unroll(R):
-            for t in T.unroll(NB):
-                for i in T.vectorized(V):
-                    out[h, m0 + r, (jb * NB + t) * V + i] = acc[(r * NB + t) * V + i] * scale[0]
-
-    @T.prim_func
-    def int8_dot_dgrad(g_h: T.handle, c_h: T.handle, s_h: T.handle, o_h: T.handle):
-        T.func_attr({"global_symbol": "int8_dot_dgrad", "tirx.noalias": True})
-        M = T.int32()
-        g = T.match_buffer(g_h, (H, M, K), "float32")
-        codes = T.match_buffer(c_h, (H, K, N), "int8")
-        scale = T.match_buffer(s_h, (1,), "float32")
-        out = T.match_buffer(o_h, (H, M, N), "float32")
-        for hb in T.parallel(H * ((M + MB - 1) // MB)):
-            acc = T.alloc_buffer((MB * NB * V,), "float32")
-            tac = T.alloc_buffer((1,), "float32")
-            h = T.meta_var(hb // ((M + MB - 1) // MB))
-            m0 = T.meta_var(hb % ((M + MB - 1) // MB) * MB)
-            for jb in range(NV // NB):
-                if m0 + MB <= M:
-                    rows_tile(g, codes, scale, out, acc, MB, h, m0, jb)
-                else:
-                    for r in range(M - m0):
-                        rows_tile(g, codes, scale, out, acc, 1, h, m0 + r, jb)
-            for r in range(T.min(MB, M - m0)):
-                for nt in range(NT):
-                    tac[0] = T.float32(0)
-                    for k in range(K):
-                        tac[0] = tac[0] + g[h, m0 + r, k] * T.Cast("float32", codes[h, k, NV * V + nt])
-                    out[h, m0 + r, NV * V + nt] = tac[0] * scale[0]
-
-    return int8_dot_dgrad
-
-
-def _dgrad_staged(H: int, N: int, K: int, V: int, MB: int, KT: int, MC: int):
-    """dgrad with the codes staged as float: parallel over (h, chunk of MC rows); per block of NB vectors of
-    n and tile of KT k, the KT x NB*V codes are converted to float32 once into a stack tile (L1) and every
-    MB-row register tile of the chunk runs over it, its accumulators carried through ``out`` between k tiles
-    (unscaled; the scale is applied on the last tile). Same per-element summation order as :func:`_dgrad`:
-    bitwise equal. The conversion is amortized over MC rows instead of MB, and codes are read once per chunk."""
+def _dgrad(H: int, N: int, K: int, V: int, MB: int, KT: int, MC: int):
+    """out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]. Parallel over (h, chunk of MC rows); per block
+    of NB vectors of V columns of n and tile of KT k, the KT x NB*V codes are converted to float32 once into a
+    stack tile (L1) and every MB-row register tile of the chunk (MB rows x NB vectors, <= 16 zmm) runs over it:
+    each k, MB broadcasts of g and MB*NB FMAs with the tile as memory operand. Accumulators are carried through
+    ``out`` between k tiles (unscaled; the scale is applied on the last tile), so every tiling sums k in order:
+    bitwise equal results. The conversion is amortized over MC rows, and codes are read once per chunk. (The
+    earlier schedule converted NB codes vectors per k inside the register tile: 1.2-1.4x slower at K = 1024.)
+    Rows past the last full MB tile: one-row tiles; N % V columns: a scalar loop."""
     NV, NT = N // V, N % V
     NB = _largest_div(NV, tuple(c for c in (4, 2, 1) if c * MB <= 16))
     NKT = (K + KT - 1) // KT
@@ -447,13 +397,10 @@ def apply(func, target, decisions: rule.Decisions):
     if name == "int8_dot_dgrad":
         V = decisions.pick("vector", (16, 8), 16)
         MB = decisions.pick("rows", (1, 2, 4, 8), 4)
-        # k_tile 64: a 64 x 64-float staged codes tile (16 KiB) fits any L1d of 32 KiB or more; 0 = the earlier
-        # unstaged hand schedule (1.2-1.4x slower at K = 1024 here). row_chunk only matters when k_tile > 0.
-        KT = decisions.pick("k_tile", (0, 64, 128, 256), 64)
+        # k_tile 64: a 64 x 64-float staged codes tile (16 KiB) fits any L1d of 32 KiB or more
+        KT = decisions.pick("k_tile", (64, 128, 256), 64)
         MC = decisions.pick("row_chunk", (32, 64, 128, 256), 64)
-        if KT == 0:
-            return rule.schedule_of(_dgrad(st["heads"], st["N"], st["K"], V, MB), name=name)
-        return rule.schedule_of(_dgrad_staged(st["heads"], st["N"], st["K"], V, MB, KT, MC), name=name)
+        return rule.schedule_of(_dgrad(st["heads"], st["N"], st["K"], V, MB, KT, MC), name=name)
     if name == "int8_dot_wgrad":
         V = decisions.pick("vector", (16, 8), 16)
         KBM = decisions.pick("k_vectors", (2, 4, 8), 4)
