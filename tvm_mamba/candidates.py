@@ -134,8 +134,7 @@ def commit(timings: str, out: str | None = None) -> pathlib.Path:
         best = min(rs, key=lambda r: r["time_s"])
         source = "template"
         if msd.block_scheduled(key):  # every measured trial also goes to the op's MetaSchedule JSONDatabase
-            for r in rs:
-                msd.commit_trial(key, folder / key.op, r["decisions"], r["time_s"])
+            msd.commit_trials(key, folder / key.op, [(r["decisions"], r["time_s"]) for r in rs])
             source = "metaschedule"
         tuning.append_record(folder, key, best["decisions"], best["time_s"], default["time_s"], len(rs),
                              source=source)

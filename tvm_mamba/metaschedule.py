@@ -12,7 +12,7 @@ are one format). Measuring CUDA candidates needs a GPU: through a TVM RPC tracke
 ``search(key, folder, trials, runner)`` is the tuner's path for block-scheduled kernels: ``ms.tune_tir`` over
 the rule's design space with MetaSchedule's builder and runner (local, or ``RPCRunner`` through a tracker),
 its trials appended to the op's JSONDatabase (``database_workload.json`` / ``database_tuning_record.json``
-beside the knob records), and the best trace's knob values returned. ``commit_trial`` writes a trial measured
+beside the knob records), and the best trace's knob values returned. ``commit_trials`` writes trials measured
 elsewhere (the runtime-only GPU round) into the same database. ``replay`` builds a database record the
 MetaSchedule way (``compile_tir``: the trace applied to the bucket's static PrimFunc).
 """
@@ -135,8 +135,9 @@ def _sanitize(folder) -> None:
                 ok = False
             if ok:
                 good.append(line)
-        if len(good) != len([ln for ln in lines if ln.strip()]):
-            warnings.warn(f"tvm_mamba: dropped {len(lines) - len(good)} malformed line(s) of MetaSchedule "
+        dropped = len([ln for ln in lines if ln.strip()]) - len(good)
+        if dropped:
+            warnings.warn(f"tvm_mamba: dropped {dropped} malformed line(s) of MetaSchedule "
                           f"database {path}", RuntimeWarning, stacklevel=3)
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text("".join(ln + "\n" for ln in good))
@@ -192,21 +193,23 @@ def search(key: KernelKey, folder, trials: int, runner="local", seed: int = 0) -
     return knobs_of(key, records[0].trace), len(records)
 
 
+def _space(key: KernelKey):
+    """(static module, the design space's first schedule, picks in sampling order)."""
+    gen, picks = design_space(key)
+    mod = _module(key)
+    space = ms.TuneContext(mod=mod, target=target_from_key(key.target), space_generator=gen, task_name=key.slug(),
+                           num_threads=1).generate_design_space()[0]
+    return mod, space, picks
+
+
 def knobs_of(key: KernelKey, trace) -> dict:
     """Knob values of a trace of the key's design space (e.g. a JSONDatabase record's)."""
-    gen, picks = design_space(key)
-    ms.TuneContext(mod=_module(key), target=target_from_key(key.target), space_generator=gen,
-                   task_name=key.slug(), num_threads=1).generate_design_space()
-    return decisions_of(trace, picks)
+    return decisions_of(trace, _space(key)[2])
 
 
 def trace_of(key: KernelKey, values: dict):
     """(module, trace) of the rule's design space with its categorical decisions set to ``values``."""
-    target = target_from_key(key.target)
-    gen, picks = design_space(key)
-    mod = _module(key)
-    space = ms.TuneContext(mod=mod, target=target, space_generator=gen, task_name=key.slug(),
-                           num_threads=1).generate_design_space()[0]
+    mod, space, picks = _space(key)
     trace, names = space.trace, iter(n for n, _ in picks)
     for inst in list(trace.insts):
         if inst.kind.name == "SampleCategorical":
@@ -216,13 +219,16 @@ def trace_of(key: KernelKey, values: dict):
     return mod, trace
 
 
-def commit_trial(key: KernelKey, folder, values: dict, time_s: float) -> None:
-    """Record one trial measured elsewhere (e.g. on a GPU with the runtime only) in the op's database."""
+def commit_trials(key: KernelKey, folder, trials) -> None:
+    """Record trials measured elsewhere (e.g. on a GPU with the runtime only), ``[(knob values, seconds)]``,
+    in the op's database (opened once)."""
     target = target_from_key(key.target)
-    mod, trace = trace_of(key, values)
     db = database(folder)
-    args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
-    db.commit_tuning_record(ms.database.TuningRecord(trace, db.commit_workload(mod), [float(time_s)], target, args))
+    for values, time_s in trials:
+        mod, trace = trace_of(key, values)
+        args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
+        db.commit_tuning_record(ms.database.TuningRecord(trace, db.commit_workload(mod), [float(time_s)], target,
+                                                         args))
 
 
 def replay(key: KernelKey, folder):

@@ -49,7 +49,7 @@ def test_gpu_round_commit_writes_a_metaschedule_database(tmp_path):
     said = " ".join(str(w.message) for w in caught)
     assert msd.TRIALS in said and msd.WORKLOADS in said
     assert len(db) == 2
-    msd.commit_trial(key, folder / "causal_conv1d", {"threads": 512}, 5e-5)  # appendable after the repair
+    msd.commit_trials(key, folder / "causal_conv1d", [({"threads": 512}, 5e-5)])  # appendable after the repair
     assert len(msd.database(folder / "causal_conv1d")) == 3
 
 
