@@ -63,7 +63,7 @@ def bucket_for(names: list[str], batch: int, seqlen: int) -> dict[str, int]:
 def _derived(key: KernelKey, dims: dict) -> dict:
     """Dims the op derives from the others (e.g. a reduction's part count), via compute.<op>.derived_dims."""
     fn = getattr(importlib.import_module(f"tvm_mamba.compute.{key.op}"), "derived_dims", None)
-    return fn(key.direction, dims) if fn is not None else {}
+    return fn(key.direction, dims, dict(key.static)) if fn is not None else {}
 
 
 def workloads(ops, target, preset: str = "default", seqlens=SEQLENS, batches=BATCHES,

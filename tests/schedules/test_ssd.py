@@ -78,3 +78,50 @@ def test_cuda_templates_compute_the_same_math(monkeypatch):
     for k in names:
         scale = max(ref[k].grad.abs().max().item(), 1.0)
         assert_close_to_ref(leaves[k].grad, ref[k].grad, atol=3e-5 * scale, rtol=1e-4, name="d" + k)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 128), (2, 16), (8, 64)])
+def test_cpu_register_blocks_agree_bitwise(rows, cols, monkeypatch):
+    """Every (rows, cols) accumulator block sums each output over k in the same order: the forward and
+    every gradient are bitwise equal to the default block's (which the op tests check against float64).
+    headdim 24 / dstate 16 / chunk 12: cols 64 and 128 do not divide the widths (whole width), rows 8
+    does not divide the chunk (4); ragged last chunk, seq_idx, z, D, initial states."""
+    import torch
+
+    import tvm_mamba
+    from tvm_mamba.runtime import dispatch
+    from tvm_mamba.torch_ops.ssd import mamba_chunk_scan_combined
+
+    g = torch.Generator().manual_seed(1)
+    b, L, h, p, n, cs = 2, 29, 2, 24, 16, 12
+    inp = [torch.randn(b, L, h, p, generator=g), torch.randn(b, L, h, generator=g) - 1,
+           -torch.rand(h, generator=g) - 0.5, torch.randn(b, L, 1, n, generator=g),
+           torch.randn(b, L, 1, n, generator=g), torch.randn(h, generator=g), torch.randn(b, L, h, p, generator=g),
+           torch.randn(b, h, p, n, generator=g)]
+    seq_idx = torch.tensor([[0] * 15 + [1] * 14, [0] * 29], dtype=torch.int32)
+    gy, gf = torch.randn(b, L, h, p, generator=g), torch.randn(b, h, p, n, generator=g)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in inp]
+        x, dt, A, B, C, D, z, init = leaves
+        y, f = mamba_chunk_scan_combined(x, dt, A, B, C, cs, D=D, z=z, initial_states=init, seq_idx=seq_idx,
+                                         dt_softplus=True, return_final_states=True)
+        ((y * gy).sum() + (f * gf).sum()).backward()
+        return [y.detach(), f.detach()] + [t.grad for t in leaves]
+
+    with tvm_mamba.tuning_logs(enabled=False):
+        base = run()
+        blocked = ("chunk_state", "chunk_scan", "chunk_scan_bwd_dstates", "chunk_scan_bwd")
+        served = []
+
+        def hook(key):
+            if key.op == "ssd" and key.direction in blocked:
+                served.append(key.direction)
+                return dispatch.Plan(key, (("cols", cols), ("rows", rows)), "test")
+            return None
+
+        monkeypatch.setattr(dispatch, "_plan_hooks", [hook])
+        out = run()
+    assert set(served) == set(blocked)
+    for i, (u, v) in enumerate(zip(base, out)):
+        assert torch.equal(u, v), f"output {i} differs with rows={rows}, cols={cols}"

@@ -13,15 +13,16 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, matmul, zero
 
 F32 = "float32"
 I32 = "int32"
 NEG = -100.0
 
 
-def _ld(buf, idx, L, t):
+def _ld(buf, idx, seqlen, t):
     """buf[idx] as float32 when position t < L, else 0 (t is clamped into range for the load)."""
-    return tirx.if_then_else(t < L, buf[idx].astype(F32), tirx.const(0.0, F32))
+    return tirx.if_then_else(t < seqlen, buf[idx].astype(F32), tirx.const(0.0, F32))
 
 
 def _seg_exp(acs, sid, l, s, has_seq_idx):
@@ -38,41 +39,49 @@ def _static(H, G, P, N, Q, **kw):
 
 def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
                    D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
-                   x_dtype: str = F32, bc_dtype: str = F32) -> tirx.PrimFunc:
+                   x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
+                   cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
     """x, z: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in: (batch, nchunks, nheads, headdim, dstate) f32;
     D: (nheads,) or (nheads, headdim) f32; seq_idx: (batch, seqlen) int32
     -> y: (batch, seqlen, nheads, headdim), y_pre: same (the pre-gate output, written only with z).
 
     y0[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l]-dA_cs[s]) dt_out[s] x[s] + exp(dA_cs[l]) Sin C_l + D x[l];
-    y = y0 * silu(z).
+    y = y0 * silu(z). ``rows`` x ``cols``: the register block of the chunk matmuls (_ssd_mm.py).
     """
     check_dtype("x", x_dtype)
     check_dtype("B", bc_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
+    mm_qq, mm_qp = matmul(Q, Q, rows, cols), matmul(Q, P, rows, cols)
+
+    def carried(e, Dm, xl, h, l, p, v):  # e[l] (C_l Sin)[l, p] + D x[l, p]
+        if has_D:
+            return e[l] * v + (Dm[h, p] if D_has_hdim else Dm[h]) * xl[l, p]
+        return e[l] * v
+
     zshape = (1, 1, 1, 1)
 
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
              sin_h: T.handle, d_h: T.handle, s_h: T.handle, y_h: T.handle, yp_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        x = T.match_buffer(x_h, (Bt, L, H, P), x_dtype)
-        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
-        Bm = T.match_buffer(b_h, (Bt, L, G, N), bc_dtype)
-        Cm = T.match_buffer(c_h, (Bt, L, G, N), bc_dtype)
-        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        x = T.match_buffer(x_h, (batch, seqlen, H, P), x_dtype)
+        z = T.match_buffer(z_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
+        Bm = T.match_buffer(b_h, (batch, seqlen, G, N), bc_dtype)
+        Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
+        dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
         Dm = T.match_buffer(d_h, ((H, P) if D_has_hdim else (H,)) if has_D else (1,), F32)
-        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
-        y = T.match_buffer(y_h, (Bt, L, H, P), x_dtype)
-        y_pre = T.match_buffer(yp_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
-        for bch in T.parallel(Bt * NC * H):
-            b = T.meta_var(bch // (NC * H))
-            c = T.meta_var(bch // H % NC)
+        seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
+        y = T.match_buffer(y_h, (batch, seqlen, H, P), x_dtype)
+        y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
+        for bch in T.parallel(batch * nchunks * H):
+            b = T.meta_var(bch // (nchunks * H))
+            c = T.meta_var(bch // H % nchunks)
             h = T.meta_var(bch % H)
             g = T.meta_var(h // R)
             acs = T.alloc_buffer((Q,), F32)
@@ -85,10 +94,8 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
             sint = T.alloc_buffer((N, P), F32)
             cb = T.alloc_buffer((Q, Q), F32)
             acc = T.alloc_buffer((Q, P), F32)
-            row = T.alloc_buffer((P,), F32)
-            rowq = T.alloc_buffer((Q,), F32)
             for l in range(Q):
-                t = T.meta_var(T.min(c * Q + l, L - 1))
+                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                 acs[l] = dA_cs[b, h, c, l]
                 dtl[l] = dt_out[b, h, c, l]
                 if has_seq_idx:
@@ -98,39 +105,22 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                 else:
                     e[l] = _math.exp(acs[l])
                 for p in T.vectorized(P):
-                    xl[l, p] = _ld(x, (b, t, h, p), L, c * Q + l)
+                    xl[l, p] = _ld(x, (b, t, h, p), seqlen, c * Q + l)
                 for n in T.vectorized(N):
-                    cl[l, n] = _ld(Cm, (b, t, g, n), L, c * Q + l)
+                    cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
                 for n in range(N):
-                    bt[n, l] = _ld(Bm, (b, t, g, n), L, c * Q + l)
+                    bt[n, l] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
             for p in range(P):
                 for n in range(N):
                     sint[n, p] = sin[b, c, h, p, n]
-            # cb[l, s] = C_l . B_s, then * exp(segsum) * dt[s]
-            for l in range(Q):  # rows accumulate in registers (a (Q,) / (P,) stack row), then store
-                for s in T.vectorized(Q):
-                    rowq[s] = T.float32(0)
-                for n in range(N):
-                    for s in T.vectorized(Q):
-                        rowq[s] = rowq[s] + cl[l, n] * bt[n, s]
-                for s in T.vectorized(Q):
-                    cb[l, s] = rowq[s] * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s]
-            for l in range(Q):
-                for p in T.vectorized(P):
-                    row[p] = T.float32(0)
-                for n in range(N):
-                    for p in T.vectorized(P):
-                        row[p] = row[p] + cl[l, n] * sint[n, p]
-                for p in T.vectorized(P):
-                    row[p] = e[l] * row[p]
-                    if has_D:
-                        row[p] = row[p] + (Dm[h, p] if D_has_hdim else Dm[h]) * xl[l, p]
-                for s in range(l + 1):
-                    for p in T.vectorized(P):
-                        row[p] = row[p] + cb[l, s] * xl[s, p]
-                for p in T.vectorized(P):
-                    acc[l, p] = row[p]
-            for l in range(T.min(Q, L - c * Q)):
+            # cb[l, s] = (C_l . B_s) exp(segsum) dt[s]; acc = e C Sin + D x, then += sum_{s<=l} cb[l, s] x[s]
+            mm_qq(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, s: bt[n, s], zero,
+                  lambda l, s, v: T.buffer_store(cb, v * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s], [l, s]))
+            mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, p: sint[n, p], zero,
+                  lambda l, p, v: T.buffer_store(acc, carried(e, Dm, xl, h, l, p, v), [l, p]))
+            mm_qp(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, cb[l, s], T.float32(0)),
+                  lambda s, p: xl[s, p], lambda l, p: acc[l, p], lambda l, p, v: T.buffer_store(acc, v, [l, p]))
+            for l in range(T.min(Q, seqlen - c * Q)):
                 for p in T.vectorized(P):
                     if has_z:
                         y_pre[b, c * Q + l, h, p] = acc[l, p].astype(x_dtype)
@@ -143,55 +133,56 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                                                   has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype))
 
 
-def _gate(dy, z, idx, L, t, has_z):
+def _gate(dy, z, idx, seqlen, t, has_z):
     """g = dy * silu(z) (the gradient reaching the pre-gate output), 0 past seqlen."""
-    g = _ld(dy, idx, L, t)
+    g = _ld(dy, idx, seqlen, t)
     if has_z:
-        g = g * _math.silu(_ld(z, idx, L, t))
+        g = g * _math.silu(_ld(z, idx, seqlen, t))
     return g
 
 
 def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int,
                                has_z: bool = False, has_seq_idx: bool = False, x_dtype: str = F32,
-                               bc_dtype: str = F32) -> tirx.PrimFunc:
+                               bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
+                               cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
     """dy, z, y_pre: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate); dA_cumsum:
     (batch, nheads, nchunks, chunk_size); seq_idx: (batch, seqlen)
     -> dstates_local: (batch, nchunks, nheads, headdim, dstate) f32, dz: (batch, seqlen, nheads, headdim).
 
     dstates_local[c, p, n] = sum_l exp(dA_cs[l]) g[l, p] C[l, n] (seq-masked), g = dy silu(z);
-    dz = dy * y_pre * silu'(z).
+    dz = dy * y_pre * silu'(z). ``rows`` x ``cols``: the register block of the matmul.
     """
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
+    mm = matmul(P, N, rows, cols)
     zshape = (1, 1, 1, 1)
 
     @T.prim_func
     def func(dy_h: T.handle, z_h: T.handle, yp_h: T.handle, c_h: T.handle, dac_h: T.handle, s_h: T.handle,
              dsl_h: T.handle, dz_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        dy = T.match_buffer(dy_h, (Bt, L, H, P), x_dtype)
-        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
-        y_pre = T.match_buffer(yp_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
-        Cm = T.match_buffer(c_h, (Bt, L, G, N), bc_dtype)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
-        dsl = T.match_buffer(dsl_h, (Bt, NC, H, P, N), F32)
-        dz = T.match_buffer(dz_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
-        for bch in T.parallel(Bt * NC * H):
-            b = T.meta_var(bch // (NC * H))
-            c = T.meta_var(bch // H % NC)
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        dy = T.match_buffer(dy_h, (batch, seqlen, H, P), x_dtype)
+        z = T.match_buffer(z_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
+        y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
+        Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
+        dsl = T.match_buffer(dsl_h, (batch, nchunks, H, P, N), F32)
+        dz = T.match_buffer(dz_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
+        for bch in T.parallel(batch * nchunks * H):
+            b = T.meta_var(bch // (nchunks * H))
+            c = T.meta_var(bch // H % nchunks)
             h = T.meta_var(bch % H)
             ce = T.alloc_buffer((Q, N), F32)  # C rows scaled by exp(dA_cs[l]) (0 past seqlen)
             gt = T.alloc_buffer((P, Q), F32)  # g transposed
             gv = T.alloc_buffer((P,), F32)
             e = T.alloc_buffer((1,), F32)
-            row = T.alloc_buffer((N,), F32)
             for l in range(Q):
-                t = T.meta_var(T.min(c * Q + l, L - 1))
+                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                 e[0] = T.float32(0)
-                if c * Q + l < L:
+                if c * Q + l < seqlen:
                     e[0] = _math.exp(dA_cs[b, h, c, l])
                     if has_seq_idx:
                         e[0] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
@@ -199,22 +190,16 @@ def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: 
                 for n in T.vectorized(N):
                     ce[l, n] = Cm[b, t, h // R, n].astype(F32) * e[0]
                 for p in T.vectorized(P):  # vectorized (silu's exp), then transposed by a scalar copy
-                    gv[p] = _gate(dy, z, (b, t, h, p), L, c * Q + l, has_z)
+                    gv[p] = _gate(dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
                 for p in range(P):
                     gt[p, l] = gv[p]
                 if has_z:
-                    if c * Q + l < L:
+                    if c * Q + l < seqlen:
                         for p in T.vectorized(P):
                             dz[b, t, h, p] = (dy[b, t, h, p].astype(F32) * y_pre[b, t, h, p].astype(F32)
                                               * _math.silu_grad(z[b, t, h, p].astype(F32))).astype(x_dtype)
-            for p in range(P):
-                for n in T.vectorized(N):
-                    row[n] = T.float32(0)
-                for l in range(Q):
-                    for n in T.vectorized(N):
-                        row[n] = row[n] + gt[p, l] * ce[l, n]
-                for n in T.vectorized(N):
-                    dsl[b, c, h, p, n] = row[n]
+            mm(lambda lo, hi: 0, lambda lo, hi: Q, lambda p, l: gt[p, l], lambda l, n: ce[l, n], zero,
+               lambda p, n, v: T.buffer_store(dsl, v, [b, c, h, p, n]))
 
     return stamp(func, "ssd_chunk_scan_bwd_dstates", _static(H, G, P, N, Q, has_z=has_z, has_seq_idx=has_seq_idx,
                                                               x_dtype=x_dtype, bc_dtype=bc_dtype))

@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, matmul, zero
 from ._ssd_scan import _gate, _ld, _seg_exp, _static
 
 F32 = "float32"
@@ -25,46 +26,55 @@ I32 = "int32"
 
 def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
                        D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
-                       x_dtype: str = F32, bc_dtype: str = F32):
+                       x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS):
     """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
     dstate) f32; D: (nheads,) / (nheads, headdim); seq_idx: (batch, seqlen)
     -> dx: (batch, seqlen, nheads, headdim); dB_heads, dC_heads: (batch, seqlen, nheads, dstate) f32;
     ddt_out, ddA_cumsum: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim).
+    ``rows`` x ``cols``: the register block of the chunk matmuls (_ssd_mm.py).
     """
     check_dtype("x", x_dtype)
     check_dtype("B", bc_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
+    W2 = max(P, N)
+    mm_qq, mm_qp, mm_qn = matmul(Q, Q, rows, cols), matmul(Q, P, rows, cols), matmul(Q, N, rows, cols)
+
+    def dx_init(Dm, gl, h, s, p):  # D g[s, p]
+        if has_D:
+            return (Dm[h, p] if D_has_hdim else Dm[h]) * gl[s, p]
+        return T.float32(0)
+
     zshape = (1, 1, 1, 1)
 
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle,
              dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle, dx_h: T.handle,
              db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        x = T.match_buffer(x_h, (Bt, L, H, P), x_dtype)
-        z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else zshape, x_dtype)
-        dy = T.match_buffer(dy_h, (Bt, L, H, P), x_dtype)
-        Bm = T.match_buffer(b_h, (Bt, L, G, N), bc_dtype)
-        Cm = T.match_buffer(c_h, (Bt, L, G, N), bc_dtype)
-        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
-        dso = T.match_buffer(dso_h, (Bt, NC, H, P, N), F32)
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        x = T.match_buffer(x_h, (batch, seqlen, H, P), x_dtype)
+        z = T.match_buffer(z_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
+        dy = T.match_buffer(dy_h, (batch, seqlen, H, P), x_dtype)
+        Bm = T.match_buffer(b_h, (batch, seqlen, G, N), bc_dtype)
+        Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
+        dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
+        dso = T.match_buffer(dso_h, (batch, nchunks, H, P, N), F32)
         Dm = T.match_buffer(d_h, ((H, P) if D_has_hdim else (H,)) if has_D else (1,), F32)
-        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
-        dx = T.match_buffer(dx_h, (Bt, L, H, P), x_dtype)
-        dBh = T.match_buffer(db_h, (Bt, L, H, N), F32)
-        dCh = T.match_buffer(dc_h, (Bt, L, H, N), F32)
-        ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
-        ddA_cs = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
-        dD_part = T.match_buffer(dd_h, (Bt, NC, H, P) if has_D else zshape, F32)
-        for bch in T.parallel(Bt * NC * H):
-            b = T.meta_var(bch // (NC * H))
-            c = T.meta_var(bch // H % NC)
+        seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
+        dx = T.match_buffer(dx_h, (batch, seqlen, H, P), x_dtype)
+        dBh = T.match_buffer(db_h, (batch, seqlen, H, N), F32)
+        dCh = T.match_buffer(dc_h, (batch, seqlen, H, N), F32)
+        ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
+        ddA_cs = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
+        dD_part = T.match_buffer(dd_h, (batch, nchunks, H, P) if has_D else zshape, F32)
+        for bch in T.parallel(batch * nchunks * H):
+            b = T.meta_var(bch // (nchunks * H))
+            c = T.meta_var(bch // H % nchunks)
             h = T.meta_var(bch % H)
             g = T.meta_var(h // R)
             acs = T.alloc_buffer((Q,), F32)
@@ -87,35 +97,34 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             dd = T.alloc_buffer((Q,), F32)
             dac = T.alloc_buffer((Q,), F32)
             rp = T.alloc_buffer((P,), F32)
-            rp2 = T.alloc_buffer((P,), F32)
-            rn = T.alloc_buffer((N,), F32)
-            rn2 = T.alloc_buffer((N,), F32)
+            t1 = T.alloc_buffer((Q, W2), F32)  # the two matmul products of dx, then dC, then dB
+            t2 = T.alloc_buffer((Q, W2), F32)
             sc = T.alloc_buffer((2,), F32)  # scalar accumulators: [0] reductions, [1] chunk-state dA_cs[Q-1]
             # -- stage the chunk (zeros past seqlen) --
             for l in range(Q):
-                t = T.meta_var(T.min(c * Q + l, L - 1))
+                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                 acs[l] = dA_cs[b, h, c, l]
                 dtl[l] = dt_out[b, h, c, l]
                 dd[l] = T.float32(0)
                 dac[l] = T.float32(0)
                 dcol[l] = T.float32(0)
             for l in range(Q):
-                t = T.meta_var(T.min(c * Q + l, L - 1))
+                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                 if has_seq_idx:
                     sid[l] = seq_idx[b, t]
                     e[l] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
                                     _math.exp(acs[l]), T.float32(0))
-                    wst[l] = T.Select(seq_idx[b, t] == seq_idx[b, T.min(c * Q + Q, L) - 1],
+                    wst[l] = T.Select(seq_idx[b, t] == seq_idx[b, T.min(c * Q + Q, seqlen) - 1],
                                       _math.exp(acs[Q - 1] - acs[l]), T.float32(0))
                 else:
                     e[l] = _math.exp(acs[l])
                     wst[l] = _math.exp(acs[Q - 1] - acs[l])
                 for p in T.vectorized(P):
-                    xl[l, p] = _ld(x, (b, t, h, p), L, c * Q + l)
-                    gl[l, p] = _gate(dy, z, (b, t, h, p), L, c * Q + l, has_z)
+                    xl[l, p] = _ld(x, (b, t, h, p), seqlen, c * Q + l)
+                    gl[l, p] = _gate(dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
                 for n in T.vectorized(N):
-                    cl[l, n] = _ld(Cm, (b, t, g, n), L, c * Q + l)
-                    bl[l, n] = _ld(Bm, (b, t, g, n), L, c * Q + l)
+                    cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
+                    bl[l, n] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
                 for p in range(P):
                     xt[p, l] = xl[l, p]
                 for n in range(N):
@@ -124,20 +133,10 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                 for n in range(N):
                     dsot[n, p] = dso[b, c, h, p, n]
             # -- cb = C B^T, gx = g x^T --
-            for l in range(Q):  # each row accumulates in registers (gr as a (Q,) row), then is stored
-                for s in T.vectorized(Q):
-                    gr[s] = T.float32(0)
-                for n in range(N):
-                    for s in T.vectorized(Q):
-                        gr[s] = gr[s] + cl[l, n] * bt[n, s]
-                for s in T.vectorized(Q):
-                    cb[l, s] = gr[s]
-                    gr[s] = T.float32(0)
-                for p in range(P):
-                    for s in T.vectorized(Q):
-                        gr[s] = gr[s] + gl[l, p] * xt[p, s]
-                for s in T.vectorized(Q):
-                    gx[l, s] = gr[s]
+            mm_qq(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, s: bt[n, s], zero,
+                  lambda l, s, v: T.buffer_store(cb, v, [l, s]))
+            mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, s: xt[p, s], zero,
+                  lambda l, s, v: T.buffer_store(gx, v, [l, s]))
             # -- masks, decays, d dt and d dA_cs of the intra-chunk term --
             for l in range(Q):
                 for s in T.vectorized(Q):
@@ -153,59 +152,43 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     sc[0] = sc[0] + gr[s]
                 dac[l] = dac[l] + sc[0]
             # -- dx, and the chunk-state terms of d dt / d dA_cs --
+            # t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l];  t2[s] = B_s dSo^T
+            mm_qp(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, cb[l, s], T.float32(0)),
+                  lambda l, p: gl[l, p], lambda s, p: dx_init(Dm, gl, h, s, p),
+                  lambda s, p, v: T.buffer_store(t1, v, [s, p]))
+            mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda s, n: bl[s, n], lambda n, p: dsot[n, p], zero,
+                  lambda s, p, v: T.buffer_store(t2, v, [s, p]))
             sc[1] = T.float32(0)
             for s in range(Q):
-                for p in T.vectorized(P):
-                    if has_D:
-                        rp[p] = (Dm[h, p] if D_has_hdim else Dm[h]) * gl[s, p]
-                    else:
-                        rp[p] = T.float32(0)
-                    rp2[p] = T.float32(0)
-                for l in range(s, Q):
-                    for p in T.vectorized(P):
-                        rp[p] = rp[p] + cb[l, s] * gl[l, p]
-                for n in range(N):
-                    for p in T.vectorized(P):
-                        rp2[p] = rp2[p] + bl[s, n] * dsot[n, p]
                 sc[0] = T.float32(0)
                 for p in range(P):
-                    sc[0] = sc[0] + xl[s, p] * rp2[p]
+                    sc[0] = sc[0] + xl[s, p] * t2[s, p]
                 dd[s] = dd[s] + wst[s] * sc[0]
                 dac[s] = dac[s] - wst[s] * dtl[s] * sc[0]
                 sc[1] = sc[1] + wst[s] * dtl[s] * sc[0]
-                if c * Q + s < L:
+                if c * Q + s < seqlen:
                     for p in T.vectorized(P):
-                        dx[b, c * Q + s, h, p] = (rp[p] + wst[s] * dtl[s] * rp2[p]).astype(x_dtype)
-            # -- dC --
-            for l in range(T.min(Q, L - c * Q)):
-                for n in T.vectorized(N):
-                    rn[n] = T.float32(0)
-                    rn2[n] = T.float32(0)
-                for p in range(P):
-                    for n in T.vectorized(N):
-                        rn[n] = rn[n] + gl[l, p] * sin[b, c, h, p, n]
+                        dx[b, c * Q + s, h, p] = (t1[s, p] + wst[s] * dtl[s] * t2[s, p]).astype(x_dtype)
+            # -- dC: t1[l] = g_l Sin, t2[l] = sum_{s<=l} gx[l, s] B_s --
+            mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, n: sin[b, c, h, p, n], zero,
+                  lambda l, n, v: T.buffer_store(t1, v, [l, n]))
+            mm_qn(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, gx[l, s], T.float32(0)),
+                  lambda s, n: bl[s, n], zero, lambda l, n, v: T.buffer_store(t2, v, [l, n]))
+            for l in range(T.min(Q, seqlen - c * Q)):
                 sc[0] = T.float32(0)
                 for n in range(N):
-                    sc[0] = sc[0] + cl[l, n] * rn[n]
+                    sc[0] = sc[0] + cl[l, n] * t1[l, n]
                 dac[l] = dac[l] + e[l] * sc[0]
-                for s in range(l + 1):
-                    for n in T.vectorized(N):
-                        rn2[n] = rn2[n] + gx[l, s] * bl[s, n]
                 for n in T.vectorized(N):
-                    dCh[b, c * Q + l, h, n] = e[l] * rn[n] + rn2[n]
-            # -- dB --
-            for s in range(T.min(Q, L - c * Q)):
+                    dCh[b, c * Q + l, h, n] = e[l] * t1[l, n] + t2[l, n]
+            # -- dB: t1[s] = sum_{l>=s} gx[l, s] C_l, t2[s] = x_s dSo --
+            mm_qn(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, gx[l, s], T.float32(0)),
+                  lambda l, n: cl[l, n], zero, lambda s, n, v: T.buffer_store(t1, v, [s, n]))
+            mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda s, p: xl[s, p], lambda p, n: dso[b, c, h, p, n], zero,
+                  lambda s, n, v: T.buffer_store(t2, v, [s, n]))
+            for s in range(T.min(Q, seqlen - c * Q)):
                 for n in T.vectorized(N):
-                    rn[n] = T.float32(0)
-                    rn2[n] = T.float32(0)
-                for l in range(s, Q):
-                    for n in T.vectorized(N):
-                        rn[n] = rn[n] + gx[l, s] * cl[l, n]
-                for p in range(P):
-                    for n in T.vectorized(N):
-                        rn2[n] = rn2[n] + xl[s, p] * dso[b, c, h, p, n]
-                for n in T.vectorized(N):
-                    dBh[b, c * Q + s, h, n] = rn[n] + wst[s] * dtl[s] * rn2[n]
+                    dBh[b, c * Q + s, h, n] = t1[s, n] + wst[s] * dtl[s] * t2[s, n]
             # -- dD partial --
             if has_D:
                 for p in T.vectorized(P):

@@ -133,7 +133,7 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             ("wgrad", dict(heads=1, code_heads=1, N=1024, K=2048), {})]
 
 
-def derived_dims(direction: str, dims: dict) -> dict:
+def derived_dims(direction: str, dims: dict, static: dict) -> dict:
     """Dynamic dims that follow from the others (for tuning-time inputs): wgrad's stage-1 part count,
     clamp(M // 512, 1, 8) as torch_ops/int8_dot.py allocates it."""
     return {"nparts": max(1, min(dims["M"] // 512, 8))} if direction == "wgrad" and "M" in dims else {}

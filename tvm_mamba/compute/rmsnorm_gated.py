@@ -183,7 +183,7 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     return out
 
 
-def derived_dims(direction: str, dims: dict) -> dict:
+def derived_dims(direction: str, dims: dict, static: dict) -> dict:
     """Dynamic dims that follow from the others (for tuning-time inputs): the backward's stage-1 part
     count, min(rows, 64) as torch_ops/rmsnorm_gated.py allocates it."""
     return {"nparts": min(dims["rows"], 64)} if direction == "bwd" and "rows" in dims else {}

@@ -41,6 +41,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, matmul, zero
 
 F32 = "float32"
 I32 = "int32"
@@ -90,25 +91,25 @@ def ssd_chunk_cumsum(nheads: int, chunk_size: int, has_dt_bias: bool = False, dt
     @T.prim_func
     def func(dt_h: T.handle, bias_h: T.handle, a_h: T.handle, lim_h: T.handle, dto_h: T.handle,
              dac_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        dt = T.match_buffer(dt_h, (Bt, L, H), F32)
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        dt = T.match_buffer(dt_h, (batch, seqlen, H), F32)
         dt_bias = T.match_buffer(bias_h, (H,) if has_dt_bias else (1,), F32)
         A = T.match_buffer(a_h, (H,), F32)
         dt_limit = T.match_buffer(lim_h, (2,) if has_dt_limit else (1,), F32)
-        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        for bh in T.parallel(Bt * H):
+        dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        for bh in T.parallel(batch * H):
             b = T.meta_var(bh // H)
             h = T.meta_var(bh % H)
             acc = T.alloc_buffer((1,), F32)
             tmp = T.alloc_buffer((4,), F32)
-            for c in range(NC):
+            for c in range(nchunks):
                 acc[0] = T.float32(0)
                 for l in range(Q):
                     tmp[2] = T.float32(0)
-                    if c * Q + l < L:
+                    if c * Q + l < seqlen:
                         st = T.meta_var(_dt_stages(tmp, dt[b, c * Q + l, h], dt_bias, h, dt_limit, **fa))
                         tmp[st[0][0]] = st[0][1]
                         tmp[st[1][0]] = st[1][1]
@@ -136,34 +137,34 @@ def ssd_chunk_cumsum_bwd(nheads: int, chunk_size: int, has_dt_bias: bool = False
     def func(dt_h: T.handle, bias_h: T.handle, a_h: T.handle, lim_h: T.handle, dto_h: T.handle,
              ddto_h: T.handle, ddac_h: T.handle, ddec_h: T.handle, ddt_h: T.handle, da_h: T.handle,
              dbias_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        dt = T.match_buffer(dt_h, (Bt, L, H), F32)
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        dt = T.match_buffer(dt_h, (batch, seqlen, H), F32)
         dt_bias = T.match_buffer(bias_h, (H,) if has_dt_bias else (1,), F32)
         A = T.match_buffer(a_h, (H,), F32)
         dt_limit = T.match_buffer(lim_h, (2,) if has_dt_limit else (1,), F32)
-        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
-        ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
-        ddA_cs = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
-        ddecay = T.match_buffer(ddec_h, (Bt, H, NC), F32)
-        ddt = T.match_buffer(ddt_h, (Bt, L, H), F32)
-        dA_part = T.match_buffer(da_h, (Bt, H), F32)
-        dbias_part = T.match_buffer(dbias_h, (Bt, H), F32)
-        for bh in T.parallel(Bt * H):
+        dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
+        ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
+        ddA_cs = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
+        ddecay = T.match_buffer(ddec_h, (batch, H, nchunks), F32)
+        ddt = T.match_buffer(ddt_h, (batch, seqlen, H), F32)
+        dA_part = T.match_buffer(da_h, (batch, H), F32)
+        dbias_part = T.match_buffer(dbias_h, (batch, H), F32)
+        for bh in T.parallel(batch * H):
             b = T.meta_var(bh // H)
             h = T.meta_var(bh % H)
             acc = T.alloc_buffer((3,), F32)  # reverse cumsum, dA sum, ddt_bias sum
             tmp = T.alloc_buffer((4,), F32)
             acc[1] = T.float32(0)
             acc[2] = T.float32(0)
-            for c in range(NC):
+            for c in range(nchunks):
                 acc[0] = ddecay[b, h, c]
                 for lr in range(Q):
                     l = T.meta_var(Q - 1 - lr)
                     acc[0] = acc[0] + ddA_cs[b, h, c, l]
                     acc[1] = acc[1] + dt_out[b, h, c, l] * acc[0]
-                    if c * Q + l < L:
+                    if c * Q + l < seqlen:
                         st = T.meta_var(_dt_stages(tmp, dt[b, c * Q + l, h], dt_bias, h, dt_limit, **fa))
                         tmp[st[0][0]] = st[0][1]
                         tmp[st[1][0]] = st[1][1]
@@ -177,68 +178,63 @@ def ssd_chunk_cumsum_bwd(nheads: int, chunk_size: int, has_dt_bias: bool = False
 
 
 def ssd_chunk_state(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int,
-                    has_seq_idx: bool = False, x_dtype: str = F32, bc_dtype: str = F32) -> tirx.PrimFunc:
+                    has_seq_idx: bool = False, x_dtype: str = F32, bc_dtype: str = F32,
+                    rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
     """x: (batch, seqlen, nheads, headdim); B: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; seq_idx: (batch, seqlen) int32
     -> states: (batch, nchunks, nheads, headdim, dstate) f32.
 
     states[c, p, n] = sum_l x[l, p] dt_out[l] exp(dA_cs[Q-1] - dA_cs[l]) B[l, n] over the chunk's positions
-    of the sequence its last position belongs to.
+    of the sequence its last position belongs to. ``rows`` x ``cols``: the matmul's register block.
     """
     check_dtype("x", x_dtype)
     check_dtype("B", bc_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
+    mm = matmul(P, N, rows, cols)
 
     @T.prim_func
     def func(x_h: T.handle, b_h: T.handle, dto_h: T.handle, dac_h: T.handle, s_h: T.handle, st_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        x = T.match_buffer(x_h, (Bt, L, H, P), x_dtype)
-        Bm = T.match_buffer(b_h, (Bt, L, G, N), bc_dtype)
-        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
-        states = T.match_buffer(st_h, (Bt, NC, H, P, N), F32)
-        for bch in T.parallel(Bt * NC * H):
-            b = T.meta_var(bch // (NC * H))
-            c = T.meta_var(bch // H % NC)
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        x = T.match_buffer(x_h, (batch, seqlen, H, P), x_dtype)
+        Bm = T.match_buffer(b_h, (batch, seqlen, G, N), bc_dtype)
+        dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
+        states = T.match_buffer(st_h, (batch, nchunks, H, P, N), F32)
+        for bch in T.parallel(batch * nchunks * H):
+            b = T.meta_var(bch // (nchunks * H))
+            c = T.meta_var(bch // H % nchunks)
             h = T.meta_var(bch % H)
             bw = T.alloc_buffer((Q, N), F32)  # B rows scaled by the decay weight w[l]
             xt = T.alloc_buffer((P, Q), F32)  # x transposed: the l loop reads it contiguously
             w = T.alloc_buffer((1,), F32)
-            row = T.alloc_buffer((N,), F32)  # one output row, accumulated over l (stays in registers)
             for l in range(Q):
                 w[0] = T.float32(0)
-                if c * Q + l < L:
+                if c * Q + l < seqlen:
                     w[0] = dt_out[b, h, c, l] * _math.exp(dA_cs[b, h, c, Q - 1] - dA_cs[b, h, c, l])
                     if has_seq_idx:
-                        w[0] = T.Select(seq_idx[b, c * Q + l] == seq_idx[b, T.min(c * Q + Q, L) - 1], w[0],
+                        w[0] = T.Select(seq_idx[b, c * Q + l] == seq_idx[b, T.min(c * Q + Q, seqlen) - 1], w[0],
                                         T.float32(0))
                 for n in T.vectorized(N):
-                    bw[l, n] = w[0] * Bm[b, T.min(c * Q + l, L - 1), h // R, n].astype(F32)
+                    bw[l, n] = w[0] * Bm[b, T.min(c * Q + l, seqlen - 1), h // R, n].astype(F32)
                 for p in range(P):
-                    xt[p, l] = x[b, T.min(c * Q + l, L - 1), h, p].astype(F32)
-            for p in range(P):
-                for n in T.vectorized(N):
-                    row[n] = T.float32(0)
-                for l in range(Q):
-                    for n in T.vectorized(N):
-                        row[n] = row[n] + xt[p, l] * bw[l, n]
-                for n in T.vectorized(N):
-                    states[b, c, h, p, n] = row[n]
+                    xt[p, l] = x[b, T.min(c * Q + l, seqlen - 1), h, p].astype(F32)
+            mm(lambda lo, hi: 0, lambda lo, hi: Q, lambda p, l: xt[p, l], lambda l, n: bw[l, n], zero,
+               lambda p, n, v: T.buffer_store(states, v, [b, c, h, p, n]))
 
     return stamp(func, "ssd_chunk_state", dict(nheads=H, ngroups=G, headdim=P, dstate=N, chunk_size=Q,
                                                 has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype))
 
 
-def _chunk_scale(seq_idx, dA_cs, b, h, c, Q, L, has_seq_idx):
+def _chunk_scale(seq_idx, dA_cs, b, h, c, Q, seqlen, has_seq_idx):
     """exp(dA_cs[c, Q-1]), zeroed when chunk c's last sequence id differs from chunk c-1's (0 for c = 0)."""
     a = _math.exp(dA_cs[b, h, c, Q - 1])
     if not has_seq_idx:
         return a
-    cur = seq_idx[b, tirx.min(c * Q + Q, L) - 1]
+    cur = seq_idx[b, tirx.min(c * Q + Q, seqlen) - 1]
     prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
     return tirx.Select(cur == prev, a, _c(0.0))
 
@@ -256,16 +252,16 @@ def ssd_state_passing(nheads: int, headdim: int, dstate: int, chunk_size: int, h
 
     @T.prim_func
     def func(st_h: T.handle, dac_h: T.handle, i_h: T.handle, s_h: T.handle, sin_h: T.handle, f_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        states = T.match_buffer(st_h, (Bt, NC, H, P, N), F32)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        init = T.match_buffer(i_h, (Bt, H, P, N) if has_init else (1, 1, 1, 1), F32)
-        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
-        states_in = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
-        final = T.match_buffer(f_h, (Bt, H, P, N), F32)
-        for bhp in T.parallel(Bt * H * P):
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        states = T.match_buffer(st_h, (batch, nchunks, H, P, N), F32)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        init = T.match_buffer(i_h, (batch, H, P, N) if has_init else (1, 1, 1, 1), F32)
+        seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
+        states_in = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
+        final = T.match_buffer(f_h, (batch, H, P, N), F32)
+        for bhp in T.parallel(batch * H * P):
             b = T.meta_var(bhp // (H * P))
             h = T.meta_var(bhp // P % H)
             p = T.meta_var(bhp % P)
@@ -273,8 +269,8 @@ def ssd_state_passing(nheads: int, headdim: int, dstate: int, chunk_size: int, h
             a = T.alloc_buffer((1,), F32)
             for n in T.vectorized(N):
                 cur[n] = init[b, h, p, n] if has_init else T.float32(0)
-            for c in range(NC):
-                a[0] = _chunk_scale(seq_idx, dA_cs, b, h, c, Q, L, has_seq_idx)
+            for c in range(nchunks):
+                a[0] = _chunk_scale(seq_idx, dA_cs, b, h, c, Q, seqlen, has_seq_idx)
                 for n in T.vectorized(N):
                     states_in[b, c, h, p, n] = cur[n]
                     cur[n] = a[0] * cur[n] + states[b, c, h, p, n]
@@ -299,18 +295,18 @@ def ssd_state_passing_bwd(nheads: int, headdim: int, dstate: int, chunk_size: in
     @T.prim_func
     def func(sin_h: T.handle, dsl_h: T.handle, dac_h: T.handle, df_h: T.handle, s_h: T.handle,
              dso_h: T.handle, di_h: T.handle, ddec_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        states_in = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
-        dsl = T.match_buffer(dsl_h, (Bt, NC, H, P, N), F32)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        dfinal = T.match_buffer(df_h, (Bt, H, P, N) if has_dfinal else (1, 1, 1, 1), F32)
-        seq_idx = T.match_buffer(s_h, (Bt, L) if has_seq_idx else (1, 1), I32)
-        dso = T.match_buffer(dso_h, (Bt, NC, H, P, N), F32)
-        dinit = T.match_buffer(di_h, (Bt, H, P, N) if has_init else (1, 1, 1, 1), F32)
-        ddecay = T.match_buffer(ddec_h, (Bt, H, NC), F32)
-        for bh in T.parallel(Bt * H):
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        states_in = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
+        dsl = T.match_buffer(dsl_h, (batch, nchunks, H, P, N), F32)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        dfinal = T.match_buffer(df_h, (batch, H, P, N) if has_dfinal else (1, 1, 1, 1), F32)
+        seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
+        dso = T.match_buffer(dso_h, (batch, nchunks, H, P, N), F32)
+        dinit = T.match_buffer(di_h, (batch, H, P, N) if has_init else (1, 1, 1, 1), F32)
+        ddecay = T.match_buffer(ddec_h, (batch, H, nchunks), F32)
+        for bh in T.parallel(batch * H):
             b = T.meta_var(bh // H)
             h = T.meta_var(bh % H)
             cur = T.alloc_buffer((P, N), F32)
@@ -319,9 +315,9 @@ def ssd_state_passing_bwd(nheads: int, headdim: int, dstate: int, chunk_size: in
             for p in range(P):
                 for n in T.vectorized(N):
                     cur[p, n] = dfinal[b, h, p, n] if has_dfinal else T.float32(0)
-            for cr in range(NC):
-                c = T.meta_var(NC - 1 - cr)
-                a[0] = _chunk_scale(seq_idx, dA_cs, b, h, c, Q, L, has_seq_idx)
+            for cr in range(nchunks):
+                c = T.meta_var(nchunks - 1 - cr)
+                a[0] = _chunk_scale(seq_idx, dA_cs, b, h, c, Q, seqlen, has_seq_idx)
                 for n in T.vectorized(N):
                     part[n] = T.float32(0)
                 for p in range(P):
@@ -353,20 +349,20 @@ def ssd_head_sum(nheads: int, ngroups: int, dstate: int, out_dtype: str = F32) -
 
     @T.prim_func
     def func(ph_h: T.handle, o_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        per_head = T.match_buffer(ph_h, (Bt, L, H, N), F32)
-        out = T.match_buffer(o_h, (Bt, L, G, N), out_dtype)
-        for bt in T.parallel(Bt * L):
+        batch = T.int32()
+        seqlen = T.int32()
+        per_head = T.match_buffer(ph_h, (batch, seqlen, H, N), F32)
+        out = T.match_buffer(o_h, (batch, seqlen, G, N), out_dtype)
+        for bt in T.parallel(batch * seqlen):
             acc = T.alloc_buffer((N,), F32)
             for g in range(G):
                 for n in T.vectorized(N):
-                    acc[n] = per_head[bt // L, bt % L, g * R, n]
+                    acc[n] = per_head[bt // seqlen, bt % seqlen, g * R, n]
                 for r in range(1, R):
                     for n in T.vectorized(N):
-                        acc[n] = acc[n] + per_head[bt // L, bt % L, g * R + r, n]
+                        acc[n] = acc[n] + per_head[bt // seqlen, bt % seqlen, g * R + r, n]
                 for n in T.vectorized(N):
-                    out[bt // L, bt % L, g, n] = acc[n].astype(out_dtype)
+                    out[bt // seqlen, bt % seqlen, g, n] = acc[n].astype(out_dtype)
 
     return stamp(func, "ssd_head_sum", dict(nheads=H, ngroups=G, dstate=N, out_dtype=out_dtype))
 
@@ -377,6 +373,33 @@ from ._ssd_scan_bwd import ssd_chunk_scan_bwd  # noqa: E402,F401
 
 DIRECTIONS = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
               "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum")
+
+
+def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
+    """Tuning workloads: the four kernels with chunk matmuls (the others have no knobs) of each Mamba-2
+    preset (nheads, ngroups, headdim 64, dstate 128, chunk 256) as its block calls them: fp32, D per
+    head, z, no seq_idx."""
+    from ._presets import presets
+
+    out = []
+    f32 = {"x": "float32", "bc": "float32"}
+    for _, d in presets(preset):
+        if "headdim" not in d:
+            continue
+        dims = dict(nheads=d["nheads"], ngroups=d["ngroups"], headdim=d["headdim"], dstate=d["d_state"],
+                    chunk_size=d["chunk_size"])
+        out += [("chunk_state", dict(dims, has_seq_idx=False), f32),
+                ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32),
+                ("chunk_scan_bwd_dstates", dict(dims, has_z=True, has_seq_idx=False), f32),
+                ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32)]
+    return out
+
+
+def derived_dims(direction: str, dims: dict, static: dict) -> dict:
+    """Dynamic dims that follow from the others (for tuning-time inputs): nchunks = ceil(seqlen / chunk)."""
+    if "seqlen" in dims and "chunk_size" in static:
+        return {"nchunks": -(-dims["seqlen"] // static["chunk_size"])}
+    return {}
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

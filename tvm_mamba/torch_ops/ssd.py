@@ -70,7 +70,7 @@ class _Call:
 
     def kernel(self, direction, static, dtypes=None):
         return kernel_for(OP, direction, self.dev, self.dtypes if dtypes is None else dtypes, static,
-                          seqlen=self.seqlen)
+                          batch=self.batch, seqlen=self.seqlen)
 
     def chunk_shape(self):
         return (self.batch, self.nheads, self.nchunks, self.Q)

@@ -1,0 +1,70 @@
+"""Register-blocked chunk matmuls of the SSD CPU kernels: out[i, j] = init(i, j) + sum_k a(i, k) b(k, j).
+
+A ``rows`` x ``cols`` block of the output stays in accumulators (two stack buffers, each under TVM's
+1 KiB stack-alloca limit, so LLVM keeps them in vector registers) while k runs: each b(k, j) vector load
+feeds ``rows`` FMAs, and the block's rows * cols / lanes independent FMA chains hide the FMA latency.
+The unblocked row update (one output row of 64 floats = 4 chains) runs at about half the FMA rate.
+
+Every output element sums over k in ascending order from its init whatever the tiling, so all tilings
+give bitwise-equal results. Triangular ranges (s <= l, l >= s) pad a row block with exact zeros: the
+caller's ``a`` masks itself to 0 outside its range (x + 0 * b == x for finite b).
+
+Measured on the 2-vCPU rocketlake (per chunk 256x128 @ 128x256, incl. staging): 82 GFLOP/s unblocked,
+161-202 GFLOP/s with 8 accumulators (2 x 64, 4 x 32), 214 with 16 (4 x 64); 64 wide: 134 -> 166-175.
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+F32 = "float32"
+ROWS = (1, 2, 4, 8)
+COLS = (16, 32, 64, 128)
+DEFAULT_ROWS, DEFAULT_COLS = 4, 32  # 8 zmm accumulators on AVX-512 (knobs ``rows`` / ``cols``)
+
+
+def block(M: int, W: int, rows: int, cols: int) -> tuple[int, int]:
+    """(rows, cols) of the accumulator block for an M x W output: rows divides M, cols divides W (the
+    whole width when ``cols`` does not divide it or is wider)."""
+    rb = max(r for r in ROWS if r <= rows and M % r == 0)
+    return rb, (cols if cols < W and W % cols == 0 else W)
+
+
+def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS):
+    """A TVMScript macro ``mm(klo, khi, a, b, init, store)`` computing an M x W product block by block.
+
+    klo(lo, hi), khi(lo, hi): the k range of the row block [lo, hi) (a triangular range covers the union
+    of its rows'; ``a`` is 0 outside a row's own range); a(i, k): scalar; b(k, j): the vector
+    operand (contiguous in j); init(i, j): the accumulator's start; store(i, j, v): the epilogue.
+    """
+    RB, SV = block(M, W, rows, cols)
+    RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
+    TWO = RB > 1
+
+    @T.macro
+    def mm(klo, khi, a, b, init, store):
+        acc0 = T.alloc_buffer((RH, SV), F32)
+        acc1 = T.alloc_buffer((RH, SV), F32)
+        for i0 in range(M // RB):
+            for j0 in range(W // SV):
+                for r in T.unroll(RH):
+                    for j in T.vectorized(SV):
+                        acc0[r, j] = init(i0 * RB + r, j0 * SV + j)
+                        if TWO:
+                            acc1[r, j] = init(i0 * RB + RH + r, j0 * SV + j)
+                for k in range(klo(i0 * RB, i0 * RB + RB), khi(i0 * RB, i0 * RB + RB)):
+                    for r in T.unroll(RH):
+                        for j in T.vectorized(SV):
+                            acc0[r, j] = acc0[r, j] + a(i0 * RB + r, k) * b(k, j0 * SV + j)
+                            if TWO:
+                                acc1[r, j] = acc1[r, j] + a(i0 * RB + RH + r, k) * b(k, j0 * SV + j)
+                for r in T.unroll(RH):
+                    for j in T.vectorized(SV):
+                        store(i0 * RB + r, j0 * SV + j, acc0[r, j])
+                        if TWO:
+                            store(i0 * RB + RH + r, j0 * SV + j, acc1[r, j])
+
+    return mm
+
+
+def zero(i, j):
+    return T.float32(0)
