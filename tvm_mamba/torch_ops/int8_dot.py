@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..compute.int8_dot import wgrad_parts
 from ._dlpack import FLOATS, check_tensor, kernel_for, prepare, run_op
 
 OP = "int8_dot"
@@ -108,7 +109,7 @@ def int8_wgrad_op(codes: Tensor, g: Tensor, scale: Tensor) -> Tensor:
         return out
     if M == 0:
         return out.zero_()
-    nparts = _wgrad_parts(M)
+    nparts = wgrad_parts(M, H, K)
     partial = torch.empty((nparts, H, N, K), device=g.device, dtype=torch.float32)
     kern = kernel_for(OP, "wgrad", g.device, {}, dict(heads=H, code_heads=CH, N=N, K=K), M=M)
     kern(prepare(codes), prepare(g), prepare(scale.reshape(1)), out, partial)
@@ -118,12 +119,6 @@ def int8_wgrad_op(codes: Tensor, g: Tensor, scale: Tensor) -> Tensor:
 @int8_wgrad_op.register_fake
 def _(codes, g, scale):
     return g.new_empty((g.shape[0], codes.shape[2], g.shape[2]))
-
-
-def _wgrad_parts(M: int) -> int:
-    """Stage-1 parts of the weight-gradient sum over rows: a function of M only (same bits on every machine
-    and thread count); 1 part per 512 rows, at most 8 (workspace <= 8x the gradient)."""
-    return max(1, min(8, M // 512))
 
 
 # --- public helpers ------------------------------------------------------------------------------------
