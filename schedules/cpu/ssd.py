@@ -6,8 +6,8 @@ chunk, so each is written as register-blocked row updates vectorized over its co
 (tvm_mamba/compute/_ssd_mm.py), and the ragged last chunk is handled by staging zeros. One (batch, chunk,
 head) per parallel iteration (batch*nchunks*nheads >= 2 cores at every shape of interest).
 
-Knobs (a template: the kernel is rebuilt with them), for the four kernels with chunk matmuls
-(chunk_state, chunk_scan, chunk_scan_bwd_dstates, chunk_scan_bwd): ``rows`` (1, 2, 4, 8) and ``cols``
+Knobs (a template: the kernel is rebuilt with them), for the five kernels with chunk matmuls
+(bmm_chunk, chunk_state, chunk_scan, chunk_scan_bwd_dstates, chunk_scan_bwd): ``rows`` (1, 2, 4, 8) and ``cols``
 (16, 32, 64, 128 floats; the whole width where it does not divide it): the accumulator block of every
 matmul of the kernel. Default 4 x 32: 8 zmm accumulators. ``rows=1, cols=128`` is close to the earlier
 unblocked kernels (a whole 64- or 128-wide row per step).
@@ -18,7 +18,7 @@ from ...compute import ssd as compute
 from ...compute._ssd_mm import COLS, DEFAULT_COLS, DEFAULT_ROWS, ROWS
 from ..rule import Decisions, kernel_attrs, schedule_of
 
-_BLOCKED = ("ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
+_BLOCKED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
 
 
 def apply(func, target, decisions: Decisions):

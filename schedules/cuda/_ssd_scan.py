@@ -23,14 +23,14 @@ def _chunk_scan(s, TH):
     has_D, D_hd, has_z = s["has_D"], s["D_has_hdim"], s["has_z"]
 
     @T.prim_func
-    def func(x_h: T.handle, z_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
+    def func(x_h: T.handle, z_h: T.handle, cb_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
              sin_h: T.handle, d_h: T.handle, s_h: T.handle, y_h: T.handle, yp_h: T.handle):
         Bt = T.int32()
         L = T.int32()
         NC = T.int32()
         x = T.match_buffer(x_h, (Bt, L, H, P), xd)
         z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else Z4, xd)
-        Bm = T.match_buffer(b_h, (Bt, L, G, N), bcd)
+        cbm = T.match_buffer(cb_h, (Bt, NC, G, Q, Q), F32)  # C_l . B_s (ssd_bmm_chunk)
         Cm = T.match_buffer(c_h, (Bt, L, G, N), bcd)
         dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
         dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
@@ -41,7 +41,7 @@ def _chunk_scan(s, TH):
         y_pre = T.match_buffer(yp_h, (Bt, L, H, P) if has_z else Z4, xd)
         for bx in k.loop(T.ceildiv(Bt * L * H * P, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
-                acc = T.alloc_buffer((2,), F32, scope=k.scope)
+                acc = T.alloc_buffer((1,), F32, scope=k.scope)
                 ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
                 it = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
                 i = T.meta_var(bx * TH + tx)
@@ -61,10 +61,7 @@ def _chunk_scan(s, TH):
                     if has_D:
                         acc[0] = acc[0] + (Dm[h, p] if D_hd else Dm[h]) * x[b, t, h, p].astype(F32)
                     for sp in range(l + 1):
-                        acc[1] = T.float32(0)
-                        for n in range(N):
-                            acc[1] = acc[1] + Cm[b, t, h // R, n].astype(F32) * Bm[b, c * Q + sp, h // R, n].astype(F32)
-                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sp, L) * dt_out[b, h, c, sp] * x[
+                        acc[0] = acc[0] + cbm[b, c, h // R, l, sp] * k.seg(dA_cs, seq_idx, b, h, c, l, sp, L) * dt_out[b, h, c, sp] * x[
                             b, c * Q + sp, h, p].astype(F32)
                     if has_z:
                         y_pre[b, t, h, p] = acc[0].astype(xd)
@@ -146,9 +143,9 @@ def _chunk_scan_bwd(s, TH):
         return k.g(dy, z, b, c * Q + l, h, p, L, has_z)
 
     @T.prim_func
-    def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle,
-             dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle, dx_h: T.handle,
-             db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
+    def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, cb_h: T.handle,
+             dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle,
+             dx_h: T.handle, db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
         Bt = T.int32()
         L = T.int32()
         NC = T.int32()
@@ -157,6 +154,7 @@ def _chunk_scan_bwd(s, TH):
         dy = T.match_buffer(dy_h, (Bt, L, H, P), xd)
         Bm = T.match_buffer(b_h, (Bt, L, G, N), bcd)
         Cm = T.match_buffer(c_h, (Bt, L, G, N), bcd)
+        cbm = T.match_buffer(cb_h, (Bt, NC, G, Q, Q), F32)  # C_l . B_s (ssd_bmm_chunk)
         dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
         dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
         sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
@@ -192,10 +190,7 @@ def _chunk_scan_bwd(s, TH):
                     if has_D:
                         acc[0] = acc[0] + (Dm[h, p] if D_hd else Dm[h]) * grad(dy, z, b, c, sq, h, p, L)
                     for l in range(sq, T.min(Q, L - c * Q)):
-                        acc[1] = T.float32(0)
-                        for n in range(N):
-                            acc[1] = acc[1] + BC(Cm, b, c, l, h, n, L) * Bm[b, t, h // R, n].astype(F32)
-                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
+                        acc[0] = acc[0] + cbm[b, c, h // R, l, sq] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
                             b, h, c, sq] * grad(dy, z, b, c, l, h, p, L)
                     dx[b, t, h, p] = acc[0].astype(xd)
         # dB[s, n] = sum_{l>=s} (g_l.x_s) K dt[s] C[l, n] + w[s] dt[s] (x_s dSo)[n]
@@ -272,7 +267,7 @@ def _chunk_scan_bwd(s, TH):
         # d dA_cs[q] = rows - columns of G = (g.x)(C.B) K dt + e <g_q, C_q Sin> + chunk-state terms
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
-                acc = T.alloc_buffer((4,), F32, scope=k.scope)
+                acc = T.alloc_buffer((3,), F32, scope=k.scope)
                 i = T.meta_var(bx * TH + tx)
                 b = T.meta_var(i // (NC * H * Q))
                 c = T.meta_var(i // (H * Q) % NC)
@@ -283,17 +278,11 @@ def _chunk_scan_bwd(s, TH):
                     for j in range(Q):  # row q (s = j <= q) minus column q (l = j >= q)
                         acc[1] = T.float32(0)
                         acc[2] = T.float32(0)
-                        acc[3] = T.float32(0)
                         for p in range(P):
                             acc[1] = acc[1] + grad(dy, z, b, c, q, h, p, L) * X(x, b, c, j, h, p, L)
                             acc[2] = acc[2] + grad(dy, z, b, c, j, h, p, L) * X(x, b, c, q, h, p, L)
-                        for n in range(N):
-                            acc[3] = acc[3] + BC(Cm, b, c, q, h, n, L) * BC(Bm, b, c, j, h, n, L)
-                        acc[0] = acc[0] + acc[1] * acc[3] * k.seg(dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j]
-                        acc[3] = T.float32(0)
-                        for n in range(N):
-                            acc[3] = acc[3] + BC(Cm, b, c, j, h, n, L) * BC(Bm, b, c, q, h, n, L)
-                        acc[0] = acc[0] - acc[2] * acc[3] * k.seg(dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q]
+                        acc[0] = acc[0] + acc[1] * cbm[b, c, h // R, q, j] * k.seg(dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j]
+                        acc[0] = acc[0] - acc[2] * cbm[b, c, h // R, j, q] * k.seg(dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q]
                     acc[1] = T.float32(0)
                     for n in range(N):
                         acc[2] = T.float32(0)
@@ -310,7 +299,7 @@ def _chunk_scan_bwd(s, TH):
         # d dt[q] = sum_{l>=q} (g_l.x_q)(C_l.B_q) K + exp(dA_cs[Q-1]-dA_cs[q]) XB[q]
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
-                acc = T.alloc_buffer((3,), F32, scope=k.scope)
+                acc = T.alloc_buffer((2,), F32, scope=k.scope)
                 i = T.meta_var(bx * TH + tx)
                 b = T.meta_var(i // (NC * H * Q))
                 c = T.meta_var(i // (H * Q) % NC)
@@ -320,12 +309,9 @@ def _chunk_scan_bwd(s, TH):
                     acc[0] = k.w(dA_cs, seq_idx, b, h, c, q, L) * ddt_out[b, h, c, q]
                     for l in range(q, Q):
                         acc[1] = T.float32(0)
-                        acc[2] = T.float32(0)
                         for p in range(P):
                             acc[1] = acc[1] + grad(dy, z, b, c, l, h, p, L) * X(x, b, c, q, h, p, L)
-                        for n in range(N):
-                            acc[2] = acc[2] + BC(Cm, b, c, l, h, n, L) * BC(Bm, b, c, q, h, n, L)
-                        acc[0] = acc[0] + acc[1] * acc[2] * k.seg(dA_cs, seq_idx, b, h, c, l, q, L)
+                        acc[0] = acc[0] + acc[1] * cbm[b, c, h // R, l, q] * k.seg(dA_cs, seq_idx, b, h, c, l, q, L)
                     ddt_out[b, h, c, q] = acc[0]
         if has_D:
             for bx in k.loop(T.ceildiv(Bt * NC * H * P, TH), "blockIdx.x"):

@@ -3,8 +3,8 @@
 Same kernels and parameter lists as tvm_mamba/compute/ssd.py (the CPU loop nests); each CUDA template
 launches one or more grids (several launches inside one PrimFunc run in order on the stream, so a later
 launch may read what an earlier one wrote — used for the backward's cross-position sums instead of atomics).
-Every chunk-local product (C_l.B_s, g_l.x_s) is recomputed per output element from global memory: no
-shared-memory staging and no tensor cores yet, so these kernels compile cleanly (0 spills) but are far from
+C_l.B_s comes from ssd_bmm_chunk (once per group); g_l.x_s is recomputed per output element from global
+memory: no shared-memory staging and no tensor cores yet, so these kernels compile cleanly (0 spills) but are far from
 upstream's Triton speed — see docs/ssd.md. Knob: ``threads`` per block (64 / 128 / 256, default 128).
 """
 from __future__ import annotations
@@ -65,8 +65,8 @@ class _Ctx:
 
     def __init__(self, s):
         self.s = s
-        self.H, self.Q = s["nheads"], s.get("chunk_size", 1)  # head_sum has no chunk
         self.G = s.get("ngroups", 1)
+        self.H, self.Q = s.get("nheads", self.G), s.get("chunk_size", 1)  # head_sum: no chunk; bmm_chunk: no heads
         self.R = self.H // self.G
         self.seq = s.get("has_seq_idx", False)
         # serial=True: the same template with serial loops instead of thread bindings, so tests can run
@@ -235,6 +235,37 @@ def _cumsum_bwd(s, TH):
     return func
 
 
+def _bmm_chunk(s, TH):
+    k = _Ctx(s)
+    G, N, Q, bcd = s["ngroups"], s["dstate"], s["chunk_size"], s["bc_dtype"]
+
+    @T.prim_func
+    def func(b_h: T.handle, c_h: T.handle, cb_h: T.handle):
+        Bt = T.int32()
+        L = T.int32()
+        NC = T.int32()
+        Bm = T.match_buffer(b_h, (Bt, L, G, N), bcd)
+        Cm = T.match_buffer(c_h, (Bt, L, G, N), bcd)
+        cb = T.match_buffer(cb_h, (Bt, NC, G, Q, Q), F32)
+        for bx in k.loop(T.ceildiv(Bt * NC * G * Q * Q, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((1,), F32, scope=k.scope)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(i // (NC * G * Q * Q))
+                c = T.meta_var(i // (G * Q * Q) % NC)
+                g = T.meta_var(i // (Q * Q) % G)
+                l = T.meta_var(i // Q % Q)
+                sp = T.meta_var(i % Q)
+                if i < Bt * NC * G * Q * Q:
+                    acc[0] = T.float32(0)
+                    for n in range(N):
+                        acc[0] = acc[0] + k.ld(Cm, (b, T.min(c * Q + l, L - 1), g, n), L, c * Q + l) * k.ld(
+                            Bm, (b, T.min(c * Q + sp, L - 1), g, n), L, c * Q + sp)
+                    cb[b, c, g, l, sp] = acc[0]
+
+    return func
+
+
 def _chunk_state(s, TH):
     k = _Ctx(s)
     H, G, P, N, Q, R = s["nheads"], s["ngroups"], s["headdim"], s["dstate"], s["chunk_size"], k.R
@@ -388,8 +419,9 @@ from ._ssd_scan import _chunk_scan, _chunk_scan_bwd, _chunk_scan_bwd_dstates  # 
 
 TEMPLATES = {"ssd_chunk_cumsum": _cumsum, "ssd_chunk_cumsum_bwd": _cumsum_bwd, "ssd_chunk_state": _chunk_state,
              "ssd_state_passing": _state_passing, "ssd_state_passing_bwd": _state_passing_bwd,
-             "ssd_chunk_scan": _chunk_scan, "ssd_chunk_scan_bwd_dstates": _chunk_scan_bwd_dstates,
-             "ssd_chunk_scan_bwd": _chunk_scan_bwd, "ssd_head_sum": _head_sum}
+             "ssd_bmm_chunk": _bmm_chunk, "ssd_chunk_scan": _chunk_scan,
+             "ssd_chunk_scan_bwd_dstates": _chunk_scan_bwd_dstates, "ssd_chunk_scan_bwd": _chunk_scan_bwd,
+             "ssd_head_sum": _head_sum}
 
 
 def template(name: str, static: dict, threads: int = 128, serial: bool = False):

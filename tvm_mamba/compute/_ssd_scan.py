@@ -37,13 +37,52 @@ def _static(H, G, P, N, Q, **kw):
     return dict(nheads=H, ngroups=G, headdim=P, dstate=N, chunk_size=Q, **kw)
 
 
+def ssd_bmm_chunk(ngroups: int, dstate: int, chunk_size: int, bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
+                  cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
+    """B, C: (batch, seqlen, ngroups, dstate) -> cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32.
+
+    cb[c, g, l, s] = C_l . B_s within chunk c (positions past seqlen count as zero rows): computed once per
+    group and shared by its heads (upstream's _bmm_chunk_fwd; the causal / sequence masks are applied by
+    the consumers). One (batch, chunk, group) per parallel iteration; the full Q x Q block is computed.
+    """
+    check_dtype("B", bc_dtype)
+    G, N, Q = ngroups, dstate, chunk_size
+    mm = matmul(Q, Q, rows, cols)
+
+    @T.prim_func
+    def func(b_h: T.handle, c_h: T.handle, cb_h: T.handle):
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        Bm = T.match_buffer(b_h, (batch, seqlen, G, N), bc_dtype)
+        Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
+        cb = T.match_buffer(cb_h, (batch, nchunks, G, Q, Q), F32)
+        for bcg in T.parallel(batch * nchunks * G):
+            b = T.meta_var(bcg // (nchunks * G))
+            c = T.meta_var(bcg // G % nchunks)
+            g = T.meta_var(bcg % G)
+            cl = T.alloc_buffer((Q, N), F32)
+            bt = T.alloc_buffer((N, Q), F32)
+            for l in range(Q):
+                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
+                for n in T.vectorized(N):
+                    cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
+                for n in range(N):
+                    bt[n, l] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
+            mm(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, s: bt[n, s], zero,
+               lambda l, s, v: T.buffer_store(cb, v, [b, c, g, l, s]))
+
+    return stamp(func, "ssd_bmm_chunk", dict(ngroups=G, dstate=N, chunk_size=Q, bc_dtype=bc_dtype))
+
+
 def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
                    D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
                    x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
                    cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
-    """x, z: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
-    (batch, nheads, nchunks, chunk_size) f32; states_in: (batch, nchunks, nheads, headdim, dstate) f32;
-    D: (nheads,) or (nheads, headdim) f32; seq_idx: (batch, seqlen) int32
+    """x, z: (batch, seqlen, nheads, headdim); cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32 (C.B^T,
+    ssd_bmm_chunk); C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum: (batch, nheads, nchunks, chunk_size)
+    f32; states_in: (batch, nchunks, nheads, headdim, dstate) f32; D: (nheads,) or (nheads, headdim) f32;
+    seq_idx: (batch, seqlen) int32
     -> y: (batch, seqlen, nheads, headdim), y_pre: same (the pre-gate output, written only with z).
 
     y0[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l]-dA_cs[s]) dt_out[s] x[s] + exp(dA_cs[l]) Sin C_l + D x[l];
@@ -53,7 +92,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
     check_dtype("B", bc_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
-    mm_qq, mm_qp = matmul(Q, Q, rows, cols), matmul(Q, P, rows, cols)
+    mm_qp = matmul(Q, P, rows, cols)
 
     def carried(e, Dm, xl, h, l, p, v):  # e[l] (C_l Sin)[l, p] + D x[l, p]
         if has_D:
@@ -63,14 +102,14 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
     zshape = (1, 1, 1, 1)
 
     @T.prim_func
-    def func(x_h: T.handle, z_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
+    def func(x_h: T.handle, z_h: T.handle, cb_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
              sin_h: T.handle, d_h: T.handle, s_h: T.handle, y_h: T.handle, yp_h: T.handle):
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
         x = T.match_buffer(x_h, (batch, seqlen, H, P), x_dtype)
         z = T.match_buffer(z_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
-        Bm = T.match_buffer(b_h, (batch, seqlen, G, N), bc_dtype)
+        cbg = T.match_buffer(cb_h, (batch, nchunks, G, Q, Q), F32)
         Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
         dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
@@ -90,7 +129,6 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
             e = T.alloc_buffer((Q,), F32)
             xl = T.alloc_buffer((Q, P), F32)
             cl = T.alloc_buffer((Q, N), F32)
-            bt = T.alloc_buffer((N, Q), F32)
             sint = T.alloc_buffer((N, P), F32)
             cb = T.alloc_buffer((Q, Q), F32)
             acc = T.alloc_buffer((Q, P), F32)
@@ -108,14 +146,13 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                     xl[l, p] = _ld(x, (b, t, h, p), seqlen, c * Q + l)
                 for n in T.vectorized(N):
                     cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
-                for n in range(N):
-                    bt[n, l] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
+            for l in range(Q):  # cb[l, s] = (C_l . B_s) exp(segsum) dt[s] (after acs / sid / dtl are staged)
+                for s in T.vectorized(Q):
+                    cb[l, s] = cbg[b, c, g, l, s] * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s]
             for p in range(P):
                 for n in range(N):
                     sint[n, p] = sin[b, c, h, p, n]
-            # cb[l, s] = (C_l . B_s) exp(segsum) dt[s]; acc = e C Sin + D x, then += sum_{s<=l} cb[l, s] x[s]
-            mm_qq(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, s: bt[n, s], zero,
-                  lambda l, s, v: T.buffer_store(cb, v * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s], [l, s]))
+            # acc = e C Sin + D x, then += sum_{s<=l} cb[l, s] x[s]
             mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, p: sint[n, p], zero,
                   lambda l, p, v: T.buffer_store(acc, carried(e, Dm, xl, h, l, p, v), [l, p]))
             mm_qp(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, cb[l, s], T.float32(0)),

@@ -27,7 +27,8 @@ I32 = "int32"
 def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
                        D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
                        x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS):
-    """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
+    """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); cb: (batch, nchunks,
+    ngroups, chunk_size, chunk_size) f32 (C.B^T, ssd_bmm_chunk); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
     dstate) f32; D: (nheads,) / (nheads, headdim); seq_idx: (batch, seqlen)
     -> dx: (batch, seqlen, nheads, headdim); dB_heads, dC_heads: (batch, seqlen, nheads, dstate) f32;
@@ -49,9 +50,9 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
     zshape = (1, 1, 1, 1)
 
     @T.prim_func
-    def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, dto_h: T.handle,
-             dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle, dx_h: T.handle,
-             db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
+    def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, cb_h: T.handle,
+             dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle,
+             dx_h: T.handle, db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
@@ -60,6 +61,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
         dy = T.match_buffer(dy_h, (batch, seqlen, H, P), x_dtype)
         Bm = T.match_buffer(b_h, (batch, seqlen, G, N), bc_dtype)
         Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
+        cbg = T.match_buffer(cb_h, (batch, nchunks, G, Q, Q), F32)
         dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
@@ -87,7 +89,6 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             gl = T.alloc_buffer((Q, P), F32)
             cl = T.alloc_buffer((Q, N), F32)
             bl = T.alloc_buffer((Q, N), F32)
-            bt = T.alloc_buffer((N, Q), F32)
             dsot = T.alloc_buffer((N, P), F32)
             cb = T.alloc_buffer((Q, Q), F32)
             gx = T.alloc_buffer((Q, Q), F32)
@@ -127,23 +128,19 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     bl[l, n] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
                 for p in range(P):
                     xt[p, l] = xl[l, p]
-                for n in range(N):
-                    bt[n, l] = bl[l, n]
             for p in range(P):
                 for n in range(N):
                     dsot[n, p] = dso[b, c, h, p, n]
-            # -- cb = C B^T, gx = g x^T --
-            mm_qq(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, s: bt[n, s], zero,
-                  lambda l, s, v: T.buffer_store(cb, v, [l, s]))
+            # -- gx = g x^T (cb = C B^T comes from ssd_bmm_chunk, once per group) --
             mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, s: xt[p, s], zero,
                   lambda l, s, v: T.buffer_store(gx, v, [l, s]))
             # -- masks, decays, d dt and d dA_cs of the intra-chunk term --
             for l in range(Q):
                 for s in T.vectorized(Q):
                     kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
-                    gr[s] = gx[l, s] * cb[l, s] * kk[s]
+                    gr[s] = gx[l, s] * cbg[b, c, g, l, s] * kk[s]
                     dd[s] = dd[s] + gr[s]
-                    cb[l, s] = cb[l, s] * kk[s] * dtl[s]
+                    cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
                     gx[l, s] = gx[l, s] * kk[s] * dtl[s]
                     gr[s] = gr[s] * dtl[s]
                     dcol[s] = dcol[s] - gr[s]

@@ -9,6 +9,7 @@ computed chunk by chunk (chunk length Q = chunk_size), as upstream's five Triton
 =====================  ============================================================================
 ssd_chunk_cumsum       dt' and dA_cs per chunk; positions past seqlen get dt' = 0 (no decay, no input),
                        which makes a ragged last chunk exact without padding any tensor
+ssd_bmm_chunk          CB_c[l, s] = C_l . B_s per (chunk, group): computed once, shared by the group's heads
 ssd_chunk_state        S_c[p, n] = sum_l x[l, p] dt'[l] exp(dA_cs[Q-1] - dA_cs[l]) B[l, n]   (P x Q x N)
 ssd_state_passing      Sin_{c+1} = exp(dA_cs_c[Q-1]) Sin_c + S_c (sequential over chunks)
 ssd_chunk_scan         y[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l] - dA_cs[s]) dt'[s] x[s]
@@ -368,15 +369,15 @@ def ssd_head_sum(nheads: int, ngroups: int, dstate: int, out_dtype: str = F32) -
 
 
 # The two chunk-scan kernels (forward and the per-chunk backward) live in _ssd_scan.py (file size).
-from ._ssd_scan import ssd_chunk_scan, ssd_chunk_scan_bwd_dstates  # noqa: E402,F401
+from ._ssd_scan import ssd_bmm_chunk, ssd_chunk_scan, ssd_chunk_scan_bwd_dstates  # noqa: E402,F401
 from ._ssd_scan_bwd import ssd_chunk_scan_bwd  # noqa: E402,F401
 
-DIRECTIONS = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
+DIRECTIONS = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
               "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum")
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
-    """Tuning workloads: the four kernels with chunk matmuls (the others have no knobs) of each Mamba-2
+    """Tuning workloads: the five kernels with chunk matmuls (the others have no knobs) of each Mamba-2
     preset (nheads, ngroups, headdim 64, dstate 128, chunk 256) as its block calls them: fp32, D per
     head, z, no seq_idx."""
     from ._presets import presets
@@ -388,7 +389,9 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
             continue
         dims = dict(nheads=d["nheads"], ngroups=d["ngroups"], headdim=d["headdim"], dstate=d["d_state"],
                     chunk_size=d["chunk_size"])
-        out += [("chunk_state", dict(dims, has_seq_idx=False), f32),
+        out += [("bmm_chunk", dict(ngroups=d["ngroups"], dstate=d["d_state"], chunk_size=d["chunk_size"]),
+                 {"bc": "float32"}),
+                ("chunk_state", dict(dims, has_seq_idx=False), f32),
                 ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32),
                 ("chunk_scan_bwd_dstates", dict(dims, has_z=True, has_seq_idx=False), f32),
                 ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32)]
@@ -422,4 +425,5 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                     ("chunk_scan_bwd_dstates", dict(dims, has_z=on, has_seq_idx=on), dts),
                     ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts)]
         out.append(("head_sum", dict(nheads=80, ngroups=1, dstate=dstate), {"out": "bfloat16"}))
+        out.append(("bmm_chunk", dict(ngroups=1, dstate=dstate, chunk_size=256), {"bc": "bfloat16"}))
     return out

@@ -95,6 +95,13 @@ class _Call:
             self.dt, _opt(self.dt_bias, self.x, F32, 1), self.A, self.limit, dt_out, dA_cs)
         return dt_out, dA_cs
 
+    def cb(self):
+        """C.B^T per (batch, chunk, group): (batch, nchunks, ngroups, chunk, chunk) f32, shared by the heads."""
+        cb = self.new((self.batch, self.nchunks, self.ngroups, self.Q, self.Q))
+        self.kernel("bmm_chunk", dict(ngroups=self.ngroups, dstate=self.dstate, chunk_size=self.Q),
+                    {"bc": self.dtypes["bc"]})(self.B, self.C, cb)
+        return cb
+
     def states(self, dt_out, dA_cs, init):
         states = self.new(self.state_shape())
         self.kernel("chunk_state", dict(self.dims, has_seq_idx=self.has_seq))(
@@ -125,8 +132,8 @@ def ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: 
     y_pre = torch.empty_like(k.x) if z is not None else _empty(k.x)
     static = dict(k.dims, has_D=D is not None, D_has_hdim=D is not None and D.dim() == 2, has_z=z is not None,
                   has_seq_idx=k.has_seq)
-    k.kernel("chunk_scan", static)(k.x, _opt(k.z, k.x, k.x.dtype, 4), k.B, k.C, dt_out, dA_cs, states_in, k.Dk,
-                                   k.seq, y, y_pre if z is not None else dummy(k.dev, k.x.dtype, 4))
+    k.kernel("chunk_scan", static)(k.x, _opt(k.z, k.x, k.x.dtype, 4), k.cb(), k.C, dt_out, dA_cs, states_in,
+                                   k.Dk, k.seq, y, y_pre if z is not None else dummy(k.dev, k.x.dtype, 4))
     return y, final, dt_out, dA_cs, states_in if keep_chunk_states else _empty(final), y_pre
 
 
@@ -182,8 +189,8 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
     dD_part = k.new((k.batch, k.nchunks, k.nheads, k.headdim)) if has_D else dummy(k.dev, F32, 4)
     k.kernel("chunk_scan_bwd", dict(k.dims, has_D=has_D, D_has_hdim=has_D and D.dim() == 2, has_z=has_z,
                                     has_seq_idx=k.has_seq))(
-        k.x, _opt(k.z, k.x, xdt, 4), dy, k.B, k.C, dt_out, dA_cs, states_in, dso, k.Dk, k.seq, dx, dBh, dCh,
-        ddt_out, ddA, dD_part)
+        k.x, _opt(k.z, k.x, xdt, 4), dy, k.B, k.C, k.cb(), dt_out, dA_cs, states_in, dso, k.Dk, k.seq, dx, dBh,
+        dCh, ddt_out, ddA, dD_part)
     # 4. through the chunk cumsum, softplus and clamp
     ddt = k.new((k.batch, k.seqlen, k.nheads))
     dA_part, dbias_part = k.new((k.batch, k.nheads)), k.new((k.batch, k.nheads))
