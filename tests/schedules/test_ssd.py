@@ -80,12 +80,14 @@ def test_cuda_templates_compute_the_same_math(monkeypatch):
         assert_close_to_ref(leaves[k].grad, ref[k].grad, atol=3e-5 * scale, rtol=1e-4, name="d" + k)
 
 
-@pytest.mark.parametrize("rows, cols", [(1, 128), (2, 16), (8, 64)])
-def test_cpu_register_blocks_agree_bitwise(rows, cols, monkeypatch):
+@pytest.mark.parametrize("rows, cols, cs", [(1, 128, 12), (2, 16, 12), (8, 64, 12), (2, 16, 32), (8, 16, 32)])
+def test_cpu_register_blocks_agree_bitwise(rows, cols, cs, monkeypatch):
     """Every (rows, cols) accumulator block sums each output over k in the same order: the forward and
     every gradient are bitwise equal to the default block's (which the op tests check against float64).
     headdim 24 / dstate 16 / chunk 12: cols 64 and 128 do not divide the widths (whole width), rows 8
-    does not divide the chunk (4); ragged last chunk, seq_idx, z, D, initial states."""
+    does not divide the chunk (4); chunk 32 with 16 columns: the causal products (g x^T) written in
+    column blocks up to each row block's end, the rest never read; ragged last chunk, seq_idx, z, D, initial
+    states."""
     import torch
 
     import tvm_mamba
@@ -93,7 +95,7 @@ def test_cpu_register_blocks_agree_bitwise(rows, cols, monkeypatch):
     from tvm_mamba.torch_ops.ssd import mamba_chunk_scan_combined
 
     g = torch.Generator().manual_seed(1)
-    b, L, h, p, n, cs = 2, 29, 2, 24, 16, 12
+    b, L, h, p, n = 2, 29, 2, 24, 16
     inp = [torch.randn(b, L, h, p, generator=g), torch.randn(b, L, h, generator=g) - 1,
            -torch.rand(h, generator=g) - 0.5, torch.randn(b, L, 1, n, generator=g),
            torch.randn(b, L, 1, n, generator=g), torch.randn(h, generator=g), torch.randn(b, L, h, p, generator=g),

@@ -7,7 +7,10 @@ The unblocked row update (one output row of 64 floats = 4 chains) runs at about 
 
 Every output element sums over k in ascending order from its init whatever the tiling, so all tilings
 give bitwise-equal results. Triangular ranges (s <= l, l >= s) pad a row block with exact zeros: the
-caller's ``a`` masks itself to 0 outside its range (x + 0 * b == x for finite b).
+caller's ``a`` masks itself to 0 outside its range (x + 0 * b == x for finite b). A square product whose
+consumers read only its causal part (``lower=True``) computes, for the row block [lo, hi), the column blocks
+that start below hi: every (l, s <= l) and the rest of the diagonal blocks; the blocks right of them are
+not written (consumers mask them with a Select, never by multiplying with 0).
 
 Measured on the 2-vCPU rocketlake (per chunk 256x128 @ 128x256, incl. staging): 82 GFLOP/s unblocked,
 161-202 GFLOP/s with 8 accumulators (2 x 64, 4 x 32), 214 with 16 (4 x 64); 64 wide: 134 -> 166-175.
@@ -29,8 +32,21 @@ def block(M: int, W: int, rows: int, cols: int) -> tuple[int, int]:
     return rb, (cols if cols < W and W % cols == 0 else W)
 
 
-def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS):
-    """A TVMScript macro ``mm(klo, khi, a, b, init, store)`` computing an M x W product block by block.
+def vblock(width: int) -> int:
+    """The vector block of a row pass over a ``lower=True`` product: 16 floats, or the whole row when 16
+    does not divide it (then no column block divides it either and the product is written in full)."""
+    return 16 if width % 16 == 0 else width
+
+
+def lower_cols(l, width: int, vb: int):
+    """The column end of row l's causal part rounded up to a ``vb``-wide block: what a ``lower=True``
+    product with a column block multiple of ``vb`` (or the whole width) has written in row l."""
+    return T.min((l // vb + 1) * vb, width)
+
+
+def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, lower: bool = False):
+    """A TVMScript macro ``mm(klo, khi, a, b, init, store)`` computing an M x W product block by block
+    (``lower``: only the column blocks starting below each row block's end; M == W).
 
     klo(lo, hi), khi(lo, hi): the k range of the row block [lo, hi) (a triangular range covers the union
     of its rows'; ``a`` is 0 outside a row's own range); a(i, k): scalar; b(k, j): the vector
@@ -39,13 +55,18 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS):
     RB, SV = block(M, W, rows, cols)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
     TWO = RB > 1
+    if lower and M != W:
+        raise ValueError(f"matmul: lower=True needs a square product, got {M} x {W}")
+
+    def col_blocks(i0):
+        return T.min((i0 * RB + RB + SV - 1) // SV, W // SV) if lower else W // SV
 
     @T.macro
     def mm(klo, khi, a, b, init, store):
         acc0 = T.alloc_buffer((RH, SV), F32)
         acc1 = T.alloc_buffer((RH, SV), F32)
         for i0 in range(M // RB):
-            for j0 in range(W // SV):
+            for j0 in range(col_blocks(i0)):
                 for r in T.unroll(RH):
                     for j in T.vectorized(SV):
                         acc0[r, j] = init(i0 * RB + r, j0 * SV + j)

@@ -13,7 +13,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, matmul, zero
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
 
 F32 = "float32"
 I32 = "int32"
@@ -93,6 +93,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
     mm_qp = matmul(Q, P, rows, cols)
+    VB = vblock(Q)
 
     def carried(e, Dm, xl, h, l, p, v):  # e[l] (C_l Sin)[l, p] + D x[l, p]
         if has_D:
@@ -147,8 +148,10 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                 for n in T.vectorized(N):
                     cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
             for l in range(Q):  # cb[l, s] = (C_l . B_s) exp(segsum) dt[s] (after acs / sid / dtl are staged)
-                for s in T.vectorized(Q):
-                    cb[l, s] = cbg[b, c, g, l, s] * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s]
+                for sb in range(lower_cols(l, Q, VB) // VB):  # the causal blocks; the rest is read masked
+                    for v in T.vectorized(VB):
+                        s = T.meta_var(sb * VB + v)
+                        cb[l, s] = cbg[b, c, g, l, s] * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s]
             for p in range(P):
                 for n in range(N):
                     sint[n, p] = sin[b, c, h, p, n]

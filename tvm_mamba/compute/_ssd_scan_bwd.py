@@ -17,7 +17,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, matmul, zero
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
 from ._ssd_scan import _gate, _ld, _seg_exp, _static
 
 F32 = "float32"
@@ -39,8 +39,9 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
     check_dtype("B", bc_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
+    VB = vblock(Q)
     W2 = max(P, N)
-    mm_qq, mm_qp, mm_qn = matmul(Q, Q, rows, cols), matmul(Q, P, rows, cols), matmul(Q, N, rows, cols)
+    mm_qq, mm_qp, mm_qn = matmul(Q, Q, rows, cols, lower=True), matmul(Q, P, rows, cols), matmul(Q, N, rows, cols)
 
     def dx_init(Dm, gl, h, s, p):  # D g[s, p]
         if has_D:
@@ -135,17 +136,20 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, s: xt[p, s], zero,
                   lambda l, s, v: T.buffer_store(gx, v, [l, s]))
             # -- masks, decays, d dt and d dA_cs of the intra-chunk term --
+            # (the causal blocks only: s < lower_cols(l); gx and cb right of them are never read unmasked)
             for l in range(Q):
-                for s in T.vectorized(Q):
-                    kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
-                    gr[s] = gx[l, s] * cbg[b, c, g, l, s] * kk[s]
-                    dd[s] = dd[s] + gr[s]
-                    cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
-                    gx[l, s] = gx[l, s] * kk[s] * dtl[s]
-                    gr[s] = gr[s] * dtl[s]
-                    dcol[s] = dcol[s] - gr[s]
+                for sb in range(lower_cols(l, Q, VB) // VB):
+                    for v in T.vectorized(VB):
+                        s = T.meta_var(sb * VB + v)
+                        kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
+                        gr[s] = gx[l, s] * cbg[b, c, g, l, s] * kk[s]
+                        dd[s] = dd[s] + gr[s]
+                        cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
+                        gx[l, s] = gx[l, s] * kk[s] * dtl[s]
+                        gr[s] = gr[s] * dtl[s]
+                        dcol[s] = dcol[s] - gr[s]
                 sc[0] = T.float32(0)
-                for s in range(Q):
+                for s in range(lower_cols(l, Q, VB)):
                     sc[0] = sc[0] + gr[s]
                 dac[l] = dac[l] + sc[0]
             # -- dx, and the chunk-state terms of d dt / d dA_cs --
