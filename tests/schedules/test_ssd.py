@@ -80,10 +80,12 @@ def test_cuda_templates_compute_the_same_math(monkeypatch):
         assert_close_to_ref(leaves[k].grad, ref[k].grad, atol=3e-5 * scale, rtol=1e-4, name="d" + k)
 
 
-@pytest.mark.parametrize("rows, cols, cs", [(1, 128, 12), (2, 16, 12), (8, 64, 12), (2, 16, 32), (8, 16, 32)])
-def test_cpu_register_blocks_agree_bitwise(rows, cols, cs, monkeypatch):
-    """Every (rows, cols) accumulator block sums each output over k in the same order: the forward and
-    every gradient are bitwise equal to the default block's (which the op tests check against float64).
+@pytest.mark.parametrize("rows, cols, order, cs", [(1, 128, 0, 12), (2, 16, 1, 12), (8, 64, 0, 12), (2, 16, 0, 32),
+                                                  (8, 16, 1, 32), (4, 32, 1, 32)])
+def test_cpu_register_blocks_agree_bitwise(rows, cols, order, cs, monkeypatch):
+    """Every (rows, cols) accumulator block, in either block order, sums each output over k in the same
+    order: the forward and every gradient are bitwise equal to the default block's (which the op tests
+    check against float64).
     headdim 24 / dstate 16 / chunk 12: cols 64 and 128 do not divide the widths (whole width), rows 8
     does not divide the chunk (4); chunk 32 with 16 columns: the causal products (g x^T) written in
     column blocks up to each row block's end, the rest never read; ragged last chunk, seq_idx, z, D, initial
@@ -119,11 +121,11 @@ def test_cpu_register_blocks_agree_bitwise(rows, cols, cs, monkeypatch):
         def hook(key):
             if key.op == "ssd" and key.direction in blocked:
                 served.append(key.direction)
-                return dispatch.Plan(key, (("cols", cols), ("rows", rows)), "test")
+                return dispatch.Plan(key, (("cols", cols), ("order", order), ("rows", rows)), "test")
             return None
 
         monkeypatch.setattr(dispatch, "_plan_hooks", [hook])
         out = run()
     assert set(served) == set(blocked)
     for i, (u, v) in enumerate(zip(base, out)):
-        assert torch.equal(u, v), f"output {i} differs with rows={rows}, cols={cols}"
+        assert torch.equal(u, v), f"output {i} differs with rows={rows}, cols={cols}, order={order}"

@@ -23,6 +23,8 @@ F32 = "float32"
 ROWS = (1, 2, 4, 8)
 COLS = (16, 32, 64, 128)
 DEFAULT_ROWS, DEFAULT_COLS = 4, 32  # 8 zmm accumulators on AVX-512 (knobs ``rows`` / ``cols``)
+ORDERS = (0, 1)
+DEFAULT_ORDER = 0  # knob ``order``: row blocks outer
 
 
 def block(M: int, W: int, rows: int, cols: int) -> tuple[int, int]:
@@ -44,45 +46,62 @@ def lower_cols(l, width: int, vb: int):
     return T.min((l // vb + 1) * vb, width)
 
 
-def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, lower: bool = False):
+def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, lower: bool = False,
+           order: int = DEFAULT_ORDER):
     """A TVMScript macro ``mm(klo, khi, a, b, init, store)`` computing an M x W product block by block
     (``lower``: only the column blocks starting below each row block's end; M == W).
 
     klo(lo, hi), khi(lo, hi): the k range of the row block [lo, hi) (a triangular range covers the union
     of its rows'; ``a`` is 0 outside a row's own range); a(i, k): scalar; b(k, j): the vector
     operand (contiguous in j); init(i, j): the accumulator's start; store(i, j, v): the epilogue.
+    ``order`` 0: row blocks outer (each row block streams all of b); 1: column blocks outer (a K x cols
+    tile of b is reused by every row block: it stays in L1 when K * cols * 4 bytes fits).
     """
     RB, SV = block(M, W, rows, cols)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
     TWO = RB > 1
     if lower and M != W:
         raise ValueError(f"matmul: lower=True needs a square product, got {M} x {W}")
+    if order not in ORDERS:
+        raise ValueError(f"matmul: order must be one of {ORDERS}, got {order!r}")
 
-    def col_blocks(i0):
+    def col_blocks(i0):  # column blocks of row block i0
         return T.min((i0 * RB + RB + SV - 1) // SV, W // SV) if lower else W // SV
+
+    def first_row_block(j0):  # the first row block that has column block j0
+        return (j0 * SV) // RB if lower else 0
+
+    @T.macro
+    def tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0):
+        for r in T.unroll(RH):
+            for j in T.vectorized(SV):
+                acc0[r, j] = init(i0 * RB + r, j0 * SV + j)
+                if TWO:
+                    acc1[r, j] = init(i0 * RB + RH + r, j0 * SV + j)
+        for k in range(klo(i0 * RB, i0 * RB + RB), khi(i0 * RB, i0 * RB + RB)):
+            for r in T.unroll(RH):
+                for j in T.vectorized(SV):
+                    acc0[r, j] = acc0[r, j] + a(i0 * RB + r, k) * b(k, j0 * SV + j)
+                    if TWO:
+                        acc1[r, j] = acc1[r, j] + a(i0 * RB + RH + r, k) * b(k, j0 * SV + j)
+        for r in T.unroll(RH):
+            for j in T.vectorized(SV):
+                store(i0 * RB + r, j0 * SV + j, acc0[r, j])
+                if TWO:
+                    store(i0 * RB + RH + r, j0 * SV + j, acc1[r, j])
 
     @T.macro
     def mm(klo, khi, a, b, init, store):
         acc0 = T.alloc_buffer((RH, SV), F32)
         acc1 = T.alloc_buffer((RH, SV), F32)
-        for i0 in range(M // RB):
-            for j0 in range(col_blocks(i0)):
-                for r in T.unroll(RH):
-                    for j in T.vectorized(SV):
-                        acc0[r, j] = init(i0 * RB + r, j0 * SV + j)
-                        if TWO:
-                            acc1[r, j] = init(i0 * RB + RH + r, j0 * SV + j)
-                for k in range(klo(i0 * RB, i0 * RB + RB), khi(i0 * RB, i0 * RB + RB)):
-                    for r in T.unroll(RH):
-                        for j in T.vectorized(SV):
-                            acc0[r, j] = acc0[r, j] + a(i0 * RB + r, k) * b(k, j0 * SV + j)
-                            if TWO:
-                                acc1[r, j] = acc1[r, j] + a(i0 * RB + RH + r, k) * b(k, j0 * SV + j)
-                for r in T.unroll(RH):
-                    for j in T.vectorized(SV):
-                        store(i0 * RB + r, j0 * SV + j, acc0[r, j])
-                        if TWO:
-                            store(i0 * RB + RH + r, j0 * SV + j, acc1[r, j])
+        if order == 1:
+            for j0 in range(W // SV):
+                for i0 in range(first_row_block(j0), M // RB):
+                    tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
+        else:
+            for i0 in range(M // RB):
+                for j0 in range(col_blocks(i0)):
+                    tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
 
     return mm
 

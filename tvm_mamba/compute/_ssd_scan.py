@@ -13,7 +13,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
 
 F32 = "float32"
 I32 = "int32"
@@ -38,7 +38,7 @@ def _static(H, G, P, N, Q, **kw):
 
 
 def ssd_bmm_chunk(ngroups: int, dstate: int, chunk_size: int, bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
-                  cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
+                  cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
     """B, C: (batch, seqlen, ngroups, dstate) -> cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32.
 
     cb[c, g, l, s] = C_l . B_s within chunk c (positions past seqlen count as zero rows): computed once per
@@ -47,7 +47,7 @@ def ssd_bmm_chunk(ngroups: int, dstate: int, chunk_size: int, bc_dtype: str = F3
     """
     check_dtype("B", bc_dtype)
     G, N, Q = ngroups, dstate, chunk_size
-    mm = matmul(Q, Q, rows, cols)
+    mm = matmul(Q, Q, rows, cols, order=order)
 
     @T.prim_func
     def func(b_h: T.handle, c_h: T.handle, cb_h: T.handle):
@@ -78,7 +78,7 @@ def ssd_bmm_chunk(ngroups: int, dstate: int, chunk_size: int, bc_dtype: str = F3
 def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
                    D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
                    x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
-                   cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
+                   cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
     """x, z: (batch, seqlen, nheads, headdim); cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32 (C.B^T,
     ssd_bmm_chunk); C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum: (batch, nheads, nchunks, chunk_size)
     f32; states_in: (batch, nchunks, nheads, headdim, dstate) f32; D: (nheads,) or (nheads, headdim) f32;
@@ -92,7 +92,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
     check_dtype("B", bc_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
-    mm_qp = matmul(Q, P, rows, cols)
+    mm_qp = matmul(Q, P, rows, cols, order=order)
     VB = vblock(Q)
 
     def carried(e, Dm, xl, h, l, p, v):  # e[l] (C_l Sin)[l, p] + D x[l, p]
@@ -184,7 +184,7 @@ def _gate(dy, z, idx, seqlen, t, has_z):
 def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int,
                                has_z: bool = False, has_seq_idx: bool = False, x_dtype: str = F32,
                                bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
-                               cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
+                               cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
     """dy, z, y_pre: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate); dA_cumsum:
     (batch, nheads, nchunks, chunk_size); seq_idx: (batch, seqlen)
     -> dstates_local: (batch, nchunks, nheads, headdim, dstate) f32, dz: (batch, seqlen, nheads, headdim).
@@ -194,7 +194,7 @@ def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: 
     """
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
-    mm = matmul(P, N, rows, cols)
+    mm = matmul(P, N, rows, cols, order=order)
     zshape = (1, 1, 1, 1)
 
     @T.prim_func

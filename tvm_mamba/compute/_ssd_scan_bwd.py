@@ -17,7 +17,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
 from ._ssd_scan import _gate, _ld, _seg_exp, _static
 
 F32 = "float32"
@@ -26,7 +26,8 @@ I32 = "int32"
 
 def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
                        D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
-                       x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS):
+                       x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
+                       order: int = DEFAULT_ORDER):
     """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); cb: (batch, nchunks,
     ngroups, chunk_size, chunk_size) f32 (C.B^T, ssd_bmm_chunk); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
@@ -41,7 +42,8 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
     R = H // G
     VB = vblock(Q)
     W2 = max(P, N)
-    mm_qq, mm_qp, mm_qn = matmul(Q, Q, rows, cols, lower=True), matmul(Q, P, rows, cols), matmul(Q, N, rows, cols)
+    mm_qq = matmul(Q, Q, rows, cols, lower=True, order=order)
+    mm_qp, mm_qn = matmul(Q, P, rows, cols, order=order), matmul(Q, N, rows, cols, order=order)
 
     def dx_init(Dm, gl, h, s, p):  # D g[s, p]
         if has_D:

@@ -42,7 +42,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ROWS, matmul, zero
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, matmul, zero
 
 F32 = "float32"
 I32 = "int32"
@@ -180,7 +180,7 @@ def ssd_chunk_cumsum_bwd(nheads: int, chunk_size: int, has_dt_bias: bool = False
 
 def ssd_chunk_state(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int,
                     has_seq_idx: bool = False, x_dtype: str = F32, bc_dtype: str = F32,
-                    rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS) -> tirx.PrimFunc:
+                    rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
     """x: (batch, seqlen, nheads, headdim); B: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; seq_idx: (batch, seqlen) int32
     -> states: (batch, nchunks, nheads, headdim, dstate) f32.
@@ -192,7 +192,7 @@ def ssd_chunk_state(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_
     check_dtype("B", bc_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
-    mm = matmul(P, N, rows, cols)
+    mm = matmul(P, N, rows, cols, order=order)
 
     @T.prim_func
     def func(x_h: T.handle, b_h: T.handle, dto_h: T.handle, dac_h: T.handle, s_h: T.handle, st_h: T.handle):
