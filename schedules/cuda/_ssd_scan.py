@@ -149,6 +149,7 @@ def _chunk_scan_bwd(s, TH):
         Bt = T.int32()
         L = T.int32()
         NC = T.int32()
+        GP = T.int32()  # groups x parts of their heads (compute.ssd.head_parts)
         x = T.match_buffer(x_h, (Bt, L, H, P), xd)
         z = T.match_buffer(z_h, (Bt, L, H, P) if has_z else Z4, xd)
         dy = T.match_buffer(dy_h, (Bt, L, H, P), xd)
@@ -162,8 +163,8 @@ def _chunk_scan_bwd(s, TH):
         Dm = T.match_buffer(d_h, ((H, P) if D_hd else (H,)) if has_D else (1,), F32)
         seq_idx = T.match_buffer(s_h, (Bt, L) if seq else (1, 1), I32)
         dx = T.match_buffer(dx_h, (Bt, L, H, P), xd)
-        dBh = T.match_buffer(db_h, (Bt, L, H, N), F32)
-        dCh = T.match_buffer(dc_h, (Bt, L, H, N), F32)
+        dBp = T.match_buffer(db_h, (Bt, L, GP, N), F32)
+        dCp = T.match_buffer(dc_h, (Bt, L, GP, N), F32)
         ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
         ddA_cs = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
         dD_part = T.match_buffer(dd_h, (Bt, NC, H, P) if has_D else Z4, F32)
@@ -193,60 +194,68 @@ def _chunk_scan_bwd(s, TH):
                         acc[0] = acc[0] + cbm[b, c, h // R, l, sq] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
                             b, h, c, sq] * grad(dy, z, b, c, l, h, p, L)
                     dx[b, t, h, p] = acc[0].astype(xd)
-        # dB[s, n] = sum_{l>=s} (g_l.x_s) K dt[s] C[l, n] + w[s] dt[s] (x_s dSo)[n]
-        for bx in k.loop(T.ceildiv(Bt * L * H * N, TH), "blockIdx.x"):
+        # dB[s, n] = sum_{l>=s} (g_l.x_s) K dt[s] C[l, n] + w[s] dt[s] (x_s dSo)[n], summed over the part's heads
+        for bx in k.loop(T.ceildiv(Bt * L * GP * N, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
                 acc = T.alloc_buffer((2,), F32, scope=k.scope)
                 ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
                 it = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
+                ih = T.alloc_buffer((1,), I32, scope=k.scope)
                 i = T.meta_var(bx * TH + tx)
                 b = T.meta_var(ib[0])
                 t = T.meta_var(it[0])
-                h = T.meta_var(i // N % H)
+                gp = T.meta_var(i // N % GP)
                 n = T.meta_var(i % N)
                 c = T.meta_var(t // Q)
                 sq = T.meta_var(t % Q)
-                if i < Bt * L * H * N:
-                    ib[0] = i // (L * H * N)
-                    it[0] = i // (H * N) % L
-                    acc[0] = T.float32(0)
-                    for p in range(P):
-                        acc[0] = acc[0] + x[b, t, h, p].astype(F32) * dso[b, c, h, p, n]
-                    acc[0] = acc[0] * k.w(dA_cs, seq_idx, b, h, c, sq, L) * dt_out[b, h, c, sq]
-                    for l in range(sq, T.min(Q, L - c * Q)):
+                if i < Bt * L * GP * N:
+                    ib[0] = i // (L * GP * N)
+                    it[0] = i // (GP * N) % L
+                    acc[0] = T.float32(0)  # summed over the part's heads, term by term
+                    ih[0] = gp // (GP // G) * R + gp % (GP // G) * (R // (GP // G))  # the part's first head
+                    for h in range(ih[0], ih[0] + R // (GP // G)):
                         acc[1] = T.float32(0)
                         for p in range(P):
-                            acc[1] = acc[1] + grad(dy, z, b, c, l, h, p, L) * x[b, t, h, p].astype(F32)
-                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
-                            b, h, c, sq] * BC(Cm, b, c, l, h, n, L)
-                    dBh[b, t, h, n] = acc[0]
-        # dC[l, n] = e[l] (g_l Sin)[n] + sum_{s<=l} (g_l.x_s) K dt[s] B[s, n]
-        for bx in k.loop(T.ceildiv(Bt * L * H * N, TH), "blockIdx.x"):
+                            acc[1] = acc[1] + x[b, t, h, p].astype(F32) * dso[b, c, h, p, n]
+                        acc[0] = acc[0] + acc[1] * k.w(dA_cs, seq_idx, b, h, c, sq, L) * dt_out[b, h, c, sq]
+                        for l in range(sq, T.min(Q, L - c * Q)):
+                            acc[1] = T.float32(0)
+                            for p in range(P):
+                                acc[1] = acc[1] + grad(dy, z, b, c, l, h, p, L) * x[b, t, h, p].astype(F32)
+                            acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
+                                b, h, c, sq] * BC(Cm, b, c, l, h, n, L)
+                    dBp[b, t, gp, n] = acc[0]
+        # dC[l, n] = e[l] (g_l Sin)[n] + sum_{s<=l} (g_l.x_s) K dt[s] B[s, n], summed over the part's heads
+        for bx in k.loop(T.ceildiv(Bt * L * GP * N, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
                 acc = T.alloc_buffer((2,), F32, scope=k.scope)
                 ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
                 it = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
+                ih = T.alloc_buffer((1,), I32, scope=k.scope)
                 i = T.meta_var(bx * TH + tx)
                 b = T.meta_var(ib[0])
                 t = T.meta_var(it[0])
-                h = T.meta_var(i // N % H)
+                gp = T.meta_var(i // N % GP)
                 n = T.meta_var(i % N)
                 c = T.meta_var(t // Q)
                 lq = T.meta_var(t % Q)
-                if i < Bt * L * H * N:
-                    ib[0] = i // (L * H * N)
-                    it[0] = i // (H * N) % L
-                    acc[0] = T.float32(0)
-                    for p in range(P):
-                        acc[0] = acc[0] + grad(dy, z, b, c, lq, h, p, L) * sin[b, c, h, p, n]
-                    acc[0] = acc[0] * k.e(dA_cs, seq_idx, b, h, c, lq, L)
-                    for sp in range(lq + 1):
+                if i < Bt * L * GP * N:
+                    ib[0] = i // (L * GP * N)
+                    it[0] = i // (GP * N) % L
+                    acc[0] = T.float32(0)  # summed over the part's heads, term by term
+                    ih[0] = gp // (GP // G) * R + gp % (GP // G) * (R // (GP // G))  # the part's first head
+                    for h in range(ih[0], ih[0] + R // (GP // G)):
                         acc[1] = T.float32(0)
                         for p in range(P):
-                            acc[1] = acc[1] + grad(dy, z, b, c, lq, h, p, L) * x[b, c * Q + sp, h, p].astype(F32)
-                        acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, lq, sp, L) * dt_out[
-                            b, h, c, sp] * Bm[b, c * Q + sp, h // R, n].astype(F32)
-                    dCh[b, t, h, n] = acc[0]
+                            acc[1] = acc[1] + grad(dy, z, b, c, lq, h, p, L) * sin[b, c, h, p, n]
+                        acc[0] = acc[0] + acc[1] * k.e(dA_cs, seq_idx, b, h, c, lq, L)
+                        for sp in range(lq + 1):
+                            acc[1] = T.float32(0)
+                            for p in range(P):
+                                acc[1] = acc[1] + grad(dy, z, b, c, lq, h, p, L) * x[b, c * Q + sp, h, p].astype(F32)
+                            acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, lq, sp, L) * dt_out[
+                                b, h, c, sp] * Bm[b, c * Q + sp, h // R, n].astype(F32)
+                    dCp[b, t, gp, n] = acc[0]
         # XB[s] = <x_s, dSo B_s> -> ddt_out (scratch)
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):

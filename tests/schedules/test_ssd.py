@@ -43,18 +43,24 @@ def _serial_cuda_kernel_for(op, direction, device, dtypes, static, **dynamic):
     return ex[name]
 
 
-def test_cuda_templates_compute_the_same_math(monkeypatch):
+@pytest.mark.parametrize("tasks", [1, 24, 64])
+def test_cuda_templates_compute_the_same_math(tasks, monkeypatch):
     """No GPU here: run the CUDA templates' arithmetic serially on the CPU through the whole op (forward and
-    every gradient, ragged seqlen, seq_idx, z, D, dt_bias/softplus/limit, initial and final states)."""
+    every gradient, ragged seqlen, seq_idx, z, D, dt_bias/softplus/limit, initial and final states), with
+    1, 2 and 4 parts of the 4 heads per group in the dB / dC sums (compute.ssd.head_parts)."""
     import torch
+
+    from tvm_mamba.compute import _ssd_dims as compute_ssd
 
     from tests.conftest import assert_close_to_ref
     from tvm_mamba.reference.ssd import ssd_recurrence_ref
     from tvm_mamba.torch_ops import ssd as ssd_op
 
     monkeypatch.setattr(ssd_op, "kernel_for", _serial_cuda_kernel_for)
+    monkeypatch.setattr(compute_ssd, "HEAD_PART_TASKS", tasks)
     g = torch.Generator().manual_seed(0)
-    b, L, h, gr, p, n, cs = 2, 11, 2, 1, 3, 4, 4
+    b, L, h, gr, p, n, cs = 2, 11, 8, 2, 3, 4, 4
+    assert compute_ssd.head_parts(b, 3, h, gr) == {1: 1, 24: 2, 64: 4}[tasks]
     names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
     inp = dict(x=torch.randn(b, L, h, p, generator=g), dt=torch.randn(b, L, h, generator=g) - 1,
                A=-torch.rand(h, generator=g) - 0.5, B=torch.randn(b, L, gr, n, generator=g),

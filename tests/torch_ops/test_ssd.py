@@ -99,6 +99,25 @@ def test_deterministic():
         assert torch.equal(g1[k], g2[k]), k
 
 
+@pytest.mark.parametrize("tasks", [1, 24, 64])
+def test_head_parts_of_the_dB_dC_sums(tasks, monkeypatch):
+    """chunk_scan_bwd sums dB / dC over the heads of each part of a group (compute.ssd.head_parts): 2 x 3
+    (batch, chunk) x 2 groups = 12 tasks per part, so task targets 1 / 24 / 64 give 1, 2 and 4 parts of the
+    4 heads per group (1: no partials, the kernel writes dB / dC; 4: one partial per head)."""
+    from tvm_mamba.compute import _ssd_dims as compute_ssd
+
+    monkeypatch.setattr(compute_ssd, "HEAD_PART_TASKS", tasks)
+    assert compute_ssd.head_parts(2, 3, 8, 2) == {1: 1, 24: 2, 64: 4}[tasks]
+    inp = _inputs(nheads=8)
+    kw = dict(FULL, seq_idx=_seq_idx(2, 37))
+    y, f, grads = _run(_ours(**kw), inp, NAMES)
+    yr, fr, rgrads = _run(_ref(**kw), _f64(inp), NAMES)
+    assert_close_to_ref(y, yr, atol=1e-4, rtol=1e-4, name="y")
+    for k in NAMES:
+        scale = rgrads[k].abs().max().item()
+        assert_close_to_ref(grads[k], rgrads[k], atol=2e-5 * max(scale, 1.0), rtol=1e-4, name="d" + k)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
 def test_chunk_sizes_agree(chunk_size):
     """seqlen 37 is ragged for every chunk size here; 64 > seqlen is a single partial chunk."""

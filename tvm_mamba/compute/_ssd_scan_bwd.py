@@ -32,9 +32,13 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
     ngroups, chunk_size, chunk_size) f32 (C.B^T, ssd_bmm_chunk); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
     dstate) f32; D: (nheads,) / (nheads, headdim); seq_idx: (batch, seqlen)
-    -> dx: (batch, seqlen, nheads, headdim); dB_heads, dC_heads: (batch, seqlen, nheads, dstate) f32;
+    -> dx: (batch, seqlen, nheads, headdim); dB_parts, dC_parts: (batch, seqlen, gparts, dstate) f32;
     ddt_out, ddA_cumsum: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim).
-    ``rows`` x ``cols``: the register block of the chunk matmuls (_ssd_mm.py).
+
+    gparts = ngroups * hparts, hparts dividing nheads / ngroups (compute.ssd.head_parts): one parallel task per
+    (batch, chunk, group, part) runs the part's heads in order and sums their dB / dC rows in that order
+    (hparts = 1: the group's dB / dC themselves; the heads share the staged B / C rows).
+    ``rows`` x ``cols`` x ``order``: the register block of the chunk matmuls (_ssd_mm.py).
     """
     check_dtype("x", x_dtype)
     check_dtype("B", bc_dtype)
@@ -59,6 +63,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
+        gparts = T.int32()
         x = T.match_buffer(x_h, (batch, seqlen, H, P), x_dtype)
         z = T.match_buffer(z_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
         dy = T.match_buffer(dy_h, (batch, seqlen, H, P), x_dtype)
@@ -72,16 +77,17 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
         Dm = T.match_buffer(d_h, ((H, P) if D_has_hdim else (H,)) if has_D else (1,), F32)
         seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
         dx = T.match_buffer(dx_h, (batch, seqlen, H, P), x_dtype)
-        dBh = T.match_buffer(db_h, (batch, seqlen, H, N), F32)
-        dCh = T.match_buffer(dc_h, (batch, seqlen, H, N), F32)
+        dBp = T.match_buffer(db_h, (batch, seqlen, gparts, N), F32)
+        dCp = T.match_buffer(dc_h, (batch, seqlen, gparts, N), F32)
         ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
         ddA_cs = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
         dD_part = T.match_buffer(dd_h, (batch, nchunks, H, P) if has_D else zshape, F32)
-        for bch in T.parallel(batch * nchunks * H):
-            b = T.meta_var(bch // (nchunks * H))
-            c = T.meta_var(bch // H % nchunks)
-            h = T.meta_var(bch % H)
-            g = T.meta_var(h // R)
+        for task in T.parallel(batch * nchunks * gparts):
+            b = T.meta_var(task // (nchunks * gparts))
+            c = T.meta_var(task // gparts % nchunks)
+            g = T.meta_var(task % gparts // (gparts // G))
+            part = T.meta_var(task % gparts % (gparts // G))
+            per = T.meta_var(R // (gparts // G))  # heads per part
             acs = T.alloc_buffer((Q,), F32)
             dtl = T.alloc_buffer((Q,), F32)
             sid = T.alloc_buffer((Q,), I32)
@@ -104,106 +110,118 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             t1 = T.alloc_buffer((Q, W2), F32)  # the two matmul products of dx, then dC, then dB
             t2 = T.alloc_buffer((Q, W2), F32)
             sc = T.alloc_buffer((2,), F32)  # scalar accumulators: [0] reductions, [1] chunk-state dA_cs[Q-1]
-            # -- stage the chunk (zeros past seqlen) --
-            for l in range(Q):
+            dBa = T.alloc_buffer((Q, N), F32)  # the part's dB / dC rows, summed over its heads in order
+            dCa = T.alloc_buffer((Q, N), F32)
+            for l in range(Q):  # the group's B / C rows (zeros past seqlen), shared by the part's heads
                 t = T.meta_var(T.min(c * Q + l, seqlen - 1))
-                acs[l] = dA_cs[b, h, c, l]
-                dtl[l] = dt_out[b, h, c, l]
-                dd[l] = T.float32(0)
-                dac[l] = T.float32(0)
-                dcol[l] = T.float32(0)
-            for l in range(Q):
-                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
-                if has_seq_idx:
-                    sid[l] = seq_idx[b, t]
-                    e[l] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
-                                    _math.exp(acs[l]), T.float32(0))
-                    wst[l] = T.Select(seq_idx[b, t] == seq_idx[b, T.min(c * Q + Q, seqlen) - 1],
-                                      _math.exp(acs[Q - 1] - acs[l]), T.float32(0))
-                else:
-                    e[l] = _math.exp(acs[l])
-                    wst[l] = _math.exp(acs[Q - 1] - acs[l])
-                for p in T.vectorized(P):
-                    xl[l, p] = _ld(x, (b, t, h, p), seqlen, c * Q + l)
-                    gl[l, p] = _gate(dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
                 for n in T.vectorized(N):
                     cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
                     bl[l, n] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
-                for p in range(P):
-                    xt[p, l] = xl[l, p]
-            for p in range(P):
-                for n in range(N):
-                    dsot[n, p] = dso[b, c, h, p, n]
-            # -- gx = g x^T (cb = C B^T comes from ssd_bmm_chunk, once per group) --
-            mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, s: xt[p, s], zero,
-                  lambda l, s, v: T.buffer_store(gx, v, [l, s]))
-            # -- masks, decays, d dt and d dA_cs of the intra-chunk term --
-            # (the causal blocks only: s < lower_cols(l); gx and cb right of them are never read unmasked)
-            for l in range(Q):
-                for sb in range(lower_cols(l, Q, VB) // VB):
-                    for v in T.vectorized(VB):
-                        s = T.meta_var(sb * VB + v)
-                        kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
-                        gr[s] = gx[l, s] * cbg[b, c, g, l, s] * kk[s]
-                        dd[s] = dd[s] + gr[s]
-                        cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
-                        gx[l, s] = gx[l, s] * kk[s] * dtl[s]
-                        gr[s] = gr[s] * dtl[s]
-                        dcol[s] = dcol[s] - gr[s]
-                sc[0] = T.float32(0)
-                for s in range(lower_cols(l, Q, VB)):
-                    sc[0] = sc[0] + gr[s]
-                dac[l] = dac[l] + sc[0]
-            # -- dx, and the chunk-state terms of d dt / d dA_cs --
-            # t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l];  t2[s] = B_s dSo^T
-            mm_qp(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, cb[l, s], T.float32(0)),
-                  lambda l, p: gl[l, p], lambda s, p: dx_init(Dm, gl, h, s, p),
-                  lambda s, p, v: T.buffer_store(t1, v, [s, p]))
-            mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda s, n: bl[s, n], lambda n, p: dsot[n, p], zero,
-                  lambda s, p, v: T.buffer_store(t2, v, [s, p]))
-            sc[1] = T.float32(0)
-            for s in range(Q):
-                sc[0] = T.float32(0)
-                for p in range(P):
-                    sc[0] = sc[0] + xl[s, p] * t2[s, p]
-                dd[s] = dd[s] + wst[s] * sc[0]
-                dac[s] = dac[s] - wst[s] * dtl[s] * sc[0]
-                sc[1] = sc[1] + wst[s] * dtl[s] * sc[0]
-                if c * Q + s < seqlen:
-                    for p in T.vectorized(P):
-                        dx[b, c * Q + s, h, p] = (t1[s, p] + wst[s] * dtl[s] * t2[s, p]).astype(x_dtype)
-            # -- dC: t1[l] = g_l Sin, t2[l] = sum_{s<=l} gx[l, s] B_s --
-            mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, n: sin[b, c, h, p, n], zero,
-                  lambda l, n, v: T.buffer_store(t1, v, [l, n]))
-            mm_qn(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, gx[l, s], T.float32(0)),
-                  lambda s, n: bl[s, n], zero, lambda l, n, v: T.buffer_store(t2, v, [l, n]))
-            for l in range(T.min(Q, seqlen - c * Q)):
-                sc[0] = T.float32(0)
-                for n in range(N):
-                    sc[0] = sc[0] + cl[l, n] * t1[l, n]
-                dac[l] = dac[l] + e[l] * sc[0]
-                for n in T.vectorized(N):
-                    dCh[b, c * Q + l, h, n] = e[l] * t1[l, n] + t2[l, n]
-            # -- dB: t1[s] = sum_{l>=s} gx[l, s] C_l, t2[s] = x_s dSo --
-            mm_qn(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, gx[l, s], T.float32(0)),
-                  lambda l, n: cl[l, n], zero, lambda s, n, v: T.buffer_store(t1, v, [s, n]))
-            mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda s, p: xl[s, p], lambda p, n: dso[b, c, h, p, n], zero,
-                  lambda s, n, v: T.buffer_store(t2, v, [s, n]))
-            for s in range(T.min(Q, seqlen - c * Q)):
-                for n in T.vectorized(N):
-                    dBh[b, c * Q + s, h, n] = t1[s, n] + wst[s] * dtl[s] * t2[s, n]
-            # -- dD partial --
-            if has_D:
-                for p in T.vectorized(P):
-                    rp[p] = T.float32(0)
+                    dBa[l, n] = T.float32(0)
+                    dCa[l, n] = T.float32(0)
+            for hh in range(per):
+                h = T.meta_var(g * R + part * per + hh)
+                # -- stage the chunk (zeros past seqlen) --
                 for l in range(Q):
+                    t = T.meta_var(T.min(c * Q + l, seqlen - 1))
+                    acs[l] = dA_cs[b, h, c, l]
+                    dtl[l] = dt_out[b, h, c, l]
+                    dd[l] = T.float32(0)
+                    dac[l] = T.float32(0)
+                    dcol[l] = T.float32(0)
+                for l in range(Q):
+                    t = T.meta_var(T.min(c * Q + l, seqlen - 1))
+                    if has_seq_idx:
+                        sid[l] = seq_idx[b, t]
+                        e[l] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
+                                        _math.exp(acs[l]), T.float32(0))
+                        wst[l] = T.Select(seq_idx[b, t] == seq_idx[b, T.min(c * Q + Q, seqlen) - 1],
+                                          _math.exp(acs[Q - 1] - acs[l]), T.float32(0))
+                    else:
+                        e[l] = _math.exp(acs[l])
+                        wst[l] = _math.exp(acs[Q - 1] - acs[l])
                     for p in T.vectorized(P):
-                        rp[p] = rp[p] + gl[l, p] * xl[l, p]
-                for p in T.vectorized(P):
-                    dD_part[b, c, h, p] = rp[p]
-            for l in range(Q):
-                ddt_out[b, h, c, l] = dd[l]
-                ddA_cs[b, h, c, l] = dac[l] + dcol[l] + T.if_then_else(l == Q - 1, sc[1], T.float32(0))
+                        xl[l, p] = _ld(x, (b, t, h, p), seqlen, c * Q + l)
+                        gl[l, p] = _gate(dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
+                    for p in range(P):
+                        xt[p, l] = xl[l, p]
+                for p in range(P):
+                    for n in range(N):
+                        dsot[n, p] = dso[b, c, h, p, n]
+                # -- gx = g x^T (cb = C B^T comes from ssd_bmm_chunk, once per group) --
+                mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, s: xt[p, s], zero,
+                      lambda l, s, v: T.buffer_store(gx, v, [l, s]))
+                # -- masks, decays, d dt and d dA_cs of the intra-chunk term --
+                # (the causal blocks only: s < lower_cols(l); gx and cb right of them are never read unmasked)
+                for l in range(Q):
+                    for sb in range(lower_cols(l, Q, VB) // VB):
+                        for v in T.vectorized(VB):
+                            s = T.meta_var(sb * VB + v)
+                            kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
+                            gr[s] = gx[l, s] * cbg[b, c, g, l, s] * kk[s]
+                            dd[s] = dd[s] + gr[s]
+                            cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
+                            gx[l, s] = gx[l, s] * kk[s] * dtl[s]
+                            gr[s] = gr[s] * dtl[s]
+                            dcol[s] = dcol[s] - gr[s]
+                    sc[0] = T.float32(0)
+                    for s in range(lower_cols(l, Q, VB)):
+                        sc[0] = sc[0] + gr[s]
+                    dac[l] = dac[l] + sc[0]
+                # -- dx, and the chunk-state terms of d dt / d dA_cs --
+                # t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l];  t2[s] = B_s dSo^T
+                mm_qp(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, cb[l, s], T.float32(0)),
+                      lambda l, p: gl[l, p], lambda s, p: dx_init(Dm, gl, h, s, p),
+                      lambda s, p, v: T.buffer_store(t1, v, [s, p]))
+                mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda s, n: bl[s, n], lambda n, p: dsot[n, p], zero,
+                      lambda s, p, v: T.buffer_store(t2, v, [s, p]))
+                sc[1] = T.float32(0)
+                for s in range(Q):
+                    sc[0] = T.float32(0)
+                    for p in range(P):
+                        sc[0] = sc[0] + xl[s, p] * t2[s, p]
+                    dd[s] = dd[s] + wst[s] * sc[0]
+                    dac[s] = dac[s] - wst[s] * dtl[s] * sc[0]
+                    sc[1] = sc[1] + wst[s] * dtl[s] * sc[0]
+                    if c * Q + s < seqlen:
+                        for p in T.vectorized(P):
+                            dx[b, c * Q + s, h, p] = (t1[s, p] + wst[s] * dtl[s] * t2[s, p]).astype(x_dtype)
+                # -- dC: t1[l] = g_l Sin, t2[l] = sum_{s<=l} gx[l, s] B_s --
+                mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, n: sin[b, c, h, p, n], zero,
+                      lambda l, n, v: T.buffer_store(t1, v, [l, n]))
+                mm_qn(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, gx[l, s], T.float32(0)),
+                      lambda s, n: bl[s, n], zero, lambda l, n, v: T.buffer_store(t2, v, [l, n]))
+                for l in range(T.min(Q, seqlen - c * Q)):
+                    sc[0] = T.float32(0)
+                    for n in range(N):
+                        sc[0] = sc[0] + cl[l, n] * t1[l, n]
+                    dac[l] = dac[l] + e[l] * sc[0]
+                    for n in T.vectorized(N):
+                        dCa[l, n] = dCa[l, n] + (e[l] * t1[l, n] + t2[l, n])
+                # -- dB: t1[s] = sum_{l>=s} gx[l, s] C_l, t2[s] = x_s dSo --
+                mm_qn(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, gx[l, s], T.float32(0)),
+                      lambda l, n: cl[l, n], zero, lambda s, n, v: T.buffer_store(t1, v, [s, n]))
+                mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda s, p: xl[s, p], lambda p, n: dso[b, c, h, p, n], zero,
+                      lambda s, n, v: T.buffer_store(t2, v, [s, n]))
+                for s in range(T.min(Q, seqlen - c * Q)):
+                    for n in T.vectorized(N):
+                        dBa[s, n] = dBa[s, n] + (t1[s, n] + wst[s] * dtl[s] * t2[s, n])
+                # -- dD partial --
+                if has_D:
+                    for p in T.vectorized(P):
+                        rp[p] = T.float32(0)
+                    for l in range(Q):
+                        for p in T.vectorized(P):
+                            rp[p] = rp[p] + gl[l, p] * xl[l, p]
+                    for p in T.vectorized(P):
+                        dD_part[b, c, h, p] = rp[p]
+                for l in range(Q):
+                    ddt_out[b, h, c, l] = dd[l]
+                    ddA_cs[b, h, c, l] = dac[l] + dcol[l] + T.if_then_else(l == Q - 1, sc[1], T.float32(0))
+            for l in range(T.min(Q, seqlen - c * Q)):
+                for n in T.vectorized(N):
+                    dBp[b, c * Q + l, task % gparts, n] = dBa[l, n]
+                    dCp[b, c * Q + l, task % gparts, n] = dCa[l, n]
 
     return stamp(func, "ssd_chunk_scan_bwd", _static(H, G, P, N, Q, has_D=has_D, D_has_hdim=D_has_hdim, has_z=has_z,
                                                       has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype))

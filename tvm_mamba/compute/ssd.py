@@ -42,6 +42,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
+from ._ssd_dims import head_parts
 from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, matmul, zero
 
 F32 = "float32"
@@ -399,10 +400,15 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
 
 
 def derived_dims(direction: str, dims: dict, static: dict) -> dict:
-    """Dynamic dims that follow from the others (for tuning-time inputs): nchunks = ceil(seqlen / chunk)."""
-    if "seqlen" in dims and "chunk_size" in static:
-        return {"nchunks": -(-dims["seqlen"] // static["chunk_size"])}
-    return {}
+    """Dynamic dims that follow from the others (for tuning-time inputs): nchunks = ceil(seqlen / chunk);
+    chunk_scan_bwd's gparts = ngroups * head_parts(...), as torch_ops/ssd.py allocates its partials."""
+    if "seqlen" not in dims or "chunk_size" not in static:
+        return {}
+    out = {"nchunks": -(-dims["seqlen"] // static["chunk_size"])}
+    if direction == "chunk_scan_bwd":
+        G = static["ngroups"]
+        out["gparts"] = G * head_parts(dims.get("batch", 1), out["nchunks"], static["nheads"], G)
+    return out
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..compute._ssd_dims import head_parts
 from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "ssd"
@@ -182,26 +183,30 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
         dinit if init is not None else dummy(k.dev, F32, 4), ddecay)
     # 3. every per-chunk gradient
     dx = torch.empty_like(k.x)
-    dBh = k.new((k.batch, k.seqlen, k.nheads, k.dstate))
-    dCh = k.new((k.batch, k.seqlen, k.nheads, k.dstate))
+    gparts = k.ngroups * head_parts(k.batch, k.nchunks, k.nheads, k.ngroups)
+    dBp = k.new((k.batch, k.seqlen, gparts, k.dstate))  # per (group, part of its heads); = dB, dC at 1 part
+    dCp = k.new((k.batch, k.seqlen, gparts, k.dstate))
     ddt_out, ddA = k.new(k.chunk_shape()), k.new(k.chunk_shape())
     has_D = D is not None
     dD_part = k.new((k.batch, k.nchunks, k.nheads, k.headdim)) if has_D else dummy(k.dev, F32, 4)
     k.kernel("chunk_scan_bwd", dict(k.dims, has_D=has_D, D_has_hdim=has_D and D.dim() == 2, has_z=has_z,
                                     has_seq_idx=k.has_seq))(
-        k.x, _opt(k.z, k.x, xdt, 4), dy, k.B, k.C, k.cb(), dt_out, dA_cs, states_in, dso, k.Dk, k.seq, dx, dBh,
-        dCh, ddt_out, ddA, dD_part)
+        k.x, _opt(k.z, k.x, xdt, 4), dy, k.B, k.C, k.cb(), dt_out, dA_cs, states_in, dso, k.Dk, k.seq, dx, dBp,
+        dCp, ddt_out, ddA, dD_part)
     # 4. through the chunk cumsum, softplus and clamp
     ddt = k.new((k.batch, k.seqlen, k.nheads))
     dA_part, dbias_part = k.new((k.batch, k.nheads)), k.new((k.batch, k.nheads))
     k.kernel("chunk_cumsum_bwd", k.dt_flags, {})(
         k.dt, _opt(k.dt_bias, k.x, F32, 1), k.A, k.limit, dt_out, ddt_out, ddA, ddecay, ddt, dA_part, dbias_part)
     # fixed-order reductions of the partials (heads of a group, batch, chunks)
-    head_sum = k.kernel("head_sum", dict(nheads=k.nheads, ngroups=k.ngroups, dstate=k.dstate),
-                        {"out": tvm_dtype(k.B)})
-    dB, dC = (k.new((k.batch, k.seqlen, k.ngroups, k.dstate), k.B.dtype) for _ in range(2))  # in B's dtype (C is cast to it)
-    head_sum(dBh, dB)
-    head_sum(dCh, dC)
+    if gparts == k.ngroups and k.B.dtype == F32:
+        dB, dC = dBp, dCp
+    else:  # the parts' sum, in part order, in B's dtype (C is cast to it)
+        head_sum = k.kernel("head_sum", dict(nheads=gparts, ngroups=k.ngroups, dstate=k.dstate),
+                            {"out": tvm_dtype(k.B)})
+        dB, dC = (k.new((k.batch, k.seqlen, k.ngroups, k.dstate), k.B.dtype) for _ in range(2))
+        head_sum(dBp, dB)
+        head_sum(dCp, dC)
     dD = _empty(dx)
     if has_D:
         dD = dD_part.sum((0, 1))
