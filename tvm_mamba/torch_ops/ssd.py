@@ -5,8 +5,9 @@ forward has autograd registered.
 
 Forward: ssd_chunk_cumsum -> ssd_chunk_state -> ssd_state_passing -> ssd_chunk_scan (compute/ssd.py).
 Backward: ssd_chunk_scan_bwd_dstates -> ssd_state_passing_bwd -> ssd_chunk_scan_bwd -> ssd_chunk_cumsum_bwd,
-then fixed-order torch sums of the per-head dB/dC and per-(batch, chunk) dD/dA/ddt_bias partials
-(deterministic: no atomics anywhere).
+then fixed-order sums of the partials: dB / dC per part of each group's heads (summed in the kernel over the
+part's heads; ssd_head_sum over the parts when there is more than one, compute/_ssd_dims.head_parts) and
+per-(batch, chunk) dD / dA / ddt_bias (torch sums). Deterministic: no atomics anywhere.
 
 What backward keeps (two memory modes, ``keep_chunk_states``):
 * default (False, lean): inputs + dt_out and dA_cumsum (2 * batch*nheads*seqlen fp32) + y_pre (the
