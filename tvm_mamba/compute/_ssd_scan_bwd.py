@@ -37,7 +37,9 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
 
     gparts = ngroups * hparts, hparts dividing nheads / ngroups (compute.ssd.head_parts): one parallel task per
     (batch, chunk, group, part) runs the part's heads in order and sums their dB / dC rows in that order
-    (hparts = 1: the group's dB / dC themselves; the heads share the staged B / C rows).
+    (hparts = 1: the group's dB / dC themselves; the heads share the staged B / C rows). The intra-chunk
+    terms of dB / dC multiply the group's C / B, so they run once per part on the sum over its heads of
+    (g x^T) K dt: two Q x Q x dstate products per part instead of per head (2 of the 5 per-head matmuls).
     ``rows`` x ``cols`` x ``order``: the register block of the chunk matmuls (_ssd_mm.py).
     """
     check_dtype("x", x_dtype)
@@ -112,6 +114,11 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             sc = T.alloc_buffer((2,), F32)  # scalar accumulators: [0] reductions, [1] chunk-state dA_cs[Q-1]
             dBa = T.alloc_buffer((Q, N), F32)  # the part's dB / dC rows, summed over its heads in order
             dCa = T.alloc_buffer((Q, N), F32)
+            gsum = T.alloc_buffer((Q, Q), F32)  # sum over the part's heads of gx K dt (causal blocks)
+            for l in range(Q):
+                for sb in range(lower_cols(l, Q, VB) // VB):
+                    for v in T.vectorized(VB):
+                        gsum[l, sb * VB + v] = T.float32(0)
             for l in range(Q):  # the group's B / C rows (zeros past seqlen), shared by the part's heads
                 t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                 for n in T.vectorized(N):
@@ -161,7 +168,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                             gr[s] = gx[l, s] * cbg[b, c, g, l, s] * kk[s]
                             dd[s] = dd[s] + gr[s]
                             cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
-                            gx[l, s] = gx[l, s] * kk[s] * dtl[s]
+                            gsum[l, s] = gsum[l, s] + gx[l, s] * kk[s] * dtl[s]
                             gr[s] = gr[s] * dtl[s]
                             dcol[s] = dcol[s] - gr[s]
                     sc[0] = T.float32(0)
@@ -186,26 +193,22 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     if c * Q + s < seqlen:
                         for p in T.vectorized(P):
                             dx[b, c * Q + s, h, p] = (t1[s, p] + wst[s] * dtl[s] * t2[s, p]).astype(x_dtype)
-                # -- dC: t1[l] = g_l Sin, t2[l] = sum_{s<=l} gx[l, s] B_s --
+                # -- dC, carried-state term: t1[l] = g_l Sin (the intra-chunk term is per part, below) --
                 mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, n: sin[b, c, h, p, n], zero,
                       lambda l, n, v: T.buffer_store(t1, v, [l, n]))
-                mm_qn(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, gx[l, s], T.float32(0)),
-                      lambda s, n: bl[s, n], zero, lambda l, n, v: T.buffer_store(t2, v, [l, n]))
                 for l in range(T.min(Q, seqlen - c * Q)):
                     sc[0] = T.float32(0)
                     for n in range(N):
                         sc[0] = sc[0] + cl[l, n] * t1[l, n]
                     dac[l] = dac[l] + e[l] * sc[0]
                     for n in T.vectorized(N):
-                        dCa[l, n] = dCa[l, n] + (e[l] * t1[l, n] + t2[l, n])
-                # -- dB: t1[s] = sum_{l>=s} gx[l, s] C_l, t2[s] = x_s dSo --
-                mm_qn(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, gx[l, s], T.float32(0)),
-                      lambda l, n: cl[l, n], zero, lambda s, n, v: T.buffer_store(t1, v, [s, n]))
+                        dCa[l, n] = dCa[l, n] + e[l] * t1[l, n]
+                # -- dB, chunk-state term: t2[s] = x_s dSo --
                 mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda s, p: xl[s, p], lambda p, n: dso[b, c, h, p, n], zero,
                       lambda s, n, v: T.buffer_store(t2, v, [s, n]))
                 for s in range(T.min(Q, seqlen - c * Q)):
                     for n in T.vectorized(N):
-                        dBa[s, n] = dBa[s, n] + (t1[s, n] + wst[s] * dtl[s] * t2[s, n])
+                        dBa[s, n] = dBa[s, n] + wst[s] * dtl[s] * t2[s, n]
                 # -- dD partial --
                 if has_D:
                     for p in T.vectorized(P):
@@ -218,6 +221,12 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                 for l in range(Q):
                     ddt_out[b, h, c, l] = dd[l]
                     ddA_cs[b, h, c, l] = dac[l] + dcol[l] + T.if_then_else(l == Q - 1, sc[1], T.float32(0))
+            # -- the intra-chunk terms once per part (B, C are the group's): with G = sum over the part's heads
+            # of gx K dt, dC[l] += sum_{s<=l} G[l, s] B_s and dB[s] += sum_{l>=s} G[l, s] C_l --
+            mm_qn(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, gsum[l, s], T.float32(0)),
+                  lambda s, n: bl[s, n], lambda l, n: dCa[l, n], lambda l, n, v: T.buffer_store(dCa, v, [l, n]))
+            mm_qn(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, gsum[l, s], T.float32(0)),
+                  lambda l, n: cl[l, n], lambda s, n: dBa[s, n], lambda s, n, v: T.buffer_store(dBa, v, [s, n]))
             for l in range(T.min(Q, seqlen - c * Q)):
                 for n in T.vectorized(N):
                     dBp[b, c * Q + l, task % gparts, n] = dBa[l, n]
