@@ -13,7 +13,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, matmul, vblock, zero
 
 F32 = "float32"
 I32 = "int32"

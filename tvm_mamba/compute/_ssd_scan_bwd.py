@@ -17,7 +17,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, vblock, matmul, zero
+from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, matmul, vblock, zero
 from ._ssd_scan import _gate, _ld, _seg_exp, _static
 
 F32 = "float32"

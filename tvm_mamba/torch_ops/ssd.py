@@ -199,7 +199,7 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
     dA_part, dbias_part = k.new((k.batch, k.nheads)), k.new((k.batch, k.nheads))
     k.kernel("chunk_cumsum_bwd", k.dt_flags, {})(
         k.dt, _opt(k.dt_bias, k.x, F32, 1), k.A, k.limit, dt_out, ddt_out, ddA, ddecay, ddt, dA_part, dbias_part)
-    # fixed-order reductions of the partials (heads of a group, batch, chunks)
+    # fixed-order reductions of the partials (parts of a group's heads, batch, chunks)
     if gparts == k.ngroups and k.B.dtype == F32:
         dB, dC = dBp, dCp
     else:  # the parts' sum, in part order, in B's dtype (C is cast to it)
