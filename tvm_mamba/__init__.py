@@ -41,7 +41,8 @@ from .torch_ops.rmsnorm_gated import rmsnorm_fn  # noqa: E402,F401
 from .modules import Mamba, Mamba2, MambaConfig, MambaLMHeadModel, RMSNormGated  # noqa: E402,F401
 from .explain import explain  # noqa: E402,F401
 from .runtime.tuning import tuning_logs  # noqa: E402,F401
+from .runtime.cudasim import simulate as simulate_cuda  # noqa: E402,F401
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "mamba_chunk_scan_combined", "selective_scan_fn",
            "selective_state_update", "rmsnorm_fn", "Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel",
-           "RMSNormGated", "explain", "tuning_logs", "__version__"]
+           "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__"]

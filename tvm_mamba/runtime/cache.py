@@ -24,7 +24,7 @@ from typing import Any
 import tvm
 import tvm_ffi
 
-from . import dispatch, pack
+from . import cudasim, dispatch, pack
 from .key import KernelKey
 
 _PKG_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,9 +38,12 @@ class Kernel:
         self.key, self.plan, self.module, self.path = key, plan, module, path
         self.build_seconds, self.load_seconds = build_seconds, load_seconds
         self.fn = module[f"{key.op}_{key.direction}"]
+        self.simulated = cudasim.is_sim(key.target)
 
     def __call__(self, *args):
         dispatch.note_key(self.key, self.plan)
+        if self.simulated:
+            return cudasim.call(self.module, self.fn, args, label=str(self.key))
         return self.fn(*args)
 
     def __repr__(self) -> str:
@@ -56,7 +59,8 @@ def _source_digest() -> str:
             import importlib
 
             root = pathlib.Path(importlib.import_module(f"tvm_mamba.{sub}").__path__[0])
-        for f in sorted(root.rglob("*.py")):
+        files = list(root.rglob("*.py")) + [f for f in (root / "cudasim").rglob("*") if f.is_file()]
+        for f in sorted(files):  # cudasim/include: the CUDA execution header the simulated kernels build with
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:12]
@@ -82,15 +86,23 @@ stats = {"builds": 0, "disk_loads": 0, "discarded": 0}
 
 
 def compile_module(key: KernelKey, mod: tvm.IRModule):
-    """tvm.compile for the key's target (CUDA inside ``with target:``, which nvcc mode reads the arch from)."""
+    """tvm.compile for the key's target (CUDA inside ``with target:``, which nvcc mode reads the arch from); for
+    a ``cudasim-`` key, TVM's host code and CUDA source for the CPU harness (cudasim.py)."""
     target = dispatch.target_from_key(key.target)
+    if cudasim.is_sim(key.target):
+        return cudasim.build(mod, target, label=str(key))
     with target:
         return tvm.compile(mod, target=target)
 
 
+def _load(path: pathlib.Path):
+    return cudasim.load(str(path)) if path.parent.name.startswith(cudasim.PREFIX) else \
+        tvm.runtime.load_module(str(path))
+
+
 def _try_load(path: pathlib.Path):
     try:
-        return tvm.runtime.load_module(str(path))
+        return _load(path)
     except Exception as err:  # noqa: BLE001 - any load failure means a bad file
         warnings.warn(f"tvm_mamba: discarding unloadable cached kernel {path} ({type(err).__name__}: "
                       f"{str(err).strip().splitlines()[-1][:160] if str(err).strip() else ''}); rebuilding",
@@ -170,7 +182,7 @@ def build_and_load(key: KernelKey) -> Kernel:
                                 os.unlink(tmp)
                         build_s = time.perf_counter() - tb
                         stats["builds"] += 1
-                        module = tvm.runtime.load_module(str(path))
+                        module = _load(path)
                     else:
                         stats["disk_loads"] += 1
                 finally:

@@ -66,11 +66,15 @@ def register_plan_hook(hook: Callable[[KernelKey], Plan | None]) -> None:
 
 
 def plan(key: KernelKey) -> Plan:
-    """The decisions that serve ``key``: the best tuning record of its bucket, else the hand defaults."""
+    """The decisions that serve ``key``: the best tuning record of its bucket, else the hand defaults. A
+    ``cudasim-sm_XY`` key is served as ``cuda-sm_XY`` would be, so the harness runs what the GPU runs."""
+    lookup = key
+    if key.target.startswith("cudasim-"):
+        lookup = dataclasses.replace(key, target="cuda-" + key.target[len("cudasim-"):])
     for hook in list(_plan_hooks):
-        found = hook(key)
+        found = hook(lookup)
         if found is not None:
-            return found
+            return found if lookup is key else Plan(key, found.decisions, found.source)
     return Plan(key, (), "default")
 
 

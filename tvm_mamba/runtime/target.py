@@ -75,6 +75,12 @@ def device_target_key(device) -> str:
     """The target key serving torch ``device`` without constructing a Target (works with only the TVM
     runtime installed: then the CPU key comes from the active kernel pack)."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
+    if kind == "cpu":
+        from .cudasim import active
+
+        sim = active()
+        if sim is not None:  # `with tvm_mamba.simulate_cuda(arch):` CPU tensors run the CUDA kernels
+            return sim.target_key
     if kind == "cuda":
         import torch
 
@@ -110,6 +116,6 @@ def target_from_key(key: str) -> Target:
     kind, _, rest = key.partition("-")
     if kind == "llvm":
         return cpu_target(rest)
-    if kind == "cuda":
+    if kind in ("cuda", "cudasim"):  # cudasim: the CUDA kernels, run on the CPU by runtime/cudasim.py
         return cuda_target(rest)
-    raise ValueError(f"target: unknown target key {key!r} (expected 'llvm-<mcpu>' or 'cuda-sm_XY')")
+    raise ValueError(f"target: unknown target key {key!r} (expected 'llvm-<mcpu>', 'cuda-sm_XY' or 'cudasim-sm_XY')")

@@ -62,6 +62,12 @@ def kernel_for(op: str, direction: str, device, dtypes: dict, static: dict, **dy
     return build_and_load(key)
 
 
+def kernel_device_type(device) -> str:
+    """"cuda" when calls on ``device`` run CUDA kernels (a CUDA device, or CPU tensors inside
+    ``tvm_mamba.simulate_cuda()``), else "cpu": for ops whose host-side choices depend on the kernel family."""
+    return "cpu" if device_target_key(device).startswith("llvm-") else "cuda"
+
+
 _keys: dict[tuple, KernelKey] = {}  # call signature -> its KernelKey (building one costs ~5 us per call)
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..compute._selective_scan_dims import block_size, chunk_size
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
+from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_device_type, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "selective_scan"
 
@@ -108,7 +108,7 @@ def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     out = torch.empty_like(u)
     last = u.new_empty((batch, dim, dstate), dtype=acc)
     ck = u.new_empty((batch, dim, nchunk, dstate), dtype=acc)
-    direction = fwd_direction(batch, dim, seqlen, static["chunk"], u.device.type)
+    direction = fwd_direction(batch, dim, seqlen, static["chunk"], kernel_device_type(u.device))
     kern = kernel_for(OP, direction, u.device, {"u": tvm_dtype(u), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)}, static,
                       seqlen=seqlen)
     kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),

@@ -1,0 +1,388 @@
+"""Run TVM's CUDA kernels on the CPU, with the CUDA execution model (docs/cuda_sim.md).
+
+A kernel key whose target is ``cudasim-sm_XY`` is scheduled exactly like ``cuda-sm_XY`` (same rule, same
+decisions) and lowered by TVM's own pipeline. The two halves are then built like this:
+
+* host: TVM's generated host function, compiled for LLVM as usual. It checks the arguments, computes the
+  grid and block extents from the symbolic batch / seqlen, and calls each kernel by name through the packed
+  calling convention, exactly as it calls the CUDA module's functions on a GPU;
+* device: the CUDA C source TVM generates (``inspect_source("cuda")``, after ``tvm_callback_cuda_postproc``
+  when one is registered: the text nvcc compiles in ``build-check``), compiled by g++ against this package's
+  ``cudasim/include`` (``cuda.h``, ``cuda_bf16.h``, ... stand-ins for ``tvm_mamba_cudasim.h``), plus one
+  generated entry point per kernel, ``__tvm_ffi_<kernel>``, that takes the packed arguments and launch
+  extents and runs the grid (``tvm_mamba_sim::launch``).
+
+Both objects are linked into one shared library, so ``tvm.runtime.load_module`` finds the kernels where the
+host code looks them up (the module itself), and the disk cache stores it like any other kernel.
+
+At call time every tensor argument is copied into a buffer of exactly its size placed between
+``PROT_NONE`` guard pages (bytes between the buffer and a guard page hold 0xFF canaries, checked after the
+call), presented to the host code as a CUDA tensor, and copied back. An access outside it faults; the fault is
+caught inside the kernel and reported with the argument it hit.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+import threading
+
+import tvm
+import tvm_ffi
+from tvm.target import Target
+
+PREFIX = "cudasim-"
+_INCLUDE = pathlib.Path(__file__).resolve().parent / "cudasim" / "include"
+ORDERS = {"random": 0, "forward": 1, "reversed": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """arch: the CUDA arch whose source is run (``sm_90``); order: the order threads and blocks run in
+    (``random``: seeded by ``seed``, ``forward``, ``reversed``)."""
+
+    arch: str = "sm_90"
+    order: str = "random"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.order not in ORDERS:
+            raise ValueError(f"order: expected one of {sorted(ORDERS)}, got {self.order!r}")
+        if not (isinstance(self.arch, str) and self.arch.startswith("sm_") and self.arch[3:].isdigit()):
+            raise ValueError(f"arch: expected a CUDA arch such as 'sm_90', got {self.arch!r}")
+
+    @property
+    def target_key(self) -> str:
+        return PREFIX + self.arch
+
+
+_active: list[SimConfig] = []
+
+
+@contextlib.contextmanager
+def simulate(arch: str = "sm_90", order: str = "random", seed: int = 0):
+    """``with simulate("sm_90"):`` every kernel call on CPU tensors runs the CUDA kernels of ``arch`` through
+    this harness instead of the CPU kernels (the kernel keys say ``cudasim-sm_90``; ``explain`` shows it)."""
+    cfg = SimConfig(arch, order, seed)
+    _active.append(cfg)
+    try:
+        yield cfg
+    finally:
+        _active.remove(cfg)
+
+
+def active() -> SimConfig | None:
+    return _active[-1] if _active else None
+
+
+def is_sim(target_key: str) -> bool:
+    return target_key.startswith(PREFIX)
+
+
+# ---- build -----------------------------------------------------------------------------------------------------
+def lower(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, tvm.IRModule, Target]:
+    """TVM's ``tirx.build`` up to code generation (steps 0-6 of ``tvm/tirx/build.py``): (host IRModule,
+    device IRModule, host target)."""
+    from tvm.tirx.build import split_host_device_mods
+
+    target_host = Target("llvm")
+    bound = Target(target).with_host(target_host)
+    mod = tvm.tirx.transform.BindTarget(bound)(mod)
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+    mod = pipeline(mod)
+    host_mod, device_mods = split_host_device_mods(mod)
+    host_mod = finalize_host()(host_mod)
+    if len(device_mods) != 1:
+        raise RuntimeError(f"cudasim: expected one device module, got {len(device_mods)}")
+    (device_mod,) = (finalize_device()(m) for m in device_mods.values())
+    return host_mod, device_mod, target_host
+
+
+@dataclasses.dataclass
+class SimBuild:
+    """The two halves of one simulated kernel key, ready to be linked by :meth:`export_library`."""
+
+    host: object  # tvm runtime Module (LLVM)
+    source: str  # the CUDA C source, as nvcc would receive it
+    kernels: tuple  # ((name, (launch tags...)), ...)
+    arch: str
+    label: str = ""
+
+    def export_library(self, path: str) -> None:
+        link(self, path)
+
+
+def load(path: str):
+    """Load a simulated kernel library. It holds the host code and the kernels' entry points; TVM's host code
+    looks kernels up in its module's *imports* (then the global registry), so the library is loaded twice,
+    kernels first: the second load (whose ``__tvm_ffi__library_ctx`` the host code then uses) imports the
+    first."""
+    kernels = tvm.runtime.load_module(path)
+    host = tvm.runtime.load_module(path)
+    host.import_module(kernels)
+    return host
+
+
+def build(mod: tvm.IRModule, target: Target, label: str = "") -> SimBuild:
+    """Lower ``mod`` (scheduled for the CUDA ``target``) and generate host code and CUDA source."""
+    from tvm.tirx.build import codegen_build
+
+    with target:
+        host_mod, device_mod, target_host = lower(mod, target)
+        source = codegen_build(device_mod, target).inspect_source("cuda")
+        host = codegen_build(host_mod, target_host)
+    kernels = tuple((str(gv.name_hint), tuple(str(t) for t in f.attrs["tirx.kernel_launch_params"]))
+                    for gv, f in device_mod.functions.items())
+    return SimBuild(host, source, kernels, str(target.attrs["arch"]), label)
+
+
+# extern __shared__ T name[];  ->  T* name = <the block's dynamic shared memory>;  (the one textual rewrite:
+# an extern array cannot be made per block by a macro; docs/cuda_sim.md)
+_DYN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\s*\[\s*\]\s*;")
+
+
+def prepare_source(source: str) -> str:
+    return _DYN_SHARED.sub(r"TVM_MAMBA_SIM_DYN_SHARED(\1, \2);", source)
+
+
+def entry_points(kernels) -> str:
+    lines = ["", "// ---- tvm_mamba cudasim: one packed entry point per kernel (generated) ----"]
+    for name, tags in kernels:
+        tag_list = ", ".join(f'"{t}"' for t in tags) or "nullptr"
+        lines += [
+            f'extern "C" __attribute__((visibility("default"))) int __tvm_ffi_{name}(void*, const TVMFFIAny* args,',
+            "    int32_t nargs, TVMFFIAny*) {",
+            f"  static const char* const tags[] = {{{tag_list}}};",
+            f'  return ::tvm_mamba_sim::launch("{name}", &{name}, args, nargs, tags, {len(tags)});',
+            "}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_version() -> tuple[int, int]:
+    """The CUDA version whose nvcc compiles build-check's source (it decides the source's #if branches)."""
+    from .nvcc import nvcc_path
+
+    nvcc = nvcc_path()
+    if nvcc:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        m = re.search(r"release (\d+)\.(\d+)", out)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return 12, 8
+
+
+def compile_flags(arch: str) -> list[str]:
+    major, minor = _nvcc_version()
+    ffi_inc = pathlib.Path(tvm_ffi.__file__).resolve().parent / "include"
+    return ["-std=c++17", "-O1", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fwrapv",
+            "-fsanitize=bounds", "-fsanitize-undefined-trap-on-error", "-w",
+            f"-D__CUDA_ARCH__={int(arch[3:]) * 10}", f"-D__CUDACC_VER_MAJOR__={major}",
+            f"-D__CUDACC_VER_MINOR__={minor}", f"-I{_INCLUDE}", f"-I{ffi_inc}", "-include", "tvm_mamba_cudasim.h"]
+
+
+def _explain_compile_error(log: str, label: str) -> str:
+    missing = sorted(set(re.findall(r"'([A-Za-z_]\w*)' was not declared in this scope", log)) |
+                     set(re.findall(r"no matching function for call to '([A-Za-z_]\w*)\(", log)))
+    head = f"cudasim: {label}: g++ could not compile the CUDA source"
+    if missing:
+        head += ("; it uses " + ", ".join(f"`{m}`" for m in missing) +
+                 ", which tvm_mamba's CUDA execution header does not implement")
+    if re.search(r"Error: no such instruction|unknown mnemonic|invalid instruction", log):
+        head += "; it contains inline PTX (asm), which the harness does not execute"
+    return head + "\n" + "\n".join(l for l in log.splitlines() if "error" in l.lower())[:3000]
+
+
+def link(b: SimBuild, path: str) -> None:
+    """Compile the kernels with g++ and link them with the host object into one shared library at ``path``."""
+    cxx = os.environ.get("CXX") or "g++"
+    ffi_lib = pathlib.Path(tvm_ffi.__file__).resolve().parent / "lib"
+    with tempfile.TemporaryDirectory(prefix="tvm_mamba_cudasim_") as tmp:
+        cu = pathlib.Path(tmp, "kernels.cu")
+        cu.write_text(prepare_source(b.source))
+        wrap = pathlib.Path(tmp, "entry.cc")
+        wrap.write_text('#include "kernels.cu"\n' + entry_points(b.kernels))
+        host_o = pathlib.Path(tmp, "host.o")
+        b.host.write_to_file(str(host_o))
+        cmd = [cxx, *compile_flags(b.arch), "-shared", "-o", path, str(wrap), str(host_o),
+               f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        if proc.returncode != 0:
+            raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, b.label or "kernel"))
+
+
+# ---- call: guarded copies presented as CUDA tensors -----------------------------------------------------------
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capi = ctypes.pythonapi
+_capi.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_capi.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capi.PyCapsule_New.restype = ctypes.py_object
+_capi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_PAGE = os.sysconf("SC_PAGESIZE")
+_ALIGN = 64  # where TVM's kernels may assume their buffers start (storage_alignment)
+_CANARY = 0xFF
+_KDLCUDA = 2
+
+
+class _Guarded:
+    """One argument's copy: [guard page][canaries][data][canaries < 64 B][guard page], data 64-byte aligned
+    and as close to the trailing guard page as that allows."""
+
+    def __init__(self, index: int, src: _DLTensor):
+        self.index, self.ndim = index, src.ndim
+        self.shape = [src.shape[i] for i in range(src.ndim)]
+        if src.strides:
+            expect, compact = 1, True
+            for i in reversed(range(src.ndim)):
+                compact &= self.shape[i] == 1 or src.strides[i] == expect
+                expect *= self.shape[i]
+            if not compact:
+                raise ValueError(f"cudasim: argument #{index} is not compact")
+        n = 1
+        for s in self.shape:
+            n *= s
+        self.nbytes = n * src.dtype.bits * src.dtype.lanes // 8
+        self.src_ptr = (src.data or 0) + src.byte_offset
+        body = -(-max(self.nbytes, 1) // _PAGE) * _PAGE + _PAGE  # room for the alignment slack
+        self.total = body + 2 * _PAGE
+        base = _libc.mmap(None, self.total, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+        if base in (None, ctypes.c_void_p(-1).value):
+            raise MemoryError("cudasim: mmap failed")
+        self.base = base
+        _libc.mprotect(base, _PAGE, 0)
+        self.tail_guard = base + _PAGE + body
+        _libc.mprotect(self.tail_guard, _PAGE, 0)
+        self.data = (self.tail_guard - self.nbytes) // _ALIGN * _ALIGN
+        ctypes.memset(base + _PAGE, _CANARY, body)
+        if self.nbytes:
+            ctypes.memmove(self.data, self.src_ptr, self.nbytes)
+        self.dl = _DLManagedTensor()
+        self._shape = (ctypes.c_int64 * max(self.ndim, 1))(*self.shape)
+        t = self.dl.dl_tensor
+        t.data, t.device, t.ndim, t.dtype = self.data, _DLDevice(_KDLCUDA, 0), src.ndim, src.dtype
+        t.shape, t.strides, t.byte_offset = self._shape, None, 0
+
+    def tensor(self):
+        capsule = _capi.PyCapsule_New(ctypes.addressof(self.dl), b"dltensor", None)
+        return tvm_ffi.from_dlpack(capsule)
+
+    def where(self, addr: int) -> str | None:
+        """Name the place of a faulting address, if it is in this argument's mapping."""
+        if not (self.base <= addr < self.base + self.total):
+            return None
+        if addr < self.data:
+            return f"{self.data - addr} bytes before the start of argument #{self.index} {self.describe()}"
+        return f"{addr - (self.data + self.nbytes)} bytes past the end of argument #{self.index} {self.describe()}"
+
+    def describe(self) -> str:
+        return f"(shape {tuple(self.shape)}, {self.nbytes} bytes)"
+
+    def check_canaries(self) -> str | None:
+        lo = self.base + _PAGE
+        before = ctypes.string_at(lo, self.data - lo)
+        after = ctypes.string_at(self.data + self.nbytes, self.tail_guard - self.data - self.nbytes)
+        bad = [i for i, b in enumerate(before) if b != _CANARY]
+        if bad:
+            return f"the kernel wrote {len(before) - bad[0]} bytes before the start of argument #{self.index}"
+        bad = [i for i, b in enumerate(after) if b != _CANARY]
+        if bad:
+            return f"the kernel wrote {bad[-1] + 1} bytes past the end of argument #{self.index} {self.describe()}"
+        return None
+
+    def copy_back(self) -> None:
+        if self.nbytes:
+            ctypes.memmove(self.src_ptr, self.data, self.nbytes)
+
+    def free(self) -> None:
+        _libc.munmap(self.base, self.total)
+
+
+def _dltensor_of(obj) -> _DLTensor | None:
+    if not hasattr(obj, "__dlpack__"):
+        return None
+    capsule = obj.__dlpack__()
+    ptr = _capi.PyCapsule_GetPointer(capsule, b"dltensor")
+    managed = _DLManagedTensor.from_address(ptr)
+    out = _DLTensor()
+    ctypes.pointer(out)[0] = managed.dl_tensor
+    out._keep = capsule  # the shape / strides arrays live as long as the capsule
+    return out
+
+
+_call_lock = threading.Lock()
+
+
+class SimError(RuntimeError):
+    """A simulated CUDA kernel failed: a fault, a barrier / warp error, or an out-of-bounds write."""
+
+
+def call(module, fn, args, cfg: SimConfig | None = None, label: str = "") -> None:
+    """Run host function ``fn`` of a simulated kernel module on ``args`` (DLPack tensors, e.g. CPU torch
+    tensors, and scalars), each tensor through a guarded copy; results are copied back into ``args``."""
+    cfg = cfg or active() or SimConfig()
+    with _call_lock:
+        guarded, passed = [], []
+        try:
+            for i, a in enumerate(args):
+                dl = _dltensor_of(a)
+                if dl is None:
+                    passed.append(a)
+                    continue
+                g = _Guarded(i, dl)
+                guarded.append(g)
+                passed.append(g.tensor())
+            module["tvm_mamba_sim_config"](ORDERS[cfg.order], cfg.seed)
+            try:
+                fn(*passed)
+            except Exception as err:  # noqa: BLE001 - re-raised with the argument the fault hit
+                raise SimError(_locate(str(err), guarded, label)) from None
+            for g in guarded:
+                bad = g.check_canaries()
+                if bad:
+                    raise SimError(f"cudasim: {label}: {bad}")
+            for g in guarded:
+                g.copy_back()
+        finally:
+            for g in guarded:
+                g.free()
+
+
+def _locate(msg: str, guarded: list[_Guarded], label: str) -> str:
+    m = re.search(r"at address 0x([0-9a-f]+)", msg)
+    if m:
+        addr = int(m.group(1), 16)
+        for g in guarded:
+            where = g.where(addr)
+            if where:
+                return f"{msg.strip()} ({where}) [{label}]"
+    return f"{msg.strip()} [{label}]"
