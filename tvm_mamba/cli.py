@@ -1,4 +1,4 @@
-"""``python -m tvm_mamba <command>``: info, build-check, tune, aot.
+"""``python -m tvm_mamba <command>``: info, build-check, sim-check, tune, aot.
 
 info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
              against the float64 reference).
@@ -6,6 +6,10 @@ build-check  builds every registered kernel configuration (each compute module's
              for CUDA with no GPU: TVM codegen, then nvcc --cubin with ptxas -v; prints registers, shared
              memory and spill bytes per kernel and ends with exactly one line
              ``build-check: N kernels, F failed, S spilling (cuda sm_XY)``. Exit 1 if F > 0.
+sim-check    runs every configuration build-check builds (same flags) on the CPU through the CUDA execution
+             harness (runtime/cudasim.py: TVM's CUDA source, g++, the CUDA execution model) against its
+             float64 reference (tvm_mamba/simcheck/<op>.py), and ends with exactly one line
+             ``sim-check: N kernels, F failed (cuda sm_XY)``. Exit 1 if F > 0.
 tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
              through a TVM RPC tracker) and appends the best to tuning_logs/<device-key>/ (tvm_mamba/tune.py).
 aot          builds a kernel pack for a machine with only the TVM runtime (tvm_mamba/aot.py, runtime/pack.py).
@@ -109,6 +113,43 @@ def cmd_build_check(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_sim_check(args) -> int:
+    """Every build-check configuration through the CUDA execution harness against its float64 reference."""
+    from tvm_mamba import simcheck
+    from tvm_mamba.runtime import KernelKey, build_and_load
+
+    if args.target != "cuda":
+        print(f"sim-check: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
+        return 2
+    ops = args.ops.split(",") if args.ops else _compute_modules()
+    configs = list(_configs(ops))
+    keys = [KernelKey.make(op, d, dt, st, "cudasim-" + args.arch) for op, d, st, dt in configs]
+    print(f"sim-check: compiling {len(keys)} kernels for the harness ({args.jobs} jobs) ...", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        warm = list(pool.map(lambda k: _try(build_and_load, k), keys))
+    failed = 0
+    for i, ((op, direction, static, dtypes), key, err) in enumerate(zip(configs, keys, warm)):
+        t0 = time.perf_counter()
+        if err is None:
+            err = _try(simcheck.run_config, op, direction, static, dtypes, args.arch)
+        status = "ok  " if err is None else "FAIL"
+        print(f"[{i + 1}/{len(keys)}] {status} {key}  ({time.perf_counter() - t0:.1f} s)", flush=True)
+        if err is not None:
+            failed += 1
+            print("      " + err.replace("\n", "\n      ")[:1500], flush=True)
+    print(f"sim-check: {len(keys)} kernels, {failed} failed (cuda {args.arch})")
+    return 1 if failed else 0
+
+
+def _try(fn, *args) -> str | None:
+    """None if ``fn(*args)`` returns, else the error's message (one config's failure must not stop the rest)."""
+    try:
+        fn(*args)
+        return None
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {str(err).strip()}"
+
+
 def _directions(args):
     return tuple(d for d in args.directions.split(",") if d) or None
 
@@ -160,6 +201,11 @@ def main(argv=None) -> int:
     bc.add_argument("--arch", default="sm_90")
     bc.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     bc.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
+    sc = sub.add_parser("sim-check", help="run every build-check kernel on the CPU through the CUDA harness")
+    sc.add_argument("--target", default="cuda")
+    sc.add_argument("--arch", default="sm_90")
+    sc.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    sc.add_argument("--jobs", type=int, default=2, help="parallel g++ processes")
     tu = sub.add_parser("tune", help="search schedule knobs per shape bucket on this machine and log the best")
     tu.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     tu.add_argument("--preset", default="default", help="model preset or group: default, all, mamba-130m, ...")
@@ -196,7 +242,8 @@ def main(argv=None) -> int:
         from tvm_mamba import aot
 
         return aot.main(args)
-    return {"info": cmd_info, "build-check": cmd_build_check, "tune": cmd_tune}[args.cmd](args)
+    return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check,
+            "tune": cmd_tune}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -190,8 +190,8 @@ def compile_flags(arch: str) -> list[str]:
 
 
 def _explain_compile_error(log: str, label: str) -> str:
-    missing = sorted(set(re.findall(r"'([A-Za-z_]\w*)' was not declared in this scope", log)) |
-                     set(re.findall(r"no matching function for call to '([A-Za-z_]\w*)\(", log)))
+    missing = sorted(set(re.findall(r"['\u2018]([A-Za-z_]\w*)['\u2019] was not declared in this scope", log)) |
+                     set(re.findall(r"no matching function for call to ['\u2018]([A-Za-z_]\w*)\(", log)))
     head = f"cudasim: {label}: g++ could not compile the CUDA source"
     if missing:
         head += ("; it uses " + ", ".join(f"`{m}`" for m in missing) +
@@ -214,7 +214,7 @@ def link(b: SimBuild, path: str) -> None:
         b.host.write_to_file(str(host_o))
         cmd = [cxx, *compile_flags(b.arch), "-shared", "-o", path, str(wrap), str(host_o),
                f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=dict(os.environ, LC_ALL="C"))
         if proc.returncode != 0:
             raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, b.label or "kernel"))
 
@@ -255,10 +255,10 @@ _KDLCUDA = 2
 
 
 class _Guarded:
-    """One argument's copy: [guard page][canaries][data][canaries < 64 B][guard page], data 64-byte aligned
-    and as close to the trailing guard page as that allows."""
+    """One argument's copy between two PROT_NONE guard pages, the bytes around it 0xFF canaries:
+    [guard][data][canaries][guard] (``head``) or [guard][canaries][data][< 64 B canaries][guard]."""
 
-    def __init__(self, index: int, src: _DLTensor):
+    def __init__(self, index: int, src: _DLTensor, head: bool = False):
         self.index, self.ndim = index, src.ndim
         self.shape = [src.shape[i] for i in range(src.ndim)]
         if src.strides:
@@ -282,7 +282,9 @@ class _Guarded:
         _libc.mprotect(base, _PAGE, 0)
         self.tail_guard = base + _PAGE + body
         _libc.mprotect(self.tail_guard, _PAGE, 0)
-        self.data = (self.tail_guard - self.nbytes) // _ALIGN * _ALIGN
+        # head: flush with the leading guard page (catches x[-1]); else as close to the trailing one as the
+        # 64-byte alignment allows (catches x[n]).
+        self.data = base + _PAGE if head else (self.tail_guard - self.nbytes) // _ALIGN * _ALIGN
         ctypes.memset(base + _PAGE, _CANARY, body)
         if self.nbytes:
             ctypes.memmove(self.data, self.src_ptr, self.nbytes)
@@ -348,33 +350,56 @@ class SimError(RuntimeError):
 
 def call(module, fn, args, cfg: SimConfig | None = None, label: str = "") -> None:
     """Run host function ``fn`` of a simulated kernel module on ``args`` (DLPack tensors, e.g. CPU torch
-    tensors, and scalars), each tensor through a guarded copy; results are copied back into ``args``."""
+    tensors, and scalars). It runs twice on fresh guarded copies of the arguments: once with every buffer as
+    close to its trailing guard page as alignment allows and thread order ``cfg.seed``, once flush against its
+    leading guard page and seed + 1. A fault in either, a written canary, or a result that differs between the two runs (a race:
+    the answer depends on the order threads or blocks run in) raises SimError. The second run's results are
+    copied back into ``args``."""
     cfg = cfg or active() or SimConfig()
     with _call_lock:
-        guarded, passed = [], []
-        try:
-            for i, a in enumerate(args):
-                dl = _dltensor_of(a)
-                if dl is None:
-                    passed.append(a)
-                    continue
-                g = _Guarded(i, dl)
-                guarded.append(g)
-                passed.append(g.tensor())
-            module["tvm_mamba_sim_config"](ORDERS[cfg.order], cfg.seed)
+        tensors = [(i, _dltensor_of(a)) for i, a in enumerate(args)]
+        first = None
+        for run, head in enumerate((False, True)):
+            guarded = _run_once(module, fn, args, tensors, head, cfg.seed + run, ORDERS[cfg.order], label)
             try:
-                fn(*passed)
-            except Exception as err:  # noqa: BLE001 - re-raised with the argument the fault hit
-                raise SimError(_locate(str(err), guarded, label)) from None
-            for g in guarded:
-                bad = g.check_canaries()
-                if bad:
-                    raise SimError(f"cudasim: {label}: {bad}")
-            for g in guarded:
-                g.copy_back()
-        finally:
-            for g in guarded:
-                g.free()
+                if first is None:
+                    first = [ctypes.string_at(g.data, g.nbytes) for g in guarded]
+                    continue
+                for g, before in zip(guarded, first):
+                    if ctypes.string_at(g.data, g.nbytes) != before:
+                        raise SimError(f"cudasim: {label}: argument #{g.index} {g.describe()} differs between two "
+                                       "runs in different thread / block orders: a race (a missing barrier?)")
+                for g in guarded:
+                    g.copy_back()
+            finally:
+                for g in guarded:
+                    g.free()
+
+
+def _run_once(module, fn, args, tensors, head: bool, seed: int, order: int, label: str) -> list[_Guarded]:
+    guarded, passed = [], []
+    try:
+        for (i, dl), a in zip(tensors, args):
+            if dl is None:
+                passed.append(a)
+                continue
+            g = _Guarded(i, dl, head)
+            guarded.append(g)
+            passed.append(g.tensor())
+        module["tvm_mamba_sim_config"](order, seed)
+        try:
+            fn(*passed)
+        except Exception as err:  # noqa: BLE001 - re-raised with the argument the fault hit
+            raise SimError(_locate(str(err), guarded, label)) from None
+        for g in guarded:
+            bad = g.check_canaries()
+            if bad:
+                raise SimError(f"cudasim: {label}: {bad}")
+        return guarded
+    except BaseException:
+        for g in guarded:
+            g.free()
+        raise
 
 
 def _locate(msg: str, guarded: list[_Guarded], label: str) -> str:
