@@ -20,3 +20,5 @@ def test_wheel_contains_schedules_and_tuning_logs(tmp_path):
     assert "tvm_mamba/schedules/cuda/causal_conv1d.py" in names
     assert "tvm_mamba/tuning_logs/README.md" in names
     assert "tvm_mamba/compute/causal_conv1d.py" in names
+    assert "tvm_mamba/runtime/cudasim_include/tvm_mamba_cudasim.h" in names  # the CUDA execution harness
+    assert "tvm_mamba/runtime/cudasim_include/cuda/std/cstdint" in names

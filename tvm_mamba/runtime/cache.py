@@ -59,8 +59,8 @@ def _source_digest() -> str:
             import importlib
 
             root = pathlib.Path(importlib.import_module(f"tvm_mamba.{sub}").__path__[0])
-        files = list(root.rglob("*.py")) + [f for f in (root / "cudasim").rglob("*") if f.is_file()]
-        for f in sorted(files):  # cudasim/include: the CUDA execution header the simulated kernels build with
+        files = list(root.rglob("*.py")) + [f for f in (root / "cudasim_include").rglob("*") if f.is_file()]
+        for f in sorted(files):  # cudasim_include: the CUDA execution header the simulated kernels build with
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:12]

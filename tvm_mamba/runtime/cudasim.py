@@ -8,7 +8,7 @@ decisions) and lowered by TVM's own pipeline. The two halves are then built like
   calling convention, exactly as it calls the CUDA module's functions on a GPU;
 * device: the CUDA C source TVM generates (``inspect_source("cuda")``, after ``tvm_callback_cuda_postproc``
   when one is registered: the text nvcc compiles in ``build-check``), compiled by g++ against this package's
-  ``cudasim/include`` (``cuda.h``, ``cuda_bf16.h``, ... stand-ins for ``tvm_mamba_cudasim.h``), plus one
+  ``cudasim_include/`` (``cuda.h``, ``cuda_bf16.h``, ... stand-ins for ``tvm_mamba_cudasim.h``), plus one
   generated entry point per kernel, ``__tvm_ffi_<kernel>``, that takes the packed arguments and launch
   extents and runs the grid (``tvm_mamba_sim::launch``).
 
@@ -39,7 +39,7 @@ import tvm_ffi
 from tvm.target import Target
 
 PREFIX = "cudasim-"
-_INCLUDE = pathlib.Path(__file__).resolve().parent / "cudasim" / "include"
+_INCLUDE = pathlib.Path(__file__).resolve().parent / "cudasim_include"
 ORDERS = {"random": 0, "forward": 1, "reversed": 2}
 
 

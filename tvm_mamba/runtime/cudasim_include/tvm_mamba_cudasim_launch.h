@@ -127,10 +127,11 @@ inline bool resolve_warp(Launch* l, int w) {
         fail_here("warp collective at line " + std::to_string(a.line) + " in " + thread_name(l, &a) +
                   ": lane " + std::to_string(j) + " named in the mask has exited");
       if (b.wait != Wait::kWarp) { ready = false; continue; }
-      if (b.mask != m || b.coll != a.coll || b.line != a.line)
+      // CUDA: every lane the mask names must execute the same intrinsic with the same mask.
+      if (b.mask != m || b.coll != a.coll)
         fail_here("warp collective divergence in " + thread_name(l, &a) + ": lane " + std::to_string(i) +
-                  " is at line " + std::to_string(a.line) + ", lane " + std::to_string(j) + " at line " +
-                  std::to_string(b.line) + " (or with another mask)");
+                  " (line " + std::to_string(a.line) + ") and lane " + std::to_string(j) + " (line " +
+                  std::to_string(b.line) + ") wait at different warp intrinsics or with different masks");
     }
     if (!ready) continue;
     uint64_t ballot = 0;
