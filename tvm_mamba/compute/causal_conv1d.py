@@ -41,12 +41,15 @@ def _inputs(dim, width, has_bias, has_seq_idx, has_init, x_dtype, weight_dtype):
 
 
 def window_value(x, init, seq_idx, width, has_seq_idx, has_init, b, c, s, t):
-    """xx[b, c, s] as seen from output position t (float32): x, initial state, or 0 across a seq_idx change."""
+    """xx[b, c, s] as seen from output position t (float32): x, initial state, or 0 across a seq_idx change
+    (an initial state, at s < 0, belongs to the sequence of position 0, as the backward's dinit assumes)."""
     zero = tirx.const(0.0, "float32")
     inside = f32(x[b, c, tirx.max(s, 0)])
     if has_seq_idx:
         inside = tirx.Select(seq_idx[b, tirx.max(s, 0)] == seq_idx[b, t], inside, zero)
     before = f32(init[b, c, tirx.max(s + (width - 1), 0)]) if has_init else zero
+    if has_init and has_seq_idx:  # initial states continue the row's first sequence only
+        before = tirx.Select(seq_idx[b, 0] == seq_idx[b, t], before, zero)
     return tirx.if_then_else(s >= 0, inside, before)
 
 
