@@ -1,0 +1,167 @@
+"""sim-check of the selective scan: ``fwd`` / ``bwd`` through ``selective_scan_fn`` (+ autograd), ``update``
+through ``selective_state_update``, on the CUDA execution harness against the float64 references.
+
+Inputs keep the configuration's model dims (dim, dstate, groups, flags) and use batch 1-2 and a seqlen
+that crosses a checkpoint-chunk boundary and ends in a partial chunk (``chunk + 3`` steps): the
+backward's chunk-by-chunk recompute and the forward's checkpoint writes both see a chunk edge.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import CheckFailed, compare, ran, recording, tolerance
+from ..compute._selective_scan_dims import block_size, chunk_size
+
+OP = "selective_scan"
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _TORCH:
+        raise CheckFailed(f"{OP}: unknown dtype {name!r}")
+    return _TORCH[name]
+
+
+def _bc(groups: int, batch: int, dim: int, dstate: int, seqlen: int, dtype, g) -> torch.Tensor:
+    """B or C in the user layout for ``groups``: 0 -> (dim, dstate); 1 -> (batch, dstate, seqlen) (Mamba-1);
+    g > 1 -> (batch, g, dstate, seqlen)."""
+    if groups == 0:
+        return torch.randn(dim, dstate, generator=g).to(dtype)
+    if groups == 1:
+        return torch.randn(batch, dstate, seqlen, generator=g).to(dtype)
+    return torch.randn(batch, groups, dstate, seqlen, generator=g).to(dtype)
+
+
+def scan_inputs(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int = 0) -> dict:
+    """selective_scan_fn keyword arguments with ``static``'s dims and flags (A in [-1.2, -0.2], small dt)."""
+    g = torch.Generator().manual_seed(seed)
+    dim, dstate = static["dim"], static["dstate"]
+    u_dt = _dtype(dtypes["u"])
+    acc = torch.float64 if u_dt == torch.float64 else torch.float32
+    sp = bool(static["delta_softplus"])
+    delta = 0.5 * torch.randn(batch, dim, seqlen, generator=g)
+    return dict(
+        u=torch.randn(batch, dim, seqlen, generator=g).to(u_dt),
+        delta=(delta if sp else delta.abs()).to(u_dt),
+        A=(-0.2 - torch.rand(dim, dstate, generator=g)).to(acc),
+        B=_bc(static["b_groups"], batch, dim, dstate, seqlen, _dtype(dtypes["B"]), g),
+        C=_bc(static["c_groups"], batch, dim, dstate, seqlen, _dtype(dtypes["C"]), g),
+        D=torch.randn(dim, generator=g).to(acc) if static["has_D"] else None,
+        z=torch.randn(batch, dim, seqlen, generator=g).to(u_dt) if static["has_z"] else None,
+        delta_bias=(0.1 * torch.randn(dim, generator=g)).to(acc) if static["has_delta_bias"] else None,
+        delta_softplus=sp,
+        initial_state=torch.randn(batch, dim, dstate, generator=g).to(acc) if static["has_init"] else None,
+    )
+
+
+TENSORS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+
+
+def scan_results(inputs: dict, grads: bool, arch: str, seed: int = 1, **sim) -> tuple[dict, list]:
+    """{name: (simulated, float64 reference)} for out, last_state and (grads) d<every tensor input>, and the
+    keys the simulated calls ran. dout / dlast are random (the backward sees both gradient paths)."""
+    import tvm_mamba
+    from ..reference.selective_scan import selective_scan_ref
+
+    ours = {k: (v.clone().requires_grad_(grads) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    ref = {k: (v.double().requires_grad_(grads) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    with recording() as keys, tvm_mamba.simulate_cuda(arch, **sim):
+        out, last = tvm_mamba.selective_scan_fn(**ours, return_last_state=True)
+        if grads:
+            g = torch.Generator().manual_seed(seed)
+            dout = torch.randn(out.shape, generator=g).to(out.dtype)
+            dlast = torch.randn(last.shape, generator=g)
+            torch.autograd.backward([out, last], [dout, dlast])
+    rout, rlast = selective_scan_ref(**ref, return_last_state=True)
+    res = {"out": (out, rout), "last_state": (last, rlast)}
+    if grads:
+        torch.autograd.backward([rout, rlast], [dout.double(), dlast.double()])
+        for k in TENSORS:
+            if isinstance(ours[k], torch.Tensor):
+                if ours[k].grad is None:
+                    raise CheckFailed(f"{OP}: no gradient for {k}")
+                res["d" + k] = (ours[k].grad, ref[k].grad)
+    return res, keys
+
+
+def compare_all(res: dict, label: str) -> None:
+    """compare() every entry at its dtype's tolerance, atol scaled by the reference's magnitude (the
+    gradients of A, B, D, delta_bias are sums over batch x seqlen x channels)."""
+    for name, (got, want) in res.items():
+        rtol, atol = tolerance(got.dtype)
+        compare(f"{label}: {name}", got, want, rtol, atol * max(1.0, want.abs().max().item()))
+
+
+def _check_scan(direction: str, static: dict, dtypes: dict, arch: str) -> None:
+    want_chunk = chunk_size(static["dstate"])
+    if static["chunk"] != want_chunk:
+        raise CheckFailed(f"{OP}: chunk={static['chunk']} is not the torch op's choice {want_chunk}")
+    if direction == "bwd":
+        want_block = block_size(static["dim"], static["b_groups"], static["c_groups"])
+        if static.get("block") != want_block:
+            raise CheckFailed(f"{OP}: block={static.get('block')} is not the torch op's choice {want_block}")
+    inputs = scan_inputs(static, dtypes, batch=2 if static["dim"] <= 256 else 1, seqlen=want_chunk + 3)
+    res, keys = scan_results(inputs, grads=direction == "bwd", arch=arch)
+    ran(keys, OP, direction, static, dtypes)
+    compare_all(res, f"{OP}.{direction} {arch}")
+
+
+def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict:
+    """selective_state_update keyword arguments: the Mamba-1 layout ((batch, dim, dstate) state) when
+    headdim == 1, else the Mamba-2 head layout."""
+    g = torch.Generator().manual_seed(seed)
+    H, P, N, G = static["nheads"], static["headdim"], static["dstate"], static["ngroups"]
+    x_dt = _dtype(dtypes["x"])
+    acc = torch.float64 if x_dt == torch.float64 else torch.float32
+    lead = (H,) if P == 1 else (H, P)
+    bc_shape = (batch, N) if P == 1 and G == 1 else (batch, G, N)
+    sp = bool(static["dt_softplus"])
+    dt = 0.5 * torch.randn(batch, *lead, generator=g)
+    return dict(
+        state=torch.randn(batch, *lead, N, generator=g).to(acc),
+        x=torch.randn(batch, *lead, generator=g).to(x_dt),
+        dt=(dt if sp else dt.abs()).to(x_dt),
+        A=(-0.2 - torch.rand(*lead, N, generator=g)).to(acc),
+        B=torch.randn(*bc_shape, generator=g).to(_dtype(dtypes["B"])),
+        C=torch.randn(*bc_shape, generator=g).to(_dtype(dtypes["C"])),
+        D=torch.randn(*lead, generator=g).to(acc) if static["has_D"] else None,
+        z=torch.randn(batch, *lead, generator=g).to(x_dt) if static["has_z"] else None,
+        dt_bias=(0.1 * torch.randn(*lead, generator=g)).to(acc) if static["has_dt_bias"] else None,
+        dt_softplus=sp,
+    )
+
+
+def update_results(inputs: dict, arch: str, steps: int = 2, **sim) -> tuple[dict, list]:
+    """``steps`` decode steps on one state (the in-place update is read back by the next step):
+    {out_i, state: (simulated, float64 reference)} and the keys run. x/dt/z are reused each step."""
+    import tvm_mamba
+    from ..reference.selective_scan import selective_state_update_ref
+
+    state = inputs["state"].clone()
+    ref_state = inputs["state"].double()
+    rest = {k: v for k, v in inputs.items() if k != "state"}
+    res = {}
+    with recording() as keys, tvm_mamba.simulate_cuda(arch, **sim):
+        outs = [tvm_mamba.selective_state_update(state, **rest) for _ in range(steps)]
+    for i, out in enumerate(outs):
+        ref_out, ref_state = selective_state_update_ref(ref_state, **rest)
+        res[f"out[{i}]"] = (out, ref_out)
+    res["state"] = (state, ref_state)
+    return res, keys
+
+
+def _check_update(static: dict, dtypes: dict, arch: str) -> None:
+    res, keys = update_results(update_inputs(static, dtypes, batch=2), arch)
+    ran(keys, OP, "update", static, dtypes)
+    compare_all(res, f"{OP}.update {arch}")
+
+
+def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
+    """Run one build-check configuration of the selective scan in the harness (module docstring).
+    "fwd_chunked" is a CPU-only algorithm (CUDA serves every forward with "fwd"): not checkable here."""
+    if direction in ("fwd", "bwd"):
+        _check_scan(direction, static, dtypes, arch)
+    elif direction == "update":
+        _check_update(static, dtypes, arch)
+    else:
+        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs fwd, bwd, update)")
