@@ -57,9 +57,10 @@ def scan_inputs(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int =
 TENSORS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 
 
-def scan_results(inputs: dict, grads: bool, arch: str, seed: int = 1, **sim) -> tuple[dict, list]:
+def scan_results(inputs: dict, grads: bool, arch: str, grad_seed: int = 1, **sim) -> tuple[dict, list]:
     """{name: (simulated, float64 reference)} for out, last_state and (grads) d<every tensor input>, and the
-    keys the simulated calls ran. dout / dlast are random (the backward sees both gradient paths)."""
+    keys the simulated calls ran. dout / dlast are random (the backward sees both gradient paths); ``sim``:
+    simulate_cuda's order / seed."""
     import tvm_mamba
     from ..reference.selective_scan import selective_scan_ref
 
@@ -68,7 +69,7 @@ def scan_results(inputs: dict, grads: bool, arch: str, seed: int = 1, **sim) -> 
     with recording() as keys, tvm_mamba.simulate_cuda(arch, **sim):
         out, last = tvm_mamba.selective_scan_fn(**ours, return_last_state=True)
         if grads:
-            g = torch.Generator().manual_seed(seed)
+            g = torch.Generator().manual_seed(grad_seed)
             dout = torch.randn(out.shape, generator=g).to(out.dtype)
             dlast = torch.randn(last.shape, generator=g)
             torch.autograd.backward([out, last], [dout, dlast])

@@ -1,0 +1,203 @@
+"""selective_scan_fn / selective_state_update on the CUDA kernels, run on the CPU by the CUDA execution harness
+(tvm_mamba.simulate_cuda), against the float64 step-by-step reference (mirrors tests/torch_ops/).
+
+The CUDA scan puts one (batch, channel) lane on W = the largest power of two <= 32 dividing dstate threads
+(dstate 64: a full warp; 12: 4 threads x 3 states; 5: one thread, no shuffles) and runs time in chunks of
+``chunk_for(dstate)`` = 48 steps here; the configurations below vary W, leave blocks partly empty (lanes not
+a multiple of the lanes per block) and end every sequence in a partial chunk.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tvm_mamba
+from tests.conftest import assert_close_to_ref
+from tvm_mamba import simcheck
+from tvm_mamba.compute import selective_scan as compute
+from tvm_mamba.reference.selective_scan import selective_scan_ref, selective_state_update_ref
+from tvm_mamba.simcheck import selective_scan as sc
+from tvm_mamba.torch_ops.selective_scan import chunk_for
+
+# name: (batch, seqlen, static dims: dim, dstate, b/c groups (0 time-invariant, 1 (batch, dstate, L),
+# g > 1 (batch, g, dstate, L)), D, z, delta_bias, softplus, initial_state)
+CONFIGS = {
+    # 150 = 3 chunks of 48 + 6; every optional input; 8 lanes of 16 threads = one full block
+    "var_const_all": (2, 150, dict(dim=4, dstate=16, b_groups=1, c_groups=0, has_D=True, has_z=True,
+                                   has_delta_bias=True, delta_softplus=True, has_init=True)),
+    "grp_var_bare": (2, 131, dict(dim=4, dstate=8, b_groups=2, c_groups=1, has_D=False, has_z=False,
+                                  has_delta_bias=False, delta_softplus=False, has_init=False)),
+    # dstate 64: 32-lane butterflies; B/C in different group counts: backward block of 8 channels
+    "grp_grp_full_warp": (1, 53, dict(dim=32, dstate=64, b_groups=4, c_groups=2, has_D=True, has_z=True,
+                                      has_delta_bias=False, delta_softplus=True, has_init=False)),
+    # dstate 12: 4 threads x 3 states per lane, 15 lanes in a block of 32; one C group per channel
+    "dstate12_per_channel_c": (3, 37, dict(dim=5, dstate=12, b_groups=0, c_groups=5, has_D=False, has_z=True,
+                                           has_delta_bias=True, delta_softplus=False, has_init=True)),
+    # dstate 5: one thread per lane (no shuffles at all), 3 lanes
+    "dstate5_const_const": (1, 67, dict(dim=3, dstate=5, b_groups=0, c_groups=0, has_D=True, has_z=True,
+                                        has_delta_bias=False, delta_softplus=True, has_init=False)),
+}
+X32 = {"x": "float32", "B": "float32", "C": "float32"}  # decode-step dtypes
+
+
+def inputs(name: str, dtype: str = "float32", seqlen: int | None = None, seed: int = 0) -> dict:
+    batch, L, static = CONFIGS[name]
+    return sc.scan_inputs(static, {"u": dtype, "B": dtype, "C": dtype}, batch, seqlen or L, seed)
+
+
+def assert_all_close(res: dict, label: str, rel: float = 2e-5) -> None:
+    """Every output and gradient against the float64 reference, atol relative to its magnitude (sums over
+    batch x seqlen), as tests/torch_ops/test_selective_scan.py."""
+    for key, (mine, ref) in res.items():
+        assert_close_to_ref(mine, ref, atol=rel * max(1.0, ref.abs().max().item()), rtol=1e-4,
+                            name=f"{label}:{key}")
+
+
+def expected_grads(inp: dict) -> set:
+    return {"d" + k for k in sc.TENSORS if isinstance(inp[k], torch.Tensor)}
+
+
+def test_runs_the_cuda_kernels():
+    inp = inputs("var_const_all", seqlen=8)
+    plan = tvm_mamba.explain(tvm_mamba.selective_scan_fn, **inp)
+    with tvm_mamba.simulate_cuda("sm_90"):
+        sim_plan = tvm_mamba.explain(tvm_mamba.selective_scan_fn, **inp)
+    assert "cudasim-sm_90" in sim_plan and "cudasim" not in plan
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_and_every_gradient_fp32(name):
+    inp = inputs(name)
+    res, keys = sc.scan_results(inp, grads=True, arch="sm_90")
+    assert expected_grads(inp) <= set(res)
+    assert {(k.direction, k.target) for k in keys} == {("fwd", "cudasim-sm_90"), ("bwd", "cudasim-sm_90")}
+    assert_all_close(res, name)
+
+
+def test_bf16_forward_and_gradients():
+    """mamba_ssm's rule for the output (2x the drift of the reference run in bf16-rounded float32); the
+    gradients are stored in bf16 (u, delta, z, B): 2^-8 relative rounding on top of fp32 accumulation."""
+    inp = inputs("var_const_all", dtype="bfloat16")
+    res, _ = sc.scan_results(inp, grads=True, arch="sm_90")
+    low = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    ref_low = selective_scan_ref(**low, dtype=torch.float32).to(torch.bfloat16)
+    assert_close_to_ref(res["out"][0], res["out"][1], ref_low, name="out")
+    assert expected_grads(inp) <= set(res)
+    for key, (mine, ref) in res.items():
+        if key == "out":
+            continue
+        tol = (1e-2 if mine.dtype == torch.bfloat16 else 1e-4) * max(1.0, ref.abs().max().item())
+        assert (mine.double() - ref).abs().max().item() <= tol, key
+
+
+def test_float64_kernels_match_reference_tightly():
+    inp = inputs("grp_var_bare", dtype="float64", seqlen=60)
+    res, keys = sc.scan_results(inp, grads=True, arch="sm_90")
+    assert all(k.dtype["u"] == "float64" for k in keys)
+    assert_all_close(res, "float64", rel=1e-11)
+
+
+@pytest.mark.parametrize("seqlen", [1, 48, 49, 96])
+def test_short_and_chunk_edge_lengths(seqlen):
+    res, _ = sc.scan_results(inputs("var_const_all", seqlen=seqlen), grads=True, arch="sm_90")
+    assert_all_close(res, f"seqlen={seqlen}")
+
+
+def test_chaining_with_initial_state_equals_whole():
+    inp = inputs("var_const_all")
+    cut = 77  # not a chunk boundary
+
+    def part(sl, init):
+        p = dict(inp, initial_state=init)
+        for k in ("u", "delta", "z", "B"):
+            p[k] = inp[k][..., sl].contiguous()
+        return tvm_mamba.selective_scan_fn(**p, return_last_state=True)
+
+    with tvm_mamba.simulate_cuda("sm_90"):
+        whole, last = tvm_mamba.selective_scan_fn(**inp, return_last_state=True)
+        o1, s1 = part(slice(0, cut), inp["initial_state"])
+        o2, s2 = part(slice(cut, None), s1)
+    torch.testing.assert_close(torch.cat([o1, o2], -1), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s2, last, atol=1e-5, rtol=1e-5)
+
+
+def test_backward_is_deterministic_across_thread_orders():
+    inp = inputs("grp_grp_full_warp", seqlen=20)
+    runs = [sc.scan_results(inp, grads=True, arch="sm_90", order=order, seed=seed)[0]
+            for order, seed in (("forward", 0), ("reversed", 0), ("random", 5))]
+    for key in runs[0]:
+        for other in runs[1:]:
+            assert torch.equal(runs[0][key][0], other[key][0]), key  # fixed-order reductions, no atomics
+
+
+def test_long_sequence_uses_the_sequential_scan(monkeypatch):
+    """On a 64-core CPU this shape takes the chunked forward; CUDA kernels have only the sequential one."""
+    from tvm_mamba.torch_ops import selective_scan as ops
+
+    monkeypatch.setattr(ops, "_cores", lambda: 64)
+    inp = inputs("var_const_all", seqlen=301)
+    assert ops.fwd_direction(2, 4, 301, chunk_for(16), "cpu") == "fwd_chunked"
+    res, keys = sc.scan_results(inp, grads=True, arch="sm_90")
+    assert {k.direction for k in keys} == {"fwd", "bwd"}
+    assert_all_close(res, "seqlen=301")
+
+
+def test_sm80():
+    res, keys = sc.scan_results(inputs("dstate5_const_const"), grads=True, arch="sm_80")
+    assert {k.target for k in keys} == {"cudasim-sm_80"}
+    assert_all_close(res, "sm_80")
+
+
+def test_decode_steps_match_the_reference_scan_mamba1():
+    """Mamba-1 decode (state (batch, dim, dstate), B/C (batch, dstate)) step by step against the float64 scan
+    of the same sequence, from an initial state."""
+    inp = inputs("var_const_all", seqlen=6)
+    inp["C"] = torch.randn(2, 16, 6, generator=torch.Generator().manual_seed(4))
+    full, last = selective_scan_ref(**{k: (v.double() if isinstance(v, torch.Tensor) else v)
+                                       for k, v in inp.items()}, return_last_state=True)
+    state = inp["initial_state"].clone()
+    with simcheck.recording() as keys, tvm_mamba.simulate_cuda("sm_90"):
+        for t in range(6):
+            y = tvm_mamba.selective_state_update(state, inp["u"][..., t], inp["delta"][..., t], inp["A"],
+                                                 inp["B"][..., t], inp["C"][..., t], inp["D"], inp["z"][..., t],
+                                                 inp["delta_bias"], True)
+            assert_close_to_ref(y, full[..., t], name=f"out[{t}]")
+    assert_close_to_ref(state, last, name="state")
+    assert [(k.direction, k.target) for k in keys] == [("update", "cudasim-sm_90")]
+
+
+@pytest.mark.parametrize("optional", [True, False])
+def test_decode_step_mamba2_heads_groups(optional):
+    static = dict(nheads=4, headdim=3, dstate=8, ngroups=2, has_D=optional, has_z=optional,
+                  has_dt_bias=optional, dt_softplus=optional)
+    res, keys = sc.update_results(sc.update_inputs(static, X32, batch=3, seed=3), "sm_90", steps=3)
+    simcheck.ran(keys, "selective_scan", "update", static, X32)
+    for key, (mine, ref) in res.items():
+        assert_close_to_ref(mine, ref, name=key)
+
+
+def test_decode_step_bf16():
+    static = dict(nheads=6, headdim=1, dstate=16, ngroups=1, has_D=True, has_z=True, has_dt_bias=True,
+                  dt_softplus=True)
+    inp = sc.update_inputs(static, {"x": "bfloat16", "B": "bfloat16", "C": "bfloat16"}, batch=2)
+    res, _ = sc.update_results(inp, "sm_90", steps=2)
+    for key, (mine, ref) in res.items():
+        tol = (1e-2 if mine.dtype == torch.bfloat16 else 1e-4) * max(1.0, ref.abs().max().item())
+        assert (mine.double() - ref).abs().max().item() <= tol, key
+
+
+def test_simcheck_every_update_config():
+    """The sim-check of build-check's decode-step configurations (d_inner 1536 at every dstate); the
+    scan configurations (1536 channels) take ~10 s each here and run in ``python -m tvm_mamba sim-check``."""
+    configs = [c for c in compute.build_check_configs() if c[0] == "update"]
+    assert len(configs) == 4
+    for direction, static, dtypes in configs:
+        simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
+
+
+def test_simcheck_rejects_unknown_directions():
+    _, static, dtypes = compute.build_check_configs()[0]
+    with pytest.raises(simcheck.CheckFailed, match="fwd_chunked"):
+        sc.check("fwd_chunked", static, dtypes, "sm_90")
+    with pytest.raises(simcheck.CheckFailed, match="chunk"):
+        sc.check("fwd", dict(static, chunk=7), dtypes, "sm_90")
