@@ -1,10 +1,10 @@
 """CUDA rules for the int8 dot family.
 
-matmul: one row of a x ``tile`` columns of b per block (one output per thread), K staged through shared memory in chunks of
-``4 * kgroups`` bytes, and the inner 4-wide dot tensorized with TVM's ``dp4a_s8s8s32`` intrinsic, so the
-source contains ``__dp4a`` (the intrinsic needs its operands in shared memory and the accumulator in a
-local register: field guide §8). Needs K % 4 == 0; otherwise (and for foreign functions) None, and the
-dispatcher's dlight fallback schedules the plain int32 dot.
+matmul: one row of a x ``tile`` columns of b per block (one output per thread), K staged through shared memory in
+chunks of ``4 * kgroups`` bytes, and the inner 4-wide dot tensorized with TVM's ``dp4a_s8s8s32`` intrinsic
+(registered by :func:`_dp4a_s8s8s32`), so the source contains ``__dp4a`` (the intrinsic needs its operands in
+shared memory and the accumulator in a local register: field guide §8). Needs K % 4 == 0; otherwise (and for
+foreign functions) None, and the dispatcher's dlight fallback schedules the plain int32 dot.
 dgrad / wgrad (float32 straight-through backward): one thread per output element, reductions serial per
 thread in registers; wgrad's two-stage sum over rows keeps the fixed part order (deterministic).
 pack / unpack: elementwise, one thread per output word / byte.
@@ -13,10 +13,47 @@ and elementwise threads per block).
 """
 from __future__ import annotations
 
-import tvm.s_tir.tensor_intrin  # noqa: F401  (registers dp4a_s8s8s32)
-from tvm.s_tir.tensor_intrin.dot_product_common import DP4A_S8S8S32_INTRIN
+import functools
+
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
 
 from tvm_mamba.schedules import rule
+
+
+@functools.lru_cache(maxsize=None)
+def _dp4a_s8s8s32() -> str:
+    """Register TVM's ``dp4a_s8s8s32`` tensor intrinsic (the same desc / impl as
+    tvm/s_tir/tensor_intrin/dot_product_common.py) under our own name and return the name. Importing
+    ``tvm.s_tir.tensor_intrin`` for it would register every target's intrinsics first: 48 s on this
+    machine (its cuda module alone, the MMA / ldmatrix variants, 34 s), paid by every process that schedules
+    one int8 CUDA matmul."""
+
+    @T.prim_func(s_tir=True)
+    def desc(A: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
+             B: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
+             C: T.Buffer((1,), "int32", offset_factor=1, align=4, scope="local")) -> None:
+        with T.sblock("root"):
+            T.reads(C[0], A[0:4], B[0:4])
+            T.writes(C[0])
+            for i in range(0, 4):
+                with T.sblock("update"):
+                    vi = T.axis.remap("R", [i])
+                    C[0] = C[0] + T.cast(A[vi], "int32") * T.cast(B[vi], "int32")
+
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
+             B: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
+             C: T.Buffer((1,), "int32", offset_factor=1, align=4, scope="local")) -> None:
+        with T.sblock("root"):
+            T.reads(C[0], A[0:4], B[0:4])
+            T.writes(C[0])
+            C[0] += T.call_pure_extern("__dp4a", A.vload([0], "int8x4"), B.vload([0], "int8x4"), T.int32(0),
+                                       dtype="int32")
+
+    name = "tvm_mamba.dp4a_s8s8s32"
+    TensorIntrin.register(name, desc, impl, override=True)
+    return name
 
 
 def _matmul(func, N: int, K: int, decisions):
@@ -47,7 +84,7 @@ def _matmul(func, N: int, K: int, decisions):
         _, tx = sch.split(fused, [None, tile])
         sch.bind(tx, "threadIdx.x")
     sch.decompose_reduction(blk, k2)
-    sch.tensorize(ki, DP4A_S8S8S32_INTRIN)
+    sch.tensorize(ki, _dp4a_s8s8s32())
     return sch
 
 
