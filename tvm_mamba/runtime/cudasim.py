@@ -332,6 +332,8 @@ class _Guarded:
 def _dltensor_of(obj) -> _DLTensor | None:
     if not hasattr(obj, "__dlpack__"):
         return None
+    if getattr(obj, "requires_grad", False):  # inside a custom op's forward / backward: torch refuses to export
+        obj = obj.detach()  # a tensor that requires grad; the kernel call path takes it as it is
     capsule = obj.__dlpack__()
     ptr = _capi.PyCapsule_GetPointer(capsule, b"dltensor")
     managed = _DLManagedTensor.from_address(ptr)
