@@ -69,7 +69,7 @@ def test_forward_backward_fp32(seqlen, activation):
         assert_close_to_ref(gk, gr, atol=2e-4, rtol=1e-4, name=name)
 
 
-@pytest.mark.parametrize("width", [2, 8])
+@pytest.mark.parametrize("width", [2, 3, 8])
 def test_widths(width):
     x, w, b = _inputs(width=width, seqlen=29)
     leaves, refs = _leaves(x, w, b), _leaves(x, w, b, dtype=torch.float64)
@@ -80,9 +80,9 @@ def test_widths(width):
         assert_close_to_ref(gk, gr, atol=2e-4, name=name)
 
 
-def test_bf16_against_reference_drift():
-    """mamba_ssm's rule: err(kernel) <= 2 * err(reference run in bf16) + atol; bf16 x, fp32 weight."""
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_against_reference_drift(dtype):
+    """mamba_ssm's rule: err(kernel) <= 2 * err(reference run in the low precision) + atol; fp32 weight."""
     x, w, b = _inputs(seqlen=45, dtype=dtype, wdtype=torch.float32)
     leaves, refs64 = _leaves(x, w, b), _leaves(x, w, b, dtype=torch.float64)
     refs_lo = _leaves(x, w, b, dtype=dtype)
