@@ -15,7 +15,8 @@ def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, initial_states=None, r
     initial_states: (batch, dim, width-1) -> out: (batch, dim, seqlen) [, final_states: (batch, dim, width-1)].
 
     out[b,c,t] = act(bias[c] + sum_k weight[c,k] * xx[b,c,t-(width-1)+k]), xx = [initial_states | x], taps
-    across a change of seq_idx count as 0. Computed in x's dtype (pass float64 for the reference).
+    across a change of seq_idx count as 0; initial_states belong to the sequence of position 0. Computed in
+    x's dtype (pass float64 for the reference).
     """
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
@@ -28,7 +29,9 @@ def causal_conv1d_ref(x, weight, bias=None, seq_idx=None, initial_states=None, r
         if seq_idx is not None:
             src = t - (width - 1) + k
             same = seq_idx[:, src.clamp(min=0)] == seq_idx  # (batch, seqlen)
-            same = same & (src >= 0)[None, :]
+            # a tap before t = 0 reads initial_states, which continue the row's first sequence only
+            first = seq_idx[:, :1] == seq_idx if initial_states is not None else torch.zeros_like(same)
+            same = torch.where((src >= 0)[None, :], same, first)
             tap = tap * same[:, None, :].to(x.dtype)
         out = out + tap
     if activation in ("silu", "swish"):
