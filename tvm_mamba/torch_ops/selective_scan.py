@@ -44,9 +44,9 @@ CHANNELS_PER_LANE = 16
 
 
 def _cores() -> int:
-    import os
+    from ..runtime.target import num_cores
 
-    return int(os.environ.get("TVM_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    return num_cores()
 
 
 def fwd_direction(batch: int, dim: int, seqlen: int, chunk: int, device_type: str, cores: int | None = None) -> str:
