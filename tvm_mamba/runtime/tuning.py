@@ -244,12 +244,14 @@ def _load(root: str, dev: str, stamp: tuple) -> dict:
                    f"{ {k: meta.get(k) for k in want} }, running {want})")
         return index
     for f in sorted(folder.glob(f"*/{RECORDS}")):
-        _, parsed, problems = read_records(f)
+        lines, parsed, problems = read_records(f)
         for obj in parsed:
             if obj is not None:
                 key = KernelKey.from_json(obj["key"])  # cannot raise: record_problem checked every field
                 index.setdefault(key.workload(), []).append((dict(key.shape_bucket), obj, str(f)))
-        if problems:
+        if problems and not lines:  # a FIFO, directory, device or unreadable file
+            _warn_once(f"tvm_mamba: skipped tuning log {f}: {problems[0]}", once=f"malformed:{f}:{stamp}")
+        elif problems:
             _warn_once(f"tvm_mamba: skipped {len(problems)} malformed line(s) in tuning log {f} "
                        f"(first: {problems[0]})", once=f"malformed:{f}:{stamp}")
     return index
