@@ -66,8 +66,8 @@ def logs_dir() -> pathlib.Path:
     override = getattr(_state, "path", None) or os.environ.get(ENV)
     if override:
         return _as_path(str(override))
-    xdg = os.environ.get("XDG_CACHE_HOME") or ""
-    return _user_default(xdg, os.path.expanduser("~"))
+    env = os.environ  # plan() runs on every kernel call: two dict reads here, the path built once
+    return _user_default(env.get("XDG_CACHE_HOME") or "", env.get("HOME", ""))
 
 
 @functools.lru_cache(maxsize=64)
@@ -77,7 +77,7 @@ def _as_path(raw: str) -> pathlib.Path:
 
 @functools.lru_cache(maxsize=16)
 def _user_default(xdg: str, home: str) -> pathlib.Path:
-    return pathlib.Path(xdg or os.path.join(home, ".cache")) / "tvm_mamba" / "tuning_logs"
+    return pathlib.Path(xdg or os.path.join(os.path.expanduser("~"), ".cache")) / "tvm_mamba" / "tuning_logs"
 
 
 def search_roots() -> tuple[pathlib.Path, ...]:
