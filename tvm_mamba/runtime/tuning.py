@@ -77,6 +77,7 @@ def _as_path(raw: str) -> pathlib.Path:
 
 @functools.lru_cache(maxsize=16)
 def _user_default(xdg: str, home: str) -> pathlib.Path:
+    """``home`` ($HOME) is only part of the memo key: expanduser reads it."""
     return pathlib.Path(xdg or os.path.join(os.path.expanduser("~"), ".cache")) / "tvm_mamba" / "tuning_logs"
 
 
