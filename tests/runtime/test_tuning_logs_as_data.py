@@ -8,7 +8,6 @@ import io
 import json
 import os
 import pathlib
-import sys
 import threading
 import time
 import warnings
@@ -140,8 +139,6 @@ def _call(root: pathlib.Path, timeout: float = 300.0) -> dict:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A private kernel cache (the rule-check memo lives there too)."""
-    from tvm_mamba.runtime import cache as kcache
-
     monkeypatch.setenv("TVM_MAMBA_CACHE_DIR", str(tmp_path / "kcache"))
     tuning._checked.clear()
     yield
