@@ -20,7 +20,7 @@ from tvm_mamba.schedules.rule import Decisions
 
 def run(quick: bool = False) -> list[Row]:
     dev = tuning.device_key(target_key(cpu_target()))
-    folder = tuning.logs_dir() / dev
+    folder = tuning.package_logs_dir() / dev  # the committed (shipped) records
     rows, ratios, kept = [], {}, {}
     measure = tune.LocalMeasurer()
     for f in sorted(folder.glob(f"*/{tuning.RECORDS}")):

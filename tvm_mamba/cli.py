@@ -37,7 +37,7 @@ def cmd_info(args) -> int:
 
     import tvm_mamba
     from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
-    from tvm_mamba.runtime import cache, target_for_device
+    from tvm_mamba.runtime import cache, target_for_device, target_key
 
     print(f"tvm_mamba {tvm_mamba.__version__}  (tvm {tvm.__version__}, tvm-ffi {tvm_ffi.__version__}, "
           f"torch {torch.__version__})")
@@ -48,6 +48,9 @@ def cmd_info(args) -> int:
     if torch.cuda.is_available():
         print(f"cuda target: {target_for_device('cuda:0')}")
     print(f"cache:       {cache.cache_root()}")
+    _print_tuning(target_key(target_for_device("cpu")))
+    if torch.cuda.is_available():
+        _print_tuning(target_key(target_for_device("cuda:0")), torch.cuda.get_device_name())
     x = torch.randn(2, 64, 300)
     w, b = torch.randn(64, 4), torch.randn(64)
     t0 = time.perf_counter()
@@ -58,6 +61,23 @@ def cmd_info(args) -> int:
     print(f"check:       causal_conv1d_fn (2, 64, 300) silu: max |err| vs float64 reference = {err:.2e} "
           f"({'ok' if ok else 'FAILED'}; first call incl. build/load {dt:.2f}s)")
     return 0 if ok else 1
+
+
+def _print_tuning(tkey: str, gpu_name: str | None = None) -> None:
+    """``device key:`` and ``tuning:`` lines: which records (user folder first, then shipped) apply here, and
+    the nearest device's when none do (tuning.nearest_device: same ISA, then vendor, then model)."""
+    from tvm_mamba.runtime import tuning
+
+    s = tuning.device_summary(tkey, gpu_name)
+    (n_user, user), (n_shipped, shipped) = s["user"], s["shipped"]
+    print(f"device key:  {s['device']}")
+    if n_user or n_shipped:
+        print(f"tuning:      shipped records for this device: {n_shipped} ({shipped}); "
+              f"user records: {n_user} ({user})")
+        return
+    near = s["nearest"]
+    where = f"nearest: {near[0]} ({near[1]}, {near[2]} records)" if near else "no records for a similar device"
+    print(f"tuning:      none for this device (shipped: {shipped}, user: {user}); {where}; hand defaults serve")
 
 
 def _configs(ops: list[str]):
@@ -276,7 +296,13 @@ def main(argv=None) -> int:
     group.add_argument("--list", action="store_true", help="sizes per version folder (the default)")
     group.add_argument("--clear", action="store_true", help="remove every cached kernel")
     group.add_argument("--prune", action="store_true", help="remove the folders of other package / TVM versions")
-    tu = sub.add_parser("tune", help="search schedule knobs per shape bucket on this machine and log the best")
+    tu = sub.add_parser("tune", help="search schedule knobs per shape bucket on this machine and log the best",
+                        description="Search schedule knobs per (batch, seqlen) bucket and append the best to "
+                        "<logs>/<device-key>/<op>/records.jsonl. <logs> is --out, else the user tuning folder: "
+                        "$TVM_MAMBA_TUNING_LOGS if set, else $XDG_CACHE_HOME/tvm_mamba/tuning_logs "
+                        "(~/.cache/tvm_mamba/tuning_logs). Kernel calls read that folder first, then the logs "
+                        "shipped in the package (never written: it may be read-only and upgrades replace it). "
+                        "`python -m tvm_mamba info` shows which records apply to this device.")
     tu.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     tu.add_argument("--preset", default="default", help="model preset or group: default, all, mamba-130m, ...")
     tu.add_argument("--seqlens", default="512,2048", help="sequence-length buckets (powers of two)")
@@ -284,7 +310,7 @@ def main(argv=None) -> int:
     tu.add_argument("--directions", default="", help="comma-separated kernel directions (default: all), e.g. fwd,bwd")
     tu.add_argument("--trials", type=int, default=8, help="candidates per workload (the default included)")
     tu.add_argument("--budget-min", type=float, default=60.0, help="stop after this many minutes (resumable)")
-    tu.add_argument("--out", default=None, help="logs folder (default: $TVM_MAMBA_TUNING_LOGS or the package's)")
+    tu.add_argument("--out", default=None, help="logs folder (default: the user tuning folder, see above)")
     tu.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker to measure on")
     tu.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
     tu.add_argument("--emit-candidates", type=int, default=0, metavar="N",
