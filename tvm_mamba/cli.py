@@ -11,7 +11,7 @@ sim-check    runs every configuration build-check builds (same flags) on the CPU
              float64 reference (tvm_mamba/simcheck/<op>.py), and ends with exactly one line
              ``sim-check: N kernels, F failed (cuda sm_XY)``. Exit 1 if F > 0.
 tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
-             through a TVM RPC tracker) and appends the best to tuning_logs/<device-key>/ (tvm_mamba/tune.py).
+             through a TVM RPC tracker) and appends the best to the user tuning folder (tvm_mamba/tune.py).
 cache        lists the kernel cache per version folder; --clear removes it, --prune other versions' folders.
 aot          builds a kernel pack for a machine with only the TVM runtime (tvm_mamba/aot.py, runtime/pack.py).
 """
