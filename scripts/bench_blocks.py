@@ -35,9 +35,9 @@ def _params(m):
 
 
 
-def _row(case, tokens, t_ms, r_ms, ref_name):
+def _row(case, shape, tokens, t_ms, r_ms, ref_name):
     note = f"{tokens / t_ms * 1e3:,.0f} tok/s vs ref {tokens / r_ms * 1e3:,.0f} tok/s"
-    return Row("blocks", case, t_ms, r_ms, ref_name=ref_name, note=note)
+    return Row("blocks", case, shape, t_ms, r_ms, ref_name=ref_name, note=note)
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -49,7 +49,7 @@ def run(quick: bool = False) -> list[Row]:
 
     m1 = Mamba(d, d_state=16)
     p1 = _params(m1)
-    rows.append(_row(f"Mamba fwd+bwd (b={b}, L={L}, d_model={d}, d_state=16)", b * L,
+    rows.append(_row("Mamba fwd+bwd", f"b={b}, L={L}, d_model={d}, d_state=16", b * L,
                      median_ms(_fwd_bwd(m1, x), iters=iters),
                      median_ms(_fwd_bwd(lambda u: mamba_ref(p1, u), x), iters=max(2, iters // 3)),
                      "reference block (recurrence scan) + autograd"))
@@ -58,7 +58,7 @@ def run(quick: bool = False) -> list[Row]:
     m2 = Mamba2(d, d_state=ds, headdim=hd, chunk_size=cs)
     p2 = _params(m2)
     ref2 = functools.partial(mamba2_ref, p2, headdim=hd, d_state=ds, scan="chunked", chunk_size=cs)
-    rows.append(_row(f"Mamba2 fwd+bwd (b={b}, L={L}, d_model={d}, d_state={ds}, headdim={hd})", b * L,
+    rows.append(_row("Mamba2 fwd+bwd", f"b={b}, L={L}, d_model={d}, d_state={ds}, headdim={hd}", b * L,
                      median_ms(_fwd_bwd(m2, x), iters=iters), median_ms(_fwd_bwd(ref2, x), iters=iters),
                      "reference block (chunked einsum SSD) + autograd"))
 
@@ -80,7 +80,7 @@ def run(quick: bool = False) -> list[Row]:
     with torch.no_grad():
         t_pre = median_ms(lambda: prefill(), iters=iters)
         r_pre = median_ms(lambda: lm_ref(pl, ids, mixer, n_layer), iters=max(2, iters // 3))
-        rows.append(_row(f"LM prefill (d_model={d}, n_layer={n_layer}, prompt {plen})", plen, t_pre, r_pre,
+        rows.append(_row("LM prefill", f"d_model={d}, n_layer={n_layer}, prompt {plen}", plen, t_pre, r_pre,
                          "LM composed from the references"))
         _, params = prefill()
         tok = ids[:, -1:]
@@ -98,7 +98,7 @@ def run(quick: bool = False) -> list[Row]:
 
         t_dec = median_ms(decode, iters=iters)
         r_dec = median_ms(reforward, warmup=1, iters=max(2, iters // 3))
-        rows.append(_row(f"LM decode {ndec} tokens after {plen} (batch 1)", ndec, t_dec, r_dec,
+        rows.append(_row(f"LM decode {ndec} tokens", f"after {plen}, batch 1", ndec, t_dec, r_dec,
                          "our LM re-run over the whole prefix per token"))
     return rows
 

@@ -1,9 +1,10 @@
-"""causal_conv1d: forward and forward+backward against PyTorch eager (F.conv1d + SiLU) and torch.clone."""
+"""causal_conv1d: forward and forward+backward against PyTorch eager (F.conv1d + SiLU) and a copy of x (clone
+forward; clone forward + clone of the gradient backward for the forward+backward rows)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from benchlib import Row, median_ms
+from benchlib import Row, copy_fwd_bwd, median_ms
 
 from tvm_mamba import causal_conv1d_fn
 
@@ -19,12 +20,12 @@ def run(quick: bool = False) -> list[Row]:
     for batch, dim, seqlen in shapes:
         x = torch.randn(batch, dim, seqlen)
         w, b = torch.randn(dim, 4), torch.randn(dim)
-        case = f"(b={batch}, d={dim}, L={seqlen}, w=4, silu, fp32)"
+        shape = f"b={batch}, d={dim}, L={seqlen}, w=4, silu, fp32"
         causal_conv1d_fn(x, w, b, activation="silu")  # build/load outside the timing
         tvm_f = median_ms(lambda: causal_conv1d_fn(x, w, b, activation="silu"))
         ref_f = median_ms(lambda: _eager(x, w, b))
         copy = median_ms(lambda: x.clone())
-        rows.append(Row("causal_conv1d", "fwd " + case, tvm_f, ref_f, copy, "F.conv1d+silu"))
+        rows.append(Row("causal_conv1d", "fwd", shape, tvm_f, ref_f, copy, "F.conv1d+silu"))
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
         dout = torch.randn_like(x)
 
@@ -38,7 +39,8 @@ def run(quick: bool = False) -> list[Row]:
         fb(lambda x_, w_, b_: causal_conv1d_fn(x_, w_, b_, activation="silu"))()
         tvm_fb = median_ms(fb(lambda x_, w_, b_: causal_conv1d_fn(x_, w_, b_, activation="silu")))
         ref_fb = median_ms(fb(_eager))
-        rows.append(Row("causal_conv1d", "fwd+bwd " + case, tvm_fb, ref_fb, copy, "F.conv1d+silu"))
+        copy_fb = median_ms(copy_fwd_bwd(x, dout))
+        rows.append(Row("causal_conv1d", "fwd+bwd", shape, tvm_fb, ref_fb, copy_fb, "F.conv1d+silu"))
     return rows
 
 

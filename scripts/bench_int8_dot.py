@@ -24,7 +24,7 @@ def run(quick: bool) -> list[Row]:
         tvm_ms = median_ms(lambda: int8_matmul(a, b), warmup=1, iters=iters)
         ref_ms = median_ms(lambda: torch._int_mm(a, bt), warmup=1, iters=iters)
         gops = 2 * M * N * K / tvm_ms / 1e6
-        rows.append(Row("int8_matmul", f"M={M}, K=N={K} (exact int32)", tvm_ms, ref_ms,
+        rows.append(Row("int8_matmul", "fwd (exact int32)", f"M={M}, K=N={K}", tvm_ms, ref_ms,
                         median_ms(lambda: b.clone()), "torch._int_mm", f"{gops:.0f} GOPS"))
     M, N, K = (1024 if quick else 4096), 1024, 2048
     codes = torch.randint(-127, 128, (1, M, N), dtype=torch.int8, generator=g)
@@ -33,14 +33,17 @@ def run(quick: bool) -> list[Row]:
     wg = torch.ops.tvm_mamba.int8_wgrad
     torch.testing.assert_close(wg(codes, grad, scale), (codes[0].float().t() @ grad[0] * scale)[None],
                                rtol=1e-4, atol=1e-3)
-    rows.append(Row("int8_wgrad", f"codes^T g: M={M}, N={N}, K={K}", median_ms(lambda: wg(codes, grad, scale), iters=5),
+    gflop = f"{2 * M * N * K / 1e9:.1f} GFLOP"
+    rows.append(Row("int8_wgrad", "codes^T g", f"M={M}, N={N}, K={K}",
+                    median_ms(lambda: wg(codes, grad, scale), iters=5),
                     median_ms(lambda: codes[0].float().t() @ grad[0] * scale, iters=5), None,
-                    "torch float matmul", f"{2 * M * N * K / 1e9:.1f} GFLOP"))
+                    "torch float matmul", gflop))
     dcodes = torch.randint(-127, 128, (1, K, N), dtype=torch.int8, generator=g)
     dg = torch.ops.tvm_mamba.int8_dgrad
-    rows.append(Row("int8_dgrad", f"g codes: M={M}, K={K}, N={N}", median_ms(lambda: dg(grad, dcodes, scale), iters=5),
+    rows.append(Row("int8_dgrad", "g codes", f"M={M}, K={K}, N={N}",
+                    median_ms(lambda: dg(grad, dcodes, scale), iters=5),
                     median_ms(lambda: grad[0] @ dcodes[0].float() * scale, iters=5), None,
-                    "torch float matmul", f"{2 * M * N * K / 1e9:.1f} GFLOP"))
+                    "torch float matmul", gflop))
     return rows
 
 

@@ -8,7 +8,7 @@ same vectorized exp (tvm_mamba.compute._math.exp) in a streaming loop on all cor
 from __future__ import annotations
 
 import torch
-from benchlib import Row, median_ms
+from benchlib import Row, copy_fwd_bwd, median_ms
 
 from tvm_mamba.reference.selective_scan import selective_scan_ref
 from tvm_mamba.torch_ops.selective_scan import selective_scan_fn
@@ -54,7 +54,7 @@ def run(quick: bool = False) -> list[Row]:
     rows = []
     for batch, dim, dstate, seqlen in shapes:
         inp = _inputs(batch, dim, dstate, seqlen)
-        case = f"(b={batch}, d={dim}, n={dstate}, L={seqlen}, B/C var, D, z, softplus)"
+        shape = f"b={batch}, d={dim}, n={dstate}, L={seqlen}, B/C var, D, z, softplus"
         n_exp = batch * dim * dstate * seqlen
         selective_scan_fn(**inp)
         tvm_f = median_ms(lambda: selective_scan_fn(**inp))
@@ -62,7 +62,7 @@ def run(quick: bool = False) -> list[Row]:
                           warmup=1, min_time_s=0)
         copy = median_ms(lambda: inp["u"].clone())
         note = f"{n_exp / tvm_f * 1e-6:.2f} Gexp/s of {peak * 1e-9:.2f} peak"
-        rows.append(Row("selective_scan", "fwd " + case, tvm_f, ref_f, copy, "torch step loop", note))
+        rows.append(Row("selective_scan", "fwd", shape, tvm_f, ref_f, copy, "torch step loop", note))
         names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
         leaves = {k: inp[k].clone().requires_grad_() for k in names}
         dout = torch.randn(batch, dim, seqlen)
@@ -79,7 +79,8 @@ def run(quick: bool = False) -> list[Row]:
         ref_fb = median_ms(fb(lambda **kw: selective_scan_ref(**kw, dtype=torch.float32)),
                            iters=3, warmup=1, min_time_s=0)
         note = f"{3 * n_exp / tvm_fb * 1e-6:.2f} Gexp/s (3 exp passes) of {peak * 1e-9:.2f} peak"
-        rows.append(Row("selective_scan", "fwd+bwd " + case, tvm_fb, ref_fb, copy, "torch step loop+autograd", note))
+        copy_fb = median_ms(copy_fwd_bwd(inp["u"], dout))
+        rows.append(Row("selective_scan", "fwd+bwd", shape, tvm_fb, ref_fb, copy_fb, "torch step loop+autograd", note))
     return rows
 
 

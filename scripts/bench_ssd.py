@@ -37,7 +37,7 @@ def run(quick: bool = False) -> list[Row]:
 
 def _case(b, L, h, p, n, cs, quick, fwd=True, keep=True, iters=None) -> list[Row]:
     ts = _inputs(b, L, h, p, n)
-    case = f"(b={b}, L={L}, h={h}, p={p}, n={n}, chunk={cs})"
+    shape = f"b={b}, L={L}, h={h}, p={p}, n={n}, chunk={cs}"
 
     def ours(args, keep=False):
         x, dt, A, B, C, D, z, bias = args
@@ -63,13 +63,13 @@ def _case(b, L, h, p, n, cs, quick, fwd=True, keep=True, iters=None) -> list[Row
     if fwd:
         with torch.no_grad():
             t_fwd, r_fwd = median_ms(lambda: ours(ts), iters=iters), median_ms(lambda: ref(ts), iters=iters)
-        rows.append(Row("ssd", "fwd " + case, t_fwd, r_fwd, ref_name="torch chunked einsum"))
+        rows.append(Row("ssd", "fwd", shape, t_fwd, r_fwd, ref_name="torch chunked einsum"))
     t_fb = median_ms(fwd_bwd(ours), iters=iters)
     r_fb = median_ms(fwd_bwd(ref), iters=iters)
-    rows.append(Row("ssd", "fwd+bwd " + case, t_fb, r_fb, ref_name="torch chunked einsum + autograd"))
+    rows.append(Row("ssd", "fwd+bwd", shape, t_fb, r_fb, ref_name="torch chunked einsum + autograd"))
     if keep:
         t_keep = median_ms(fwd_bwd(ours, keep=True), iters=iters)
-        rows.append(Row("ssd", "fwd+bwd keep_chunk_states " + case, t_keep, r_fb,
+        rows.append(Row("ssd", "fwd+bwd keep_chunk_states", shape, t_keep, r_fb,
                         ref_name="torch chunked einsum + autograd"))
     return rows
 

@@ -20,7 +20,7 @@ from tvm_mamba.schedules.rule import Decisions
 
 def run(quick: bool = False) -> list[Row]:
     dev = tuning.device_key(target_key(cpu_target()))
-    folder = tuning.logs_dir() / dev
+    folder = tuning.package_logs_dir() / dev  # the committed (shipped) records
     rows, ratios, kept = [], {}, {}
     measure = tune.LocalMeasurer()
     for f in sorted(folder.glob(f"*/{tuning.RECORDS}")):
@@ -35,7 +35,7 @@ def run(quick: bool = False) -> list[Row]:
             t_def = measure(key, compile_module(key, dispatch.schedule(key, Decisions())), args)
             bucket = ",".join(f"{k}={v}" for k, v in key.shape_bucket)
             knobs = ",".join(f"{k}={v}" for k, v in rec["decisions"].items())
-            rows.append(Row(key.op, f"{key.direction} [{bucket}] {knobs}"[:52], 1e3 * t_tuned, 1e3 * t_def,
+            rows.append(Row(key.op, f"{key.direction} tuned {knobs}", bucket, 1e3 * t_tuned, 1e3 * t_def,
                             ref_name="hand default",
                             note=f"at tuning: {rec['default_time_s'] / rec['time_s']:.2f}x"))
             ratios.setdefault(key.op, []).append(t_def / t_tuned)

@@ -16,7 +16,9 @@ scores 0.125), while exact key->value binding emerges slowly (d_state 64 helps).
 3e-3, 700 steps) the model trained through the float32 PyTorch reference blocks from the same seed had the
 same per-query accuracies to 3 digits (0.411/0.456/0.561/0.996 vs 0.413/0.457/0.562/0.996).
 
-Writes the loss curve to --png (matplotlib when installed, else a small built-in PNG writer).
+Plots the loss curve only when asked: ``--plot PATH``, or ``--out DIR`` (-> DIR/train_tiny_loss.png); never into
+the current directory by default. With matplotlib (``pip install 'tvm-mamba[plot]'``) a labelled plot; without
+it, an unlabelled sketch of the curve from a small built-in PNG writer, and a line saying so.
 """
 from __future__ import annotations
 
@@ -54,7 +56,25 @@ def mqar_batch(batch, pairs, queries, num_keys, num_values, generator):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Loss-curve PNG: matplotlib if available, else a minimal writer (RGB rows, zlib, CRC'd chunks).
+# Loss-curve PNG: matplotlib (the optional ``plot`` extra) when installed, else a minimal built-in writer.
+def loss_figure(ys, title, num_values=None):
+    """A matplotlib Figure of the training loss per step (log y), with axes, labels, title and, for scale, the
+    loss of a uniform guess among the values (ln num_values). No pyplot: no global backend state."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.semilogy(range(1, len(ys) + 1), ys, lw=0.8, color="tab:blue", label="training loss")
+    if num_values:
+        ax.axhline(math.log(num_values), ls="--", lw=0.8, color="grey", label=f"uniform guess (ln {num_values})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy on the answers")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return fig
+
+
 def _png_bytes(pixels, width, height):
     raw = b"".join(b"\x00" + bytes(pixels[y * width * 3:(y + 1) * width * 3]) for y in range(height))
 
@@ -65,21 +85,8 @@ def _png_bytes(pixels, width, height):
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def plot_png(path, ys, title="loss"):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        plt.figure(figsize=(6, 3.5))
-        plt.semilogy(ys)
-        plt.xlabel("step")
-        plt.ylabel(title)
-        plt.tight_layout()
-        plt.savefig(path)
-        plt.close()
-        return
-    except ImportError:
-        pass
+def _sketch_png(path, ys):
+    """Without matplotlib: the curve only (log y, black axes, a grey gridline per decade), no text."""
     W, H, M = 480, 280, 30  # size and margin; log-scale y, axes in black, curve in blue
     px = bytearray(b"\xff" * (W * H * 3))
 
@@ -109,6 +116,18 @@ def plot_png(path, ys, title="loss"):
         prev = (x, y)
     with open(path, "wb") as f:
         f.write(_png_bytes(px, W, H))
+
+
+def plot_png(path, ys, title="training loss", num_values=None) -> str:
+    """Write the loss curve to path (folders created); -> "matplotlib" or "sketch" (what drew it)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        fig = loss_figure(ys, title, num_values)
+    except ImportError:
+        _sketch_png(path, ys)
+        return "sketch"
+    fig.savefig(path)
+    return "matplotlib"
 
 
 def progress(step, total, loss, acc, t0, width=30):
@@ -142,7 +161,9 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--d_state", type=int, default=None)
     ap.add_argument("--d_model", type=int, default=None)
-    ap.add_argument("--png", default="train_tiny_loss.png")
+    ap.add_argument("--plot", metavar="PATH", help="write the loss curve as a PNG here (default: no plot)")
+    ap.add_argument("--png", dest="plot", help=argparse.SUPPRESS)  # the old name of --plot
+    ap.add_argument("--out", metavar="DIR", help="output folder: the plot goes to DIR/train_tiny_loss.png")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     # 4 pairs of 8 keys / 8 values, all 4 queried (L = 16). full: d_model 64, batch 64; ci: d_model 32, batch 32
@@ -187,9 +208,15 @@ def main(argv=None):
     print()
     final = evaluate(model, args, torch.Generator().manual_seed(args.seed + 1), batches=16)
     elapsed = time.time() - t0
-    plot_png(args.png, losses)
     print(f"steps {step}, {elapsed:.1f} s, final loss {losses[-1]:.4f}, held-out answer accuracy {final:.3f} "
-          f"(chance {1 / args.values:.3f}); loss curve -> {os.path.abspath(args.png)}")
+          f"(chance {1 / args.values:.3f})")
+    plot = args.plot or (args.out and os.path.join(args.out, "train_tiny_loss.png"))
+    if plot:
+        title = (f"MQAR, Mamba-2 LM d_model={args.d_model} d_state={args.d_state}: "
+                 f"held-out accuracy {final:.3f}")
+        how = plot_png(plot, losses, title, num_values=args.values)
+        print(f"loss curve -> {os.path.abspath(plot)}" + ("" if how == "matplotlib" else
+              " (matplotlib not installed: an unlabelled sketch; pip install 'tvm-mamba[plot]' for a real plot)"))
     if args.ci or args.steps == (ci if args.ci else full)["steps"]:
         assert final >= args.target, f"accuracy {final:.3f} below the target {args.target}"
     return final

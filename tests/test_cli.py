@@ -1,6 +1,8 @@
 """The command line: info (a checked kernel call) and build-check (CUDA codegen + nvcc, no GPU)."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -18,6 +20,32 @@ def test_info_runs_a_checked_kernel():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "cpu target:" in proc.stdout and '"kind":"llvm"' in proc.stdout.replace(" ", "")
     assert re.search(r"check: .* = \d\.\d+e-\d+ \(ok", proc.stdout)
+
+
+def test_info_names_the_device_key_and_its_tuning_records(tmp_path):
+    """``device key:`` and ``tuning:`` lines; a user record for this device is counted with its folder."""
+    from tvm_mamba.runtime import cpu_target, target_key, tuning
+
+    dev = tuning.device_key(target_key(cpu_target()))
+    (tmp_path / dev).mkdir()
+    (tmp_path / dev / "meta.json").write_text(json.dumps(tuning.running_meta()))
+    env = dict(os.environ, **{tuning.ENV: str(tmp_path)})
+    proc = subprocess.run([sys.executable, "-m", "tvm_mamba", "info"], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"device key:  {dev}\n" in proc.stdout
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("tuning:")]
+    shipped = any(tuning.package_logs_dir().glob(f"{dev}/*/records.jsonl"))
+    if shipped:
+        assert "shipped records for this device: " in line and f"user records: 0 ({tmp_path / dev})" in line
+    else:
+        assert "none for this device" in line and "nearest: " in line
+
+
+def test_tune_help_names_the_user_folder():
+    proc = _run("tune", "--help", timeout=120)
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and "$XDG_CACHE_HOME/tvm_mamba/tuning_logs" in text and "$TVM_MAMBA_TUNING_LOGS" in text
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

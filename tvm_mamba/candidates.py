@@ -8,7 +8,8 @@ The candidate pack is an AOT pack (runtime/pack.py layout) whose manifest entrie
 candidate's decisions, whether it is the hand default, and the kernel's parameter shapes and dtypes at
 the bucket's shape, so the measuring side needs neither the compiler nor the compute definitions.
 Measuring uses torch tensors (CUDA events on a GPU, wall clock on a CPU); committing appends the best of
-each workload, with the default's time, to tuning_logs/<device-key>/ exactly like a local tuning run; the
+each workload, with the default's time, to <logs>/<device-key>/ exactly like a local tuning run (``--out``, else
+the user tuning folder, ``tuning.logs_dir()``); the
 trials of block-scheduled kernels (MetaSchedule design spaces: most CUDA rules) also go, with their traces, to
 the op's MetaSchedule JSONDatabase there.
 """
@@ -116,7 +117,8 @@ def measure(pack_dir: str, timings: str, repeats: int = 20) -> pathlib.Path:
 
 
 def commit(timings: str, out: str | None = None) -> pathlib.Path:
-    """Append the best candidate of each workload (with the default's time) to the tuning logs."""
+    """Append the best candidate of each workload (with the default's time) to the tuning logs in ``out``,
+    else the user tuning folder (read by dispatch before the shipped logs)."""
     data = json.loads(pathlib.Path(timings).read_text())
     folder = pathlib.Path(out or tuning.logs_dir()) / data["device"]
     by_key: dict[KernelKey, list[dict]] = {}

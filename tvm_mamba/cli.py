@@ -1,4 +1,4 @@
-"""``python -m tvm_mamba <command>``: info, build-check, sim-check, tune, aot.
+"""``python -m tvm_mamba <command>``: info, build-check, sim-check, cache, tune, aot.
 
 info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
              against the float64 reference).
@@ -11,7 +11,8 @@ sim-check    runs every configuration build-check builds (same flags) on the CPU
              float64 reference (tvm_mamba/simcheck/<op>.py), and ends with exactly one line
              ``sim-check: N kernels, F failed (cuda sm_XY)``. Exit 1 if F > 0.
 tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
-             through a TVM RPC tracker) and appends the best to tuning_logs/<device-key>/ (tvm_mamba/tune.py).
+             through a TVM RPC tracker) and appends the best to the user tuning folder (tvm_mamba/tune.py).
+cache        lists the kernel cache per version folder; --clear removes it, --prune other versions' folders.
 aot          builds a kernel pack for a machine with only the TVM runtime (tvm_mamba/aot.py, runtime/pack.py).
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ def cmd_info(args) -> int:
 
     import tvm_mamba
     from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
-    from tvm_mamba.runtime import cache, target_for_device
+    from tvm_mamba.runtime import cache, target_for_device, target_key
 
     print(f"tvm_mamba {tvm_mamba.__version__}  (tvm {tvm.__version__}, tvm-ffi {tvm_ffi.__version__}, "
           f"torch {torch.__version__})")
@@ -47,6 +48,9 @@ def cmd_info(args) -> int:
     if torch.cuda.is_available():
         print(f"cuda target: {target_for_device('cuda:0')}")
     print(f"cache:       {cache.cache_root()}")
+    _print_tuning(target_key(target_for_device("cpu")))
+    if torch.cuda.is_available():
+        _print_tuning(target_key(target_for_device("cuda:0")), torch.cuda.get_device_name())
     x = torch.randn(2, 64, 300)
     w, b = torch.randn(64, 4), torch.randn(64)
     t0 = time.perf_counter()
@@ -59,6 +63,23 @@ def cmd_info(args) -> int:
     return 0 if ok else 1
 
 
+def _print_tuning(tkey: str, gpu_name: str | None = None) -> None:
+    """``device key:`` and ``tuning:`` lines: which records (user folder first, then shipped) apply here, and
+    the nearest device's when none do (tuning.nearest_device: same ISA, then vendor, then model)."""
+    from tvm_mamba.runtime import tuning
+
+    s = tuning.device_summary(tkey, gpu_name)
+    (n_user, user), (n_shipped, shipped) = s["user"], s["shipped"]
+    print(f"device key:  {s['device']}")
+    if n_user or n_shipped:
+        print(f"tuning:      shipped records for this device: {n_shipped} ({shipped}); "
+              f"user records: {n_user} ({user})")
+        return
+    near = s["nearest"]
+    where = f"nearest: {near[0]} ({near[1]}, {near[2]} records)" if near else "no records for a similar device"
+    print(f"tuning:      none for this device (shipped: {shipped}, user: {user}); {where}; hand defaults serve")
+
+
 def _configs(ops: list[str]):
     for op in ops:
         mod = importlib.import_module(f"tvm_mamba.compute.{op}")
@@ -67,6 +88,41 @@ def _configs(ops: list[str]):
             continue
         for direction, static, dtypes in fn():
             yield op, direction, static, dtypes
+
+
+MIN_ARCH = 80  # bf16 arithmetic (cuda_bf16.h's operators, __hgt) needs sm_80; older archs fail in nvcc
+
+
+def _checked_ops_arch(args, cmd: str):
+    """(ops, arch) from --ops / --arch, or None after a one-line error listing the valid values."""
+    from tvm_mamba.runtime.target import CUDA_ARCHS
+
+    valid = _compute_modules()
+    ops = [o for o in args.ops.split(",") if o] if args.ops else valid
+    unknown = [o for o in ops if o not in valid]
+    if unknown:
+        print(f"{cmd}: unknown op {', '.join(unknown)}; valid: {', '.join(valid)}", file=sys.stderr)
+        return None
+    arch = args.arch
+    if not (arch.startswith("sm_") and arch[3:].isdigit()) or int(arch[3:]) < MIN_ARCH:
+        print(f"{cmd}: unsupported --arch {arch!r}; the minimum is sm_{MIN_ARCH} (bf16); known: "
+              f"{', '.join(CUDA_ARCHS)}", file=sys.stderr)
+        return None
+    return ops, arch
+
+
+def _print_build(key, stats) -> tuple[bool, bool]:
+    """Print one build-check result; returns (failed, spilling)."""
+    if not stats["ok"]:
+        print(f"FAIL  {key}\n      nvcc: {stats['error'][:400]}", flush=True)
+        return True, False
+    spills = sum(k["spill_stores"] + k["spill_loads"] for k in stats["kernels"])
+    print(f"{'SPILL' if spills else 'ok   '} {key}")
+    for k in stats["kernels"]:
+        print(f"      {k['name']:<44} regs {k['registers']:>3}  smem {k['smem']:>6} B  "
+              f"spill {k['spill_stores']}/{k['spill_loads']} B  stack {k['stack']} B")
+    sys.stdout.flush()
+    return False, spills > 0
 
 
 def cmd_build_check(args) -> int:
@@ -78,39 +134,65 @@ def cmd_build_check(args) -> int:
     if args.target != "cuda":
         print(f"build-check: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
         return 2
-    arch = args.arch
+    checked = _checked_ops_arch(args, "build-check")
+    if checked is None:
+        return 2
+    ops, arch = checked
     tkey = target_key(cuda_target(arch))
-    ops = args.ops.split(",") if args.ops else _compute_modules()
-    jobs = []
-    failed = spilling = n_codegen_failed = 0
+    pending: list = []
+    failed = spilling = total = 0
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs)
+
+    def drain(block: bool) -> None:  # print finished results in order, as they come
+        nonlocal failed, spilling
+        while pending and (block or pending[0][1].done()):
+            key, fut = pending.pop(0)
+            f, sp = _print_build(key, fut.result())
+            failed += f
+            spilling += sp
+
     for op, direction, static, dtypes in _configs(ops):
         key = KernelKey.make(op, direction, dtypes, static, tkey)
+        total += 1
         try:
             ex = compile_module(key, dispatch.schedule(key))
             src = ex.mod.imports[0].inspect_source("cuda")
-            jobs.append((key, pool.submit(ptxas_stats, src, arch)))
+            pending.append((key, pool.submit(ptxas_stats, src, arch)))
         except Exception as err:  # noqa: BLE001 - report every failure, keep going
             failed += 1
-            n_codegen_failed += 1
             msg = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
-            print(f"FAIL  {key}\n      codegen: {msg}")
-    for key, fut in jobs:
-        stats = fut.result()
-        if not stats["ok"]:
-            failed += 1
-            print(f"FAIL  {key}\n      nvcc: {stats['error'][:400]}")
-            continue
-        spills = sum(k["spill_stores"] + k["spill_loads"] for k in stats["kernels"])
-        spilling += spills > 0
-        print(f"{'SPILL' if spills else 'ok   '} {key}")
-        for k in stats["kernels"]:
-            print(f"      {k['name']:<44} regs {k['registers']:>3}  smem {k['smem']:>6} B  "
-                  f"spill {k['spill_stores']}/{k['spill_loads']} B  stack {k['stack']} B")
+            print(f"FAIL  {key}\n      codegen: {msg}", flush=True)
+        drain(block=False)
+    drain(block=True)
     pool.shutdown()
-    total = n_codegen_failed + len(jobs)
     print(f"build-check: {total} kernels, {failed} failed, {spilling} spilling (cuda {arch})")
     return 1 if failed else 0
+
+
+def cmd_cache(args) -> int:
+    """List, clear or prune the kernel cache (one folder per package / TVM / source version)."""
+    import shutil
+
+    from tvm_mamba.runtime import cache
+
+    base, current = cache.cache_base(), cache.cache_root()
+    folders = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+
+    def size(p):
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+    if args.clear or args.prune:
+        doomed = [p for p in folders if args.clear or p != current]
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+        print(f"cache: removed {len(doomed)} folder(s) from {base}")
+        return 0
+    print(f"cache: {base}")
+    for p in folders:
+        mark = "  (this version)" if p == current else ""
+        print(f"  {size(p) / 2**20:8.1f} MiB  {p.name}{mark}")
+    print(f"cache: {len(folders)} folder(s), {sum(size(p) for p in folders) / 2**20:.1f} MiB")
+    return 0
 
 
 def cmd_sim_check(args) -> int:
@@ -121,7 +203,10 @@ def cmd_sim_check(args) -> int:
     if args.target != "cuda":
         print(f"sim-check: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
         return 2
-    ops = args.ops.split(",") if args.ops else _compute_modules()
+    checked = _checked_ops_arch(args, "sim-check")
+    if checked is None:
+        return 2
+    ops, arch = checked
     configs = list(_configs(ops))
     keys = [KernelKey.make(op, d, dt, st, "cudasim-" + args.arch) for op, d, st, dt in configs]
     print(f"sim-check: compiling {len(keys)} kernels for the harness ({args.jobs} jobs) ...", flush=True)
@@ -206,7 +291,18 @@ def main(argv=None) -> int:
     sc.add_argument("--arch", default="sm_90")
     sc.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     sc.add_argument("--jobs", type=int, default=2, help="parallel g++ processes")
-    tu = sub.add_parser("tune", help="search schedule knobs per shape bucket on this machine and log the best")
+    ca = sub.add_parser("cache", help="list the kernel cache (default), --clear it, or --prune other versions")
+    group = ca.add_mutually_exclusive_group()
+    group.add_argument("--list", action="store_true", help="sizes per version folder (the default)")
+    group.add_argument("--clear", action="store_true", help="remove every cached kernel")
+    group.add_argument("--prune", action="store_true", help="remove the folders of other package / TVM versions")
+    tu = sub.add_parser("tune", help="search schedule knobs per shape bucket on this machine and log the best",
+                        description="Search schedule knobs per (batch, seqlen) bucket and append the best to "
+                        "<logs>/<device-key>/<op>/records.jsonl. <logs> is --out, else the user tuning folder: "
+                        "$TVM_MAMBA_TUNING_LOGS if set, else $XDG_CACHE_HOME/tvm_mamba/tuning_logs "
+                        "(~/.cache/tvm_mamba/tuning_logs). Kernel calls read that folder first, then the logs "
+                        "shipped in the package (never written: it may be read-only and upgrades replace it). "
+                        "`python -m tvm_mamba info` shows which records apply to this device.")
     tu.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     tu.add_argument("--preset", default="default", help="model preset or group: default, all, mamba-130m, ...")
     tu.add_argument("--seqlens", default="512,2048", help="sequence-length buckets (powers of two)")
@@ -214,7 +310,7 @@ def main(argv=None) -> int:
     tu.add_argument("--directions", default="", help="comma-separated kernel directions (default: all), e.g. fwd,bwd")
     tu.add_argument("--trials", type=int, default=8, help="candidates per workload (the default included)")
     tu.add_argument("--budget-min", type=float, default=60.0, help="stop after this many minutes (resumable)")
-    tu.add_argument("--out", default=None, help="logs folder (default: $TVM_MAMBA_TUNING_LOGS or the package's)")
+    tu.add_argument("--out", default=None, help="logs folder (default: the user tuning folder, see above)")
     tu.add_argument("--rpc-tracker", default=None, help="HOST:PORT of a TVM RPC tracker to measure on")
     tu.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
     tu.add_argument("--emit-candidates", type=int, default=0, metavar="N",
@@ -242,7 +338,7 @@ def main(argv=None) -> int:
         from tvm_mamba import aot
 
         return aot.main(args)
-    return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check,
+    return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check, "cache": cmd_cache,
             "tune": cmd_tune}[args.cmd](args)
 
 

@@ -6,7 +6,13 @@ seqlen buckets. For each workload the rule is applied once with its defaults to 
 default) are compiled and timed with TVM's ``time_evaluator`` on inputs of the bucket's shape — locally,
 or on a remote device through TVM's RPC tracker (``--rpc-tracker host:port --rpc-key key``). A winner other
 than the default is confirmed by timing it and the default alternately (3 rounds; it must be >= 3% faster),
-else the default is recorded. The result is appended to ``tuning_logs/<device-key>/<op>/records.jsonl`` with the default's time beside it.
+else the default is recorded. The result is appended to ``<logs>/<device-key>/<op>/records.jsonl`` with the
+default's time beside it, where ``<logs>`` is ``--out``, else the user tuning folder (``tuning.logs_dir()``:
+``$TVM_MAMBA_TUNING_LOGS``, else ``$XDG_CACHE_HOME/tvm_mamba/tuning_logs``), which dispatch reads before the
+shipped logs. Never the installed package: it may not be writable, and an upgrade replaces it.
+
+Progress: one line per workload (a bar redrawn in place on a terminal) counting the workloads that fit in the
+budget at the mean time per workload so far, with readable names (``workload_label``).
 
 Resumable: a workload already in the log is skipped; each record is fsynced as it is written, so an
 interrupted run loses only the workload in flight. Tuning never executes anything read from the logs.
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
+import math
 import os
 import pathlib
 import random
@@ -268,51 +276,105 @@ def _winner(rec: dict) -> bool:
 
 
 def recheck(ops, out: str | None = None, rounds: int = 5, target=None) -> tuple[int, int]:
-    """Re-time every winning record of ``ops`` in this machine's logs against the hand default (``rounds``
-    alternations, a fresh process's view); a winner that is no longer CONFIRM_MARGIN faster is rewritten as
-    "default kept" (so dispatch serves the default). Returns (records rechecked, records demoted)."""
-    import json
-
+    """Re-time every winning record of ``ops`` in this machine's logs (``out``, else the user folder) against
+    the hand default (``rounds`` alternations, a fresh process's view); a winner that is no longer
+    CONFIRM_MARGIN faster is rewritten as "default kept" (so dispatch serves the default). Malformed lines are
+    kept as they are (dispatch skips them). Returns (records rechecked, records demoted)."""
     target = target or cpu_target()
     folder = pathlib.Path(out or tuning.logs_dir()) / tuning.device_key(target_key(target))
-    measure, checked, demoted, t0 = LocalMeasurer(), 0, 0, time.perf_counter()
-    files = [folder / op / tuning.RECORDS for op in ops if (folder / op / tuning.RECORDS).exists()]
-    todo = sum(1 for f in files for ln in f.read_text().splitlines() if ln.strip() and _winner(json.loads(ln)))
-    for path in files:
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        for i, line in enumerate(lines):
-            rec = json.loads(line)
-            if not _winner(rec):
+    logs = {}
+    for op in ops:
+        lines, parsed, _ = tuning.read_records(folder / op / tuning.RECORDS)
+        if lines:
+            logs[folder / op / tuning.RECORDS] = (lines, parsed)
+    progress = Progress(sum(1 for _, parsed in logs.values() for r in parsed if r is not None and _winner(r)))
+    measure, checked, demoted = LocalMeasurer(), 0, 0
+    for path, (lines, parsed) in logs.items():
+        for i, rec in enumerate(parsed):
+            if rec is None or not _winner(rec):
                 continue
             key = KernelKey.from_json(rec["key"])
-            _progress(checked, todo, t0, str(key))
-            defaults = Decisions()
-            dispatch.schedule(key, defaults)
-            t_best, t_def = confirm(key, measure, compile_module(key, dispatch.schedule(key, Decisions(rec["decisions"]))),
-                                    compile_module(key, dispatch.schedule(key, defaults)), measure.args(key), rounds)
+            progress.step(workload_label(key))
+            demoted += _recheck_one(key, rec, measure, rounds)
             checked += 1
-            if t_best > t_def * (1.0 - CONFIRM_MARGIN):
-                rec.update(decisions=defaults.used, time_s=t_def, default_time_s=t_def)
-                demoted += 1
-            else:
-                rec.update(time_s=t_best, default_time_s=t_def)
-            rec["rechecked"] = True
             lines[i] = json.dumps(rec, sort_keys=True)
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in lines))
+        tmp.write_text("".join(ln + "\n" for ln in lines if ln.strip()))
         tmp.replace(path)
-    _progress(checked, todo, t0, "done")
-    sys.stderr.write("\n")
+    progress.done()
     tuning.refresh()
     return checked, demoted
 
 
-def _progress(i: int, n: int, t0: float, label: str) -> None:
-    elapsed = time.perf_counter() - t0
-    eta = elapsed / i * (n - i) if i else 0.0
-    bar = "#" * int(30 * i / max(n, 1))
-    sys.stderr.write(f"\r[{bar:<30}] {i}/{n}  elapsed {elapsed:6.0f}s  eta {eta:6.0f}s  {label[:60]:<60}")
-    sys.stderr.flush()
+def _recheck_one(key: KernelKey, rec: dict, measure, rounds: int) -> bool:
+    """Re-time one winning record in place (``rec`` updated, marked rechecked); True if it was demoted."""
+    defaults = Decisions()
+    dispatch.schedule(key, defaults)
+    t_best, t_def = confirm(key, measure, compile_module(key, dispatch.schedule(key, Decisions(rec["decisions"]))),
+                            compile_module(key, dispatch.schedule(key, defaults)), measure.args(key), rounds)
+    rec["rechecked"] = True
+    if t_best > t_def * (1.0 - CONFIRM_MARGIN):
+        rec.update(decisions=defaults.used, time_s=t_def, default_time_s=t_def)
+        return True
+    rec.update(time_s=t_best, default_time_s=t_def)
+    return False
+
+
+def workload_label(key: KernelKey) -> str:
+    """A readable one-line name: ``causal_conv1d.fwd f32 dim=1536 width=4 silu bias | batch=1 seqlen=512``
+    (flags that are off and the target are left out: one run tunes one target)."""
+    dts = sorted(set(dict(key.dtypes).values()))
+    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+    words = ["/".join(short.get(d, d) for d in dts)] if dts else []
+    for name, value in key.static_dims:
+        if value is True:
+            words.append(name[4:] if name.startswith("has_") else name)
+        elif value not in (False, None):
+            words.append(str(value) if name == "activation" else f"{name}={value}")
+    bucket = " ".join(f"{k}={v}" for k, v in key.shape_bucket)
+    return f"{key.op}.{key.direction} {' '.join(words)}" + (f" | {bucket}" if bucket else "")
+
+
+class Progress:
+    """Progress over ``total`` workloads, optionally within ``budget_s``: the count shown is what will be
+    done (``total``, or fewer when the mean time per workload so far says the budget runs out first). On a
+    terminal one bar redrawn in place, else (a log file, CI) one plain line per workload."""
+
+    def __init__(self, total: int, budget_s: float | None = None, stream=None):
+        self.total, self.budget_s, self.done_n = total, budget_s, 0
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+
+    def planned(self) -> int:
+        """Workloads that will be started: each starts while the budget is not yet spent."""
+        elapsed = time.perf_counter() - self.t0
+        if self.budget_s is None or not self.done_n:
+            return self.total
+        left = max(self.budget_s - elapsed, 0.0)
+        return min(self.total, self.done_n + math.ceil(left / (elapsed / self.done_n)))
+
+    def step(self, label: str) -> None:
+        """Workload ``done_n + 1`` (named ``label``) starts."""
+        self._show(self.done_n, label)
+        self.done_n += 1
+
+    def _show(self, i: int, label: str) -> None:
+        n, elapsed = self.planned(), time.perf_counter() - self.t0
+        eta = elapsed / i * (n - i) if i else 0.0
+        of = f" (of {self.total} to do)" if n < self.total else ""
+        if self.tty:
+            bar = "#" * int(30 * i / max(n, 1))
+            self.stream.write(f"\r[{bar:<30}] {i}/{n}{of}  elapsed {elapsed:5.0f}s  eta {eta:5.0f}s  {label[:70]:<70}")
+        else:
+            self.stream.write(f"tune: [{i + 1}/{n}{of}] {label}  (elapsed {elapsed:.0f}s, eta {eta:.0f}s)\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self._show(self.done_n, "done")
+            self.stream.write("\n")
+        self.stream.flush()
 
 
 def run(ops, preset="default", seqlens=SEQLENS, batches=BATCHES, trials=8, budget_s=3600.0,
@@ -327,21 +389,22 @@ def run(ops, preset="default", seqlens=SEQLENS, batches=BATCHES, trials=8, budge
     tuning.write_meta(folder, dev, {"trials_per_workload": trials, "budget_s": budget_s, "workloads": len(keys),
                                     "rpc": bool(rpc_tracker)})
     measure = RPCMeasurer(rpc_tracker, rpc_key) if rpc_tracker else LocalMeasurer()
-    print(f"tune: {len(keys)} workloads for {dev} ({len(keys) - len(todo)} already recorded) -> {folder}")
-    t0 = time.perf_counter()
+    print(f"tune: {len(keys)} workloads for {dev} ({len(keys) - len(todo)} already recorded) -> {folder}",
+          flush=True)
+    progress = Progress(len(todo), budget_s)
     for i, key in enumerate(todo):
-        if time.perf_counter() - t0 > budget_s:
+        if time.perf_counter() - progress.t0 > budget_s:
             print(f"\ntune: budget of {budget_s:.0f}s spent; {len(todo) - i} workloads left (rerun to resume)")
             break
-        _progress(i, len(todo), t0, str(key))
+        progress.step(workload_label(key))
         t_key = time.perf_counter()
         try:
             best, t_best, t_default, n, source = tune_one(key, measure, trials, folder)
         except Exception as err:  # noqa: BLE001 - one bad workload must not stop the run
-            print(f"\ntune: skipped {key}: {type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}")
+            print(f"\ntune: skipped {workload_label(key)}: {type(err).__name__}: "
+                  f"{(str(err).strip().splitlines() or [''])[-1][:200]}")
             continue
         tuning.append_record(folder, key, best, t_best, t_default, n, tune_s=round(time.perf_counter() - t_key, 1),
                              source=source)
-    _progress(len(todo), len(todo), t0, "done")
-    sys.stderr.write("\n")
+    progress.done()
     return folder

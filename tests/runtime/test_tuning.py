@@ -3,6 +3,7 @@
 every committed record against the hand default."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -211,6 +212,13 @@ def _committed_records():
 _default_runs: dict = {}  # workload -> the hand default's outputs at the small shape (built once per workload)
 
 
+def _on_this_cpu(key: KernelKey) -> KernelKey:
+    """``key`` for this machine's CPU target: a record tuned on another CPU (llvm-rocketlake: AVX-512) is
+    replayed with the host's -mcpu, since code built for the record's CPU may not run here (SIGILL). The
+    knobs are what is being checked; they are target-independent loop shapes."""
+    return dataclasses.replace(key, target=target_key(cpu_target()))
+
+
 def _run_small(key, mod):
     names = list(dict(key.shape_bucket))
     small = KernelKey.make(key.op, key.direction, dict(key.dtypes), dict(key.static_dims), key.target,
@@ -223,22 +231,40 @@ def _run_small(key, mod):
 
 @pytest.mark.parametrize("key,decisions", _committed_records() or [pytest.param(None, None, marks=pytest.mark.skip(reason="no committed logs"))])
 def test_committed_record_replays_and_matches_the_default(key, decisions):
-    """Every committed record is replayed (once per distinct workload and decisions): CPU records built and
-    run at a small shape against the hand-default kernel (itself tested against the float64 references);
-    CUDA records built."""
-    tuned_mod = dispatch.schedule(key, Decisions(decisions))
+    """Every committed record is replayed (once per distinct workload and decisions), on any machine: its
+    knobs must be ones the rule accepts (as dispatch checks them: type and value); CPU records are then
+    built for this CPU and run at a small shape against the hand-default kernel (itself tested against the
+    float64 references); CUDA records built."""
+    strict = tuning._StrictDecisions(decisions)
+    tuned_mod = dispatch.schedule(key, strict)
+    assert not strict.rejected and set(decisions) <= set(strict.space), (strict.rejected, strict.space)
     if key.target.startswith("cuda-"):
         target = dispatch.target_from_key(key.target)
         with target:
             ex = tvm.compile(tuned_mod, target=target)
         assert "__global__" in ex.mod.imports[0].inspect_source("cuda")
         return
-    if key.target != target_key(cpu_target()):
-        pytest.skip(f"record for another CPU ({key.target})")
+    key = _on_this_cpu(key)
     if key.workload() not in _default_runs:
         _default_runs[key.workload()] = _run_small(key, dispatch.schedule(key, Decisions()))
     defaults = Decisions()
     dispatch.schedule(key, defaults)
-    tuned = _run_small(key, tuned_mod) if {**defaults.used, **decisions} != defaults.used else None
+    tuned = _run_small(key, dispatch.schedule(key, Decisions(decisions))) if {**defaults.used, **decisions} != defaults.used else None
     for got, want in zip(tuned or [], _default_runs[key.workload()]):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)  # fp32, another summation order
+
+
+def test_shipped_logs_load_without_a_warning():
+    """Every shipped device folder's meta matches the running versions and every line validates (the check
+    that the shipped records still load: a TVM upgrade without re-tuning makes this fail, on purpose)."""
+    root = tuning.package_logs_dir()
+    folders = sorted(p.parent for p in root.glob("*/meta.json"))
+    if not folders:
+        pytest.skip("no shipped logs")
+    tuning.refresh()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for folder in folders:
+            lines = sum(1 for f in folder.glob(f"*/{tuning.RECORDS}") for ln in f.read_text().splitlines() if ln.strip())
+            assert tuning._count(root, folder.name) == lines, folder
+    assert not [str(w.message) for w in caught if "tuning" in str(w.message)]

@@ -121,6 +121,10 @@ class MixerModel(nn.Module):
                 for i, layer in enumerate(self.layers)}
 
     def forward(self, input_ids, inference_params=None, **mixer_kwargs):
+        vocab = self.embedding.num_embeddings
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise IndexError(f"input_ids: token ids must be in [0, {vocab}) (the padded vocabulary), got "
+                             f"min {int(input_ids.min())}, max {int(input_ids.max())}")
         hidden_states = self.embedding(input_ids)
         residual = None
         for layer in self.layers:

@@ -1,18 +1,23 @@
 """``build_and_load(key)``: the one entry from a kernel key to a callable compiled kernel.
 
-memo (in process) -> disk cache (load; a corrupt or unloadable file is removed with a warning and rebuilt)
--> file lock -> re-check -> build -> atomic write (temp file + rename) -> load.
+memo (in process) -> disk cache (verify, then load) -> file lock -> re-check -> build -> atomic write (temp
+file + rename, then a stamp: the sha256 of the file's bytes, the key and the plan) -> load.
 
-The cache lives in ``$TVM_MAMBA_CACHE_DIR`` (default ``~/.cache/tvm_mamba``), under a folder named by the
-package, TVM and tvm-ffi versions and a digest of the package's compute/schedule sources (so an edited
-kernel never loads a stale binary), then by target key. Threads and processes racing on a new key build
-it once: a per-key thread lock inside the process, ``fcntl.flock`` across processes.
+A cached file is loaded only when its bytes match its stamp and the stamp names this key and plan, so a
+truncated, overwritten or swapped file is never mapped: it is removed with a warning and rebuilt.
+
+The cache lives in ``$TVM_MAMBA_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tvm_mamba`` or ``~/.cache/tvm_mamba``),
+under a folder named by the package, TVM and tvm-ffi versions and a digest of the package's compute/schedule
+sources (so an edited kernel never loads a stale binary), then by target key. Threads and processes racing on
+a new key build it once: a per-key thread lock inside the process, a ``filelock`` across processes (with a
+timeout: a process stuck holding it makes the others build privately, with a warning). Building itself
+(scheduling + codegen) is serialized within a process.
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
+import json
 import os
 import pathlib
 import tempfile
@@ -21,6 +26,7 @@ import time
 import warnings
 from typing import Any
 
+import filelock
 import tvm
 import tvm_ffi
 
@@ -66,12 +72,43 @@ def _source_digest() -> str:
     return h.hexdigest()[:12]
 
 
+def cache_base() -> pathlib.Path:
+    """``$TVM_MAMBA_CACHE_DIR``, else ``$XDG_CACHE_HOME/tvm_mamba``, else ``~/.cache/tvm_mamba``."""
+    base = os.environ.get("TVM_MAMBA_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(xdg, "tvm_mamba")
+    return pathlib.Path(base)
+
+
+_fallback: dict[str, pathlib.Path] = {}
+
+
+def _usable(folder: pathlib.Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def cache_root() -> pathlib.Path:
-    base = os.environ.get("TVM_MAMBA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tvm_mamba")
+    """This package version's folder in the cache. An unusable cache directory (not creatable, not a
+    directory, read-only) is replaced, with one warning naming it, by a temporary folder for this process."""
     from .. import __version__
 
     versions = f"tvm_mamba-{__version__}_tvm-{tvm.__version__}_ffi-{tvm_ffi.__version__}_src-{_source_digest()}"
-    return pathlib.Path(base) / versions
+    base = cache_base()
+    if str(base) in _fallback:
+        return _fallback[str(base)] / versions
+    root = base / versions
+    if not _usable(root):
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix="tvm_mamba_cache_"))
+        _fallback[str(base)] = tmp
+        warnings.warn(f"tvm_mamba: the kernel cache directory {base} is not usable (set TVM_MAMBA_CACHE_DIR to a "
+                      f"writable folder); building into {tmp} for this process only", RuntimeWarning, stacklevel=3)
+        return tmp / versions
+    return root
 
 
 def cache_path(key: KernelKey, plan: "dispatch.Plan") -> pathlib.Path:
@@ -79,6 +116,8 @@ def cache_path(key: KernelKey, plan: "dispatch.Plan") -> pathlib.Path:
     return cache_root() / key.target / f"{key.op}-{key.direction}-{tag}.so"
 
 
+LOCK_TIMEOUT_S = 600.0  # longer than any one build here (the largest CUDA + nvcc builds take ~30 s)
+_build_lock = threading.Lock()
 _memo: dict[tuple[KernelKey, str], Kernel] = {}
 _memo_lock = threading.Lock()
 _key_locks: dict[tuple[KernelKey, str], threading.Lock] = {}
@@ -100,18 +139,51 @@ def _load(path: pathlib.Path):
         tvm.runtime.load_module(str(path))
 
 
-def _try_load(path: pathlib.Path):
+def _stamp_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _stamp(path: pathlib.Path, key: KernelKey, plan: "dispatch.Plan") -> dict:
+    return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "key": key.workload().digest(),
+            "plan": hashlib.sha256(plan.digest().encode()).hexdigest()[:16]}
+
+
+def _verified(path: pathlib.Path, key: KernelKey, plan: "dispatch.Plan") -> bool:
+    """True if ``path`` is the file this key's build wrote: its stamp (written at the atomic write) names this
+    key and plan and the sha256 of these exact bytes. A truncated, overwritten or swapped file is never mapped
+    (mapping a truncated .so faults when touched past its end)."""
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+        return isinstance(stamp, dict) and stamp == _stamp(path, key, plan)
+    except (OSError, ValueError):
+        return False
+
+
+def _discard(path: pathlib.Path, why: str) -> None:
+    warnings.warn(f"tvm_mamba: discarding cached kernel {path} ({why}); rebuilding", RuntimeWarning, stacklevel=4)
+    stats["discarded"] += 1
+    for p in (path, _stamp_path(path)):
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _try_load(path: pathlib.Path, key: KernelKey, plan: "dispatch.Plan", may_discard: bool):
+    """The module at ``path`` if it verifies and loads; else None (removing the file only when
+    ``may_discard``: under the build lock, so a reader never removes a file a writer is finishing)."""
+    if not path.exists():
+        return None
+    if not _verified(path, key, plan):
+        if may_discard:
+            _discard(path, "its bytes do not match the stamp written with it")
+        return None
     try:
         return _load(path)
     except Exception as err:  # noqa: BLE001 - any load failure means a bad file
-        warnings.warn(f"tvm_mamba: discarding unloadable cached kernel {path} ({type(err).__name__}: "
-                      f"{str(err).strip().splitlines()[-1][:160] if str(err).strip() else ''}); rebuilding",
-                      RuntimeWarning, stacklevel=3)
-        stats["discarded"] += 1
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        if may_discard:
+            msg = str(err).strip().splitlines()[-1][:160] if str(err).strip() else ""
+            _discard(path, f"{type(err).__name__}: {msg}")
         return None
 
 
@@ -141,8 +213,8 @@ def _from_pack(key: KernelKey) -> Kernel | None:
 
 
 def build_and_load(key: KernelKey) -> Kernel:
-    """Return the compiled kernel for ``key``: an AOT pack if one is active, else memo -> disk -> lock ->
-    re-check -> build -> atomic write."""
+    """Return the compiled kernel for ``key``: an AOT pack if one is active, else memo -> disk (verified) ->
+    lock -> re-check -> build -> atomic write."""
     kern = _from_pack(key)
     if kern is not None:
         return kern
@@ -160,37 +232,55 @@ def build_and_load(key: KernelKey) -> Kernel:
         path = cache_path(key, plan)
         path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        module = _try_load(path) if path.exists() else None
+        module = _try_load(path, key, plan, may_discard=False)
         build_s = 0.0
         if module is not None:
             stats["disk_loads"] += 1
         else:
-            with open(str(path) + ".lock", "a+") as lock_file:
-                fcntl.flock(lock_file, fcntl.LOCK_EX)
-                try:
-                    module = _try_load(path) if path.exists() else None  # another process built it
-                    if module is None:
-                        tb = time.perf_counter()
-                        ex = compile_module(key, dispatch.schedule(key))
-                        fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".tmp-", dir=path.parent)
-                        os.close(fd)
-                        try:
-                            ex.export_library(tmp)
-                            os.replace(tmp, path)
-                        finally:
-                            if os.path.exists(tmp):
-                                os.unlink(tmp)
-                        build_s = time.perf_counter() - tb
-                        stats["builds"] += 1
-                        module = _load(path)
-                    else:
-                        stats["disk_loads"] += 1
-                finally:
-                    fcntl.flock(lock_file, fcntl.LOCK_UN)
-        load_s = time.perf_counter() - t0 - build_s
-        kern = Kernel(key, plan, module, path, build_s, load_s)
+            module, path, build_s = _locked_build(key, plan, path)
+        kern = Kernel(key, plan, module, path, build_s, time.perf_counter() - t0 - build_s)
         _memo[memo_key] = kern
         return kern
+
+
+def _locked_build(key: KernelKey, plan: "dispatch.Plan", path: pathlib.Path):
+    """Under the cross-process lock: load what another process built, or build and write atomically. If the
+    lock is not had within LOCK_TIMEOUT_S (a process stuck holding it), build privately with a warning."""
+    try:
+        with filelock.FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
+            module = _try_load(path, key, plan, may_discard=True)  # another process built it
+            if module is not None:
+                stats["disk_loads"] += 1
+                return module, path, 0.0
+            tb = time.perf_counter()
+            _write(key, plan, path)
+            return _load(path), path, time.perf_counter() - tb
+    except filelock.Timeout:
+        warnings.warn(f"tvm_mamba: the build lock {path}.lock has been held for over {LOCK_TIMEOUT_S:.0f} s by "
+                      f"another process; building {key.op}.{key.direction} privately", RuntimeWarning, stacklevel=3)
+        private = pathlib.Path(tempfile.mkdtemp(prefix="tvm_mamba_private_")) / path.parent.name / path.name
+        private.parent.mkdir(parents=True)
+        tb = time.perf_counter()
+        _write(key, plan, private)
+        return _load(private), private, time.perf_counter() - tb
+
+
+def _write(key: KernelKey, plan: "dispatch.Plan", path: pathlib.Path) -> None:
+    """Build ``key`` and write it atomically (temp file + rename), then its stamp."""
+    with _build_lock:  # TVMScript parsing is not thread-safe in CPython 3.11 (AST recursion-depth mismatch)
+        ex = compile_module(key, dispatch.schedule(key))
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        ex.export_library(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    stamp_tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{path.name}.sha256")
+    stamp_tmp.write_text(json.dumps(_stamp(path, key, plan)))
+    os.replace(stamp_tmp, _stamp_path(path))
+    stats["builds"] += 1
 
 
 def clear_memo() -> None:

@@ -14,7 +14,15 @@ import os
 # TVM's thread pool assumes 2-way hyperthreading on x86 and uses hardware_concurrency()/2 threads. On
 # these 2-vCPU machines that is one thread (conv1d forward: 740 us with 1 thread, 420 us with 2). Use
 # every CPU this process may run on unless the user said otherwise. Must be set before the pool starts.
-os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one: Linux; else os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+os.environ.setdefault("TVM_NUM_THREADS", str(usable_cpus()))
 
 import tvm  # noqa: E402
 from tvm.target import Target  # noqa: E402
@@ -30,7 +38,7 @@ def host_cpu() -> str:
 
 
 def num_cores() -> int:
-    return int(os.environ.get("TVM_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    return int(os.environ.get("TVM_NUM_THREADS") or usable_cpus())
 
 
 @functools.lru_cache(maxsize=None)

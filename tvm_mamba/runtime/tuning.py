@@ -2,20 +2,35 @@
 
 Layout: ``<logs>/<device-key>/<op>/records.jsonl`` (knob-template records, one JSON object per line,
 append-only) and ``<logs>/<device-key>/meta.json`` (TVM / tvm-ffi / LLVM versions, device, date, budget).
-``<logs>`` is the package's ``tuning_logs/`` or ``$TVM_MAMBA_TUNING_LOGS``. A record::
+A record::
 
     {"key": KernelKey.to_json() incl. shape_bucket, "decisions": {...}, "time_s": best,
      "default_time_s": hand default, "candidates": n}
 
-Lookup: exact (workload, bucket), else the nearest tuned bucket of the same workload (log2 distance);
-a record that is not faster than the hand default is never used. Logs whose meta does not match the
-running versions are ignored with one warning; malformed / truncated / foreign files and lines are
-skipped with a warning naming them.
+Two ``<logs>`` folders are read, in this order (``search_roots()``):
+
+1. the *user* folder, where ``tune`` writes by default (``logs_dir()``): ``$TVM_MAMBA_TUNING_LOGS`` if set,
+   else ``$XDG_CACHE_HOME/tvm_mamba/tuning_logs`` (``~/.cache/tvm_mamba/tuning_logs``); inside
+   ``with tvm_mamba.tuning_logs(path=...)`` that path instead. Not the installed package: a system install
+   is not writable, and an upgrade would delete the records.
+2. the *shipped* logs, the package's ``tuning_logs/`` (``package_logs_dir()``; off with
+   ``tuning_logs(shipped=False)``).
+
+Lookup: the first folder with a usable record for the workload serves it (so a user's own tuning run
+overrides what shipped): exact (workload, bucket), else the nearest tuned bucket of the same workload
+(log2 distance); a record that is not faster than the hand default is never used. Logs whose meta does not
+match the running versions are ignored with one warning. Records are data (runtime/records.py): a file
+that is not a regular file (FIFO, directory, device) is never opened for reading, a line that does not
+validate against the KernelKey schema is skipped, and a record whose knob values the op's schedule rule
+does not accept (``32.0`` for ``32``, a value outside the knob's list, a knob the rule does not read) is
+skipped when it would be served; each with one warning naming the file. The hand default (or the next
+usable record) serves instead, and ``explain()`` says so.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
 import math
@@ -27,7 +42,8 @@ import warnings
 import tvm
 import tvm_ffi
 
-from . import dispatch
+from ..schedules.rule import Decisions
+from . import dispatch, records
 from .key import KernelKey
 
 ENV = "TVM_MAMBA_TUNING_LOGS"
@@ -37,6 +53,7 @@ _state = threading.local()
 
 @functools.lru_cache(maxsize=None)  # find_spec checks the filesystem: ~0.4 ms per kernel call otherwise
 def package_logs_dir() -> pathlib.Path:
+    """The shipped logs: the package's ``tuning_logs/`` (the repository's in a source checkout)."""
     spec = importlib.util.find_spec("tvm_mamba.tuning_logs")
     if spec is not None and spec.submodule_search_locations:
         return pathlib.Path(list(spec.submodule_search_locations)[0])
@@ -44,8 +61,13 @@ def package_logs_dir() -> pathlib.Path:
 
 
 def logs_dir() -> pathlib.Path:
+    """The user logs folder (where ``tune`` writes, read before the shipped logs): the ``tuning_logs(path=)``
+    block's path, else ``$TVM_MAMBA_TUNING_LOGS``, else ``$XDG_CACHE_HOME/tvm_mamba/tuning_logs``."""
     override = getattr(_state, "path", None) or os.environ.get(ENV)
-    return _as_path(str(override)) if override else package_logs_dir()
+    if override:
+        return _as_path(str(override))
+    env = os.environ  # plan() runs on every kernel call: two dict reads here, the path built once
+    return _user_default(env.get("XDG_CACHE_HOME") or "", env.get("HOME", ""))
 
 
 @functools.lru_cache(maxsize=64)
@@ -53,21 +75,43 @@ def _as_path(raw: str) -> pathlib.Path:
     return pathlib.Path(raw)
 
 
+@functools.lru_cache(maxsize=16)
+def _user_default(xdg: str, home: str) -> pathlib.Path:
+    """``home`` ($HOME) is only part of the memo key: expanduser reads it."""
+    return pathlib.Path(xdg or os.path.join(os.path.expanduser("~"), ".cache")) / "tvm_mamba" / "tuning_logs"
+
+
+def search_roots() -> tuple[pathlib.Path, ...]:
+    """The logs folders a lookup reads, first match wins: user folder, then the shipped logs."""
+    user = logs_dir()
+    if not getattr(_state, "shipped", True):
+        return (user,)
+    return _roots(user, package_logs_dir())
+
+
+@functools.lru_cache(maxsize=64)
+def _roots(user: pathlib.Path, shipped: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    # $TVM_MAMBA_TUNING_LOGS pointing at the shipped folder (a maintainer re-tuning a checkout): read it once
+    same = os.path.abspath(user) == os.path.abspath(shipped)
+    return (shipped,) if same else (user, shipped)
+
+
 def enabled() -> bool:
     return getattr(_state, "enabled", True)
 
 
 @contextlib.contextmanager
-def tuning_logs(enabled: bool = True, path: str | os.PathLike | None = None):
+def tuning_logs(enabled: bool = True, path: str | os.PathLike | None = None, shipped: bool = True):
     """``with tvm_mamba.tuning_logs(enabled=False):`` runs with hand defaults only (A/B comparisons);
-    ``path=`` reads another logs folder for the block."""
-    prev = getattr(_state, "enabled", True), getattr(_state, "path", None)
-    _state.enabled, _state.path = enabled, (str(path) if path else prev[1])
+    ``path=`` reads that logs folder instead of the user folder for the block; ``shipped=False`` leaves
+    out the package's shipped logs (a log judged on its own)."""
+    prev = (getattr(_state, "enabled", True), getattr(_state, "path", None), getattr(_state, "shipped", True))
+    _state.enabled, _state.path, _state.shipped = enabled, (str(path) if path else prev[1]), shipped
     refresh()
     try:
         yield
     finally:
-        _state.enabled, _state.path = prev
+        _state.enabled, _state.path, _state.shipped = prev
 
 
 # --- device keys -----------------------------------------------------------------------------------
@@ -111,6 +155,30 @@ def device_key(target_key: str, gpu_name: str | None = None) -> str:
     return target_key
 
 
+def _parts(dev: str) -> tuple[str, str, str, str]:
+    """(kind, vendor, model, isa) of a device key: ``cpu-intel-rocketlake-avx512`` -> (cpu, intel,
+    rocketlake, avx512); ``nvidia-h200-sm90`` -> (gpu, nvidia, h200, sm90)."""
+    words = dev.split("-")
+    if words[0] == "cpu" and len(words) >= 3:
+        return "cpu", words[1], "-".join(words[2:-1]), words[-1]
+    if len(words) >= 2:
+        return "gpu", words[0], "-".join(words[1:-1]), words[-1]
+    return dev, "", "", ""
+
+
+def nearest_device(dev: str, available) -> str | None:
+    """The device key in ``available`` whose records are most likely to fit ``dev``: same kind (CPU / GPU)
+    required; then the same ISA (CPU: avx512 / avx2 / ...; GPU: the sm arch), since the knobs are mostly
+    vector widths and tile sizes fitted to the register width; then the same vendor; then the same model.
+    Ties: the alphabetically first. None when no key of the same kind is available."""
+    kind, vendor, model, isa = _parts(dev)
+    same_kind = sorted(d for d in available if d != dev and _parts(d)[0] == kind)
+    if not same_kind:
+        return None
+    # max() keeps the first of equal scores: the alphabetically first, same_kind being sorted
+    return max(same_kind, key=lambda d: (_parts(d)[3] == isa, _parts(d)[1] == vendor, _parts(d)[2] == model))
+
+
 def running_meta() -> dict:
     return {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__,
             "llvm": int(tvm.target.codegen.llvm_version_major())}
@@ -120,52 +188,73 @@ def running_meta() -> dict:
 _warned: set[str] = set()
 
 
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
+def _warn_once(msg: str, once: str | None = None) -> None:
+    """Warn ``msg`` once per ``once`` (default: per message), e.g. once per file however many lines are bad."""
+    tag = once or msg
+    if tag not in _warned:
+        _warned.add(tag)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
-def _valid_record(obj) -> bool:
-    return (isinstance(obj, dict) and isinstance(obj.get("key"), dict) and isinstance(obj.get("decisions"), dict)
-            and isinstance(obj.get("time_s"), (int, float)) and isinstance(obj.get("default_time_s"), (int, float))
-            and all(isinstance(v, (int, float, str, bool)) for v in obj["decisions"].values()))
+def read_records(path: pathlib.Path):
+    """(lines, parsed, problems) of one records.jsonl: ``parsed[i]`` is line i's record dict, or None
+    (blank or invalid: one reason per invalid line in ``problems``). A file that is not a regular file gives
+    no lines and one reason. Never raises on the file's content."""
+    text, why = records.read_text(path)
+    if text is None:
+        return [], [], [why]
+    lines = text.splitlines()
+    parsed, problems = [], []
+    for line in lines:
+        if not line.strip():
+            parsed.append(None)
+            continue
+        obj, why = records.parse_json(line)
+        why = why or records.record_problem(obj)
+        parsed.append(None if why else obj)
+        if why:
+            problems.append(why)
+    return lines, parsed, problems
+
+
+def _read_meta(folder: pathlib.Path) -> tuple[dict | None, str | None]:
+    """(meta dict, None) or (None, why) for ``folder/meta.json``."""
+    text, why = records.read_text(folder / "meta.json")
+    if text is None:
+        return None, f"meta.json {why}"
+    obj, why = records.parse_json(text, limit=records.MAX_FILE_BYTES)  # one object over many lines
+    why = why or records.meta_problem(obj)
+    return (None, f"unreadable meta.json ({why})") if why else (obj, None)
 
 
 @functools.lru_cache(maxsize=64)
 def _load(root: str, dev: str, stamp: tuple) -> dict:
-    """{workload KernelKey: [(bucket dict, record dict, file)]} for one device folder."""
+    """{workload KernelKey: [(bucket dict, record dict, file)]} for one device folder (schema-valid records
+    only; whether the rule accepts their knobs is checked when one would serve, see _rule_problem)."""
     folder = pathlib.Path(root) / dev
     index: dict[KernelKey, list] = {}
-    meta_file = folder / "meta.json"
     if not folder.is_dir():
         return index
-    try:
-        meta = json.loads(meta_file.read_text())
-        want = running_meta()
-        if any(str(meta.get(k)) != str(v) for k, v in want.items()):
-            _warn_once(f"tvm_mamba: ignoring tuning logs {folder} (made with "
-                       f"{ {k: meta.get(k) for k in want} }, running {want})")
-            return index
-    except (OSError, ValueError) as err:
-        _warn_once(f"tvm_mamba: ignoring tuning logs {folder}: unreadable meta.json ({err})")
+    meta, why = _read_meta(folder)
+    if why:
+        _warn_once(f"tvm_mamba: ignoring tuning logs {folder}: {why}")
+        return index
+    want = running_meta()
+    if any(str(meta.get(k)) != str(v) for k, v in want.items()):
+        _warn_once(f"tvm_mamba: ignoring tuning logs {folder} (made with "
+                   f"{ {k: meta.get(k) for k in want} }, running {want})")
         return index
     for f in sorted(folder.glob(f"*/{RECORDS}")):
-        bad = 0
-        for line in f.read_text(errors="replace").splitlines():
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if not _valid_record(obj):
-                    raise ValueError("not a record")
-                key = KernelKey.from_json(obj["key"])
-            except (ValueError, KeyError, TypeError):
-                bad += 1
-                continue
-            index.setdefault(key.workload(), []).append((dict(key.shape_bucket), obj, str(f)))
-        if bad:
-            _warn_once(f"tvm_mamba: skipped {bad} malformed line(s) in tuning log {f}")
+        lines, parsed, problems = read_records(f)
+        for obj in parsed:
+            if obj is not None:
+                key = KernelKey.from_json(obj["key"])  # cannot raise: record_problem checked every field
+                index.setdefault(key.workload(), []).append((dict(key.shape_bucket), obj, str(f)))
+        if problems and not lines:  # a FIFO, directory, device or unreadable file
+            _warn_once(f"tvm_mamba: skipped tuning log {f}: {problems[0]}", once=f"malformed:{f}:{stamp}")
+        elif problems:
+            _warn_once(f"tvm_mamba: skipped {len(problems)} malformed line(s) in tuning log {f} "
+                       f"(first: {problems[0]})", once=f"malformed:{f}:{stamp}")
     return index
 
 
@@ -174,9 +263,10 @@ _stamps: dict[tuple[str, str], tuple[float, tuple]] = {}
 
 
 def refresh() -> None:
-    """Forget cached log state (the next lookup re-reads changed files)."""
+    """Forget cached log state (the next lookup re-reads changed files and warns again)."""
     _stamps.clear()
     _dev_memo.clear()
+    _warned.clear()
 
 
 def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
@@ -186,13 +276,15 @@ def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
     cached = _stamps.get((str(root), dev))
     if cached is not None and now - cached[0] < _STAMP_TTL_S:
         return cached[1]
-    folder = root / dev
-    try:
-        stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.rglob("*.json*")))
-    except OSError:
-        stamp = ()
-    _stamps[(str(root), dev)] = (now, stamp)
-    return stamp
+    stamp = []
+    for p in sorted((root / dev).rglob("*.json*")) if (root / dev).is_dir() else ():
+        try:  # stat, not open: safe on a FIFO; a vanished or dangling entry counts as changed
+            st = p.stat()
+            stamp.append((str(p), st.st_mtime_ns, st.st_size, st.st_mode))
+        except OSError:
+            stamp.append((str(p), -1, -1, 0))
+    _stamps[(str(root), dev)] = (now, tuple(stamp))
+    return tuple(stamp)
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -200,8 +292,83 @@ def _distance(a: dict, b: dict) -> float:
     return sum(abs(math.log2(max(a.get(n, 1), 1)) - math.log2(max(b.get(n, 1), 1))) for n in names)
 
 
+# --- does the rule accept a record's knobs? -------------------------------------------------------------
+class _StrictDecisions(Decisions):
+    """Reads knobs as Decisions does, but a recorded value counts only if it is one of the rule's
+    candidates with the candidate's type (Decisions.pick compares with ``in``: ``32.0 in (8, 16, 32)``)."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.rejected: dict[str, tuple] = {}
+
+    def pick(self, name, candidates, default):
+        candidates = tuple(candidates)
+        value = self.values.get(name, default)
+        if not records.strictly_in(value, candidates):
+            self.rejected.setdefault(name, candidates)
+            value = default
+        self.used[name], self.space[name] = value, candidates
+        return value
+
+
+def _check_decisions(workload: KernelKey, values: dict) -> str | None:
+    """Why the op's rule does not accept ``values`` (None if it does): the rule is applied with them, as a
+    build would, so knobs read only under other knob values (selective_scan's ``vector`` under ``layout``)
+    are judged in context."""
+    if not values:
+        return None  # the hand default
+    d = _StrictDecisions(values)
+    try:
+        dispatch.schedule(workload, d)
+    except Exception as err:  # noqa: BLE001 - a record that breaks the rule is a bad record, not a crash
+        return f"the schedule rule fails with them ({type(err).__name__}: {str(err)[:80]})"
+    bad = [f"{n}={values[n]!r} is not one of {c}" for n, c in d.rejected.items() if n in values]
+    bad += [f"{n} is not a knob of this kernel" for n in values if n not in d.space]
+    return "; ".join(bad) or None
+
+
+_checked: dict[str, str | None] = {}
+
+
+def _rule_problem(workload: KernelKey, values: dict) -> str | None:
+    """_check_decisions, memoized in the process and on disk beside the compiled kernels: applying a rule
+    takes 0.1-3 s, and a warm start (kernels loaded from disk) should not pay it on every run. The disk
+    entry lives under cache_root(), whose name includes the schedule sources' digest, so editing a rule
+    re-checks."""
+    tag = hashlib.sha256((workload.digest() + json.dumps(values, sort_keys=True)).encode()).hexdigest()[:24]
+    if tag in _checked:
+        return _checked[tag]
+    path = None
+    try:
+        from .cache import cache_root
+
+        path = cache_root() / "tuning_checks" / f"{tag}.json"
+        text, _ = records.read_text(path)
+        obj, _ = records.parse_json(text) if text is not None else (None, None)
+        if isinstance(obj, dict) and (obj.get("problem") is None or isinstance(obj.get("problem"), str)):
+            _checked[tag] = obj.get("problem")
+            return _checked[tag]
+    except OSError:
+        path = None
+    problem = _checked[tag] = _check_decisions(workload, values)
+    if path is not None:
+        _write_atomic(path, json.dumps({"problem": problem}))
+    return problem
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError:  # a memo only: an unwritable cache re-checks next run
+        pass
+
+
+# --- lookup ----------------------------------------------------------------------------------------
 _dev_memo: dict[tuple[str, str], str] = {}
-_found_memo: dict[tuple, object] = {}  # (key, root, dev, stamp) -> find_record's answer (runs on every call)
+_found_memo: dict[tuple, object] = {}  # (key, roots and stamps) -> find_record's answer (runs on every call)
 
 
 def _device_folder(root: pathlib.Path, target_key: str) -> str:
@@ -217,34 +384,37 @@ def _device_folder(root: pathlib.Path, target_key: str) -> str:
 
 
 def find_record(key: KernelKey, dev: str | None = None):
-    """(record dict, file) serving ``key``, or None."""
-    root = logs_dir()
-    if dev is None:
-        dev = _device_folder(root, key.target)
-    stamp = _folder_stamp(root, dev)
-    memo = (key, str(root), dev, stamp)
+    """(record dict, file) serving ``key``, or None: the first of search_roots() with a usable record."""
+    where = tuple((root, d, _folder_stamp(root, d)) for root in search_roots()
+                  for d in (dev or _device_folder(root, key.target),))
+    memo = (key, tuple((str(r), d, s) for r, d, s in where))
     if memo in _found_memo:
         return _found_memo[memo]
     if len(_found_memo) > 4096:
         _found_memo.clear()
-    found = _find(key, root, dev, stamp)
+    found = None
+    for root, d, stamp in where:
+        found = _find(key, root, d, stamp)
+        if found is not None:
+            break
     _found_memo[memo] = found
     return found
 
 
 def _find(key: KernelKey, root: pathlib.Path, dev: str, stamp: tuple):
-    index = _load(str(root), dev, stamp)
-    entries = index.get(key.workload())
-    if not entries:
-        return None
+    """The best usable record of ``key``'s workload in one device folder: nearest bucket, then fastest;
+    a record the rule rejects is skipped with a warning and the next one tried."""
+    entries = _load(str(root), dev, stamp).get(key.workload())
     want = dict(key.shape_bucket)
-    useful = [e for e in entries if e[1]["time_s"] < e[1]["default_time_s"]]  # never slower than default
-    if not useful:
-        return None
-    best_dist = min(_distance(want, e[0]) for e in useful)
-    nearest = [e for e in useful if _distance(want, e[0]) == best_dist]
-    _, rec, file = min(nearest, key=lambda e: e[1]["time_s"])
-    return rec, file
+    useful = [e for e in entries or () if e[1]["time_s"] < e[1]["default_time_s"]]  # never slower than default
+    for bucket, rec, file in sorted(useful, key=lambda e: (_distance(want, e[0]), e[1]["time_s"])):
+        problem = _rule_problem(key.workload(), rec["decisions"])
+        if problem is None:
+            return rec, file
+        _warn_once(f"tvm_mamba: skipped tuning record(s) in {file} that the schedule rule does not accept "
+                   f"(first: {key.op}.{key.direction} {bucket}: {problem}); the hand default serves instead",
+                   once=f"rejected:{file}:{stamp}")
+    return None
 
 
 def lookup(key: KernelKey) -> "dispatch.Plan | None":
@@ -265,6 +435,29 @@ def lookup(key: KernelKey) -> "dispatch.Plan | None":
 dispatch.register_plan_hook(lookup)
 
 
+def device_summary(target_key: str, gpu_name: str | None = None) -> dict:
+    """What ``info`` prints: {"device": key, "user": (records, folder), "shipped": (records, folder),
+    "nearest": (device key, "user" | "shipped", records) or None}; nearest only when neither folder has
+    records for this device (see nearest_device for the order)."""
+    dev = device_key(target_key, gpu_name)
+    out = {"device": dev, "nearest": None}
+    others: dict[str, tuple[str, int]] = {}
+    for name, root in (("user", logs_dir()), ("shipped", package_logs_dir())):
+        out[name] = (_count(root, dev), root / dev)
+        for folder in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
+            other = folder.parent.name
+            if other != dev and other not in others:
+                others[other] = (name, _count(root, other))
+    if not out["user"][0] and not out["shipped"][0]:
+        near = nearest_device(dev, [d for d, (_, n) in others.items() if n])
+        out["nearest"] = (near, *others[near]) if near else None
+    return out
+
+
+def _count(root: pathlib.Path, dev: str) -> int:
+    return sum(len(v) for v in _load(str(root), dev, _folder_stamp(root, dev)).values())
+
+
 # --- writing ---------------------------------------------------------------------------------------
 def write_meta(folder: pathlib.Path, device: str, budget: dict) -> None:
     import datetime
@@ -272,11 +465,9 @@ def write_meta(folder: pathlib.Path, device: str, budget: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     refresh()
     today = datetime.date.today().isoformat()
-    try:  # keep the history of runs made with these versions (the latest also as "budget")
-        old = json.loads((folder / "meta.json").read_text())
-        runs = old.get("runs", [old["budget"]] if "budget" in old else [])
-        runs = runs if all(str(old.get(k)) == str(v) for k, v in running_meta().items()) else []
-    except (OSError, ValueError, AttributeError):
+    old, _ = _read_meta(folder)  # keep the history of runs made with these versions (the latest also as "budget")
+    runs = (old or {}).get("runs", [old["budget"]] if old and "budget" in old else [])
+    if not isinstance(runs, list) or not old or any(str(old.get(k)) != str(v) for k, v in running_meta().items()):
         runs = []
     meta = dict(running_meta(), device=device, date=today, budget=budget, runs=runs + [dict(budget, date=today)])
     tmp = folder / "meta.json.tmp"
@@ -291,6 +482,7 @@ def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s:
     candidates came from the op's MetaSchedule JSONDatabase)."""
     path = folder / key.op / RECORDS
     path.parent.mkdir(parents=True, exist_ok=True)
+    _require_regular(path)
     refresh()
     line = json.dumps({"key": key.to_json(), "decisions": decisions, "time_s": time_s,
                        "default_time_s": default_time_s, "candidates": candidates, **extra}, sort_keys=True)
@@ -305,13 +497,22 @@ def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s:
         os.fsync(f.fileno())
 
 
+def _require_regular(path: pathlib.Path) -> None:
+    """Refuse to append to a FIFO / directory / device where the log file should be (opening a FIFO
+    waits for a reader; the others fail mid-write): the tuner says which path to remove instead."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise OSError(f"tuning log {path} is not a regular file; remove it to record here")
+
+
 def recorded_keys(folder: pathlib.Path) -> set[KernelKey]:
-    """Keys (with bucket) already tuned in ``folder`` (for resuming)."""
+    """Keys (with bucket) already tuned in ``folder`` (for resuming); malformed lines count as not tuned."""
     done = set()
-    for f in folder.glob(f"*/{RECORDS}"):
-        for line in f.read_text(errors="replace").splitlines():
-            try:
-                done.add(KernelKey.from_json(json.loads(line)["key"]))
-            except (ValueError, KeyError, TypeError):
-                continue
+    for f in sorted(folder.glob(f"*/{RECORDS}")):
+        done.update(KernelKey.from_json(obj["key"]) for obj in read_records(f)[1] if obj is not None)
     return done

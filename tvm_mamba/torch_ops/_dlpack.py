@@ -113,6 +113,26 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=N
         raise ValueError(f"{name}: expected a tensor on {device} (where x is), got {t.device}")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: tvm_mamba runs on cpu and cuda tensors, got {t.device}")
+    check_size(name, t.numel())
+
+
+MAX_ELEMENTS = 2**31 - 1  # the kernels' index arithmetic is int32 (TVM's default index type)
+
+
+def check_size(name: str, numel: int) -> None:
+    """ValueError for a tensor (input or output) of more elements than 32-bit indices reach, before anything
+    is allocated or run."""
+    if numel > MAX_ELEMENTS:
+        raise ValueError(f"{name}: {numel} elements; tvm_mamba's kernels index with 32-bit integers, so a tensor "
+                         f"may have at most 2**31 - 1 = {MAX_ELEMENTS} elements")
+
+
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """ValueError for a tensor updated in place whose elements share memory (a stride-0 / expanded view):
+    checked before any kernel runs, so a refused call leaves it untouched."""
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name}: it is updated in place, but it is an expanded (stride-0) view whose elements "
+                         f"share memory (strides {t.stride()}); pass a tensor of its own (e.g. .clone())")
 
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:

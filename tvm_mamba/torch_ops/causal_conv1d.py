@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
+from ._dlpack import FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "causal_conv1d"
 
@@ -219,6 +219,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     silu = _activation(activation)
     _check_weight_bias(weight, bias, x, dim)
     check_tensor("conv_state", conv_state, ndim=3, dtypes=FLOATS, device=x.device)
+    check_no_overlap("conv_state", conv_state)
     if conv_state.shape[0] != batch or conv_state.shape[1] != dim or conv_state.shape[2] < weight.shape[1] - 1:
         raise ValueError(f"conv_state: expected (batch={batch}, dim={dim}, state_len>={weight.shape[1] - 1}), "
                          f"got {tuple(conv_state.shape)}")

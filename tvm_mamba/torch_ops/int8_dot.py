@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..compute.int8_dot import wgrad_parts
-from ._dlpack import FLOATS, check_tensor, kernel_for, prepare, run_op
+from ._dlpack import check_size, FLOATS, check_tensor, kernel_for, prepare, run_op
 
 OP = "int8_dot"
 _INT8 = (torch.int8,)
@@ -126,6 +126,8 @@ def quantize_int8(x, scale=None):
     """x: any shape float -> (codes int8 like x, scale float). scale = absmax(x)/127 when None (1.0 for an
     all-zero x); codes = clamp(round(x / scale), -127, 127), round half to even. scale=None syncs the host."""
     check_tensor("x", x, dtypes=FLOATS + (torch.float64,))
+    if x.numel() and not bool(torch.isfinite(x.detach()).all()):
+        raise ValueError("x: contains NaN or Inf; int8 codes cannot represent it")
     if scale is None:
         amax = float(x.detach().abs().max()) if x.numel() else 0.0
         scale = amax / 127.0 if amax > 0 else 1.0
@@ -142,6 +144,8 @@ def pack_int8x4(codes):
     if codes.dim() < 1:
         raise ValueError("codes: expected at least 1 dim (..., K)")
     K = codes.shape[-1]
+    if K == 0 or codes.numel() == 0:
+        return torch.zeros((*codes.shape[:-1], (K + 3) // 4), dtype=torch.int32, device=codes.device)
     out = run_op(int8_pack_op, codes.reshape(-1, K))
     return out.reshape(*codes.shape[:-1], (K + 3) // 4)
 
@@ -153,6 +157,8 @@ def unpack_int8x4(packed, K):
         raise ValueError(f"K: expected a non-negative int, got {K!r}")
     if packed.dim() < 1 or packed.shape[-1] != (K + 3) // 4:
         raise ValueError(f"packed: last dim must be ceil(K/4) = {(K + 3) // 4}, got shape {tuple(packed.shape)}")
+    if K == 0 or packed.numel() == 0:
+        return torch.zeros((*packed.shape[:-1], K), dtype=torch.int8, device=packed.device)
     out = run_op(int8_unpack_op, packed.reshape(-1, packed.shape[-1]), int(K))
     return out.reshape(*packed.shape[:-1], K)
 
@@ -164,6 +170,7 @@ def int8_matmul(a, b):
     check_tensor("b", b, ndim=2, dtypes=_INT8, device=a.device)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"b: K mismatch, a is {tuple(a.shape)} (M, K) and b is {tuple(b.shape)} (N, K)")
+    check_size("out", a.shape[0] * b.shape[0])
     return run_op(int8_matmul_op, a, b)
 
 

@@ -44,9 +44,9 @@ CHANNELS_PER_LANE = 16
 
 
 def _cores() -> int:
-    import os
+    from ..runtime.target import num_cores
 
-    return int(os.environ.get("TVM_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    return num_cores()
 
 
 def fwd_direction(batch: int, dim: int, seqlen: int, chunk: int, device_type: str, cores: int | None = None) -> str:
@@ -108,6 +108,9 @@ def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     out = torch.empty_like(u)
     last = u.new_empty((batch, dim, dstate), dtype=acc)
     ck = u.new_empty((batch, dim, nchunk, dstate), dtype=acc)
+    if batch * dim == 0:  # nothing to scan (an empty grid is refused by TVM's argument checks)
+        last.copy_(initial_state) if initial_state is not None else last.zero_()
+        return out, last, ck.zero_()
     direction = fwd_direction(batch, dim, seqlen, static["chunk"], kernel_device_type(u.device))
     kern = kernel_for(OP, direction, u.device, {"u": tvm_dtype(u), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)}, static,
                       seqlen=seqlen)
@@ -153,6 +156,14 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     ddb = torch.empty_like(delta_bias) if delta_bias is not None else dummy(u.device, acc, 1)
     dinit = (u.new_empty((batch, dim, dstate), dtype=acc) if initial_state is not None
              else dummy(u.device, acc, 3))  # cached placeholder: a fresh small tensor after big ones page-faults
+    if batch * dim == 0:  # an empty scan: every gradient is zero (dinit passes dlast through)
+        for t in (du, ddelta, dA, dBk, dCk, dD, ddb, dz):
+            t.zero_()
+        if initial_state is not None:
+            dinit.copy_(dlast)
+        return (du, ddelta, dA, _bc_user(dBk, B), _bc_user(dCk, C),
+                dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
+                ddb if delta_bias is not None else _empty0(ddb), dinit if initial_state is not None else _empty0(dinit))
     ws = dict(dtype=acc, device=u.device)
     wsA = torch.empty((batch, dim, dstate), **ws)
     wsB = torch.empty((batch, dim // blk, seqlen, dstate) if bg else (batch, dim, dstate), **ws)

@@ -1,0 +1,116 @@
+"""scripts/: bench.py refuses unknown ops, writes --json / --csv in its documented schema, compares forward+backward
+rows with a forward+backward copy; train_tiny.py plots only where asked, labelled with matplotlib, sketched
+without it."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def scripts_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import benchlib
+
+    return benchlib
+
+
+def _load(name, monkeypatch):
+    # train_tiny sets TVM_NUM_THREADS at import: record it so monkeypatch restores it afterwards
+    monkeypatch.setenv("TVM_NUM_THREADS", os.environ.get("TVM_NUM_THREADS", ""))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_unknown_op_exits_2_naming_the_valid_ops(scripts_path, monkeypatch, capsys):
+    bench = _load("bench", monkeypatch)
+    assert bench.main(["--ops", "causal_conv1d,nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown op nope" in err[0]
+    assert all(op in err[0] for op in ("causal_conv1d", "selective_scan", "ssd", "rmsnorm_gated"))
+
+
+def test_row_record_schema_and_writers(scripts_path, tmp_path):
+    bl = scripts_path
+    rows = [bl.Row("x", "fwd", "n=1", 2.0, 4.0, 1.0, "ref"), bl.Row("x", "fwd+bwd", "n=1", 2.0, 1.0)]
+    bl.write_json(tmp_path / "a" / "o.json", rows, {"quick": True})
+    doc = json.loads((tmp_path / "a" / "o.json").read_text())
+    assert doc["schema"] == bl.SCHEMA_VERSION == 1 and doc["quick"] is True
+    assert [list(r) for r in doc["rows"]] == [list(bl.ROW_FIELDS)] * 2
+    r0, r1 = doc["rows"]
+    assert (r0["tvm_s"], r0["ref_s"], r0["copy_s"], r0["ref_over_tvm"], r0["tvm_over_copy"]) == (2e-3, 4e-3, 1e-3,
+                                                                                                  2.0, 2.0)
+    assert r1["copy_s"] is None and r1["tvm_over_copy"] is None
+    bl.write_csv(tmp_path / "o.csv", rows)
+    lines = list(csv.reader((tmp_path / "o.csv").open()))
+    assert tuple(lines[0]) == bl.ROW_FIELDS and len(lines) == 3
+    assert lines[2][bl.ROW_FIELDS.index("copy_s")] == ""
+
+
+def test_copy_fwd_bwd_copies_both_ways(scripts_path):
+    import torch
+
+    x, dout = torch.randn(64, requires_grad=True), torch.randn(64)
+    y = scripts_path._Copy.apply(x)
+    y.backward(dout)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    assert torch.equal(x.grad, dout) and x.grad.data_ptr() != dout.data_ptr()
+    scripts_path.copy_fwd_bwd(x, dout)()  # runs
+
+
+def test_bench_quick_json_csv(scripts_path, monkeypatch, tmp_path, capsys):
+    bench = _load("bench", monkeypatch)
+    assert bench.main(["--quick", "--ops", "causal_conv1d", "--json", str(tmp_path / "b.json"),
+                       "--csv", str(tmp_path / "b.csv")]) == 0
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["ops"] == ["causal_conv1d"] and {"tvm_mamba", "torch", "target", "threads"} <= set(doc)
+    cases = {r["case"]: r for r in doc["rows"]}
+    assert set(cases) == {"fwd", "fwd+bwd"}
+    for r in cases.values():
+        assert r["op"] == "causal_conv1d" and r["shape"].startswith("b=2, d=256, L=512")
+        assert r["tvm_s"] > 0 and r["ref_s"] > 0 and r["copy_s"] > 0
+    # the forward+backward copy moves twice the bytes of the forward one, through autograd
+    assert cases["fwd+bwd"]["copy_s"] > cases["fwd"]["copy_s"]
+    assert len(list(csv.reader((tmp_path / "b.csv").open()))) == 3
+    assert "fwd+bwd (b=2, d=256" in capsys.readouterr().out
+
+
+def test_plot_labelled_with_matplotlib_sketched_without(monkeypatch, tmp_path, capsys):
+    tt = _load("train_tiny", monkeypatch)
+    ys = [2.0, 1.5, 1.2, 0.9]
+    if importlib.util.find_spec("matplotlib") is not None:
+        ax = tt.loss_figure(ys, "title here", num_values=8).axes[0]
+        assert (ax.get_xlabel(), ax.get_title()) == ("step", "title here") and ax.get_ylabel()
+        assert ax.get_yscale() == "log"
+        assert tt.plot_png(tmp_path / "m" / "a.png", ys) == "matplotlib"
+        assert (tmp_path / "m" / "a.png").read_bytes()[:8] == PNG
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert tt.plot_png(tmp_path / "s" / "b.png", ys) == "sketch"
+    assert (tmp_path / "s" / "b.png").read_bytes()[:8] == PNG
+
+
+def test_train_tiny_plots_under_out_not_cwd(tmp_path):
+    cwd, out = tmp_path / "cwd", tmp_path / "out"
+    cwd.mkdir()
+    args = ["--steps", "2", "--d_model", "32", "--d_state", "16", "--batch", "2", "--n_layer", "1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "train_tiny.py"), *args, "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=str(cwd))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (out / "train_tiny_loss.png").read_bytes()[:8] == PNG
+    assert list(cwd.iterdir()) == []
+    assert "loss curve -> " + str(out / "train_tiny_loss.png") in proc.stdout
