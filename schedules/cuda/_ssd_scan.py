@@ -267,11 +267,12 @@ def _chunk_scan_bwd(s, TH):
                 sq = T.meta_var(i % Q)
                 if i < Bt * NC * H * Q:
                     acc[0] = T.float32(0)
-                    for p in range(P):
-                        acc[1] = T.float32(0)
-                        for n in range(N):
-                            acc[1] = acc[1] + BC(Bm, b, c, sq, h, n, L) * dso[b, c, h, p, n]
-                        acc[0] = acc[0] + X(x, b, c, sq, h, p, L) * acc[1]
+                    if c * Q + sq < L:  # 0 past seqlen (x, B are 0 there): skip the P x N loop
+                        for p in range(P):
+                            acc[1] = T.float32(0)
+                            for n in range(N):
+                                acc[1] = acc[1] + BC(Bm, b, c, sq, h, n, L) * dso[b, c, h, p, n]
+                            acc[0] = acc[0] + X(x, b, c, sq, h, p, L) * acc[1]
                     ddt_out[b, h, c, sq] = acc[0]
         # d dA_cs[q] = rows - columns of G = (g.x)(C.B) K dt + e <g_q, C_q Sin> + chunk-state terms
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
@@ -284,21 +285,24 @@ def _chunk_scan_bwd(s, TH):
                 q = T.meta_var(i % Q)
                 if i < Bt * NC * H * Q:
                     acc[0] = T.float32(0)
-                    for j in range(Q):  # row q (s = j <= q) minus column q (l = j >= q)
+                    # both terms are 0 at a position past seqlen (g and x are 0 there): q < L only, j < L only
+                    # (a short or ragged last chunk skipped 256 x 64 products per thread at chunk 256)
+                    if c * Q + q < L:
+                        for j in range(T.min(Q, L - c * Q)):  # row q (s = j <= q) minus column q (l = j >= q)
+                            acc[1] = T.float32(0)
+                            acc[2] = T.float32(0)
+                            for p in range(P):
+                                acc[1] = acc[1] + grad(dy, z, b, c, q, h, p, L) * X(x, b, c, j, h, p, L)
+                                acc[2] = acc[2] + grad(dy, z, b, c, j, h, p, L) * X(x, b, c, q, h, p, L)
+                            acc[0] = acc[0] + acc[1] * cbm[b, c, h // R, q, j] * k.seg(dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j]
+                            acc[0] = acc[0] - acc[2] * cbm[b, c, h // R, j, q] * k.seg(dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q]
                         acc[1] = T.float32(0)
-                        acc[2] = T.float32(0)
-                        for p in range(P):
-                            acc[1] = acc[1] + grad(dy, z, b, c, q, h, p, L) * X(x, b, c, j, h, p, L)
-                            acc[2] = acc[2] + grad(dy, z, b, c, j, h, p, L) * X(x, b, c, q, h, p, L)
-                        acc[0] = acc[0] + acc[1] * cbm[b, c, h // R, q, j] * k.seg(dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j]
-                        acc[0] = acc[0] - acc[2] * cbm[b, c, h // R, j, q] * k.seg(dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q]
-                    acc[1] = T.float32(0)
-                    for n in range(N):
-                        acc[2] = T.float32(0)
-                        for p in range(P):
-                            acc[2] = acc[2] + grad(dy, z, b, c, q, h, p, L) * sin[b, c, h, p, n]
-                        acc[1] = acc[1] + BC(Cm, b, c, q, h, n, L) * acc[2]
-                    acc[0] = acc[0] + k.e(dA_cs, seq_idx, b, h, c, q, L) * acc[1]
+                        for n in range(N):
+                            acc[2] = T.float32(0)
+                            for p in range(P):
+                                acc[2] = acc[2] + grad(dy, z, b, c, q, h, p, L) * sin[b, c, h, p, n]
+                            acc[1] = acc[1] + BC(Cm, b, c, q, h, n, L) * acc[2]
+                        acc[0] = acc[0] + k.e(dA_cs, seq_idx, b, h, c, q, L) * acc[1]
                     acc[0] = acc[0] - k.w(dA_cs, seq_idx, b, h, c, q, L) * dt_out[b, h, c, q] * ddt_out[b, h, c, q]
                     if q == Q - 1:
                         for j in range(Q):
@@ -316,7 +320,7 @@ def _chunk_scan_bwd(s, TH):
                 q = T.meta_var(i % Q)
                 if i < Bt * NC * H * Q:
                     acc[0] = k.w(dA_cs, seq_idx, b, h, c, q, L) * ddt_out[b, h, c, q]
-                    for l in range(q, Q):
+                    for l in range(q, T.min(Q, L - c * Q)):  # g is 0 past seqlen
                         acc[1] = T.float32(0)
                         for p in range(P):
                             acc[1] = acc[1] + grad(dy, z, b, c, l, h, p, L) * X(x, b, c, q, h, p, L)

@@ -1,0 +1,175 @@
+"""sim-check for ssd: every build-check configuration of the Mamba-2 chunked scan run through the CUDA execution
+harness via ``mamba_chunk_scan_combined`` (forward, and autograd for the backward kernels), against the
+float64 step-by-step recurrence (reference/ssd.py).
+
+Each configuration names one kernel and only the static dims / flags that kernel is keyed by; the rest of the
+call is filled in here (:func:`case_of`): dims the kernel does not see are small (headdim 8, dstate 16, one
+group, chunk 32), flags it does not see are off, and every optional input the flags turn on is passed
+(dt_bias, softplus, dt_limit, seq_idx, initial_states, a loss on final_states, D, z).
+
+Sequence: batch 1, seqlen 13, ragged and shorter than the chunk (one partial chunk at chunk 256), seq_idx
+switching sequence at position 6. One partial chunk because (a) the ``head_sum`` configuration (nheads 80 =
+one dB / dC partial per head) is what ``head_parts`` picks only when batch x nchunks = 1, and (b) the CUDA
+chunk-scan kernels cost O(seqlen x chunk x headdim) per thread in the harness: at the Mamba-2 2.7B dims a
+second (full) chunk takes a minute per call, seqlen 13 a few seconds. Several chunks (state passing between
+chunks, seq_idx across a chunk boundary, several batches) are tested at small dims in tests/cudasim/test_ssd.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import CheckFailed, compare, ran, recording, tolerance
+
+OP = "ssd"
+FORWARD = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan")
+BACKWARD = ("chunk_cumsum_bwd", "state_passing_bwd", "chunk_scan_bwd_dstates", "chunk_scan_bwd", "head_sum")
+FLAGS = ("has_dt_bias", "dt_softplus", "has_dt_limit", "has_seq_idx", "has_init", "has_dfinal", "has_D",
+         "D_has_hdim", "has_z")
+FILL = dict(ngroups=1, headdim=8, dstate=16, chunk_size=32)  # dims a configuration's kernel is not keyed by
+BATCH, SEQLEN, SEQ_SPLIT = 1, 13, 6
+DT_LIMIT = (0.05, 1.0)  # clamps both ends of softplus(dt + dt_bias) for some positions
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call of mamba_chunk_scan_combined: model dims, which optional inputs are on, dtypes, lengths."""
+
+    nheads: int
+    ngroups: int
+    headdim: int
+    dstate: int
+    chunk_size: int
+    flags: tuple  # the FLAGS that are on
+    x_dtype: str = "float32"  # x, z (and y)
+    bc_dtype: str = "float32"  # B, C
+    batch: int = BATCH
+    seqlen: int = SEQLEN
+    backward: bool = True
+
+    def on(self, flag: str) -> bool:
+        return flag in self.flags
+
+
+def case_of(direction: str, static: dict, dtypes: dict) -> Case:
+    """The call that runs configuration (direction, static, dtypes): its dims and flags, FILL for the rest.
+    head_sum's ``nheads`` is the number of dB / dC partials (groups x parts): one partial per head here."""
+    if direction not in FORWARD + BACKWARD:
+        raise CheckFailed(f"ssd: unknown direction {direction!r} (expected one of {sorted(FORWARD + BACKWARD)})")
+    dims = dict(FILL, **{k: static[k] for k in ("nheads", "ngroups", "headdim", "dstate", "chunk_size")
+                         if k in static})
+    dims.setdefault("nheads", 2 * dims["ngroups"])  # bmm_chunk: keyed by groups only
+    xd = dtypes.get("x", dtypes.get("bc", dtypes.get("out", "float32")))
+    bcd = dtypes.get("bc", dtypes.get("out", xd))
+    flags = tuple(f for f in FLAGS if static.get(f, False))
+    return Case(**dims, flags=flags, x_dtype=xd, bc_dtype=bcd, backward=direction in BACKWARD)
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict:
+    """The call's tensors, in their dtypes (None where the case has the input off): x, z (batch, seqlen,
+    nheads, headdim); dt (batch, seqlen, nheads) f32; A, dt_bias (nheads,) f32; B, C (batch, seqlen, ngroups,
+    dstate); D (nheads,) or (nheads, headdim) f32; initial_states (batch, nheads, headdim, dstate) f32;
+    seq_idx (batch, seqlen) int32; and the loss weights gy (like y, exact in x's dtype) and gf (like the
+    final states), so that the kernel and the reference see the same cotangents."""
+    g = torch.Generator().manual_seed(seed)
+    b, L, H, G, P, N = case.batch, case.seqlen, case.nheads, case.ngroups, case.headdim, case.dstate
+    xd, bcd = DTYPES[case.x_dtype], DTYPES[case.bc_dtype]
+
+    def r(*shape, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    t = dict(x=r(b, L, H, P, dtype=xd), dt=r(b, L, H) - 1.0, A=-(torch.rand(H, generator=g) + 0.5),
+             B=r(b, L, G, N, scale=0.5, dtype=bcd), C=r(b, L, G, N, scale=0.5, dtype=bcd))
+    on = case.on
+    t["D"] = (r(H, P) if on("D_has_hdim") else r(H)) if on("has_D") else None
+    t["z"] = r(b, L, H, P, dtype=xd) if on("has_z") else None
+    t["dt_bias"] = r(H, scale=0.5) if on("has_dt_bias") else None
+    t["initial_states"] = r(b, H, P, N, scale=0.5) if on("has_init") else None
+    t["seq_idx"] = seq_idx_of(b, L) if on("has_seq_idx") else None
+    t["gy"] = r(b, L, H, P, dtype=xd).double()
+    t["gf"] = r(b, H, P, N).double() if on("has_dfinal") else None
+    return t
+
+
+def seq_idx_of(batch: int, seqlen: int, split: int = SEQ_SPLIT) -> torch.Tensor:
+    """(batch, seqlen) int32: sequence 0 up to ``split`` (exclusive), then row r's sequence id is r + 1 (the
+    rows differ, and an id other than 1 follows 0)."""
+    s = torch.zeros(batch, seqlen, dtype=torch.int32)
+    s[:, split:] = torch.arange(1, batch + 1, dtype=torch.int32)[:, None]
+    return s
+
+
+def call_kwargs(case: Case) -> dict:
+    """The flag arguments of the call (softplus, dt_limit)."""
+    return dict(dt_softplus=case.on("dt_softplus"),
+                dt_limit=DT_LIMIT if case.on("has_dt_limit") else (0.0, math.inf))
+
+
+def run(fn, case: Case, t: dict, dtype=None, **kw) -> dict:
+    """``fn`` (mamba_chunk_scan_combined or the reference, with mamba_ssm's signature) on copies of ``t``
+    (cast to ``dtype`` if given) -> {"y", "final_states" (None unless it takes a loss), "d<name>" for each
+    differentiable input present}; the gradients of sum(y * gy) + sum(final * gf) when case.backward."""
+    leaves = {}
+    for k in NAMES:
+        v = t[k]
+        if v is not None:
+            v = v.detach().to(dtype or v.dtype).clone().requires_grad_(case.backward)
+        leaves[k] = v
+    rest = {k: leaves[k] for k in NAMES[5:]}
+    out = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], case.chunk_size, **rest,
+             seq_idx=t["seq_idx"], return_final_states=True, **call_kwargs(case), **kw)
+    y, final = out
+    res = {"y": y.detach(), "final_states": final.detach() if t["gf"] is not None else None}
+    if case.backward:
+        loss = (y.double() * t["gy"]).sum()
+        if t["gf"] is not None:
+            loss = loss + (final.double() * t["gf"]).sum()
+        loss.backward()
+        res.update({"d" + k: v.grad for k, v in leaves.items() if v is not None})
+    return res
+
+
+def reference(case: Case, t: dict) -> dict:
+    """:func:`run` of the float64 recurrence on the same inputs."""
+    from ..reference.ssd import ssd_recurrence_ref
+
+    def ref(x, dt, A, B, C, chunk_size, **kw):
+        return ssd_recurrence_ref(x, dt, A, B, C, **kw)
+
+    return run(ref, case, t, dtype=torch.float64)
+
+
+def compare_all(got: dict, ref: dict) -> None:
+    """CheckFailed naming the first output or gradient off its reference. Tolerances: the output dtype's
+    (simcheck.tolerance), atol scaled by the reference's largest magnitude (these are sums over up to
+    seqlen x heads x headdim terms: the rounding grows with the sum)."""
+    for name, r in ref.items():
+        v = got.get(name)
+        if r is None:
+            continue
+        if v is None:
+            raise CheckFailed(f"{name}: missing (the reference has it)")
+        rtol, atol = tolerance(v.dtype)
+        compare(name, v, r, rtol, atol * max(1.0, r.abs().max().item()))
+
+
+def run_simulated(case: Case, t: dict, arch: str) -> tuple[dict, list]:
+    """:func:`run` of mamba_chunk_scan_combined inside simulate_cuda(arch) -> (results, kernel keys run)."""
+    import tvm_mamba
+
+    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+        got = run(tvm_mamba.mamba_chunk_scan_combined, case, t)
+    return got, keys
+
+
+def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
+    """Run one build-check configuration of ssd through the harness (see the module docstring)."""
+    case = case_of(direction, static, dtypes)
+    t = make_inputs(case)
+    got, keys = run_simulated(case, t, arch)
+    ran(keys, OP, direction, static, dtypes)
+    compare_all(got, reference(case, t))
