@@ -31,61 +31,6 @@ def test_rule_schedules_and_compiles(direction):
     assert ex[f"ssd_{direction}"] is not None
 
 
-def _serial_cuda_kernel_for(op, direction, device, dtypes, static, **dynamic):
-    """kernel_for stand-in: the CUDA template with its thread loops made serial, compiled for the CPU."""
-    from tvm_mamba.schedules.cuda import ssd as cuda_rule
-
-    name = f"{op}_{direction}"
-    full = dict(static, **{f"{k}_dtype": v for k, v in dtypes.items()})
-    func = cuda_rule.template(name, full, serial=True).with_attrs({"global_symbol": name, "tirx.noalias": True})
-    with cpu_target():
-        ex = tvm.compile(tvm.IRModule({name: func}), target=cpu_target())
-    return ex[name]
-
-
-@pytest.mark.parametrize("tasks", [1, 24, 64])
-def test_cuda_templates_compute_the_same_math(tasks, monkeypatch):
-    """No GPU here: run the CUDA templates' arithmetic serially on the CPU through the whole op (forward and
-    every gradient, ragged seqlen, seq_idx, z, D, dt_bias/softplus/limit, initial and final states), with
-    1, 2 and 4 parts of the 4 heads per group in the dB / dC sums (compute.ssd.head_parts)."""
-    import torch
-
-    from tvm_mamba.compute import _ssd_dims as compute_ssd
-
-    from tests.conftest import assert_close_to_ref
-    from tvm_mamba.reference.ssd import ssd_recurrence_ref
-    from tvm_mamba.torch_ops import ssd as ssd_op
-
-    monkeypatch.setattr(ssd_op, "kernel_for", _serial_cuda_kernel_for)
-    monkeypatch.setattr(compute_ssd, "HEAD_PART_TASKS", tasks)
-    g = torch.Generator().manual_seed(0)
-    b, L, h, gr, p, n, cs = 2, 11, 8, 2, 3, 4, 4
-    assert compute_ssd.head_parts(b, 3, h, gr) == {1: 1, 24: 2, 64: 4}[tasks]
-    names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
-    inp = dict(x=torch.randn(b, L, h, p, generator=g), dt=torch.randn(b, L, h, generator=g) - 1,
-               A=-torch.rand(h, generator=g) - 0.5, B=torch.randn(b, L, gr, n, generator=g),
-               C=torch.randn(b, L, gr, n, generator=g), D=torch.randn(h, generator=g),
-               z=torch.randn(b, L, h, p, generator=g), dt_bias=torch.randn(h, generator=g) * 0.3,
-               initial_states=torch.randn(b, h, p, n, generator=g))
-    seq_idx = torch.tensor([[0] * 6 + [1] * 5, [0] * 2 + [3] * 9], dtype=torch.int32)
-    kw = dict(seq_idx=seq_idx, dt_softplus=True, dt_limit=(0.0, 3.0), return_final_states=True)
-    ref = {k: v.double().clone().requires_grad_() for k, v in inp.items()}
-    leaves = {k: v.clone().requires_grad_() for k, v in inp.items()}
-    y, f = ssd_op.mamba_chunk_scan_combined(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], cs,
-                                            D=leaves["D"], z=leaves["z"], dt_bias=leaves["dt_bias"],
-                                            initial_states=leaves["initial_states"], **kw)
-    yr, fr = ssd_recurrence_ref(**ref, **kw)
-    assert_close_to_ref(y, yr, atol=1e-4, rtol=1e-4, name="y")
-    assert_close_to_ref(f, fr, atol=1e-4, rtol=1e-4, name="final_states")
-    gy, gf = torch.randn(yr.shape, generator=g, dtype=torch.float64), torch.randn(fr.shape, generator=g,
-                                                                                  dtype=torch.float64)
-    ((y.double() * gy).sum() + (f.double() * gf).sum()).backward()
-    ((yr * gy).sum() + (fr * gf).sum()).backward()
-    for k in names:
-        scale = max(ref[k].grad.abs().max().item(), 1.0)
-        assert_close_to_ref(leaves[k].grad, ref[k].grad, atol=3e-5 * scale, rtol=1e-4, name="d" + k)
-
-
 @pytest.mark.parametrize("rows, cols, order, cs", [(1, 128, 0, 12), (2, 16, 1, 12), (8, 64, 0, 12), (2, 16, 0, 32),
                                                   (8, 16, 1, 32), (4, 32, 1, 32)])
 def test_cpu_register_blocks_agree_bitwise(rows, cols, order, cs, monkeypatch):
