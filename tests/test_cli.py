@@ -58,3 +58,25 @@ def test_build_check_causal_conv1d_is_clean(arch):
     assert int(m.group(1)) >= 10 and m.group(2) == "0" and m.group(3) == "0"
     assert proc.returncode == 0
     assert "regs" in proc.stdout
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_sim_check_runs_what_build_check_builds(arch):
+    """sim-check runs the same configurations as build-check (the counts match) through the CUDA harness."""
+    from tvm_mamba.compute.rmsnorm_gated import build_check_configs
+
+    proc = _run("sim-check", "--arch", arch, "--ops", "rmsnorm_gated")
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(rf"sim-check: (\d+) kernels, (\d+) failed \(cuda {arch}\)", last)
+    assert m, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert int(m.group(1)) == len(build_check_configs()) and m.group(2) == "0"
+    assert proc.returncode == 0
+    assert proc.stdout.count(" ok   ") == len(build_check_configs())
+
+
+def test_sim_and_build_check_refuse_bad_flags():
+    for cmd in ("sim-check", "build-check"):
+        proc = _run(cmd, "--ops", "no_such_op")
+        assert proc.returncode == 2 and "valid: causal_conv1d" in proc.stderr
+        proc = _run(cmd, "--arch", "sm_75")
+        assert proc.returncode == 2 and "minimum is sm_80" in proc.stderr
