@@ -267,12 +267,11 @@ def _chunk_scan_bwd(s, TH):
                 sq = T.meta_var(i % Q)
                 if i < Bt * NC * H * Q:
                     acc[0] = T.float32(0)
-                    if c * Q + sq < L:  # 0 past seqlen (x, B are 0 there): skip the P x N loop
-                        for p in range(P):
-                            acc[1] = T.float32(0)
-                            for n in range(N):
-                                acc[1] = acc[1] + BC(Bm, b, c, sq, h, n, L) * dso[b, c, h, p, n]
-                            acc[0] = acc[0] + X(x, b, c, sq, h, p, L) * acc[1]
+                    for p in range(P):
+                        acc[1] = T.float32(0)
+                        for n in range(N):
+                            acc[1] = acc[1] + BC(Bm, b, c, sq, h, n, L) * dso[b, c, h, p, n]
+                        acc[0] = acc[0] + X(x, b, c, sq, h, p, L) * acc[1]
                     ddt_out[b, h, c, sq] = acc[0]
         # d dA_cs[q] = rows - columns of G = (g.x)(C.B) K dt + e <g_q, C_q Sin> + chunk-state terms
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
