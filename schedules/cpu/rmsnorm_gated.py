@@ -2,8 +2,9 @@
 
 Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated.py). Hidden and group_size are static,
 so every vectorized loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1
-dividing group_size. Sums of squares keep one partial sum per vector lane (field guide §10) and are added
-horizontally once per group. SiLU uses the vectorizable exp of compute/_math.py (llvm.exp is scalarized).
+dividing group_size. Sums of squares are float64 (as in the TE compute: no overflow for any float32 input),
+one partial sum per vector lane (field guide §10), added horizontally once per group. SiLU uses the
+vectorizable exp of compute/_math.py (llvm.exp is scalarized).
 
 Backward: rows are split into ``nparts`` contiguous parts (nparts = the partial buffer's first dim, chosen
 by the torch op from the row count only, so results do not depend on the thread count); each part
@@ -26,6 +27,11 @@ def _f32(v):
     return v.astype("float32")
 
 
+def _f64(v):
+    """Widen to float64 (the forward's sum of squares)."""
+    return v.astype("float64")
+
+
 def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
     G, NV = hidden // gs, gs // V
     gate_in, gate_out = has_z and not nbg, has_z and nbg
@@ -45,22 +51,24 @@ def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
 
     @T.macro
     def row(x, w, b, z, out, rstd, r):
-        acc = T.alloc_buffer((V,), "float32")
-        tot = T.alloc_buffer((1,), "float32")
+        # float64 sum of squares, as the TE compute (u^2 overflows float32 above |u| ~ 1.8e19)
+        acc = T.alloc_buffer((V,), "float64")
+        tot = T.alloc_buffer((1,), "float64")
+        rs = T.alloc_buffer((1,), "float32")
         for g in range(G):
             for i in T.vectorized(V):
-                acc[i] = T.float32(0)
+                acc[i] = T.float64(0)
             for j in range(NV):
                 for i in T.vectorized(V):
-                    acc[i] = acc[i] + u(x, z, r, g * gs + j * V + i) * u(x, z, r, g * gs + j * V + i)
-            tot[0] = T.float32(0)
+                    acc[i] = acc[i] + _f64(u(x, z, r, g * gs + j * V + i)) * _f64(u(x, z, r, g * gs + j * V + i))
+            tot[0] = T.float64(0)
             for i in range(V):
                 tot[0] = tot[0] + acc[i]
-            tot[0] = T.float32(1) / T.sqrt(tot[0] * T.float32(inv_gs) + T.float32(eps))
-            rstd[r, g] = tot[0]
+            rs[0] = (T.float64(1) / T.sqrt(tot[0] * T.float64(inv_gs) + T.float64(eps))).astype("float32")
+            rstd[r, g] = rs[0]
             for j in range(NV):
                 for i in T.vectorized(V):
-                    out[r, g * gs + j * V + i] = y(x, w, b, z, tot[0], r, g * gs + j * V + i)
+                    out[r, g * gs + j * V + i] = y(x, w, b, z, rs[0], r, g * gs + j * V + i)
 
     @T.prim_func
     def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, o_h: T.handle,

@@ -7,7 +7,8 @@ With u = x * silu(z) when gating before the norm (norm_before_gate=False), else 
     y = u * rstd * weight (+ bias);   out = y * silu(z) when norm_before_gate (and z is given), else y.
 
 The forward also writes rstd (float32, (rows, ngroups)), which the backward reads instead of recomputing
-the reduction. Math is float32; out has x's dtype. Absent bias / z are (1,)*ndim placeholders.
+the reduction. Math is float32 except the sum of squares (float64, so |x| up to the float32 maximum
+normalizes); out has x's dtype. Absent bias / z are (1,)*ndim placeholders.
 These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules
 emit hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py).
 """
@@ -16,6 +17,11 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ._common import check_dtype, f32, sigmoid, stamp
+
+
+def _f64(expr) -> tirx.PrimExpr:
+    """Widen to float64 (the sum of squares)."""
+    return expr.astype("float64")
 
 
 def _check(hidden: int, group_size: int) -> None:
@@ -58,9 +64,14 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
         v = f32(x[r, h])
         return v * (f32(z[r, h]) * sigmoid(f32(z[r, h]))) if gate_in else v
 
+    # The sum of squares is accumulated in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and
+    # out garbage), while the square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny
+    # |u| (1e-30: u^2 = 1e-60) does not underflow either. rstd = 1/rms itself is representable in float32
+    # for every finite u (subnormal once rms > 8.5e37). One widening and one float64 FMA per element.
     k = te.reduce_axis((0, gs), name="group_size")
-    ss = te.compute((rows, G), lambda r, g: te.sum(u(r, g * gs + k) * u(r, g * gs + k), axis=k), name="sumsq")
-    rstd = te.compute((rows, G), lambda r, g: tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps), name="rstd")
+    ss = te.compute((rows, G), lambda r, g: te.sum(_f64(u(r, g * gs + k)) * _f64(u(r, g * gs + k)), axis=k),
+                    name="sumsq")
+    rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
 
     def finish(r, h):
         y = u(r, h) * rstd[r, h // gs] * f32(weight[h])
