@@ -15,42 +15,12 @@ from tests.conftest import assert_close_to_ref
 from tvm_mamba import causal_conv1d_fn, causal_conv1d_update
 from tvm_mamba.compute.causal_conv1d import build_check_configs
 from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
-from tvm_mamba.runtime.dispatch import record_keys
+from tests.torch_ops.test_causal_conv1d import _grads, _inputs, _seq_idx
 
 DIM = 24
 
 
-@pytest.fixture(autouse=True)
-def sim():
-    """Every kernel of the test runs simulated sm_90 CUDA; fails the test if any ran elsewhere."""
-    with record_keys() as used, tvm_mamba.simulate_cuda("sm_90"):
-        yield used
-    targets = {k.target for k, _ in used}
-    assert all(t.startswith("cudasim-") for t in targets), targets
-
-
-def _inputs(batch=2, dim=DIM, seqlen=37, width=4, dtype=torch.float32, wdtype=torch.float32, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, dim, seqlen, generator=g).to(dtype)
-    w = (torch.randn(dim, width, generator=g) / width ** 0.5).to(wdtype)
-    b = torch.randn(dim, generator=g).to(wdtype) if bias else None
-    return x, w, b
-
-
-def _seq_idx(batch, seqlen, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cuts = torch.randint(0, 4, (batch, seqlen), generator=g) == 0
-    return torch.cumsum(cuts.to(torch.int32), dim=1).to(torch.int32)
-
-
-def _grads(out_fn, tensors, seed=1):
-    """Run out_fn, backprop random cotangents (drawn in float64, the same for kernel and reference)."""
-    outs = out_fn()
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs)
-    loss.backward()
-    return outs, [t.grad if t is not None else None for t in tensors]
+pytestmark = pytest.mark.usefixtures("sim")
 
 
 def _leaves(*tensors, dtype=None):

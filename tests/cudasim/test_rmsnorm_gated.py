@@ -16,37 +16,18 @@ from tests.conftest import assert_close_to_ref
 from tvm_mamba.compute.rmsnorm_gated import build_check_configs
 from tvm_mamba.modules.rmsnorm_gated import RMSNormGated
 from tvm_mamba.reference.rmsnorm_gated import rmsnorm_gated_ref
-from tvm_mamba.runtime.dispatch import record_keys
+from tests.torch_ops.test_rmsnorm_gated import _inputs as _cpu_inputs, _run
 from tvm_mamba.torch_ops.rmsnorm_gated import rmsnorm_fn
 
 HIDDEN = 192
 GATES = {"none": (False, True), "after": (True, True), "before": (True, False)}  # -> (has_z, norm_before_gate)
 
 
-@pytest.fixture(autouse=True)
-def sim():
-    """Every kernel of the test runs simulated sm_90 CUDA; fails the test if any ran elsewhere."""
-    with record_keys() as used, tvm_mamba.simulate_cuda("sm_90"):
-        yield used
-    targets = {k.target for k, _ in used}
-    assert all(t.startswith("cudasim-") for t in targets), targets
+pytestmark = pytest.mark.usefixtures("sim")
 
 
 def _inputs(shape, dtype, has_bias, has_z, seed=0, wdtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, HIDDEN, generator=g).to(dtype).requires_grad_()
-    w = (1 + 0.5 * torch.randn(HIDDEN, generator=g)).to(wdtype).requires_grad_()
-    b = (0.3 * torch.randn(HIDDEN, generator=g)).to(wdtype).requires_grad_() if has_bias else None
-    z = (2 * torch.randn(*shape, HIDDEN, generator=g)).to(dtype).requires_grad_() if has_z else None
-    return x, w, b, z
-
-
-def _run(fn, x, w, b, z, dout, dtype=None, **kw):
-    """Forward + backward of fn on copies of the inputs (cast to dtype if given) -> [out, grads...]."""
-    ins = [t.detach().to(dtype or t.dtype).requires_grad_() if t is not None else None for t in (x, w, b, z)]
-    out = fn(ins[0], ins[1], ins[2], ins[3], **kw)
-    out.backward(dout.to(out.dtype))
-    return [out] + [t.grad for t in ins if t is not None]
+    return _cpu_inputs(shape, dtype, has_bias, has_z, seed=seed, wdtype=wdtype, hidden=HIDDEN)
 
 
 def _names(has_bias, has_z):

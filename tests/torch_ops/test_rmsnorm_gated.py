@@ -14,12 +14,12 @@ from tvm_mamba.torch_ops.rmsnorm_gated import rmsnorm_fn
 HIDDEN = 64
 
 
-def _inputs(shape, dtype, has_bias, has_z, seed=0, wdtype=torch.float32):
+def _inputs(shape, dtype, has_bias, has_z, seed=0, wdtype=torch.float32, hidden=HIDDEN):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, HIDDEN, generator=g).to(dtype).requires_grad_()
-    w = (1 + 0.5 * torch.randn(HIDDEN, generator=g)).to(wdtype).requires_grad_()
-    b = (0.3 * torch.randn(HIDDEN, generator=g)).to(wdtype).requires_grad_() if has_bias else None
-    z = (2 * torch.randn(*shape, HIDDEN, generator=g)).to(dtype).requires_grad_() if has_z else None
+    x = torch.randn(*shape, hidden, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(hidden, generator=g)).to(wdtype).requires_grad_()
+    b = (0.3 * torch.randn(hidden, generator=g)).to(wdtype).requires_grad_() if has_bias else None
+    z = (2 * torch.randn(*shape, hidden, generator=g)).to(dtype).requires_grad_() if has_z else None
     return x, w, b, z
 
 
