@@ -94,8 +94,12 @@ MIN_ARCH = 80  # bf16 arithmetic (cuda_bf16.h's operators, __hgt) needs sm_80; o
 
 
 def _checked_ops_arch(args, cmd: str):
-    """(ops, arch) from --ops / --arch, or None after a one-line error listing the valid values."""
+    """(ops, arch) from --target / --ops / --arch, or None after a one-line error listing the valid values."""
     from tvm_mamba.runtime.target import CUDA_ARCHS
+
+    if args.target != "cuda":
+        print(f"{cmd}: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
+        return None
 
     valid = _compute_modules()
     ops = [o for o in args.ops.split(",") if o] if args.ops else valid
@@ -131,9 +135,6 @@ def cmd_build_check(args) -> int:
     from tvm_mamba.runtime.cache import compile_module
     from tvm_mamba.runtime.nvcc import ptxas_stats
 
-    if args.target != "cuda":
-        print(f"build-check: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
-        return 2
     checked = _checked_ops_arch(args, "build-check")
     if checked is None:
         return 2
@@ -200,15 +201,12 @@ def cmd_sim_check(args) -> int:
     from tvm_mamba import simcheck
     from tvm_mamba.runtime import KernelKey, build_and_load
 
-    if args.target != "cuda":
-        print(f"sim-check: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
-        return 2
     checked = _checked_ops_arch(args, "sim-check")
     if checked is None:
         return 2
     ops, arch = checked
     configs = list(_configs(ops))
-    keys = [KernelKey.make(op, d, dt, st, "cudasim-" + args.arch) for op, d, st, dt in configs]
+    keys = [KernelKey.make(op, d, dt, st, "cudasim-" + arch) for op, d, st, dt in configs]
     print(f"sim-check: compiling {len(keys)} kernels for the harness ({args.jobs} jobs) ...", flush=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         warm = list(pool.map(lambda k: _try(build_and_load, k), keys))
@@ -216,13 +214,13 @@ def cmd_sim_check(args) -> int:
     for i, ((op, direction, static, dtypes), key, err) in enumerate(zip(configs, keys, warm)):
         t0 = time.perf_counter()
         if err is None:
-            err = _try(simcheck.run_config, op, direction, static, dtypes, args.arch)
+            err = _try(simcheck.run_config, op, direction, static, dtypes, arch)
         status = "ok  " if err is None else "FAIL"
         print(f"[{i + 1}/{len(keys)}] {status} {key}  ({time.perf_counter() - t0:.1f} s)", flush=True)
         if err is not None:
             failed += 1
             print("      " + err.replace("\n", "\n      ")[:1500], flush=True)
-    print(f"sim-check: {len(keys)} kernels, {failed} failed (cuda {args.arch})")
+    print(f"sim-check: {len(keys)} kernels, {failed} failed (cuda {arch})")
     return 1 if failed else 0
 
 
