@@ -293,8 +293,12 @@ def _chunk_scan_bwd(s, TH):
                             for p in range(P):
                                 acc[1] = acc[1] + grad(dy, z, b, c, q, h, p, L) * X(x, b, c, j, h, p, L)
                                 acc[2] = acc[2] + grad(dy, z, b, c, j, h, p, L) * X(x, b, c, q, h, p, L)
-                            acc[0] = acc[0] + acc[1] * cbm[b, c, h // R, q, j] * k.seg(dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j]
-                            acc[0] = acc[0] - acc[2] * cbm[b, c, h // R, j, q] * k.seg(dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q]
+                            # selected, not masked by seg = 0: g_q . x_j (j > q) or g_j . x_q (j < q) may be
+                            # NaN / Inf, and a non-finite dy or x must not reach another position's d dA_cs
+                            acc[0] = acc[0] + T.Select(j <= q, acc[1] * cbm[b, c, h // R, q, j] * k.seg(
+                                dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j], T.float32(0))
+                            acc[0] = acc[0] - T.Select(j >= q, acc[2] * cbm[b, c, h // R, j, q] * k.seg(
+                                dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q], T.float32(0))
                         acc[1] = T.float32(0)
                         for n in range(N):
                             acc[2] = T.float32(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ...compute.ssd import dA_passes, dA_step
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 F32, I32 = "float32", "int32"
@@ -171,7 +172,7 @@ def _cumsum(s, TH):
                             t1[0] = st[1][1]
                             t2[0] = st[2][1]
                         dt_out[b, h, c, l] = t2[0]
-                        acc[0] = acc[0] + t2[0] * A[h]
+                        acc[0] = acc[0] + dA_step(t2[0], A[h])  # clamped: A = -inf gives decay 0, not NaN
                         dA_cs[b, h, c, l] = acc[0]
 
     return func
@@ -220,14 +221,16 @@ def _cumsum_bwd(s, TH):
                         for lr in range(Q):
                             l = T.meta_var(Q - 1 - lr)
                             a0[0] = a0[0] + ddA_cs[b, h, c, l]
-                            a1[0] = a1[0] + dt_out[b, h, c, l] * a0[0]
+                            a1[0] = a1[0] + T.Select(dA_passes(dt_out[b, h, c, l], A[h]), dt_out[b, h, c, l] * a0[0],
+                                                     T.float32(0))
                             if c * Q + l < L:
                                 st = T.meta_var(_dt_stages(_Slots(t0, t1, t1, t3), dt[b, c * Q + l, h], dt_bias, h,
                                                            dt_limit, **fa))
                                 t0[0] = st[0][1]
                                 t1[0] = st[1][1]
                                 t3[0] = st[3][1]
-                                ddt[b, c * Q + l, h] = (ddt_out[b, h, c, l] + A[h] * a0[0]) * t3[0]
+                                ddt[b, c * Q + l, h] = (ddt_out[b, h, c, l] + T.Select(
+                                    dA_passes(dt_out[b, h, c, l], A[h]), A[h] * a0[0], T.float32(0))) * t3[0]
                                 a2[0] = a2[0] + ddt[b, c * Q + l, h]
                     dA_part[b, h] = a1[0]
                     dbias_part[b, h] = a2[0]

@@ -6,8 +6,10 @@ feeds ``rows`` FMAs, and the block's rows * cols / lanes independent FMA chains 
 The unblocked row update (one output row of 64 floats = 4 chains) runs at about half the FMA rate.
 
 Every output element sums over k in ascending order from its init whatever the tiling, so all tilings
-give bitwise-equal results. Triangular ranges (s <= l, l >= s) pad a row block with exact zeros: the
-caller's ``a`` masks itself to 0 outside its range (x + 0 * b == x for finite b). A square product whose
+give bitwise-equal results. Triangular ranges (``tri``: k <= i or k >= i) run the k of the row block's
+diagonal part under a per-row Select, so a term outside a row's own range is never added: a padding term
+0 * b would be NaN for b = NaN / Inf and leak a non-finite x (or dy) at one position into the outputs of up
+to rows - 1 *earlier* positions (issue #16: outputs must stay causal). A square product whose
 consumers read only its causal part (``lower=True``) computes, for the row block [lo, hi), the column blocks
 that start below hi: every (l, s <= l) and the rest of the diagonal blocks; the blocks right of them are
 not written (consumers mask them with a Select, never by multiplying with 0).
@@ -46,8 +48,11 @@ def lower_cols(l, width: int, vb: int):
     return T.min((l // vb + 1) * vb, width)
 
 
+TRI = (None, "le", "ge")  # no mask; row i sums k <= i (klo .. hi); row i sums k >= i (lo .. khi)
+
+
 def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, lower: bool = False,
-           order: int = DEFAULT_ORDER):
+           order: int = DEFAULT_ORDER, tri=None):
     """A TVMScript macro ``mm(klo, khi, a, b, init, store)`` computing an M x W product block by block
     (``lower``: only the column blocks starting below each row block's end; M == W).
 
@@ -56,6 +61,9 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
     operand (contiguous in j); init(i, j): the accumulator's start; store(i, j, v): the epilogue.
     ``order`` 0: row blocks outer (each row block streams all of b); 1: column blocks outer (a K x cols
     tile of b is reused by every row block: it stays in L1 when K * cols * 4 bytes fits).
+    ``tri`` "le": row i sums k in [klo, i] (khi must be the block end hi): k < lo unmasked, k in [lo, hi)
+    selected per row; "ge": row i sums k in [i, khi) (klo must be lo): k in [lo, hi) selected per row, then
+    k >= hi unmasked. The masked part is rows iterations per row block (of up to M).
     """
     RB, SV = block(M, W, rows, cols)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
@@ -64,6 +72,8 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
         raise ValueError(f"matmul: lower=True needs a square product, got {M} x {W}")
     if order not in ORDERS:
         raise ValueError(f"matmul: order must be one of {ORDERS}, got {order!r}")
+    if tri not in TRI:
+        raise ValueError(f"matmul: tri must be one of {TRI}, got {tri!r}")
 
     def col_blocks(i0):  # column blocks of row block i0
         return T.min((i0 * RB + RB + SV - 1) // SV, W // SV) if lower else W // SV
@@ -72,18 +82,43 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
         return (j0 * SV) // RB if lower else 0
 
     @T.macro
+    def fma(a, b, acc0, acc1, i0, j0, k):
+        for r in T.unroll(RH):
+            for j in T.vectorized(SV):
+                acc0[r, j] = acc0[r, j] + a(i0 * RB + r, k) * b(k, j0 * SV + j)
+                if TWO:
+                    acc1[r, j] = acc1[r, j] + a(i0 * RB + RH + r, k) * b(k, j0 * SV + j)
+
+    @T.macro
+    def fma_masked(a, b, acc0, acc1, i0, j0, k, ok):  # the term only where row i's range holds k
+        for r in T.unroll(RH):
+            for j in T.vectorized(SV):
+                acc0[r, j] = T.Select(ok(i0 * RB + r, k), acc0[r, j] + a(i0 * RB + r, k) * b(k, j0 * SV + j),
+                                      acc0[r, j])
+                if TWO:
+                    acc1[r, j] = T.Select(ok(i0 * RB + RH + r, k),
+                                          acc1[r, j] + a(i0 * RB + RH + r, k) * b(k, j0 * SV + j), acc1[r, j])
+
+    @T.macro
     def tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0):
         for r in T.unroll(RH):
             for j in T.vectorized(SV):
                 acc0[r, j] = init(i0 * RB + r, j0 * SV + j)
                 if TWO:
                     acc1[r, j] = init(i0 * RB + RH + r, j0 * SV + j)
-        for k in range(klo(i0 * RB, i0 * RB + RB), khi(i0 * RB, i0 * RB + RB)):
-            for r in T.unroll(RH):
-                for j in T.vectorized(SV):
-                    acc0[r, j] = acc0[r, j] + a(i0 * RB + r, k) * b(k, j0 * SV + j)
-                    if TWO:
-                        acc1[r, j] = acc1[r, j] + a(i0 * RB + RH + r, k) * b(k, j0 * SV + j)
+        if tri is None:
+            for k in range(klo(i0 * RB, i0 * RB + RB), khi(i0 * RB, i0 * RB + RB)):
+                fma(a, b, acc0, acc1, i0, j0, k)
+        elif tri == "le":
+            for k in range(klo(i0 * RB, i0 * RB + RB), i0 * RB):
+                fma(a, b, acc0, acc1, i0, j0, k)
+            for kd in range(RB):
+                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _le)
+        else:
+            for kd in range(RB):
+                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _ge)
+            for k in range(i0 * RB + RB, khi(i0 * RB, i0 * RB + RB)):
+                fma(a, b, acc0, acc1, i0, j0, k)
         for r in T.unroll(RH):
             for j in T.vectorized(SV):
                 store(i0 * RB + r, j0 * SV + j, acc0[r, j])
@@ -104,6 +139,14 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
                     tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
 
     return mm
+
+
+def _le(i, k):
+    return k <= i
+
+
+def _ge(i, k):
+    return k >= i
 
 
 def zero(i, j):

@@ -93,6 +93,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
     mm_qp = matmul(Q, P, rows, cols, order=order)
+    mm_qp_le = matmul(Q, P, rows, cols, order=order, tri="le")  # sum_{s<=l}: causal (no 0 * x[s > l])
     VB = vblock(Q)
 
     def carried(e, Dm, xl, h, l, p, v):  # e[l] (C_l Sin)[l, p] + D x[l, p]
@@ -158,7 +159,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
             # acc = e C Sin + D x, then += sum_{s<=l} cb[l, s] x[s]
             mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, p: sint[n, p], zero,
                   lambda l, p, v: T.buffer_store(acc, carried(e, Dm, xl, h, l, p, v), [l, p]))
-            mm_qp(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, cb[l, s], T.float32(0)),
+            mm_qp_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: cb[l, s],
                   lambda s, p: xl[s, p], lambda l, p: acc[l, p], lambda l, p, v: T.buffer_store(acc, v, [l, p]))
             for l in range(T.min(Q, seqlen - c * Q)):
                 for p in T.vectorized(P):

@@ -50,6 +50,9 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
     W2 = max(P, N)
     mm_qq = matmul(Q, Q, rows, cols, lower=True, order=order)
     mm_qp, mm_qn = matmul(Q, P, rows, cols, order=order), matmul(Q, N, rows, cols, order=order)
+    # the triangular sums select their range per row (never 0 * a non-finite dy / x / B / C of another position)
+    mm_qp_ge = matmul(Q, P, rows, cols, order=order, tri="ge")
+    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t) for t in ("le", "ge"))
 
     def dx_init(Dm, gl, h, s, p):  # D g[s, p]
         if has_D:
@@ -165,10 +168,11 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                         for v in T.vectorized(VB):
                             s = T.meta_var(sb * VB + v)
                             kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
-                            gr[s] = gx[l, s] * cbg[b, c, g, l, s] * kk[s]
+                            # selected, not multiplied by kk = 0: gx[l, s > l] = g_l . x_s may be NaN / Inf
+                            gr[s] = T.Select(s <= l, gx[l, s] * cbg[b, c, g, l, s] * kk[s], T.float32(0))
                             dd[s] = dd[s] + gr[s]
                             cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
-                            gsum[l, s] = gsum[l, s] + gx[l, s] * kk[s] * dtl[s]
+                            gsum[l, s] = gsum[l, s] + T.Select(s <= l, gx[l, s] * kk[s] * dtl[s], T.float32(0))
                             gr[s] = gr[s] * dtl[s]
                             dcol[s] = dcol[s] - gr[s]
                     sc[0] = T.float32(0)
@@ -177,7 +181,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     dac[l] = dac[l] + sc[0]
                 # -- dx, and the chunk-state terms of d dt / d dA_cs --
                 # t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l];  t2[s] = B_s dSo^T
-                mm_qp(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, cb[l, s], T.float32(0)),
+                mm_qp_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: cb[l, s],
                       lambda l, p: gl[l, p], lambda s, p: dx_init(Dm, gl, h, s, p),
                       lambda s, p, v: T.buffer_store(t1, v, [s, p]))
                 mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda s, n: bl[s, n], lambda n, p: dsot[n, p], zero,
@@ -223,9 +227,9 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     ddA_cs[b, h, c, l] = dac[l] + dcol[l] + T.if_then_else(l == Q - 1, sc[1], T.float32(0))
             # -- the intra-chunk terms once per part (B, C are the group's): with G = sum over the part's heads
             # of gx K dt, dC[l] += sum_{s<=l} G[l, s] B_s and dB[s] += sum_{l>=s} G[l, s] C_l --
-            mm_qn(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: T.Select(s <= l, gsum[l, s], T.float32(0)),
+            mm_qn_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: gsum[l, s],
                   lambda s, n: bl[s, n], lambda l, n: dCa[l, n], lambda l, n, v: T.buffer_store(dCa, v, [l, n]))
-            mm_qn(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: T.Select(l >= s, gsum[l, s], T.float32(0)),
+            mm_qn_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: gsum[l, s],
                   lambda l, n: cl[l, n], lambda s, n: dBa[s, n], lambda s, n, v: T.buffer_store(dBa, v, [s, n]))
             for l in range(T.min(Q, seqlen - c * Q)):
                 for n in T.vectorized(N):

@@ -54,6 +54,24 @@ def _c(v):
     return tirx.const(v, F32)
 
 
+DA_MIN = -110.0  # the lowest dt'*A step: exp(-110) = 1.7e-48 is 0 in float32 (exp(-104) ~ the last denormal)
+
+
+def dA_step(dt, A):
+    """dt' * A clamped below at DA_MIN (issue #16): A = -inf (or a huge negative A) gives decay exp(DA_MIN) = 0,
+    exactly as exp(dt' A) = 0, while every cumsum and segment difference stays finite (-inf - -inf was NaN for
+    the whole head). dt' = 0 (past seqlen; no step) gives 0 even for A = -inf (0 * -inf); NaN stays NaN."""
+    u = dt * A
+    lo = tirx.const(DA_MIN, F32)
+    return tirx.Select(u >= lo, u, tirx.Select(u < lo, lo, tirx.Select(dt == _c(0.0), _c(0.0), u)))
+
+
+def dA_passes(dt, A):
+    """Whether dA_step passes its gradient (dt' * A >= DA_MIN): a clamped step has zero gradient w.r.t. dt'
+    and A (torch.clamp's rule; the true d exp(dt A) = A exp(dt A) or dt exp(dt A) is 0 in float32 there)."""
+    return dt * A >= tirx.const(DA_MIN, F32)
+
+
 def check_dims(nheads, ngroups, headdim, dstate, chunk_size):
     """ValueError naming the dim that is out of range."""
     for name, v, hi in (("nheads", nheads, 1 << 16), ("ngroups", ngroups, 1 << 16), ("headdim", headdim, 256),
@@ -85,7 +103,8 @@ def ssd_chunk_cumsum(nheads: int, chunk_size: int, has_dt_bias: bool = False, dt
     """dt: (batch, seqlen, nheads) f32; dt_bias: (nheads,); A: (nheads,); dt_limit: (2,) f32
     -> dt_out, dA_cumsum: (batch, nheads, nchunks, chunk_size) f32.
 
-    dt_out = clamp(softplus(dt + dt_bias)) inside the sequence, 0 past seqlen; dA_cumsum = cumsum_l dt_out A.
+    dt_out = clamp(softplus(dt + dt_bias)) inside the sequence, 0 past seqlen; dA_cumsum = cumsum_l dt_out A
+    (each step clamped below at DA_MIN: dA_step).
     """
     H, Q = nheads, chunk_size
     fa = dict(has_dt_bias=has_dt_bias, dt_softplus=dt_softplus, has_dt_limit=has_dt_limit)
@@ -117,7 +136,7 @@ def ssd_chunk_cumsum(nheads: int, chunk_size: int, has_dt_bias: bool = False, dt
                         tmp[st[1][0]] = st[1][1]
                         tmp[st[2][0]] = st[2][1]
                     dt_out[b, h, c, l] = tmp[2]
-                    acc[0] = acc[0] + tmp[2] * A[h]
+                    acc[0] = acc[0] + dA_step(tmp[2], A[h])
                     dA_cs[b, h, c, l] = acc[0]
 
     return stamp(func, "ssd_chunk_cumsum", dict(nheads=H, chunk_size=Q, **fa))
@@ -165,13 +184,15 @@ def ssd_chunk_cumsum_bwd(nheads: int, chunk_size: int, has_dt_bias: bool = False
                 for lr in range(Q):
                     l = T.meta_var(Q - 1 - lr)
                     acc[0] = acc[0] + ddA_cs[b, h, c, l]
-                    acc[1] = acc[1] + dt_out[b, h, c, l] * acc[0]
+                    acc[1] = acc[1] + T.Select(dA_passes(dt_out[b, h, c, l], A[h]), dt_out[b, h, c, l] * acc[0],
+                                               T.float32(0))
                     if c * Q + l < seqlen:
                         st = T.meta_var(_dt_stages(tmp, dt[b, c * Q + l, h], dt_bias, h, dt_limit, **fa))
                         tmp[st[0][0]] = st[0][1]
                         tmp[st[1][0]] = st[1][1]
                         tmp[st[3][0]] = st[3][1]
-                        ddt[b, c * Q + l, h] = (ddt_out[b, h, c, l] + A[h] * acc[0]) * tmp[3]
+                        ddt[b, c * Q + l, h] = (ddt_out[b, h, c, l] + T.Select(
+                            dA_passes(dt_out[b, h, c, l], A[h]), A[h] * acc[0], T.float32(0))) * tmp[3]
                         acc[2] = acc[2] + ddt[b, c * Q + l, h]
             dA_part[b, h] = acc[1]
             dbias_part[b, h] = acc[2]

@@ -54,7 +54,7 @@ class _Call:
         self.Q = int(chunk_size)
         self.nchunks = -(-self.seqlen // self.Q)
         self.dev = x.device
-        self.x, self.B, self.C = prepare(x), prepare(B), prepare(C.to(B.dtype))
+        self.x, self.B, self.C = prepare(x), prepare(B), prepare(C)  # same dtype (_validate)
         self.z = prepare(z.to(x.dtype)) if z is not None else None
         self.dt, self.A, self.dt_bias = _f32(dt), _f32(A), _f32(dt_bias)
         self.D = _f32(D)
@@ -291,6 +291,9 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         raise ValueError(f"B: dstate must be in 1..256, got {dstate}")
     check_tensor("C", C, ndim=4, dtypes=FLOATS, device=dev)
     check_shape("C", C, tuple(B.shape))
+    if C.dtype != B.dtype:  # the kernels take one B / C dtype; a silent cast lost C's precision (issue #16)
+        raise TypeError(f"C: dtype {C.dtype} differs from B's {B.dtype}; pass B and C in one dtype "
+                        f"(e.g. C.to(B.dtype), or both in float32)")
     if D is not None:
         check_tensor("D", D, dtypes=FLOATS, device=dev)
         if tuple(D.shape) not in ((nheads,), (nheads, headdim)):
@@ -307,6 +310,11 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     if seq_idx is not None:
         check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
         check_shape("seq_idx", seq_idx, (batch, seqlen))
+        # upstream documents nondecreasing ids; a decrease (e.g. 0 1 0) gave chunk_size-dependent answers, since
+        # the kernels compare a position's id with its chunk's last id and the previous chunk's last id only
+        if seqlen > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+            row = int((seq_idx[:, 1:] < seq_idx[:, :-1]).any(1).nonzero()[0, 0])
+            raise ValueError(f"seq_idx: must be nondecreasing along seqlen, row {row} decreases")
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
@@ -322,7 +330,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     """Mamba-2 SSD scan.
 
     x, z: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,); B, C:
-    (batch, seqlen, ngroups, dstate), ngroups | nheads; D: (nheads,) or (nheads, headdim); dt_bias:
+    (batch, seqlen, ngroups, dstate) of one dtype, ngroups | nheads; D: (nheads,) or (nheads, headdim); dt_bias:
     (nheads,); initial_states: (batch, nheads, headdim, dstate); seq_idx: (batch, seqlen) int32,
     nondecreasing per row; chunk_size in 1..256 (any seqlen).
     Returns y: (batch, seqlen, nheads, headdim) in x's dtype, and final_states (batch, nheads, headdim,
