@@ -15,6 +15,7 @@ timeout: a process stuck holding it makes the others build privately, with a war
 """
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -222,13 +223,13 @@ def build_and_load(key: KernelKey) -> Kernel:
     memo_key = (key.workload(), plan.digest())
     kern = _memo.get(memo_key)
     if kern is not None:
-        return kern
+        return _serving(kern, key, plan)
     with _memo_lock:
         lock = _key_locks.setdefault(memo_key, threading.Lock())
     with lock:
         kern = _memo.get(memo_key)
         if kern is not None:
-            return kern
+            return _serving(kern, key, plan)
         path = cache_path(key, plan)
         path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
@@ -241,6 +242,25 @@ def build_and_load(key: KernelKey) -> Kernel:
         kern = Kernel(key, plan, module, path, build_s, time.perf_counter() - t0 - build_s)
         _memo[memo_key] = kern
         return kern
+
+
+_views: dict[tuple, Kernel] = {}
+
+
+def _serving(kern: Kernel, key: KernelKey, plan: "dispatch.Plan") -> Kernel:
+    """``kern`` (built for the same workload and decisions) as serving this call's key and plan: the same
+    binary, but explain() must name this call's bucket and the record that chose its decisions, not those of
+    the call that built it."""
+    if kern.key == key and kern.plan == plan:
+        return kern
+    view = _views.get((key, plan))
+    if view is None or view.module is not kern.module:
+        view = copy.copy(kern)
+        view.key, view.plan = key, plan
+        if len(_views) > 65536:
+            _views.clear()
+        _views[(key, plan)] = view
+    return view
 
 
 def _locked_build(key: KernelKey, plan: "dispatch.Plan", path: pathlib.Path):
@@ -287,3 +307,4 @@ def clear_memo() -> None:
     """Forget loaded kernels in this process (the disk cache stays)."""
     with _memo_lock:
         _memo.clear()
+        _views.clear()
