@@ -27,6 +27,15 @@ def _leaves(*tensors, dtype=None):
     return [t.detach().to(dtype or t.dtype).clone().requires_grad_() if t is not None else None for t in tensors]
 
 
+def _assert_fwd_bwd(leaves, refs, activation="silu"):
+    """out and (dx, dweight, dbias) of the kernel on ``leaves`` against the float64 reference on ``refs``."""
+    (out,), grads = _grads(lambda: causal_conv1d_fn(*leaves, activation=activation), leaves)
+    (ref,), rgrads = _grads(lambda: causal_conv1d_ref(*refs, activation=activation), refs)
+    assert_close_to_ref(out, ref)
+    for name, gk, gr in zip(("dx", "dweight", "dbias"), grads, rgrads):
+        assert_close_to_ref(gk, gr, atol=2e-4, name=name)
+
+
 @pytest.mark.parametrize("seqlen", [1, 5, 37, 200])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_forward_backward_fp32(seqlen, activation):
@@ -43,11 +52,7 @@ def test_forward_backward_fp32(seqlen, activation):
 def test_widths(width):
     x, w, b = _inputs(width=width, seqlen=29)
     leaves, refs = _leaves(x, w, b), _leaves(x, w, b, dtype=torch.float64)
-    (out,), grads = _grads(lambda: causal_conv1d_fn(*leaves, activation="silu"), leaves)
-    (ref,), rgrads = _grads(lambda: causal_conv1d_ref(*refs, activation="silu"), refs)
-    assert_close_to_ref(out, ref)
-    for name, gk, gr in zip(("dx", "dweight", "dbias"), grads, rgrads):
-        assert_close_to_ref(gk, gr, atol=2e-4, name=name)
+    _assert_fwd_bwd(leaves, refs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -184,11 +189,7 @@ def test_channel_last_and_noncontiguous_inputs():
     x_cl = x.transpose(1, 2).contiguous().transpose(1, 2)  # (batch, dim, seqlen) with stride(1) == 1
     assert x_cl.stride(1) == 1 and not x_cl.is_contiguous()
     leaves, refs = _leaves(x_cl, w, b), _leaves(x, w, b, dtype=torch.float64)
-    (out,), grads = _grads(lambda: causal_conv1d_fn(*leaves, activation="silu"), leaves)
-    (ref,), rgrads = _grads(lambda: causal_conv1d_ref(*refs, activation="silu"), refs)
-    assert_close_to_ref(out, ref)
-    for name, gk, gr in zip(("dx", "dweight", "dbias"), grads, rgrads):
-        assert_close_to_ref(gk, gr, atol=2e-4, name=name)
+    _assert_fwd_bwd(leaves, refs)
     w_nc = torch.randn(4, DIM).t()  # non-contiguous weight
     assert_close_to_ref(causal_conv1d_fn(x, w_nc), causal_conv1d_ref(x.double(), w_nc.double()))
 

@@ -26,7 +26,6 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import os
 import pathlib
 import re
