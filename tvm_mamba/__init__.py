@@ -10,18 +10,16 @@ __version__ = "0.1.0"
 
 def _map_schedules_from_checkout() -> None:
     """``schedules/`` sits beside the package in the repository and is installed as tvm_mamba.schedules
-    (pyproject). When the repository is used straight from a checkout (PYTHONPATH, e.g. on a GPU
-    machine with only the TVM runtime), map it the same way."""
+    (pyproject). When the package is imported from a checkout (PYTHONPATH, a git worktree, a GPU machine
+    with only the TVM runtime), map that checkout's folder, so the schedules always match the package
+    beside them, even when another checkout is editable-installed."""
     import importlib.util
     import pathlib
     import sys
 
-    try:
-        if importlib.util.find_spec("tvm_mamba.schedules") is not None:
-            return  # installed (or editable-installed): pyproject maps it
-    except (ImportError, ValueError):
-        pass
     folder = pathlib.Path(__file__).resolve().parent.parent / "schedules"
+    if not (folder / "__init__.py").is_file():
+        return  # installed from a wheel: pyproject put the folder inside the package
     spec = importlib.util.spec_from_file_location("tvm_mamba.schedules", folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     if spec is None or spec.loader is None:
