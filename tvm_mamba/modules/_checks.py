@@ -34,3 +34,28 @@ def check_state(name: str, state, batch: int, tail: tuple, dtypes: tuple, device
 
 
 FLOAT_STATES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seqlen: int, seq_idx=None) -> Tensor:
+    """cu_seqlens: (nseq + 1,) int32/int64, 0 = cu[0] <= cu[1] <= ... <= cu[-1] = seqlen, for a batch of one
+    packed row -> seq_idx (1, seqlen) int32 (the given one, checked to agree, or derived: the id of the
+    sequence holding each position)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor (nseq + 1,), got {cu_seqlens.dtype} "
+                         f"shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need batch 1 (all sequences in one row), got batch {batch}")
+    cu = cu_seqlens.to("cpu", torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != seqlen or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens: must start at 0, be nondecreasing and end at seqlen={seqlen}, "
+                         f"got {cu.tolist()}")
+    derived = (torch.searchsorted(cu[1:], torch.arange(seqlen), right=True)).to(torch.int32)[None]
+    if seq_idx is None:
+        return derived.to(cu_seqlens.device)
+    if not isinstance(seq_idx, Tensor) or tuple(seq_idx.shape) != (1, seqlen) \
+            or not torch.equal(seq_idx.to("cpu", torch.int32), derived):
+        raise ValueError("seq_idx: does not match cu_seqlens (seq_idx[0, t] must be the index of the sequence "
+                         "holding position t)")
+    return seq_idx

@@ -6,25 +6,28 @@ upstream pure-Mamba checkpoint (no attention layers, d_intermediate = 0) loads. 
 unfused path (``fused_add_norm`` is accepted but the add and the norm are two ops: residual = h + residual,
 h = RMSNorm(residual) on the rmsnorm kernel, residual kept in float32 with residual_in_fp32).
 
-Generation: the prompt runs through the full (chunked / scan) kernels once, filling each layer's
-(conv_state, ssm_state); then one ``step`` per new token through the decode kernels.
+Generation (``generate``, upstream's GenerationMixin / decode loop in generation.py): the prompt runs through
+the full (chunked / scan) kernels once, filling each layer's (conv_state, ssm_state); then one ``step`` per new
+token through the decode kernels. ``from_pretrained`` / ``save_pretrained``: checkpoint.py.
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections import namedtuple
 from dataclasses import dataclass, field
-from typing import Optional
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..torch_ops.rmsnorm_gated import rmsnorm_fn
+from . import checkpoint
+from .generation import GenerationMixin, InferenceParams  # noqa: F401  (InferenceParams: re-exported)
 from .mamba import Mamba
 from .mamba2 import Mamba2
 
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
-GenerateOutput = namedtuple("GenerateOutput", ["sequences", "scores"])
 
 
 @dataclass
@@ -45,20 +48,6 @@ class MambaConfig:
     tie_embeddings: bool = True
 
 
-@dataclass
-class InferenceParams:
-    """mamba_ssm's utils/generation.InferenceParams: per-layer (conv_state, ssm_state) and the offset."""
-    max_seqlen: int
-    max_batch_size: int
-    seqlen_offset: int = 0
-    batch_size_offset: int = 0
-    key_value_memory_dict: dict = field(default_factory=dict)
-    lengths_per_sample: Optional[torch.Tensor] = None
-
-    def reset(self, max_seqlen, max_batch_size):
-        self.max_seqlen, self.max_batch_size, self.seqlen_offset = max_seqlen, max_batch_size, 0
-
-
 class RMSNorm(nn.Module):
     """mamba_ssm.ops.triton.layer_norm.RMSNorm parameters (weight (hidden,), bias None) on the rmsnorm kernel.
     x: (..., hidden) -> x / sqrt(mean(x^2) + eps) * weight."""
@@ -74,14 +63,20 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """norm -> mixer with the residual carried outside: forward(h, residual) -> (mixer(norm(h + residual)),
-    h + residual) (residual in float32 with residual_in_fp32), upstream's ``modules/block.Block``."""
+    """upstream's ``modules/block.Block``: Block(dim, mixer_cls, mlp_cls=nn.Identity, norm_cls, fused_add_norm,
+    residual_in_fp32), forward(h, residual) -> (mixer(norm(h + residual)), h + residual) (residual in float32
+    with residual_in_fp32). fused_add_norm is accepted: the add and the norm are two ops here."""
 
-    def __init__(self, dim, mixer, norm, residual_in_fp32=True):
+    def __init__(self, dim, mixer_cls, mlp_cls=nn.Identity, norm_cls=RMSNorm, fused_add_norm=False,
+                 residual_in_fp32=False):
         super().__init__()
+        if mlp_cls is not nn.Identity:
+            raise ValueError("mlp_cls: MLP layers are not supported (use nn.Identity, d_intermediate=0)")
         self.residual_in_fp32 = residual_in_fp32
-        self.norm = norm
-        self.mixer = mixer
+        self.fused_add_norm = fused_add_norm
+        self.norm = norm_cls(dim)
+        self.mixer = mixer_cls(dim)
+        self.mlp = None
 
     def forward(self, hidden_states, residual=None, inference_params=None, **mixer_kwargs):
         residual = (hidden_states + residual) if residual is not None else hidden_states
@@ -95,26 +90,45 @@ class Block(nn.Module):
         return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
 
 
-class MixerModel(nn.Module):
-    """Embedding -> n_layer Blocks -> final RMSNorm. input_ids: (batch, seqlen) -> (batch, seqlen, d_model)."""
+def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, attn_cfg=None, norm_epsilon=1e-5,
+                 rms_norm=True, residual_in_fp32=False, fused_add_norm=False, layer_idx=None, device=None,
+                 dtype=None):
+    """upstream's create_block for the supported subset: a Mamba1/Mamba2 mixer (ssm_cfg["layer"]), RMSNorm."""
+    if d_intermediate:
+        raise ValueError("d_intermediate: MLP layers are not supported (use 0)")
+    if attn_layer_idx:
+        raise ValueError("attn_layer_idx: attention layers are not supported (use [])")
+    if not rms_norm:
+        raise ValueError("rms_norm: only RMSNorm is supported (rms_norm=True)")
+    fk = {"device": device, "dtype": dtype}
+    cfg = copy.deepcopy(ssm_cfg or {})
+    layer = cfg.pop("layer", "Mamba1")
+    if layer not in ("Mamba1", "Mamba2"):
+        raise ValueError(f"ssm_cfg: 'layer' must be 'Mamba1' or 'Mamba2', got {layer!r}")
+    mixer_cls = partial(Mamba if layer == "Mamba1" else Mamba2, layer_idx=layer_idx, **cfg, **fk)
+    block = Block(d_model, mixer_cls, nn.Identity, norm_cls=partial(RMSNorm, eps=norm_epsilon, **fk),
+                  fused_add_norm=fused_add_norm, residual_in_fp32=residual_in_fp32)
+    block.layer_idx = layer_idx
+    return block
 
-    def __init__(self, d_model, n_layer, vocab_size, ssm_cfg=None, norm_epsilon=1e-5, rms_norm=True,
-                 residual_in_fp32=True, device=None, dtype=None):
+
+class MixerModel(nn.Module):
+    """Embedding -> n_layer Blocks -> final RMSNorm. input_ids: (batch, seqlen) -> (batch, seqlen, d_model).
+    upstream's constructor (d_intermediate, attention and LayerNorm options: only their defaults)."""
+
+    def __init__(self, d_model, n_layer, d_intermediate=0, vocab_size=50277, ssm_cfg=None, attn_layer_idx=None,
+                 attn_cfg=None, norm_epsilon=1e-5, rms_norm=True, initializer_cfg=None, fused_add_norm=False,
+                 residual_in_fp32=False, device=None, dtype=None):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
-        cfg = dict(ssm_cfg or {})
-        layer = cfg.pop("layer", "Mamba1")
-        if layer not in ("Mamba1", "Mamba2"):
-            raise ValueError(f"ssm_cfg: 'layer' must be 'Mamba1' or 'Mamba2', got {layer!r}")
-        if not rms_norm:
-            raise ValueError("rms_norm: only RMSNorm is supported (rms_norm=True)")
-        mixer_cls = Mamba if layer == "Mamba1" else Mamba2
         self.residual_in_fp32 = residual_in_fp32
+        self.fused_add_norm = fused_add_norm
         self.embedding = nn.Embedding(vocab_size, d_model, **fk)
         self.layers = nn.ModuleList(
-            Block(d_model, mixer_cls(d_model, layer_idx=i, **cfg, **fk), RMSNorm(d_model, eps=norm_epsilon, **fk),
-                  residual_in_fp32=residual_in_fp32) for i in range(n_layer))
+            create_block(d_model, d_intermediate, ssm_cfg, attn_layer_idx, attn_cfg, norm_epsilon, rms_norm,
+                         residual_in_fp32, fused_add_norm, layer_idx=i, **fk) for i in range(n_layer))
         self.norm_f = RMSNorm(d_model, eps=norm_epsilon, **fk)
+        self.apply(partial(_init_weights, n_layer=n_layer, **(initializer_cfg or {})))
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         return {i: layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
@@ -150,28 +164,7 @@ def _init_weights(module, n_layer, initializer_range=0.02, rescale_prenorm_resid
                     p /= math.sqrt(n_residuals_per_layer * n_layer)
 
 
-def _sample(logits, top_k=1, top_p=0.0, temperature=1.0, generator=None):
-    """logits: (batch, vocab) -> (batch,) token ids; mamba_ssm's utils/generation.sample: greedy for top_k == 1,
-    else top-k then nucleus (top-p) filtering of the temperature-scaled logits and a multinomial draw."""
-    if top_k == 1:
-        return logits.argmax(dim=-1)
-    if temperature <= 0:
-        raise ValueError(f"temperature: must be > 0 when sampling, got {temperature}")
-    if top_k > 0:
-        top_k = min(top_k, logits.size(-1))
-        logits, indices = torch.topk(logits, top_k, dim=-1)
-    else:
-        indices = None
-    logits = logits.float() / temperature
-    if 0.0 < top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
-        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
-    choice = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator).squeeze(-1)
-    return choice if indices is None else indices.gather(1, choice[:, None]).squeeze(1)
-
-
-class MambaLMHeadModel(nn.Module):
+class MambaLMHeadModel(nn.Module, GenerationMixin):
     """Embedding, n_layer (RMSNorm -> Mamba/Mamba2 + residual) blocks, final RMSNorm, LM head tied to the
     embedding. forward(input_ids: (batch, seqlen)) -> CausalLMOutput(logits (batch, seqlen, padded_vocab))."""
 
@@ -185,9 +178,11 @@ class MambaLMHeadModel(nn.Module):
         vocab_size = config.vocab_size
         if vocab_size % config.pad_vocab_size_multiple:
             vocab_size += config.pad_vocab_size_multiple - vocab_size % config.pad_vocab_size_multiple
-        self.backbone = MixerModel(config.d_model, config.n_layer, vocab_size, ssm_cfg=config.ssm_cfg,
-                                   rms_norm=config.rms_norm, residual_in_fp32=config.residual_in_fp32,
-                                   device=device, dtype=dtype)
+        self.backbone = MixerModel(config.d_model, config.n_layer, config.d_intermediate, vocab_size,
+                                   ssm_cfg=config.ssm_cfg, attn_layer_idx=config.attn_layer_idx,
+                                   attn_cfg=config.attn_cfg, rms_norm=config.rms_norm,
+                                   initializer_cfg=initializer_cfg, fused_add_norm=config.fused_add_norm,
+                                   residual_in_fp32=config.residual_in_fp32, device=device, dtype=dtype)
         self.lm_head = nn.Linear(config.d_model, vocab_size, bias=False, device=device, dtype=dtype)
         self.apply(lambda m: _init_weights(m, config.n_layer, **(initializer_cfg or {})))
         self.tie_weights()
@@ -211,39 +206,25 @@ class MambaLMHeadModel(nn.Module):
             hidden_states = hidden_states[:, -num_last_tokens:]
         return CausalLMOutput(logits=self.lm_head(hidden_states))
 
-    @torch.inference_mode()
-    def generate(self, input_ids, max_length, top_k=1, top_p=0.0, min_p=0.0, temperature=1.0, eos_token_id=None,
-                 return_dict_in_generate=False, output_scores=False, generator=None, **kwargs):
-        """input_ids: (batch, prompt_len) -> sequences (batch, <= max_length) (prompt included), mamba_ssm's
-        ``GenerationMixin.generate``: top_k=1 is greedy (deterministic); otherwise top-k / top-p sampling at
-        ``temperature``. The prompt is one prefill forward (full kernels, states kept), then one decode
-        step per token. Sampling is over the unpadded vocabulary. Stops early when every row produced
-        eos_token_id. With return_dict_in_generate: GenerateOutput(sequences, scores (list of (batch, vocab)))."""
-        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids: expected (batch, prompt_len >= 1), got shape {tuple(input_ids.shape)}")
-        batch, plen = input_ids.shape
-        if max_length < plen:
-            raise ValueError(f"max_length: must be >= the prompt length {plen}, got {max_length}")
-        if min_p:
-            raise ValueError("min_p: not supported (use 0.0)")
-        vocab = self.config.vocab_size
-        params = InferenceParams(max_seqlen=max_length, max_batch_size=batch)
-        params.key_value_memory_dict = self.allocate_inference_cache(batch, max_length)
-        seqs, scores = [input_ids], []
-        logits = self(input_ids, inference_params=params, num_last_tokens=1).logits[:, -1, :vocab]
-        done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-        for t in range(plen, max_length):
-            if output_scores:
-                scores.append(logits.clone())
-            tok = _sample(logits, top_k, top_p, temperature, generator)
-            seqs.append(tok[:, None])
-            if eos_token_id is not None:
-                done |= tok == eos_token_id
-                if bool(done.all()):
-                    break
-            if t + 1 == max_length:
-                break
-            params.seqlen_offset = t
-            logits = self(tok[:, None], inference_params=params, num_last_tokens=1).logits[:, -1, :vocab]
-        sequences = torch.cat(seqs, dim=1)
-        return GenerateOutput(sequences, scores) if return_dict_in_generate else sequences
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name, device=None, dtype=None, **kwargs):
+        """A local checkpoint directory -> model (strict load). mamba_ssm's layout (config.json with
+        MambaConfig's fields + pytorch_model.bin) or a transformers MambaForCausalLM / Mamba2ForCausalLM
+        directory (config.json with model_type mamba / mamba2 + model.safetensors; needs safetensors). Tensors
+        are cast to the model's dtype (float32 unless dtype is given). A hub id is refused (no downloads)."""
+        path = checkpoint.checkpoint_dir(pretrained_model_name)
+        cfg = checkpoint.read_config(path)
+        hf = cfg.get("model_type") in checkpoint.HF_MODEL_TYPES
+        config, eps = (checkpoint.config_from_hf(cfg, MambaConfig) if hf
+                       else (checkpoint.config_from_mamba_ssm(cfg, MambaConfig), None))
+        model = cls(config, device=device, dtype=dtype, **kwargs)
+        state = checkpoint.read_state_dict(path)
+        if hf:
+            state = checkpoint.state_dict_from_hf(state, config.tie_embeddings)
+            checkpoint.set_norm_eps(model, eps)
+        model.load_state_dict(state, strict=True)
+        return model
+
+    def save_pretrained(self, save_directory):
+        """mamba_ssm's layout: save_directory/config.json (the MambaConfig) + pytorch_model.bin (state_dict)."""
+        checkpoint.save(self, save_directory)

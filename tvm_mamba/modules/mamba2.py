@@ -17,7 +17,8 @@ in_proj -> [z0, x0 (d_mlp each), z, xBC, dt] -> causal_conv1d_fn(xBC) + SiLU -> 
 mamba_chunk_scan_combined(x, dt, A=-exp(A_log), B, C, D, dt_bias, dt_softplus=True, dt_limit) ->
 RMSNormGated(y, z) (norm_before_gate=False, group_size = d_ssm/ngroups) -> [silu(z0)*x0, y] -> out_proj.
 Decoding uses causal_conv1d_update and selective_state_update (head layout), one token per call.
-Not supported: tensor/sequence parallelism (process_group), cu_seqlens / varlen states.
+Varlen prefill (cu_seqlens with inference_params) uses causal_conv1d_varlen_states and the scan's
+return_varlen_states. Not supported: tensor/sequence parallelism (process_group).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from torch import nn
 from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..torch_ops.selective_scan import selective_state_update
 from ..torch_ops.ssd import mamba_chunk_scan_combined
-from ._checks import FLOAT_STATES, check_hidden, check_state
+from ._checks import FLOAT_STATES, check_cu_seqlens, check_hidden, check_state
 from .rmsnorm_gated import RMSNormGated
 
 NO_LIMIT = (0.0, float("inf"))
@@ -122,33 +123,46 @@ class Mamba2(nn.Module):
 
     def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None,
                 return_final_states=False):
-        """u: (batch, seqlen, d_model) -> out (batch, seqlen, d_model) [, conv_state (batch, conv_dim, d_conv),
-        ssm_state (batch, nheads, headdim, d_state) float32 with return_final_states (prefill)].
-        seq_idx: (batch, seqlen) int32 (packed sequences); ``inference_params`` as mamba_ssm (prefill when
-        seqlen_offset == 0, else one :meth:`step`)."""
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens: variable-length batches are not supported (use seq_idx)")
+        """u: (batch, seqlen, d_model), or (batch*seqlen, d_model) with ``seqlen`` given -> out shaped like u
+        [, conv_state (batch, conv_dim, d_conv), ssm_state (batch, nheads, headdim, d_state) float32 with
+        return_final_states (prefill)].
+
+        seq_idx: (batch, seqlen) int32, packed sequences (no state crosses a change of id). cu_seqlens:
+        (nseq + 1,) int32 boundaries of nseq sequences packed in one row (batch 1): with inference_params,
+        the cache rows 0..nseq-1 get each sequence's final conv / ssm state (upstream's varlen prefill); the
+        sequences are kept apart by seq_idx, derived from cu_seqlens when not given (upstream needs both).
+        ``inference_params`` as mamba_ssm (prefill when seqlen_offset == 0, else one :meth:`step`)."""
         if seqlen is not None:  # upstream's (batch*seqlen, d_model) input form
             if u.dim() != 2 or u.shape[0] % seqlen:
                 raise ValueError(f"u: with seqlen={seqlen} expected (batch*seqlen, d_model), got {tuple(u.shape)}")
-            out = self.forward(u.reshape(-1, seqlen, u.shape[-1]), None, seq_idx, None, inference_params,
+            out = self.forward(u.reshape(-1, seqlen, u.shape[-1]), None, seq_idx, cu_seqlens, inference_params,
                                return_final_states)
             return (out[0].reshape(u.shape[0], -1), *out[1:]) if return_final_states else out.reshape(u.shape[0], -1)
         check_hidden("u", u, self.d_model)
         batch, seqlen, _ = u.shape
+        if cu_seqlens is not None:
+            seq_idx = check_cu_seqlens(cu_seqlens, batch, seqlen, seq_idx)
+            if return_final_states:
+                raise ValueError("return_final_states: not available with cu_seqlens (the per-sequence states "
+                                 "go to inference_params' cache)")
         conv_state = ssm_state = None
         if inference_params is not None:
-            conv_state, ssm_state = self._get_states_from_cache(inference_params, batch)
-            self._check_states(conv_state, ssm_state, batch, u.device)
+            cache_batch = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else batch
+            conv_state, ssm_state = self._get_states_from_cache(inference_params, cache_batch)
+            self._check_states(conv_state, ssm_state, cache_batch, u.device)
             if inference_params.seqlen_offset > 0:
                 out, _, _ = self.step(u, conv_state, ssm_state)
                 return out
+        varlen = cu_seqlens is not None and conv_state is not None
         zxbcdt = self.in_proj(u)  # (batch, seqlen, d_in_proj)
         A = -torch.exp(self.A_log.float())
         d_mlp, (z0, x0, z, xBC, dt) = self._split(zxbcdt)
         want_states = return_final_states or conv_state is not None
         xBC_t = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
-        if want_states:  # the last d_conv inputs of the conv (zero-padded on the left), upstream's layout
+        if varlen:  # each sequence's last d_conv conv inputs (zero-padded on the left), one cache row each
+            from ..torch_ops.causal_conv1d import causal_conv1d_varlen_states  # TODO(merge): top-level import
+            new_conv = causal_conv1d_varlen_states(xBC[0], cu_seqlens, state_len=self.d_conv)
+        elif want_states:  # the last d_conv conv inputs (zero-padded on the left), upstream's layout
             new_conv = F.pad(xBC_t, (self.d_conv - seqlen, 0)) if seqlen < self.d_conv else xBC_t[..., -self.d_conv:]
         xBC = causal_conv1d_fn(xBC_t, self._conv_weight(), self.conv1d.bias, seq_idx=seq_idx,
                                activation=self.activation).transpose(1, 2)
@@ -159,13 +173,14 @@ class Mamba2(nn.Module):
             chunk_size=self.chunk_size, D=self.D.reshape(self.nheads, self.headdim) if self.D_has_hdim else self.D,
             z=None if self.rmsnorm else z.reshape(batch, seqlen, self.nheads, self.headdim),
             dt_bias=self.dt_bias, dt_softplus=True, seq_idx=seq_idx, dt_limit=self.dt_limit,
-            return_final_states=want_states)
-        if want_states:
+            return_final_states=want_states and not varlen,
+            **(dict(cu_seqlens=cu_seqlens, return_varlen_states=True) if varlen else {}))
+        if want_states:  # (y, final_states) or, varlen, (y, varlen_states (nseq, nheads, headdim, d_state))
             y, last_state = y
         out = self._finish(y.reshape(batch, seqlen, self.d_ssm), z, z0, x0, d_mlp)
         if conv_state is not None:
-            conv_state[:batch].copy_(new_conv)
-            ssm_state[:batch].copy_(last_state)
+            conv_state[:new_conv.shape[0]].copy_(new_conv)
+            ssm_state[:last_state.shape[0]].copy_(last_state)
         if return_final_states:
             return out, new_conv.contiguous(), last_state
         return out
