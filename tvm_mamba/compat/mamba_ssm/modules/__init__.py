@@ -1,0 +1,1 @@
+"""mamba_ssm.modules on tvm_mamba (see tvm_mamba.compat)."""
