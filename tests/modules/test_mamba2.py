@@ -126,6 +126,43 @@ def test_seq_idx_and_flattened_input():
         torch.testing.assert_close(flat, m(x).reshape(-1, D_MODEL), rtol=0, atol=0)
 
 
+def test_cu_seqlens_varlen_prefill_then_decode():
+    """cu_seqlens packs 3 sequences in one row: the output equals each sequence run alone (seq_idx derived),
+    the varlen prefill writes each sequence's final (conv_state, ssm_state) into cache rows 0..2, and decode
+    steps from there reproduce each sequence's continuation."""
+    from tvm_mamba.modules.generation import InferenceParams
+
+    m = _block(layer_idx=0)
+    lens = [5, 2, 9]  # one shorter than d_conv: its conv state is zero-padded on the left
+    xs = [_input(batch=1, seqlen=n, seed=10 + i) for i, n in enumerate(lens)]
+    nxt = _input(batch=3, seqlen=1, seed=20)
+    cu = torch.tensor([0, 5, 7, 16], dtype=torch.int32)
+    with torch.no_grad():
+        alone = [m(x, return_final_states=True) for x in xs]
+        params = InferenceParams(max_seqlen=20, max_batch_size=3)
+        out = m(torch.cat(xs, 1), cu_seqlens=cu, inference_params=params)
+        assert_rel_close(out, torch.cat([a[0] for a in alone], 1), 1e-5, "packed out")
+        conv_state, ssm_state = params.key_value_memory_dict[0]
+        for i, (_, conv, ssm) in enumerate(alone):
+            assert_rel_close(conv_state[i], conv[0], 1e-6, f"conv_state {i}")
+            assert_rel_close(ssm_state[i], ssm[0], 1e-5, f"ssm_state {i}")
+        params.seqlen_offset = 16
+        step = m(nxt, inference_params=params)
+        for i, x in enumerate(xs):
+            full = m(torch.cat([x, nxt[i:i + 1]], 1))
+            assert_rel_close(step[i], full[0, -1:], 1e-5, f"step after varlen prefill {i}")
+        seq_idx = torch.tensor([[0] * 5 + [1] * 2 + [2] * 9], dtype=torch.int32)
+        assert torch.equal(m(torch.cat(xs, 1), seq_idx=seq_idx, cu_seqlens=cu), out)  # upstream passes both
+    with pytest.raises(ValueError, match="seq_idx: does not match cu_seqlens"):
+        m(torch.cat(xs, 1), seq_idx=torch.zeros(1, 16, dtype=torch.int32), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens: must start at 0"):
+        m(torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 5, 17], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens: must start at 0"):
+        m(torch.cat(xs, 1), cu_seqlens=torch.tensor([0, 9, 5, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens: expected a 1-D int32"):
+        m(torch.cat(xs, 1), cu_seqlens=cu.float())
+
+
 def test_bf16_autocast_training_step():
     m = _block()
     x = _input()
