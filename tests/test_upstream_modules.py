@@ -98,9 +98,10 @@ def cpu_events(monkeypatch):
         monkeypatch.setattr(torch.cuda, "Event", _UnrecordedEvent)
 
 
-def _pair(upstream, ssm_cfg, fused_add_norm=True, seed=0):
+def _pair(upstream, ssm_cfg, fused_add_norm=True, rms_norm=True, seed=0):
     """upstream's MambaLMHeadModel and ours with upstream's weights (strict load)."""
-    kw = dict(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg=dict(ssm_cfg), fused_add_norm=fused_add_norm)
+    kw = dict(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg=dict(ssm_cfg), fused_add_norm=fused_add_norm,
+              rms_norm=rms_norm)
     torch.manual_seed(seed)
     theirs = upstream.lm.MambaLMHeadModel(upstream.config_mamba.MambaConfig(**kw))
     torch.manual_seed(seed)
@@ -121,17 +122,18 @@ def _ids(batch=2, seqlen=10, seed=1):
 
 
 TRAIN_CASES = {  # upstream's fused paths (mamba_inner_fn, mamba_split_conv1d_scan_combined, layer_norm_fn)
-    "Mamba1-fast-fused_add_norm": (dict(M1), True),  # and its unfused ones, each against our one path
-    "Mamba1-slow": (dict(M1, use_fast_path=False), False),
-    "Mamba2-mem_eff-fused_add_norm": (dict(M2), True),
-    "Mamba2-unfused": (dict(M2, use_mem_eff_path=False), False),
+    "Mamba1-fast-fused_add_norm": (dict(M1), True, True),  # and its unfused ones (torch.nn.LayerNorm too)
+    "Mamba1-slow": (dict(M1, use_fast_path=False), False, True),
+    "Mamba2-mem_eff-fused_add_norm": (dict(M2), True, True),
+    "Mamba2-unfused-LayerNorm": (dict(M2, use_mem_eff_path=False), False, False),
+    "Mamba2-fused_add_norm-LayerNorm": (dict(M2, use_mem_eff_path=False), True, False),
 }
 
 
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
 def test_train_step_equals_ours(upstream, case):
-    ssm_cfg, fused = TRAIN_CASES[case]
-    theirs, ours = _pair(upstream, ssm_cfg, fused_add_norm=fused)
+    ssm_cfg, fused, rms = TRAIN_CASES[case]
+    theirs, ours = _pair(upstream, ssm_cfg, fused_add_norm=fused, rms_norm=rms)
     ids, tgt = _ids(seqlen=12), _ids(seqlen=12, seed=2)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (theirs, ours)]
     for step in range(2):  # two steps: momentum carries the first step's gradient into the second
