@@ -189,3 +189,34 @@ def test_sampling_draws_as_upstream(upstream, cpu_events):
     torch.manual_seed(123)
     got = ours.generate(prompt, 11, return_dict_in_generate=True, **kw)
     assert torch.equal(got.sequences, want.sequences)
+
+
+def test_mamba2_varlen_prefill_equals_ours(upstream):
+    """upstream's Mamba2.forward(u, seq_idx=, cu_seqlens=, inference_params=) (its varlen prefill through
+    causal_conv1d_varlen_states and return_varlen_states), then a decode step, against ours."""
+    import mamba_ssm.modules.mamba2 as mamba2
+
+    from tvm_mamba.modules.generation import InferenceParams
+    from tvm_mamba.modules.mamba2 import Mamba2
+
+    torch.manual_seed(0)
+    kw = dict(d_state=16, headdim=16, chunk_size=8, layer_idx=0)
+    theirs = mamba2.Mamba2(32, **kw)
+    ours = Mamba2(32, **kw)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    cu = torch.tensor([0, 5, 7, 16], dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.diff(cu)).reshape(1, -1)
+    u = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(3))
+    tok = torch.randn(3, 1, 32, generator=torch.Generator().manual_seed(4))
+    results = []
+    with torch.no_grad():
+        for model in (theirs, ours):
+            params = upstream.generation.InferenceParams(max_seqlen=20, max_batch_size=3)
+            out = model(u, seq_idx=seq_idx, cu_seqlens=cu, inference_params=params)
+            conv_state, ssm_state = (s.clone() for s in params.key_value_memory_dict[0])
+            params.seqlen_offset = 16
+            results.append((out, conv_state, ssm_state, model(tok, inference_params=params)))
+        mine = InferenceParams(max_seqlen=20, max_batch_size=3)  # ours, cu_seqlens alone (seq_idx derived)
+        assert_rel_close(ours(u, cu_seqlens=cu, inference_params=mine), results[0][0].double(), 1e-5, "no seq_idx")
+    for name, got, want in zip(("out", "conv_state", "ssm_state", "step"), results[1], results[0]):
+        assert_rel_close(got, want.double(), 1e-5, name)
