@@ -127,3 +127,34 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
     if z is not None:
         y = y * F.silu(z)
     return (y, final_state) if return_final_states else y
+
+
+def ssd_varlen_states_ref(x, dt, A, B, C, chunk_size, cu_seqlens, dt_bias=None, initial_states=None,
+                          seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """x: (1, seqlen, nheads, headdim); dt: (1, seqlen, nheads); B, C: (1, seqlen, ngroups, dstate);
+    cu_seqlens: (num_seqs + 1,); initial_states: (1, nheads, headdim, dstate); seq_idx: (1, seqlen)
+    -> varlen_states: (num_seqs, nheads, headdim, dstate), in x's dtype.
+
+    mamba_ssm's ``chunk_state_varlen`` semantics, from the step-by-step recurrence: for sequence [s, e) whose
+    last position lies in chunk c, the state of the same recurrence as y (``ssd_recurrence_ref``: resets where
+    seq_idx changes, initial_states for id 0) after position e - 1 when the sequence began before chunk c or
+    at position 0; otherwise (it began inside chunk c) the recurrence restarted from zero at s. With seq_idx
+    consistent with cu_seqlens both are the sequence's own final state. An empty sequence gives zeros.
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    dstate = B.shape[3]
+    out = x.new_zeros(len(cu_seqlens) - 1, nheads, headdim, dstate)
+    bounds = [int(v) for v in cu_seqlens]
+    kw = dict(D=None, z=None, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+              return_final_states=True)
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if e == s:
+            continue
+        c = (e - 1) // chunk_size
+        if s < max(c * chunk_size, 1):  # the running state after e - 1
+            _, h = ssd_recurrence_ref(x[:, :e], dt[:, :e], A, B[:, :e], C[:, :e], initial_states=initial_states,
+                                      seq_idx=None if seq_idx is None else seq_idx[:, :e], **kw)
+        else:  # the sequence alone, from zero
+            _, h = ssd_recurrence_ref(x[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], **kw)
+        out[i] = h[0]
+    return out
