@@ -80,11 +80,13 @@ def segsum(x):
 
 
 def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+                    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, state_dtype=None):
     """Shapes as :func:`ssd_recurrence_ref` (no seq_idx). The chunked SSD algorithm in einsums, after
     upstream's ``ssd_minimal_discrete``: Y = Y_diag (C B^T * exp(segsum) * dt, times x) + Y_off (C times
     the carried chunk states); the states pass between chunks through exp(segsum of chunk totals).
     seqlen is zero-padded up to a multiple of chunk_size (padding has dt = 0: no decay, no input).
+    state_dtype: the states entering each chunk (what Y_off reads) are rounded to it (mamba_ssm's
+    ``state_dtype``: chunk states stored in that dtype); the final state is not rounded.
     """
     batch, seqlen, nheads, headdim = x.shape
     ngroups = B.shape[2]
@@ -117,6 +119,8 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
     decay_chunk = torch.exp(segsum(F.pad(A_cumsum[..., -1], (1, 0))))  # (b, h, c+1, c+1)
     new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final_state = new_states[:, :-1], new_states[:, -1]
+    if state_dtype is not None:
+        states = states.to(state_dtype).to(new_states.dtype)
     state_decay_out = torch.exp(A_cumsum)
     Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, states, state_decay_out)
     y = (Y_diag + Y_off).reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :seqlen]
