@@ -444,7 +444,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: the Mamba-2
     2.7B shape (nheads 80, ngroups 1, headdim 64, dstate 128, chunk 256) and the same with dstate 256, bf16
     activations, with every optional input on (D per head, z, dt_bias, softplus, dt_limit, initial and
-    final states, seq_idx) and, for the 2.7B shape, the plain variant too."""
+    final states, seq_idx) and, for the 2.7B shape, the plain variant too; then the varlen-states kernel
+    (with seq_idx; without, from bf16 chunk states) and the kernels that store / read bf16 chunk states."""
     out = []
     dts = {"x": "bfloat16", "bc": "bfloat16"}
     for dstate, flag_sets in ((128, (False, True)), (256, (True,))):
@@ -461,4 +462,12 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                     ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts)]
         out.append(("head_sum", dict(nheads=80, ngroups=1, dstate=dstate), {"out": "bfloat16"}))
         out.append(("bmm_chunk", dict(ngroups=1, dstate=dstate, chunk_size=256), {"bc": "bfloat16"}))
+    # varlen states (batch 1, cu_seqlens) and chunk states stored in bf16 (state_dtype), at the 2.7B shape
+    dims = dict(nheads=80, ngroups=1, headdim=64, dstate=128, chunk_size=256)
+    sdims = dict(nheads=80, headdim=64, dstate=128, chunk_size=256)
+    out += [("chunk_state_varlen", dict(dims, has_seq_idx=True), dict(dts, out="bfloat16")),
+            ("chunk_state_varlen", dict(dims, has_seq_idx=False), dict(dts, state="bfloat16", out="bfloat16")),
+            ("state_passing", dict(sdims, has_init=True, has_seq_idx=True), {"state": "bfloat16"}),
+            ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True),
+             dict(dts, state="bfloat16"))]
     return out
