@@ -70,6 +70,22 @@ def test_fp32_given_B_C_no_softplus():
         assert_close_to_ref(g, rgrads[name], atol=2e-5 * max(1.0, rgrads[name].abs().max().item()), name=name)
 
 
+def test_upstream_xz_layout_and_seqlen_one():
+    """upstream's Mamba builds xz as in_proj.weight @ x viewed (2*d_inner, batch*seqlen) -> (batch, 2*d_inner,
+    seqlen): not contiguous; and a single token."""
+    for seqlen in (SEQLEN, 1):
+        t = _inputs(seed=8, seqlen=seqlen)
+        base = torch.randn(2 * DIM, BATCH * seqlen)
+        t["xz"] = base.view(2 * DIM, BATCH, seqlen).permute(1, 0, 2).requires_grad_()
+        assert seqlen == 1 or not t["xz"].is_contiguous()
+        dout = torch.randn(BATCH, seqlen, DOUT)
+        out, grads = _run(mamba_inner_fn, t, dout)
+        ref, rgrads = _run(mamba_inner_ref, t, dout, cast=torch.float64)
+        assert_close_to_ref(out, ref, atol=1e-5)
+        for name in ("xz", "x_proj_weight", "A"):
+            assert_close_to_ref(grads[name], rgrads[name], atol=2e-5 * max(1.0, rgrads[name].abs().max().item()))
+
+
 def test_bf16_within_twice_reference_drift():
     """mamba_ssm's rule per output and gradient: the kernel's error <= 2x the reference's own error when run
     in bf16 (activations and projections bf16; conv weight, A, D, delta_bias, norms float32) + atol."""
@@ -197,3 +213,24 @@ def test_bad_input_names_the_argument(change, exc, match):
     t.update(change)
     with pytest.raises(exc, match=match):
         mamba_inner_fn(**t)
+
+
+def test_upstream_fast_path_call_equals_the_mamba_module():
+    """The exact call upstream's Mamba.forward makes on its fast path (mamba_simple.py), on a tvm_mamba Mamba's
+    parameters, equals that module's unfused forward: output and every parameter gradient."""
+    from tvm_mamba import Mamba
+
+    torch.manual_seed(9)
+    m = Mamba(d_model=8, d_state=4, d_conv=4, expand=2)
+    u = torch.randn(2, 11, 8)
+    xz = m.in_proj(u).transpose(1, 2)
+    A = -torch.exp(m.A_log.float())
+    fused = mamba_inner_fn(xz, m.conv1d.weight, m.conv1d.bias, m.x_proj.weight, m.dt_proj.weight,
+                           m.out_proj.weight, m.out_proj.bias, A, None, None, m.D.float(),
+                           delta_bias=m.dt_proj.bias.float(), delta_softplus=True)
+    gf = torch.autograd.grad(fused.square().sum(), list(m.parameters()))
+    module = m(u)
+    gm = torch.autograd.grad(module.square().sum(), list(m.parameters()))
+    assert torch.allclose(fused, module, atol=1e-5)
+    for (name, _), a, b in zip(m.named_parameters(), gf, gm):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), name

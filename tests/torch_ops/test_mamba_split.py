@@ -203,3 +203,25 @@ def test_bad_input_names_the_argument(change, exc, match):
     t.update(change)
     with pytest.raises(exc, match=match):
         mamba_split_conv1d_scan_combined(**t, **kw)
+
+
+def test_upstream_fast_path_call_equals_the_mamba2_module():
+    """The call upstream's Mamba2.forward makes on its fused path (mamba2.py, use_mem_eff_path), on a tvm_mamba
+    Mamba2's parameters, equals that module's unfused forward: output and every parameter gradient."""
+    from tvm_mamba import Mamba2
+
+    torch.manual_seed(10)
+    m = Mamba2(d_model=16, d_state=8, d_conv=4, expand=2, headdim=8, ngroups=2, chunk_size=8)
+    u = torch.randn(2, 11, 16)
+    seq = torch.tensor([[0] * 4 + [1] * 7, [0] * 11], dtype=torch.int32)
+    fused = mamba_split_conv1d_scan_combined(
+        m.in_proj(u), m.conv1d.weight.squeeze(1), m.conv1d.bias, m.dt_bias, -torch.exp(m.A_log.float()), m.D,
+        chunk_size=m.chunk_size, seq_idx=seq, activation=m.activation, rmsnorm_weight=m.norm.weight,
+        rmsnorm_eps=m.norm.eps, outproj_weight=m.out_proj.weight, outproj_bias=m.out_proj.bias,
+        headdim=m.headdim, ngroups=m.ngroups, norm_before_gate=m.norm_before_gate)
+    gf = torch.autograd.grad(fused.square().sum(), list(m.parameters()))
+    module = m(u, seq_idx=seq)
+    gm = torch.autograd.grad(module.square().sum(), list(m.parameters()))
+    assert torch.allclose(fused, module, atol=1e-5)
+    for (name, _), a, b in zip(m.named_parameters(), gf, gm):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), name
