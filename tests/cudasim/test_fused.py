@@ -7,10 +7,15 @@ import pytest
 import torch
 
 import tvm_mamba
-from tests.conftest import assert_close_to_ref
+from tests.conftest import ATOL, assert_close_to_ref
 from tests.torch_ops import test_mamba_inner as inner
 from tests.torch_ops import test_mamba_split as split
 from tvm_mamba.reference.blocks import mamba_inner_ref, mamba_split_conv1d_scan_ref
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)  # the output gradients come from the global generator
 
 
 def _ops(used) -> set:
@@ -50,6 +55,7 @@ def test_mamba_split_bf16_gate_path(sim):
     (ref, rfinal), g64 = split._run(mamba_split_conv1d_scan_ref, t, douts, cast=torch.float64)
     (low, lfinal), glow = split._run(mamba_split_conv1d_scan_ref, t, douts)
     assert_close_to_ref(out, ref, low, name="out")
-    assert_close_to_ref(final, rfinal, lfinal.float(), name="final_states")
-    for name, g in grads.items():
-        assert_close_to_ref(g, g64[name], glow[name], name=name)
+    assert_close_to_ref(final, rfinal, lfinal.float(), atol=ATOL[torch.bfloat16], name="final_states")
+    for name, g in grads.items():  # weight gradients sum over tokens: the bf16 atol relative to their size
+        scale = 1.0 if name == "zxbcdt" else max(1.0, g64[name].abs().max().item())
+        assert_close_to_ref(g, g64[name], glow[name], atol=ATOL[torch.bfloat16] * scale, name=name)

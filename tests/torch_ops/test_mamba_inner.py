@@ -6,12 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_close_to_ref
+from tests.conftest import ATOL, assert_close_to_ref
 from tvm_mamba import mamba_inner_fn
 from tvm_mamba.reference.blocks import mamba_inner_ref
 from tvm_mamba.torch_ops.selective_scan import chunk_for
 
 BATCH, DIM, SEQLEN, DSTATE, RANK, WIDTH, DOUT = 2, 8, 13, 4, 3, 4, 6
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """The output gradients (dout) come from the global generator: the same values whatever ran before."""
+    torch.manual_seed(0)
 
 
 def _inputs(seed=0, dtype=torch.float32, extras=(), given=None, batch=BATCH, seqlen=SEQLEN):
@@ -96,9 +102,10 @@ def test_bf16_within_twice_reference_drift():
     low, glow = _run(mamba_inner_ref, t, dout)
     assert out.dtype == torch.bfloat16
     assert_close_to_ref(out, ref64, low, name="out")
-    for name, g in grads.items():
+    for name, g in grads.items():  # weight gradients sum over tokens: the bf16 atol relative to their size
         assert g.dtype == t[name].dtype, name
-        assert_close_to_ref(g, g64[name], glow[name], name=name)
+        scale = 1.0 if name == "xz" else max(1.0, g64[name].abs().max().item())
+        assert_close_to_ref(g, g64[name], glow[name], atol=ATOL[torch.bfloat16] * scale, name=name)
 
 
 @pytest.mark.parametrize("extras", [(), ("rms",)], ids=["plain", "rms"])

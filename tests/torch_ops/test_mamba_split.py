@@ -8,13 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import assert_close_to_ref
+from tests.conftest import ATOL, assert_close_to_ref
 from tvm_mamba import mamba_split_conv1d_scan_combined
 from tvm_mamba.reference.blocks import mamba_split_conv1d_scan_ref
 
 BATCH, SEQLEN, NHEADS, HEADDIM, DSTATE, WIDTH, DOUT, Q = 2, 13, 4, 4, 8, 4, 6, 4
 DIM = NHEADS * HEADDIM
 SEQ_IDX = torch.tensor([[0] * 5 + [1] * 8, [0] * 13], dtype=torch.int32)  # a boundary inside a chunk
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """The output gradients (dout) come from the global generator: the same values whatever ran before."""
+    torch.manual_seed(0)
 
 
 def _inputs(seed=0, dtype=torch.float32, ngroups=1, d_nonssm=0, rms=True, outproj=True, init=True, D2=False,
@@ -83,10 +89,11 @@ def test_bf16_within_twice_reference_drift():
     (low, lfinal), glow = _run(mamba_split_conv1d_scan_ref, t, douts, **kw)
     assert out.dtype == torch.bfloat16
     assert_close_to_ref(out, ref, low, name="out")
-    assert_close_to_ref(final, rfinal, lfinal.float(), name="final_states")
-    for key, g in grads.items():
+    assert_close_to_ref(final, rfinal, lfinal.float(), atol=ATOL[torch.bfloat16], name="final_states")
+    for key, g in grads.items():  # weight gradients sum over tokens: the bf16 atol relative to their size
         assert g.dtype == t[key].dtype, key
-        assert_close_to_ref(g, g64[key], glow[key], name="d" + key)
+        scale = 1.0 if key == "zxbcdt" else max(1.0, g64[key].abs().max().item())
+        assert_close_to_ref(g, g64[key], glow[key], atol=ATOL[torch.bfloat16] * scale, name="d" + key)
 
 
 def test_outproj_and_rmsnorm_none_vs_given_agree():
