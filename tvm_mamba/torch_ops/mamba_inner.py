@@ -125,10 +125,10 @@ class _MambaInner(torch.autograd.Function):
         batch, dim = xz.shape[0], dims.dim
         # recompute (checkpoint_lvl 1) or read (0) the scan's inputs; B / C always from x_dbl
         conv_out = s["conv_out"] if dims.checkpoint_lvl == 0 else _conv(s, dims)
-        delta, dt_pre, dt_rstd = _delta(dims, s, x_dbl, batch) if dims.checkpoint_lvl == 1 or \
-            s["dt_rms_weight"] is not None else (None, None, None)
-        if dims.checkpoint_lvl == 0:
-            delta = s["delta"]
+        delta, dt_pre, dt_rstd = s.get("delta"), None, None
+        if dims.checkpoint_lvl == 1 or s["dt_rms_weight"] is not None:  # (the dt norm's backward needs its input)
+            recomputed, dt_pre, dt_rstd = _delta(dims, s, x_dbl, batch)
+            delta = recomputed if delta is None else delta
         B, B_pre, B_rstd = _bc(dims, s, x_dbl, batch, "B")
         C, C_pre, C_rstd = _bc(dims, s, x_dbl, batch, "C")
         W = s["out_proj_weight"]
