@@ -208,6 +208,7 @@ BAD = [
     (dict(c_rms_weight=torch.ones(DSTATE + 1)), ValueError, "c_rms_weight"),
     (dict(dt_rms_weight=torch.ones(DIM + 1)), ValueError, "dt_rms_weight"),
     (dict(checkpoint_lvl=2), ValueError, "checkpoint_lvl"),
+    (dict(x_proj_weight="w"), TypeError, "x_proj_weight"),
     (dict(b_c_dt_rms_eps=-1.0), ValueError, "b_c_dt_rms_eps"),
 ]
 
@@ -220,6 +221,12 @@ def test_bad_input_names_the_argument(change, exc, match):
     t.update(change)
     with pytest.raises(exc, match=match):
         mamba_inner_fn(**t)
+
+
+def test_public_name():
+    import tvm_mamba
+
+    assert "mamba_inner_fn" in tvm_mamba.__all__ and tvm_mamba.mamba_inner_fn is mamba_inner_fn
 
 
 def test_upstream_fast_path_call_equals_the_mamba_module():

@@ -198,6 +198,7 @@ BAD = [
     (dict(dt_limit=(1.0, 0.5)), ValueError, "dt_limit"),
     (dict(activation="relu"), ValueError, "activation"),
     (dict(rmsnorm_eps=-1.0), ValueError, "rmsnorm_eps"),
+    (dict(A=[-1.0] * NHEADS), TypeError, "A"),
 ]
 
 
@@ -210,6 +211,13 @@ def test_bad_input_names_the_argument(change, exc, match):
     t.update(change)
     with pytest.raises(exc, match=match):
         mamba_split_conv1d_scan_combined(**t, **kw)
+
+
+def test_public_name():
+    import tvm_mamba
+
+    assert "mamba_split_conv1d_scan_combined" in tvm_mamba.__all__
+    assert tvm_mamba.mamba_split_conv1d_scan_combined is mamba_split_conv1d_scan_combined
 
 
 def test_upstream_fast_path_call_equals_the_mamba2_module():
