@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
-from .rmsnorm_gated import rmsnorm_gated_bwd, rmsnorm_gated_fwd
+from ._fused import norm_bwd, norm_fwd
 from .selective_scan import selective_scan_bwd, selective_scan_fwd
 
 # the tensor arguments of mamba_inner_fn, in upstream's order (the autograd node's inputs, by name)
@@ -50,11 +50,11 @@ class InnerDims:
 
 def _rms_fwd(x: Tensor, w, eps: float):
     """Per-row RMSNorm of (rows, hidden) through the gated-norm kernel (no gate) -> (out, rstd)."""
-    return run_op(rmsnorm_gated_fwd, x, w, None, None, eps, x.shape[1], True)
+    return norm_fwd(x, w, None, eps, x.shape[1], True)
 
 
 def _rms_bwd(x: Tensor, w, dout: Tensor, rstd: Tensor, eps: float):
-    dx, _, dw, _ = run_op(rmsnorm_gated_bwd, x, w, None, None, dout, rstd, eps, x.shape[1], True)
+    dx, _, dw = norm_bwd(x, w, None, dout, rstd, eps, x.shape[1], True)
     return dx, dw
 
 

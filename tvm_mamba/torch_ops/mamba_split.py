@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
-from .rmsnorm_gated import rmsnorm_gated_bwd, rmsnorm_gated_fwd
+from ._fused import norm_bwd, norm_fwd
 from .ssd import ssd_bwd, ssd_fwd
 
 # the tensor arguments, in upstream's order (the autograd node's inputs, by name)
@@ -82,8 +82,8 @@ def _z(t: dict, dims: SplitDims) -> Tensor:
 
 def _norm(t: dict, dims: SplitDims, y: Tensor):
     """Gated RMSNorm of the SSD output y (batch, seqlen, dim) with z, group dim/ngroups -> (out rows, rstd)."""
-    return run_op(rmsnorm_gated_fwd, y.reshape(-1, dims.dim), t["rmsnorm_weight"], None,
-                  _z(t, dims).reshape(-1, dims.dim), dims.eps, dims.dim // dims.ngroups, dims.norm_before_gate)
+    return norm_fwd(y.reshape(-1, dims.dim), t["rmsnorm_weight"], _z(t, dims).reshape(-1, dims.dim), dims.eps,
+                    dims.dim // dims.ngroups, dims.norm_before_gate)
 
 
 def _swiglu(zx0: Tensor) -> Tensor:
@@ -108,9 +108,9 @@ class _MambaSplit(torch.autograd.Function):
         dt, A, Q, D, dt_bias, init, seq_idx = _ssd_args(t, dims)
         has_rms = t["rmsnorm_weight"] is not None
         z4 = _z(t, dims).reshape(batch, seqlen, dims.nheads, dims.headdim)
-        y, final, dt_out, dA_cs, _, y_pre = run_op(
+        y, final, dt_out, dA_cs, _, y_pre = run_op(  # (later outputs, e.g. varlen states: unused)
             ssd_fwd, x, dt, A, B, C, Q, D, None if has_rms else z4, dt_bias, init, seq_idx, True,
-            list(dims.dt_limit), False)
+            list(dims.dt_limit), False)[:6]
         keep = dict(t, dt_out=dt_out, dA_cs=dA_cs)
         if has_rms:
             out, keep["rstd"] = _norm(t, dims, y)
@@ -158,9 +158,9 @@ class _MambaSplit(torch.autograd.Function):
         dt, A, Q, D, dt_bias, init, seq_idx = _ssd_args(s, dims)
         shape4 = (batch, seqlen, dims.nheads, dims.headdim)
         if has_rms:
-            dy, dz, g["rmsnorm_weight"], _ = run_op(
-                rmsnorm_gated_bwd, s["y"].reshape(-1, dim), s["rmsnorm_weight"], None, z.reshape(-1, dim),
-                dout.reshape(-1, dim), s["rstd"], dims.eps, dim // dims.ngroups, dims.norm_before_gate)
+            dy, dz, g["rmsnorm_weight"] = norm_bwd(s["y"].reshape(-1, dim), s["rmsnorm_weight"], z.reshape(-1, dim),
+                                                   dout.reshape(-1, dim), s["rstd"], dims.eps, dim // dims.ngroups,
+                                                   dims.norm_before_gate)
             z4, y_pre = None, None
         else:
             dy, z4, y_pre = dout, z.reshape(shape4), s["y"]
