@@ -1,9 +1,11 @@
 """The gated-RMSNorm calls of the fused layer paths (mamba_inner.py, mamba_split.py), in one place.
 
-The ``tvm_mamba::rmsnorm_gated_fwd/bwd`` custom ops gain residual / LayerNorm arguments on the norms branch of
-issue #15 (``(x, weight, bias, z, residual, eps, group_size, norm_before_gate, is_rms_norm, residual_in_fp32)``
--> (out, residual_out, mean, rstd)); the fused paths call whichever schema is registered, so they work before
-and after that lands. Drop the older branch once it has.
+The ``tvm_mamba::rmsnorm_gated_fwd/bwd`` custom ops are gaining arguments on the norms branch of issue #15
+(residual, rowscale, mean, is_rms_norm, ...; more outputs). The fused paths call them by argument name,
+filling the arguments they do not use from the registered schema (absent optional tensors None, flags False,
+is_rms_norm True), and read the outputs they need by position from the start (out ... rstd last), so they
+serve the schema on main and the extended one alike. Once the norms branch has landed this can become a
+direct call.
 """
 from __future__ import annotations
 
@@ -13,28 +15,47 @@ from torch import Tensor
 from ._dlpack import run_op
 from .rmsnorm_gated import rmsnorm_gated_bwd, rmsnorm_gated_fwd
 
-_WITH_RESIDUAL = "residual" in [a.name for a in torch.ops.tvm_mamba.rmsnorm_gated_fwd.default._schema.arguments]
+_FILL = {"is_rms_norm": True}  # the one unused argument whose neutral value is not None / False
+
+
+def _arg_names(op: str) -> tuple:
+    """(name, fill) per schema argument of tvm_mamba::<op>; fill is the neutral value for an unused one."""
+    out = []
+    for a in getattr(torch.ops.tvm_mamba, op).default._schema.arguments:
+        fill = _FILL.get(a.name, None if isinstance(a.type, torch.OptionalType) else
+                         False if str(a.type) == "bool" else LookupError)
+        out.append((a.name, fill))
+    return tuple(out)
+
+
+# read once at import: torch.compile traces _call, which must not touch the schema objects
+_ARGS = {name: _arg_names(name) for name in ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")}
+
+
+def _call(op, name: str, **given):
+    args = []
+    for arg, fill in _ARGS[name]:
+        if arg in given:
+            args.append(given[arg])
+        elif fill is LookupError:
+            raise TypeError(f"tvm_mamba::{name}: no value for its argument {arg!r}")
+        else:
+            args.append(fill)
+    return run_op(op, *args)
 
 
 def norm_fwd(x: Tensor, weight: Tensor, z, eps: float, group_size: int, norm_before_gate: bool):
     """RMSNorm (gated by z when given) of x: (rows, hidden) -> out (rows, hidden) in x's dtype, rstd
     (rows, hidden/group_size) float32."""
-    if _WITH_RESIDUAL:
-        out, _, _, rstd = run_op(rmsnorm_gated_fwd, x, weight, None, z, None, eps, group_size, norm_before_gate,
-                                 True, False)
-        return out, rstd
-    return run_op(rmsnorm_gated_fwd, x, weight, None, z, eps, group_size, norm_before_gate)
+    res = _call(rmsnorm_gated_fwd, "rmsnorm_gated_fwd", x=x, weight=weight, bias=None, z=z, eps=eps,
+                group_size=group_size, norm_before_gate=norm_before_gate)
+    return res[0], res[-1]
 
 
 def norm_bwd(x: Tensor, weight: Tensor, z, dout: Tensor, rstd: Tensor, eps: float, group_size: int,
              norm_before_gate: bool):
     """Gradients (dx, dz or (0,), dweight) of :func:`norm_fwd` from its rstd."""
-    dout = dout.to(x.dtype)
-    if _WITH_RESIDUAL:
-        mean = x.new_empty((0,), dtype=torch.float32)  # RMSNorm: no mean
-        dx, dz, dweight, _, _ = run_op(rmsnorm_gated_bwd, x, weight, None, z, dout, mean, rstd, None, eps,
-                                       group_size, norm_before_gate, True, False)
-        return dx, dz, dweight
-    dx, dz, dweight, _ = run_op(rmsnorm_gated_bwd, x, weight, None, z, dout, rstd, eps, group_size,
-                                norm_before_gate)
-    return dx, dz, dweight
+    mean = x.new_empty((0,), dtype=torch.float32)  # RMSNorm: no mean (for the schema that takes one)
+    res = _call(rmsnorm_gated_bwd, "rmsnorm_gated_bwd", x=x, weight=weight, bias=None, z=z, dout=dout.to(x.dtype),
+                mean=mean, rstd=rstd, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+    return res[0], res[1], res[2]
