@@ -1,9 +1,9 @@
 """The gated-RMSNorm calls of the fused layer paths (mamba_inner.py, mamba_split.py), in one place.
 
 The ``tvm_mamba::rmsnorm_gated_fwd/bwd`` custom ops are gaining arguments on the norms branch of issue #15
-(residual, rowscale, mean, is_rms_norm, ...; more outputs). The fused paths call them by argument name,
-filling the arguments they do not use from the registered schema (absent optional tensors None, flags False,
-is_rms_norm True), and read the outputs they need by position from the start (out ... rstd last), so they
+(residual, rowscale, seeds, mean, is_rms_norm, dropout_p, ...; more outputs). The fused paths call them by
+argument name, filling the arguments they do not use from the registered schema (absent optional tensors None,
+flags False, is_rms_norm True, dropout_p 0), and read the outputs they need by position from the start (out ... rstd last), so they
 serve the schema on main and the extended one alike. Once the norms branch has landed this can become a
 direct call.
 """
@@ -15,7 +15,7 @@ from torch import Tensor
 from ._dlpack import run_op
 from .rmsnorm_gated import rmsnorm_gated_bwd, rmsnorm_gated_fwd
 
-_FILL = {"is_rms_norm": True}  # the one unused argument whose neutral value is not None / False
+_FILL = {"is_rms_norm": True, "dropout_p": 0.0}  # unused arguments whose neutral value is not None / False
 
 
 def _arg_names(op: str) -> tuple:
