@@ -2,10 +2,10 @@
 
 The ``tvm_mamba::rmsnorm_gated_fwd/bwd`` custom ops are gaining arguments on the norms branch of issue #15
 (residual, rowscale, seeds, mean, is_rms_norm, dropout_p, ...; more outputs). The fused paths call them by
-argument name, filling the arguments they do not use from the registered schema (absent optional tensors None,
-flags False, is_rms_norm True, dropout_p 0), and read the outputs they need by position from the start (out ... rstd last), so they
-serve the schema on main and the extended one alike. Once the norms branch has landed this can become a
-direct call.
+argument name, filling the arguments they do not use from the registered schema (absent optional tensors
+None, flags False, is_rms_norm True, dropout_p 0), and take the outputs they need by position (out first,
+rstd last; dx, dz, dweight first), so they serve the schema on main and the extended one alike. Once the
+norms branch has landed this can become a direct call.
 """
 from __future__ import annotations
 
