@@ -87,11 +87,14 @@ def _norm(t: dict, dims: SplitDims, y: Tensor):
 
 
 def _swiglu(zx0: Tensor) -> Tensor:
+    """zx0: (batch, seqlen, 2*d_nonssm) = [a | b] -> silu(a) * b: (batch, seqlen, d_nonssm) (upstream's
+    _swiglu_fwd: the MLP columns of a Mamba2 block with d_ssm < d_inner, as tvm_mamba's Mamba2 computes them)."""
     a, b = zx0.chunk(2, dim=-1)
     return F.silu(a) * b
 
 
 def _swiglu_bwd(zx0: Tensor, dout: Tensor) -> Tensor:
+    """d[a | b] of silu(a) * b: [dout * b * silu'(a) | dout * silu(a)], silu'(a) = sig(a) (1 + a (1 - sig(a)))."""
     a, b = zx0.chunk(2, dim=-1)
     sig = torch.sigmoid(a)
     return torch.cat([dout * b * sig * (1 + a * (1 - sig)), dout * a * sig], dim=-1)
