@@ -47,3 +47,9 @@ __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "mamba_chunk_scan_combine
            "selective_state_update", "rmsnorm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
            "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel",
            "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__"]
+
+# the fused layer paths (their own lines, so the list above can grow without touching these)
+from .torch_ops.mamba_inner import mamba_inner_fn  # noqa: E402,F401
+from .torch_ops.mamba_split import mamba_split_conv1d_scan_combined  # noqa: E402,F401
+
+__all__ += ["mamba_inner_fn", "mamba_split_conv1d_scan_combined"]
