@@ -15,8 +15,10 @@ from tvm_mamba import compat
 # upstream path -> names a user imports from it (each must be tvm_mamba's object)
 PATHS = {
     "mamba_ssm": ["Mamba", "Mamba2", "MambaLMHeadModel", "selective_scan_fn"],
-    "mamba_ssm.ops.selective_scan_interface": ["selective_scan_fn", "selective_scan_ref"],
-    "mamba_ssm.ops.triton.ssd_combined": ["mamba_chunk_scan_combined"],
+    "mamba_ssm.ops.selective_scan_interface": ["selective_scan_fn", "selective_scan_ref", "mamba_inner_fn",
+                                               "mamba_inner_ref"],
+    "mamba_ssm.ops.triton.ssd_combined": ["mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined",
+                                          "mamba_split_conv1d_scan_ref"],
     "mamba_ssm.ops.triton.selective_state_update": ["selective_state_update", "selective_state_update_ref"],
     "mamba_ssm.ops.triton.layernorm_gated": ["RMSNorm", "rmsnorm_fn", "rms_norm_ref"],
     "mamba_ssm.modules.mamba_simple": ["Mamba"],
@@ -29,7 +31,7 @@ PATHS = {
     "causal_conv1d": ["causal_conv1d_fn", "causal_conv1d_update"],
     "causal_conv1d.causal_conv1d_interface": ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_ref"],
 }
-SAME_AS_TOP = {"selective_scan_fn", "mamba_chunk_scan_combined", "selective_state_update", "rmsnorm_fn",
+SAME_AS_TOP = {"selective_scan_fn", "mamba_chunk_scan_combined", "mamba_inner_fn", "mamba_split_conv1d_scan_combined", "selective_state_update", "rmsnorm_fn",
                "causal_conv1d_fn", "causal_conv1d_update", "Mamba", "Mamba2", "MambaLMHeadModel"}
 
 

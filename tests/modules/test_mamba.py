@@ -64,8 +64,9 @@ def test_state_dict_round_trip():
     torch.testing.assert_close(b(x), a(x), rtol=0, atol=0)
 
 
-def test_forward_and_every_gradient_vs_reference():
-    m = _block()
+@pytest.mark.parametrize("fast", [True, False], ids=["mamba_inner_fn", "unfused"])
+def test_forward_and_every_gradient_vs_reference(fast):
+    m = _block(use_fast_path=fast)  # upstream's two training paths: the fused mamba_inner_fn, or conv + scan
     with torch.no_grad():  # a non-trivial D and conv bias
         m.D.uniform_(0.5, 1.5)
         m.conv1d.bias.uniform_(-0.3, 0.3)

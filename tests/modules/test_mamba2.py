@@ -79,9 +79,10 @@ def _randomize(m):
         m.norm.weight.uniform_(0.5, 1.5)
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["default", "groups2_Dhdim_dtlimit"])
+@pytest.mark.parametrize("cfg", [CFG, CFG2, dict(CFG, use_mem_eff_path=False)],
+                         ids=["default", "groups2_Dhdim_dtlimit", "unfused"])
 def test_forward_and_every_gradient_vs_reference(cfg):
-    m = _block(cfg=cfg)
+    m = _block(cfg=cfg)  # use_mem_eff_path (default): mamba_split_conv1d_scan_combined, else conv + SSD + norm
     _randomize(m)
     x = _input().requires_grad_(True)
     out = m(x)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..torch_ops.mamba_inner import mamba_inner_fn
 from ..torch_ops.selective_scan import selective_scan_fn, selective_state_update
 from ._checks import FLOAT_STATES, check_hidden, check_state
 
@@ -47,7 +48,7 @@ class Mamba(nn.Module):
         self.expand = expand
         self.d_inner = int(self.expand * self.d_model)
         self.dt_rank = math.ceil(self.d_model / 16) if dt_rank == "auto" else dt_rank
-        self.use_fast_path = use_fast_path  # accepted for compatibility; there is one path
+        self.use_fast_path = use_fast_path  # forward without inference_params: mamba_inner_fn (upstream's)
         self.layer_idx = layer_idx
         self.activation = "silu"
 
@@ -102,8 +103,12 @@ class Mamba(nn.Module):
                 out, _, _ = self.step(hidden_states, conv_state, ssm_state)
                 return out
         xz = self.in_proj(hidden_states).transpose(1, 2)  # (batch, 2*d_inner, seqlen)
-        x, z = xz.chunk(2, dim=1)
         A = -torch.exp(self.A_log.float())
+        if self.use_fast_path and conv_state is None and not return_final_states:  # upstream's training path
+            return mamba_inner_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                                  self.out_proj.weight, self.out_proj.bias, A, None, None, self.D.float(),
+                                  delta_bias=self.dt_proj.bias.float(), delta_softplus=True)
+        x, z = xz.chunk(2, dim=1)
         want_states = return_final_states or conv_state is not None
         if want_states:  # the last d_conv inputs of the conv (zero-padded on the left), upstream's layout
             new_conv = F.pad(x, (self.d_conv - seqlen, 0)) if seqlen < self.d_conv else x[..., -self.d_conv:]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..torch_ops.mamba_split import mamba_split_conv1d_scan_combined
 from ..torch_ops.selective_scan import selective_state_update
 from ..torch_ops.ssd import mamba_chunk_scan_combined
 from ._checks import FLOAT_STATES, check_cu_seqlens, check_hidden, check_state
@@ -73,7 +74,7 @@ class Mamba2(nn.Module):
         self.dt_limit = tuple(dt_limit)
         self.activation = "silu"
         self.chunk_size = chunk_size
-        self.use_mem_eff_path = use_mem_eff_path  # accepted for compatibility; there is one path
+        self.use_mem_eff_path = use_mem_eff_path  # forward without inference_params: the fused split path
         self.layer_idx = layer_idx
         self.world_size = 1
 
@@ -156,6 +157,15 @@ class Mamba2(nn.Module):
         varlen = cu_seqlens is not None and conv_state is not None
         zxbcdt = self.in_proj(u)  # (batch, seqlen, d_in_proj)
         A = -torch.exp(self.A_log.float())
+        if self.use_mem_eff_path and conv_state is None and not return_final_states:  # upstream's training path
+            return mamba_split_conv1d_scan_combined(
+                zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A,
+                D=self.D.reshape(self.nheads, self.headdim) if self.D_has_hdim else self.D, chunk_size=self.chunk_size,
+                seq_idx=seq_idx, dt_limit=self.dt_limit, activation=self.activation,
+                rmsnorm_weight=self.norm.weight if self.rmsnorm else None,
+                rmsnorm_eps=self.norm.eps if self.rmsnorm else 1e-6, outproj_weight=self.out_proj.weight,
+                outproj_bias=self.out_proj.bias, headdim=None if self.D_has_hdim else self.headdim,
+                ngroups=self.ngroups, norm_before_gate=self.norm_before_gate)
         d_mlp, (z0, x0, z, xBC, dt) = self._split(zxbcdt)
         want_states = return_final_states or conv_state is not None
         xBC_t = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
