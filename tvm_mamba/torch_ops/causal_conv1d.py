@@ -137,8 +137,10 @@ def _check_update_values(conv_state: Tensor, cache_seqlens: Optional[Tensor],
         if torch.unique(valid).numel() != valid.numel():
             raise ValueError("conv_state_indices: two rows name the same conv_state slot (each row updates its "
                              "slot in place)")
-    if cache_seqlens is not None and cache_seqlens.numel() and int(cache_seqlens.min()) < 0:
-        raise ValueError(f"cache_seqlens: must be >= 0, got {int(cache_seqlens.min())}")
+    if cache_seqlens is not None:
+        live = cache_seqlens if conv_state_indices is None else cache_seqlens[conv_state_indices >= 0]
+        if live.numel() and int(live.min()) < 0:  # a padding row's value is never read
+            raise ValueError(f"cache_seqlens: must be >= 0, got {int(live.min())}")
 
 
 @torch.library.custom_op("tvm_mamba::causal_conv1d_update", mutates_args=("conv_state",))
