@@ -553,3 +553,14 @@ def test_varlen_states_bad_cu_seqlens(cu, exc, match):
         causal_conv1d_varlen_states(torch.randn(9, DIM), cu, 3)
     with pytest.raises(ValueError, match="state_len"):
         causal_conv1d_varlen_states(torch.randn(9, DIM), torch.tensor([0, 9]), 0)
+
+
+def test_update_padding_row_cache_seqlens_is_not_read():
+    a = _update_call(conv_state_indices=torch.tensor([-1, 2], dtype=torch.int32),
+                     cache_seqlens=torch.tensor([-5, 2], dtype=torch.int32))
+    before = a["conv_state"].clone()
+    out = causal_conv1d_update(**a)
+    ref, ref_state = causal_conv1d_update_ref(a["x"].double(), before.double(), a["weight"].double(),
+                                              cache_seqlens=a["cache_seqlens"], conv_state_indices=a["conv_state_indices"])
+    assert torch.all(out[0] == 0) and torch.equal(a["conv_state"], ref_state.float())
+    assert_close_to_ref(out, ref)
