@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from ._causal_conv1d_update import causal_conv1d_update  # noqa: F401  (the builder of direction "update")
 from ._common import check_dtype, f32, sigmoid, stamp
 
 ACTIVATIONS = ("none", "silu")
@@ -224,6 +223,19 @@ def causal_conv1d_varlen_states(dim: int, state_len: int, x_dtype: str = "float3
     states = te.compute((batch, state_len, dim), state, name="states")
     func = te.create_prim_func([x, cu, states])
     return stamp(func, "causal_conv1d_varlen_states", dict(dim=dim, state_len=state_len, x_dtype=x_dtype))
+
+
+def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str = "none", has_bias: bool = False,
+                         has_indices: bool = False, has_cache_seqlens: bool = False, x_dtype: str = "float32",
+                         weight_dtype: str = "float32", state_dtype: str = "float32") -> tirx.PrimFunc:
+    """Decode step, conv_state (pool, dim, state_len) updated in place -> out (batch, dim, seqlen): the
+    builder of direction "update", defined in _causal_conv1d_update.py. Imported on first use: that module
+    needs TVMScript, which a runtime-only TVM (a kernel pack on a GPU machine) lacks, and this module must
+    stay importable there (build_check_configs)."""
+    from ._causal_conv1d_update import causal_conv1d_update as build
+
+    return build(dim, width, state_len, activation, has_bias, has_indices, has_cache_seqlens, x_dtype,
+                 weight_dtype, state_dtype)
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
