@@ -65,9 +65,27 @@ def test_generic_update_matches_reference():
     A, B, C, D, dtb = -r(4, 2, 4).abs(), r(3, 2, 4), r(3, 2, 4), r(4, 2), r(4, 2)
     ref_out, ref_state = selective_state_update_ref(state, x, dt, A, B, C, D, z, dtb, True)
     out = torch.empty_like(x)
-    upd(state, x, dt, A, B, C, D, z, dtb, out)
+    upd(state, x, dt, A, B, C, D, z, dtb, torch.zeros(1, dtype=torch.int32), out)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state, ref_state, rtol=1e-10, atol=1e-10)
+
+
+def test_generic_update_state_pool_bf16_state():
+    """The template's slot indirection (int64 indices, a padding row) and 16-bit state storage."""
+    upd = _compile(ss.selective_scan_update(nheads=2, headdim=2, dstate=4, state_dtype="bfloat16",
+                                            idx_dtype="int64"))
+    g = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    pool, x, dt = r(5, 2, 2, 4).bfloat16(), r(3, 2, 2), r(3, 2, 2).abs()
+    A, B, C = -r(2, 2, 4).abs(), r(3, 1, 4), r(3, 1, 4)
+    idx = torch.tensor([4, -1, 0])
+    ref_out, ref_pool = selective_state_update_ref(pool, x, dt, A, B, C, state_batch_indices=idx,
+                                                   state_dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    upd(pool, x, dt, A, B, C, torch.zeros(1, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1), idx, out)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.double(), ref_pool, rtol=2 ** -7, atol=1e-3)
+    assert pool.dtype == torch.bfloat16
 
 
 def test_builders_are_stamped_and_validate_static_dims():

@@ -190,7 +190,7 @@ def test_simcheck_every_update_config():
     """The sim-check of build-check's decode-step configurations (d_inner 1536 at every dstate); the
     scan configurations (1536 channels) take ~10 s each here and run in ``python -m tvm_mamba sim-check``."""
     configs = [c for c in compute.build_check_configs() if c[0] == "update"]
-    assert len(configs) == 4
+    assert len(configs) == 5
     for direction, static, dtypes in configs:
         simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
 
@@ -201,3 +201,38 @@ def test_simcheck_rejects_unknown_directions():
         sc.check("fwd_chunked", static, dtypes, "sm_90")
     with pytest.raises(simcheck.CheckFailed, match="chunk"):
         sc.check("fwd", dict(static, chunk=7), dtypes, "sm_90")
+
+
+@pytest.mark.parametrize("dtypes", [
+    {"x": "float32", "B": "float32", "C": "float32", "idx": "int64"},
+    {"x": "bfloat16", "B": "bfloat16", "C": "float32", "state": "bfloat16", "dt": "float32", "z": "float16",
+     "idx": "int32"},
+    {"x": "float16", "B": "float16", "C": "float16", "state": "float16"},
+])
+def test_decode_step_state_pool_and_16bit_state(dtypes):
+    """state_batch_indices (rows in reverse slot order, one padding row) and 16-bit states / mixed dtypes in
+    the CUDA update kernel: out of padding rows 0, unnamed slots untouched, the rest against the reference
+    (which rounds a 16-bit state per step as the kernel stores it)."""
+    static = dict(nheads=4, headdim=3, dstate=8, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
+                  dt_softplus=True)
+    inp = sc.update_inputs(static, dtypes, batch=3, seed=7)
+    res, keys = sc.update_results(inp, "sm_90", steps=3)
+    simcheck.ran(keys, "selective_scan", "update", static, dtypes)
+    for key, (mine, ref) in res.items():
+        tol = (1e-4 if mine.dtype == torch.float32 else 2e-2) * max(1.0, ref.abs().max().item())
+        assert (mine.double() - ref).abs().max().item() <= tol, key
+    if "idx" in dtypes:
+        assert torch.equal(res["out[0]"][0][1], torch.zeros_like(res["out[0]"][0][1]))
+        untouched = [s for s in range(5) if s not in inp["state_batch_indices"].tolist()]
+        assert torch.equal(res["state"][0][untouched], inp["state"][untouched])
+
+
+def test_decode_step_index_out_of_range_refused():
+    static = dict(nheads=4, headdim=1, dstate=8, ngroups=1, has_D=False, has_z=False, has_dt_bias=False,
+                  dt_softplus=False)
+    inp = sc.update_inputs(static, dict(X32, idx="int32"), batch=2)
+    inp["state_batch_indices"] = torch.tensor([0, 4], dtype=torch.int32)
+    before = inp["state"].clone()
+    with tvm_mamba.simulate_cuda("sm_90"), pytest.raises(ValueError, match="state_batch_indices"):
+        tvm_mamba.selective_state_update(**inp)
+    assert torch.equal(inp["state"], before)

@@ -548,6 +548,10 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
         out.append(("update", dict(nheads=1536, headdim=1, dstate=dstate, ngroups=1, has_D=True, has_z=True,
                                     has_dt_bias=True, dt_softplus=True),
                     {"x": "float32", "B": "float32", "C": "float32"}))
+    # serving: Mamba-2 heads, a bf16 state pool addressed by int32 state_batch_indices, bf16 activations
+    out.append(("update", dict(nheads=24, headdim=64, dstate=128, ngroups=1, has_D=True, has_z=True,
+                               has_dt_bias=True, dt_softplus=True),
+                {"x": "bfloat16", "B": "bfloat16", "C": "bfloat16", "state": "bfloat16", "idx": "int32"}))
     return out
 
 

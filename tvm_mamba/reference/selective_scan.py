@@ -52,17 +52,34 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
     return (out, h) if return_last_state else out
 
 
-def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                               state_batch_indices=None, state_dtype=None):
     """One decode step; pure (returns (out, new_state)), float64 math.
 
     Mamba-1: state (batch, dim, dstate); x, dt, z: (batch, dim); A: (dim, dstate); B, C: (batch, dstate) or
     (batch, groups, dstate); D, dt_bias: (dim,).
     Mamba-2 heads: state (batch, nheads, headdim, dstate); x, dt, z: (batch, nheads, headdim);
     A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim).
+    state_batch_indices: (batch,): row b reads and writes slot state_batch_indices[b] of a state pool
+    (nslots, ...); a negative index is a padding row (out 0, no slot written) — mamba_ssm 2.3.2's Triton
+    kernel. new_state is the whole pool (float64). state_dtype: round the new state to it (the storage of a
+    16-bit state; out uses the unrounded value, as the Triton kernel) — for the low-precision drift bound.
 
     dt' = softplus?(dt + dt_bias); state' = exp(dt' A) state + dt' B x; out = (C . state' + D x) * silu(z).
     """
     f = torch.float64
+    if state_batch_indices is not None:
+        idx = state_batch_indices.long()
+        live = idx >= 0
+        pool = state.to(f).clone()
+        out = torch.zeros(x.shape, dtype=f, device=x.device)
+        if bool(live.any()):
+            sel = lambda t: t[live] if t is not None else None  # noqa: E731
+            o, new = selective_state_update_ref(pool[idx[live]], sel(x), sel(dt), A, sel(B), sel(C), D, sel(z),
+                                                dt_bias, dt_softplus, state_dtype=state_dtype)
+            out[live] = o
+            pool[idx[live]] = new
+        return out, pool
     if B.dim() == 2:  # Mamba-1 (batch, dstate): one group
         B, C = B[:, None], C[:, None]
     lead = x.shape[1]  # dim or nheads
@@ -78,6 +95,8 @@ def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=No
         d = F.softplus(d)
     new_state = torch.exp(d[..., None] * A.to(f)) * state.to(f) + (d * x.to(f))[..., None] * Bx
     out = (new_state * Cx).sum(-1)
+    if state_dtype is not None:
+        new_state = new_state.to(state_dtype).to(f)
     if D is not None:
         out = out + D.to(f) * x.to(f)
     if z is not None:

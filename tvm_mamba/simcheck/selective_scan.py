@@ -109,43 +109,60 @@ def _check_scan(direction: str, static: dict, dtypes: dict, arch: str) -> None:
 
 def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict:
     """selective_state_update keyword arguments: the Mamba-1 layout ((batch, dim, dstate) state) when
-    headdim == 1, else the Mamba-2 head layout."""
+    headdim == 1, else the Mamba-2 head layout. Optional dtype keys as in the kernel key: ``state`` (a 16-bit
+    state), ``dt``, ``z``, and ``idx``: a pool of batch + 2 state slots, rows mapped to them in reverse
+    order, the second row (when batch > 1) a padding row (index -1)."""
     g = torch.Generator().manual_seed(seed)
     H, P, N, G = static["nheads"], static["headdim"], static["dstate"], static["ngroups"]
     x_dt = _dtype(dtypes["x"])
     acc = torch.float64 if x_dt == torch.float64 else torch.float32
+    st_dt, dt_dt, z_dt = (_dtype(dtypes[k]) if k in dtypes else d for k, d in
+                          (("state", acc), ("dt", x_dt), ("z", x_dt)))
     lead = (H,) if P == 1 else (H, P)
     bc_shape = (batch, N) if P == 1 and G == 1 else (batch, G, N)
     sp = bool(static["dt_softplus"])
     dt = 0.5 * torch.randn(batch, *lead, generator=g)
-    return dict(
-        state=torch.randn(batch, *lead, N, generator=g).to(acc),
+    nslots = batch + 2 if "idx" in dtypes else batch
+    inp = dict(
+        state=torch.randn(nslots, *lead, N, generator=g).to(st_dt),
         x=torch.randn(batch, *lead, generator=g).to(x_dt),
-        dt=(dt if sp else dt.abs()).to(x_dt),
+        dt=(dt if sp else dt.abs()).to(dt_dt),
         A=(-0.2 - torch.rand(*lead, N, generator=g)).to(acc),
         B=torch.randn(*bc_shape, generator=g).to(_dtype(dtypes["B"])),
         C=torch.randn(*bc_shape, generator=g).to(_dtype(dtypes["C"])),
         D=torch.randn(*lead, generator=g).to(acc) if static["has_D"] else None,
-        z=torch.randn(batch, *lead, generator=g).to(x_dt) if static["has_z"] else None,
+        z=torch.randn(batch, *lead, generator=g).to(z_dt) if static["has_z"] else None,
         dt_bias=(0.1 * torch.randn(*lead, generator=g)).to(acc) if static["has_dt_bias"] else None,
         dt_softplus=sp,
     )
+    if "idx" in dtypes:
+        idx = torch.arange(nslots - 1, nslots - 1 - batch, -1)
+        if batch > 1:
+            idx[1] = -1
+        inp["state_batch_indices"] = idx.to(_INDEX[dtypes["idx"]])
+    return inp
+
+
+_INDEX = {"int32": torch.int32, "int64": torch.int64}
 
 
 def update_results(inputs: dict, arch: str, steps: int = 2, **sim) -> tuple[dict, list]:
     """``steps`` decode steps on one state (the in-place update is read back by the next step):
-    {out_i, state: (simulated, float64 reference)} and the keys run. x/dt/z are reused each step."""
+    {out_i, state: (simulated, float64 reference)} and the keys run. x/dt/z are reused each step; the
+    reference rounds a 16-bit state to its dtype after each step, as the kernel stores it."""
     import tvm_mamba
     from ..reference.selective_scan import selective_state_update_ref
 
     state = inputs["state"].clone()
     ref_state = inputs["state"].double()
+    low = inputs["state"].dtype in (torch.float16, torch.bfloat16)
     rest = {k: v for k, v in inputs.items() if k != "state"}
     res = {}
     with recording() as keys, tvm_mamba.simulate_cuda(arch, **sim):
         outs = [tvm_mamba.selective_state_update(state, **rest) for _ in range(steps)]
     for i, out in enumerate(outs):
-        ref_out, ref_state = selective_state_update_ref(ref_state, **rest)
+        ref_out, ref_state = selective_state_update_ref(ref_state, **rest,
+                                                        state_dtype=inputs["state"].dtype if low else None)
         res[f"out[{i}]"] = (out, ref_out)
     res["state"] = (state, ref_state)
     return res, keys
