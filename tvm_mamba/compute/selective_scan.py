@@ -530,6 +530,8 @@ def selective_scan_bwd(dim: int, dstate: int, b_groups: int = 0, c_groups: int =
 from ._selective_scan_update import selective_scan_update, selective_scan_update_template  # noqa: E402,F401
 from ._selective_scan_chunked import (  # noqa: E402,F401
     selective_scan_fwd_chunked, selective_scan_fwd_chunked_template)
+from .selective_scan_complex import (  # noqa: E402,F401
+    selective_scan_bwd_complex, selective_scan_fwd_complex)
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

@@ -30,6 +30,9 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
     out = y * silu(z). Computed step by step in ``dtype`` (float64 by default); out is cast to u's dtype.
     """
     batch, dim, seqlen = u.shape
+    if A.is_complex():
+        return _selective_scan_complex_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                           return_last_state, initial_state, dtype)
     uu, dt = u.to(dtype), delta.to(dtype)
     if delta_bias is not None:
         dt = dt + delta_bias.to(dtype)[None, :, None]
@@ -43,6 +46,43 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
         dA = torch.exp(dt[:, :, t, None] * A_[None])
         h = dA * h + (dt[:, :, t] * uu[:, :, t])[..., None] * _bc_at(B_, t, batch, dim)
         ys.append((h * _bc_at(C_, t, batch, dim)).sum(-1))
+    y = torch.stack(ys, dim=-1)
+    if D is not None:
+        y = y + D.to(dtype)[None, :, None] * uu
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    out = y.to(u.dtype) if u.dtype != dtype and u.dtype != torch.float64 else y
+    return (out, h) if return_last_state else out
+
+
+def _as_complex_bc(M, cdtype):
+    """B/C with a complex A (mamba_ssm's selective_scan_ref): a time-invariant (dim, dstate) is complex (a real
+    one is taken as its real part); a varying (batch, [groups,] dstate, 2 seqlen) is real with (re, im)
+    interleaved in time -> complex (batch, [groups,] dstate, seqlen)."""
+    if M.dim() == 2:
+        return M.to(cdtype)
+    real = M.to(torch.float64 if cdtype == torch.complex128 else torch.float32)
+    return torch.view_as_complex(real.reshape(*M.shape[:-1], M.shape[-1] // 2, 2).contiguous())
+
+
+def _selective_scan_complex_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
+                                initial_state, dtype):
+    """Complex A (dim, dstate): h complex; y_t = 2 Re(C_t . h_t) + D u_t (selective_scan_ref's ``y.real * 2``);
+    last_state complex. ``dtype`` float64 -> complex128 math."""
+    batch, dim, seqlen = u.shape
+    cdt = torch.complex128 if dtype == torch.float64 else torch.complex64
+    uu, dt = u.to(dtype), delta.to(dtype)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype)[None, :, None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    A_, B_, C_ = A.to(cdt), _as_complex_bc(B, cdt), _as_complex_bc(C, cdt)
+    h = (initial_state.to(cdt) if initial_state is not None
+         else torch.zeros(batch, dim, A.shape[1], dtype=cdt, device=u.device))
+    ys = []
+    for t in range(seqlen):
+        h = torch.exp(dt[:, :, t, None] * A_[None]) * h + (dt[:, :, t] * uu[:, :, t])[..., None] * _bc_at(B_, t, batch, dim)
+        ys.append(2 * (h * _bc_at(C_, t, batch, dim)).sum(-1).real)
     y = torch.stack(ys, dim=-1)
     if D is not None:
         y = y + D.to(dtype)[None, :, None] * uu

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..compute._selective_scan_dims import block_size, chunk_size
+from ._selective_scan_complex import complex_scan
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
                       prepare, run_op, tvm_dtype)
 
@@ -307,6 +308,37 @@ def _check_bc(name, M, batch, dim, dstate, seqlen, u):
                          f"(batch, groups, dstate, seqlen), got shape {tuple(M.shape)}")
 
 
+def _check_complex(u, A, B, C, D, z, delta_bias, initial_state):
+    """Inputs of the complex-A path (mamba_ssm's complex kernels): A complex64 (complex128 with float64 u);
+    time-invariant B/C complex (or real: its real part), varying B/C real with (re, im) interleaved in time."""
+    batch, dim, seqlen = u.shape
+    acc = _acc(u)
+    cdt = torch.complex128 if acc == torch.float64 else torch.complex64
+    check_tensor("A", A, ndim=2, dtypes=(cdt,), device=u.device)
+    if A.shape[0] != dim or A.shape[1] < 1:
+        raise ValueError(f"A: expected (dim={dim}, dstate >= 1), got {tuple(A.shape)}")
+    dstate = A.shape[1]
+    for name, M in (("B", B), ("C", C)):
+        if isinstance(M, Tensor) and M.dim() == 2:
+            check_tensor(name, M, dtypes=(cdt, acc), device=u.device)
+            check_shape(name, M, (dim, dstate))
+            continue
+        if isinstance(M, Tensor) and M.is_complex():
+            raise ValueError(f"{name}: with a complex A a time-varying {name} is real, (re, im) interleaved in "
+                             f"time: (batch, [groups,] dstate, 2 * seqlen) (mamba_ssm's layout), got complex")
+        _check_bc(name, M, batch, dim, dstate, 2 * seqlen, u)
+    for name, v in (("D", D), ("delta_bias", delta_bias)):
+        if v is not None:
+            check_tensor(name, v, ndim=1, dtypes=(acc,), device=u.device)
+            check_shape(name, v, (dim,))
+    if z is not None:
+        check_tensor("z", z, ndim=3, dtypes=(u.dtype,), device=u.device)
+        check_shape("z", z, u.shape)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, ndim=3, dtypes=(cdt,), device=u.device)
+        check_shape("initial_state", initial_state, (batch, dim, dstate))
+
+
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                       return_last_state=False, initial_state=None):
     """Mamba-1 selective scan (mamba_ssm.ops.selective_scan_interface.selective_scan_fn).
@@ -328,6 +360,10 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     acc = _acc(u)
     check_tensor("delta", delta, ndim=3, dtypes=(u.dtype,), device=u.device)
     check_shape("delta", delta, u.shape)
+    if isinstance(A, Tensor) and A.is_complex():
+        _check_complex(u, A, B, C, D, z, delta_bias, initial_state)
+        out, last = complex_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+        return (out, last) if return_last_state else out
     _check_A(A, 2, (acc,), u.device)
     if A.shape[0] != dim:
         raise ValueError(f"A: expected (dim={dim}, dstate), got {tuple(A.shape)}")
