@@ -236,3 +236,51 @@ def test_decode_step_index_out_of_range_refused():
     with tvm_mamba.simulate_cuda("sm_90"), pytest.raises(ValueError, match="state_batch_indices"):
         tvm_mamba.selective_state_update(**inp)
     assert torch.equal(inp["state"], before)
+
+
+# --- complex A (selective_scan_complex kernels: one thread per lane) ------------------------------------------
+COMPLEX = {
+    # dstate 8 -> checkpoint chunks of 32: 70 = 2 chunks + 6; B varying (batch, dstate, 2L), C complex (dim, N)
+    "var_const_all": (2, 70, dict(dim=4, dstate=8, b_groups=1, c_groups=0, has_D=True, has_z=True,
+                                  has_delta_bias=True, delta_softplus=True, has_init=True)),
+    # 33 lanes: a partly empty block of 64 threads; one C group per channel (backward blocks of 1 channel)
+    "grp_grp_ragged_blocks": (3, 21, dict(dim=11, dstate=4, b_groups=1, c_groups=11, has_D=False, has_z=True,
+                                          has_delta_bias=False, delta_softplus=False, has_init=False)),
+}
+
+
+def complex_inputs(name, dtype="float32", seqlen=None):
+    batch, L, static = COMPLEX[name]
+    return sc.scan_inputs(static, {"u": dtype, "B": dtype, "C": dtype}, batch, seqlen or L, complex_A=True)
+
+
+@pytest.mark.parametrize("name", list(COMPLEX))
+def test_complex_A_forward_and_every_gradient(name):
+    inp = complex_inputs(name)
+    res, keys = sc.scan_results(inp, grads=True, arch="sm_90")
+    assert expected_grads(inp) <= set(res)
+    assert {(k.direction, k.target) for k in keys} == {("fwd_complex", "cudasim-sm_90"),
+                                                       ("bwd_complex", "cudasim-sm_90")}
+    assert_all_close(res, name)
+
+
+def test_complex_A_bf16():
+    inp = complex_inputs("var_const_all", dtype="bfloat16", seqlen=40)
+    res, _ = sc.scan_results(inp, grads=True, arch="sm_90")
+    low = {k: (v.to(torch.complex64 if v.is_complex() else torch.float32) if isinstance(v, torch.Tensor) else v)
+           for k, v in inp.items()}
+    ref_low = selective_scan_ref(**low, dtype=torch.float32).to(torch.bfloat16)
+    assert_close_to_ref(res["out"][0], res["out"][1], ref_low, name="out")
+    for key, (mine, ref) in res.items():
+        if key != "out":
+            tol = (1e-2 if mine.dtype == torch.bfloat16 else 1e-4) * max(1.0, ref.abs().max().item())
+            assert (mine.double() - ref).abs().max().item() <= tol, key
+
+
+def test_simcheck_complex_configs_fp32():
+    """sim-check of build-check's fp32 complex-A configurations (1536 channels); bf16 ones run in
+    ``python -m tvm_mamba sim-check``."""
+    configs = [c for c in compute.build_check_configs() if c[0].endswith("_complex") and c[2]["u"] == "float32"]
+    assert [c[0] for c in configs] == ["fwd_complex", "bwd_complex"]
+    for direction, static, dtypes in configs:
+        simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")

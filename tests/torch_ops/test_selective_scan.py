@@ -218,7 +218,7 @@ def _good():
     (lambda p: p.update(u=p["u"][0]), ValueError, "u"),
     (lambda p: p.update(z=p["z"][..., :4]), ValueError, "z"),
     (lambda p: p.update(A=torch.randn(5, 16)), ValueError, "A"),
-    (lambda p: p.update(A=torch.randn(4, 16, dtype=torch.complex64)), ValueError, "complex"),
+    (lambda p: p.update(A=torch.randn(4, 16, dtype=torch.complex64)), ValueError, "B"),  # B: (.., 2 seqlen)
     (lambda p: p.update(B=torch.randn(2, 3, 16, 8)), ValueError, "B"),
     (lambda p: p.update(C=torch.randn(2, 16, 7)), ValueError, "C"),
     (lambda p: p.update(D=torch.randn(3)), ValueError, "D"),

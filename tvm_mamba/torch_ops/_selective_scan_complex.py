@@ -116,19 +116,19 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
         kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
              _opt(initial_state, u, acc, 4), prepare(checkpoints), dout, dlast,
              du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, wsA, wsB, wsC, wsS)
-    empty = u.new_empty((0,), dtype=acc)
-    return (du, ddelta, dA, dB, dC, dD if D is not None else empty, dz if z is not None else u.new_empty((0,)),
-            ddb if delta_bias is not None else empty, dinit if initial_state is not None else empty)
+    empty = lambda: u.new_empty((0,), dtype=acc)  # noqa: E731  (one per output: outputs may not alias)
+    return (du, ddelta, dA, dB, dC, dD if D is not None else empty(), dz if z is not None else u.new_empty((0,)),
+            ddb if delta_bias is not None else empty(), dinit if initial_state is not None else empty())
 
 
 @selective_scan_complex_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, checkpoints, dout, dlast, delta_softplus):
     acc = _acc(u)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
-    empty = u.new_empty((0,), dtype=acc)
-    return (like(u), like(u), like(A), like(B), like(C), like(D) if D is not None else empty,
-            like(u) if z is not None else u.new_empty((0,)), like(delta_bias) if delta_bias is not None else empty,
-            u.new_empty(tuple(u.shape[:2]) + (A.shape[1], 2), dtype=acc) if initial_state is not None else empty)
+    empty = lambda: u.new_empty((0,), dtype=acc)  # noqa: E731
+    return (like(u), like(u), like(A), like(B), like(C), like(D) if D is not None else empty(),
+            like(u) if z is not None else u.new_empty((0,)), like(delta_bias) if delta_bias is not None else empty(),
+            u.new_empty(tuple(u.shape[:2]) + (A.shape[1], 2), dtype=acc) if initial_state is not None else empty())
 
 
 def _setup_context(ctx, inputs, output):
