@@ -240,7 +240,7 @@ def test_decode_step_index_out_of_range_refused():
 
 # --- complex A (selective_scan_complex kernels: one thread per lane) ------------------------------------------
 COMPLEX = {
-    # dstate 8 -> checkpoint chunks of 32: 70 = 2 chunks + 6; B varying (batch, dstate, 2L), C complex (dim, N)
+    # dstate 8 -> checkpoint chunks of 48: 70 = 48 + 22; B varying (batch, dstate, 2L), C complex (dim, N)
     "var_const_all": (2, 70, dict(dim=4, dstate=8, b_groups=1, c_groups=0, has_D=True, has_z=True,
                                   has_delta_bias=True, delta_softplus=True, has_init=True)),
     # 33 lanes: a partly empty block of 64 threads; one C group per channel (backward blocks of 1 channel)
