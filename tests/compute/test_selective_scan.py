@@ -110,10 +110,12 @@ def test_generic_complex_forward_backward_match_reference():
 
     batch, dim, N, L, chunk = 2, 4, 3, 9, 4  # 3 chunks, the last partial; B varying in 2 groups, C complex
     st = dict(STATIC, dstate=N, chunk=chunk)
-    fwd, bwd = _compile(sx.selective_scan_fwd_complex(**st, **F64)), _compile(sx.selective_scan_bwd_complex(**st, **F64))
+    fwd = _compile(sx.selective_scan_fwd_complex(**st, **F64))
+    bwd = _compile(sx.selective_scan_bwd_complex(**st, **F64))
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    u, delta, z, A, Bk, Ck = r(batch, dim, L), r(batch, dim, L), r(batch, dim, L), r(dim, N, 2), r(batch, 2, L, N, 2), r(dim, N, 2)
+    u, delta, z = r(batch, dim, L), r(batch, dim, L), r(batch, dim, L)
+    A, Bk, Ck = r(dim, N, 2), r(batch, 2, L, N, 2), r(dim, N, 2)
     A[..., 0] = -A[..., 0].abs()
     D, db, init = r(dim), 0.1 * r(dim), r(batch, dim, N, 2)
     out, last = torch.empty_like(u), torch.empty(batch, dim, N, 2, dtype=torch.float64)
