@@ -242,7 +242,7 @@ def test_bad_state_update_inputs():
     A = -torch.rand(4, 16)
     B = torch.randn(2, 16)
     with pytest.raises(ValueError, match="state"):
-        selective_state_update(torch.zeros(3, 4, 16), x, x, A, B, B)
+        selective_state_update(torch.zeros(1, 4, 16), x, x, A, B, B)
     with pytest.raises(ValueError, match="groups"):
         selective_state_update(state, x, x, A, torch.randn(2, 3, 16), torch.randn(2, 3, 16))
     with pytest.raises(TypeError, match="state"):
@@ -361,8 +361,19 @@ def test_bad_state_batch_indices_refused_before_anything_runs(bad, exc, match, m
     with pytest.raises(exc, match=match):
         selective_state_update(state, **kw, state_batch_indices=bad)
     assert torch.equal(state, before)
-    with pytest.raises(ValueError, match="state"):  # a pool larger than batch needs indices
-        selective_state_update(state, **kw)
+
+
+def test_larger_state_without_indices_uses_its_first_rows():
+    """mamba_ssm's Triton kernel indexes the state by the row number: rows >= batch stay untouched."""
+    state, kw = _update_args(True, batch=3, nslots=5, seed=8)
+    before = state.clone()
+    ref_out, ref_state = selective_state_update_ref(before[:3], **kw)
+    out = selective_state_update(state, **kw)
+    assert_close_to_ref(out, ref_out, name="out")
+    assert_close_to_ref(state[:3], ref_state, name="state")
+    assert torch.equal(state[3:], before[3:])
+    with pytest.raises(ValueError, match="state: expected at least 3 rows"):
+        selective_state_update(state[:2], **kw)
 
 
 @pytest.mark.parametrize("state_dtype,heads", [(torch.bfloat16, True), (torch.float16, False)])

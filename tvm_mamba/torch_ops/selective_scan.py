@@ -442,7 +442,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     (mamba_ssm's tied per-head dt/A/D/dt_bias, expanded stride-0 views, are accepted).
     state_batch_indices: (batch,) int32/int64: row b uses state slot state_batch_indices[b] of a pool
     state (nslots, ...) (continuous batching); a negative index is a padding row: out = 0, no state written.
-    Indices >= nslots, or two rows naming one slot, are a ValueError before anything runs.
+    Indices >= nslots, or two rows naming one slot, are a ValueError before anything runs. Without indices
+    a state with more than batch rows has its first batch rows updated (as upstream's Triton kernel).
 
     Dtypes: x, dt, z, B, C, state each float32 / float16 / bfloat16 (independently; out in x's dtype);
     A, D, dt_bias any float (widened to float32). A 16-bit state stays in its dtype: the math runs in
@@ -459,9 +460,11 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     _check_update_tensors(state, x, dt, A, B, C, D, z, dt_bias, heads, batch)
     if state_batch_indices is not None:
         _check_indices(state_batch_indices, state, batch, x.device)
-    elif state.shape[0] != batch:
-        raise ValueError(f"state: expected {batch} rows (x's batch) without state_batch_indices, "
+    elif state.shape[0] < batch:
+        raise ValueError(f"state: expected at least {batch} rows (x's batch) without state_batch_indices, "
                          f"got shape {tuple(state.shape)}")
+    elif state.shape[0] > batch:  # upstream's kernel uses rows 0..batch-1 of a larger state (a view here)
+        state = state[:batch]
     A = A.to(acc)
     D, dt_bias = (v.to(acc) if v is not None else None for v in (D, dt_bias))
     if not heads:  # Mamba-1 is the head layout with nheads = dim, headdim = 1
