@@ -1,4 +1,5 @@
-"""selective_scan_fn / selective_state_update: mamba_ssm 2.3.x's Mamba-1 scan API on TVM kernels.
+"""selective_scan_fn / selective_state_update: mamba_ssm 2.3.x's Mamba-1 scan API on TVM kernels (complex A:
+_selective_scan_complex.py).
 
 Ops (namespace ``tvm_mamba``): ``selective_scan_fwd`` (autograd registered), ``selective_scan_bwd``,
 ``selective_state_update`` (state updated in place); each has a fake (meta) implementation.
@@ -352,6 +353,11 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     dt = softplus?(delta + delta_bias); h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t; out = (C_t.h_t + D u_t) silu(z).
     Differentiable in every tensor argument, including through last_state. float64 inputs (all of them)
     run a float64 kernel (used for gradcheck).
+
+    Complex A (dim, dstate) complex64 (mamba_ssm's complex mode, selective_scan_ref's semantics): a
+    time-invariant B/C is complex (dim, dstate) (or real: its real part); a varying one is real
+    (batch, [groups,] dstate, 2 * seqlen) with (re, im) interleaved in time; initial_state complex;
+    out = (2 Re(C_t . h_t) + D u_t) silu(z), last_state complex. Gradients of complex tensors: dL/dRe + i dL/dIm.
     """
     check_tensor("u", u, ndim=3, dtypes=FLOATS + (torch.float64,))
     batch, dim, seqlen = u.shape
