@@ -525,13 +525,23 @@ def selective_scan_bwd(dim: int, dstate: int, b_groups: int = 0, c_groups: int =
     return stamp(func, "selective_scan_bwd", static)
 
 
-# The decode step and the chunked (parallel-in-time) forward live in their own files (imported here, after
-# the helpers they use are defined).
-from ._selective_scan_update import selective_scan_update, selective_scan_update_template  # noqa: E402,F401
-from ._selective_scan_chunked import (  # noqa: E402,F401
-    selective_scan_fwd_chunked, selective_scan_fwd_chunked_template)
-from .selective_scan_complex import (  # noqa: E402,F401
-    selective_scan_bwd_complex, selective_scan_fwd_complex)
+# The decode step, the chunked (parallel-in-time) forward and the complex-A scan live in their own files,
+# which import this module's helpers: they are loaded on first use of their names (PEP 562), so that any of
+# the modules may be imported first.
+_ELSEWHERE = {
+    "selective_scan_update": "_selective_scan_update", "selective_scan_update_template": "_selective_scan_update",
+    "selective_scan_fwd_chunked": "_selective_scan_chunked",
+    "selective_scan_fwd_chunked_template": "_selective_scan_chunked",
+    "selective_scan_fwd_complex": "selective_scan_complex", "selective_scan_bwd_complex": "selective_scan_complex",
+}
+
+
+def __getattr__(name: str):
+    if name in _ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

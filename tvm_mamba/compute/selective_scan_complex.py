@@ -155,6 +155,11 @@ def selective_scan_fwd_complex(dim: int, dstate: int, b_groups: int = 0, c_group
     return stamp(selective_scan_fwd_complex_template(**static), "selective_scan_fwd_complex", static)
 
 
-# The backward lives in its own file (the forward's helpers above are imported there).
-from ._selective_scan_complex_bwd import (  # noqa: E402,F401
-    selective_scan_bwd_complex, selective_scan_bwd_complex_template)
+def __getattr__(name: str):
+    """The backward builders live in _selective_scan_complex_bwd.py (which imports the helpers above),
+    loaded on first use so that either module may be imported first."""
+    if name in ("selective_scan_bwd_complex", "selective_scan_bwd_complex_template"):
+        from . import _selective_scan_complex_bwd
+
+        return getattr(_selective_scan_complex_bwd, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
