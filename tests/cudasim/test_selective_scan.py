@@ -284,3 +284,9 @@ def test_simcheck_complex_configs_fp32():
     assert [c[0] for c in configs] == ["fwd_complex", "bwd_complex"]
     for direction, static, dtypes in configs:
         simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
+
+
+def test_complex_A_sm80():
+    res, keys = sc.scan_results(complex_inputs("grp_grp_ragged_blocks", seqlen=9), grads=True, arch="sm_80")
+    assert {k.target for k in keys} == {"cudasim-sm_80"}
+    assert_all_close(res, "complex sm_80")
