@@ -32,7 +32,8 @@ def _map_schedules_from_checkout() -> None:
 
 _map_schedules_from_checkout()
 
-from .torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402,F401
+from .torch_ops.causal_conv1d import (causal_conv1d_fn, causal_conv1d_update,  # noqa: E402,F401
+                                      causal_conv1d_varlen_states)
 from .torch_ops.ssd import mamba_chunk_scan_combined  # noqa: E402,F401
 from .torch_ops.selective_scan import selective_scan_fn, selective_state_update  # noqa: E402,F401
 from .torch_ops.rmsnorm_gated import rmsnorm_fn  # noqa: E402,F401
@@ -43,8 +44,8 @@ from .explain import explain  # noqa: E402,F401
 from .runtime.tuning import tuning_logs  # noqa: E402,F401
 from .runtime.cudasim import simulate as simulate_cuda  # noqa: E402,F401
 
-__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "mamba_chunk_scan_combined", "selective_scan_fn",
-           "selective_state_update", "rmsnorm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
+__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen_states", "mamba_chunk_scan_combined",
+           "selective_scan_fn", "selective_state_update", "rmsnorm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
            "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel",
            "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__"]
 

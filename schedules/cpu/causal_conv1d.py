@@ -15,8 +15,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...compute import _math
-from ...compute.causal_conv1d import window_value
-from ..rule import SERIAL_WORK, Decisions, kernel_attrs, schedule_of
+from ...compute._causal_conv1d_update import update_template
+from ...compute.causal_conv1d import window_value, zero_padding
+from ..rule import Decisions, kernel_attrs, schedule_of
 
 F32 = "float32"
 
@@ -34,6 +35,9 @@ def _fwd(dim, width, activation, has_bias, has_seq_idx, has_init, return_final, 
 
     def xx(x, init, seq_idx, b, c, s, t):
         return window_value(x, init, seq_idx, W, has_seq_idx, has_init, b, c, s, t)
+
+    def pad0(seq_idx, b, t, v):  # padding positions (seq_idx < 0) output 0
+        return zero_padding(v, seq_idx, has_seq_idx, b, t)
 
     def tap(x, seq_idx, b, c, s, t):  # main loop: s >= 0 always
         v = x[b, c, s].astype(F32)
@@ -64,7 +68,7 @@ def _fwd(dim, width, activation, has_bias, has_seq_idx, has_init, return_final, 
                 acc[0] = wv[W]
                 for k in T.unroll(W):
                     acc[0] = acc[0] + wv[k] * xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
-                out[b, c, t] = _act(acc[0], activation).astype(x_dtype)
+                out[b, c, t] = pad0(seq_idx, b, t, _act(acc[0], activation)).astype(x_dtype)
             for t0 in range(1, L // V):  # main: full vectors, every tap inside the row
                 for i in T.vectorized(V):
                     acc[i] = wv[W]
@@ -72,12 +76,12 @@ def _fwd(dim, width, activation, has_bias, has_seq_idx, has_init, return_final, 
                     for i in T.vectorized(V):
                         acc[i] = acc[i] + wv[k] * tap(x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
                 for i in T.vectorized(V):
-                    out[b, c, t0 * V + i] = _act(acc[i], activation).astype(x_dtype)
+                    out[b, c, t0 * V + i] = pad0(seq_idx, b, t0 * V + i, _act(acc[i], activation)).astype(x_dtype)
             for t in range(T.max(L // V * V, V), L):  # tail
                 acc[0] = wv[W]
                 for k in T.unroll(W):
                     acc[0] = acc[0] + wv[k] * tap(x, seq_idx, b, c, t - (W - 1) + k, t)
-                out[b, c, t] = _act(acc[0], activation).astype(x_dtype)
+                out[b, c, t] = pad0(seq_idx, b, t, _act(acc[0], activation)).astype(x_dtype)
             if return_final:
                 for j in range(W - 1):
                     final[b, c, j] = window_value(x, init, seq_idx, W, False, has_init, b, c,
@@ -112,6 +116,9 @@ def _bwd(dim, width, activation, has_bias, has_seq_idx, has_init, has_dfinal, x_
         j = s - (L - (W - 1))
         return tirx.if_then_else(tirx.all(j >= 0, j < W - 1),
                                  dfinal[b, c, tirx.min(tirx.max(j, 0), W - 2)].astype(F32), zero)
+
+    def dout_at(dout, seq_idx, b, c, t):  # a padding output is a constant 0: no gradient flows from it
+        return zero_padding(dout[b, c, t].astype(F32), seq_idx, has_seq_idx, b, t)
 
     def xtap(x, seq_idx, b, c, s, t):  # main loop: s >= 0
         v = x[b, c, s].astype(F32)
@@ -150,7 +157,7 @@ def _bwd(dim, width, activation, has_bias, has_seq_idx, has_init, has_dfinal, x_
                 acc[0] = wv[W]
                 for k in T.unroll(W):
                     acc[0] = acc[0] + wv[k] * xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
-                g[b, c, t] = dout[b, c, t].astype(F32) * _act_grad(acc[0], activation)
+                g[b, c, t] = dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
             for t0 in range(1, L // V):
                 for i in T.vectorized(V):
                     acc[i] = wv[W]
@@ -158,12 +165,12 @@ def _bwd(dim, width, activation, has_bias, has_seq_idx, has_init, has_dfinal, x_
                     for i in T.vectorized(V):
                         acc[i] = acc[i] + wv[k] * xtap(x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
                 for i in T.vectorized(V):
-                    g[b, c, t0 * V + i] = dout[b, c, t0 * V + i].astype(F32) * _act_grad(acc[i], activation)
+                    g[b, c, t0 * V + i] = dout_at(dout, seq_idx, b, c, t0 * V + i) * _act_grad(acc[i], activation)
             for t in range(T.max(L // V * V, V), L):
                 acc[0] = wv[W]
                 for k in T.unroll(W):
                     acc[0] = acc[0] + wv[k] * xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
-                g[b, c, t] = dout[b, c, t].astype(F32) * _act_grad(acc[0], activation)
+                g[b, c, t] = dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
         # phase 2: dx, dinit, and per-row partial sums for dweight / dbias (stage 1 of 2)
         for row in T.parallel(B * D):
             b = T.meta_var(row // D)
@@ -232,46 +239,14 @@ def _bwd(dim, width, activation, has_bias, has_seq_idx, has_init, has_dfinal, x_
     return causal_conv1d_bwd
 
 
-def _update(dim, width, state_len, activation, has_bias, x_dtype, weight_dtype, state_dtype):
-    D, W, S = dim, width, state_len
-
-    def xs(x, state, b, c, p):  # p indexes concat(state, x) along time
-        return tirx.if_then_else(p < S, state[b, c, tirx.min(p, S - 1)].astype(F32),
-                                 x[b, c, tirx.max(p - S, 0)].astype(F32))
-
-    @T.macro
-    def row_step(x, state, weight, bias, out, new_state, L, row):
-        b = T.meta_var(row // D)
-        c = T.meta_var(row % D)
-        acc = T.alloc_buffer((1,), F32)
-        for t in range(L):
-            acc[0] = bias[c].astype(F32) if has_bias else T.float32(0)
-            for k in T.unroll(W):
-                acc[0] = acc[0] + weight[c, k].astype(F32) * xs(x, state, b, c, S + t - (W - 1) + k)
-            out[b, c, t] = _act(acc[0], activation).astype(x_dtype)
-        for j in range(S):
-            new_state[b, c, j] = xs(x, state, b, c, j + L).astype(state_dtype)
-
-    @T.prim_func
-    def causal_conv1d_update(x_h: T.handle, s_h: T.handle, w_h: T.handle, b_h: T.handle, o_h: T.handle,
-                             n_h: T.handle):
-        T.func_attr({"global_symbol": "causal_conv1d_update", "tirx.noalias": True})
-        B = T.int32()
-        L = T.int32()
-        x = T.match_buffer(x_h, (B, D, L), x_dtype)
-        state = T.match_buffer(s_h, (B, D, S), state_dtype)
-        weight = T.match_buffer(w_h, (D, W), weight_dtype)
-        bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
-        out = T.match_buffer(o_h, (B, D, L), x_dtype)
-        new_state = T.match_buffer(n_h, (B, D, S), state_dtype)
-        if B * D * (L + S) <= SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
-            for row in T.serial(B * D):
-                row_step(x, state, weight, bias, out, new_state, L, row)
-        else:
-            for row in T.parallel(B * D):
-                row_step(x, state, weight, bias, out, new_state, L, row)
-
-    return causal_conv1d_update
+def _varlen_states(func):
+    """states (batch, state_len, dim): one parallel task per (batch, state row), dim innermost (a copy of
+    one contiguous row of x, or zeros)."""
+    sch = schedule_of(func, name="causal_conv1d_varlen_states")
+    blk = sch.get_sblock("states")
+    b, j, _ = sch.get_loops(blk)
+    sch.parallel(sch.fuse(b, j))
+    return sch
 
 
 def apply(func, target, decisions: Decisions):
@@ -288,8 +263,9 @@ def apply(func, target, decisions: Decisions):
         f = _bwd(st["dim"], st["width"], st["activation"], st["has_bias"], st["has_seq_idx"], st["has_init"],
                  st["has_dfinal"], st["x_dtype"], st["weight_dtype"], V)
     elif kernel == "causal_conv1d_update":
-        f = _update(st["dim"], st["width"], st["state_len"], st["activation"], st["has_bias"], st["x_dtype"],
-                    st["weight_dtype"], st["state_dtype"])
+        f = update_template(**st, mode="cpu")
+    elif kernel == "causal_conv1d_varlen_states":
+        return _varlen_states(func)
     else:
         return None
     return schedule_of(f.with_attrs(dict(func.attrs)), name=kernel)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute import selective_scan as compute
+from ...compute import selective_scan_complex as complex_scan
 from ...compute.selective_scan import _Math, acc_dtype
 from ..rule import Decisions, kernel_attrs, schedule_of
 
@@ -30,6 +31,9 @@ _TEMPLATES = {
     "selective_scan_fwd_chunked": compute.selective_scan_fwd_chunked_template,
     "selective_scan_bwd": compute.selective_scan_bwd_template,
     "selective_scan_update": compute.selective_scan_update_template,
+    # complex A: one lane per (batch, channel) / (batch, channel block), the dstate pairs as the vector
+    "selective_scan_fwd_complex": complex_scan.selective_scan_fwd_complex_template,
+    "selective_scan_bwd_complex": complex_scan.selective_scan_bwd_complex_template,
 }
 
 

@@ -9,6 +9,7 @@ shuffles (``__shfl_xor_sync``) over the W threads, so every thread holds the tot
 recomputed states of one chunk per thread ((chunk+1) x S, local memory) and its stage-2 reductions are
 separate kernels in a fixed order: deterministic, no atomics.
 Decode step: the compute template with one thread per (batch, head, headdim) row.
+Complex A (selective_scan_complex templates): one thread per lane, the dstate pairs serial.
 
 ``nchunk`` is a free var here (the compute templates use the expression ceil(seqlen/chunk)): with the
 expression, ptxas spilled 4 bytes in the fp32 dstate-16 backward; ptxas's spilling at 40-56 registers is
@@ -22,10 +23,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...compute import selective_scan as compute
+from ...compute import selective_scan_complex as complex_scan
 from ...compute.selective_scan import _Math, acc_dtype
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 MASK = tirx.const(0xFFFFFFFF, "uint32")
+_COMPLEX = {"selective_scan_fwd_complex": complex_scan.selective_scan_fwd_complex_template,
+            "selective_scan_bwd_complex": complex_scan.selective_scan_bwd_complex_template}
 
 
 def warp_width(dstate: int) -> int:
@@ -328,10 +332,12 @@ def bwd_template(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, 
 def apply(func, target, decisions: Decisions):
     name, static = kernel_attrs(func)
     if target.kind.name != "cuda" or name not in ("selective_scan_fwd", "selective_scan_bwd",
-                                                  "selective_scan_update"):
+                                                  "selective_scan_update", *_COMPLEX):
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
-    if name == "selective_scan_fwd":
+    if name in _COMPLEX:  # one thread per lane, dstate pairs serial in registers / local memory
+        loop = _COMPLEX[name](**static, mode="cuda", vec=1, threads=threads)
+    elif name == "selective_scan_fwd":
         loop = fwd_template(**static, threads=threads)
     elif name == "selective_scan_bwd":
         loop = bwd_template(**static, threads=threads)

@@ -65,9 +65,27 @@ def test_generic_update_matches_reference():
     A, B, C, D, dtb = -r(4, 2, 4).abs(), r(3, 2, 4), r(3, 2, 4), r(4, 2), r(4, 2)
     ref_out, ref_state = selective_state_update_ref(state, x, dt, A, B, C, D, z, dtb, True)
     out = torch.empty_like(x)
-    upd(state, x, dt, A, B, C, D, z, dtb, out)
+    upd(state, x, dt, A, B, C, D, z, dtb, torch.zeros(1, dtype=torch.int32), out)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state, ref_state, rtol=1e-10, atol=1e-10)
+
+
+def test_generic_update_state_pool_bf16_state():
+    """The template's slot indirection (int64 indices, a padding row) and 16-bit state storage."""
+    upd = _compile(ss.selective_scan_update(nheads=2, headdim=2, dstate=4, state_dtype="bfloat16",
+                                            idx_dtype="int64"))
+    g = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    pool, x, dt = r(5, 2, 2, 4).bfloat16(), r(3, 2, 2), r(3, 2, 2).abs()
+    A, B, C = -r(2, 2, 4).abs(), r(3, 1, 4), r(3, 1, 4)
+    idx = torch.tensor([4, -1, 0])
+    ref_out, ref_pool = selective_state_update_ref(pool, x, dt, A, B, C, state_batch_indices=idx,
+                                                   state_dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    upd(pool, x, dt, A, B, C, torch.zeros(1, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1), idx, out)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.double(), ref_pool, rtol=2 ** -7, atol=1e-3)
+    assert pool.dtype == torch.bfloat16
 
 
 def test_builders_are_stamped_and_validate_static_dims():
@@ -83,3 +101,39 @@ def test_builders_are_stamped_and_validate_static_dims():
         ss.selective_scan_update(nheads=6, headdim=1, dstate=16, ngroups=4)
     assert ss.block_size(1536, 1, 1) == 16 and ss.block_size(6, 2, 0) == 3
     assert ss.vector_width(16) == 16 and ss.vector_width(24) == 8 and ss.vector_width(7) == 1
+
+
+def test_generic_complex_forward_backward_match_reference():
+    """The complex-A templates (generic: serial lanes and dstate), float64, against the complex128 reference
+    through autograd: every gradient in the kernel layouts ((..., 2) pairs)."""
+    from tvm_mamba.compute import selective_scan_complex as sx
+
+    batch, dim, N, L, chunk = 2, 4, 3, 9, 4  # 3 chunks, the last partial; B varying in 2 groups, C complex
+    st = dict(STATIC, dstate=N, chunk=chunk)
+    fwd = _compile(sx.selective_scan_fwd_complex(**st, **F64))
+    bwd = _compile(sx.selective_scan_bwd_complex(**st, **F64))
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    u, delta, z = r(batch, dim, L), r(batch, dim, L), r(batch, dim, L)
+    A, Bk, Ck = r(dim, N, 2), r(batch, 2, L, N, 2), r(dim, N, 2)
+    A[..., 0] = -A[..., 0].abs()
+    D, db, init = r(dim), 0.1 * r(dim), r(batch, dim, N, 2)
+    out, last = torch.empty_like(u), torch.empty(batch, dim, N, 2, dtype=torch.float64)
+    ck = torch.empty(batch, dim, 3, N, 2, dtype=torch.float64)
+    fwd(u, delta, A, Bk, Ck, D, z, db, init, out, last, ck)
+    leaves = [t.clone().requires_grad_() for t in (u, delta, A, Bk, Ck, D, z, db, init)]
+    lu, ld, lA, lB, lC, lD, lz, ldb, li = leaves
+    cplx = lambda t: torch.view_as_complex(t)  # noqa: E731
+    B_user = lB.permute(0, 1, 3, 2, 4).reshape(batch, 2, N, 2 * L)
+    ro, rl = selective_scan_ref(lu, ld, cplx(lA), B_user, cplx(lC), lD, lz, ldb, True, True, cplx(li))
+    torch.testing.assert_close(out, ro.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(last, torch.view_as_real(rl).detach(), rtol=1e-10, atol=1e-10)
+    dout, dlast = r(batch, dim, L), r(batch, dim, N, 2)
+    torch.autograd.backward([ro, rl], [dout, cplx(dlast)])
+    grads = [torch.empty_like(t) for t in (u, delta, A, Bk, Ck, D, db, z, init)]
+    ws = [torch.empty(batch, dim, N, 2, dtype=torch.float64), torch.empty(batch, dim, L, N, 2, dtype=torch.float64),
+          torch.empty(batch, dim, N, 2, dtype=torch.float64), torch.empty(batch, dim, 2, dtype=torch.float64)]
+    bwd(u, delta, A, Bk, Ck, D, z, db, init, ck, dout, dlast, *grads, *ws)
+    for name, val, leaf in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "ddb", "dz", "dinit"), grads,
+                               (lu, ld, lA, lB, lC, lD, ldb, lz, li)):
+        torch.testing.assert_close(val, leaf.grad, rtol=1e-9, atol=1e-9, msg=name)

@@ -15,7 +15,8 @@ from tests.conftest import assert_close_to_ref
 from tvm_mamba import causal_conv1d_fn, causal_conv1d_update
 from tvm_mamba.compute.causal_conv1d import build_check_configs
 from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
-from tests.torch_ops.test_causal_conv1d import _grads, _inputs, _seq_idx
+from tests.torch_ops.test_causal_conv1d import (_grads, _inputs, _seq_idx, check_seq_idx_padding,
+                                                check_update_serving, check_varlen_states)
 
 DIM = 24
 
@@ -283,7 +284,8 @@ def test_explain_names_the_simulated_target():
 
 def _config_id(config):
     direction, static, _ = config
-    return "-".join([direction, f"w{static['width']}"] + [k[4:] for k, v in static.items() if k.startswith("has_") and v])
+    size = f"w{static['width']}" if "width" in static else f"s{static['state_len']}"
+    return "-".join([direction, size] + [k[4:] for k, v in static.items() if k.startswith("has_") and v])
 
 
 @pytest.mark.parametrize("config", [c for c in build_check_configs() if c[2]["x"] == "float32"], ids=_config_id)
@@ -293,3 +295,21 @@ def test_simcheck_build_check_configs_fp32(config):
 
     direction, static, dtypes = config
     simcheck.check(direction, static, dtypes, "sm_90")
+
+
+@pytest.mark.parametrize("dtype,with_init", [(torch.float32, True), (torch.bfloat16, False)])
+def test_seq_idx_padding(dtype, with_init):
+    """seq_idx < 0 (padding): out and dx 0 there, padding feeds nothing; every gradient vs the reference."""
+    check_seq_idx_padding(dtype, with_init, seqlen=37)
+
+
+@pytest.mark.parametrize("dtype,seqlen,state_len,circular,indexed", [
+    (torch.float32, 1, 3, False, True), (torch.float32, 9, 5, True, True), (torch.bfloat16, 3, 6, True, False)])
+def test_update_cache_seqlens_and_state_indices(dtype, seqlen, state_len, circular, indexed):
+    """The update kernel (one thread per row, in place on the pool): circular buffer, slot pool, padding row."""
+    check_update_serving(dtype, seqlen, state_len, circular, indexed)
+
+
+def test_varlen_states(sim):
+    check_varlen_states(torch.bfloat16, torch.int64)
+    assert {k.direction for k, _ in sim} == {"varlen_states"}

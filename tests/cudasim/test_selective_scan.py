@@ -190,7 +190,7 @@ def test_simcheck_every_update_config():
     """The sim-check of build-check's decode-step configurations (d_inner 1536 at every dstate); the
     scan configurations (1536 channels) take ~10 s each here and run in ``python -m tvm_mamba sim-check``."""
     configs = [c for c in compute.build_check_configs() if c[0] == "update"]
-    assert len(configs) == 4
+    assert len(configs) == 5
     for direction, static, dtypes in configs:
         simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
 
@@ -201,3 +201,92 @@ def test_simcheck_rejects_unknown_directions():
         sc.check("fwd_chunked", static, dtypes, "sm_90")
     with pytest.raises(simcheck.CheckFailed, match="chunk"):
         sc.check("fwd", dict(static, chunk=7), dtypes, "sm_90")
+
+
+@pytest.mark.parametrize("dtypes", [
+    {"x": "float32", "B": "float32", "C": "float32", "idx": "int64"},
+    {"x": "bfloat16", "B": "bfloat16", "C": "float32", "state": "bfloat16", "dt": "float32", "z": "float16",
+     "idx": "int32"},
+    {"x": "float16", "B": "float16", "C": "float16", "state": "float16"},
+])
+def test_decode_step_state_pool_and_16bit_state(dtypes):
+    """state_batch_indices (rows in reverse slot order, one padding row) and 16-bit states / mixed dtypes in
+    the CUDA update kernel: out of padding rows 0, unnamed slots untouched, the rest against the reference
+    (which rounds a 16-bit state per step as the kernel stores it)."""
+    static = dict(nheads=4, headdim=3, dstate=8, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
+                  dt_softplus=True)
+    inp = sc.update_inputs(static, dtypes, batch=3, seed=7)
+    res, keys = sc.update_results(inp, "sm_90", steps=3)
+    simcheck.ran(keys, "selective_scan", "update", static, dtypes)
+    for key, (mine, ref) in res.items():
+        tol = (1e-4 if mine.dtype == torch.float32 else 2e-2) * max(1.0, ref.abs().max().item())
+        assert (mine.double() - ref).abs().max().item() <= tol, key
+    if "idx" in dtypes:
+        assert torch.equal(res["out[0]"][0][1], torch.zeros_like(res["out[0]"][0][1]))
+        untouched = [s for s in range(5) if s not in inp["state_batch_indices"].tolist()]
+        assert torch.equal(res["state"][0][untouched], inp["state"][untouched])
+
+
+def test_decode_step_index_out_of_range_refused():
+    static = dict(nheads=4, headdim=1, dstate=8, ngroups=1, has_D=False, has_z=False, has_dt_bias=False,
+                  dt_softplus=False)
+    inp = sc.update_inputs(static, dict(X32, idx="int32"), batch=2)
+    inp["state_batch_indices"] = torch.tensor([0, 4], dtype=torch.int32)
+    before = inp["state"].clone()
+    with tvm_mamba.simulate_cuda("sm_90"), pytest.raises(ValueError, match="state_batch_indices"):
+        tvm_mamba.selective_state_update(**inp)
+    assert torch.equal(inp["state"], before)
+
+
+# --- complex A (selective_scan_complex kernels: one thread per lane) ------------------------------------------
+COMPLEX = {
+    # dstate 8 -> checkpoint chunks of 48: 70 = 48 + 22; B varying (batch, dstate, 2L), C complex (dim, N)
+    "var_const_all": (2, 70, dict(dim=4, dstate=8, b_groups=1, c_groups=0, has_D=True, has_z=True,
+                                  has_delta_bias=True, delta_softplus=True, has_init=True)),
+    # 33 lanes: a partly empty block of 64 threads; one C group per channel (backward blocks of 1 channel)
+    "grp_grp_ragged_blocks": (3, 21, dict(dim=11, dstate=4, b_groups=1, c_groups=11, has_D=False, has_z=True,
+                                          has_delta_bias=False, delta_softplus=False, has_init=False)),
+}
+
+
+def complex_inputs(name, dtype="float32", seqlen=None):
+    batch, L, static = COMPLEX[name]
+    return sc.scan_inputs(static, {"u": dtype, "B": dtype, "C": dtype}, batch, seqlen or L, complex_A=True)
+
+
+@pytest.mark.parametrize("name", list(COMPLEX))
+def test_complex_A_forward_and_every_gradient(name):
+    inp = complex_inputs(name)
+    res, keys = sc.scan_results(inp, grads=True, arch="sm_90")
+    assert expected_grads(inp) <= set(res)
+    assert {(k.direction, k.target) for k in keys} == {("fwd_complex", "cudasim-sm_90"),
+                                                       ("bwd_complex", "cudasim-sm_90")}
+    assert_all_close(res, name)
+
+
+def test_complex_A_bf16():
+    inp = complex_inputs("var_const_all", dtype="bfloat16", seqlen=40)
+    res, _ = sc.scan_results(inp, grads=True, arch="sm_90")
+    low = {k: (v.to(torch.complex64 if v.is_complex() else torch.float32) if isinstance(v, torch.Tensor) else v)
+           for k, v in inp.items()}
+    ref_low = selective_scan_ref(**low, dtype=torch.float32).to(torch.bfloat16)
+    assert_close_to_ref(res["out"][0], res["out"][1], ref_low, name="out")
+    for key, (mine, ref) in res.items():
+        if key != "out":
+            tol = (1e-2 if mine.dtype == torch.bfloat16 else 1e-4) * max(1.0, ref.abs().max().item())
+            assert (mine.double() - ref).abs().max().item() <= tol, key
+
+
+def test_simcheck_complex_configs_fp32():
+    """sim-check of build-check's fp32 complex-A configurations (1536 channels); bf16 ones run in
+    ``python -m tvm_mamba sim-check``."""
+    configs = [c for c in compute.build_check_configs() if c[0].endswith("_complex") and c[2]["u"] == "float32"]
+    assert [c[0] for c in configs] == ["fwd_complex", "bwd_complex"]
+    for direction, static, dtypes in configs:
+        simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
+
+
+def test_complex_A_sm80():
+    res, keys = sc.scan_results(complex_inputs("grp_grp_ragged_blocks", seqlen=9), grads=True, arch="sm_80")
+    assert {k.target for k in keys} == {"cudasim-sm_80"}
+    assert_all_close(res, "complex sm_80")

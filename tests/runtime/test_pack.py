@@ -91,7 +91,7 @@ def test_gpu_check_script_on_cpu_with_runtime_only(tmp_path):
     from tvm_mamba.compute.causal_conv1d import build_check_configs
 
     configs = [("causal_conv1d", d, s, t) for d, s, t in build_check_configs()
-               if s["width"] == 4 and not s.get("has_seq_idx") and d in ("fwd", "bwd")]
+               if s.get("width") == 4 and not s.get("has_seq_idx") and d in ("fwd", "bwd")]
     assert len(configs) == 4  # fp32 and bf16, forward and backward
     folder = build_pack([], str(tmp_path / "pack"), "cpu", seqlens=(2048,), batches=(2,), configs=configs)
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder))

@@ -7,12 +7,13 @@ import torch
 import tvm
 from tvm import te
 
-from tvm_mamba.compute.causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
+from tvm_mamba.compute.causal_conv1d import (causal_conv1d_bwd, causal_conv1d_fwd, causal_conv1d_update,
+                                          causal_conv1d_varlen_states)
 from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
 from tvm_mamba.runtime import cpu_target, cuda_target
 from tvm_mamba.schedules.cpu import causal_conv1d as cpu_rule
 from tvm_mamba.schedules.cuda import causal_conv1d as cuda_rule
-from tvm_mamba.schedules.rule import Decisions
+from tvm_mamba.schedules.rule import SERIAL_WORK, Decisions
 
 STATIC = dict(dim=8, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False)
 
@@ -79,3 +80,29 @@ def test_cuda_schedule_binds_threads_and_generates_source(threads):
         ex = tvm.compile(sch.mod, target=target)
     src = ex.mod.imports[0].inspect_source("cuda")
     assert "__global__" in src and f"__launch_bounds__({threads})" in src
+
+
+UPDATE = dict(dim=8, width=4, state_len=5, activation="silu", has_bias=True, has_indices=True, has_cache_seqlens=True)
+
+
+def test_update_template_cuda_one_thread_per_row_and_cpu_serial_below_threshold():
+    """The decode step is one template: on CUDA a thread per (batch, channel) row (threads knob), on the CPU
+    parallel rows with a serial branch for decode-size calls."""
+    func = causal_conv1d_update(**UPDATE)
+    target = cuda_target("sm_90")
+    sch = cuda_rule.apply(func, target, Decisions({"threads": 64}))
+    with target:
+        ex = tvm.compile(sch.mod, target=target)
+    src = ex.mod.imports[0].inspect_source("cuda")
+    assert "__global__" in src and "__launch_bounds__(64)" in src
+    cpu = cpu_rule.apply(func, cpu_target(), Decisions()).mod.script()
+    assert "T.parallel" in cpu and f"<= {SERIAL_WORK}" in cpu
+
+
+def test_varlen_states_rules():
+    func = causal_conv1d_varlen_states(dim=8, state_len=3)
+    assert "T.parallel" in cpu_rule.apply(func, cpu_target(), Decisions()).mod.script()
+    target = cuda_target("sm_90")
+    with target:
+        ex = tvm.compile(cuda_rule.apply(func, target, Decisions()).mod, target=target)
+    assert "__global__" in ex.mod.imports[0].inspect_source("cuda")

@@ -54,3 +54,30 @@ def test_cuda_scan_kernels_compile_without_spills(dstate):
         stats = ptxas_stats(src, "sm_90")
         assert stats["ok"], stats["error"]
         assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]
+
+
+def test_complex_kernels_cpu_vectorized_and_cuda_compile():
+    """The complex-A templates under both rules: CPU vector code over dstate; CUDA through nvcc (a thread per
+    lane; its state arrays live in local memory and cosf/sinf have a call-based slow path: ptxas spills
+    36-84 bytes around it at sm_90, allowed here)."""
+    from tvm_mamba.compute import selective_scan_complex as sx
+
+    st = dict(STATIC, chunk=ss.chunk_size(32))
+    funcs = (sx.selective_scan_fwd_complex(**st), sx.selective_scan_bwd_complex(**st, block=16))
+    for func in funcs:
+        dec = Decisions()
+        sch = cpu_rule.apply(func, cpu_target(), dec)
+        assert dec.used == {"vector": 16}
+        asm = tvm.compile(sch.mod, target=cpu_target()).mod.inspect_source("asm")
+        assert "zmm" in asm or "ymm" in asm
+    if nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    tgt = cuda_target("sm_90")
+    for func in funcs:
+        sch = cuda_rule.apply(func, tgt, Decisions())
+        with tgt:
+            src = tvm.compile(sch.mod, target=tgt).mod.imports[0].inspect_source("cuda")
+        assert "cosf" in src and "sinf" in src  # the rotation, with CUDA's own trigonometry
+        stats = ptxas_stats(src, "sm_90")
+        assert stats["ok"], stats["error"]
+        assert all(k["spill_stores"] <= 128 for k in stats["kernels"]), stats["kernels"]

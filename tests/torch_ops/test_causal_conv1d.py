@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tests.conftest import assert_close_to_ref
-from tvm_mamba import causal_conv1d_fn, causal_conv1d_update
-from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+from tvm_mamba import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_states
+from tvm_mamba.reference.causal_conv1d import (causal_conv1d_ref, causal_conv1d_update_ref,
+                                               causal_conv1d_varlen_states_ref)
 
 DIM = 24  # one static dim for most tests: every distinct (dim, width, flags, dtype) is one compile
 
@@ -252,7 +253,12 @@ def test_opcheck_and_compile():
     dout = torch.randn_like(x)
     torch.library.opcheck(torch.ops.tvm_mamba.causal_conv1d_bwd, (x, w, b, None, init, dout, None, True))
     torch.library.opcheck(torch.ops.tvm_mamba.causal_conv1d_update,
-                          (x[..., :1].contiguous(), torch.randn(2, DIM, 3), w, b, True))
+                          (x[..., :1].contiguous(), torch.randn(2, DIM, 3), w, b, True, None, None))
+    torch.library.opcheck(torch.ops.tvm_mamba.causal_conv1d_update,
+                          (x[..., :2].contiguous(), torch.randn(5, DIM, 6), w, b, True,
+                           torch.tensor([3, 7], dtype=torch.int32), torch.tensor([4, -1], dtype=torch.int32)))
+    torch.library.opcheck(torch.ops.tvm_mamba.causal_conv1d_varlen_states,
+                          (torch.randn(9, DIM), torch.tensor([0, 4, 9], dtype=torch.int32), 3))
 
     def block(x, w, b):
         return causal_conv1d_fn(x, w, b, activation="silu").square().mean()
@@ -335,3 +341,226 @@ def test_eager_calls_skip_the_dispatcher_only_when_nothing_needs_it(monkeypatch)
         assert not eager_direct(fx)
         assert causal_conv1d_fn(fx, mode.from_tensor(w), mode.from_tensor(b)).shape == x.shape  # the fake impl
     assert direct == [1, 1]
+
+
+# ---- seq_idx padding (seq_idx < 0), causal_conv1d_update serving arguments, causal_conv1d_varlen_states ----
+# check_* functions are shared with tests/cudasim/test_causal_conv1d.py (the same checks on the CUDA kernels)
+
+def padded_seq_idx(batch, seqlen, seed=0):
+    """_seq_idx with padding (-1): row 0 starts with 2 padded positions and ends with 5, row 1 has 3 in the
+    middle, before a new sequence (whose first tokens must not see the padding), and ends with 1."""
+    seq_idx = _seq_idx(batch, seqlen, seed)
+    seq_idx[0, :2] = -1
+    seq_idx[0, -5:] = -1
+    seq_idx[1, seqlen // 2 + 3:] += 100  # a new sequence right after the padding
+    seq_idx[1, seqlen // 2:seqlen // 2 + 3] = -1
+    seq_idx[1, -1] = -1
+    return seq_idx
+
+
+def check_seq_idx_padding(dtype=torch.float32, with_init=False, seqlen=41):
+    """out and every gradient against the float64 reference (upstream's semantics: padding outputs 0,
+    padding feeds nothing); padding outputs and dx exactly 0; each real segment equals running it alone."""
+    x, w, b = _inputs(batch=2, seqlen=seqlen, dtype=dtype)
+    seq_idx = padded_seq_idx(2, seqlen)
+    seq_idx[1, :4] = 9  # row 1 starts with a real sequence: the initial states feed it; row 0's go to padding
+    init = torch.randn(2, DIM, 3).to(dtype) if with_init else None
+    tensors = [t for t in (x, w, b, init) if t is not None]
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    refs = [t.double().clone().requires_grad_() for t in tensors]
+    lows = [t.to(dtype).clone().requires_grad_() for t in tensors]
+
+    def run(fn, a):
+        return fn(a[0], a[1], a[2], seq_idx=seq_idx, initial_states=a[3] if with_init else None, activation="silu")
+
+    (out,), grads = _grads(lambda: run(causal_conv1d_fn, leaves), leaves)
+    (ref,), rgrads = _grads(lambda: run(causal_conv1d_ref, refs), refs)
+    pad = (seq_idx < 0)[:, None, :].expand_as(out)
+    assert torch.all(out[pad] == 0) and torch.all(grads[0][pad] == 0)
+    names = ("dx", "dweight", "dbias", "dinit")
+    if dtype == torch.float32:
+        assert_close_to_ref(out, ref)
+        for name, gk, gr in zip(names, grads, rgrads):
+            assert_close_to_ref(gk, gr, atol=2e-4, name=name)
+    else:
+        (lo,), lgrads = _grads(lambda: run(causal_conv1d_ref, lows), lows)
+        assert_close_to_ref(out, ref, lo)
+        for name, gk, gr, gl in zip(names, grads, rgrads, lgrads):
+            assert_close_to_ref(gk, gr, gl, atol=1e-2 * max(1.0, gr.abs().max().item()), name=name)
+    if with_init:
+        assert torch.all(grads[3][0] == 0)  # row 0 starts with padding: its initial states feed only padding
+    for bi in range(2):
+        for sid in seq_idx[bi][seq_idx[bi] >= 0].unique():
+            pos = (seq_idx[bi] == sid).nonzero().flatten()
+            if with_init and bi == 1 and sid == 9:
+                continue  # continues the initial states: covered by the reference
+            seg = x[bi:bi + 1, :, pos[0]:pos[-1] + 1].contiguous()
+            alone = causal_conv1d_fn(seg, w, b, activation="silu")
+            assert torch.allclose(out[bi:bi + 1, :, pos[0]:pos[-1] + 1].detach(), alone, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,with_init", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_seq_idx_padding_outputs_zero_and_feeds_nothing(dtype, with_init):
+    check_seq_idx_padding(dtype, with_init)
+
+
+def test_seq_idx_padding_example():
+    """x ones, weight ones (1, 3), seq_idx [[0, 0, -1, -1, 1, 1]]: padding outputs 0, and position 4 (a new
+    sequence after padding) sees only itself."""
+    out = causal_conv1d_fn(torch.ones(1, 1, 6), torch.ones(1, 3), seq_idx=torch.tensor([[0, 0, -1, -1, 1, 1]],
+                                                                                          dtype=torch.int32))
+    assert out.tolist() == [[[1.0, 2.0, 0.0, 0.0, 1.0, 2.0]]]
+
+
+def test_gradcheck_seq_idx_padding():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, generator=g, dtype=torch.float64, requires_grad=True)
+    init = torch.randn(1, 2, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    seq_idx = torch.tensor([[0, 0, -1, 1, 1, 1, -1, -1, 2]], dtype=torch.int32)
+
+    def f(x, w, b, init):
+        return causal_conv1d_fn(x.float(), w.float(), b.float(), seq_idx=seq_idx, initial_states=init.float(),
+                                activation="silu").double()
+
+    assert torch.autograd.gradcheck(f, (x, w, b, init), eps=1e-2, atol=2e-3, rtol=2e-3)
+
+
+def check_update_serving(dtype=torch.float32, seqlen=3, state_len=6, circular=True, indexed=True, width=4):
+    """causal_conv1d_update with cache_seqlens (circular buffer, wrapping past state_len) and/or
+    conv_state_indices (a pool of 7 slots, one padding row) against the float64 reference; slots no row
+    names stay bit-identical."""
+    g = torch.Generator().manual_seed(seqlen * 10 + state_len)
+    batch, pool = 4, 7 if indexed else 4
+    x = torch.randn(batch, DIM, seqlen, generator=g).to(dtype)
+    w = (torch.randn(DIM, width, generator=g) / 2).to(torch.float32)
+    b = torch.randn(DIM, generator=g)
+    state = torch.randn(pool, DIM, state_len, generator=g).to(dtype)
+    idx = torch.tensor([5, -1, 0, 3], dtype=torch.int32) if indexed else None
+    cs = torch.tensor([0, 4, 2 * state_len - 1, 1000], dtype=torch.int32) if circular else None
+    before = state.clone()
+    out = causal_conv1d_update(x, state, w, b, activation="silu", cache_seqlens=cs, conv_state_indices=idx)
+    ref, ref_state = causal_conv1d_update_ref(x.double(), before.double(), w.double(), b.double(), "silu", cs, idx)
+    lo, _ = causal_conv1d_update_ref(x, before, w.to(dtype), b.to(dtype), "silu", cs, idx)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert_close_to_ref(out, ref)
+    else:
+        assert_close_to_ref(out, ref, lo)
+    assert torch.equal(state, ref_state.to(dtype))  # copies of inputs: exact
+    if indexed:
+        assert torch.all(out[1] == 0)
+        untouched = [s for s in range(pool) if s not in (5, 0, 3)]
+        assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("dtype,seqlen,state_len,circular,indexed", [
+    (torch.float32, 1, 3, True, False), (torch.float32, 3, 6, True, True), (torch.float32, 9, 5, True, True),
+    (torch.float32, 2, 5, False, True), (torch.bfloat16, 3, 6, True, True)])
+def test_update_cache_seqlens_and_state_indices(dtype, seqlen, state_len, circular, indexed):
+    check_update_serving(dtype, seqlen, state_len, circular, indexed)
+
+
+def test_update_circular_steps_match_full_conv():
+    """Token by token through a circular buffer (state_len 5 > width-1) equals the full convolution."""
+    x, w, b = _inputs(batch=2, seqlen=12)
+    full = causal_conv1d_fn(x, w, b, activation="silu")
+    state = torch.zeros(2, DIM, 5)
+    steps = [causal_conv1d_update(x[..., t], state, w, b, "silu", cache_seqlens=torch.tensor([t, t], dtype=torch.int32))
+             for t in range(12)]
+    assert torch.allclose(torch.stack(steps, -1), full, atol=1e-5)
+
+
+def check_varlen_states(dtype=torch.float32, index_dtype=torch.int32):
+    """Exact against the reference: sequences longer and shorter than state_len, and an empty one."""
+    lens = [7, 2, 0, 4, 1]
+    x = torch.randn(sum(lens), DIM).to(dtype)
+    cu = torch.tensor([0] + lens, dtype=index_dtype).cumsum(0).to(index_dtype)
+    states = causal_conv1d_varlen_states(x, cu, 4)
+    assert states.shape == (5, DIM, 4) and states.dtype == dtype and states.stride(1) == 1
+    assert torch.equal(states, causal_conv1d_varlen_states_ref(x, cu, 4))
+    assert torch.equal(states[1, :, :2], torch.zeros(DIM, 2)) and torch.equal(states[1, :, 2:], x[7:9].T)
+
+
+@pytest.mark.parametrize("dtype,index_dtype", [(torch.float32, torch.int32), (torch.bfloat16, torch.int64)])
+def test_varlen_states(dtype, index_dtype):
+    check_varlen_states(dtype, index_dtype)
+
+
+def test_varlen_states_continue_decoding():
+    """The states of a packed batch continue each sequence's decode like running it alone."""
+    x, w, b = _inputs(batch=1, seqlen=13)
+    lens = [8, 5]
+    cu = torch.tensor([0, 8, 13], dtype=torch.int32)
+    states = causal_conv1d_varlen_states(x[0].T.contiguous(), cu, 3)
+    nxt = torch.randn(2, DIM)
+    out = causal_conv1d_update(nxt, states.contiguous(), w, b, "silu")
+    for i, (s, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        seq = torch.cat([x[:, :, s:s + n], nxt[i][None, :, None]], -1)
+        assert torch.allclose(out[i], causal_conv1d_fn(seq, w, b, activation="silu")[0, :, -1], atol=1e-5)
+
+
+def test_serving_calls_compile_without_graph_breaks():
+    x, w, b = _inputs(batch=2, seqlen=1)
+
+    def step(x, state, idx, cs, packed, cu):
+        return causal_conv1d_update(x, state, w, b, "silu", cache_seqlens=cs, conv_state_indices=idx), \
+            causal_conv1d_varlen_states(packed, cu, 3)
+
+    args = (x[..., 0], torch.randn(5, DIM, 4), torch.tensor([4, -1], dtype=torch.int32),
+            torch.tensor([2, 0], dtype=torch.int32), torch.randn(9, DIM), torch.tensor([0, 4, 9], dtype=torch.int32))
+    eager_state = args[1].clone()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    want = step(args[0], eager_state, *args[2:])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(args[1], eager_state)
+
+
+def _update_call(**kw):
+    x, w, _ = _inputs(batch=2, seqlen=1)
+    a = dict(x=x[..., 0], conv_state=torch.randn(4, DIM, 3), weight=w)
+    a.update(kw)
+    return a
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(conv_state_indices=torch.tensor([4, 0], dtype=torch.int32)), ValueError, "conv_state_indices: a slot"),
+    (dict(conv_state_indices=torch.tensor([1, 1], dtype=torch.int32)), ValueError, "conv_state_indices: two rows"),
+    (dict(conv_state_indices=torch.tensor([1, 2])), TypeError, "conv_state_indices: dtype"),
+    (dict(conv_state_indices=torch.tensor([1], dtype=torch.int32)), ValueError, "conv_state_indices: expected shape"),
+    (dict(conv_state_indices=torch.tensor([0, 1], dtype=torch.int32), cache_seqlens=torch.tensor([3, -1],
+          dtype=torch.int32)), ValueError, "cache_seqlens: must be >= 0"),
+    (dict(conv_state=torch.randn(2, DIM, 3), cache_seqlens=torch.tensor([0, 1])), TypeError, "cache_seqlens: dtype"),
+    (dict(), ValueError, "conv_state: expected"),  # a pool without conv_state_indices
+])
+def test_update_bad_serving_arguments_leave_state_untouched(kw, exc, match):
+    a = _update_call(**kw)
+    before = a["conv_state"].clone()
+    with pytest.raises(exc, match=match):
+        causal_conv1d_update(**a)
+    assert torch.equal(a["conv_state"], before)
+
+
+@pytest.mark.parametrize("cu,exc,match", [
+    (torch.tensor([1, 4, 9], dtype=torch.int32), ValueError, "cu_seqlens: must start at 0"),
+    (torch.tensor([0, 4, 8], dtype=torch.int32), ValueError, "end at total_tokens"),
+    (torch.tensor([0, 6, 4, 9], dtype=torch.int32), ValueError, "non-decreasing"),
+    (torch.tensor([0, 4, 9], dtype=torch.float32), TypeError, "cu_seqlens: dtype"),
+    (torch.zeros(0, dtype=torch.int32), ValueError, "cu_seqlens: expected"),
+])
+def test_varlen_states_bad_cu_seqlens(cu, exc, match):
+    with pytest.raises(exc, match=match):
+        causal_conv1d_varlen_states(torch.randn(9, DIM), cu, 3)
+    with pytest.raises(ValueError, match="state_len"):
+        causal_conv1d_varlen_states(torch.randn(9, DIM), torch.tensor([0, 9]), 0)
+
+
+def test_update_padding_row_cache_seqlens_is_not_read():
+    a = _update_call(conv_state_indices=torch.tensor([-1, 2], dtype=torch.int32),
+                     cache_seqlens=torch.tensor([-5, 2], dtype=torch.int32))
+    before = a["conv_state"].clone()
+    out = causal_conv1d_update(**a)
+    ref, ref_state = causal_conv1d_update_ref(a["x"].double(), before.double(), a["weight"].double(),
+                                              cache_seqlens=a["cache_seqlens"], conv_state_indices=a["conv_state_indices"])
+    assert torch.all(out[0] == 0) and torch.equal(a["conv_state"], ref_state.float())
+    assert_close_to_ref(out, ref)

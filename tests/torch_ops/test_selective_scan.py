@@ -156,7 +156,7 @@ def test_opcheck_custom_ops():
     torch.library.opcheck(torch.ops.tvm_mamba.selective_scan_bwd, bargs)
     st = torch.randn(2, 4, 1, 16)
     uargs = (st, torch.randn(2, 4, 1), torch.rand(2, 4, 1), -torch.rand(4, 1, 16), torch.randn(2, 1, 16),
-             torch.randn(2, 1, 16), None, None, None, False)
+             torch.randn(2, 1, 16), None, None, None, False, None)
     torch.library.opcheck(torch.ops.tvm_mamba.selective_state_update, uargs,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -218,7 +218,7 @@ def _good():
     (lambda p: p.update(u=p["u"][0]), ValueError, "u"),
     (lambda p: p.update(z=p["z"][..., :4]), ValueError, "z"),
     (lambda p: p.update(A=torch.randn(5, 16)), ValueError, "A"),
-    (lambda p: p.update(A=torch.randn(4, 16, dtype=torch.complex64)), ValueError, "complex"),
+    (lambda p: p.update(A=torch.randn(4, 16, dtype=torch.complex64)), ValueError, "B"),  # B: (.., 2 seqlen)
     (lambda p: p.update(B=torch.randn(2, 3, 16, 8)), ValueError, "B"),
     (lambda p: p.update(C=torch.randn(2, 16, 7)), ValueError, "C"),
     (lambda p: p.update(D=torch.randn(3)), ValueError, "D"),
@@ -242,7 +242,7 @@ def test_bad_state_update_inputs():
     A = -torch.rand(4, 16)
     B = torch.randn(2, 16)
     with pytest.raises(ValueError, match="state"):
-        selective_state_update(torch.zeros(3, 4, 16), x, x, A, B, B)
+        selective_state_update(torch.zeros(1, 4, 16), x, x, A, B, B)
     with pytest.raises(ValueError, match="groups"):
         selective_state_update(state, x, x, A, torch.randn(2, 3, 16), torch.randn(2, 3, 16))
     with pytest.raises(TypeError, match="state"):
@@ -291,3 +291,133 @@ def test_chunked_forward_long_sequence_stable(monkeypatch):
     assert torch.isfinite(out).all() and torch.isfinite(last).all()
     assert (out.double() - rout).abs().max().item() < 1e-3 * max(1.0, rout.abs().max().item())
     assert (last.double() - rlast).abs().max().item() < 1e-3 * max(1.0, rlast.abs().max().item())
+
+
+# --- selective_state_update: state pools (state_batch_indices), 16-bit states, mixed dtypes ----------------
+def _update_args(heads: bool, batch: int, nslots: int, seed: int = 0, state_dtype=torch.float32):
+    """(state pool, kwargs) for selective_state_update: Mamba-2 heads (4 heads x 3, 2 groups) or Mamba-1
+    (dim 5, B/C (batch, dstate)); dstate 8."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (4, 3) if heads else (5,)
+    bc = (batch, 2, 8) if heads else (batch, 8)
+    state = torch.randn(nslots, *lead, 8, generator=g).to(state_dtype)
+    kw = dict(x=torch.randn(batch, *lead, generator=g), dt=0.5 * torch.randn(batch, *lead, generator=g),
+              A=-0.2 - torch.rand(*lead, 8, generator=g), B=torch.randn(*bc, generator=g),
+              C=torch.randn(*bc, generator=g), D=torch.randn(*lead, generator=g),
+              z=torch.randn(batch, *lead, generator=g), dt_bias=0.1 * torch.randn(*lead, generator=g),
+              dt_softplus=True)
+    return state, kw
+
+
+@pytest.mark.parametrize("heads,idx_dtype", [(True, torch.int32), (False, torch.int64)])
+def test_state_batch_indices_pick_slots_of_a_pool(heads, idx_dtype):
+    """mamba_ssm 2.3.2: row b updates slot idx[b]; a negative index is a padding row (out 0, nothing written);
+    slots no row names stay bitwise untouched."""
+    state, kw = _update_args(heads, batch=4, nslots=7)
+    idx = torch.tensor([5, -1, 0, 3], dtype=idx_dtype)
+    before = state.clone()
+    ref_out, ref_pool = selective_state_update_ref(before, **kw, state_batch_indices=idx)
+    out = selective_state_update(state, **kw, state_batch_indices=idx)
+    assert_close_to_ref(out, ref_out, name="out")
+    assert_close_to_ref(state, ref_pool, name="pool")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(state[[1, 2, 4, 6]], before[[1, 2, 4, 6]])
+    plain = before[[5, 0, 0, 3]].clone()  # the same rows without a pool give the same outputs
+    out_plain = selective_state_update(plain, **kw)
+    torch.testing.assert_close(out[[0, 2, 3]], out_plain[[0, 2, 3]], rtol=0, atol=0)
+
+
+def test_state_batch_indices_tied_heads_mamba2():
+    """Mamba2.step's call: A, dt, dt_bias, D expanded per head (stride-0 views), as upstream's TIE_HDIM path."""
+    g = torch.Generator().manual_seed(5)
+    nh, p, n = 3, 4, 8
+    state = torch.randn(6, nh, p, n, generator=g)
+    A = (-torch.rand(nh, generator=g))[:, None, None].expand(nh, p, n)
+    dt = torch.randn(2, nh, generator=g)[:, :, None].expand(2, nh, p)
+    dtb = torch.randn(nh, generator=g)[:, None].expand(nh, p)
+    D = torch.randn(nh, generator=g)[:, None].expand(nh, p)
+    x, z = torch.randn(2, nh, p, generator=g), torch.randn(2, nh, p, generator=g)
+    B, C = torch.randn(2, 1, n, generator=g), torch.randn(2, 1, n, generator=g)
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    ref_out, ref_pool = selective_state_update_ref(state, x, dt, A, B, C, D, z, dtb, True, state_batch_indices=idx)
+    out = selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dtb, dt_softplus=True,
+                                 state_batch_indices=idx)
+    assert_close_to_ref(out, ref_out, name="out")
+    assert_close_to_ref(state, ref_pool, name="pool")
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (torch.tensor([0, 7, 1]), ValueError, "state_batch_indices: index 7 is out of range"),
+    (torch.tensor([2, -1, 2]), ValueError, "state_batch_indices: two rows"),
+    (torch.tensor([0, 1]), ValueError, "state_batch_indices"),
+    (torch.tensor([0.0, 1.0, 2.0]), TypeError, "state_batch_indices"),
+])
+def test_bad_state_batch_indices_refused_before_anything_runs(bad, exc, match, monkeypatch):
+    import tvm_mamba.torch_ops._dlpack as dl
+
+    state, kw = _update_args(True, batch=3, nslots=7)
+    before = state.clone()
+    monkeypatch.setattr(dl, "build_and_load", lambda key: pytest.fail("kernel built before validation"))
+    with pytest.raises(exc, match=match):
+        selective_state_update(state, **kw, state_batch_indices=bad)
+    assert torch.equal(state, before)
+
+
+def test_larger_state_without_indices_uses_its_first_rows():
+    """mamba_ssm's Triton kernel indexes the state by the row number: rows >= batch stay untouched."""
+    state, kw = _update_args(True, batch=3, nslots=5, seed=8)
+    before = state.clone()
+    ref_out, ref_state = selective_state_update_ref(before[:3], **kw)
+    out = selective_state_update(state, **kw)
+    assert_close_to_ref(out, ref_out, name="out")
+    assert_close_to_ref(state[:3], ref_state, name="state")
+    assert torch.equal(state[3:], before[3:])
+    with pytest.raises(ValueError, match="state: expected at least 3 rows"):
+        selective_state_update(state[:2], **kw)
+
+
+@pytest.mark.parametrize("state_dtype,heads", [(torch.bfloat16, True), (torch.float16, False)])
+def test_16bit_state_kept_in_its_dtype(state_dtype, heads):
+    """8 decode steps on a 16-bit state (math in fp32, rounded once per step): error against the float64
+    unrounded recurrence <= 2x that of the reference that rounds its state the same way + atol."""
+    state, kw = _update_args(heads, batch=3, nslots=3, seed=2, state_dtype=state_dtype)
+    ref64, ref_low = state.double(), state.double()
+    for step in range(8):
+        kw["x"] = torch.randn_like(kw["x"])
+        out = selective_state_update(state, **kw)
+        o64, ref64 = selective_state_update_ref(ref64, **kw)
+        olow, ref_low = selective_state_update_ref(ref_low, **kw, state_dtype=state_dtype)
+        assert_close_to_ref(out, o64, olow, atol=1e-5, name=f"out[{step}]")
+    assert state.dtype == state_dtype
+    assert_close_to_ref(state, ref64, ref_low, atol=1e-5, name="state")
+    assert (state.double() - ref_low).abs().max().item() <= 2 ** -7 * ref_low.abs().max().item()
+
+
+def test_mixed_input_dtypes_as_upstream_allows():
+    """mamba_ssm's Triton kernel widens every input to fp32: x bf16, dt fp32, z fp16, B bf16, C fp32, A fp16,
+    D bf16 and dt_bias fp32 together (out in x's dtype), with a bf16 state pool."""
+    state, kw = _update_args(True, batch=2, nslots=4, seed=4, state_dtype=torch.bfloat16)
+    kw.update(x=kw["x"].bfloat16(), z=kw["z"].half(), B=kw["B"].bfloat16(), A=kw["A"].half(),
+              D=kw["D"].bfloat16())
+    idx = torch.tensor([3, 0])
+    before = state.clone()
+    out = selective_state_update(state, **kw, state_batch_indices=idx)
+    o64, pool64 = selective_state_update_ref(before, **kw, state_batch_indices=idx)
+    olow, pool_low = selective_state_update_ref(before, **kw, state_batch_indices=idx, state_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert_close_to_ref(out, o64, o64.to(torch.bfloat16), name="out")
+    assert_close_to_ref(state, pool64, pool_low, atol=1e-5, name="pool")
+
+
+def test_state_update_with_indices_opcheck_and_compile():
+    state, kw = _update_args(True, batch=2, nslots=3, seed=6, state_dtype=torch.bfloat16)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    args = (state, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["dt_bias"], True, idx)
+    torch.library.opcheck(torch.ops.tvm_mamba.selective_state_update, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    eager_state, comp_state = state.clone(), state.clone()
+    want = selective_state_update(eager_state, **kw, state_batch_indices=idx)
+    fn = torch.compile(selective_state_update, fullgraph=True, backend="aot_eager")
+    got = fn(comp_state, **kw, state_batch_indices=idx)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(comp_state, eager_state, rtol=0, atol=0)

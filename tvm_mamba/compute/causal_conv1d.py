@@ -3,13 +3,16 @@
     out[b, c, t] = act(bias[c] + sum_k weight[c, k] * xx[b, c, t - (width-1) + k])
 
 where ``xx`` is x extended to the left by ``initial_states`` (or zeros), and, with ``seq_idx``, a tap
-contributes only when its position has the same sequence id as ``t`` (packed variable-length batches).
+contributes only when its position has the same sequence id as ``t`` (packed variable-length batches;
+initial states carry the id of position 0) and out is 0 where seq_idx < 0 (padding).
 ``act`` is identity or SiLU. Accumulation is float32; out has x's dtype.
 
 Every kernel has a fixed parameter list; an optional input that is absent is a (1,)*ndim placeholder
 that the kernel never reads (its ``has_*`` flag is False). Batch and seqlen are symbolic.
 These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules
-emit hand-written loop nests with the same parameters (schedules/cpu/causal_conv1d.py).
+emit hand-written loop nests with the same parameters (schedules/cpu/causal_conv1d.py). The decode step
+(``causal_conv1d_update``, in place on a state pool) is one loop-nest template for every target
+(_causal_conv1d_update.py); ``causal_conv1d_varlen_states`` gathers each packed sequence's last inputs.
 """
 from __future__ import annotations
 
@@ -53,6 +56,14 @@ def window_value(x, init, seq_idx, width, has_seq_idx, has_init, b, c, s, t):
     return tirx.if_then_else(s >= 0, inside, before)
 
 
+def zero_padding(value, seq_idx, has_seq_idx, b, t):
+    """``value`` at a real token, 0 at a padding position (seq_idx < 0): causal-conv1d 1.7.0's forward sets
+    those outputs to 0, so they are constants and their gradient is 0 as well."""
+    if not has_seq_idx:
+        return value
+    return tirx.Select(seq_idx[b, t] < 0, tirx.const(0.0, "float32"), value)  # value: float32
+
+
 def causal_conv1d_fwd(dim: int, width: int, activation: str = "none", has_bias: bool = False,
                       has_seq_idx: bool = False, has_init: bool = False, return_final: bool = False,
                       x_dtype: str = "float32", weight_dtype: str = "float32") -> tirx.PrimFunc:
@@ -75,7 +86,8 @@ def causal_conv1d_fwd(dim: int, width: int, activation: str = "none", has_bias: 
 
     def finish(b, c, t):
         v = acc[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
-        return (v * sigmoid(v) if activation == "silu" else v).astype(x_dtype)
+        v = zero_padding(v * sigmoid(v) if activation == "silu" else v, seq_idx, has_seq_idx, b, t)
+        return v.astype(x_dtype)
 
     out = te.compute((batch, dim, seqlen), finish, name="out")
     fshape = (batch, dim, width - 1) if return_final else (1, 1, 1)
@@ -123,7 +135,7 @@ def causal_conv1d_bwd(dim: int, width: int, activation: str = "none", has_bias: 
                      name="pre_acc")
 
     def grad_pre(b, c, t):
-        d = f32(dout[b, c, t])
+        d = zero_padding(f32(dout[b, c, t]), seq_idx, has_seq_idx, b, t)
         if activation != "silu":
             return d
         v = pre[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
@@ -187,45 +199,43 @@ def causal_conv1d_bwd(dim: int, width: int, activation: str = "none", has_bias: 
     return stamp(func, "causal_conv1d_bwd", static)
 
 
-def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str = "none", has_bias: bool = False,
-                         x_dtype: str = "float32", weight_dtype: str = "float32",
-                         state_dtype: str = "float32") -> tirx.PrimFunc:
-    """Decode step. x: (batch, dim, seqlen) new tokens; conv_state: (batch, dim, state_len), state_len >=
-    width-1 -> out: (batch, dim, seqlen), new_state: (batch, dim, state_len).
+def causal_conv1d_varlen_states(dim: int, state_len: int, x_dtype: str = "float32") -> tirx.PrimFunc:
+    """x: (total_tokens, dim) packed sequences; cu_seqlens: (batch + 1,) int32, 0 = cu[0] <= ... = total_tokens
+    -> states: (batch, state_len, dim) (the torch op returns its (batch, dim, state_len) transpose, as
+    causal-conv1d 1.7.0's causal_conv1d_varlen_states does).
 
-    With xs = concat(conv_state, x) along time: out[t] = act(bias + sum_k weight[k] * xs[state_len + t -
-    (width-1) + k]) and new_state = xs[-state_len:]. (The torch op passes conv_state as both the input and
-    the new_state output: the CPU kernel updates it in place, reading ahead of where it writes.)
+    states[b, j] = x[end - state_len + j] if that row is inside sequence b (>= cu[b]) else 0, end = cu[b+1]:
+    the last state_len tokens of each sequence, right-aligned, zeros on the left of a shorter one.
     """
-    _check(dim, width, activation)
-    if state_len < width - 1:
-        raise ValueError(f"conv_state: state length must be >= width-1 = {width - 1}, got {state_len}")
-    batch, seqlen = te.var("batch"), te.var("seqlen")
-    x = te.placeholder((batch, dim, seqlen), x_dtype, name="x")
-    state = te.placeholder((batch, dim, state_len), state_dtype, name="conv_state")
-    weight = te.placeholder((dim, width), weight_dtype, name="weight")
-    bias = te.placeholder((dim,) if has_bias else (1,), weight_dtype, name="bias")
+    if dim < 1 or state_len < 1:
+        raise ValueError(f"dim, state_len: must be >= 1, got {dim}, {state_len}")
+    check_dtype("x", x_dtype)
+    batch, total, ncu = te.var("batch"), te.var("total_tokens"), te.var("ncu")
+    x = te.placeholder((total, dim), x_dtype, name="x")
+    cu = te.placeholder((ncu,), "int32", name="cu_seqlens")
 
-    def xs(b, c, p):  # p indexes concat(state, x)
-        return tirx.if_then_else(p < state_len, f32(state[b, c, tirx.min(p, state_len - 1)]),
-                                 f32(x[b, c, tirx.max(p - state_len, 0)]))
+    def state(b, j, c):
+        end = cu[tirx.min(b + 1, ncu - 1)]
+        row = end - state_len + j
+        inside = tirx.all(row >= cu[b], row >= 0)
+        return tirx.if_then_else(inside, x[tirx.min(tirx.max(row, 0), total - 1), c], tirx.const(0, x_dtype))
 
-    k = te.reduce_axis((0, width), name="width")
-    acc = te.compute((batch, dim, seqlen),
-                     lambda b, c, t: te.sum(f32(weight[c, k]) * xs(b, c, state_len + t - (width - 1) + k), axis=k),
-                     name="update_acc")
+    states = te.compute((batch, state_len, dim), state, name="states")
+    func = te.create_prim_func([x, cu, states])
+    return stamp(func, "causal_conv1d_varlen_states", dict(dim=dim, state_len=state_len, x_dtype=x_dtype))
 
-    def finish(b, c, t):
-        v = acc[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
-        return (v * sigmoid(v) if activation == "silu" else v).astype(x_dtype)
 
-    out = te.compute((batch, dim, seqlen), finish, name="out")
-    new_state = te.compute((batch, dim, state_len), lambda b, c, j: xs(b, c, j + seqlen).astype(state_dtype),
-                           name="new_state")
-    func = te.create_prim_func([x, state, weight, bias, out, new_state])
-    static = dict(dim=dim, width=width, state_len=state_len, activation=activation, has_bias=has_bias,
-                  x_dtype=x_dtype, weight_dtype=weight_dtype, state_dtype=state_dtype)
-    return stamp(func, "causal_conv1d_update", static)
+def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str = "none", has_bias: bool = False,
+                         has_indices: bool = False, has_cache_seqlens: bool = False, x_dtype: str = "float32",
+                         weight_dtype: str = "float32", state_dtype: str = "float32") -> tirx.PrimFunc:
+    """Decode step, conv_state (pool, dim, state_len) updated in place -> out (batch, dim, seqlen): the
+    builder of direction "update", defined in _causal_conv1d_update.py. Imported on first use: that module
+    needs TVMScript, which a runtime-only TVM (a kernel pack on a GPU machine) lacks, and this module must
+    stay importable there (build_check_configs)."""
+    from ._causal_conv1d_update import causal_conv1d_update as build
+
+    return build(dim, width, state_len, activation, has_bias, has_indices, has_cache_seqlens, x_dtype,
+                 weight_dtype, state_dtype)
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
@@ -241,7 +251,11 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
         base = dict(dim=1536, width=4, activation="silu", has_bias=True)
         out.append(("fwd", dict(base, has_seq_idx=True, has_init=True, return_final=True), dt))
         out.append(("bwd", dict(base, has_seq_idx=True, has_init=True, has_dfinal=True), dt))
-        out.append(("update", dict(base, state_len=3), dict(dt, state=x_dtype)))
+        out.append(("update", dict(base, state_len=3, has_indices=False, has_cache_seqlens=False),
+                    dict(dt, state=x_dtype)))
+        out.append(("update", dict(base, state_len=6, has_indices=True, has_cache_seqlens=True),
+                    dict(dt, state=x_dtype)))
+        out.append(("varlen_states", dict(dim=1536, state_len=3), {"x": x_dtype}))
     return out
 
 

@@ -525,17 +525,29 @@ def selective_scan_bwd(dim: int, dstate: int, b_groups: int = 0, c_groups: int =
     return stamp(func, "selective_scan_bwd", static)
 
 
-# The decode step and the chunked (parallel-in-time) forward live in their own files (imported here, after
-# the helpers they use are defined).
-from ._selective_scan_update import selective_scan_update, selective_scan_update_template  # noqa: E402,F401
-from ._selective_scan_chunked import (  # noqa: E402,F401
-    selective_scan_fwd_chunked, selective_scan_fwd_chunked_template)
+# The decode step, the chunked (parallel-in-time) forward and the complex-A scan live in their own files,
+# which import this module's helpers: they are loaded on first use of their names (PEP 562), so that any of
+# the modules may be imported first.
+_ELSEWHERE = {
+    "selective_scan_update": "_selective_scan_update", "selective_scan_update_template": "_selective_scan_update",
+    "selective_scan_fwd_chunked": "_selective_scan_chunked",
+    "selective_scan_fwd_chunked_template": "_selective_scan_chunked",
+    "selective_scan_fwd_complex": "selective_scan_complex", "selective_scan_bwd_complex": "selective_scan_complex",
+}
+
+
+def __getattr__(name: str):
+    if name in _ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: Mamba-130M's
     d_inner 1536 at dstate 16, 64, 128, 256; B/C time-varying (batch, dstate, L) as in Mamba-1, with D, z,
-    delta_bias, softplus; fp32 and bf16; plus the decode step."""
+    delta_bias, softplus; fp32 and bf16; the complex-A scan; plus the decode step (and its serving form)."""
     out = []
     for dstate in (16, 64, 128, 256):
         for u_dtype in ("float32", "bfloat16"):
@@ -548,6 +560,17 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
         out.append(("update", dict(nheads=1536, headdim=1, dstate=dstate, ngroups=1, has_D=True, has_z=True,
                                     has_dt_bias=True, dt_softplus=True),
                     {"x": "float32", "B": "float32", "C": "float32"}))
+    # complex A (S4D-style): B varying as in Mamba-1, C time-invariant complex
+    for u_dtype in ("float32", "bfloat16"):
+        cplx = dict(dim=1536, dstate=16, b_groups=1, c_groups=0, has_D=True, has_z=True, has_delta_bias=True,
+                    delta_softplus=True, has_init=False, chunk=chunk_size(32))
+        dt = {"u": u_dtype, "B": u_dtype, "C": "float32"}
+        out.append(("fwd_complex", cplx, dt))
+        out.append(("bwd_complex", dict(cplx, block=block_size(1536, 1, 0)), dt))
+    # serving: Mamba-2 heads, a bf16 state pool addressed by int32 state_batch_indices, bf16 activations
+    out.append(("update", dict(nheads=24, headdim=64, dstate=128, ngroups=1, has_D=True, has_z=True,
+                               has_dt_bias=True, dt_softplus=True),
+                {"x": "bfloat16", "B": "bfloat16", "C": "bfloat16", "state": "bfloat16", "idx": "int32"}))
     return out
 
 

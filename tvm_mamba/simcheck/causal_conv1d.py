@@ -1,5 +1,6 @@
-"""sim-check for causal_conv1d: the build-check configurations (fwd, bwd, update) run through the CUDA
-execution harness via ``causal_conv1d_fn`` / ``causal_conv1d_update``, against the float64 reference.
+"""sim-check for causal_conv1d: the build-check configurations (fwd, bwd with seq_idx padding, update
+with state indices / circular buffer, varlen_states) run through the CUDA execution harness via the public
+functions, against the float64 reference.
 
 Model dims are the configuration's (dim 1536); batch 2 and seqlen 19 keep one check around a second or
 two in the harness (one fiber per output element: 2*1536*19 = 58k threads). seqlen 19 is not a multiple
@@ -22,9 +23,14 @@ def _activation(static: dict):
 
 def _seq_idx(batch: int, seqlen: int, gen: torch.Generator) -> torch.Tensor:
     """(batch, seqlen) int32, non-decreasing ids with a cut about every 4 positions (short segments, so
-    taps hit a change of id often)."""
+    taps hit a change of id often), and padding (-1): the first 2 positions of row 0, 3 positions in the
+    middle of the last row and the last 3 of every row."""
     cuts = torch.randint(0, 4, (batch, seqlen), generator=gen) == 0
-    return torch.cumsum(cuts.to(torch.int32), dim=1).to(torch.int32)
+    seq_idx = torch.cumsum(cuts.to(torch.int32), dim=1).to(torch.int32)
+    seq_idx[0, :2] = -1
+    seq_idx[-1, seqlen // 2:seqlen // 2 + 3] = -1
+    seq_idx[:, -3:] = -1
+    return seq_idx
 
 
 def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
@@ -109,29 +115,49 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
 
 
 def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
-    """A single-token step ((batch, dim) x) and a 3-token step; out and the in-place conv_state."""
+    """A single-token step ((batch, dim) x) and a 3-token step; out and the in-place conv_state. With
+    has_indices the state is a pool of BATCH + 3 slots and one row is padding (index -1); with
+    has_cache_seqlens it is a circular buffer (one row's position wraps past state_len)."""
     import tvm_mamba
     from ..reference.causal_conv1d import causal_conv1d_update_ref
 
     xdt, wdt, sdt = DTYPES[dtypes["x"]], DTYPES[dtypes["weight"]], DTYPES[dtypes["state"]]
-    dim, width = static["dim"], static["width"]
+    dim, width, state_len = static["dim"], static["width"], static["state_len"]
     weight = (torch.randn(dim, width, generator=gen) / width ** 0.5).to(wdt)
     bias = torch.randn(dim, generator=gen).to(wdt) if static["has_bias"] else None
-    state = torch.randn(BATCH, dim, static["state_len"], generator=gen).to(sdt)
+    indexed, circular = static.get("has_indices", False), static.get("has_cache_seqlens", False)
+    state = torch.randn(BATCH + 3 if indexed else BATCH, dim, state_len, generator=gen).to(sdt)
+    idx = torch.tensor([BATCH + 2] + [-1] * (BATCH - 1), dtype=torch.int32) if indexed else None
+    cs = torch.tensor([state_len - 1] + [5 * state_len] * (BATCH - 1), dtype=torch.int32) if circular else None
     for shape in ((BATCH, dim), (BATCH, dim, 3)):
         x = torch.randn(shape, generator=gen).to(xdt)
         before = state.clone()
         with recording() as keys, tvm_mamba.simulate_cuda(arch):
-            out = tvm_mamba.causal_conv1d_update(x, state, weight, bias, activation=_activation(static))
+            out = tvm_mamba.causal_conv1d_update(x, state, weight, bias, activation=_activation(static),
+                                                 cache_seqlens=cs, conv_state_indices=idx)
         ran(keys, OP, "update", static, dtypes)
         ref, ref_state = causal_conv1d_update_ref(x.double(), before.double(), weight.double(),
                                                   bias.double() if bias is not None else None,
-                                                  activation=_activation(static))
+                                                  _activation(static), cs, idx)
         compare(f"out{list(shape)}", out, ref, *tolerance(out.dtype))
         compare(f"conv_state{list(shape)}", state, ref_state, *tolerance(state.dtype))
 
 
-CHECKS = {"fwd": _check_fwd, "bwd": _check_bwd, "update": _check_update}
+def _check_varlen_states(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
+    """Packed sequences longer, shorter than state_len and empty: the gathered states, exactly."""
+    import tvm_mamba
+    from ..reference.causal_conv1d import causal_conv1d_varlen_states_ref
+
+    lens = torch.tensor([0, 7, 1, static["state_len"], 2], dtype=torch.int32)
+    x = torch.randn(int(lens.sum()), static["dim"], generator=gen).to(DTYPES[dtypes["x"]])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+        states = tvm_mamba.causal_conv1d_varlen_states(x, cu, static["state_len"])
+    ran(keys, OP, "varlen_states", static, dtypes)
+    compare("states", states, causal_conv1d_varlen_states_ref(x, cu, static["state_len"]), 0.0, 0.0)
+
+
+CHECKS = {"fwd": _check_fwd, "bwd": _check_bwd, "update": _check_update, "varlen_states": _check_varlen_states}
 
 
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:

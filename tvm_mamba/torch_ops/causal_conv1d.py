@@ -1,7 +1,9 @@
-"""causal_conv1d_fn / causal_conv1d_update: causal-conv1d 1.7.0's API on TVM kernels, as torch custom ops.
+"""causal_conv1d_fn / causal_conv1d_update / causal_conv1d_varlen_states: causal-conv1d 1.7.0's API on TVM
+kernels, as torch custom ops.
 
-Ops (namespace ``tvm_mamba``): ``causal_conv1d_fwd``, ``causal_conv1d_bwd``, ``causal_conv1d_update``; each
-has a fake (meta) implementation for torch.compile, and the forward has autograd registered.
+Ops (namespace ``tvm_mamba``): ``causal_conv1d_fwd``, ``causal_conv1d_bwd``, ``causal_conv1d_update``,
+``causal_conv1d_varlen_states``; each has a fake (meta) implementation for torch.compile, and the forward
+has autograd registered.
 
 Backward memory: the forward saves only its inputs (x, weight, bias, seq_idx, initial_states); the
 backward recomputes the pre-activation (one extra pass over x, cheaper than storing batch*dim*seqlen
@@ -15,7 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._dlpack import FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
+from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, kernel_for, prepare,
+                     run_op, tvm_dtype)
 
 OP = "causal_conv1d"
 
@@ -119,28 +122,83 @@ def _backward(ctx, dout, dfinal):
 causal_conv1d_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_update_values(conv_state: Tensor, cache_seqlens: Optional[Tensor],
+                         conv_state_indices: Optional[Tensor]) -> None:
+    """ValueError for an index the kernel must not follow, before it runs (conv_state untouched). Here, in
+    the op's implementation, not in the public function: reading the values is data-dependent, and
+    torch.compile traces the public function (the fake implementation checks shapes only)."""
+    if conv_state_indices is not None and conv_state_indices.numel():
+        pool = conv_state.shape[0]
+        hi = int(conv_state_indices.max())
+        if hi >= pool:
+            raise ValueError(f"conv_state_indices: a slot must be < conv_state.shape[0] = {pool} (negative: a "
+                             f"padding row), got {hi}")
+        valid = conv_state_indices[conv_state_indices >= 0]
+        if torch.unique(valid).numel() != valid.numel():
+            raise ValueError("conv_state_indices: two rows name the same conv_state slot (each row updates its "
+                             "slot in place)")
+    if cache_seqlens is not None:
+        live = cache_seqlens if conv_state_indices is None else cache_seqlens[conv_state_indices >= 0]
+        if live.numel() and int(live.min()) < 0:  # a padding row's value is never read
+            raise ValueError(f"cache_seqlens: must be >= 0, got {int(live.min())}")
+
+
 @torch.library.custom_op("tvm_mamba::causal_conv1d_update", mutates_args=("conv_state",))
-def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
-                            silu: bool) -> Tensor:
-    """x: (batch, dim, seqlen); conv_state: (batch, dim, state_len), updated in place -> out."""
+def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor], silu: bool,
+                            cache_seqlens: Optional[Tensor], conv_state_indices: Optional[Tensor]) -> Tensor:
+    """x: (batch, dim, seqlen); conv_state: (batch or pool, dim, state_len), updated in place -> out."""
+    _check_update_values(conv_state, cache_seqlens, conv_state_indices)
     batch, dim, seqlen = x.shape
-    xk, weight, state = prepare(x), prepare(weight), prepare(conv_state)
+    xk, weight = prepare(x), prepare(weight)
     out = torch.empty_like(xk)
     if batch * dim == 0 or seqlen == 0:
         return out
-    new_state = torch.empty_like(state)
+    state = prepare(conv_state)  # conv_state itself when compact and aligned: the kernel updates it in place
     static = dict(dim=dim, width=weight.shape[1], state_len=state.shape[2],
-                  activation="silu" if silu else "none", has_bias=bias is not None)
+                  activation="silu" if silu else "none", has_bias=bias is not None,
+                  has_indices=conv_state_indices is not None, has_cache_seqlens=cache_seqlens is not None)
     dtypes = {"x": tvm_dtype(xk), "weight": tvm_dtype(weight), "state": tvm_dtype(state)}
     kern = kernel_for(OP, "update", x.device, dtypes, static, batch=batch, seqlen=seqlen)
-    kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), out, new_state)
-    conv_state.copy_(new_state)  # a separate output, then one copy: safe for every schedule (CUDA too)
+    kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), _opt(conv_state_indices, x, torch.int32, 1),
+         _opt(cache_seqlens, x, torch.int32, 1), out)
+    if state is not conv_state:  # a strided or unaligned conv_state: the kernel updated a compact copy
+        conv_state.copy_(state)
     return out
 
 
 @causal_conv1d_update_op.register_fake
-def _(x, conv_state, weight, bias, silu):
+def _(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
+    """ValueError unless cu_seqlens starts at 0, never decreases and ends at total_tokens (data-dependent:
+    checked in the op's implementation, before its kernel runs)."""
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != total:
+        raise ValueError(f"cu_seqlens: must start at 0 and end at total_tokens = {total}, got {first} ... {last}")
+    if cu_seqlens.numel() > 1 and bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError("cu_seqlens: must be non-decreasing (cumulative sequence lengths)")
+
+
+@torch.library.custom_op("tvm_mamba::causal_conv1d_varlen_states", mutates_args=())
+def causal_conv1d_varlen_states_op(x: Tensor, cu_seqlens: Tensor, state_len: int) -> Tensor:
+    """x: (total_tokens, dim); cu_seqlens: (batch + 1,) -> states: (batch, state_len, dim), contiguous."""
+    _check_cu_seqlens(cu_seqlens, x.shape[0])
+    batch, dim = cu_seqlens.shape[0] - 1, x.shape[1]
+    if batch == 0 or dim == 0 or x.shape[0] == 0:
+        return x.new_zeros((batch, state_len, dim))
+    xk, cu = prepare(x), prepare(cu_seqlens.to(torch.int32))
+    states = x.new_empty((batch, state_len, dim))
+    kern = kernel_for(OP, "varlen_states", x.device, {"x": tvm_dtype(xk)}, dict(dim=dim, state_len=state_len),
+                      batch=batch, seqlen=x.shape[0])
+    kern(xk, cu, states)
+    return states
+
+
+@causal_conv1d_varlen_states_op.register_fake
+def _(x, cu_seqlens, state_len):
+    return x.new_empty((cu_seqlens.shape[0] - 1, state_len, x.shape[1]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,8 +227,10 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
 
     x: (batch, dim, seqlen), contiguous or channel-last (x.stride(1) == 1); weight: (dim, width), width 2..8,
     float32 or x's dtype; bias: (dim,) same dtype as weight; seq_idx: (batch, seqlen) int32 (taps never
-    cross a change of id); initial_states: (batch, dim, width-1) in x's dtype; activation: None, "silu" or
-    "swish". Returns out: (batch, dim, seqlen) in x's dtype (contiguous), and final_states
+    cross a change of id; seq_idx < 0 marks padding: its out is 0 and it feeds no other position);
+    initial_states: (batch, dim, width-1) in x's dtype; activation: None, "silu" or "swish". A
+    channel-last x is read through one contiguous copy. Returns out: (batch, dim, seqlen) in x's dtype
+    (contiguous), and final_states
     (batch, dim, width-1) — the last width-1 inputs — when return_final_states (written into
     final_states_out when given).
 
@@ -203,25 +263,62 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     return out, final
 
 
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """One decode step (or a few tokens): x: (batch, dim) or (batch, dim, seqlen); conv_state:
-    (batch, dim, state_len) with state_len >= width-1, updated in place; returns out shaped like x.
+def _check_update_args(x3, conv_state, weight, cache_seqlens, conv_state_indices) -> None:
+    batch, dim, _ = x3.shape
+    check_tensor("conv_state", conv_state, ndim=3, dtypes=FLOATS, device=x3.device)
+    check_no_overlap("conv_state", conv_state)
+    rows = "pool" if conv_state_indices is not None else f"batch={batch}"
+    if (conv_state_indices is None and conv_state.shape[0] != batch) or conv_state.shape[1] != dim or \
+            conv_state.shape[2] < weight.shape[1] - 1:
+        raise ValueError(f"conv_state: expected ({rows}, dim={dim}, state_len>={weight.shape[1] - 1}), "
+                         f"got {tuple(conv_state.shape)}")
+    for name, t in (("cache_seqlens", cache_seqlens), ("conv_state_indices", conv_state_indices)):
+        if t is not None:
+            check_tensor(name, t, ndim=1, dtypes=(torch.int32,), device=x3.device)
+            check_shape(name, t, (batch,))
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                         conv_state_indices=None):
+    """Decode step(s): x: (batch, dim) or (batch, dim, seqlen); conv_state: (batch, dim, state_len),
+    state_len >= width-1, updated in place; returns out shaped like x.
 
     xs = [conv_state | x]; out[t] = act(bias + sum_k weight[k] * xs[state_len + t - (width-1) + k]);
     conv_state <- xs[..., -state_len:].
+    cache_seqlens: (batch,) int32 >= 0: conv_state is a circular buffer; the window is the width-1 entries
+    before position cache_seqlens % state_len and x is written from there on (wrapping).
+    conv_state_indices: (batch,) int32: row b uses slot conv_state_indices[b] of a pool conv_state
+    (pool, dim, state_len) (continuous batching); a negative index marks a padding row: its out is 0 and
+    no slot is touched. A slot >= pool, a slot named twice or a negative cache_seqlens is a ValueError
+    before the kernel runs.
     """
     check_tensor("x", x, dtypes=FLOATS)
     if x.dim() not in (2, 3):
         raise ValueError(f"x: expected (batch, dim) or (batch, dim, seqlen), got shape {tuple(x.shape)}")
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(-1) if squeeze else x
-    batch, dim, _ = x3.shape
     silu = _activation(activation)
-    _check_weight_bias(weight, bias, x, dim)
-    check_tensor("conv_state", conv_state, ndim=3, dtypes=FLOATS, device=x.device)
-    check_no_overlap("conv_state", conv_state)
-    if conv_state.shape[0] != batch or conv_state.shape[1] != dim or conv_state.shape[2] < weight.shape[1] - 1:
-        raise ValueError(f"conv_state: expected (batch={batch}, dim={dim}, state_len>={weight.shape[1] - 1}), "
-                         f"got {tuple(conv_state.shape)}")
-    out = run_op(causal_conv1d_update_op, x3, conv_state, weight, bias, silu)
+    _check_weight_bias(weight, bias, x, x3.shape[1])
+    _check_update_args(x3, conv_state, weight, cache_seqlens, conv_state_indices)
+    out = run_op(causal_conv1d_update_op, x3, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
     return out.squeeze(-1) if squeeze else out
+
+
+def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
+    """x: (total_tokens, dim) packed sequences; cu_seqlens: (batch + 1,) int32 or int64, cumulative lengths
+    (0, ..., total_tokens, non-decreasing); state_len: int >= 1 -> states: (batch, dim, state_len) in x's
+    dtype (a transposed view with dim innermost, as upstream returns it).
+
+    states[b] = the last state_len tokens of sequence b, right-aligned, zeros on the left where it is
+    shorter: the conv_state to continue decoding each sequence with causal_conv1d_update. Forward only.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOATS)
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=x.device)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens: expected (batch + 1,) cumulative lengths starting at 0, got an empty tensor")
+    if isinstance(state_len, bool) or not isinstance(state_len, int):
+        raise TypeError(f"state_len: expected an int, got {type(state_len).__name__}")
+    if state_len < 1:
+        raise ValueError(f"state_len: must be >= 1, got {state_len}")
+    check_size("states", (cu_seqlens.numel() - 1) * state_len * x.shape[1])
+    return run_op(causal_conv1d_varlen_states_op, x, cu_seqlens, state_len).transpose(1, 2)

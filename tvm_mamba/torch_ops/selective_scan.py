@@ -1,4 +1,5 @@
-"""selective_scan_fn / selective_state_update: mamba_ssm 2.3.x's Mamba-1 scan API on TVM kernels.
+"""selective_scan_fn / selective_state_update: mamba_ssm 2.3.x's Mamba-1 scan API on TVM kernels (complex A:
+_selective_scan_complex.py).
 
 Ops (namespace ``tvm_mamba``): ``selective_scan_fwd`` (autograd registered), ``selective_scan_bwd``,
 ``selective_state_update`` (state updated in place); each has a fake (meta) implementation.
@@ -22,7 +23,9 @@ import torch
 from torch import Tensor
 
 from ..compute._selective_scan_dims import block_size, chunk_size
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_device_type, kernel_for, prepare, run_op, tvm_dtype
+from ._selective_scan_complex import complex_scan
+from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
+                      prepare, run_op, tvm_dtype)
 
 OP = "selective_scan"
 
@@ -212,30 +215,66 @@ def _backward(ctx, dout, dlast, _dck):
 selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_slots(idx: Tensor, nstate: int) -> None:
+    """ValueError unless every state_batch_indices entry is a padding row (< 0) or a distinct slot < nstate:
+    run inside the op (also under torch.compile), before the kernel, so a refused call writes nothing."""
+    if idx.numel() == 0:
+        return
+    used = idx[idx >= 0]
+    hi, dup = torch.stack([idx.max().to(torch.int64),
+                           torch.tensor(used.numel(), device=idx.device) - used.unique().numel()]).tolist()
+    if hi >= nstate:
+        raise ValueError(f"state_batch_indices: index {hi} is out of range for a state pool of {nstate} slots "
+                         f"(state.shape[0]); valid: 0..{nstate - 1}, or negative for a padding row")
+    if dup:
+        raise ValueError("state_batch_indices: two rows name the same state slot (each row updates its slot in "
+                         "place; a shared slot would be a race)")
+
+
+def _update_dtypes(state: Tensor, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Optional[Tensor],
+                   idx: Optional[Tensor]) -> dict:
+    """Kernel-key dtypes of the decode step: x/B/C always; state, dt, z and the index dtype only where they
+    differ from the defaults (accumulation dtype; x's dtype; no indices)."""
+    dts = {"x": tvm_dtype(x), "B": tvm_dtype(B), "C": tvm_dtype(C)}
+    if state.dtype != _acc(x):
+        dts["state"] = tvm_dtype(state)
+    if dt.dtype != x.dtype:
+        dts["dt"] = tvm_dtype(dt)
+    if z is not None and z.dtype != x.dtype:
+        dts["z"] = tvm_dtype(z)
+    if idx is not None:
+        dts["idx"] = tvm_dtype(idx)
+    return dts
+
+
 @torch.library.custom_op("tvm_mamba::selective_state_update", mutates_args=("state",))
 def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                               D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
-                              dt_softplus: bool) -> Tensor:
-    """Head layout: state (batch, nheads, headdim, dstate) updated in place; x, dt, z: (batch, nheads, headdim);
-    A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim) -> out."""
-    batch, nheads, headdim, dstate = state.shape
+                              dt_softplus: bool, state_batch_indices: Optional[Tensor]) -> Tensor:
+    """Head layout: state (nstate, nheads, headdim, dstate) updated in place; x, dt, z: (batch, nheads, headdim);
+    A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim);
+    state_batch_indices: (batch,) int32/int64 slots of state (None: nstate = batch) -> out."""
+    nstate, nheads, headdim, dstate = state.shape
     acc = _acc(x)
+    if state_batch_indices is not None:
+        _check_slots(state_batch_indices, nstate)
     xk, st = prepare(x), prepare(state)
     out = torch.empty_like(xk)
+    if x.shape[0] * nheads * headdim == 0:
+        return out
     Bk, Ck = prepare(B), prepare(C)
     static = dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=B.shape[1], has_D=D is not None,
                   has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus))
-    kern = kernel_for(OP, "update", x.device, {"x": tvm_dtype(xk), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)},
-                      static)
+    kern = kernel_for(OP, "update", x.device, _update_dtypes(state, x, dt, B, C, z, state_batch_indices), static)
     kern(st, xk, prepare(dt), prepare(A), Bk, Ck, _opt(D, x, acc, 2), _opt(z, x, x.dtype, 3),
-         _opt(dt_bias, x, acc, 2), out)
+         _opt(dt_bias, x, acc, 2), _opt(state_batch_indices, x, torch.int32, 1), out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
         state.copy_(st)
     return out
 
 
 @selective_state_update_op.register_fake
-def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -246,10 +285,10 @@ def _io_dtypes(u: Tensor):
     return (torch.float64,) if u.dtype == torch.float64 else FLOATS
 
 
-def _check_A(A, ndim, acc, device):
+def _check_A(A, ndim, dtypes, device):
     if isinstance(A, Tensor) and A.is_complex():
-        raise ValueError("A: complex A is not supported (real float32 A only)")
-    check_tensor("A", A, ndim=ndim, dtypes=(acc,), device=device)
+        raise ValueError("A: complex A is not supported here (real A only)")
+    check_tensor("A", A, ndim=ndim, dtypes=dtypes, device=device)
 
 
 def _check_bc(name, M, batch, dim, dstate, seqlen, u):
@@ -270,6 +309,37 @@ def _check_bc(name, M, batch, dim, dstate, seqlen, u):
                          f"(batch, groups, dstate, seqlen), got shape {tuple(M.shape)}")
 
 
+def _check_complex(u, A, B, C, D, z, delta_bias, initial_state):
+    """Inputs of the complex-A path (mamba_ssm's complex kernels): A complex64 (complex128 with float64 u);
+    time-invariant B/C complex (or real: its real part), varying B/C real with (re, im) interleaved in time."""
+    batch, dim, seqlen = u.shape
+    acc = _acc(u)
+    cdt = torch.complex128 if acc == torch.float64 else torch.complex64
+    check_tensor("A", A, ndim=2, dtypes=(cdt,), device=u.device)
+    if A.shape[0] != dim or A.shape[1] < 1:
+        raise ValueError(f"A: expected (dim={dim}, dstate >= 1), got {tuple(A.shape)}")
+    dstate = A.shape[1]
+    for name, M in (("B", B), ("C", C)):
+        if isinstance(M, Tensor) and M.dim() == 2:
+            check_tensor(name, M, dtypes=(cdt, acc), device=u.device)
+            check_shape(name, M, (dim, dstate))
+            continue
+        if isinstance(M, Tensor) and M.is_complex():
+            raise ValueError(f"{name}: with a complex A a time-varying {name} is real, (re, im) interleaved in "
+                             f"time: (batch, [groups,] dstate, 2 * seqlen) (mamba_ssm's layout), got complex")
+        _check_bc(name, M, batch, dim, dstate, 2 * seqlen, u)
+    for name, v in (("D", D), ("delta_bias", delta_bias)):
+        if v is not None:
+            check_tensor(name, v, ndim=1, dtypes=(acc,), device=u.device)
+            check_shape(name, v, (dim,))
+    if z is not None:
+        check_tensor("z", z, ndim=3, dtypes=(u.dtype,), device=u.device)
+        check_shape("z", z, u.shape)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, ndim=3, dtypes=(cdt,), device=u.device)
+        check_shape("initial_state", initial_state, (batch, dim, dstate))
+
+
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                       return_last_state=False, initial_state=None):
     """Mamba-1 selective scan (mamba_ssm.ops.selective_scan_interface.selective_scan_fn).
@@ -283,6 +353,11 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     dt = softplus?(delta + delta_bias); h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t; out = (C_t.h_t + D u_t) silu(z).
     Differentiable in every tensor argument, including through last_state. float64 inputs (all of them)
     run a float64 kernel (used for gradcheck).
+
+    Complex A (dim, dstate) complex64 (mamba_ssm's complex mode, selective_scan_ref's semantics): a
+    time-invariant B/C is complex (dim, dstate) (or real: its real part); a varying one is real
+    (batch, [groups,] dstate, 2 * seqlen) with (re, im) interleaved in time; initial_state complex;
+    out = (2 Re(C_t . h_t) + D u_t) silu(z), last_state complex. Gradients of complex tensors: dL/dRe + i dL/dIm.
     """
     check_tensor("u", u, ndim=3, dtypes=FLOATS + (torch.float64,))
     batch, dim, seqlen = u.shape
@@ -291,7 +366,11 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     acc = _acc(u)
     check_tensor("delta", delta, ndim=3, dtypes=(u.dtype,), device=u.device)
     check_shape("delta", delta, u.shape)
-    _check_A(A, 2, acc, u.device)
+    if isinstance(A, Tensor) and A.is_complex():
+        _check_complex(u, A, B, C, D, z, delta_bias, initial_state)
+        out, last = complex_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+        return (out, last) if return_last_state else out
+    _check_A(A, 2, (acc,), u.device)
     if A.shape[0] != dim:
         raise ValueError(f"A: expected (dim={dim}, dstate), got {tuple(A.shape)}")
     dstate = A.shape[1]
@@ -314,32 +393,23 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     return (out, last) if return_last_state else out
 
 
-def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
-    """One decode step, state updated in place; returns out (mamba_ssm.ops.triton.selective_state_update).
-
-    Mamba-1: state (batch, dim, dstate) float32; x, dt, z: (batch, dim); A: (dim, dstate) float32;
-    B, C: (batch, dstate) or (batch, groups, dstate); D, dt_bias: (dim,) float32 -> out (batch, dim).
-    Mamba-2 heads: state (batch, nheads, headdim, dstate); x, dt, z: (batch, nheads, headdim);
-    A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim).
-
-    dt' = softplus?(dt + dt_bias); state = exp(dt' A) state + dt' B x; out = (C . state + D x) * silu(z).
-    """
-    check_tensor("x", x, dtypes=FLOATS + (torch.float64,))
+def _check_update_tensors(state, x, dt, A, B, C, D, z, dt_bias, heads: bool, batch: int):
+    """Dtypes/shapes of selective_state_update's tensors (any float mix mamba_ssm's Triton kernel loads:
+    every input is widened to fp32 there; here float64 x means an all-float64 kernel, for gradcheck-style
+    checks)."""
     acc = _acc(x)
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x: expected (batch, dim) or (batch, nheads, headdim), got shape {tuple(x.shape)}")
-    heads = x.dim() == 3
-    check_tensor("state", state, ndim=x.dim() + 1, dtypes=(acc,), device=x.device)
-    if tuple(state.shape[:-1]) != tuple(x.shape):
-        raise ValueError(f"state: expected {tuple(x.shape)} + (dstate,), got {tuple(state.shape)}")
-    dstate = state.shape[-1]
-    batch, lead = x.shape[0], x.shape[1]
-    check_tensor("dt", dt, dtypes=(x.dtype,), device=x.device)
+    io = _io_dtypes(x)
+    check_tensor("state", state, ndim=x.dim() + 1, dtypes=io, device=x.device)
+    if tuple(state.shape[1:-1]) != tuple(x.shape[1:]):
+        raise ValueError(f"state: expected (batch,) + {tuple(x.shape[1:])} + (dstate,), got {tuple(state.shape)}")
+    check_no_overlap("state", state)
+    dstate, lead = state.shape[-1], x.shape[1]
+    check_tensor("dt", dt, dtypes=io, device=x.device)
     check_shape("dt", dt, x.shape)
-    _check_A(A, x.dim(), acc, x.device)
+    _check_A(A, x.dim(), io + ((torch.float64,) if acc == torch.float32 else ()), x.device)
     check_shape("A", A, tuple(state.shape[1:]))
     for name, M in (("B", B), ("C", C)):
-        check_tensor(name, M, dtypes=_io_dtypes(x), device=x.device)
+        check_tensor(name, M, dtypes=io, device=x.device)
         if M.dim() == 2 and not heads:
             check_shape(name, M, (batch, dstate))
         elif M.dim() == 3:
@@ -352,11 +422,57 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         raise ValueError(f"C: expected the same groups as B {tuple(B.shape)}, got {tuple(C.shape)}")
     for name, v in (("D", D), ("dt_bias", dt_bias)):
         if v is not None:
-            check_tensor(name, v, dtypes=(acc,), device=x.device)
+            check_tensor(name, v, dtypes=io + ((torch.float64,) if acc == torch.float32 else ()), device=x.device)
             check_shape(name, v, tuple(x.shape[1:]))
     if z is not None:
-        check_tensor("z", z, dtypes=(x.dtype,), device=x.device)
+        check_tensor("z", z, dtypes=io, device=x.device)
         check_shape("z", z, x.shape)
+
+
+def _check_indices(idx, state, batch: int, device) -> None:
+    check_tensor("state_batch_indices", idx, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
+    check_shape("state_batch_indices", idx, (batch,))
+    if state.shape[0] < 1:
+        raise ValueError(f"state: an empty state pool {tuple(state.shape)} with state_batch_indices")
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None):
+    """One decode step, state updated in place; returns out (mamba_ssm.ops.triton.selective_state_update,
+    2.3.2's signature).
+
+    Mamba-1: state (batch, dim, dstate); x, dt, z: (batch, dim); A: (dim, dstate);
+    B, C: (batch, dstate) or (batch, groups, dstate); D, dt_bias: (dim,) -> out (batch, dim).
+    Mamba-2 heads: state (batch, nheads, headdim, dstate); x, dt, z: (batch, nheads, headdim);
+    A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim)
+    (mamba_ssm's tied per-head dt/A/D/dt_bias, expanded stride-0 views, are accepted).
+    state_batch_indices: (batch,) int32/int64: row b uses state slot state_batch_indices[b] of a pool
+    state (nslots, ...) (continuous batching); a negative index is a padding row: out = 0, no state written.
+    Indices >= nslots, or two rows naming one slot, are a ValueError before anything runs. Without indices
+    a state with more than batch rows has its first batch rows updated (as upstream's Triton kernel).
+
+    Dtypes: x, dt, z, B, C, state each float32 / float16 / bfloat16 (independently; out in x's dtype);
+    A, D, dt_bias any float (widened to float32). A 16-bit state stays in its dtype: the math runs in
+    float32 and the new state is rounded once per step. float64 x needs every tensor float64.
+
+    dt' = softplus?(dt + dt_bias); state = exp(dt' A) state + dt' B x; out = (C . state + D x) * silu(z).
+    """
+    check_tensor("x", x, dtypes=FLOATS + (torch.float64,))
+    acc = _acc(x)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected (batch, dim) or (batch, nheads, headdim), got shape {tuple(x.shape)}")
+    heads = x.dim() == 3
+    batch = x.shape[0]
+    _check_update_tensors(state, x, dt, A, B, C, D, z, dt_bias, heads, batch)
+    if state_batch_indices is not None:
+        _check_indices(state_batch_indices, state, batch, x.device)
+    elif state.shape[0] < batch:
+        raise ValueError(f"state: expected at least {batch} rows (x's batch) without state_batch_indices, "
+                         f"got shape {tuple(state.shape)}")
+    elif state.shape[0] > batch:  # upstream's kernel uses rows 0..batch-1 of a larger state (a view here)
+        state = state[:batch]
+    A = A.to(acc)
+    D, dt_bias = (v.to(acc) if v is not None else None for v in (D, dt_bias))
     if not heads:  # Mamba-1 is the head layout with nheads = dim, headdim = 1
         B3 = B if B.dim() == 3 else B.unsqueeze(1)
         C3 = C if C.dim() == 3 else C.unsqueeze(1)
@@ -364,6 +480,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         if not state.is_contiguous():
             raise ValueError("state: must be contiguous (it is updated in place)")
         out = run_op(selective_state_update_op, state.unsqueeze(2), u(x), u(dt), A.unsqueeze(1), B3, C3, u(D), u(z),
-                     u(dt_bias), bool(dt_softplus))
+                     u(dt_bias), bool(dt_softplus), state_batch_indices)
         return out.squeeze(-1)
-    return run_op(selective_state_update_op, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
+    return run_op(selective_state_update_op, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+                  state_batch_indices)

@@ -1,0 +1,129 @@
+"""Decode step of the causal conv1d (``causal_conv1d_update``, causal-conv1d 1.7.0 semantics) as one
+loop-nest template, laid onto the machine by ``mode``: generic (serial), cpu (parallel rows), cuda
+(one thread per (batch, channel) row, as upstream's update kernel).
+
+Per row b, channel c, with slot = conv_state_indices[b] (or b) and S = state_len, W = width:
+
+    window[j] = conv_state[slot, c, (base + S - (W-1) + j) mod S], j < W-1   (base = cache_seqlens[b] mod S
+                                                                            circular, else 0)
+    xs = [window | x[b, c, :]];  out[b, c, t] = act(bias[c] + sum_k weight[c, k] * xs[t + k])
+    linear state:   conv_state[slot, c, :] <- [conv_state[slot, c, :] | x[b, c, :]][-S:]
+    circular state: conv_state[slot, c, (base + i) mod S] <- x[b, c, i], i ascending (a later token wins)
+
+A row whose slot is negative is padding: its out is 0 and no slot is touched. conv_state is a pool
+(pool, dim, S) updated in place: each row reads its window before it writes, and a slot belongs to one
+row (the torch op refuses duplicate slots), so the in-place update is race-free on every target.
+"""
+from __future__ import annotations
+
+import functools
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from . import _math
+from ._common import SERIAL_WORK, check_dtype, sigmoid, stamp
+
+F32 = "float32"
+
+
+def _lanes(mode: str, threads: int):
+    """(outer loop, inner loop, rows per outer iteration) for ``mode``."""
+    if mode == "cuda":
+        return (functools.partial(T.thread_binding, thread="blockIdx.x"),
+                functools.partial(T.thread_binding, thread="threadIdx.x"), threads)
+    return (T.parallel if mode == "cpu" else T.serial), T.serial, 1
+
+
+def update_template(dim: int, width: int, state_len: int, activation: str, has_bias: bool, has_indices: bool,
+                    has_cache_seqlens: bool, x_dtype: str, weight_dtype: str, state_dtype: str,
+                    mode: str = "generic", threads: int = 128) -> tirx.PrimFunc:
+    """The decode-step loop nest (see the module docstring); ``mode`` picks the loops and the SiLU."""
+    D, W, S = dim, width, state_len
+    OUTER, INNER, TPB = _lanes(mode, threads)
+    SCOPE = "local" if mode == "cuda" else "global"
+
+    def act(v):
+        if activation != "silu":
+            return v
+        return _math.silu(v) if mode == "cpu" else v * sigmoid(v)  # polynomial on CPUs, expf on GPUs
+
+    @T.macro
+    def row_step(x, state, weight, bias, idx, cseq, out, L, row):
+        b = T.meta_var(row // D)
+        c = T.meta_var(row % D)
+        slot = T.meta_var(idx[b] if has_indices else b)
+        acc = T.alloc_buffer((1,), F32, scope=SCOPE)
+        if slot < 0:  # padding row (upstream: conv_state_indices < 0): out 0, state untouched
+            for t in range(L):
+                out[b, c, t] = T.Cast(x_dtype, T.float32(0))
+        else:
+            base = T.meta_var(T.floormod(cseq[b], S) if has_cache_seqlens else 0)
+            for t in range(L):
+                acc[0] = bias[c].astype(F32) if has_bias else T.float32(0)
+                for k in T.unroll(W):
+                    acc[0] = acc[0] + weight[c, k].astype(F32) * T.if_then_else(
+                        t + k < W - 1,
+                        state[slot, c, T.floormod(base + S - (W - 1) + T.min(t + k, W - 2), S)].astype(F32),
+                        x[b, c, T.max(t + k - (W - 1), 0)].astype(F32))
+                out[b, c, t] = act(acc[0]).astype(x_dtype)
+            if has_cache_seqlens:
+                for i in range(L):
+                    state[slot, c, T.floormod(base + i, S)] = x[b, c, i].astype(state_dtype)
+            else:  # shift left by L, ascending: each read index j + L is ahead of every write so far
+                for j in range(S):
+                    state[slot, c, j] = T.if_then_else(j + L < S, state[slot, c, T.min(j + L, S - 1)],
+                                                       x[b, c, T.max(j + L - S, 0)].astype(state_dtype))
+
+
+    @T.prim_func
+    def causal_conv1d_update(x_h: T.handle, s_h: T.handle, w_h: T.handle, b_h: T.handle, i_h: T.handle,
+                             c_h: T.handle, o_h: T.handle):
+        T.func_attr({"global_symbol": "causal_conv1d_update", "tirx.noalias": True})
+        B = T.int32()
+        L = T.int32()
+        P = T.int32()
+        x = T.match_buffer(x_h, (B, D, L), x_dtype)
+        state = T.match_buffer(s_h, (P, D, S), state_dtype)
+        weight = T.match_buffer(w_h, (D, W), weight_dtype)
+        bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
+        idx = T.match_buffer(i_h, (B,) if has_indices else (1,), "int32")
+        cseq = T.match_buffer(c_h, (B,) if has_cache_seqlens else (1,), "int32")
+        out = T.match_buffer(o_h, (B, D, L), x_dtype)
+        if mode == "cpu":
+            if B * D * (L + S) <= SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
+                for row in T.serial(B * D):
+                    row_step(x, state, weight, bias, idx, cseq, out, L, row)
+            else:
+                for row in T.parallel(B * D):
+                    row_step(x, state, weight, bias, idx, cseq, out, L, row)
+        else:
+            for ro in OUTER((B * D + TPB - 1) // TPB):
+                for ri in INNER(TPB):
+                    if ro * TPB + ri < B * D:
+                        row_step(x, state, weight, bias, idx, cseq, out, L, ro * TPB + ri)
+
+    return causal_conv1d_update
+
+
+def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str = "none", has_bias: bool = False,
+                         has_indices: bool = False, has_cache_seqlens: bool = False, x_dtype: str = "float32",
+                         weight_dtype: str = "float32", state_dtype: str = "float32") -> tirx.PrimFunc:
+    """Decode step, conv_state updated in place. x: (batch, dim, seqlen); conv_state: (pool, dim, state_len)
+    (pool = batch without conv_state_indices), state_len >= width-1; weight: (dim, width); bias: (dim,);
+    conv_state_indices: (batch,) int32; cache_seqlens: (batch,) int32 -> out: (batch, dim, seqlen).
+
+    out[t] = act(bias + sum_k weight[k] * [window | x][t + k]); see the module docstring for the window and
+    the state update (linear shift or circular buffer).
+    """
+    from .causal_conv1d import _check
+
+    _check(dim, width, activation)
+    if state_len < width - 1:
+        raise ValueError(f"conv_state: state length must be >= width-1 = {width - 1}, got {state_len}")
+    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("conv_state", state_dtype)):
+        check_dtype(name, dt)
+    static = dict(dim=dim, width=width, state_len=state_len, activation=activation, has_bias=has_bias,
+                  has_indices=has_indices, has_cache_seqlens=has_cache_seqlens, x_dtype=x_dtype,
+                  weight_dtype=weight_dtype, state_dtype=state_dtype)
+    return stamp(update_template(**static), "causal_conv1d_update", static)

@@ -1,0 +1,165 @@
+"""Mamba-1 selective scan with a complex A (mamba_ssm 2.3.2 ``selective_scan_ref`` semantics, S4D-style), as
+ONE loop-nest template per direction that the CPU and CUDA rules lay out (``mode``).
+
+    dt = softplus?(delta + delta_bias);  h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t   (h, A, B, C complex)
+    y_t = 2 Re(C_t . h_t) + D u_t;  out = y * silu(z)
+
+The complex state is kept as real/imaginary pairs; exp(dt A) is the rotation
+exp(dt Re A) (cos(dt Im A), sin(dt Im A)), applied by one complex multiply per step and state.
+Kernel layouts (the torch op builds them with views of the complex tensors, ``view_as_real``):
+- u, delta, z, out: (batch, dim, seqlen); D, delta_bias: (dim,); A: (dim, dstate, 2) (re, im).
+- B, C: ``groups == 0``: time-invariant complex (dim, dstate, 2) in ``acc``; else (batch, groups, seqlen,
+  dstate, 2) — mamba_ssm's real (batch, groups, dstate, 2 seqlen) with (re, im) interleaved in time,
+  transposed so one step reads dstate pairs.
+- states (initial, last, checkpoints (batch, dim, nchunk, dstate, 2): the state before each chunk) in ``acc``.
+One lane = one (batch, channel) in the forward, one (batch, block of channels) in the backward; dstate is
+the vector loop (CPU), time is serial. The backward recomputes one chunk of states from its checkpoint,
+then runs the reverse scan (torch's convention for complex gradients, dL/dRe + i dL/dIm):
+    g_t = 2 dy_t conj(C_t) + conj(a_{t+1}) g_{t+1},  a_t = exp(dt_t A);  dC_t = 2 dy_t conj(h_t);
+    dB_t = dt_t u_t g_t;  p_t = conj(a_t) conj(h_{t-1}) g_t;  dA = sum_t dt_t p_t;
+    d dt_t = u_t Re(conj(B_t) g_t) + Re(conj(A) p_t);  du_t = D dy_t + dt_t Re(conj(B_t) g_t);
+    dinit = conj(a_0) g_0.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._common import stamp
+from .selective_scan import _check, _lanes, _Math, _static, _vec_loop, acc_dtype
+
+
+def _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus):
+    """B/C pair reads (k = 0 re, 1 im; time-invariant or per group), pre-softplus dt and the rotation."""
+    BPG = dim // b_groups if b_groups else 1
+    CPG = dim // c_groups if c_groups else 1
+
+    def bval(Bm, b, d, t, n, k):
+        return m.cast(Bm[b, d // BPG, t, n, k]) if b_groups else Bm[d, n, k]
+
+    def cval(Cm, b, d, t, n, k):
+        return m.cast(Cm[b, d // CPG, t, n, k]) if c_groups else Cm[d, n, k]
+
+    def pre_dt(delta, db, b, d, t):
+        return m.cast(delta[b, d, t]) + (db[d] if has_delta_bias else m.zero)
+
+    def dt_of(x):
+        return m.softplus(x) if delta_softplus else x
+
+    def rot(A, d, n, dt, k):
+        """Re (k = 0) / Im (k = 1) of exp(dt A[d, n])."""
+        trig = tirx.cos if k == 0 else tirx.sin
+        return m.exp(dt * A[d, n, 0]) * trig(dt * A[d, n, 1])
+
+    return bval, cval, pre_dt, dt_of, rot
+
+
+def selective_scan_fwd_complex_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool,
+                                        has_z: bool, has_delta_bias: bool, delta_softplus: bool, has_init: bool,
+                                        chunk: int, u_dtype: str, B_dtype: str, C_dtype: str,
+                                        mode: str = "generic", vec: int = 1, threads: int = 64) -> tirx.PrimFunc:
+    """The forward loop nest (module docstring); ``mode`` generic (serial), cpu (parallel lanes, dstate
+    vectors of ``vec``) or cuda (one thread per lane, ``threads`` per block)."""
+    N, V = dstate, vec
+    NV = N // V
+    ACC = acc_dtype(u_dtype)
+    m = _Math(ACC, native=mode == "cuda")
+    OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
+    VEC = _vec_loop(mode)
+    VARB, VARC = b_groups > 0, c_groups > 0
+    bval, cval, pre_dt, dt_of, rot = _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus)
+    two = tirx.const(2.0, ACC)
+
+    @T.prim_func
+    def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
+            z_h: T.handle, db_h: T.handle, init_h: T.handle, out_h: T.handle, last_h: T.handle, ck_h: T.handle):
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunk = T.meta_var((seqlen + chunk - 1) // chunk)
+        u = T.match_buffer(u_h, (batch, dim, seqlen), u_dtype)
+        delta = T.match_buffer(delta_h, (batch, dim, seqlen), u_dtype)
+        A = T.match_buffer(A_h, (dim, N, 2), ACC)
+        Bm = T.match_buffer(B_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), B_dtype if VARB else ACC)
+        Cm = T.match_buffer(C_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), C_dtype if VARC else ACC)
+        Dv = T.match_buffer(D_h, (dim,) if has_D else (1,), ACC)
+        z = T.match_buffer(z_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
+        db = T.match_buffer(db_h, (dim,) if has_delta_bias else (1,), ACC)
+        init = T.match_buffer(init_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)
+        out = T.match_buffer(out_h, (batch, dim, seqlen), u_dtype)
+        last = T.match_buffer(last_h, (batch, dim, N, 2), ACC)
+        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N, 2), ACC)
+        for lane_o in OUTER((batch * dim + TPB - 1) // TPB):
+            for lane_i in INNER(TPB):
+                if lane_o * TPB + lane_i < batch * dim:
+                    lane = T.meta_var(lane_o * TPB + lane_i)
+                    h = T.alloc_buffer((2, N), ACC, scope=SCOPE)  # (re, im) of the state
+                    ex = T.alloc_buffer((3, V), ACC, scope=SCOPE)  # exp(dt A) (re, im), the new Re h
+                    yv = T.alloc_buffer((V,), ACC, scope=SCOPE)
+                    s = T.alloc_buffer((3,), ACC, scope=SCOPE)  # dt, dt*u, y
+                    b = T.meta_var(lane // dim)
+                    d = T.meta_var(lane % dim)
+                    for k in range(2):
+                        for no in range(NV):
+                            for ni in VEC(V):
+                                h[k, no * V + ni] = init[b, d, no * V + ni, k] if has_init else m.zero
+                    for c in range(nchunk):
+                        for no in range(NV):
+                            for ni in VEC(V):
+                                ck[b, d, c, no * V + ni, 0] = h[0, no * V + ni]
+                                ck[b, d, c, no * V + ni, 1] = h[1, no * V + ni]
+                        for t in range(c * chunk, T.min(seqlen, c * chunk + chunk)):
+                            s[0] = dt_of(pre_dt(delta, db, b, d, t))
+                            s[1] = s[0] * m.cast(u[b, d, t])
+                            for ni in VEC(V):
+                                yv[ni] = m.zero
+                            for no in range(NV):
+                                for ni in VEC(V):
+                                    ex[0, ni] = rot(A, d, no * V + ni, s[0], 0)
+                                    ex[1, ni] = rot(A, d, no * V + ni, s[0], 1)
+                                    ex[2, ni] = (ex[0, ni] * h[0, no * V + ni] - ex[1, ni] * h[1, no * V + ni]
+                                                 + s[1] * bval(Bm, b, d, t, no * V + ni, 0))
+                                    h[1, no * V + ni] = (ex[0, ni] * h[1, no * V + ni] + ex[1, ni] * h[0, no * V + ni]
+                                                         + s[1] * bval(Bm, b, d, t, no * V + ni, 1))
+                                    h[0, no * V + ni] = ex[2, ni]
+                                    yv[ni] = yv[ni] + (cval(Cm, b, d, t, no * V + ni, 0) * h[0, no * V + ni]
+                                                       - cval(Cm, b, d, t, no * V + ni, 1) * h[1, no * V + ni])
+                            s[2] = (Dv[d] * m.cast(u[b, d, t])) if has_D else m.zero
+                            for ni in range(V):
+                                s[2] = s[2] + two * yv[ni]
+                            if has_z:
+                                out[b, d, t] = (s[2] * m.silu(m.cast(z[b, d, t]))).astype(u_dtype)
+                            else:
+                                out[b, d, t] = s[2].astype(u_dtype)
+                    for no in range(NV):
+                        for ni in VEC(V):
+                            last[b, d, no * V + ni, 0] = h[0, no * V + ni]
+                            last[b, d, no * V + ni, 1] = h[1, no * V + ni]
+
+    return fwd
+
+
+def selective_scan_fwd_complex(dim: int, dstate: int, b_groups: int = 0, c_groups: int = 0, has_D: bool = False,
+                               has_z: bool = False, has_delta_bias: bool = False, delta_softplus: bool = False,
+                               has_init: bool = False, chunk: int = 32, u_dtype: str = "float32",
+                               B_dtype: str = "float32", C_dtype: str = "float32") -> tirx.PrimFunc:
+    """u, delta, z: (batch, dim, seqlen); A: (dim, dstate, 2); B, C: (dim, dstate, 2) if groups == 0 else
+    (batch, groups, seqlen, dstate, 2); D, delta_bias: (dim,); initial_state: (batch, dim, dstate, 2)
+    -> out: (batch, dim, seqlen), last_state: (batch, dim, dstate, 2),
+    checkpoints: (batch, dim, nchunk, dstate, 2). ``_dtype`` of a time-invariant B/C is ignored (acc).
+
+    h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t (complex); out_t = (2 Re(C_t . h_t) + D u_t) * silu(z_t).
+    """
+    _check(dim, dstate, b_groups, c_groups, chunk, u_dtype, B_dtype, C_dtype)
+    static = _static(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init,
+                     chunk, u_dtype, B_dtype, C_dtype)
+    return stamp(selective_scan_fwd_complex_template(**static), "selective_scan_fwd_complex", static)
+
+
+def __getattr__(name: str):
+    """The backward builders live in _selective_scan_complex_bwd.py (which imports the helpers above),
+    loaded on first use so that either module may be imported first."""
+    if name in ("selective_scan_bwd_complex", "selective_scan_bwd_complex_template"):
+        from . import _selective_scan_complex_bwd
+
+        return getattr(_selective_scan_complex_bwd, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
