@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_states
 from ..torch_ops.mamba_split import mamba_split_conv1d_scan_combined
 from ..torch_ops.selective_scan import selective_state_update
 from ..torch_ops.ssd import mamba_chunk_scan_combined
@@ -170,7 +170,6 @@ class Mamba2(nn.Module):
         want_states = return_final_states or conv_state is not None
         xBC_t = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
         if varlen:  # each sequence's last d_conv conv inputs (zero-padded on the left), one cache row each
-            from ..torch_ops.causal_conv1d import causal_conv1d_varlen_states  # TODO(merge): top-level import
             new_conv = causal_conv1d_varlen_states(xBC[0], cu_seqlens, state_len=self.d_conv)
         elif want_states:  # the last d_conv conv inputs (zero-padded on the left), upstream's layout
             new_conv = F.pad(xBC_t, (self.d_conv - seqlen, 0)) if seqlen < self.d_conv else xBC_t[..., -self.d_conv:]
