@@ -32,8 +32,9 @@ PATHS = {
     "causal_conv1d.causal_conv1d_interface": ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_ref"],
     "causal_conv1d.causal_conv1d_varlen": ["causal_conv1d_varlen_states", "causal_conv1d_varlen_states_ref"],
 }
-SAME_AS_TOP = {"selective_scan_fn", "mamba_chunk_scan_combined", "mamba_inner_fn", "mamba_split_conv1d_scan_combined", "selective_state_update", "rmsnorm_fn",
-               "causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen_states", "Mamba", "Mamba2", "MambaLMHeadModel"}
+SAME_AS_TOP = {"selective_scan_fn", "mamba_chunk_scan_combined", "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
+               "selective_state_update", "rmsnorm_fn", "causal_conv1d_fn", "causal_conv1d_update",
+               "causal_conv1d_varlen_states", "Mamba", "Mamba2", "MambaLMHeadModel"}
 
 
 @pytest.fixture

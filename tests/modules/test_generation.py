@@ -111,7 +111,8 @@ def test_streamer_and_upstream_style_decode_call(model):
 
 
 def test_inference_params_reset():
-    p = InferenceParams(max_seqlen=4, max_batch_size=2, seqlen_offset=3, lengths_per_sample=torch.ones(2, dtype=torch.int32))
+    p = InferenceParams(max_seqlen=4, max_batch_size=2, seqlen_offset=3,
+                        lengths_per_sample=torch.ones(2, dtype=torch.int32))
     p.reset(8, 3)
     assert (p.max_seqlen, p.max_batch_size, p.seqlen_offset) == (8, 3, 0) and p.lengths_per_sample.tolist() == [0, 0]
 
