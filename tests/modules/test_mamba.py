@@ -167,7 +167,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="ssm_state: expected shape"):
         m.step(tok, conv_state, torch.zeros(2, 64, 4))
     with pytest.raises(TypeError, match="ssm_state: dtype"):
-        m.step(tok, conv_state, ssm_state.bfloat16())
+        m.step(tok, conv_state, ssm_state.double())
     with pytest.raises(TypeError, match="conv_state: dtype"):
         m.step(tok, conv_state.long(), ssm_state)
     with pytest.raises(ValueError, match="conv_state: allocated for batch 2, but the input has batch 3"):

@@ -114,6 +114,22 @@ def test_prefill_then_decode_reproduces_forward(cfg):
         assert_rel_close(torch.cat(steps, dim=1), full, 2e-5, "decode vs forward")
 
 
+def test_16bit_ssm_state_cache_decodes_like_float32():
+    """A cache with a bf16 ssm_state (upstream allocates it in the model's dtype) is accepted: the decode kernel
+    keeps it in bf16 with fp32 math, close to the float32 cache."""
+    m = _block()
+    x = _input()
+    with torch.no_grad():
+        _, conv32, ssm32 = m(x[:, :9], return_final_states=True)
+        conv16, ssm16 = conv32.clone(), ssm32.to(torch.bfloat16)
+        for t in range(9, SEQLEN):
+            y32 = m.step(x[:, t:t + 1], conv32, ssm32)[0]
+            y16 = m.step(x[:, t:t + 1], conv16, ssm16)[0]
+            assert_rel_close(y16, y32.double(), 2e-2, f"bf16-state step {t}")
+    assert ssm16.dtype == torch.bfloat16
+    assert_rel_close(ssm16.float(), ssm32.double(), 2e-2, "bf16 state")
+
+
 def test_seq_idx_and_flattened_input():
     m = _block()
     x = _input()

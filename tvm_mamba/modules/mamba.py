@@ -131,7 +131,7 @@ class Mamba(nn.Module):
 
     def _check_states(self, conv_state, ssm_state, batch, device):
         check_state("conv_state", conv_state, batch, (self.d_inner, self.d_conv), FLOAT_STATES, device)
-        check_state("ssm_state", ssm_state, batch, (self.d_inner, self.d_state), (torch.float32,), device)
+        check_state("ssm_state", ssm_state, batch, (self.d_inner, self.d_state), FLOAT_STATES, device)
         if not ssm_state.is_contiguous():
             raise ValueError("ssm_state: must be contiguous (it is updated in place)")
 

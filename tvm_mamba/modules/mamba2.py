@@ -197,12 +197,12 @@ class Mamba2(nn.Module):
     def _check_states(self, conv_state, ssm_state, batch, device):
         conv_dim = self.conv1d.weight.shape[0]
         check_state("conv_state", conv_state, batch, (conv_dim, self.d_conv), FLOAT_STATES, device)
-        check_state("ssm_state", ssm_state, batch, (self.nheads, self.headdim, self.d_state), (torch.float32,),
-                    device)
+        check_state("ssm_state", ssm_state, batch, (self.nheads, self.headdim, self.d_state), FLOAT_STATES, device)
 
     def step(self, hidden_states, conv_state, ssm_state):
         """One decode token. hidden_states: (batch, 1, d_model); conv_state: (batch', conv_dim, d_conv) and
-        ssm_state: (batch', nheads, headdim, d_state) float32, batch' >= batch, updated in place (rows :batch)
+        ssm_state: (batch', nheads, headdim, d_state) float32 (or 16-bit: kept in its dtype, fp32 math), batch' >=
+        batch, updated in place (rows :batch)
         -> (out (batch, 1, d_model), conv_state, ssm_state)."""
         check_hidden("hidden_states", hidden_states, self.d_model, seqlen_one=True)
         batch = hidden_states.shape[0]
