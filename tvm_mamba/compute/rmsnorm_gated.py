@@ -1,43 +1,85 @@
-"""Gated RMSNorm (mamba_ssm 2.3.x ``rmsnorm_fn`` semantics) as TE: forward and backward.
+"""Gated group norm (mamba_ssm 2.3.x ``layernorm_gated.py``: ``rmsnorm_fn`` / ``layernorm_fn``) and the fused
+residual-add norm (``layer_norm.py``: ``rms_norm_fn`` / ``layer_norm_fn``) as TE: forward and backward.
 
-Rows (all leading dims flattened) are symbolic; hidden, group_size, eps and the flags are static.
-With u = x * silu(z) when gating before the norm (norm_before_gate=False), else u = x:
+One definition for both upstream files: rows (all leading dims flattened) are symbolic; hidden, group_size,
+eps and the flags are static. With s = x (+ residual), u = s * silu(z) when gating before the norm
+(norm_before_gate=False), else u = s:
 
-    rstd[r, g] = 1 / sqrt(mean_{h in group g} u[r, h]^2 + eps)
-    y = u * rstd * weight (+ bias);   out = y * silu(z) when norm_before_gate (and z is given), else y.
+    mean[r, g] = mean_{h in group g} u[r, h]          (LayerNorm; 0 for RMSNorm, is_rms_norm)
+    rstd[r, g] = 1 / sqrt(mean_{h in group g} (u[r, h] - mean[r, g])^2 + eps)
+    y = (u - mean) * rstd * weight (+ bias);   out = y * silu(z) when norm_before_gate (and z is given), else y.
 
-The forward also writes rstd (float32, (rows, ngroups)), which the backward reads instead of recomputing
-the reduction. Math is float32 except the sum of squares (float64, so |x| up to the float32 maximum
-normalizes); out has x's dtype. Absent bias / z are (1,)*ndim placeholders.
-These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules
-emit hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py).
+The forward writes rstd (and mean for LayerNorm; float32, (rows, ngroups)), which the backward reads instead
+of recomputing the reductions, and with ``store_residual`` residual_out = s in its own dtype (the ``prenorm``
+residual of layer_norm.py; the backward's x is then that stored residual_out, as upstream's). Math is
+float32 except the reductions over x (float64, so |x| up to the float32 maximum normalizes); out has x's
+dtype. Absent inputs and outputs are unused (1,)*ndim placeholders.
+These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules emit
+hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from tvm import te, tirx
 
 from ._common import check_dtype, f32, sigmoid, stamp
 
 
+@dataclasses.dataclass(frozen=True)
+class NormDims:
+    """The static parameters of one norm kernel (both directions; the direction-only flags are False in the
+    other). Keys with default values are left out of a KernelKey (:meth:`static`), so the plain gated
+    RMSNorm's keys (and tuning records) are the same as before the LayerNorm / residual flags existed."""
+
+    hidden: int
+    group_size: int
+    eps: float = 1e-6
+    has_bias: bool = False
+    has_z: bool = False
+    norm_before_gate: bool = True
+    is_rms_norm: bool = True
+    has_residual: bool = False  # fwd: s = x + residual
+    store_residual: bool = False  # fwd: write residual_out = s (residual_out dtype)
+    has_dresidual: bool = False  # bwd: the gradient of residual_out is added to ds
+    store_dresidual: bool = False  # bwd: also write ds in x's (the saved residual_out's) dtype
+
+    def __post_init__(self):
+        if self.hidden < 1:
+            raise ValueError(f"hidden: must be >= 1, got {self.hidden}")
+        if self.group_size < 1 or self.hidden % self.group_size:
+            raise ValueError(f"group_size: must divide hidden={self.hidden}, got {self.group_size}")
+
+    @property
+    def ngroups(self) -> int:
+        return self.hidden // self.group_size
+
+    @property
+    def gate_in(self) -> bool:
+        return self.has_z and not self.norm_before_gate
+
+    @property
+    def gate_out(self) -> bool:
+        return self.has_z and self.norm_before_gate
+
+    def static(self) -> dict:
+        """The KernelKey static dims: hidden, group_size, eps, has_bias, has_z, norm_before_gate always, the
+        newer flags only where they differ from their defaults."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("hidden", "group_size", "eps", "has_bias", "has_z", "norm_before_gate") or v != f.default:
+                out[f.name] = v
+        return out
+
+
 def _f64(expr) -> tirx.PrimExpr:
-    """Widen to float64 (the sum of squares)."""
+    """Widen to float64 (the reductions over x)."""
     return expr.astype("float64")
 
 
-def _check(hidden: int, group_size: int) -> None:
-    if hidden < 1:
-        raise ValueError(f"hidden: must be >= 1, got {hidden}")
-    if group_size < 1 or hidden % group_size:
-        raise ValueError(f"group_size: must divide hidden={hidden}, got {group_size}")
-
-
-def _inputs(hidden, has_bias, has_z, x_dtype, weight_dtype):
-    rows = te.var("rows")
-    x = te.placeholder((rows, hidden), x_dtype, name="x")
-    weight = te.placeholder((hidden,), weight_dtype, name="weight")
-    bias = te.placeholder((hidden,) if has_bias else (1,), weight_dtype, name="bias")
-    z = te.placeholder((rows, hidden) if has_z else (1, 1), x_dtype, name="z")
-    return rows, x, weight, bias, z
+def _silu(v):
+    return v * sigmoid(v)
 
 
 def _silu_grad(v):
@@ -45,123 +87,189 @@ def _silu_grad(v):
     return s * (1.0 + v * (1.0 - s))
 
 
-def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
-                      has_z: bool = False, norm_before_gate: bool = True, x_dtype: str = "float32",
-                      weight_dtype: str = "float32") -> tirx.PrimFunc:
-    """x, z: (rows, hidden); weight, bias: (hidden,) -> out: (rows, hidden), rstd: (rows, hidden/group_size) f32.
+def _maybe(cond: bool, shape: tuple, dtype: str, name: str, full: tuple):
+    return te.placeholder(full if cond else shape, dtype, name=name)
 
-    out = u * rstd * weight (+ bias) (* silu(z) if norm_before_gate), u = x (* silu(z) if not norm_before_gate).
+
+def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
+                      has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
+                      has_residual: bool = False, store_residual: bool = False, x_dtype: str = "float32",
+                      weight_dtype: str = "float32", residual_dtype: str | None = None,
+                      residual_out_dtype: str | None = None) -> tirx.PrimFunc:
+    """x, z: (rows, hidden); residual: (rows, hidden); weight, bias: (hidden,) -> out: (rows, hidden) in x's
+    dtype, residual_out: (rows, hidden), mean, rstd: (rows, hidden/group_size) float32.
+
+    s = x (+ residual); u = s (* silu(z) if not norm_before_gate);
+    out = (u - mean_g(u)) * rstd_g(u) * weight (+ bias) (* silu(z) if norm_before_gate); residual_out = s.
     """
-    _check(hidden, group_size)
-    check_dtype("x", x_dtype)
-    check_dtype("weight", weight_dtype)
-    gs, G = group_size, hidden // group_size
-    rows, x, weight, bias, z = _inputs(hidden, has_bias, has_z, x_dtype, weight_dtype)
-    gate_in = has_z and not norm_before_gate
-    gate_out = has_z and norm_before_gate
+    d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm, has_residual,
+                 store_residual)
+    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("residual", residual_dtype or x_dtype),
+                     ("residual_out", residual_out_dtype or x_dtype)):
+        check_dtype(name, dt)
+    res_dt, rout_dt = residual_dtype or x_dtype, residual_out_dtype or x_dtype
+    gs, G = group_size, d.ngroups
+    rows = te.var("rows")
+    full = (rows, hidden)
+    x = te.placeholder(full, x_dtype, name="x")
+    weight = te.placeholder((hidden,), weight_dtype, name="weight")
+    bias = _maybe(has_bias, (1,), weight_dtype, "bias", (hidden,))
+    z = _maybe(has_z, (1, 1), x_dtype, "z", full)
+    residual = _maybe(has_residual, (1, 1), res_dt, "residual", full)
+
+    def s(r, h):
+        return f32(x[r, h]) + f32(residual[r, h]) if has_residual else f32(x[r, h])
 
     def u(r, h):
-        v = f32(x[r, h])
-        return v * (f32(z[r, h]) * sigmoid(f32(z[r, h]))) if gate_in else v
+        return s(r, h) * _silu(f32(z[r, h])) if d.gate_in else s(r, h)
 
-    # The sum of squares is accumulated in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and
-    # out garbage), while the square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny
-    # |u| (1e-30: u^2 = 1e-60) does not underflow either. rstd = 1/rms itself is representable in float32
-    # for every finite u (subnormal once rms > 8.5e37). One widening and one float64 FMA per element.
-    k = te.reduce_axis((0, gs), name="group_size")
-    ss = te.compute((rows, G), lambda r, g: te.sum(_f64(u(r, g * gs + k)) * _f64(u(r, g * gs + k)), axis=k),
-                    name="sumsq")
-    rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
+    # Reductions in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and out garbage), while
+    # the square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny |u| (1e-30: u^2 =
+    # 1e-60) does not underflow either. LayerNorm centres with the float64 mean before squaring (two passes
+    # over the group, no E[u^2] - mean^2 cancellation).
+    def red(fn, name):
+        k = te.reduce_axis((0, gs), name="group_size")
+        return te.compute((rows, G), lambda r, g: te.sum(fn(r, g * gs + k, g), axis=k), name=name)
+
+    if is_rms_norm:
+        ss = red(lambda r, h, g: _f64(u(r, h)) * _f64(u(r, h)), "sumsq")
+        rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
+        mean = te.placeholder((1, 1), "float32", name="mean")
+        centre = None
+    else:
+        s1 = red(lambda r, h, g: _f64(u(r, h)), "sum")
+        ss = red(lambda r, h, g: (_f64(u(r, h)) - s1[r, g] * (1.0 / gs)) * (_f64(u(r, h)) - s1[r, g] * (1.0 / gs)),
+                 "sumsq")
+        # one two-output compute ("stats_v0" = mean, "stats_v1" = rstd): both read the group's reductions in
+        # one loop nest, so a schedule computes them once under the (row, group) loop
+        mean, rstd = te.compute((rows, G), lambda r, g: (f32(s1[r, g] * (1.0 / gs)),
+                                                         f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps))), name="stats")
+        centre = mean
 
     def finish(r, h):
-        y = u(r, h) * rstd[r, h // gs] * f32(weight[h])
+        xhat = u(r, h) - centre[r, h // gs] if centre is not None else u(r, h)
+        y = xhat * rstd[r, h // gs] * f32(weight[h])
         if has_bias:
             y = y + f32(bias[h])
-        if gate_out:
-            y = y * (f32(z[r, h]) * sigmoid(f32(z[r, h])))
+        if d.gate_out:
+            y = y * _silu(f32(z[r, h]))
         return y.astype(x_dtype)
 
-    out = te.compute((rows, hidden), finish, name="out")
-    func = te.create_prim_func([x, weight, bias, z, out, rstd])
-    static = dict(hidden=hidden, group_size=group_size, eps=eps, has_bias=has_bias, has_z=has_z,
-                  norm_before_gate=norm_before_gate, x_dtype=x_dtype, weight_dtype=weight_dtype)
-    return stamp(func, "rmsnorm_gated_fwd", static)
+    if store_residual:
+        # residual_out shares out's loop nest ("out_v0" = out, "out_v1" = residual_out): one pass over s
+        out, residual_out = te.compute(full, lambda r, h: (finish(r, h), s(r, h).astype(rout_dt)), name="out")
+    else:
+        out = te.compute(full, finish, name="out")
+        residual_out = te.placeholder((1, 1), rout_dt, name="residual_out")
+    func = te.create_prim_func([x, weight, bias, z, residual, out, residual_out, mean, rstd])
+    return stamp(func, "rmsnorm_gated_fwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
+                                                          residual_dtype=res_dt, residual_out_dtype=rout_dt))
+
+
+def _stamp_static(d: NormDims, **dtypes) -> dict:
+    return dict(dataclasses.asdict(d), **dtypes)
 
 
 def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
-                      has_z: bool = False, norm_before_gate: bool = True, x_dtype: str = "float32",
-                      weight_dtype: str = "float32") -> tirx.PrimFunc:
+                      has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
+                      has_dresidual: bool = False, store_dresidual: bool = False, x_dtype: str = "float32",
+                      weight_dtype: str = "float32", dout_dtype: str | None = None) -> tirx.PrimFunc:
     """Backward of :func:`rmsnorm_gated_fwd`.
 
-    Inputs as the forward plus dout: (rows, hidden) and the saved rstd: (rows, ngroups) f32. Outputs dx, dz:
-    (rows, hidden), dweight, dbias: (hidden,), and partial: (nparts, 2, hidden) f32, the first stage of the
-    deterministic two-stage weight/bias reduction (part p sums rows [p*chunk, (p+1)*chunk), chunk =
-    ceil(rows/nparts); the second stage sums the parts in order).
+    Inputs: x: (rows, hidden), the forward's s (its x, or the stored residual_out) in x_dtype; weight, bias, z;
+    dout: (rows, hidden) in dout_dtype (the forward's x dtype); the saved mean (LayerNorm) and rstd: (rows,
+    ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out. Outputs: dx, dz: (rows,
+    hidden) dout_dtype; dweight, dbias: (hidden,); dresidual_in: (rows, hidden) x_dtype (= dx, in residual's
+    dtype); partial: (nparts, 2, hidden) f32, the first stage of the deterministic two-stage weight/bias
+    reduction (part p sums rows [p*chunk, (p+1)*chunk), chunk = ceil(rows/nparts); the second stage sums the
+    parts in order).
 
-    With xhat = u*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight,
-    c = mean_group(dxhat*xhat): du = rstd*(dxhat - xhat*c); dx = du (* silu(z) if gating before the norm);
-    dz = dout*y*silu'(z) (norm_before_gate) or du*x*silu'(z); dweight = sum_rows dy*xhat; dbias = sum_rows dy.
+    With xhat = (u - mean)*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight,
+    c1 = mean_group(dxhat*xhat), c2 = mean_group(dxhat) (LayerNorm; 0 for RMSNorm):
+    du = rstd*(dxhat - xhat*c1 - c2); ds = du (* silu(z) if gating before the norm) (+ dresidual); dx = ds;
+    dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dweight = sum_rows dy*xhat; dbias = sum_rows dy.
     """
-    _check(hidden, group_size)
-    check_dtype("x", x_dtype)
-    check_dtype("weight", weight_dtype)
-    gs, G = group_size, hidden // group_size
-    rows, x, weight, bias, z = _inputs(hidden, has_bias, has_z, x_dtype, weight_dtype)
-    dout = te.placeholder((rows, hidden), x_dtype, name="dout")
+    d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm,
+                 has_dresidual=has_dresidual, store_dresidual=store_dresidual)
+    dout_dtype = dout_dtype or x_dtype
+    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("dout", dout_dtype)):
+        check_dtype(name, dt)
+    gs, G = group_size, d.ngroups
+    rows = te.var("rows")
+    full = (rows, hidden)
+    x = te.placeholder(full, x_dtype, name="x")
+    weight = te.placeholder((hidden,), weight_dtype, name="weight")
+    bias = _maybe(has_bias, (1,), weight_dtype, "bias", (hidden,))
+    z = _maybe(has_z, (1, 1), dout_dtype, "z", full)
+    dout = te.placeholder(full, dout_dtype, name="dout")
+    mean = _maybe(not is_rms_norm, (1, 1), "float32", "mean", (rows, G))
     rstd = te.placeholder((rows, G), "float32", name="rstd")
+    dres = _maybe(has_dresidual, (1, 1), x_dtype, "dresidual", full)
     nparts = te.var("nparts")
-    gate_in = has_z and not norm_before_gate
-    gate_out = has_z and norm_before_gate
 
     def zf(r, h):
         return f32(z[r, h])
 
     def u(r, h):
-        v = f32(x[r, h])
-        return v * (zf(r, h) * sigmoid(zf(r, h))) if gate_in else v
+        return f32(x[r, h]) * _silu(zf(r, h)) if d.gate_in else f32(x[r, h])
 
     def xhat(r, h):
-        return u(r, h) * rstd[r, h // gs]
+        c = u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]
+        return c * rstd[r, h // gs]
 
     def dy(r, h):
-        d = f32(dout[r, h])
-        return d * (zf(r, h) * sigmoid(zf(r, h))) if gate_out else d
+        v = f32(dout[r, h])
+        return v * _silu(zf(r, h)) if d.gate_out else v
 
     def dxhat(r, h):
         return dy(r, h) * f32(weight[h])
 
-    k = te.reduce_axis((0, gs), name="group_size")
-    c = te.compute((rows, G), lambda r, g: te.sum(dxhat(r, g * gs + k) * xhat(r, g * gs + k), axis=k),
-                   name="dot")
+    def red(fn, name):
+        k = te.reduce_axis((0, gs), name="group_size")
+        return te.compute((rows, G), lambda r, g: te.sum(fn(r, g * gs + k), axis=k), name=name)
+
+    c1 = red(lambda r, h: dxhat(r, h) * xhat(r, h), "dot")
+    c2 = None if is_rms_norm else red(dxhat, "dysum")
 
     def du(r, h):
-        return rstd[r, h // gs] * (dxhat(r, h) - xhat(r, h) * c[r, h // gs] * (1.0 / gs))
+        v = dxhat(r, h) - xhat(r, h) * c1[r, h // gs] * (1.0 / gs)
+        if c2 is not None:
+            v = v - c2[r, h // gs] * (1.0 / gs)
+        return rstd[r, h // gs] * v
 
-    def dx_val(r, h):
-        v = du(r, h)
-        return (v * (zf(r, h) * sigmoid(zf(r, h))) if gate_in else v).astype(x_dtype)
+    def ds(r, h):
+        v = du(r, h) * _silu(zf(r, h)) if d.gate_in else du(r, h)
+        return v + f32(dres[r, h]) if has_dresidual else v
 
+    def dz_val(r, h):
+        if norm_before_gate:
+            y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
+            v = f32(dout[r, h]) * y * _silu_grad(zf(r, h))
+        else:
+            v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
+        return v.astype(dout_dtype)
+
+    # dx, dz and dresidual_in as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then dz, then
+    # dresidual_in) sharing the (rows, hidden) loop nest, so a schedule computes the row's reductions once
+    # under the row loop for all of them; a lone dx is the block "dx".
+    vals = [lambda r, h: ds(r, h).astype(dout_dtype)]
     if has_z:
-        def dz_val(r, h):
-            if norm_before_gate:
-                y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
-                v = f32(dout[r, h]) * y * _silu_grad(zf(r, h))
-            else:
-                v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
-            return v.astype(x_dtype)
-
-        # one two-output compute: blocks "dxdz_v0" (dx) and "dxdz_v1" (dz) share the (rows, hidden) loop
-        # nest, so a schedule can compute the row's reduction once under the row loop for both
-        dx, dz = te.compute((rows, hidden), lambda r, h: (dx_val(r, h), dz_val(r, h)), name="dxdz")
+        vals.append(dz_val)
+    if store_dresidual:
+        vals.append(lambda r, h: ds(r, h).astype(x_dtype))
+    if len(vals) == 1:
+        outs = [te.compute(full, vals[0], name="dx")]
     else:
-        dx = te.compute((rows, hidden), dx_val, name="dx")
-        dz = te.compute((1, 1), lambda i, j: tirx.const(0, x_dtype), name="dz")
+        outs = list(te.compute(full, lambda r, h: tuple(f(r, h) for f in vals), name="dxdz"))
+    dx = outs.pop(0)
+    dz = outs.pop(0) if has_z else te.placeholder((1, 1), dout_dtype, name="dz")
+    dres_in = outs.pop(0) if store_dresidual else te.placeholder((1, 1), x_dtype, name="dresidual_in")
     chunk = tirx.indexdiv(rows + nparts - 1, nparts)
     j = te.reduce_axis((0, chunk), name="chunk")
 
-    def part(p, s, h):
+    def part(p, sel, h):
         r = tirx.min(p * chunk + j, rows - 1)
-        val = tirx.if_then_else(s == 0, dy(r, h) * xhat(r, h), dy(r, h))
+        val = tirx.if_then_else(sel == 0, dy(r, h) * xhat(r, h), dy(r, h))
         # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead.
         return te.sum(tirx.if_then_else(p * chunk + j < rows, val, tirx.const(0.0, "float32")), axis=j)
 
@@ -174,16 +282,18 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
         db_acc = te.compute((hidden,), lambda h: te.sum(partial[pb, 1, h], axis=pb), name="dbias_acc")
         dbias = te.compute((hidden,), lambda h: db_acc[h].astype(weight_dtype), name="dbias")
     else:
-        dbias = te.compute((1,), lambda h: tirx.const(0, weight_dtype), name="dbias")
-    func = te.create_prim_func([x, weight, bias, z, dout, rstd, dx, dz, dweight, dbias, partial])
-    static = dict(hidden=hidden, group_size=group_size, eps=eps, has_bias=has_bias, has_z=has_z,
-                  norm_before_gate=norm_before_gate, x_dtype=x_dtype, weight_dtype=weight_dtype)
-    return stamp(func, "rmsnorm_gated_bwd", static)
+        dbias = te.placeholder((1,), weight_dtype, name="dbias")
+    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, dx, dz, dweight, dbias, dres_in,
+                                partial])
+    return stamp(func, "rmsnorm_gated_bwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
+                                                          dout_dtype=dout_dtype))
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static_dims, dtypes) compiled by the CUDA build-check: Mamba-2 2.7B's gated norm
-    (hidden 5120, groups of 5120/8), both gate orders, bf16 activations with fp32 weights."""
+    (hidden 5120, groups of 5120/8), both gate orders, bf16 activations with fp32 weights; the gated
+    LayerNorm; and the fused residual-add norm of mixer_seq_simple's Block (prenorm, residual in fp32, RMSNorm
+    and LayerNorm with bias)."""
     out = []
     for direction in ("fwd", "bwd"):
         for nbg in (True, False):
@@ -191,6 +301,14 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             out.append((direction, static, dict(x="bfloat16", weight="float32")))
         out.append((direction, dict(hidden=2048, group_size=2048, eps=1e-5, has_bias=True, has_z=False,
                                     norm_before_gate=True), dict(x="float32", weight="float32")))
+        out.append((direction, NormDims(2048, 256, 1e-5, True, True, False, is_rms_norm=False).static(),
+                    dict(x="bfloat16", weight="float32")))
+    for rms in (True, False):
+        fwd = NormDims(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_residual=True, store_residual=True)
+        out.append(("fwd", fwd.static(), dict(x="bfloat16", weight="float32", residual="float32",
+                                              residual_out="float32")))
+        bwd = NormDims(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_dresidual=True, store_dresidual=True)
+        out.append(("bwd", bwd.static(), dict(x="float32", weight="float32", dout="bfloat16")))
     return out
 
 
