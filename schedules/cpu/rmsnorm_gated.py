@@ -1,9 +1,11 @@
-"""CPU rule for gated RMSNorm: hand-written loop nests (parallel over rows, vectorized over hidden).
+"""CPU rule for the norm kernels (gated RMSNorm / LayerNorm, fused residual-add norm): hand-written loop
+nests (parallel over rows, vectorized over hidden).
 
 Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated.py). Hidden and group_size are static,
 so every vectorized loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1
 dividing group_size. Sums of squares are float64 (as in the TE compute: no overflow for any float32 input),
-one partial sum per vector lane (field guide §10), added horizontally once per group. SiLU uses the
+one partial sum per vector lane (field guide §10), added horizontally once per group; LayerNorm makes one more pass over the group (the float64 mean first,
+then the centred squares; the group is in L1 by then). SiLU uses the
 vectorizable exp of compute/_math.py (llvm.exp is scalarized).
 
 Backward: rows are split into ``nparts`` contiguous parts (nparts = the partial buffer's first dim, chosen
@@ -14,9 +16,12 @@ Knobs: ``vector`` (lane count, default the largest dividing group_size).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from tvm.script import tirx as T
 
 from tvm_mamba.compute import _math
+from tvm_mamba.compute.rmsnorm_gated import NormDims
 from tvm_mamba.schedules import rule
 
 KERNELS = ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")
@@ -32,35 +37,55 @@ def _f64(v):
     return v.astype("float64")
 
 
-def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
-    G, NV = hidden // gs, gs // V
-    gate_in, gate_out = has_z and not nbg, has_z and nbg
+def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
+    hidden, gs, eps, G, NV = d.hidden, d.group_size, d.eps, d.ngroups, d.group_size // V
+    has_bias, has_res, store_res, rms = d.has_bias, d.has_residual, d.store_residual, d.is_rms_norm
     inv_gs = 1.0 / gs
 
-    def u(x, z, r, h):
+    def s(x, res, r, h):
         v = _f32(x[r, h])
-        return v * _math.silu(_f32(z[r, h])) if gate_in else v
+        return v + _f32(res[r, h]) if has_res else v
 
-    def y(x, w, b, z, rs, r, h):
-        v = u(x, z, r, h) * rs * _f32(w[h])
+    def u(x, z, res, r, h):
+        v = s(x, res, r, h)
+        return v * _math.silu(_f32(z[r, h])) if d.gate_in else v
+
+    def y(x, w, b, z, res, mu, rs, r, h):
+        c = u(x, z, res, r, h)
+        v = (c if rms else c - mu) * rs * _f32(w[h])
         if has_bias:
             v = v + _f32(b[h])
-        if gate_out:
+        if d.gate_out:
             v = v * _math.silu(_f32(z[r, h]))
         return v.astype(x_dtype)
 
     @T.macro
-    def row(x, w, b, z, out, rstd, r):
-        # float64 sum of squares, as the TE compute (u^2 overflows float32 above |u| ~ 1.8e19)
+    def row(x, w, b, z, res, out, rout, mean, rstd, r):
+        # float64 reductions, as the TE compute (u^2 overflows float32 above |u| ~ 1.8e19); LayerNorm
+        # centres with the float64 group mean before squaring (a second pass over the group, in L1)
         acc = T.alloc_buffer((V,), "float64")
         tot = T.alloc_buffer((1,), "float64")
+        mu = T.alloc_buffer((1,), "float64")
         rs = T.alloc_buffer((1,), "float32")
         for g in range(G):
+            mu[0] = T.float64(0)
+            if not rms:
+                for i in T.vectorized(V):
+                    acc[i] = T.float64(0)
+                for j in range(NV):
+                    for i in T.vectorized(V):
+                        acc[i] = acc[i] + _f64(u(x, z, res, r, g * gs + j * V + i))
+                tot[0] = T.float64(0)
+                for i in range(V):
+                    tot[0] = tot[0] + acc[i]
+                mu[0] = tot[0] * T.float64(inv_gs)
+                mean[r, g] = mu[0].astype("float32")
             for i in T.vectorized(V):
                 acc[i] = T.float64(0)
             for j in range(NV):
                 for i in T.vectorized(V):
-                    acc[i] = acc[i] + _f64(u(x, z, r, g * gs + j * V + i)) * _f64(u(x, z, r, g * gs + j * V + i))
+                    acc[i] = acc[i] + (_f64(u(x, z, res, r, g * gs + j * V + i)) - mu[0]) * \
+                        (_f64(u(x, z, res, r, g * gs + j * V + i)) - mu[0])
             tot[0] = T.float64(0)
             for i in range(V):
                 tot[0] = tot[0] + acc[i]
@@ -68,83 +93,94 @@ def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
             rstd[r, g] = rs[0]
             for j in range(NV):
                 for i in T.vectorized(V):
-                    out[r, g * gs + j * V + i] = y(x, w, b, z, rs[0], r, g * gs + j * V + i)
+                    out[r, g * gs + j * V + i] = y(x, w, b, z, res, mu[0].astype("float32"), rs[0], r,
+                                                   g * gs + j * V + i)
+                    if store_res:
+                        rout[r, g * gs + j * V + i] = s(x, res, r, g * gs + j * V + i).astype(rout_dtype)
 
     @T.prim_func
-    def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, o_h: T.handle,
-                          r_h: T.handle):
+    def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, res_h: T.handle,
+                          o_h: T.handle, ro_h: T.handle, m_h: T.handle, r_h: T.handle):
         T.func_attr({"global_symbol": "rmsnorm_gated_fwd", "tirx.noalias": True})
         rows = T.int32()
         x = T.match_buffer(x_h, (rows, hidden), x_dtype)
         w = T.match_buffer(w_h, (hidden,), w_dtype)
         b = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
-        z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), x_dtype)
+        z = T.match_buffer(z_h, (rows, hidden) if d.has_z else (1, 1), x_dtype)
+        res = T.match_buffer(res_h, (rows, hidden) if has_res else (1, 1), res_dtype)
         out = T.match_buffer(o_h, (rows, hidden), x_dtype)
+        rout = T.match_buffer(ro_h, (rows, hidden) if store_res else (1, 1), rout_dtype)
+        mean = T.match_buffer(m_h, (1, 1) if rms else (rows, G), "float32")
         rstd = T.match_buffer(r_h, (rows, G), "float32")
         if rows * hidden <= rule.SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
             for r in T.serial(rows):
-                row(x, w, b, z, out, rstd, r)
+                row(x, w, b, z, res, out, rout, mean, rstd, r)
         else:
             for r in T.parallel(rows):
-                row(x, w, b, z, out, rstd, r)
+                row(x, w, b, z, res, out, rout, mean, rstd, r)
 
     return rmsnorm_gated_fwd
 
 
-def _bwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
-    G, NV, HV = hidden // gs, gs // V, hidden // V
-    gate_in, gate_out = has_z and not nbg, has_z and nbg
+def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
+    hidden, gs, G, NV, HV = d.hidden, d.group_size, d.ngroups, d.group_size // V, d.hidden // V
+    has_bias, has_z, nbg, rms = d.has_bias, d.has_z, d.norm_before_gate, d.is_rms_norm
+    has_dres, store_dres = d.has_dresidual, d.store_dresidual
     inv_gs = 1.0 / gs
 
     def zf(z, r, h):
         return _f32(z[r, h])
 
-    def xhat(x, z, rs, r, h):
+    def xhat(x, z, mu, rs, r, h):
         v = _f32(x[r, h])
-        return (v * _math.silu(zf(z, r, h)) if gate_in else v) * rs
+        v = v * _math.silu(zf(z, r, h)) if d.gate_in else v
+        return (v if rms else v - mu) * rs
 
-    def dy(d, z, r, h):
-        v = _f32(d[r, h])
-        return v * _math.silu(zf(z, r, h)) if gate_out else v
+    def dy(dd, z, r, h):
+        v = _f32(dd[r, h])
+        return v * _math.silu(zf(z, r, h)) if d.gate_out else v
 
-    def du(x, w, z, d, rs, c, r, h):
-        return rs * (dy(d, z, r, h) * _f32(w[h]) - xhat(x, z, rs, r, h) * c)
+    def du(x, w, z, dd, mu, rs, c1, c2, r, h):
+        v = dy(dd, z, r, h) * _f32(w[h]) - xhat(x, z, mu, rs, r, h) * c1
+        return rs * (v if rms else v - c2)
 
-    def dx_val(x, w, z, d, rs, c, r, h):
-        v = du(x, w, z, d, rs, c, r, h)
-        return (v * _math.silu(zf(z, r, h)) if gate_in else v).astype(x_dtype)
+    def ds(x, w, z, dd, dr, mu, rs, c1, c2, r, h):
+        v = du(x, w, z, dd, mu, rs, c1, c2, r, h)
+        v = v * _math.silu(zf(z, r, h)) if d.gate_in else v
+        return v + _f32(dr[r, h]) if has_dres else v
 
-    def dz_val(x, w, b, z, d, rs, c, r, h):
-        if not has_z:
-            return T.float32(0).astype(x_dtype)
+    def dz_val(x, w, b, z, dd, mu, rs, c1, c2, r, h):
         if nbg:
-            yv = xhat(x, z, rs, r, h) * _f32(w[h]) + (_f32(b[h]) if has_bias else T.float32(0))
-            v = _f32(d[r, h]) * yv * _math.silu_grad(zf(z, r, h))
+            yv = xhat(x, z, mu, rs, r, h) * _f32(w[h]) + (_f32(b[h]) if has_bias else T.float32(0))
+            v = _f32(dd[r, h]) * yv * _math.silu_grad(zf(z, r, h))
         else:
-            v = du(x, w, z, d, rs, c, r, h) * _f32(x[r, h]) * _math.silu_grad(zf(z, r, h))
-        return v.astype(x_dtype)
+            v = du(x, w, z, dd, mu, rs, c1, c2, r, h) * _f32(x[r, h]) * _math.silu_grad(zf(z, r, h))
+        return v.astype(dout_dtype)
 
     @T.prim_func
     def rmsnorm_gated_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, d_h: T.handle,
-                          r_h: T.handle, dx_h: T.handle, dz_h: T.handle, dw_h: T.handle, db_h: T.handle,
-                          p_h: T.handle):
+                          m_h: T.handle, r_h: T.handle, dr_h: T.handle, dx_h: T.handle, dz_h: T.handle,
+                          dw_h: T.handle, db_h: T.handle, dri_h: T.handle, p_h: T.handle):
         T.func_attr({"global_symbol": "rmsnorm_gated_bwd", "tirx.noalias": True})
         rows = T.int32()
         nparts = T.int32()
         x = T.match_buffer(x_h, (rows, hidden), x_dtype)
         w = T.match_buffer(w_h, (hidden,), w_dtype)
         b = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
-        z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), x_dtype)
-        d = T.match_buffer(d_h, (rows, hidden), x_dtype)
+        z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), dout_dtype)
+        dd = T.match_buffer(d_h, (rows, hidden), dout_dtype)
+        mean = T.match_buffer(m_h, (1, 1) if rms else (rows, G), "float32")
         rstd = T.match_buffer(r_h, (rows, G), "float32")
-        dx = T.match_buffer(dx_h, (rows, hidden), x_dtype)
-        dz = T.match_buffer(dz_h, (rows, hidden) if has_z else (1, 1), x_dtype)
+        dr = T.match_buffer(dr_h, (rows, hidden) if has_dres else (1, 1), x_dtype)
+        dx = T.match_buffer(dx_h, (rows, hidden), dout_dtype)
+        dz = T.match_buffer(dz_h, (rows, hidden) if has_z else (1, 1), dout_dtype)
         dw = T.match_buffer(dw_h, (hidden,), w_dtype)
         db = T.match_buffer(db_h, (hidden,) if has_bias else (1,), w_dtype)
+        dri = T.match_buffer(dri_h, (rows, hidden) if store_dres else (1, 1), x_dtype)
         part = T.match_buffer(p_h, (nparts, 2, hidden), "float32")
         for p in T.parallel(nparts):
-            acc = T.alloc_buffer((V,), "float32")
-            tot = T.alloc_buffer((1,), "float32")
+            acc = T.alloc_buffer((2, V), "float32")
+            tot = T.alloc_buffer((2,), "float32")
             for j in range(HV):
                 for i in T.vectorized(V):
                     part[p, 0, j * V + i] = T.float32(0)
@@ -154,24 +190,33 @@ def _bwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
                 r = T.meta_var(p * chunk + q)
                 for g in range(G):
                     rs = T.meta_var(rstd[r, g])
+                    mu = T.meta_var(T.float32(0) if rms else mean[r, g])
                     for i in T.vectorized(V):
-                        acc[i] = T.float32(0)
+                        acc[0, i] = T.float32(0)
+                        acc[1, i] = T.float32(0)
                     for j in range(NV):
                         for i in T.vectorized(V):
                             h = T.meta_var(g * gs + j * V + i)
-                            acc[i] = acc[i] + dy(d, z, r, h) * _f32(w[h]) * xhat(x, z, rs, r, h)
+                            acc[0, i] = acc[0, i] + dy(dd, z, r, h) * _f32(w[h]) * xhat(x, z, mu, rs, r, h)
+                            if not rms:
+                                acc[1, i] = acc[1, i] + dy(dd, z, r, h) * _f32(w[h])
                     tot[0] = T.float32(0)
+                    tot[1] = T.float32(0)
                     for i in range(V):
-                        tot[0] = tot[0] + acc[i]
+                        tot[0] = tot[0] + acc[0, i]
+                        tot[1] = tot[1] + acc[1, i]
                     tot[0] = tot[0] * T.float32(inv_gs)
+                    tot[1] = tot[1] * T.float32(inv_gs)
                     for j in range(NV):
                         for i in T.vectorized(V):
                             h = T.meta_var(g * gs + j * V + i)
-                            dx[r, h] = dx_val(x, w, z, d, rs, tot[0], r, h)
+                            dx[r, h] = ds(x, w, z, dd, dr, mu, rs, tot[0], tot[1], r, h).astype(dout_dtype)
                             if has_z:
-                                dz[r, h] = dz_val(x, w, b, z, d, rs, tot[0], r, h)
-                            part[p, 0, h] = part[p, 0, h] + dy(d, z, r, h) * xhat(x, z, rs, r, h)
-                            part[p, 1, h] = part[p, 1, h] + dy(d, z, r, h)
+                                dz[r, h] = dz_val(x, w, b, z, dd, mu, rs, tot[0], tot[1], r, h)
+                            if store_dres:
+                                dri[r, h] = ds(x, w, z, dd, dr, mu, rs, tot[0], tot[1], r, h).astype(x_dtype)
+                            part[p, 0, h] = part[p, 0, h] + dy(dd, z, r, h) * xhat(x, z, mu, rs, r, h)
+                            part[p, 1, h] = part[p, 1, h] + dy(dd, z, r, h)
         for j in T.parallel(HV):
             a2 = T.alloc_buffer((2, V), "float32")
             for i in T.vectorized(V):
@@ -197,7 +242,9 @@ def apply(func, target, decisions: rule.Decisions):
     gs = st["group_size"]
     widths = tuple(v for v in (16, 8, 4, 2, 1) if gs % v == 0)
     V = decisions.pick("vector", widths, widths[0])
-    make = _fwd if name == "rmsnorm_gated_fwd" else _bwd
-    tmpl = make(st["hidden"], gs, st["eps"], st["has_bias"], st["has_z"], st["norm_before_gate"],
-                st["x_dtype"], st["weight_dtype"], V)
+    d = NormDims(**{f.name: st[f.name] for f in dataclasses.fields(NormDims) if f.name in st})
+    if name == "rmsnorm_gated_fwd":
+        tmpl = _fwd(d, st["x_dtype"], st["weight_dtype"], st["residual_dtype"], st["residual_out_dtype"], V)
+    else:
+        tmpl = _bwd(d, st["x_dtype"], st["weight_dtype"], st["dout_dtype"], V)
     return rule.schedule_of(tmpl, name=name)
