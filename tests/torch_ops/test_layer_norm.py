@@ -1,0 +1,211 @@
+"""layer_norm_fn / rms_norm_fn (the fused residual-add norm of mamba_ssm's layer_norm.py) and its RMSNorm module
+against the float64 reference written from the math: forward, residual_out, every gradient (including the
+residual's and the prenorm residual_out's), dtypes and return conventions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import assert_close_to_ref
+from tests.torch_ops.test_rmsnorm_gated import _ours, _upstream_param_names, _upstream_signature, _upstream_tree
+from tvm_mamba.modules.layer_norm import RMSNorm
+from tvm_mamba.reference.layer_norm import layer_norm_ref
+from tvm_mamba.torch_ops.layer_norm import layer_norm_fn, rms_norm_fn
+
+HIDDEN = 64
+
+
+def _inputs(shape, dtype, has_bias, res_dtype, seed=0, hidden=HIDDEN):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, hidden, generator=g) + 1.0).to(dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(hidden, generator=g)).requires_grad_()
+    b = (0.3 * torch.randn(hidden, generator=g)).requires_grad_() if has_bias else None
+    r = torch.randn(*shape, hidden, generator=g).to(res_dtype).requires_grad_() if res_dtype is not None else None
+    return x, w, b, r
+
+
+def _run(fn, x, w, b, r, douts, dtype=None, **kw):
+    """Forward (prenorm) + backward with cotangents for out and residual_out -> (out, residual_out, grads)."""
+    ins = [t.detach().to(dtype or t.dtype).requires_grad_() if t is not None else None for t in (x, w, b, r)]
+    out, rout = fn(ins[0], ins[1], ins[2], ins[3], prenorm=True, **kw)
+    torch.autograd.backward([out, rout], [douts[0].to(out.dtype), douts[1].to(rout.dtype)])
+    return [out, rout] + [t.grad for t in ins if t is not None]
+
+
+def _names(has_bias, has_res):
+    return ["out", "residual_out", "dx", "dweight"] + (["dbias"] if has_bias else []) + \
+        (["dresidual"] if has_res else [])
+
+
+CASES = [  # (is_rms_norm, has_bias, x dtype, residual dtype, residual_in_fp32)
+    (True, False, torch.float32, torch.float32, False),
+    (False, True, torch.float32, torch.float32, False),
+    (True, False, torch.float32, None, False),
+    (False, True, torch.float32, None, True),
+]
+
+
+@pytest.mark.parametrize("is_rms_norm,has_bias,xdt,rdt,fp32", CASES)
+def test_fp32_against_float64(is_rms_norm, has_bias, xdt, rdt, fp32):
+    x, w, b, r = _inputs((2, 3), xdt, has_bias, rdt, seed=1)
+    g = torch.Generator().manual_seed(2)
+    douts = (torch.randn(2, 3, HIDDEN, generator=g), torch.randn(2, 3, HIDDEN, generator=g))
+    kw = dict(eps=1e-5, is_rms_norm=is_rms_norm, residual_in_fp32=fp32)
+    got = _run(layer_norm_fn, x, w, b, r, douts, **kw)
+    ref = _run(layer_norm_ref, x, w, b, r, [d.double() for d in douts], dtype=torch.float64, **kw)
+    for name, gv, rv in zip(_names(has_bias, r is not None), got, ref):
+        assert_close_to_ref(gv, rv, name=name, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("is_rms_norm,rdt,fp32", [(True, torch.float32, False), (False, None, True),
+                                                   (True, torch.bfloat16, False)])
+def test_bf16_within_twice_reference_drift(is_rms_norm, rdt, fp32):
+    """Block's mixed-precision paths: bf16 hidden states with an fp32 residual (residual_in_fp32 after the
+    first layer) or a bf16 one; fp32 weights."""
+    x, w, b, r = _inputs((4, 8), torch.bfloat16, not is_rms_norm, rdt, seed=3)
+    g = torch.Generator().manual_seed(4)
+    douts = (torch.randn(4, 8, HIDDEN, generator=g), torch.randn(4, 8, HIDDEN, generator=g))
+    kw = dict(eps=1e-5, is_rms_norm=is_rms_norm, residual_in_fp32=fp32)
+    got = _run(layer_norm_fn, x, w, b, r, douts, **kw)
+    ref64 = _run(layer_norm_ref, *(t.detach().double() if t is not None else None for t in (x, w, b, r)),
+                 [d.double() for d in douts], **kw)
+    low = _run(layer_norm_ref, x, w, b, r, douts, **kw)  # the reference itself on the bf16 inputs
+    names = _names(b is not None, r is not None)
+    lows = dict(zip(names, low))
+    if rdt == torch.bfloat16:
+        # the backward recomputes xhat from the stored bf16 residual_out (upstream's choice, as its Triton
+        # kernel): the reference's own drift on that rounded input also bounds the gradients
+        again = _run(layer_norm_ref, low[1].detach(), w, b, None, douts, **kw)
+        for name, lo in zip(["dx", "dweight"] + (["dbias"] if b is not None else []), again[2:]):
+            for n in (name, "dresidual") if name == "dx" else (name,):
+                if (lo.double() - dict(zip(names, ref64))[n]).abs().max() > (lows[n].double() - dict(
+                        zip(names, ref64))[n]).abs().max():
+                    lows[n] = lo.to(lows[n].dtype)
+    for name, gv, rv in zip(names, got, ref64):
+        assert gv.dtype == lows[name].dtype, name
+        assert_close_to_ref(gv, rv, lows[name], name=name)
+
+
+def test_return_conventions_and_dtypes():
+    """prenorm returns (out, residual_out); residual_out's dtype is residual's, else float32 with
+    residual_in_fp32, else x's (then x itself, as upstream); residual_in_fp32 is ignored with a residual;
+    return_dropout_mask appends the (None, None) masks of dropout_p = 0."""
+    x = torch.randn(3, HIDDEN).bfloat16()
+    w = torch.ones(HIDDEN)
+    out = rms_norm_fn(x, w, None)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    out, rout = rms_norm_fn(x, w, None, prenorm=True)
+    assert rout is x
+    out, rout = rms_norm_fn(x, w, None, prenorm=True, residual_in_fp32=True)
+    assert rout.dtype == torch.float32 and torch.equal(rout, x.float())
+    res = torch.randn(3, HIDDEN).bfloat16()
+    out, rout = layer_norm_fn(x, w, None, residual=res, prenorm=True, residual_in_fp32=True)
+    assert rout.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+    assert torch.equal(rout, (x.float() + res.float()).bfloat16())
+    got = layer_norm_fn(x, w, None, residual=res, prenorm=True, return_dropout_mask=True)
+    assert len(got) == 4 and got[2] is None and got[3] is None
+    got = layer_norm_fn(x, w, None, return_dropout_mask=True)
+    assert len(got) == 3 and got[1] is None
+
+
+def test_block_chain_like_mixer_seq_simple():
+    """Upstream Block's fused_add_norm path over three layers (prenorm=True, residual_in_fp32, the first layer
+    without a residual), then MixerModel's final norm (prenorm=False): forward and the gradient of the
+    first hidden states against the float64 chain."""
+    g = torch.Generator().manual_seed(5)
+    h0 = torch.randn(2, 5, HIDDEN, generator=g).bfloat16().requires_grad_()
+    ws = [(1 + 0.3 * torch.randn(HIDDEN, generator=g)) for _ in range(4)]
+    mixers = [torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5 for _ in range(3)]
+
+    def chain(fn, h, dtype):
+        residual = None
+        for w, m in zip(ws, mixers):
+            h, residual = fn(h, w.to(dtype) if dtype == torch.float64 else w, None, residual=residual,
+                             prenorm=True, residual_in_fp32=True, eps=1e-5, is_rms_norm=True)
+            h = h @ m.to(h.dtype)
+        return fn(h, ws[3].to(dtype) if dtype == torch.float64 else ws[3], None, residual=residual,
+                  prenorm=False, residual_in_fp32=True, eps=1e-5, is_rms_norm=True)
+
+    out = chain(layer_norm_fn, h0, torch.float32)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    h64 = h0.detach().double().requires_grad_()
+    ref = chain(layer_norm_ref, h64, torch.float64)
+    ref.square().sum().backward()
+    lo = chain(layer_norm_ref, h0.detach(), torch.float32)
+    assert_close_to_ref(out, ref, lo, name="out")
+    torch.testing.assert_close(h0.grad.double(), h64.grad, atol=0.1 * h64.grad.abs().max().item(), rtol=0.05)
+
+
+@pytest.mark.filterwarnings("ignore:Input #")
+def test_gradcheck():
+    # float32 kernels (no float64 variant): finite differences with eps=1e-2 and float32-sized tolerances
+    x, w, b, r = _inputs((3,), torch.float32, True, torch.float32, seed=6)
+    for rms in (True, False):
+        def fn(x_, w_, b_, r_):
+            out, rout = layer_norm_fn(x_, w_, b_, residual=r_, eps=1e-5, prenorm=True, is_rms_norm=rms)
+            return out, rout * 0.5
+        assert torch.autograd.gradcheck(fn, (x, w, b, r), eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_module_state_dict_and_forward():
+    tree = _upstream_tree("layer_norm.py")
+    m = RMSNorm(HIDDEN, eps=1e-5)
+    assert list(m.state_dict()) == _upstream_param_names(tree, "RMSNorm") and m.bias is None
+    assert _ours(RMSNorm.__init__)[1:] == _upstream_signature(tree, "__init__", "RMSNorm")[0]
+    assert _ours(RMSNorm.forward)[1:] == _upstream_signature(tree, "forward", "RMSNorm")[0]
+    w = torch.randn(HIDDEN)
+    m.load_state_dict({"weight": w}, strict=True)
+    x, r = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)
+    out, rout = m(x, r, prenorm=True)
+    ref, rref = layer_norm_ref(x.double(), w.double(), None, r.double(), 1e-5, True, False, True)
+    assert_close_to_ref(out, ref, atol=2e-4)
+    assert_close_to_ref(rout, rref, atol=1e-6)
+    assert RMSNorm(HIDDEN, dropout_p=0.1).drop.p == 0.1  # kept as upstream's (parameter-free) drop module
+
+
+def test_signatures_match_upstream():
+    tree = _upstream_tree("layer_norm.py")
+    for fn in (layer_norm_fn, rms_norm_fn):
+        assert _ours(fn) == _upstream_signature(tree, fn.__name__)[0], fn.__name__
+
+
+@pytest.mark.parametrize("kwargs,exc,name", [
+    (dict(dropout_p=0.1), ValueError, "dropout_p"),
+    (dict(dropout_p=1.5), ValueError, "dropout_p"),
+    (dict(rowscale=torch.ones(2)), ValueError, "rowscale"),
+    (dict(x1=torch.randn(2, HIDDEN)), ValueError, "x1"),
+    (dict(weight1=torch.randn(HIDDEN)), ValueError, "weight1"),
+    (dict(bias1=torch.randn(HIDDEN)), ValueError, "bias1"),
+    (dict(residual=torch.randn(3, HIDDEN)), ValueError, "residual"),
+    (dict(residual=torch.randn(2, HIDDEN).double()), TypeError, "residual"),
+    (dict(x=torch.randn(2, HIDDEN).double()), TypeError, "x"),
+    (dict(weight=torch.randn(HIDDEN + 1)), ValueError, "weight"),
+    (dict(bias=torch.randn(HIDDEN + 1)), ValueError, "bias"),
+    (dict(eps=-1.0), ValueError, "eps"),
+])
+def test_bad_input_names_the_argument(kwargs, exc, name, monkeypatch):
+    from tvm_mamba.torch_ops import rmsnorm_gated as mod
+
+    def no_kernel(*a, **k):
+        raise AssertionError("a kernel ran before the arguments were validated")
+
+    monkeypatch.setattr(mod, "kernel_for", no_kernel)
+    args = dict(x=torch.randn(2, HIDDEN), weight=torch.randn(HIDDEN), bias=None)
+    args.update(kwargs)
+    with pytest.raises(exc, match=rf"^{name}:"):
+        layer_norm_fn(**args)
+
+
+def test_torch_compile_fullgraph():
+    x, w, b, r = (t.detach() for t in _inputs((2,), torch.float32, True, torch.float32, seed=7))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x_, r_):
+        out, rout = layer_norm_fn(x_, w, b, residual=r_, prenorm=True, residual_in_fp32=True)
+        return out * 2, rout
+
+    got, rout = f(x, r)
+    ref, rref = layer_norm_ref(x.double(), w.double(), b.double(), r.double(), 1e-6, True, True)
+    assert_close_to_ref(got, 2 * ref, atol=4e-4)
+    assert_close_to_ref(rout, rref, atol=1e-6)
