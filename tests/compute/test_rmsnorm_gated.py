@@ -1,14 +1,13 @@
-"""The TE definitions themselves (unscheduled, compiled for llvm) against the float64 references."""
+"""The TE definitions themselves (unscheduled, compiled for llvm) against the float64 references: the gated
+RMSNorm / LayerNorm and the fused residual-add norm (residual_out, the residual_out gradient, dresidual_in)."""
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
 import tvm
 
-from tvm_mamba.compute.rmsnorm_gated import build_check_configs, rmsnorm_gated_bwd, rmsnorm_gated_fwd
-from tvm_mamba.reference.rmsnorm_gated import rmsnorm_gated_ref
+from tvm_mamba.compute.rmsnorm_gated import NormDims, build_check_configs, rmsnorm_gated_bwd, rmsnorm_gated_fwd
+from tvm_mamba.reference.rmsnorm_gated import layernorm_gated_ref
 from tvm_mamba.runtime import cpu_target
 
 
@@ -16,28 +15,43 @@ def _build(func, name):
     return tvm.compile(tvm.IRModule({name: func}), target=cpu_target())[name]
 
 
-@pytest.mark.parametrize("has_bias,has_z,nbg", [(True, True, True), (False, True, False), (True, False, True)])
-def test_te_forward_backward(has_bias, has_z, nbg):
+@pytest.mark.parametrize("rms,has_bias,has_z,nbg,has_res", [
+    (True, True, True, True, False), (True, False, True, False, False), (True, True, False, True, False),
+    (False, True, True, True, False), (False, False, True, False, False), (False, True, False, True, True),
+    (True, False, False, True, True)])
+def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res):
     H, gs, rows = 32, 8, 7
-    fwd = _build(rmsnorm_gated_fwd(H, gs, 1e-5, has_bias, has_z, nbg), "rmsnorm_gated_fwd")
-    bwd = _build(rmsnorm_gated_bwd(H, gs, 1e-5, has_bias, has_z, nbg), "rmsnorm_gated_bwd")
+    fwd = _build(rmsnorm_gated_fwd(H, gs, 1e-5, has_bias, has_z, nbg, rms, has_res, has_res), "rmsnorm_gated_fwd")
+    bwd = _build(rmsnorm_gated_bwd(H, gs, 1e-5, has_bias, has_z, nbg, rms, has_res, has_res), "rmsnorm_gated_bwd")
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(rows, H, generator=g, dtype=torch.float64), torch.randn(H, generator=g, dtype=torch.float64)
-    b = torch.randn(H, generator=g, dtype=torch.float64) if has_bias else None
-    z = torch.randn(rows, H, generator=g, dtype=torch.float64) if has_z else None
-    ins = [t.requires_grad_() if t is not None else None for t in (x, w, b, z)]
-    ref = rmsnorm_gated_ref(*ins, 1e-5, gs, nbg)
-    d = torch.randn(rows, H, generator=g, dtype=torch.float64)
-    ref.backward(d)
-    f = lambda t: t.detach().float().contiguous()  # noqa: E731
-    bt, zt = (f(b) if has_bias else torch.zeros(1)), (f(z) if has_z else torch.zeros(1, 1))
-    out, rstd = torch.empty(rows, H), torch.empty(rows, H // gs)
-    fwd(f(x), f(w), bt, zt, out, rstd)
+
+    def r64(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) + 0.5
+
+    x, w = r64(rows, H).requires_grad_(), r64(H).requires_grad_()
+    b = r64(H).requires_grad_() if has_bias else None
+    z = r64(rows, H).requires_grad_() if has_z else None
+    res = r64(rows, H).requires_grad_() if has_res else None
+    s = x + res if has_res else x
+    ref = layernorm_gated_ref(s, w, b, z, 1e-5, gs, nbg, rms)
+    d, dr = r64(rows, H), r64(rows, H)
+    ((ref * d).sum() + ((s * dr).sum() if has_res else 0)).backward()
+
+    def f(t, ndim=2):
+        return t.detach().float().contiguous() if t is not None else torch.zeros((1,) * ndim)
+
+    out, rout = torch.empty(rows, H), torch.empty(rows, H) if has_res else torch.zeros(1, 1)
+    mean, rstd = torch.zeros(1, 1) if rms else torch.empty(rows, H // gs), torch.empty(rows, H // gs)
+    fwd(f(x), f(w), f(b, 1), f(z), f(res), out, rout, mean, rstd)
     torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    if has_res:
+        torch.testing.assert_close(rout.double(), s.detach(), atol=1e-5, rtol=1e-5)
     dx, dw = torch.empty(rows, H), torch.empty(H)
-    dz, db = (torch.empty(rows, H) if has_z else torch.empty(1, 1)), (torch.empty(H) if has_bias else torch.empty(1))
-    bwd(f(x), f(w), bt, zt, f(d), rstd, dx, dz, dw, db, torch.empty(3, 2, H))
-    for got, t in ((dx, x), (dw, w), (db, b), (dz, z)):
+    dz, db = (torch.empty(rows, H) if has_z else torch.zeros(1, 1)), (torch.empty(H) if has_bias else torch.zeros(1))
+    dri = torch.empty(rows, H) if has_res else torch.zeros(1, 1)
+    bwd(rout if has_res else f(x), f(w), f(b, 1), f(z), f(d), mean, rstd, f(dr if has_res else None), dx, dz, dw,
+        db, dri, torch.empty(3, 2, H))
+    for got, t in ((dx, x), (dw, w), (db, b), (dz, z), (dri, res)):
         if t is not None:
             torch.testing.assert_close(got.double(), t.grad, atol=1e-5, rtol=1e-5)
 
@@ -46,3 +60,10 @@ def test_te_rejects_bad_group_size():
     with pytest.raises(ValueError, match="group_size"):
         rmsnorm_gated_fwd(32, 5)
     assert all(d in ("fwd", "bwd") for d, _, _ in build_check_configs())
+
+
+def test_static_keeps_the_gated_rmsnorm_keys():
+    """Flags at their defaults stay out of the key (the plain gated RMSNorm's keys and tuning records are
+    unchanged); a set flag is in it."""
+    assert set(NormDims(64, 16).static()) == {"hidden", "group_size", "eps", "has_bias", "has_z", "norm_before_gate"}
+    assert NormDims(64, 64, is_rms_norm=False, has_residual=True).static()["has_residual"] is True
