@@ -59,6 +59,10 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
             v = v * _math.silu(_f32(z[r, h]))
         return v.astype(x_dtype)
 
+    def centred(x, z, res, mu, r, h):
+        v = _f64(u(x, z, res, r, h))
+        return v if rms else v - mu[0]
+
     @T.macro
     def row(x, w, b, z, res, out, rout, mean, rstd, r):
         # float64 reductions, as the TE compute (u^2 overflows float32 above |u| ~ 1.8e19); LayerNorm
@@ -84,8 +88,8 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
                 acc[i] = T.float64(0)
             for j in range(NV):
                 for i in T.vectorized(V):
-                    acc[i] = acc[i] + (_f64(u(x, z, res, r, g * gs + j * V + i)) - mu[0]) * \
-                        (_f64(u(x, z, res, r, g * gs + j * V + i)) - mu[0])
+                    acc[i] = acc[i] + centred(x, z, res, mu, r, g * gs + j * V + i) * \
+                        centred(x, z, res, mu, r, g * gs + j * V + i)
             tot[0] = T.float64(0)
             for i in range(V):
                 tot[0] = tot[0] + acc[i]
