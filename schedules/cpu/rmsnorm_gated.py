@@ -4,9 +4,9 @@ nests (parallel over rows, vectorized over hidden).
 Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated.py). Hidden and group_size are static,
 so every vectorized loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1
 dividing group_size. Sums of squares are float64 (as in the TE compute: no overflow for any float32 input),
-one partial sum per vector lane (field guide §10), added horizontally once per group; LayerNorm makes one more pass over the group (the float64 mean first,
-then the centred squares; the group is in L1 by then). SiLU uses the
-vectorizable exp of compute/_math.py (llvm.exp is scalarized).
+one partial sum per vector lane (field guide §10), added horizontally once per group; LayerNorm makes one
+more pass over the group (the float64 mean first, then the centred squares; the group is in L1 by then).
+SiLU uses the vectorizable exp of compute/_math.py (llvm.exp is scalarized).
 
 Backward: rows are split into ``nparts`` contiguous parts (nparts = the partial buffer's first dim, chosen
 by the torch op from the row count only, so results do not depend on the thread count); each part

@@ -38,7 +38,7 @@ def _fused(static: dict) -> bool:
     return static.get("has_residual", False) or static.get("has_dresidual", False)
 
 
-def _call(fn, t: dict, static: dict, kernel: bool = True):
+def _call(t: dict, static: dict, kernel: bool = True):
     """The configuration's public function (kernel) or its reference; the fused add-norm returns
     (out, residual_out)."""
     from ..reference.layer_norm import layer_norm_ref
@@ -69,9 +69,9 @@ def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
 
     t = _inputs(static, dtypes, gen)
     with recording() as keys, tvm_mamba.simulate_cuda(arch):
-        got = _outputs(_call(None, t, static))
+        got = _outputs(_call(t, static))
     ran(keys, OP, "fwd", static, dtypes)
-    ref = _outputs(_call(None, {k: v.double() for k, v in t.items()}, static, kernel=False))
+    ref = _outputs(_call({k: v.double() for k, v in t.items()}, static, kernel=False))
     for name, g in got.items():
         compare(name, g, ref[name], *tolerance(g.dtype))
 
@@ -85,11 +85,11 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
     leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
     refs = {k: v.double().requires_grad_() for k, v in t.items()}
     with recording() as keys, tvm_mamba.simulate_cuda(arch):
-        got = _outputs(_call(None, leaves, static))
+        got = _outputs(_call(leaves, static))
         douts = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in got.items()}
         torch.autograd.backward(list(got.values()), list(douts.values()))
     ran(keys, OP, "bwd", static, dtypes)
-    ref = _outputs(_call(None, refs, static, kernel=False))
+    ref = _outputs(_call(refs, static, kernel=False))
     torch.autograd.backward(list(ref.values()), [douts[k].double() for k in ref])
     for name, g in got.items():
         compare(name, g, ref[name], *tolerance(g.dtype))

@@ -71,8 +71,9 @@ def rmsnorm_gated_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
         dtypes["residual_out"] = TORCH_TO_TVM[rdt]
     kern = kernel_for(OP, "fwd", x.device, dtypes, d.static(), rows=rows)
     f32 = torch.float32
-    kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(z, x, x.dtype, 2), 
-         prepare(residual) if residual is not None else dummy(x.device, x.dtype, 2), out, rout if store else dummy(x.device, rdt, 2),
+    kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(z, x, x.dtype, 2),
+         prepare(residual) if residual is not None else dummy(x.device, x.dtype, 2), out,
+         rout if store else dummy(x.device, rdt, 2),
          dummy(x.device, f32, 2) if is_rms_norm else mean, rstd)
     return out, rout, mean, rstd
 
