@@ -15,14 +15,17 @@ def _build(func, name):
     return tvm.compile(tvm.IRModule({name: func}), target=cpu_target())[name]
 
 
-@pytest.mark.parametrize("rms,has_bias,has_z,nbg,has_res", [
-    (True, True, True, True, False), (True, False, True, False, False), (True, True, False, True, False),
-    (False, True, True, True, False), (False, False, True, False, False), (False, True, False, True, True),
-    (True, False, False, True, True)])
-def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res):
+@pytest.mark.parametrize("rms,has_bias,has_z,nbg,has_res,has_rs", [
+    (True, True, True, True, False, False), (True, False, True, False, False, False),
+    (True, True, False, True, False, False), (False, True, True, True, False, False),
+    (False, False, True, False, False, False), (False, True, False, True, True, False),
+    (True, False, False, True, True, True)])
+def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res, has_rs):
     H, gs, rows = 32, 8, 7
-    fwd = _build(rmsnorm_gated_fwd(H, gs, 1e-5, has_bias, has_z, nbg, rms, has_res, has_res), "rmsnorm_gated_fwd")
-    bwd = _build(rmsnorm_gated_bwd(H, gs, 1e-5, has_bias, has_z, nbg, rms, has_res, has_res), "rmsnorm_gated_bwd")
+    fwd = _build(rmsnorm_gated_fwd(H, gs, 1e-5, has_bias, has_z, nbg, rms, has_res, has_res, has_rs),
+                 "rmsnorm_gated_fwd")
+    bwd = _build(rmsnorm_gated_bwd(H, gs, 1e-5, has_bias, has_z, nbg, rms, has_res, has_res, has_rs),
+                 "rmsnorm_gated_bwd")
     g = torch.Generator().manual_seed(0)
 
     def r64(*shape):
@@ -32,7 +35,9 @@ def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res):
     b = r64(H).requires_grad_() if has_bias else None
     z = r64(rows, H).requires_grad_() if has_z else None
     res = r64(rows, H).requires_grad_() if has_res else None
-    s = x + res if has_res else x
+    rs = r64(rows) if has_rs else None
+    s = x * rs[:, None] if has_rs else x
+    s = s + res if has_res else s
     ref = layernorm_gated_ref(s, w, b, z, 1e-5, gs, nbg, rms)
     d, dr = r64(rows, H), r64(rows, H)
     ((ref * d).sum() + ((s * dr).sum() if has_res else 0)).backward()
@@ -42,15 +47,15 @@ def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res):
 
     out, rout = torch.empty(rows, H), torch.empty(rows, H) if has_res else torch.zeros(1, 1)
     mean, rstd = torch.zeros(1, 1) if rms else torch.empty(rows, H // gs), torch.empty(rows, H // gs)
-    fwd(f(x), f(w), f(b, 1), f(z), f(res), out, rout, mean, rstd)
+    fwd(f(x), f(w), f(b, 1), f(z), f(res), f(rs, 1), out, rout, mean, rstd)
     torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
     if has_res:
         torch.testing.assert_close(rout.double(), s.detach(), atol=1e-5, rtol=1e-5)
     dx, dw = torch.empty(rows, H), torch.empty(H)
     dz, db = (torch.empty(rows, H) if has_z else torch.zeros(1, 1)), (torch.empty(H) if has_bias else torch.zeros(1))
     dri = torch.empty(rows, H) if has_res else torch.zeros(1, 1)
-    bwd(rout if has_res else f(x), f(w), f(b, 1), f(z), f(d), mean, rstd, f(dr if has_res else None), dx, dz, dw,
-        db, dri, torch.empty(3, 2, H))
+    bwd(rout if has_res else f(x), f(w), f(b, 1), f(z), f(d), mean, rstd, f(dr if has_res else None),
+        f(rs, 1), dx, dz, dw, db, dri, torch.empty(3, 2, H))
     for got, t in ((dx, x), (dw, w), (db, b), (dz, z), (dri, res)):
         if t is not None:
             torch.testing.assert_close(got.double(), t.grad, atol=1e-5, rtol=1e-5)

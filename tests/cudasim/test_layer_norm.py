@@ -51,6 +51,19 @@ def test_bf16_with_fp32_residual(is_rms_norm):
         assert_close_to_ref(gv, rv, lo, name=name)
 
 
+def test_rowscale():
+    x, w, b, r = _cpu_inputs((5,), torch.float32, True, torch.float32, seed=6, hidden=HIDDEN)
+    rs = torch.rand(5, generator=torch.Generator().manual_seed(7)) + 0.5
+    g = torch.Generator().manual_seed(8)
+    douts = (torch.randn(5, HIDDEN, generator=g), torch.randn(5, HIDDEN, generator=g))
+    kw = dict(eps=1e-5, is_rms_norm=False)
+    got = _run(layer_norm_fn, x, w, b, r, douts, rowscale=rs, **kw)
+    ref = _run(layer_norm_ref, x, w, b, r, [d.double() for d in douts], dtype=torch.float64,
+               rowscale=rs.double(), **kw)
+    for name, gv, rv in zip(_names(True, True), got, ref):
+        assert_close_to_ref(gv, rv, name=name, atol=2e-4, rtol=1e-4)
+
+
 def test_module_prenorm():
     m = RMSNorm(HIDDEN, eps=1e-5)
     x, r = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)

@@ -86,6 +86,25 @@ def test_bf16_within_twice_reference_drift(is_rms_norm, rdt, fp32):
         assert_close_to_ref(gv, rv, lows[name], name=name)
 
 
+@pytest.mark.parametrize("is_rms_norm,rdt", [(True, torch.float32), (False, None)])
+def test_rowscale(is_rms_norm, rdt):
+    """rowscale: s = x * rowscale[row] (+ residual); dx = d s * rowscale, d residual = d s (written as its own
+    output); no gradient for rowscale itself (as upstream)."""
+    x, w, b, r = _inputs((2, 3), torch.float32, not is_rms_norm, rdt, seed=8)
+    rs = torch.rand(2, 3, generator=torch.Generator().manual_seed(9)) + 0.5
+    g = torch.Generator().manual_seed(10)
+    douts = (torch.randn(2, 3, HIDDEN, generator=g), torch.randn(2, 3, HIDDEN, generator=g))
+    kw = dict(eps=1e-5, is_rms_norm=is_rms_norm)
+    got = _run(layer_norm_fn, x, w, b, r, douts, rowscale=rs, **kw)
+    ref = _run(layer_norm_ref, x, w, b, r, [d.double() for d in douts], dtype=torch.float64,
+               rowscale=rs.double(), **kw)
+    for name, gv, rv in zip(_names(b is not None, r is not None), got, ref):
+        assert_close_to_ref(gv, rv, name=name, atol=2e-4, rtol=1e-4)
+    out = layer_norm_fn(x.detach(), w.detach(), None, rowscale=rs.reshape(-1), is_rms_norm=is_rms_norm)
+    assert_close_to_ref(out, layer_norm_ref(x.detach().double(), w.detach().double(), None, None, 1e-6,
+                                            is_rms_norm=is_rms_norm, rowscale=rs.double()), atol=2e-4)
+
+
 def test_return_conventions_and_dtypes():
     """prenorm returns (out, residual_out); residual_out's dtype is residual's, else float32 with
     residual_in_fp32, else x's (then x itself, as upstream); residual_in_fp32 is ignored with a residual;
@@ -173,7 +192,8 @@ def test_signatures_match_upstream():
 @pytest.mark.parametrize("kwargs,exc,name", [
     (dict(dropout_p=0.1), ValueError, "dropout_p"),
     (dict(dropout_p=1.5), ValueError, "dropout_p"),
-    (dict(rowscale=torch.ones(2)), ValueError, "rowscale"),
+    (dict(rowscale=torch.ones(3)), ValueError, "rowscale"),
+    (dict(rowscale=torch.ones(2).int()), TypeError, "rowscale"),
     (dict(x1=torch.randn(2, HIDDEN)), ValueError, "x1"),
     (dict(weight1=torch.randn(HIDDEN)), ValueError, "weight1"),
     (dict(bias1=torch.randn(HIDDEN)), ValueError, "bias1"),

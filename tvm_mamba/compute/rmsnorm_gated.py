@@ -43,6 +43,7 @@ class NormDims:
     store_residual: bool = False  # fwd: write residual_out = s (residual_out dtype)
     has_dresidual: bool = False  # bwd: the gradient of residual_out is added to ds
     store_dresidual: bool = False  # bwd: also write ds in x's (the saved residual_out's) dtype
+    has_rowscale: bool = False  # fwd: s = x * rowscale[row] (+ residual); bwd: dx = ds * rowscale[row]
 
     def __post_init__(self):
         if self.hidden < 1:
@@ -93,17 +94,17 @@ def _maybe(cond: bool, shape: tuple, dtype: str, name: str, full: tuple):
 
 def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
                       has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
-                      has_residual: bool = False, store_residual: bool = False, x_dtype: str = "float32",
-                      weight_dtype: str = "float32", residual_dtype: str | None = None,
+                      has_residual: bool = False, store_residual: bool = False, has_rowscale: bool = False,
+                      x_dtype: str = "float32", weight_dtype: str = "float32", residual_dtype: str | None = None,
                       residual_out_dtype: str | None = None) -> tirx.PrimFunc:
-    """x, z: (rows, hidden); residual: (rows, hidden); weight, bias: (hidden,) -> out: (rows, hidden) in x's
-    dtype, residual_out: (rows, hidden), mean, rstd: (rows, hidden/group_size) float32.
+    """x, z: (rows, hidden); residual: (rows, hidden); weight, bias: (hidden,); rowscale: (rows,) f32 -> out:
+    (rows, hidden) in x's dtype, residual_out: (rows, hidden), mean, rstd: (rows, hidden/group_size) float32.
 
-    s = x (+ residual); u = s (* silu(z) if not norm_before_gate);
+    s = x (* rowscale) (+ residual); u = s (* silu(z) if not norm_before_gate);
     out = (u - mean_g(u)) * rstd_g(u) * weight (+ bias) (* silu(z) if norm_before_gate); residual_out = s.
     """
     d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm, has_residual,
-                 store_residual)
+                 store_residual, has_rowscale=has_rowscale)
     for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("residual", residual_dtype or x_dtype),
                      ("residual_out", residual_out_dtype or x_dtype)):
         check_dtype(name, dt)
@@ -116,9 +117,11 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     bias = _maybe(has_bias, (1,), weight_dtype, "bias", (hidden,))
     z = _maybe(has_z, (1, 1), x_dtype, "z", full)
     residual = _maybe(has_residual, (1, 1), res_dt, "residual", full)
+    rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
 
     def s(r, h):
-        return f32(x[r, h]) + f32(residual[r, h]) if has_residual else f32(x[r, h])
+        v = f32(x[r, h]) * rowscale[r] if has_rowscale else f32(x[r, h])
+        return v + f32(residual[r, h]) if has_residual else v
 
     def u(r, h):
         return s(r, h) * _silu(f32(z[r, h])) if d.gate_in else s(r, h)
@@ -161,7 +164,7 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     else:
         out = te.compute(full, finish, name="out")
         residual_out = te.placeholder((1, 1), rout_dt, name="residual_out")
-    func = te.create_prim_func([x, weight, bias, z, residual, out, residual_out, mean, rstd])
+    func = te.create_prim_func([x, weight, bias, z, residual, rowscale, out, residual_out, mean, rstd])
     return stamp(func, "rmsnorm_gated_fwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
                                                           residual_dtype=res_dt, residual_out_dtype=rout_dt))
 
@@ -172,13 +175,15 @@ def _stamp_static(d: NormDims, **dtypes) -> dict:
 
 def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
                       has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
-                      has_dresidual: bool = False, store_dresidual: bool = False, x_dtype: str = "float32",
-                      weight_dtype: str = "float32", dout_dtype: str | None = None) -> tirx.PrimFunc:
+                      has_dresidual: bool = False, store_dresidual: bool = False, has_rowscale: bool = False,
+                      x_dtype: str = "float32", weight_dtype: str = "float32",
+                      dout_dtype: str | None = None) -> tirx.PrimFunc:
     """Backward of :func:`rmsnorm_gated_fwd`.
 
     Inputs: x: (rows, hidden), the forward's s (its x, or the stored residual_out) in x_dtype; weight, bias, z;
     dout: (rows, hidden) in dout_dtype (the forward's x dtype); the saved mean (LayerNorm) and rstd: (rows,
-    ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out. Outputs: dx, dz: (rows,
+    ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out; rowscale: (rows,) f32.
+    Outputs: dx, dz: (rows,
     hidden) dout_dtype; dweight, dbias: (hidden,); dresidual_in: (rows, hidden) x_dtype (= dx, in residual's
     dtype); partial: (nparts, 2, hidden) f32, the first stage of the deterministic two-stage weight/bias
     reduction (part p sums rows [p*chunk, (p+1)*chunk), chunk = ceil(rows/nparts); the second stage sums the
@@ -186,11 +191,11 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
 
     With xhat = (u - mean)*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight,
     c1 = mean_group(dxhat*xhat), c2 = mean_group(dxhat) (LayerNorm; 0 for RMSNorm):
-    du = rstd*(dxhat - xhat*c1 - c2); ds = du (* silu(z) if gating before the norm) (+ dresidual); dx = ds;
-    dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dweight = sum_rows dy*xhat; dbias = sum_rows dy.
+    du = rstd*(dxhat - xhat*c1 - c2); ds = du (* silu(z) if gating before the norm) (+ dresidual);
+    dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dx = ds (* rowscale); dweight = sum_rows dy*xhat; dbias = sum_rows dy.
     """
     d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm,
-                 has_dresidual=has_dresidual, store_dresidual=store_dresidual)
+                 has_dresidual=has_dresidual, store_dresidual=store_dresidual, has_rowscale=has_rowscale)
     dout_dtype = dout_dtype or x_dtype
     for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("dout", dout_dtype)):
         check_dtype(name, dt)
@@ -205,6 +210,7 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     mean = _maybe(not is_rms_norm, (1, 1), "float32", "mean", (rows, G))
     rstd = te.placeholder((rows, G), "float32", name="rstd")
     dres = _maybe(has_dresidual, (1, 1), x_dtype, "dresidual", full)
+    rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
     nparts = te.var("nparts")
 
     def zf(r, h):
@@ -252,7 +258,7 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     # dx, dz and dresidual_in as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then dz, then
     # dresidual_in) sharing the (rows, hidden) loop nest, so a schedule computes the row's reductions once
     # under the row loop for all of them; a lone dx is the block "dx".
-    vals = [lambda r, h: ds(r, h).astype(dout_dtype)]
+    vals = [lambda r, h: (ds(r, h) * rowscale[r] if has_rowscale else ds(r, h)).astype(dout_dtype)]
     if has_z:
         vals.append(dz_val)
     if store_dresidual:
@@ -283,8 +289,8 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
         dbias = te.compute((hidden,), lambda h: db_acc[h].astype(weight_dtype), name="dbias")
     else:
         dbias = te.placeholder((1,), weight_dtype, name="dbias")
-    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, dx, dz, dweight, dbias, dres_in,
-                                partial])
+    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, dx, dz, dweight, dbias,
+                                dres_in, partial])
     return stamp(func, "rmsnorm_gated_bwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
                                                           dout_dtype=dout_dtype))
 

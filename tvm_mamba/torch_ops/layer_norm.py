@@ -16,18 +16,18 @@ from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .rmsnorm_gated import check_norm_args, rmsnorm_gated_fwd
 
 
-def _refuse_extras(x1, weight1, bias1, dropout_p, rowscale) -> None:
-    """ValueError naming the first upstream extra that is not implemented (dropout, rowscale, the parallel
-    x1 / weight1 / bias1 norm); checked before any kernel runs."""
+def _refuse_extras(x1, weight1, bias1, dropout_p) -> None:
+    """ValueError naming the first upstream extra that is not implemented (dropout, the parallel x1 /
+    weight1 / bias1 norm); checked before any kernel runs."""
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0.0:
         raise ValueError(f"dropout_p: dropout inside the fused norm is not supported by tvm_mamba (got "
                          f"{dropout_p}); apply torch.nn.functional.dropout to x first and pass dropout_p=0.0")
-    for name, value in (("rowscale", rowscale), ("x1", x1), ("weight1", weight1), ("bias1", bias1)):
+    for name, value in (("x1", x1), ("weight1", weight1), ("bias1", bias1)):
         if value is not None:
-            raise ValueError(f"{name}: not supported by tvm_mamba's fused add-norm (mamba_ssm's parallel-norm / "
-                             f"rowscale extras); pass None")
+            raise ValueError(f"{name}: not supported by tvm_mamba's fused add-norm (mamba_ssm's parallel second "
+                             f"norm); pass None")
 
 
 def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
@@ -36,22 +36,29 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
     """Fused residual add + LayerNorm / RMSNorm (mamba_ssm 2.3.x ``layer_norm.layer_norm_fn``).
 
     x: (..., hidden) float32/float16/bfloat16; residual: (..., hidden) like x's shape, any float dtype;
-    weight, bias: (hidden,) float32 or x's dtype (bias may be None).
-    s = x + residual (float32); out = (s - mean(s)) / sqrt(var(s) + eps) * weight (+ bias) in x's dtype
+    weight, bias: (hidden,) float32 or x's dtype (bias may be None); rowscale: x.shape[:-1] (or flat), any
+    float dtype, used in float32 (no gradient, as upstream).
+    s = x * rowscale + residual (float32); out = (s - mean(s)) / sqrt(var(s) + eps) * weight (+ bias) in x's dtype
     (mean = 0 with is_rms_norm). Returns out, or (out, residual_out) with prenorm, residual_out = s in
     residual's dtype (given), else float32 if residual_in_fp32, else x's dtype (then it is x itself).
     return_dropout_mask appends (None, None), the masks of dropout_p = 0, as upstream.
-    dropout_p > 0, rowscale and x1 / weight1 / bias1 raise ValueError (not implemented).
+    dropout_p > 0 and x1 / weight1 / bias1 raise ValueError (not implemented).
     """
-    _refuse_extras(x1, weight1, bias1, dropout_p, rowscale)
+    _refuse_extras(x1, weight1, bias1, dropout_p)
     hidden = check_norm_args(x, weight, bias, eps)
     if residual is not None:
         check_tensor("residual", residual, dtypes=FLOATS, device=x.device)
         check_shape("residual", residual, tuple(x.shape))
     shape = x.shape
     x2 = x.reshape(-1, hidden)
+    if rowscale is not None:
+        check_tensor("rowscale", rowscale, dtypes=FLOATS, device=x.device)
+        if tuple(rowscale.shape) not in (tuple(shape[:-1]), (x2.shape[0],)):
+            raise ValueError(f"rowscale: expected shape {tuple(shape[:-1])} (x's leading dims), got "
+                             f"{tuple(rowscale.shape)}")
+        rowscale = rowscale.reshape(-1)
     r2 = residual.reshape(-1, hidden) if residual is not None else None
-    out, rout, _, _ = run_op(rmsnorm_gated_fwd, x2, weight, bias, None, r2, float(eps), hidden, True,
+    out, rout, _, _ = run_op(rmsnorm_gated_fwd, x2, weight, bias, None, r2, rowscale, float(eps), hidden, True,
                              bool(is_rms_norm), bool(residual_in_fp32))
     out = out.reshape(shape)
     masks = (None, None) if return_dropout_mask else ()
