@@ -21,7 +21,7 @@ import dataclasses
 from tvm.script import tirx as T
 
 from tvm_mamba.compute import _math
-from tvm_mamba.compute.rmsnorm_gated import NormDims
+from tvm_mamba.compute.rmsnorm_gated import NormDims, dropout_keep
 from tvm_mamba.schedules import rule
 
 KERNELS = ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")
@@ -37,21 +37,28 @@ def _f64(v):
     return v.astype("float64")
 
 
+def _dropout(v, seeds, r, h, p: float):
+    """upstream's dropout of one float32 element: kept ones scaled by 1 / (1 - p), the mask from the row seed."""
+    return T.Select(dropout_keep(seeds[r], h, p), v / T.float32(1.0 - p), T.float32(0))
+
+
 def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
     hidden, gs, eps, G, NV = d.hidden, d.group_size, d.eps, d.ngroups, d.group_size // V
     has_bias, has_res, store_res, rms = d.has_bias, d.has_residual, d.store_residual, d.is_rms_norm
+    p, store_mask = d.dropout_p, d.store_dropout_mask
     inv_gs = 1.0 / gs
 
-    def s(x, res, rsc, r, h):
+    def s(x, res, rsc, sd, r, h):
         v = _f32(x[r, h]) * rsc[r] if d.has_rowscale else _f32(x[r, h])
+        v = _dropout(v, sd, r, h, p) if p > 0 else v
         return v + _f32(res[r, h]) if has_res else v
 
-    def u(x, z, res, rsc, r, h):
-        v = s(x, res, rsc, r, h)
+    def u(x, z, res, rsc, sd, r, h):
+        v = s(x, res, rsc, sd, r, h)
         return v * _math.silu(_f32(z[r, h])) if d.gate_in else v
 
-    def y(x, w, b, z, res, rsc, mu, rs, r, h):
-        c = u(x, z, res, rsc, r, h)
+    def y(x, w, b, z, res, rsc, sd, mu, rs, r, h):
+        c = u(x, z, res, rsc, sd, r, h)
         v = (c if rms else c - mu) * rs * _f32(w[h])
         if has_bias:
             v = v + _f32(b[h])
@@ -59,12 +66,12 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
             v = v * _math.silu(_f32(z[r, h]))
         return v.astype(x_dtype)
 
-    def centred(x, z, res, rsc, mu, r, h):
-        v = _f64(u(x, z, res, rsc, r, h))
+    def centred(x, z, res, rsc, sd, mu, r, h):
+        v = _f64(u(x, z, res, rsc, sd, r, h))
         return v if rms else v - mu[0]
 
     @T.macro
-    def row(x, w, b, z, res, rsc, out, rout, mean, rstd, r):
+    def row(x, w, b, z, res, rsc, sd, out, rout, mask, mean, rstd, r):
         # float64 reductions, as the TE compute (u^2 overflows float32 above |u| ~ 1.8e19); LayerNorm
         # centres with the float64 group mean before squaring (a second pass over the group, in L1)
         acc = T.alloc_buffer((V,), "float64")
@@ -78,7 +85,7 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
                     acc[i] = T.float64(0)
                 for j in range(NV):
                     for i in T.vectorized(V):
-                        acc[i] = acc[i] + _f64(u(x, z, res, rsc, r, g * gs + j * V + i))
+                        acc[i] = acc[i] + _f64(u(x, z, res, rsc, sd, r, g * gs + j * V + i))
                 tot[0] = T.float64(0)
                 for i in range(V):
                     tot[0] = tot[0] + acc[i]
@@ -88,8 +95,8 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
                 acc[i] = T.float64(0)
             for j in range(NV):
                 for i in T.vectorized(V):
-                    acc[i] = acc[i] + centred(x, z, res, rsc, mu, r, g * gs + j * V + i) * \
-                        centred(x, z, res, rsc, mu, r, g * gs + j * V + i)
+                    acc[i] = acc[i] + centred(x, z, res, rsc, sd, mu, r, g * gs + j * V + i) * \
+                        centred(x, z, res, rsc, sd, mu, r, g * gs + j * V + i)
             tot[0] = T.float64(0)
             for i in range(V):
                 tot[0] = tot[0] + acc[i]
@@ -97,14 +104,17 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
             rstd[r, g] = rs[0]
             for j in range(NV):
                 for i in T.vectorized(V):
-                    out[r, g * gs + j * V + i] = y(x, w, b, z, res, rsc, mu[0].astype("float32"), rs[0], r,
-                                                   g * gs + j * V + i)
+                    h = T.meta_var(g * gs + j * V + i)
+                    out[r, h] = y(x, w, b, z, res, rsc, sd, mu[0].astype("float32"), rs[0], r, h)
                     if store_res:
-                        rout[r, g * gs + j * V + i] = s(x, res, rsc, r, g * gs + j * V + i).astype(rout_dtype)
+                        rout[r, h] = s(x, res, rsc, sd, r, h).astype(rout_dtype)
+                    if store_mask:
+                        mask[r, h] = dropout_keep(sd[r], h, p).astype("uint8")
 
     @T.prim_func
     def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, res_h: T.handle,
-                          rsc_h: T.handle, o_h: T.handle, ro_h: T.handle, m_h: T.handle, r_h: T.handle):
+                          rsc_h: T.handle, sd_h: T.handle, o_h: T.handle, ro_h: T.handle, mk_h: T.handle,
+                          m_h: T.handle, r_h: T.handle):
         T.func_attr({"global_symbol": "rmsnorm_gated_fwd", "tirx.noalias": True})
         rows = T.int32()
         x = T.match_buffer(x_h, (rows, hidden), x_dtype)
@@ -113,16 +123,18 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
         z = T.match_buffer(z_h, (rows, hidden) if d.has_z else (1, 1), x_dtype)
         res = T.match_buffer(res_h, (rows, hidden) if has_res else (1, 1), res_dtype)
         rsc = T.match_buffer(rsc_h, (rows,) if d.has_rowscale else (1,), "float32")
+        sd = T.match_buffer(sd_h, (rows,) if p > 0 else (1,), "int32")
         out = T.match_buffer(o_h, (rows, hidden), x_dtype)
         rout = T.match_buffer(ro_h, (rows, hidden) if store_res else (1, 1), rout_dtype)
+        mask = T.match_buffer(mk_h, (rows, hidden) if store_mask else (1, 1), "uint8")
         mean = T.match_buffer(m_h, (1, 1) if rms else (rows, G), "float32")
         rstd = T.match_buffer(r_h, (rows, G), "float32")
         if rows * hidden <= rule.SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
             for r in T.serial(rows):
-                row(x, w, b, z, res, rsc, out, rout, mean, rstd, r)
+                row(x, w, b, z, res, rsc, sd, out, rout, mask, mean, rstd, r)
         else:
             for r in T.parallel(rows):
-                row(x, w, b, z, res, rsc, out, rout, mean, rstd, r)
+                row(x, w, b, z, res, rsc, sd, out, rout, mask, mean, rstd, r)
 
     return rmsnorm_gated_fwd
 
@@ -154,8 +166,9 @@ def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
         v = v * _math.silu(zf(z, r, h)) if d.gate_in else v
         return v + _f32(dr[r, h]) if has_dres else v
 
-    def dx_val(x, w, z, dd, dr, rsc, mu, rs, c1, c2, r, h):
+    def dx_val(x, w, z, dd, dr, rsc, sd, mu, rs, c1, c2, r, h):
         v = ds(x, w, z, dd, dr, mu, rs, c1, c2, r, h)
+        v = _dropout(v, sd, r, h, d.dropout_p) if d.dropout_p > 0 else v
         return (v * rsc[r] if d.has_rowscale else v).astype(dout_dtype)
 
     def dz_val(x, w, b, z, dd, mu, rs, c1, c2, r, h):
@@ -168,8 +181,9 @@ def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
 
     @T.prim_func
     def rmsnorm_gated_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, d_h: T.handle,
-                          m_h: T.handle, r_h: T.handle, dr_h: T.handle, rsc_h: T.handle, dx_h: T.handle,
-                          dz_h: T.handle, dw_h: T.handle, db_h: T.handle, dri_h: T.handle, p_h: T.handle):
+                          m_h: T.handle, r_h: T.handle, dr_h: T.handle, rsc_h: T.handle, sd_h: T.handle,
+                          dx_h: T.handle, dz_h: T.handle, dw_h: T.handle, db_h: T.handle, dri_h: T.handle,
+                          p_h: T.handle):
         T.func_attr({"global_symbol": "rmsnorm_gated_bwd", "tirx.noalias": True})
         rows = T.int32()
         nparts = T.int32()
@@ -182,6 +196,7 @@ def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
         rstd = T.match_buffer(r_h, (rows, G), "float32")
         dr = T.match_buffer(dr_h, (rows, hidden) if has_dres else (1, 1), x_dtype)
         rsc = T.match_buffer(rsc_h, (rows,) if d.has_rowscale else (1,), "float32")
+        sd = T.match_buffer(sd_h, (rows,) if d.dropout_p > 0 else (1,), "int32")
         dx = T.match_buffer(dx_h, (rows, hidden), dout_dtype)
         dz = T.match_buffer(dz_h, (rows, hidden) if has_z else (1, 1), dout_dtype)
         dw = T.match_buffer(dw_h, (hidden,), w_dtype)
@@ -220,7 +235,7 @@ def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
                     for j in range(NV):
                         for i in T.vectorized(V):
                             h = T.meta_var(g * gs + j * V + i)
-                            dx[r, h] = dx_val(x, w, z, dd, dr, rsc, mu, rs, tot[0], tot[1], r, h)
+                            dx[r, h] = dx_val(x, w, z, dd, dr, rsc, sd, mu, rs, tot[0], tot[1], r, h)
                             if has_z:
                                 dz[r, h] = dz_val(x, w, b, z, dd, mu, rs, tot[0], tot[1], r, h)
                             if store_dres:

@@ -33,12 +33,13 @@ def _fwd(func, st: dict, decisions):
     rms = st["is_rms_norm"]
     # rstd (and mean) are outputs (no compute_at into the out loop): kernel 1 = the statistics (one block per
     # row, the group reductions as cross-thread reductions; LayerNorm's mean first, then the centred squares),
-    # kernel 2 = out (and residual_out, same loop nest), one block per row, reading the statistics back.
+    # kernel 2 = out (and residual_out, the dropout mask: same loop nest), one block per row, reading the statistics back.
     r1, g = sch.get_loops(sch.get_sblock("rstd" if rms else "stats_v0"))
     sch.bind(r1, "blockIdx.x")
     for name in ("sumsq",) if rms else ("sumsq", "sum"):  # consumers first: sum feeds sumsq and the mean
         _cross_thread(sch, sch.get_sblock(name), g, threads)
-    r, h = sch.get_loops(sch.get_sblock("out_v0" if st["store_residual"] else "out"))
+    multi = st["store_residual"] or st["store_dropout_mask"]
+    r, h = sch.get_loops(sch.get_sblock("out_v0" if multi else "out"))
     sch.bind(r, "blockIdx.x")
     _, hi = sch.split(h, [None, threads])
     sch.bind(hi, "threadIdx.x")

@@ -105,6 +105,46 @@ def test_rowscale(is_rms_norm, rdt):
                                             is_rms_norm=is_rms_norm, rowscale=rs.double()), atol=2e-4)
 
 
+@pytest.mark.parametrize("is_rms_norm,rdt", [(True, torch.float32), (False, None)])
+def test_dropout_against_the_returned_mask(is_rms_norm, rdt):
+    """dropout_p > 0: out, residual_out and every gradient equal the reference run with the kernel's own keep
+    mask (upstream's layer_norm_ref(dropout_mask=...)); the backward recomputes the same mask from the row
+    seeds, also when the mask is not returned (same torch seed, same mask)."""
+    x, w, b, r = _inputs((4, 16), torch.float32, not is_rms_norm, rdt, seed=11)
+    rs = torch.rand(4, 16, generator=torch.Generator().manual_seed(12)) + 0.5
+    g = torch.Generator().manual_seed(13)
+    douts = (torch.randn(4, 16, HIDDEN, generator=g), torch.randn(4, 16, HIDDEN, generator=g))
+    kw = dict(eps=1e-5, is_rms_norm=is_rms_norm, dropout_p=0.25, rowscale=rs)
+    ins = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b, r)]
+    torch.manual_seed(7)
+    out, rout, mask, mask1 = layer_norm_fn(*ins, prenorm=True, return_dropout_mask=True, **kw)
+    assert mask.dtype == torch.bool and mask.shape == x.shape and mask1 is None
+    assert abs(mask.float().mean().item() - 0.75) < 0.03  # 4096 draws: 5 standard deviations
+    torch.autograd.backward([out, rout], list(douts))
+    got = [out, rout] + [t.grad for t in ins if t is not None]
+    torch.manual_seed(7)  # the same seeds without returning the mask: the same outputs and gradients
+    again = _run(layer_norm_fn, x, w, b, r, douts, **kw)
+    for u, v in zip(got, again):
+        assert torch.equal(u, v)
+    ref = _run(layer_norm_ref, x, w, b, r, [d.double() for d in douts], dtype=torch.float64,
+               dropout_mask=mask, **dict(kw, rowscale=rs.double()))
+    for name, gv, rv in zip(_names(b is not None, r is not None), got, ref):
+        assert_close_to_ref(gv, rv, name=name, atol=2e-4, rtol=1e-4)
+    torch.manual_seed(8)
+    other = layer_norm_fn(x, w, b, residual=r, prenorm=True, return_dropout_mask=True, **kw)[2]
+    assert not torch.equal(other, mask)  # another torch seed, another mask
+
+
+def test_module_dropout_in_training_only():
+    m = RMSNorm(HIDDEN, eps=1e-5, dropout_p=0.5)
+    x = torch.randn(8, HIDDEN)
+    ref = layer_norm_ref(x.double(), m.weight.double(), None, None, 1e-5, is_rms_norm=True)
+    assert_close_to_ref(m.eval()(x), ref, atol=2e-4)
+    out, rout = m.train()(x, prenorm=True)
+    zero = rout == 0
+    assert 0.3 < zero.float().mean().item() < 0.7 and torch.allclose(rout[~zero], 2 * x[~zero])
+
+
 def test_return_conventions_and_dtypes():
     """prenorm returns (out, residual_out); residual_out's dtype is residual's, else float32 with
     residual_in_fp32, else x's (then x itself, as upstream); residual_in_fp32 is ignored with a residual;
@@ -190,8 +230,8 @@ def test_signatures_match_upstream():
 
 
 @pytest.mark.parametrize("kwargs,exc,name", [
-    (dict(dropout_p=0.1), ValueError, "dropout_p"),
-    (dict(dropout_p=1.5), ValueError, "dropout_p"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p"),
     (dict(rowscale=torch.ones(3)), ValueError, "rowscale"),
     (dict(rowscale=torch.ones(2).int()), TypeError, "rowscale"),
     (dict(x1=torch.randn(2, HIDDEN)), ValueError, "x1"),

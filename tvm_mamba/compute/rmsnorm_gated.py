@@ -44,6 +44,8 @@ class NormDims:
     has_dresidual: bool = False  # bwd: the gradient of residual_out is added to ds
     store_dresidual: bool = False  # bwd: also write ds in x's (the saved residual_out's) dtype
     has_rowscale: bool = False  # fwd: s = x * rowscale[row] (+ residual); bwd: dx = ds * rowscale[row]
+    dropout_p: float = 0.0  # > 0: x (after rowscale) is dropped with this probability, kept ones / (1 - p)
+    store_dropout_mask: bool = False  # fwd: write the keep mask (uint8)
 
     def __post_init__(self):
         if self.hidden < 1:
@@ -74,6 +76,29 @@ class NormDims:
         return out
 
 
+def _u32(v: int) -> tirx.PrimExpr:
+    return tirx.const(v, "uint32")
+
+
+def _mix32(v):
+    """A 32-bit integer hash with full avalanche (the "lowbias32" finalizer: xor-shift, multiply, twice)."""
+    v = v ^ (v >> _u32(16))
+    v = v * _u32(0x21F0AAAD)
+    v = v ^ (v >> _u32(15))
+    v = v * _u32(0x735A2D97)
+    return v ^ (v >> _u32(15))
+
+
+def dropout_keep(seed, h, p: float):
+    """Whether element ``h`` of the row with int32 ``seed`` is kept by dropout with probability ``p``: a
+    counter-based uniform u = hash(seed, h) / 2^32 in [0, 1) (24 bits), kept when u >= p, so forward and
+    backward recompute the same mask from the row's seed (upstream keeps per-row seeds too). Plain integer
+    arithmetic: the same expression on the CPU (vectorized) and CUDA."""
+    hv = _mix32(h.astype("uint32") * _u32(0x9E3779B9) + _u32(0x7F4A7C15))
+    u = (_mix32(hv ^ seed.astype("uint32")) >> _u32(8)).astype("float32") * tirx.const(2.0 ** -24, "float32")
+    return u >= tirx.const(p, "float32")
+
+
 def _f64(expr) -> tirx.PrimExpr:
     """Widen to float64 (the reductions over x)."""
     return expr.astype("float64")
@@ -95,16 +120,19 @@ def _maybe(cond: bool, shape: tuple, dtype: str, name: str, full: tuple):
 def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
                       has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
                       has_residual: bool = False, store_residual: bool = False, has_rowscale: bool = False,
-                      x_dtype: str = "float32", weight_dtype: str = "float32", residual_dtype: str | None = None,
+                      dropout_p: float = 0.0, store_dropout_mask: bool = False, x_dtype: str = "float32",
+                      weight_dtype: str = "float32", residual_dtype: str | None = None,
                       residual_out_dtype: str | None = None) -> tirx.PrimFunc:
-    """x, z: (rows, hidden); residual: (rows, hidden); weight, bias: (hidden,); rowscale: (rows,) f32 -> out:
-    (rows, hidden) in x's dtype, residual_out: (rows, hidden), mean, rstd: (rows, hidden/group_size) float32.
+    """x, z: (rows, hidden); residual: (rows, hidden); weight, bias: (hidden,); rowscale: (rows,) f32; seeds:
+    (rows,) int32 -> out: (rows, hidden) in x's dtype, residual_out: (rows, hidden), dropout_mask: (rows,
+    hidden) uint8, mean, rstd: (rows, hidden/group_size) float32.
 
-    s = x (* rowscale) (+ residual); u = s (* silu(z) if not norm_before_gate);
+    s = dropout(x (* rowscale)) (+ residual); u = s (* silu(z) if not norm_before_gate);
     out = (u - mean_g(u)) * rstd_g(u) * weight (+ bias) (* silu(z) if norm_before_gate); residual_out = s.
     """
     d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm, has_residual,
-                 store_residual, has_rowscale=has_rowscale)
+                 store_residual, has_rowscale=has_rowscale, dropout_p=dropout_p,
+                 store_dropout_mask=store_dropout_mask)
     for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("residual", residual_dtype or x_dtype),
                      ("residual_out", residual_out_dtype or x_dtype)):
         check_dtype(name, dt)
@@ -118,9 +146,13 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     z = _maybe(has_z, (1, 1), x_dtype, "z", full)
     residual = _maybe(has_residual, (1, 1), res_dt, "residual", full)
     rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
+    seeds = _maybe(dropout_p > 0, (1,), "int32", "seeds", (rows,))
 
     def s(r, h):
         v = f32(x[r, h]) * rowscale[r] if has_rowscale else f32(x[r, h])
+        if dropout_p > 0:
+            v = tirx.Select(dropout_keep(seeds[r], h, dropout_p), v / tirx.const(1.0 - dropout_p, "float32"),
+                            tirx.const(0.0, "float32"))
         return v + f32(residual[r, h]) if has_residual else v
 
     def u(r, h):
@@ -158,13 +190,22 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
             y = y * _silu(f32(z[r, h]))
         return y.astype(x_dtype)
 
+    # residual_out and the dropout mask share out's loop nest (blocks "out_v0" = out, then residual_out,
+    # then the mask): one pass over s; a lone out is the block "out"
+    vals = [finish]
     if store_residual:
-        # residual_out shares out's loop nest ("out_v0" = out, "out_v1" = residual_out): one pass over s
-        out, residual_out = te.compute(full, lambda r, h: (finish(r, h), s(r, h).astype(rout_dt)), name="out")
+        vals.append(lambda r, h: s(r, h).astype(rout_dt))
+    if store_dropout_mask:
+        vals.append(lambda r, h: dropout_keep(seeds[r], h, dropout_p).astype("uint8"))
+    if len(vals) == 1:
+        outs = [te.compute(full, finish, name="out")]
     else:
-        out = te.compute(full, finish, name="out")
-        residual_out = te.placeholder((1, 1), rout_dt, name="residual_out")
-    func = te.create_prim_func([x, weight, bias, z, residual, rowscale, out, residual_out, mean, rstd])
+        outs = list(te.compute(full, lambda r, h: tuple(f(r, h) for f in vals), name="out"))
+    out = outs.pop(0)
+    residual_out = outs.pop(0) if store_residual else te.placeholder((1, 1), rout_dt, name="residual_out")
+    mask = outs.pop(0) if store_dropout_mask else te.placeholder((1, 1), "uint8", name="dropout_mask")
+    func = te.create_prim_func([x, weight, bias, z, residual, rowscale, seeds, out, residual_out, mask, mean,
+                                rstd])
     return stamp(func, "rmsnorm_gated_fwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
                                                           residual_dtype=res_dt, residual_out_dtype=rout_dt))
 
@@ -176,13 +217,14 @@ def _stamp_static(d: NormDims, **dtypes) -> dict:
 def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
                       has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
                       has_dresidual: bool = False, store_dresidual: bool = False, has_rowscale: bool = False,
-                      x_dtype: str = "float32", weight_dtype: str = "float32",
+                      dropout_p: float = 0.0, x_dtype: str = "float32", weight_dtype: str = "float32",
                       dout_dtype: str | None = None) -> tirx.PrimFunc:
     """Backward of :func:`rmsnorm_gated_fwd`.
 
     Inputs: x: (rows, hidden), the forward's s (its x, or the stored residual_out) in x_dtype; weight, bias, z;
     dout: (rows, hidden) in dout_dtype (the forward's x dtype); the saved mean (LayerNorm) and rstd: (rows,
-    ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out; rowscale: (rows,) f32.
+    ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out; rowscale: (rows,) f32;
+    seeds: (rows,) int32, the forward's dropout seeds.
     Outputs: dx, dz: (rows,
     hidden) dout_dtype; dweight, dbias: (hidden,); dresidual_in: (rows, hidden) x_dtype (= dx, in residual's
     dtype); partial: (nparts, 2, hidden) f32, the first stage of the deterministic two-stage weight/bias
@@ -192,10 +234,12 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     With xhat = (u - mean)*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight,
     c1 = mean_group(dxhat*xhat), c2 = mean_group(dxhat) (LayerNorm; 0 for RMSNorm):
     du = rstd*(dxhat - xhat*c1 - c2); ds = du (* silu(z) if gating before the norm) (+ dresidual);
-    dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dx = ds (* rowscale); dweight = sum_rows dy*xhat; dbias = sum_rows dy.
+    dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dx = dropout(ds) (* rowscale);
+    dweight = sum_rows dy*xhat; dbias = sum_rows dy.
     """
     d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm,
-                 has_dresidual=has_dresidual, store_dresidual=store_dresidual, has_rowscale=has_rowscale)
+                 has_dresidual=has_dresidual, store_dresidual=store_dresidual, has_rowscale=has_rowscale,
+                 dropout_p=dropout_p)
     dout_dtype = dout_dtype or x_dtype
     for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("dout", dout_dtype)):
         check_dtype(name, dt)
@@ -211,6 +255,7 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     rstd = te.placeholder((rows, G), "float32", name="rstd")
     dres = _maybe(has_dresidual, (1, 1), x_dtype, "dresidual", full)
     rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
+    seeds = _maybe(dropout_p > 0, (1,), "int32", "seeds", (rows,))
     nparts = te.var("nparts")
 
     def zf(r, h):
@@ -258,7 +303,14 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     # dx, dz and dresidual_in as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then dz, then
     # dresidual_in) sharing the (rows, hidden) loop nest, so a schedule computes the row's reductions once
     # under the row loop for all of them; a lone dx is the block "dx".
-    vals = [lambda r, h: (ds(r, h) * rowscale[r] if has_rowscale else ds(r, h)).astype(dout_dtype)]
+    def dx_val(r, h):
+        v = ds(r, h)
+        if dropout_p > 0:
+            v = tirx.Select(dropout_keep(seeds[r], h, dropout_p), v / tirx.const(1.0 - dropout_p, "float32"),
+                            tirx.const(0.0, "float32"))
+        return (v * rowscale[r] if has_rowscale else v).astype(dout_dtype)
+
+    vals = [dx_val]
     if has_z:
         vals.append(dz_val)
     if store_dresidual:
@@ -289,8 +341,8 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
         dbias = te.compute((hidden,), lambda h: db_acc[h].astype(weight_dtype), name="dbias")
     else:
         dbias = te.placeholder((1,), weight_dtype, name="dbias")
-    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, dx, dz, dweight, dbias,
-                                dres_in, partial])
+    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, dx, dz, dweight,
+                                dbias, dres_in, partial])
     return stamp(func, "rmsnorm_gated_bwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
                                                           dout_dtype=dout_dtype))
 

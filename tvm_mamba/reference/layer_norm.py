@@ -1,5 +1,6 @@
 """Fused residual-add LayerNorm / RMSNorm (mamba_ssm 2.3.x ``ops/triton/layer_norm.py``: ``layer_norm_fn`` /
-``rms_norm_fn`` semantics without dropout / the parallel x1 norm), plain PyTorch.
+``rms_norm_fn`` semantics without the parallel x1 norm; dropout through a given keep mask, as upstream's
+``layer_norm_ref``), plain PyTorch.
 
 Float64-capable, no TVM; the independent reference of the tests.
 """
@@ -9,11 +10,12 @@ import torch
 
 
 def layer_norm_ref(x, weight, bias=None, residual=None, eps=1e-6, prenorm=False, residual_in_fp32=False,
-                   is_rms_norm=False, upcast=True, rowscale=None):
+                   is_rms_norm=False, upcast=True, rowscale=None, dropout_p=0.0, dropout_mask=None):
     """x, residual: (..., hidden); weight, bias: (hidden,); rowscale: x.shape[:-1] -> out: (..., hidden) in
     x's dtype, and with prenorm also residual_out: (..., hidden).
 
-    s = x (* rowscale[..., None]) + residual (computed in float32, or float64 for float64 inputs, when upcast);
+    s = dropout(x (* rowscale[..., None])) + residual, dropout(v) = v * dropout_mask / (1 - dropout_p) (the
+    mask is required when dropout_p > 0) (computed in float32, or float64 for float64 inputs, when upcast);
     out = (s - mean(s)) / sqrt(var(s) + eps) * weight (+ bias), mean taken as 0 when is_rms_norm;
     residual_out = s stored in residual's dtype if residual is given, else float32 if residual_in_fp32, else
     x's dtype. The norm reads the unrounded s (as upstream's kernel does).
@@ -22,6 +24,8 @@ def layer_norm_ref(x, weight, bias=None, residual=None, eps=1e-6, prenorm=False,
     res_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else dtype)
     cdt = torch.promote_types(torch.promote_types(dtype, torch.float32), res_dtype) if upcast else dtype
     s = x.to(cdt) * rowscale.reshape(x.shape[:-1]).to(cdt)[..., None] if rowscale is not None else x.to(cdt)
+    if dropout_p > 0:
+        s = s.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     s = s + residual.to(cdt) if residual is not None else s
     c = s if is_rms_norm else s - s.mean(dim=-1, keepdim=True)
     rstd = 1.0 / torch.sqrt(c.square().mean(dim=-1, keepdim=True) + eps)
@@ -33,6 +37,7 @@ def layer_norm_ref(x, weight, bias=None, residual=None, eps=1e-6, prenorm=False,
 
 
 def rms_norm_ref(x, weight, bias=None, residual=None, eps=1e-6, prenorm=False, residual_in_fp32=False,
-                 upcast=True, rowscale=None):
+                 upcast=True, rowscale=None, dropout_p=0.0, dropout_mask=None):
     """:func:`layer_norm_ref` with is_rms_norm=True: out = s / sqrt(mean(s^2) + eps) * weight (+ bias)."""
-    return layer_norm_ref(x, weight, bias, residual, eps, prenorm, residual_in_fp32, True, upcast, rowscale)
+    return layer_norm_ref(x, weight, bias, residual, eps, prenorm, residual_in_fp32, True, upcast, rowscale,
+                          dropout_p, dropout_mask)

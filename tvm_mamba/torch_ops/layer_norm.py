@@ -12,18 +12,17 @@ extra copy), weight, bias and the float32 statistics (rstd, and mean for LayerNo
 """
 from __future__ import annotations
 
+import torch
+
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .rmsnorm_gated import check_norm_args, rmsnorm_gated_fwd
 
 
 def _refuse_extras(x1, weight1, bias1, dropout_p) -> None:
-    """ValueError naming the first upstream extra that is not implemented (dropout, the parallel x1 /
-    weight1 / bias1 norm); checked before any kernel runs."""
+    """ValueError for a dropout_p outside [0, 1) and for the upstream extra that is not implemented (the
+    parallel x1 / weight1 / bias1 norm); checked before any kernel runs."""
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise ValueError(f"dropout_p: dropout inside the fused norm is not supported by tvm_mamba (got "
-                         f"{dropout_p}); apply torch.nn.functional.dropout to x first and pass dropout_p=0.0")
     for name, value in (("x1", x1), ("weight1", weight1), ("bias1", bias1)):
         if value is not None:
             raise ValueError(f"{name}: not supported by tvm_mamba's fused add-norm (mamba_ssm's parallel second "
@@ -41,8 +40,11 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
     s = x * rowscale + residual (float32); out = (s - mean(s)) / sqrt(var(s) + eps) * weight (+ bias) in x's dtype
     (mean = 0 with is_rms_norm). Returns out, or (out, residual_out) with prenorm, residual_out = s in
     residual's dtype (given), else float32 if residual_in_fp32, else x's dtype (then it is x itself).
-    return_dropout_mask appends (None, None), the masks of dropout_p = 0, as upstream.
-    dropout_p > 0 and x1 / weight1 / bias1 raise ValueError (not implemented).
+    dropout_p: x (after rowscale) is dropped elementwise with this probability, the kept elements scaled by
+    1 / (1 - dropout_p); one int32 seed per row drawn from torch's generator, the mask recomputed from it in
+    the backward. return_dropout_mask appends (dropout_mask, None): the bool keep mask of x's shape (None when
+    dropout_p = 0) and x1's (always None), as upstream. x1 / weight1 / bias1 raise ValueError (not
+    implemented).
     """
     _refuse_extras(x1, weight1, bias1, dropout_p)
     hidden = check_norm_args(x, weight, bias, eps)
@@ -58,10 +60,15 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
                              f"{tuple(rowscale.shape)}")
         rowscale = rowscale.reshape(-1)
     r2 = residual.reshape(-1, hidden) if residual is not None else None
-    out, rout, _, _ = run_op(rmsnorm_gated_fwd, x2, weight, bias, None, r2, rowscale, float(eps), hidden, True,
-                             bool(is_rms_norm), bool(residual_in_fp32))
+    seeds = None
+    if dropout_p > 0:  # one seed per row from torch's generator (torch.manual_seed reproduces the mask)
+        seeds = torch.randint(-2 ** 31, 2 ** 31 - 1, (x2.shape[0],), dtype=torch.int32, device=x.device)
+    out, rout, mask, _, _ = run_op(rmsnorm_gated_fwd, x2, weight, bias, None, r2, rowscale, seeds, float(eps),
+                                   hidden, True, bool(is_rms_norm), bool(residual_in_fp32), float(dropout_p),
+                                   bool(return_dropout_mask))
     out = out.reshape(shape)
-    masks = (None, None) if return_dropout_mask else ()
+    keep = mask.view(torch.bool).reshape(shape) if mask.dim() == 2 else None
+    masks = (keep, None) if return_dropout_mask else ()
     if not prenorm:
         return (out, *masks) if masks else out
     residual_out = rout.reshape(shape) if rout.dim() == 2 else x

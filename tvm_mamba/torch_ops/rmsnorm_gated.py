@@ -45,27 +45,32 @@ def residual_dtype(x: Tensor, residual: Optional[Tensor], residual_in_fp32: bool
 
 @torch.library.custom_op("tvm_mamba::rmsnorm_gated_fwd", mutates_args=())
 def rmsnorm_gated_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Optional[Tensor],
-                      residual: Optional[Tensor], rowscale: Optional[Tensor], eps: float, group_size: int,
-                      norm_before_gate: bool, is_rms_norm: bool,
-                      residual_in_fp32: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x, z, residual: (rows, hidden), rowscale: (rows,) float32 -> out: (rows, hidden) in x's dtype;
-    residual_out: (rows, hidden) (s = x (* rowscale) + residual, in :func:`residual_dtype`; (0,) when it
-    would be x itself); mean: (rows, ngroups) float32
+                      residual: Optional[Tensor], rowscale: Optional[Tensor], seeds: Optional[Tensor],
+                      eps: float, group_size: int, norm_before_gate: bool, is_rms_norm: bool,
+                      residual_in_fp32: bool, dropout_p: float,
+                      return_dropout_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x, z, residual: (rows, hidden), rowscale: (rows,) float32, seeds: (rows,) int32 (dropout_p > 0) ->
+    out: (rows, hidden) in x's dtype; residual_out: (rows, hidden) (s = dropout(x (* rowscale)) + residual, in
+    :func:`residual_dtype`; (0,) when it would be x itself); dropout_mask: (rows, hidden) uint8 keep mask
+    (return_dropout_mask, else (0,)); mean: (rows, ngroups) float32
     ((0,) for RMSNorm); rstd: (rows, hidden/group_size) float32."""
     rows, hidden = x.shape
     x, weight = prepare(x), prepare(weight)
     rdt = residual_dtype(x, residual, residual_in_fp32)
-    store = residual is not None or rdt != x.dtype or rowscale is not None
+    store = residual is not None or rdt != x.dtype or rowscale is not None or dropout_p > 0
+    store_mask = return_dropout_mask and dropout_p > 0
     out = torch.empty_like(x)
+    mask = torch.empty_like(x, dtype=torch.uint8) if store_mask else x.new_empty((0,), dtype=torch.uint8)
     rout = torch.empty_like(x, dtype=rdt) if store else x.new_empty((0,))
     ngroups = hidden // group_size
     mean = x.new_empty((0,), dtype=torch.float32) if is_rms_norm else \
         torch.empty((rows, ngroups), device=x.device, dtype=torch.float32)
     rstd = torch.empty((rows, ngroups), device=x.device, dtype=torch.float32)
     if rows == 0:
-        return out, rout, mean, rstd
+        return out, rout, mask, mean, rstd
     d = _dims(x, bias, z, eps, group_size, norm_before_gate, is_rms_norm, has_residual=residual is not None,
-              store_residual=store, has_rowscale=rowscale is not None)
+              store_residual=store, has_rowscale=rowscale is not None, dropout_p=float(dropout_p),
+              store_dropout_mask=store_mask)
     dtypes = {"x": tvm_dtype(x), "weight": tvm_dtype(weight)}
     if residual is not None and residual.dtype != x.dtype:
         dtypes["residual"] = tvm_dtype(residual)
@@ -75,35 +80,41 @@ def rmsnorm_gated_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
     f32 = torch.float32
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(z, x, x.dtype, 2),
          prepare(residual) if residual is not None else dummy(x.device, x.dtype, 2),
-         _opt(rowscale, x, torch.float32, 1), out, rout if store else dummy(x.device, rdt, 2),
+         _opt(rowscale, x, torch.float32, 1), _opt(seeds, x, torch.int32, 1), out,
+         rout if store else dummy(x.device, rdt, 2), mask if store_mask else dummy(x.device, torch.uint8, 2),
          dummy(x.device, f32, 2) if is_rms_norm else mean, rstd)
-    return out, rout, mean, rstd
+    return out, rout, mask, mean, rstd
 
 
 @rmsnorm_gated_fwd.register_fake
-def _(x, weight, bias, z, residual, rowscale, eps, group_size, norm_before_gate, is_rms_norm, residual_in_fp32):
+def _(x, weight, bias, z, residual, rowscale, seeds, eps, group_size, norm_before_gate, is_rms_norm,
+      residual_in_fp32, dropout_p, return_dropout_mask):
     rows, hidden = x.shape
     rdt = residual_dtype(x, residual, residual_in_fp32)
-    store = residual is not None or rdt != x.dtype or rowscale is not None
+    store = residual is not None or rdt != x.dtype or rowscale is not None or dropout_p > 0
+    store_mask = return_dropout_mask and dropout_p > 0
     stats = x.new_empty((rows, hidden // group_size), dtype=torch.float32)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((rows, hidden), dtype=rdt) if store else x.new_empty((0,)),
+            x.new_empty((rows, hidden) if store_mask else (0,), dtype=torch.uint8),
             x.new_empty((0,), dtype=torch.float32) if is_rms_norm else torch.empty_like(stats), stats)
 
 
 @torch.library.custom_op("tvm_mamba::rmsnorm_gated_bwd", mutates_args=())
 def rmsnorm_gated_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Optional[Tensor], dout: Tensor,
                       mean: Tensor, rstd: Tensor, dresidual: Optional[Tensor], rowscale: Optional[Tensor],
-                      eps: float, group_size: int, norm_before_gate: bool, is_rms_norm: bool,
-                      has_residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                      seeds: Optional[Tensor], eps: float, group_size: int, norm_before_gate: bool,
+                      is_rms_norm: bool, has_residual: bool,
+                      dropout_p: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dx, dz or (0,), dweight, dbias or (0,), dresidual_in or (0,)) of rmsnorm_gated_fwd from the
     saved statistics. x: the forward's s (residual_out when it was stored); dout: in the forward's x dtype,
-    which dx and dz get; dresidual: the gradient of residual_out, added to d s; dx = d s (* rowscale);
+    which dx and dz get; dresidual: the gradient of residual_out, added to d s; dx = dropout(d s) (*
+    rowscale), the forward's mask recomputed from seeds;
     dresidual_in: d s in x's dtype, written only when has_residual and it differs from dx (another dtype, or a
     rowscale; else the caller reuses dx)."""
     rows, hidden = x.shape
     x, weight, dout, rstd = prepare(x), prepare(weight), prepare(dout), prepare(rstd)
-    store_dres = has_residual and (dout.dtype != x.dtype or rowscale is not None)
+    store_dres = has_residual and (dout.dtype != x.dtype or rowscale is not None or dropout_p > 0)
     dx = torch.empty_like(dout)
     dz = torch.empty_like(dout) if z is not None else x.new_empty((0,))
     dweight = torch.zeros_like(weight)
@@ -114,7 +125,7 @@ def rmsnorm_gated_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
     nparts = min(rows, MAX_PARTS)
     partial = torch.empty((nparts, 2, hidden), device=x.device, dtype=torch.float32)
     d = _dims(x, bias, z, eps, group_size, norm_before_gate, is_rms_norm, has_dresidual=dresidual is not None,
-              store_dresidual=store_dres, has_rowscale=rowscale is not None)
+              store_dresidual=store_dres, has_rowscale=rowscale is not None, dropout_p=float(dropout_p))
     dtypes = {"x": tvm_dtype(x), "weight": tvm_dtype(weight)}
     if dout.dtype != x.dtype:
         dtypes["dout"] = tvm_dtype(dout)
@@ -122,7 +133,7 @@ def rmsnorm_gated_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
     f32 = torch.float32
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(z, x, dout.dtype, 2), dout,
          dummy(x.device, f32, 2) if is_rms_norm else prepare(mean), rstd, _opt(dresidual, x, x.dtype, 2),
-         _opt(rowscale, x, torch.float32, 1), dx,
+         _opt(rowscale, x, torch.float32, 1), _opt(seeds, x, torch.int32, 1), dx,
          dz if z is not None else dummy(x.device, dout.dtype, 2), dweight,
          dbias if bias is not None else dummy(x.device, weight.dtype, 1),
          dres_in if store_dres else dummy(x.device, x.dtype, 2), partial)
@@ -130,36 +141,38 @@ def rmsnorm_gated_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
 
 
 @rmsnorm_gated_bwd.register_fake
-def _(x, weight, bias, z, dout, mean, rstd, dresidual, rowscale, eps, group_size, norm_before_gate, is_rms_norm,
-      has_residual):
+def _(x, weight, bias, z, dout, mean, rstd, dresidual, rowscale, seeds, eps, group_size, norm_before_gate,
+      is_rms_norm, has_residual, dropout_p):
     like = torch.empty_like(dout, memory_format=torch.contiguous_format)
     dz = torch.empty_like(like) if z is not None else x.new_empty((0,))
     dbias = torch.empty_like(weight) if bias is not None else weight.new_empty((0,))
-    store_dres = has_residual and (dout.dtype != x.dtype or rowscale is not None)
+    store_dres = has_residual and (dout.dtype != x.dtype or rowscale is not None or dropout_p > 0)
     dres_in = torch.empty_like(x, memory_format=torch.contiguous_format) if store_dres else x.new_empty((0,))
     return like, dz, torch.empty_like(weight), dbias, dres_in
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, z, residual, rowscale, eps, group_size, norm_before_gate, is_rms_norm, residual_in_fp32 = inputs
-    out, rout, mean, rstd = output
+    (x, weight, bias, z, residual, rowscale, seeds, eps, group_size, norm_before_gate, is_rms_norm,
+     residual_in_fp32, dropout_p, _) = inputs
+    out, rout, _, mean, rstd = output
     stored = rout.dim() == 2
-    ctx.save_for_backward(rout if stored else x, weight, bias, z, mean, rstd, rowscale)
+    ctx.save_for_backward(rout if stored else x, weight, bias, z, mean, rstd, rowscale, seeds)
+    ctx.dropout_p = dropout_p
     ctx.stored = stored
     ctx.x_dtype = x.dtype
     ctx.has_residual = residual is not None
     ctx.args = (eps, group_size, norm_before_gate, is_rms_norm)
 
 
-def _backward(ctx, dout, drout, _dmean, _drstd):
-    x, weight, bias, z, mean, rstd, rowscale = ctx.saved_tensors
+def _backward(ctx, dout, drout, _dmask, _dmean, _drstd):
+    x, weight, bias, z, mean, rstd, rowscale, seeds = ctx.saved_tensors
     dout = torch.zeros_like(x, dtype=ctx.x_dtype) if dout is None else dout.to(ctx.x_dtype)
     dres = drout if ctx.stored else None
     dx, dz, dweight, dbias, dres_in = torch.ops.tvm_mamba.rmsnorm_gated_bwd(
-        x, weight, bias, z, dout, mean, rstd, dres, rowscale, *ctx.args, ctx.has_residual)
+        x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, *ctx.args, ctx.has_residual, ctx.dropout_p)
     dresidual = (dres_in if dres_in.dim() == 2 else dx) if ctx.has_residual else None
     return (dx, dweight, dbias if bias is not None else None, dz if z is not None else None, dresidual,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 rmsnorm_gated_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -204,8 +217,8 @@ def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before
     shape = x.shape
     x2 = x.reshape(-1, hidden)
     z2 = z.reshape(-1, hidden) if z is not None else None
-    out = run_op(rmsnorm_gated_fwd, x2, weight, bias, z2, None, None, float(eps), int(group_size),
-                 bool(norm_before_gate), bool(is_rms_norm), False)[0]
+    out = run_op(rmsnorm_gated_fwd, x2, weight, bias, z2, None, None, None, float(eps), int(group_size),
+                 bool(norm_before_gate), bool(is_rms_norm), False, 0.0, False)[0]
     return out.reshape(shape)
 
 
