@@ -47,7 +47,8 @@ def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res, has_rs):
 
     out, rout = torch.empty(rows, H), torch.empty(rows, H) if has_res else torch.zeros(1, 1)
     mean, rstd = torch.zeros(1, 1) if rms else torch.empty(rows, H // gs), torch.empty(rows, H // gs)
-    fwd(f(x), f(w), f(b, 1), f(z), f(res), f(rs, 1), out, rout, mean, rstd)
+    no_seeds, no_mask = torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.uint8)
+    fwd(f(x), f(w), f(b, 1), f(z), f(res), f(rs, 1), no_seeds, out, rout, no_mask, mean, rstd)
     torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
     if has_res:
         torch.testing.assert_close(rout.double(), s.detach(), atol=1e-5, rtol=1e-5)
@@ -55,10 +56,49 @@ def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res, has_rs):
     dz, db = (torch.empty(rows, H) if has_z else torch.zeros(1, 1)), (torch.empty(H) if has_bias else torch.zeros(1))
     dri = torch.empty(rows, H) if has_res else torch.zeros(1, 1)
     bwd(rout if has_res else f(x), f(w), f(b, 1), f(z), f(d), mean, rstd, f(dr if has_res else None),
-        f(rs, 1), dx, dz, dw, db, dri, torch.empty(3, 2, H))
+        f(rs, 1), no_seeds, dx, dz, dw, db, dri, torch.empty(3, 2, H))
     for got, t in ((dx, x), (dw, w), (db, b), (dz, z), (dri, res)):
         if t is not None:
             torch.testing.assert_close(got.double(), t.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_te_dropout_forward_backward(rms):
+    """dropout_p > 0: the kernel's own keep mask (stored as uint8), forward and backward against the reference
+    run with that mask; about 1 - p of the elements kept."""
+    from tvm_mamba.reference.layer_norm import layer_norm_ref
+
+    H, rows, p = 64, 9, 0.3
+    fwd = _build(rmsnorm_gated_fwd(H, H, 1e-5, True, False, True, rms, True, True, True, p, True), "rmsnorm_gated_fwd")
+    bwd = _build(rmsnorm_gated_bwd(H, H, 1e-5, True, False, True, rms, True, True, True, p), "rmsnorm_gated_bwd")
+    g = torch.Generator().manual_seed(0)
+
+    def r64(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x, w, b, res = (r64(rows, H).requires_grad_(), r64(H).requires_grad_(), r64(H).requires_grad_(),
+                    r64(rows, H).requires_grad_())
+    rs = torch.rand(rows, generator=g, dtype=torch.float64) + 0.5
+    seeds = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows,), dtype=torch.int32, generator=g)
+
+    def f(t):
+        return t.detach().float().contiguous()
+
+    out, rout, mask = torch.empty(rows, H), torch.empty(rows, H), torch.empty(rows, H, dtype=torch.uint8)
+    mean, rstd = torch.zeros(1, 1) if rms else torch.empty(rows, 1), torch.empty(rows, 1)
+    fwd(f(x), f(w), f(b), torch.zeros(1, 1), f(res), f(rs), seeds, out, rout, mask, mean, rstd)
+    keep = mask.bool()
+    assert 0.55 < keep.float().mean().item() < 0.85
+    ref, s = layer_norm_ref(x, w, b, res, 1e-5, True, False, rms, rowscale=rs, dropout_p=p, dropout_mask=keep)
+    d, dr = r64(rows, H), r64(rows, H)
+    ((ref * d).sum() + (s * dr).sum()).backward()
+    torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rout.double(), s.detach(), atol=1e-5, rtol=1e-5)
+    dx, dw, db, dri = torch.empty(rows, H), torch.empty(H), torch.empty(H), torch.empty(rows, H)
+    bwd(rout, f(w), f(b), torch.zeros(1, 1), f(d), mean, rstd, f(dr), f(rs), seeds, dx, torch.zeros(1, 1), dw, db,
+        dri, torch.empty(3, 2, H))
+    for got, t in ((dx, x), (dw, w), (db, b), (dri, res)):
+        torch.testing.assert_close(got.double(), t.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_te_rejects_bad_group_size():

@@ -367,6 +367,13 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                                               residual_out="float32")))
         bwd = NormDims(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_dresidual=True, store_dresidual=True)
         out.append(("bwd", bwd.static(), dict(x="float32", weight="float32", dout="bfloat16")))
+    # the dropout path (RMSNorm module in training): uint32 hash, the uint8 keep mask, rowscale
+    drop = dict(dropout_p=0.1, has_rowscale=True)
+    out.append(("fwd", NormDims(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True,
+                                **drop).static(), dict(x="bfloat16", weight="float32", residual="float32",
+                                                       residual_out="float32")))
+    out.append(("bwd", NormDims(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **drop).static(),
+                dict(x="float32", weight="float32", dout="bfloat16")))
     return out
 
 

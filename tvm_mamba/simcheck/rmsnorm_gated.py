@@ -34,21 +34,36 @@ def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
     return t
 
 
+def _rowscale(static: dict, gen: torch.Generator):
+    """The fused add-norm's rowscale (not a gradient leaf: upstream gives it none), or None."""
+    return torch.rand(*LEAD, generator=gen) + 0.5 if static.get("has_rowscale") else None
+
+
 def _fused(static: dict) -> bool:
     return static.get("has_residual", False) or static.get("has_dresidual", False)
 
 
-def _call(t: dict, static: dict, kernel: bool = True):
+def _call(t: dict, static: dict, kernel: bool = True, extra: dict | None = None):
     """The configuration's public function (kernel) or its reference; the fused add-norm returns
-    (out, residual_out)."""
+    (out, residual_out). ``extra``: the fused add-norm's rowscale and, with dropout, the keep mask (the
+    kernel call stores its mask there, the reference call reads it)."""
     from ..reference.layer_norm import layer_norm_ref
     from ..reference.rmsnorm_gated import layernorm_gated_ref
 
     rms = static.get("is_rms_norm", True)
     if _fused(static):
-        f = tvm_mamba_fn("layer_norm_fn") if kernel else layer_norm_ref
-        return f(t["x"], t["weight"], t.get("bias"), t["residual"], eps=static["eps"], prenorm=True,
-                 is_rms_norm=rms)
+        extra = {} if extra is None else extra
+        p = static.get("dropout_p", 0.0)
+        args = (t["x"], t["weight"], t.get("bias"), t["residual"])
+        kw = dict(eps=static["eps"], prenorm=True, is_rms_norm=rms, dropout_p=p)
+        if not kernel:
+            rs = extra.get("rowscale")
+            return layer_norm_ref(*args, **kw, rowscale=rs.double() if rs is not None else None,
+                                  dropout_mask=extra.get("mask"))
+        res = tvm_mamba_fn("layer_norm_fn")(*args, **kw, rowscale=extra.get("rowscale"), return_dropout_mask=p > 0)
+        if p > 0:
+            extra["mask"] = res[2]
+        return res[:2]
     f = tvm_mamba_fn("layernorm_fn") if kernel else layernorm_gated_ref
     return f(t["x"], t["weight"], t.get("bias"), t.get("z"), eps=static["eps"], group_size=static["group_size"],
              norm_before_gate=static["norm_before_gate"], is_rms_norm=rms)
@@ -68,10 +83,11 @@ def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
     import tvm_mamba
 
     t = _inputs(static, dtypes, gen)
+    extra = {"rowscale": _rowscale(static, gen)}
     with recording() as keys, tvm_mamba.simulate_cuda(arch):
-        got = _outputs(_call(t, static))
+        got = _outputs(_call(t, static, extra=extra))
     ran(keys, OP, "fwd", static, dtypes)
-    ref = _outputs(_call({k: v.double() for k, v in t.items()}, static, kernel=False))
+    ref = _outputs(_call({k: v.double() for k, v in t.items()}, static, kernel=False, extra=extra))
     for name, g in got.items():
         compare(name, g, ref[name], *tolerance(g.dtype))
 
@@ -84,12 +100,13 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
     t = _inputs(static, dtypes, gen)
     leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
     refs = {k: v.double().requires_grad_() for k, v in t.items()}
+    extra = {"rowscale": _rowscale(static, gen)}
     with recording() as keys, tvm_mamba.simulate_cuda(arch):
-        got = _outputs(_call(leaves, static))
+        got = _outputs(_call(leaves, static, extra=extra))
         douts = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in got.items()}
         torch.autograd.backward(list(got.values()), list(douts.values()))
     ran(keys, OP, "bwd", static, dtypes)
-    ref = _outputs(_call(refs, static, kernel=False))
+    ref = _outputs(_call(refs, static, kernel=False, extra=extra))
     torch.autograd.backward(list(ref.values()), [douts[k].double() for k in ref])
     for name, g in got.items():
         compare(name, g, ref[name], *tolerance(g.dtype))
