@@ -269,3 +269,77 @@ def test_torch_compile_fullgraph():
     ref, rref = layer_norm_ref(x.double(), w.double(), b.double(), r.double(), 1e-6, True, True)
     assert_close_to_ref(got, 2 * ref, atol=4e-4)
     assert_close_to_ref(rout, rref, atol=1e-6)
+
+
+def _upstream_block_class():
+    """upstream's modules/block.py Block, executed (not imported, not copied) with its
+    ``mamba_ssm.ops.triton.layer_norm`` import served by tvm_mamba's RMSNorm / layer_norm_fn."""
+    import pathlib
+    import sys
+    import types
+
+    path = pathlib.Path("/work/upstream/mamba_ssm-2.3.2.post1/mamba_ssm/modules/block.py")
+    if not path.is_file():
+        pytest.skip(f"upstream source {path} not present")
+    shim = types.ModuleType("mamba_ssm.ops.triton.layer_norm")
+    shim.RMSNorm, shim.layer_norm_fn, shim.rms_norm_fn = RMSNorm, layer_norm_fn, rms_norm_fn
+    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.layer_norm"]
+    saved = {n: sys.modules.get(n) for n in names}
+    try:
+        for n in names[:-1]:
+            sys.modules[n] = types.ModuleType(n)
+        sys.modules[names[-1]] = shim
+        ns = {"__name__": "upstream_block"}
+        exec(compile(path.read_text(), str(path), "exec"), ns)
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+    return ns["Block"]
+
+
+@pytest.mark.parametrize("norm", ["rms", "layernorm"])
+def test_upstream_block_fused_add_norm(norm):
+    """upstream's Block with fused_add_norm=True and residual_in_fp32 (RMSNorm, or nn.LayerNorm with bias)
+    over two layers gives what its unfused path (norm(residual) in plain modules) gives, forward and
+    backward: the prenorm residual and the gradient paths through layer_norm_fn."""
+    import functools
+
+    class Mixer(torch.nn.Linear):
+        def forward(self, h, inference_params=None):
+            return torch.tanh(super().forward(h))
+
+    block_cls = _upstream_block_class()
+    norm_cls = functools.partial(RMSNorm, eps=1e-5) if norm == "rms" else functools.partial(torch.nn.LayerNorm,
+                                                                                            eps=1e-5)
+
+    def make(fused):
+        torch.manual_seed(0)
+        return torch.nn.ModuleList([block_cls(HIDDEN, lambda d: Mixer(d, d), torch.nn.Identity, norm_cls,
+                                              fused_add_norm=fused, residual_in_fp32=True) for _ in range(2)])
+
+    def run(layers, h):
+        residual = None
+        for layer in layers:
+            h, residual = layer(h, residual)
+        return h, residual
+
+    x = torch.randn(2, 7, HIDDEN)
+    fused, plain = make(True), make(False)
+    for m in fused.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            torch.nn.init.normal_(m.bias, std=0.3)
+    plain.load_state_dict(fused.state_dict())
+    xf, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    hf, rf = run(fused, xf)
+    hp, rp = run(plain, xp)
+    assert rf.dtype == torch.float32 and hf.shape == hp.shape
+    torch.testing.assert_close(hf, hp, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(rf, rp, atol=2e-5, rtol=1e-4)
+    (hf.square().sum() + rf.sum()).backward()
+    (hp.square().sum() + rp.sum()).backward()
+    torch.testing.assert_close(xf.grad, xp.grad, atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=1e-4, msg=name)
