@@ -214,6 +214,30 @@ def _stamp_static(d: NormDims, **dtypes) -> dict:
     return dict(dataclasses.asdict(d), **dtypes)
 
 
+def _weight_grads(rows, hidden: int, nparts, dy, xhat, weight_dtype: str, has_bias: bool):
+    """dweight = sum_rows dy*xhat, dbias = sum_rows dy as a deterministic two-stage reduction: partial:
+    (nparts, 2, hidden) f32 (part p sums rows [p*chunk, (p+1)*chunk) in order, chunk = ceil(rows/nparts)),
+    then the parts added in order. Returns (partial, dweight, dbias or its (1,) placeholder)."""
+    chunk = tirx.indexdiv(rows + nparts - 1, nparts)
+    j = te.reduce_axis((0, chunk), name="chunk")
+
+    def part(p, sel, h):
+        r = tirx.min(p * chunk + j, rows - 1)
+        val = tirx.if_then_else(sel == 0, dy(r, h) * xhat(r, h), dy(r, h))
+        # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead.
+        return te.sum(tirx.if_then_else(p * chunk + j < rows, val, tirx.const(0.0, "float32")), axis=j)
+
+    partial = te.compute((nparts, 2, hidden), part, name="partial")
+
+    def total(sel, name):
+        pa = te.reduce_axis((0, nparts), name="nparts")
+        acc = te.compute((hidden,), lambda h: te.sum(partial[pa, sel, h], axis=pa), name=f"{name}_acc")
+        return te.compute((hidden,), lambda h: acc[h].astype(weight_dtype), name=name)
+
+    dbias = total(1, "dbias") if has_bias else te.placeholder((1,), weight_dtype, name="dbias")
+    return partial, total(0, "dweight"), dbias
+
+
 def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
                       has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
                       has_dresidual: bool = False, store_dresidual: bool = False, has_rowscale: bool = False,
@@ -322,25 +346,7 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     dx = outs.pop(0)
     dz = outs.pop(0) if has_z else te.placeholder((1, 1), dout_dtype, name="dz")
     dres_in = outs.pop(0) if store_dresidual else te.placeholder((1, 1), x_dtype, name="dresidual_in")
-    chunk = tirx.indexdiv(rows + nparts - 1, nparts)
-    j = te.reduce_axis((0, chunk), name="chunk")
-
-    def part(p, sel, h):
-        r = tirx.min(p * chunk + j, rows - 1)
-        val = tirx.if_then_else(sel == 0, dy(r, h) * xhat(r, h), dy(r, h))
-        # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead.
-        return te.sum(tirx.if_then_else(p * chunk + j < rows, val, tirx.const(0.0, "float32")), axis=j)
-
-    partial = te.compute((nparts, 2, hidden), part, name="partial")
-    pa = te.reduce_axis((0, nparts), name="nparts")
-    dw_acc = te.compute((hidden,), lambda h: te.sum(partial[pa, 0, h], axis=pa), name="dweight_acc")
-    dweight = te.compute((hidden,), lambda h: dw_acc[h].astype(weight_dtype), name="dweight")
-    if has_bias:
-        pb = te.reduce_axis((0, nparts), name="nparts")
-        db_acc = te.compute((hidden,), lambda h: te.sum(partial[pb, 1, h], axis=pb), name="dbias_acc")
-        dbias = te.compute((hidden,), lambda h: db_acc[h].astype(weight_dtype), name="dbias")
-    else:
-        dbias = te.placeholder((1,), weight_dtype, name="dbias")
+    partial, dweight, dbias = _weight_grads(rows, hidden, nparts, dy, xhat, weight_dtype, has_bias)
     func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, dx, dz, dweight,
                                 dbias, dres_in, partial])
     return stamp(func, "rmsnorm_gated_bwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
