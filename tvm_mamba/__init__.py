@@ -35,17 +35,28 @@ _map_schedules_from_checkout()
 from .torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402,F401
 from .torch_ops.ssd import mamba_chunk_scan_combined  # noqa: E402,F401
 from .torch_ops.selective_scan import selective_scan_fn, selective_state_update  # noqa: E402,F401
-from .torch_ops.rmsnorm_gated import layernorm_fn, rmsnorm_fn  # noqa: E402,F401
-from .torch_ops.layer_norm import layer_norm_fn, rms_norm_fn  # noqa: E402,F401
+from .torch_ops.rmsnorm_gated import rmsnorm_fn  # noqa: E402,F401
 from .torch_ops.int8_dot import (int8_decoder_tail, int8_lowrank_projection, int8_matmul,  # noqa: E402,F401
                                  pack_int8x4, quantize_int8, unpack_int8x4)
 from .modules import Mamba, Mamba2, MambaConfig, MambaLMHeadModel, RMSNormGated  # noqa: E402,F401
-from .modules.rmsnorm_gated import LayerNorm as LayerNormGated  # noqa: E402,F401
 from .explain import explain  # noqa: E402,F401
 from .runtime.tuning import tuning_logs  # noqa: E402,F401
 from .runtime.cudasim import simulate as simulate_cuda  # noqa: E402,F401
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "mamba_chunk_scan_combined", "selective_scan_fn",
-           "selective_state_update", "rmsnorm_fn", "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
+           "selective_state_update", "rmsnorm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
            "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel",
-           "RMSNormGated", "LayerNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__"]
+           "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__"]
+
+# the fused layer paths (their own lines, so the list above can grow without touching these)
+from .torch_ops.mamba_inner import mamba_inner_fn  # noqa: E402,F401
+from .torch_ops.mamba_split import mamba_split_conv1d_scan_combined  # noqa: E402,F401
+
+__all__ += ["mamba_inner_fn", "mamba_split_conv1d_scan_combined"]
+
+# the norms of mamba_ssm's layernorm_gated.py (layernorm_fn, LayerNorm) and layer_norm.py (the fused add-norm)
+from .torch_ops.rmsnorm_gated import layernorm_fn  # noqa: E402,F401
+from .torch_ops.layer_norm import layer_norm_fn, rms_norm_fn  # noqa: E402,F401
+from .modules.rmsnorm_gated import LayerNorm as LayerNormGated  # noqa: E402,F401
+
+__all__ += ["layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated"]

@@ -21,6 +21,7 @@ def _chunk_scan(s, TH):
     R = k.R
     xd, bcd, seq = s["x_dtype"], s["bc_dtype"], s["has_seq_idx"]
     has_D, D_hd, has_z = s["has_D"], s["D_has_hdim"], s["has_z"]
+    sd = s.get("state_dtype", F32)
 
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, cb_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
@@ -34,7 +35,7 @@ def _chunk_scan(s, TH):
         Cm = T.match_buffer(c_h, (Bt, L, G, N), bcd)
         dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
         dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
+        sin = T.match_buffer(sin_h, (Bt, NC, H, P, N), sd)
         Dm = T.match_buffer(d_h, ((H, P) if D_hd else (H,)) if has_D else (1,), F32)
         seq_idx = T.match_buffer(s_h, (Bt, L) if seq else (1, 1), I32)
         y = T.match_buffer(y_h, (Bt, L, H, P), xd)
@@ -56,7 +57,7 @@ def _chunk_scan(s, TH):
                     it[0] = i // (H * P) % L
                     acc[0] = T.float32(0)
                     for n in range(N):
-                        acc[0] = acc[0] + Cm[b, t, h // R, n].astype(F32) * sin[b, c, h, p, n]
+                        acc[0] = acc[0] + Cm[b, t, h // R, n].astype(F32) * sin[b, c, h, p, n].astype(F32)
                     acc[0] = acc[0] * k.e(dA_cs, seq_idx, b, h, c, l, L)
                     if has_D:
                         acc[0] = acc[0] + (Dm[h, p] if D_hd else Dm[h]) * x[b, t, h, p].astype(F32)

@@ -308,6 +308,7 @@ def _state_passing(s, TH):
     k = _Ctx(s)
     H, P, N, Q = s["nheads"], s["headdim"], s["dstate"], s["chunk_size"]
     has_init, seq = s["has_init"], s["has_seq_idx"]
+    sd = s.get("state_dtype", F32)
 
     @T.prim_func
     def func(st_h: T.handle, dac_h: T.handle, i_h: T.handle, s_h: T.handle, sin_h: T.handle, f_h: T.handle):
@@ -318,7 +319,7 @@ def _state_passing(s, TH):
         dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
         init = T.match_buffer(i_h, (Bt, H, P, N) if has_init else Z4, F32)
         seq_idx = T.match_buffer(s_h, (Bt, L) if seq else (1, 1), I32)
-        states_in = T.match_buffer(sin_h, (Bt, NC, H, P, N), F32)
+        states_in = T.match_buffer(sin_h, (Bt, NC, H, P, N), sd)
         final = T.match_buffer(f_h, (Bt, H, P, N), F32)
         for bx in k.loop(T.ceildiv(Bt * H * P * N, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
@@ -331,7 +332,7 @@ def _state_passing(s, TH):
                 if i < Bt * H * P * N:
                     cur[0] = init[b, h, p, n] if has_init else T.float32(0)
                     for c in range(NC):
-                        states_in[b, c, h, p, n] = cur[0]
+                        states_in[b, c, h, p, n] = cur[0].astype(sd)
                         cur[0] = k.scale(dA_cs, seq_idx, b, h, c, L) * cur[0] + states[b, c, h, p, n]
                     final[b, h, p, n] = cur[0]
 
@@ -417,14 +418,15 @@ def _head_sum(s, TH):
     return func
 
 
-# the chunk-scan templates (forward, dstates, backward) are in _ssd_scan.py (file size)
+# the chunk-scan templates (forward, dstates, backward) are in _ssd_scan.py, varlen states in _ssd_varlen.py
 from ._ssd_scan import _chunk_scan, _chunk_scan_bwd, _chunk_scan_bwd_dstates  # noqa: E402
+from ._ssd_varlen import _chunk_state_varlen  # noqa: E402
 
 TEMPLATES = {"ssd_chunk_cumsum": _cumsum, "ssd_chunk_cumsum_bwd": _cumsum_bwd, "ssd_chunk_state": _chunk_state,
              "ssd_state_passing": _state_passing, "ssd_state_passing_bwd": _state_passing_bwd,
              "ssd_bmm_chunk": _bmm_chunk, "ssd_chunk_scan": _chunk_scan,
              "ssd_chunk_scan_bwd_dstates": _chunk_scan_bwd_dstates, "ssd_chunk_scan_bwd": _chunk_scan_bwd,
-             "ssd_head_sum": _head_sum}
+             "ssd_head_sum": _head_sum, "ssd_chunk_state_varlen": _chunk_state_varlen}
 
 
 def template(name: str, static: dict, threads: int = 128, serial: bool = False):

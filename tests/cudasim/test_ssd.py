@@ -9,6 +9,7 @@ dims, flags and dtypes compiles its own 5-10 kernels (~1 s each), so the tests s
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -214,3 +215,76 @@ def test_simcheck_small_config():
     static = dict(nheads=H, ngroups=G, headdim=P, dstate=N, chunk_size=Q, has_D=True, D_has_hdim=True,
                   has_z=True, has_seq_idx=True)
     simcheck.check("chunk_scan", static, {"x": "float32", "bc": "float32"}, "sm_90")
+
+
+# varlen states (cu_seqlens + return_varlen_states, batch 1) and state_dtype: 3 chunks of 16 over 37 positions;
+# sequence 0 ends in chunk 0 (holds initial_states), 1 spans chunks 0-1, 2 is empty, 3 starts inside chunk 1 and
+# ends at its last position, 4 starts at a chunk start (ragged)
+CU = [0, 5, 20, 20, 32, 37]
+
+
+def _varlen_case(dtype="float32", flags=ALL, state_dtype=None):
+    return simcheck.Case(H, G, P, N, Q, tuple(flags), dtype, dtype, 1, CU[-1], False, True, state_dtype)
+
+
+def _varlen_inputs(case):
+    t = simcheck.make_inputs(case)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    t["cu_seqlens"] = cu
+    if case.on("has_seq_idx"):
+        t["seq_idx"] = torch.repeat_interleave(torch.arange(len(CU) - 1, dtype=torch.int32), torch.diff(cu))[None]
+    return t
+
+
+@pytest.mark.parametrize("dtype, seq", [("float32", True), ("float32", False), ("bfloat16", True)])
+def test_varlen_states(dtype, seq, sim):
+    """ssd_chunk_state_varlen on the harness: each packed sequence's final state against the float64
+    reference (with seq_idx: the sequence run alone; without: upstream's chunk_state_varlen semantics), in
+    C's dtype; y / final_states as usual. bf16: err <= 2 err(reference in bf16) + atol."""
+    flags = ALL if seq else tuple(f for f in ALL if f != "has_seq_idx")
+    case = _varlen_case(dtype, flags)
+    t = _varlen_inputs(case)
+    got = _ours(case, t)
+    ref = simcheck.reference(case, t)
+    assert got["varlen_states"].dtype == LOW.get(dtype, torch.float32)
+    assert "chunk_state_varlen" in _directions(sim)
+    if dtype == "float32":
+        _assert_fp32(got, ref)
+    else:
+        low = simcheck.run(_reference_fn_varlen, case, t, dtype=LOW[dtype])
+        for k in ("y", "varlen_states"):
+            assert_close_to_ref(got[k], ref[k], low[k], name=k)
+    if seq:  # the last sequence's state is the row's final state; the empty one is zero
+        assert torch.all(got["varlen_states"][2] == 0)
+
+
+def _reference_fn_varlen(x, dt, A, B, C, chunk_size, cu_seqlens=None, return_varlen_states=False, **kw):
+    from tvm_mamba.reference.ssd import ssd_recurrence_ref, ssd_varlen_states_ref
+
+    y, f = ssd_recurrence_ref(x, dt, A, B, C, **kw)
+    v = ssd_varlen_states_ref(x, dt, A, B, C, chunk_size, cu_seqlens, dt_bias=kw["dt_bias"],
+                              initial_states=kw["initial_states"], seq_idx=kw["seq_idx"],
+                              dt_softplus=kw["dt_softplus"], dt_limit=kw["dt_limit"])
+    return y, f, v
+
+
+def test_state_dtype_bf16(sim):
+    """Chunk states stored in bf16 (state_passing writes them, chunk_scan and the varlen kernel read them) on
+    the harness: varlen states in bf16, final_states float32; y off the float32-state call by the rounding
+    only (the rounded states' effect, within the bf16 tolerance of the float64 reference)."""
+    case = _varlen_case(state_dtype="bfloat16")
+    t = _varlen_inputs(case)
+    got = _ours(case, t)
+    assert got["varlen_states"].dtype == torch.bfloat16 and got["y"].dtype == torch.float32
+    simcheck.compare_all(got, simcheck.reference(case, t), "bfloat16")
+    exact = _ours(dataclasses.replace(case, state_dtype=None), t)
+    assert not torch.equal(got["y"], exact["y"])  # the states were rounded
+    assert torch.equal(got["final_states"], exact["final_states"])  # the running state stays float32
+    torch.testing.assert_close(got["y"], exact["y"], atol=2e-2 * exact["y"].abs().max().item(), rtol=0)
+
+
+def test_simcheck_varlen_config():
+    """simcheck.ssd.check end to end on a small varlen-states configuration (bf16 chunk states)."""
+    static = dict(nheads=H, ngroups=G, headdim=P, dstate=N, chunk_size=Q, has_seq_idx=False)
+    simcheck.check("chunk_state_varlen", static, {"x": "float32", "bc": "float32", "state": "bfloat16",
+                                                  "out": "bfloat16"}, "sm_90")

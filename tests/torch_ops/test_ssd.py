@@ -245,7 +245,7 @@ def test_opcheck():
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], Q, inp["D"], inp["z"], inp["dt_bias"],
             inp["initial_states"], None, True, [0.0, 2.0], False)
     torch.library.opcheck(torch.ops.tvm_mamba.ssd_fwd, args)
-    y, f, dt_out, dA_cs, _, y_pre = torch.ops.tvm_mamba.ssd_fwd(*args)
+    y, f, dt_out, dA_cs, _, y_pre, _ = torch.ops.tvm_mamba.ssd_fwd(*args)
     bargs = (torch.randn_like(y), torch.randn_like(f), *args[:13], dt_out, dA_cs, None, y_pre)
     torch.library.opcheck(torch.ops.tvm_mamba.ssd_bwd, bargs,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

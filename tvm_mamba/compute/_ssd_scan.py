@@ -77,11 +77,11 @@ def ssd_bmm_chunk(ngroups: int, dstate: int, chunk_size: int, bc_dtype: str = F3
 
 def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
                    D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
-                   x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
+                   x_dtype: str = F32, bc_dtype: str = F32, state_dtype: str = F32, rows: int = DEFAULT_ROWS,
                    cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
     """x, z: (batch, seqlen, nheads, headdim); cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32 (C.B^T,
     ssd_bmm_chunk); C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum: (batch, nheads, nchunks, chunk_size)
-    f32; states_in: (batch, nchunks, nheads, headdim, dstate) f32; D: (nheads,) or (nheads, headdim) f32;
+    f32; states_in: (batch, nchunks, nheads, headdim, dstate) in state_dtype; D: (nheads,) or (nheads, headdim) f32;
     seq_idx: (batch, seqlen) int32
     -> y: (batch, seqlen, nheads, headdim), y_pre: same (the pre-gate output, written only with z).
 
@@ -90,6 +90,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
     """
     check_dtype("x", x_dtype)
     check_dtype("B", bc_dtype)
+    check_dtype("states", state_dtype)
     H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
     R = H // G
     mm_qp = matmul(Q, P, rows, cols, order=order)
@@ -115,7 +116,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
         Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
         dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
-        sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
+        sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), state_dtype)
         Dm = T.match_buffer(d_h, ((H, P) if D_has_hdim else (H,)) if has_D else (1,), F32)
         seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
         y = T.match_buffer(y_h, (batch, seqlen, H, P), x_dtype)
@@ -155,7 +156,7 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                         cb[l, s] = cbg[b, c, g, l, s] * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s]
             for p in range(P):
                 for n in range(N):
-                    sint[n, p] = sin[b, c, h, p, n]
+                    sint[n, p] = sin[b, c, h, p, n].astype(F32)
             # acc = e C Sin + D x, then += sum_{s<=l} cb[l, s] x[s]
             mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, p: sint[n, p], zero,
                   lambda l, p, v: T.buffer_store(acc, carried(e, Dm, xl, h, l, p, v), [l, p]))
@@ -170,8 +171,11 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                     else:
                         y[b, c * Q + l, h, p] = acc[l, p].astype(x_dtype)
 
-    return stamp(func, "ssd_chunk_scan", _static(H, G, P, N, Q, has_D=has_D, D_has_hdim=D_has_hdim, has_z=has_z,
-                                                  has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype))
+    static = _static(H, G, P, N, Q, has_D=has_D, D_has_hdim=D_has_hdim, has_z=has_z, has_seq_idx=has_seq_idx,
+                     x_dtype=x_dtype, bc_dtype=bc_dtype)
+    if state_dtype != F32:  # the default stays out of the stamp (tuning records keyed before state_dtype)
+        static["state_dtype"] = state_dtype
+    return stamp(func, "ssd_chunk_scan", static)
 
 
 def _gate(dy, z, idx, seqlen, t, has_z):

@@ -57,6 +57,11 @@ def _c(v):
 DA_MIN = -110.0  # the lowest dt'*A step: exp(-110) = 1.7e-48 is 0 in float32 (exp(-104) ~ the last denormal)
 
 
+def with_state_dtype(static: dict, state_dtype: str) -> dict:
+    """static plus state_dtype when it is not the default float32 (default stamps stay as before)."""
+    return dict(static, state_dtype=state_dtype) if state_dtype != F32 else static
+
+
 def dA_step(dt, A):
     """dt' * A clamped below at DA_MIN (issue #16): A = -inf (or a huge negative A) gives decay exp(DA_MIN) = 0,
     exactly as exp(dt' A) = 0, while every cumsum and segment difference stays finite (-inf - -inf was NaN for
@@ -263,14 +268,16 @@ def _chunk_scale(seq_idx, dA_cs, b, h, c, Q, seqlen, has_seq_idx):
 
 
 def ssd_state_passing(nheads: int, headdim: int, dstate: int, chunk_size: int, has_init: bool = False,
-                      has_seq_idx: bool = False) -> tirx.PrimFunc:
+                      has_seq_idx: bool = False, state_dtype: str = F32) -> tirx.PrimFunc:
     """states: (batch, nchunks, nheads, headdim, dstate) f32; dA_cumsum: (batch, nheads, nchunks, chunk_size);
     initial_states: (batch, nheads, headdim, dstate) f32; seq_idx: (batch, seqlen) int32
-    -> states_in: (batch, nchunks, nheads, headdim, dstate) f32 (state entering each chunk),
+    -> states_in: (batch, nchunks, nheads, headdim, dstate) in state_dtype (state entering each chunk),
     final_states: (batch, nheads, headdim, dstate) f32.
 
     Sin_0 = initial_states (or 0); Sin_{c+1} = a_c Sin_c + states_c, a_c = exp(dA_cs[c, Q-1]) (seq-masked).
+    The running state stays float32; only the stored states_in are rounded to state_dtype (``state_dtype``).
     """
+    check_dtype("states", state_dtype)
     H, P, N, Q = nheads, headdim, dstate, chunk_size
 
     @T.prim_func
@@ -282,7 +289,7 @@ def ssd_state_passing(nheads: int, headdim: int, dstate: int, chunk_size: int, h
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         init = T.match_buffer(i_h, (batch, H, P, N) if has_init else (1, 1, 1, 1), F32)
         seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
-        states_in = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
+        states_in = T.match_buffer(sin_h, (batch, nchunks, H, P, N), state_dtype)
         final = T.match_buffer(f_h, (batch, H, P, N), F32)
         for bhp in T.parallel(batch * H * P):
             b = T.meta_var(bhp // (H * P))
@@ -295,13 +302,13 @@ def ssd_state_passing(nheads: int, headdim: int, dstate: int, chunk_size: int, h
             for c in range(nchunks):
                 a[0] = _chunk_scale(seq_idx, dA_cs, b, h, c, Q, seqlen, has_seq_idx)
                 for n in T.vectorized(N):
-                    states_in[b, c, h, p, n] = cur[n]
+                    states_in[b, c, h, p, n] = cur[n].astype(state_dtype)
                     cur[n] = a[0] * cur[n] + states[b, c, h, p, n]
             for n in T.vectorized(N):
                 final[b, h, p, n] = cur[n]
 
-    return stamp(func, "ssd_state_passing", dict(nheads=H, headdim=P, dstate=N, chunk_size=Q, has_init=has_init,
-                                                  has_seq_idx=has_seq_idx))
+    return stamp(func, "ssd_state_passing", with_state_dtype(dict(
+        nheads=H, headdim=P, dstate=N, chunk_size=Q, has_init=has_init, has_seq_idx=has_seq_idx), state_dtype))
 
 
 def ssd_state_passing_bwd(nheads: int, headdim: int, dstate: int, chunk_size: int, has_init: bool = False,
@@ -393,9 +400,10 @@ def ssd_head_sum(nheads: int, ngroups: int, dstate: int, out_dtype: str = F32) -
 # The two chunk-scan kernels (forward and the per-chunk backward) live in _ssd_scan.py (file size).
 from ._ssd_scan import ssd_bmm_chunk, ssd_chunk_scan, ssd_chunk_scan_bwd_dstates  # noqa: E402,F401
 from ._ssd_scan_bwd import ssd_chunk_scan_bwd  # noqa: E402,F401
+from ._ssd_varlen import ssd_chunk_state_varlen  # noqa: E402,F401
 
 DIRECTIONS = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
-              "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum")
+              "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum", "chunk_state_varlen")
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
@@ -436,7 +444,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: the Mamba-2
     2.7B shape (nheads 80, ngroups 1, headdim 64, dstate 128, chunk 256) and the same with dstate 256, bf16
     activations, with every optional input on (D per head, z, dt_bias, softplus, dt_limit, initial and
-    final states, seq_idx) and, for the 2.7B shape, the plain variant too."""
+    final states, seq_idx) and, for the 2.7B shape, the plain variant too; then the varlen-states kernel
+    (with seq_idx; without, from bf16 chunk states) and the kernels that store / read bf16 chunk states."""
     out = []
     dts = {"x": "bfloat16", "bc": "bfloat16"}
     for dstate, flag_sets in ((128, (False, True)), (256, (True,))):
@@ -453,4 +462,12 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                     ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts)]
         out.append(("head_sum", dict(nheads=80, ngroups=1, dstate=dstate), {"out": "bfloat16"}))
         out.append(("bmm_chunk", dict(ngroups=1, dstate=dstate, chunk_size=256), {"bc": "bfloat16"}))
+    # varlen states (batch 1, cu_seqlens) and chunk states stored in bf16 (state_dtype), at the 2.7B shape
+    dims = dict(nheads=80, ngroups=1, headdim=64, dstate=128, chunk_size=256)
+    sdims = dict(nheads=80, headdim=64, dstate=128, chunk_size=256)
+    out += [("chunk_state_varlen", dict(dims, has_seq_idx=True), dict(dts, out="bfloat16")),
+            ("chunk_state_varlen", dict(dims, has_seq_idx=False), dict(dts, state="bfloat16", out="bfloat16")),
+            ("state_passing", dict(sdims, has_init=True, has_seq_idx=True), {"state": "bfloat16"}),
+            ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True),
+             dict(dts, state="bfloat16"))]
     return out

@@ -127,3 +127,90 @@ def lm_ref(p, input_ids, mixer, n_layer, residual_in_fp32=True, eps=1e-5):
         h = mixer({k[len(pre) + 6:]: v for k, v in p.items() if k.startswith(pre + "mixer.")}, h)
     h = rmsnorm_ref(h + residual, p["backbone.norm_f.weight"], eps)
     return F.linear(h, p["lm_head.weight"])
+
+
+def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+                    out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None, C_proj_bias=None,
+                    delta_softplus=True, checkpoint_lvl=1, b_rms_weight=None, c_rms_weight=None, dt_rms_weight=None,
+                    b_c_dt_rms_eps=1e-6):
+    """Mamba-1's fused path (mamba_ssm ``mamba_inner_fn``) composed from the references, in xz's dtype.
+
+    xz: (batch, 2*d_inner, seqlen); conv1d_weight: (d_inner, 1, width) or (d_inner, width); x_proj_weight:
+    (dt_rank + 2*d_state, d_inner) (B at rows dt_rank:dt_rank+d_state, C the last d_state, each only when not
+    given); delta_proj_weight: (d_inner, dt_rank); out_proj_weight: (d_out, d_inner); A: (d_inner, d_state)
+    -> out: (batch, seqlen, d_out).
+
+    x, z = xz; u = silu(conv(x)); x_dbl = x_proj(u); delta = dt_proj(x_dbl[:dt_rank]) (rms * dt_rms_weight);
+    B = rms(x_dbl[B rows] + B_proj_bias) * b_rms_weight (C alike); y = scan(u, delta, A, B, C, D, z,
+    delta_bias, delta_softplus); out = out_proj(y). checkpoint_lvl changes memory only.
+    """
+    dtype = xz.dtype
+    dim = xz.shape[1] // 2
+    rank, dstate = delta_proj_weight.shape[1], A.shape[1]
+    w = conv1d_weight[:, 0] if conv1d_weight.dim() == 3 else conv1d_weight
+    x, z = xz.chunk(2, dim=1)
+    u = causal_conv1d_ref(x, w, conv1d_bias, activation="silu")
+    x_dbl = F.linear(u.transpose(1, 2), x_proj_weight)  # (batch, seqlen, K)
+    delta = F.linear(x_dbl[..., :rank], delta_proj_weight)
+    if dt_rms_weight is not None:
+        delta = rmsnorm_gated_ref(delta, dt_rms_weight, eps=b_c_dt_rms_eps)
+    mats = {}
+    for name, M, rows, bias, rms in (("B", B, slice(rank, rank + dstate), B_proj_bias, b_rms_weight),
+                                     ("C", C, slice(x_dbl.shape[-1] - dstate, None), C_proj_bias, c_rms_weight)):
+        if M is None:
+            M = x_dbl[..., rows]
+            if bias is not None:
+                M = M + bias.to(dtype)
+            if rms is not None:
+                M = rmsnorm_gated_ref(M, rms, eps=b_c_dt_rms_eps)
+            M = M.transpose(1, 2)  # (batch, d_state, seqlen)
+        mats[name] = M
+    y = selective_scan_ref(u, delta.transpose(1, 2), A, mats["B"], mats["C"], D, z=z, delta_bias=delta_bias,
+                           delta_softplus=delta_softplus, dtype=dtype)
+    return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
+
+
+def mamba_split_conv1d_scan_ref(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=None,
+                                seq_idx=None, dt_limit=NO_LIMIT, return_final_states=False, activation="silu",
+                                rmsnorm_weight=None, rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None,
+                                headdim=None, ngroups=1, norm_before_gate=True):
+    """Mamba-2's fused path (mamba_ssm ``mamba_split_conv1d_scan_combined``) composed from the references
+    (the step-by-step SSD recurrence), in zxbcdt's dtype.
+
+    zxbcdt: (batch, seqlen, 2*d_nonssm + 2*dim + 2*ngroups*dstate + nheads), dim = nheads*headdim;
+    conv1d_weight: (dim + 2*ngroups*dstate, width) (or with a middle 1); dt_bias, A: (nheads,); D: (nheads,)
+    (headdim given) or (nheads, headdim); initial_states: (batch, nheads, headdim, dstate); seq_idx:
+    (batch, seqlen); rmsnorm_weight: (dim,); outproj_weight: (d_out, d_nonssm + dim)
+    -> out: (batch, seqlen, d_out or d_nonssm + dim) [, final_states (batch, nheads, headdim, dstate)].
+
+    [z0, x0, z, xBC, dt] = zxbcdt; xBC = act(conv(xBC, seq_idx)); [x, B, C] = xBC; y = SSD(x, dt, A, B, C, D,
+    dt_bias, softplus, dt_limit, initial_states, seq_idx); y = rmsnorm_g(y, z) (group dim/ngroups) if
+    rmsnorm_weight else y * silu(z); out = outproj([silu(z0) * x0, y]). chunk_size changes nothing here.
+    """
+    batch, seqlen, width = zxbcdt.shape
+    if D.dim() == 1:
+        nheads = D.shape[0]
+    else:
+        nheads, headdim = D.shape
+    dim = nheads * headdim
+    w = conv1d_weight[:, 0] if conv1d_weight.dim() == 3 else conv1d_weight
+    dstate = (w.shape[0] - dim) // ngroups // 2
+    d_nonssm = (width - 2 * dim - 2 * ngroups * dstate - nheads) // 2
+    z0, x0, z, xBC, dt = torch.split(zxbcdt, [d_nonssm, d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+    xBC = causal_conv1d_ref(xBC.transpose(1, 2), w, conv1d_bias, seq_idx=seq_idx, activation=activation)
+    x, B, C = torch.split(xBC.transpose(1, 2), [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+    z = z.reshape(batch, seqlen, nheads, headdim)
+    y, final = ssd_recurrence_ref(
+        x.reshape(batch, seqlen, nheads, headdim), dt, A, B.reshape(batch, seqlen, ngroups, dstate),
+        C.reshape(batch, seqlen, ngroups, dstate), D=D, z=z if rmsnorm_weight is None else None, dt_bias=dt_bias,
+        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=tuple(dt_limit),
+        return_final_states=True)
+    y = y.reshape(batch, seqlen, dim)
+    if rmsnorm_weight is not None:
+        y = rmsnorm_gated_ref(y, rmsnorm_weight, z=z.reshape(batch, seqlen, dim), eps=rmsnorm_eps,
+                              group_size=dim // ngroups, norm_before_gate=norm_before_gate)
+    if d_nonssm > 0:
+        y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+    if outproj_weight is not None:
+        y = F.linear(y, outproj_weight, outproj_bias)
+    return (y, final) if return_final_states else y

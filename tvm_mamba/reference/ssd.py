@@ -80,11 +80,13 @@ def segsum(x):
 
 
 def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+                    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, state_dtype=None):
     """Shapes as :func:`ssd_recurrence_ref` (no seq_idx). The chunked SSD algorithm in einsums, after
     upstream's ``ssd_minimal_discrete``: Y = Y_diag (C B^T * exp(segsum) * dt, times x) + Y_off (C times
     the carried chunk states); the states pass between chunks through exp(segsum of chunk totals).
     seqlen is zero-padded up to a multiple of chunk_size (padding has dt = 0: no decay, no input).
+    state_dtype: the states entering each chunk (what Y_off reads) are rounded to it (mamba_ssm's
+    ``state_dtype``: chunk states stored in that dtype); the final state is not rounded.
     """
     batch, seqlen, nheads, headdim = x.shape
     ngroups = B.shape[2]
@@ -117,6 +119,8 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
     decay_chunk = torch.exp(segsum(F.pad(A_cumsum[..., -1], (1, 0))))  # (b, h, c+1, c+1)
     new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
     states, final_state = new_states[:, :-1], new_states[:, -1]
+    if state_dtype is not None:
+        states = states.to(state_dtype).to(new_states.dtype)
     state_decay_out = torch.exp(A_cumsum)
     Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, states, state_decay_out)
     y = (Y_diag + Y_off).reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :seqlen]
@@ -127,3 +131,34 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
     if z is not None:
         y = y * F.silu(z)
     return (y, final_state) if return_final_states else y
+
+
+def ssd_varlen_states_ref(x, dt, A, B, C, chunk_size, cu_seqlens, dt_bias=None, initial_states=None,
+                          seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """x: (1, seqlen, nheads, headdim); dt: (1, seqlen, nheads); B, C: (1, seqlen, ngroups, dstate);
+    cu_seqlens: (num_seqs + 1,); initial_states: (1, nheads, headdim, dstate); seq_idx: (1, seqlen)
+    -> varlen_states: (num_seqs, nheads, headdim, dstate), in x's dtype.
+
+    mamba_ssm's ``chunk_state_varlen`` semantics, from the step-by-step recurrence: for sequence [s, e) whose
+    last position lies in chunk c, the state of the same recurrence as y (``ssd_recurrence_ref``: resets where
+    seq_idx changes, initial_states for id 0) after position e - 1 when the sequence began before chunk c or
+    at position 0; otherwise (it began inside chunk c) the recurrence restarted from zero at s. With seq_idx
+    consistent with cu_seqlens both are the sequence's own final state. An empty sequence gives zeros.
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    dstate = B.shape[3]
+    out = x.new_zeros(len(cu_seqlens) - 1, nheads, headdim, dstate)
+    bounds = [int(v) for v in cu_seqlens]
+    kw = dict(D=None, z=None, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+              return_final_states=True)
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if e == s:
+            continue
+        c = (e - 1) // chunk_size
+        if s < max(c * chunk_size, 1):  # the running state after e - 1
+            _, h = ssd_recurrence_ref(x[:, :e], dt[:, :e], A, B[:, :e], C[:, :e], initial_states=initial_states,
+                                      seq_idx=None if seq_idx is None else seq_idx[:, :e], **kw)
+        else:  # the sequence alone, from zero
+            _, h = ssd_recurrence_ref(x[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], **kw)
+        out[i] = h[0]
+    return out

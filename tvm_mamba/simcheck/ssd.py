@@ -24,7 +24,7 @@ import torch
 from . import CheckFailed, compare, ran, recording, tolerance
 
 OP = "ssd"
-FORWARD = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan")
+FORWARD = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan", "chunk_state_varlen")
 BACKWARD = ("chunk_cumsum_bwd", "state_passing_bwd", "chunk_scan_bwd_dstates", "chunk_scan_bwd", "head_sum")
 FLAGS = ("has_dt_bias", "dt_softplus", "has_dt_limit", "has_seq_idx", "has_init", "has_dfinal", "has_D",
          "D_has_hdim", "has_z")
@@ -50,6 +50,8 @@ class Case:
     batch: int = BATCH
     seqlen: int = SEQLEN
     backward: bool = True
+    varlen: bool = False  # cu_seqlens + return_varlen_states (batch 1: cu_seqlens [0, SEQ_SPLIT, seqlen])
+    state_dtype: str | None = None  # the call's state_dtype (None: the default)
 
     def on(self, flag: str) -> bool:
         return flag in self.flags
@@ -66,7 +68,12 @@ def case_of(direction: str, static: dict, dtypes: dict) -> Case:
     xd = dtypes.get("x", dtypes.get("bc", dtypes.get("out", "float32")))
     bcd = dtypes.get("bc", dtypes.get("out", xd))
     flags = tuple(f for f in FLAGS if static.get(f, False))
-    return Case(**dims, flags=flags, x_dtype=xd, bc_dtype=bcd, backward=direction in BACKWARD)
+    varlen = direction == "chunk_state_varlen"
+    state = dtypes.get("state")  # chunk states in another dtype than float32 (state_passing / chunk_scan / varlen)
+    if varlen and state is None and dtypes.get("out", bcd) != bcd:  # varlen states out in state_dtype, else C's
+        state = dtypes["out"]
+    return Case(**dims, flags=flags, x_dtype=xd, bc_dtype=bcd, backward=direction in BACKWARD, varlen=varlen,
+                state_dtype=state)
 
 
 def make_inputs(case: Case, seed: int = 0) -> dict:
@@ -92,6 +99,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
     t["seq_idx"] = seq_idx_of(b, L) if on("has_seq_idx") else None
     t["gy"] = r(b, L, H, P, dtype=xd).double()
     t["gf"] = r(b, H, P, N).double() if on("has_dfinal") else None
+    t["cu_seqlens"] = torch.tensor([0, min(SEQ_SPLIT, L), L], dtype=torch.int32) if case.varlen else None
     return t
 
 
@@ -109,6 +117,14 @@ def call_kwargs(case: Case) -> dict:
                 dt_limit=DT_LIMIT if case.on("has_dt_limit") else (0.0, math.inf))
 
 
+def varlen_kwargs(case: Case, t: dict) -> dict:
+    """cu_seqlens / return_varlen_states / state_dtype of the call (empty where the case has them off)."""
+    kw = dict(cu_seqlens=t["cu_seqlens"], return_varlen_states=True) if case.varlen else {}
+    if case.state_dtype is not None:
+        kw["state_dtype"] = DTYPES[case.state_dtype]
+    return kw
+
+
 def run(fn, case: Case, t: dict, dtype=None, **kw) -> dict:
     """``fn`` (mamba_chunk_scan_combined or the reference, with mamba_ssm's signature) on copies of ``t``
     (cast to ``dtype`` if given) -> {"y", "final_states" (None unless it takes a loss), "d<name>" for each
@@ -121,9 +137,11 @@ def run(fn, case: Case, t: dict, dtype=None, **kw) -> dict:
         leaves[k] = v
     rest = {k: leaves[k] for k in NAMES[5:]}
     out = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], case.chunk_size, **rest,
-             seq_idx=t["seq_idx"], return_final_states=True, **call_kwargs(case), **kw)
-    y, final = out
+             seq_idx=t["seq_idx"], return_final_states=True, **call_kwargs(case), **varlen_kwargs(case, t), **kw)
+    y, final = out[:2]
     res = {"y": y.detach(), "final_states": final.detach() if t["gf"] is not None else None}
+    if case.varlen:
+        res["varlen_states"] = out[2].detach()
     if case.backward:
         loss = (y.double() * t["gy"]).sum()
         if t["gf"] is not None:
@@ -135,25 +153,32 @@ def run(fn, case: Case, t: dict, dtype=None, **kw) -> dict:
 
 def reference(case: Case, t: dict) -> dict:
     """:func:`run` of the float64 recurrence on the same inputs."""
-    from ..reference.ssd import ssd_recurrence_ref
+    from ..reference.ssd import ssd_recurrence_ref, ssd_varlen_states_ref
 
-    def ref(x, dt, A, B, C, chunk_size, **kw):
-        return ssd_recurrence_ref(x, dt, A, B, C, **kw)
+    def ref(x, dt, A, B, C, chunk_size, cu_seqlens=None, return_varlen_states=False, state_dtype=None, **kw):
+        out = ssd_recurrence_ref(x, dt, A, B, C, **kw)
+        if not return_varlen_states:
+            return out
+        v = ssd_varlen_states_ref(x, dt, A, B, C, chunk_size, cu_seqlens, dt_bias=kw["dt_bias"],
+                                  initial_states=kw["initial_states"], seq_idx=kw["seq_idx"],
+                                  dt_softplus=kw["dt_softplus"], dt_limit=kw["dt_limit"])
+        return (*out, v)
 
     return run(ref, case, t, dtype=torch.float64)
 
 
-def compare_all(got: dict, ref: dict) -> None:
+def compare_all(got: dict, ref: dict, state_dtype: str | None = None) -> None:
     """CheckFailed naming the first output or gradient off its reference. Tolerances: the output dtype's
-    (simcheck.tolerance), atol scaled by the reference's largest magnitude (these are sums over up to
-    seqlen x heads x headdim terms: the rounding grows with the sum)."""
+    (simcheck.tolerance; the state dtype's where chunk states are stored in a lower precision), atol scaled by
+    the reference's largest magnitude (these are sums over up to seqlen x heads x headdim terms: the rounding
+    grows with the sum)."""
     for name, r in ref.items():
         v = got.get(name)
         if r is None:
             continue
         if v is None:
             raise CheckFailed(f"{name}: missing (the reference has it)")
-        rtol, atol = tolerance(v.dtype)
+        rtol, atol = max(tolerance(v.dtype), tolerance(state_dtype or "float32"))
         compare(name, v, r, rtol, atol * max(1.0, r.abs().max().item()))
 
 
@@ -172,4 +197,4 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     t = make_inputs(case)
     got, keys = run_simulated(case, t, arch)
     ran(keys, OP, direction, static, dtypes)
-    compare_all(got, reference(case, t))
+    compare_all(got, reference(case, t), case.state_dtype)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..compute._ssd_dims import head_parts
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
+from ._dlpack import FLOATS, TORCH_TO_TVM, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "ssd"
 F32 = torch.float32
@@ -104,15 +104,33 @@ class _Call:
                     {"bc": self.dtypes["bc"]})(self.B, self.C, cb)
         return cb
 
-    def states(self, dt_out, dA_cs, init):
+    def states(self, dt_out, dA_cs, init, state_dtype=F32):
+        """-> states_in (the state entering each chunk, stored in state_dtype), final_states (f32)."""
         states = self.new(self.state_shape())
         self.kernel("chunk_state", dict(self.dims, has_seq_idx=self.has_seq))(
             self.x, self.B, dt_out, dA_cs, self.seq, states)
-        states_in = self.new(self.state_shape())
+        states_in = self.new(self.state_shape(), state_dtype)
         final = self.new((self.batch, self.nheads, self.headdim, self.dstate))
         self.kernel("state_passing", dict(self.state_dims, has_init=init is not None, has_seq_idx=self.has_seq),
-                    {})(states, dA_cs, _opt(init, self.x, F32, 4), self.seq, states_in, final)
+                    _state_key({}, state_dtype))(states, dA_cs, _opt(init, self.x, F32, 4), self.seq, states_in,
+                                                 final)
         return states_in, final
+
+    def varlen_states(self, dt_out, dA_cs, states_in, cu_seqlens, out_dtype):
+        """The final state of every sequence packed into the batch-1 row: (num_seqs, nheads, headdim, dstate)
+        in out_dtype (ssd_chunk_state_varlen)."""
+        out = self.new((cu_seqlens.shape[0] - 1, self.nheads, self.headdim, self.dstate), out_dtype)
+        seq = self.seq_idx[0] if self.seq_idx is not None else dummy(self.dev, torch.int32, 1)
+        dtypes = _state_key(dict(self.dtypes, out=tvm_dtype(out)), states_in.dtype)
+        self.kernel("chunk_state_varlen", dict(self.dims, has_seq_idx=self.has_seq), dtypes)(
+            self.x[0], self.B[0], dt_out[0], dA_cs[0], states_in[0], cu_seqlens, seq, out)
+        return out
+
+
+def _state_key(dtypes: dict, state_dtype) -> dict:
+    """Kernel dtypes plus "state" for chunk states stored in another dtype than float32 (the default keeps the
+    keys, and the tuning records, of the float32-state kernels)."""
+    return dict(dtypes, state=TORCH_TO_TVM[state_dtype]) if state_dtype != F32 else dtypes
 
 
 def _call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit):
@@ -123,34 +141,47 @@ def _call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_li
 def ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
             z: Optional[Tensor], dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
             seq_idx: Optional[Tensor], dt_softplus: bool, dt_limit: Sequence[float],
-            keep_chunk_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            keep_chunk_states: bool, cu_seqlens: Optional[Tensor] = None,
+            state_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x: (batch, seqlen, nheads, headdim) ... -> y (x's dtype), final_states (batch, nheads, headdim, dstate)
     f32, and for backward: dt_out, dA_cumsum (batch, nheads, nchunks, chunk_size) f32, states_in
-    (batch, nchunks, nheads, headdim, dstate) f32 or (0,), y_pre (x's shape and dtype, or (0,) without z)."""
+    (batch, nchunks, nheads, headdim, dstate) f32 or (0,), y_pre (x's shape and dtype, or (0,) without z);
+    last, varlen_states (num_seqs, nheads, headdim, dstate) in state_dtype (default C's dtype, as upstream)
+    when cu_seqlens (int32, validated, batch 1) is given, else (0,). The chunk states are stored in
+    state_dtype (default float32); they are kept for backward only when float32."""
     k = _call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit)
+    sdt = F32 if state_dtype is None else state_dtype
     dt_out, dA_cs = k.cumsum()
-    states_in, final = k.states(dt_out, dA_cs, _f32(initial_states))
+    states_in, final = k.states(dt_out, dA_cs, _f32(initial_states), sdt)
+    varlen = (k.varlen_states(dt_out, dA_cs, states_in, prepare(cu_seqlens), state_dtype or C.dtype)
+              if cu_seqlens is not None else _empty(final))
     y = torch.empty_like(k.x)
     y_pre = torch.empty_like(k.x) if z is not None else _empty(k.x)
     static = dict(k.dims, has_D=D is not None, D_has_hdim=D is not None and D.dim() == 2, has_z=z is not None,
                   has_seq_idx=k.has_seq)
-    k.kernel("chunk_scan", static)(k.x, _opt(k.z, k.x, k.x.dtype, 4), k.cb(), k.C, dt_out, dA_cs, states_in,
-                                   k.Dk, k.seq, y, y_pre if z is not None else dummy(k.dev, k.x.dtype, 4))
-    return y, final, dt_out, dA_cs, states_in if keep_chunk_states else _empty(final), y_pre
+    k.kernel("chunk_scan", static, _state_key(k.dtypes, sdt))(
+        k.x, _opt(k.z, k.x, k.x.dtype, 4), k.cb(), k.C, dt_out, dA_cs, states_in, k.Dk, k.seq, y,
+        y_pre if z is not None else dummy(k.dev, k.x.dtype, 4))
+    keep = keep_chunk_states and sdt == F32  # other state dtypes: backward recomputes float32 states
+    return y, final, dt_out, dA_cs, states_in if keep else _empty(final), y_pre, varlen
 
 
 @ssd_fwd.register_fake
-def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit, keep_chunk_states):
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit, keep_chunk_states,
+      cu_seqlens=None, state_dtype=None):
     batch, seqlen, nheads, headdim = x.shape
     dstate = B.shape[3]
     nchunks = -(-seqlen // chunk_size)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     final = x.new_empty((batch, nheads, headdim, dstate), dtype=F32)
     dt_out = x.new_empty((batch, nheads, nchunks, chunk_size), dtype=F32)
-    states = (x.new_empty((batch, nchunks, nheads, headdim, dstate), dtype=F32) if keep_chunk_states
+    keep = keep_chunk_states and state_dtype in (None, F32)
+    states = (x.new_empty((batch, nchunks, nheads, headdim, dstate), dtype=F32) if keep
               else x.new_empty((0,), dtype=F32))
     y_pre = torch.empty_like(y) if z is not None else x.new_empty((0,))
-    return y, final, dt_out, torch.empty_like(dt_out), states, y_pre
+    varlen = (x.new_empty((cu_seqlens.shape[0] - 1, nheads, headdim, dstate), dtype=state_dtype or C.dtype)
+              if cu_seqlens is not None else x.new_empty((0,), dtype=F32))
+    return y, final, dt_out, torch.empty_like(dt_out), states, y_pre, varlen
 
 
 @torch.library.custom_op("tvm_mamba::ssd_bwd", mutates_args=())
@@ -233,8 +264,9 @@ def _(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
 
 def _setup_context(ctx, inputs, output):
     (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-     keep_chunk_states) = inputs
-    _, _, dt_out, dA_cs, states_in, y_pre = output
+     keep_chunk_states, _cu_seqlens, _state_dtype) = inputs
+    _, _, dt_out, dA_cs, states_in, y_pre, _varlen = output
+    keep_chunk_states = states_in.numel() > 0  # kept only for float32 chunk states (ssd_fwd)
     # the aux outputs carry no gradient; unused gradients stay None (no zero-filled (batch, seqlen, ...)
     # tensors from the autograd engine: y_pre alone is x's size)
     ctx.mark_non_differentiable(dt_out, dA_cs, states_in, y_pre)
@@ -244,11 +276,15 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (chunk_size, dt_softplus, tuple(dt_limit))
 
 
-def _backward(ctx, dy, dfinal, *_aux):
+def _backward(ctx, dy, dfinal, *aux):
+    if aux[-1] is not None:  # mamba_ssm: "return_varlen_states is not supported in backward"
+        raise NotImplementedError(
+            "mamba_chunk_scan_combined: no gradient flows through varlen_states (return_varlen_states=True); as "
+            "in mamba_ssm, varlen states are for inference (y and final_states do have gradients)")
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_out, dA_cs, states_in, y_pre = ctx.saved_tensors
     chunk_size, dt_softplus, dt_limit = ctx.args
     if dy is None and dfinal is None:
-        return (None,) * 14
+        return (None,) * 16
     if dy is None:
         dy = torch.zeros_like(x)
     grads = torch.ops.tvm_mamba.ssd_bwd(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
@@ -256,7 +292,7 @@ def _backward(ctx, dy, dfinal, *_aux):
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
     return (dx, ddt, dA, dB, dC, None, dD if D is not None else None, dz if z is not None else None,
             ddt_bias if dt_bias is not None else None, dinit if initial_states is not None else None,
-            None, None, None, None)
+            None, None, None, None, None, None)
 
 
 ssd_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -325,25 +361,75 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     return lo, hi
 
 
+def _validate_cu_seqlens(cu_seqlens, seq_idx, x):
+    """cu_seqlens: (num_seqs + 1,) int32 / int64 on x's device, batch 1, 0 = cu[0] <= ... <= cu[-1] = seqlen,
+    and where seq_idx is given too, seq_idx changes exactly at the starts of the (non-empty) sequences.
+    -> cu_seqlens as int32. The value checks are skipped while torch.compile traces (fake tensors)."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens: required when return_varlen_states=True (the packed sequences' boundaries)")
+    batch, seqlen = x.shape[:2]
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=x.device)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected (num_sequences + 1,) with at least one sequence, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need batch 1 (as mamba_ssm), x has batch {batch}")
+    if not torch.compiler.is_compiling():
+        cu = cu_seqlens.cpu().long()
+        if int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens: must start at 0, got {int(cu[0])}")
+        if bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"cu_seqlens: must be non-decreasing, got {cu.tolist()}")
+        if int(cu[-1]) != seqlen:
+            raise ValueError(f"cu_seqlens: must end at seqlen={seqlen}, got {int(cu[-1])}")
+        if seq_idx is not None and seqlen > 1:
+            starts = torch.zeros(seqlen, dtype=torch.bool)
+            inner = cu[(cu > 0) & (cu < seqlen)]
+            starts[inner] = True
+            changes = (seq_idx[0, 1:] != seq_idx[0, :-1]).cpu()
+            if not torch.equal(changes, starts[1:]):
+                t = int((changes != starts[1:]).nonzero()[0, 0]) + 1
+                raise ValueError(f"cu_seqlens: inconsistent with seq_idx at position {t} (seq_idx must change "
+                                 f"exactly where a packed sequence starts)")
+    return cu_seqlens.to(torch.int32)
+
+
+def _check_state_dtype(state_dtype):
+    if state_dtype is not None and state_dtype not in FLOATS:
+        raise TypeError(f"state_dtype: expected None or one of {FLOATS}, got {state_dtype!r}")
+
+
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                              seq_idx=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                              return_final_states=False, *, keep_chunk_states=False):
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, return_varlen_states=False, state_dtype=None, *,
+                              keep_chunk_states=False):
     """Mamba-2 SSD scan.
 
     x, z: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,); B, C:
     (batch, seqlen, ngroups, dstate) of one dtype, ngroups | nheads; D: (nheads,) or (nheads, headdim); dt_bias:
     (nheads,); initial_states: (batch, nheads, headdim, dstate); seq_idx: (batch, seqlen) int32,
-    nondecreasing per row; chunk_size in 1..256 (any seqlen).
-    Returns y: (batch, seqlen, nheads, headdim) in x's dtype, and final_states (batch, nheads, headdim,
-    dstate) float32 when return_final_states.
+    nondecreasing per row; cu_seqlens: (num_sequences + 1,) int32/int64, batch 1, only used with
+    return_varlen_states (as upstream); chunk_size in 1..256 (any seqlen).
+    Returns y: (batch, seqlen, nheads, headdim) in x's dtype; then final_states (batch, nheads, headdim,
+    dstate) float32 when return_final_states; then varlen_states (num_sequences, nheads, headdim, dstate),
+    the state after each packed sequence's last position, in state_dtype (default C's dtype, as upstream),
+    when return_varlen_states.
 
     dt <- clamp(softplus(dt + dt_bias)) (softplus if dt_softplus, clamp if dt_limit != (0, inf));
     h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T; y_t = h_t C_t + D x_t; y *= silu(z); h restarts from 0
     where seq_idx changes (initial_states continue the sequence with id 0).
+    state_dtype: the dtype the states entering each chunk are stored in (y reads them; default float32,
+    upstream's default is C's dtype); final_states stay float32. Backward always uses float32 states.
     keep_chunk_states (extension): keep the per-chunk states from the forward for backward instead of
-    recomputing them (faster backward, batch*nchunks*nheads*headdim*dstate fp32 more memory).
+    recomputing them (faster backward, batch*nchunks*nheads*headdim*dstate fp32 more memory; float32
+    chunk states only).
     """
     lo, hi = _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
-    y, final, *_ = run_op(ssd_fwd, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                          bool(dt_softplus), [lo, hi], bool(keep_chunk_states))
-    return (y, final) if return_final_states else y
+    _check_state_dtype(state_dtype)
+    cu = _validate_cu_seqlens(cu_seqlens, seq_idx, x) if return_varlen_states else None
+    y, final, *_, varlen = run_op(ssd_fwd, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                  bool(dt_softplus), [lo, hi], bool(keep_chunk_states), cu, state_dtype)
+    out = (y, final) if return_final_states else (y,)
+    if return_varlen_states:
+        out = out + (varlen,)
+    return out if len(out) > 1 else y
