@@ -36,17 +36,20 @@ def test_fp32(is_rms_norm, rdt, fp32, sim):
         assert_close_to_ref(gv, rv, name=name, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("is_rms_norm", [True, False])
-def test_bf16_with_fp32_residual(is_rms_norm):
-    x, w, b, r = _cpu_inputs((4, 3), torch.bfloat16, not is_rms_norm, torch.float32, seed=3, hidden=HIDDEN)
+@pytest.mark.parametrize("is_rms_norm,rdt", [(True, torch.float32), (False, torch.float32), (True, None)])
+def test_bf16_with_fp32_residual(is_rms_norm, rdt):
+    """Block's paths: bf16 hidden states with the fp32 residual of residual_in_fp32, and the first layer (no
+    residual yet: residual_out = x stored in float32)."""
+    x, w, b, r = _cpu_inputs((4, 3), torch.bfloat16, not is_rms_norm, rdt, seed=3, hidden=HIDDEN)
     g = torch.Generator().manual_seed(4)
     douts = (torch.randn(4, 3, HIDDEN, generator=g), torch.randn(4, 3, HIDDEN, generator=g))
-    kw = dict(eps=1e-5, is_rms_norm=is_rms_norm)
+    kw = dict(eps=1e-5, is_rms_norm=is_rms_norm, residual_in_fp32=True)
     got = _run(layer_norm_fn, x, w, b, r, douts, **kw)
     ref64 = _run(layer_norm_ref, *(t.detach().double() if t is not None else None for t in (x, w, b, r)),
                  [d.double() for d in douts], **kw)
     low = _run(layer_norm_ref, x, w, b, r, douts, **kw)
-    for name, gv, rv, lo in zip(_names(b is not None, True), got, ref64, low):
+    assert got[1].dtype == torch.float32
+    for name, gv, rv, lo in zip(_names(b is not None, r is not None), got, ref64, low):
         assert gv.dtype == lo.dtype, name
         assert_close_to_ref(gv, rv, lo, name=name)
 
