@@ -38,7 +38,7 @@ def _fwd(func, st: dict, decisions):
     sch.bind(r1, "blockIdx.x")
     for name in ("sumsq",) if rms else ("sumsq", "sum"):  # consumers first: sum feeds sumsq and the mean
         _cross_thread(sch, sch.get_sblock(name), g, threads)
-    multi = st["store_residual"] or st["store_dropout_mask"]
+    multi = st["store_residual"] or st["store_dropout_mask"] or st["has_weight1"]
     r, h = sch.get_loops(sch.get_sblock("out_v0" if multi else "out"))
     sch.bind(r, "blockIdx.x")
     _, hi = sch.split(h, [None, threads])
@@ -62,7 +62,7 @@ def _bwd(func, st: dict, decisions):
     # kernel 1: one block per row; the row's per-group dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are
     # cross-thread reductions (warp shuffles + shared memory) kept in registers, then each thread writes its
     # dx (and dz, dresidual_in) elements.
-    multi = st["has_z"] or st["store_dresidual"]
+    multi = st["has_z"] or st["store_dresidual"] or (st["has_x1"] and st["dropout_p"] > 0)
     r, h = sch.get_loops(sch.get_sblock("dxdz_v0" if multi else "dx"))
     sch.bind(r, "blockIdx.x")
     # threads divides group_size: each group is gs/threads consecutive chunks, so the group's reductions are
@@ -82,11 +82,13 @@ def _bwd(func, st: dict, decisions):
     sch.bind(ho, "blockIdx.x")
     sch.bind(hi2, "threadIdx.x")
     # kernel 3 (stage 2): one thread per feature, parts added in order in a register, then cast.
-    for acc_name, fin_name, present in (("dweight_acc", "dweight", True), ("dbias_acc", "dbias", st["has_bias"])):
+    w1 = st["has_weight1"]
+    for name, present in (("dweight", True), ("dbias", st["has_bias"]), ("dweight1", w1),
+                          ("dbias1", w1 and st["has_bias1"])):
         if present:
-            acc = sch.get_sblock(acc_name)
+            acc = sch.get_sblock(name + "_acc")
             tx = _threads_over(sch, sch.get_loops(acc)[0], pthreads)
-            sch.reverse_compute_at(sch.get_sblock(fin_name), tx)
+            sch.reverse_compute_at(sch.get_sblock(name), tx)
             sch.set_scope(acc, 0, "local")
     return sch
 

@@ -48,7 +48,8 @@ def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res, has_rs):
     out, rout = torch.empty(rows, H), torch.empty(rows, H) if has_res else torch.zeros(1, 1)
     mean, rstd = torch.zeros(1, 1) if rms else torch.empty(rows, H // gs), torch.empty(rows, H // gs)
     no_seeds, no_mask = torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.uint8)
-    fwd(f(x), f(w), f(b, 1), f(z), f(res), f(rs, 1), no_seeds, out, rout, no_mask, mean, rstd)
+    fwd(f(x), f(w), f(b, 1), f(z), f(res), f(rs, 1), no_seeds, f(None), f(None, 1), f(None, 1), no_seeds, out, rout,
+        no_mask, f(None), no_mask, mean, rstd)
     torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
     if has_res:
         torch.testing.assert_close(rout.double(), s.detach(), atol=1e-5, rtol=1e-5)
@@ -56,7 +57,8 @@ def test_te_forward_backward(rms, has_bias, has_z, nbg, has_res, has_rs):
     dz, db = (torch.empty(rows, H) if has_z else torch.zeros(1, 1)), (torch.empty(H) if has_bias else torch.zeros(1))
     dri = torch.empty(rows, H) if has_res else torch.zeros(1, 1)
     bwd(rout if has_res else f(x), f(w), f(b, 1), f(z), f(d), mean, rstd, f(dr if has_res else None),
-        f(rs, 1), no_seeds, dx, dz, dw, db, dri, torch.empty(3, 2, H))
+        f(rs, 1), no_seeds, f(None, 1), f(None), no_seeds, dx, dz, dw, db, dri, f(None), f(None, 1), f(None, 1),
+        torch.empty(3, 2, H))
     for got, t in ((dx, x), (dw, w), (db, b), (dz, z), (dri, res)):
         if t is not None:
             torch.testing.assert_close(got.double(), t.grad, atol=1e-5, rtol=1e-5)
@@ -86,7 +88,8 @@ def test_te_dropout_forward_backward(rms):
 
     out, rout, mask = torch.empty(rows, H), torch.empty(rows, H), torch.empty(rows, H, dtype=torch.uint8)
     mean, rstd = torch.zeros(1, 1) if rms else torch.empty(rows, 1), torch.empty(rows, 1)
-    fwd(f(x), f(w), f(b), torch.zeros(1, 1), f(res), f(rs), seeds, out, rout, mask, mean, rstd)
+    z1, z11, s1, m1 = torch.zeros(1), torch.zeros(1, 1), torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1).byte()
+    fwd(f(x), f(w), f(b), z11, f(res), f(rs), seeds, z11, z1, z1, s1, out, rout, mask, z11, m1, mean, rstd)
     keep = mask.bool()
     assert 0.55 < keep.float().mean().item() < 0.85
     ref, s = layer_norm_ref(x, w, b, res, 1e-5, True, False, rms, rowscale=rs, dropout_p=p, dropout_mask=keep)
@@ -95,9 +98,54 @@ def test_te_dropout_forward_backward(rms):
     torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rout.double(), s.detach(), atol=1e-5, rtol=1e-5)
     dx, dw, db, dri = torch.empty(rows, H), torch.empty(H), torch.empty(H), torch.empty(rows, H)
-    bwd(rout, f(w), f(b), torch.zeros(1, 1), f(d), mean, rstd, f(dr), f(rs), seeds, dx, torch.zeros(1, 1), dw, db,
-        dri, torch.empty(3, 2, H))
+    bwd(rout, f(w), f(b), z11, f(d), mean, rstd, f(dr), f(rs), seeds, z1, z11, s1, dx, z11, dw, db, dri, z11, z1, z1,
+        torch.empty(3, 2, H))
     for got, t in ((dx, x), (dw, w), (db, b), (dri, res)):
+        torch.testing.assert_close(got.double(), t.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rms,p", [(True, 0.0), (False, 0.0), (False, 0.25)])
+def test_te_parallel_norm(rms, p):
+    """x1 / weight1 / bias1 (upstream's parallel norm): s = x + x1 + residual (each of x, x1 dropped with its
+    own seeds), out1 = xhat * weight1 + bias1; dx1 = dropout1(ds), dweight1 / dbias1."""
+    from tvm_mamba.reference.layer_norm import layer_norm_ref
+
+    H, rows = 32, 7
+    fwd = _build(rmsnorm_gated_fwd(H, H, 1e-5, True, False, True, rms, True, True, False, p, p > 0, True, True, True),
+                 "rmsnorm_gated_fwd")
+    bwd = _build(rmsnorm_gated_bwd(H, H, 1e-5, True, False, True, rms, True, True, False, p, True, True, True),
+                 "rmsnorm_gated_bwd")
+    g = torch.Generator().manual_seed(1)
+
+    def r64(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    x, w, b, res, x1, w1, b1 = r64(rows, H), r64(H), r64(H), r64(rows, H), r64(rows, H), r64(H), r64(H)
+    seeds = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, rows), dtype=torch.int32, generator=g)
+
+    def f(t):
+        return t.detach().float().contiguous()
+
+    z1, z11, s1 = torch.zeros(1), torch.zeros(1, 1), torch.zeros(1, dtype=torch.int32)
+    out, rout, out1 = torch.empty(rows, H), torch.empty(rows, H), torch.empty(rows, H)
+    masks = [torch.empty(rows, H, dtype=torch.uint8) if p > 0 else torch.zeros(1, 1).byte() for _ in range(2)]
+    mean, rstd = z11 if rms else torch.empty(rows, 1), torch.empty(rows, 1)
+    sd, sd1 = (seeds[0].clone(), seeds[1].clone()) if p > 0 else (s1, s1)
+    fwd(f(x), f(w), f(b), z11, f(res), z1, sd, f(x1), f(w1), f(b1), sd1, out, rout, masks[0], out1, masks[1], mean,
+        rstd)
+    ref, ref1, s = layer_norm_ref(x, w, b, res, 1e-5, True, False, rms, x1=x1, weight1=w1, bias1=b1, dropout_p=p,
+                                  dropout_mask=masks[0].bool() if p > 0 else None,
+                                  dropout_mask1=masks[1].bool() if p > 0 else None)
+    d, d1, dr = (torch.randn(rows, H, generator=g, dtype=torch.float64) for _ in range(3))
+    ((ref * d).sum() + (ref1 * d1).sum() + (s * dr).sum()).backward()
+    for got, want in ((out, ref), (out1, ref1), (rout, s)):
+        torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
+    dx, dw, db, dri, dw1, db1 = (torch.empty(rows, H), torch.empty(H), torch.empty(H), torch.empty(rows, H),
+                                 torch.empty(H), torch.empty(H))
+    dx1 = torch.empty(rows, H) if p > 0 else z11
+    bwd(rout, f(w), f(b), z11, f(d), mean, rstd, f(dr), z1, sd, f(w1), f(d1), sd1, dx, z11, dw, db, dri, dx1, dw1, db1,
+        torch.empty(3, 4, H))
+    for got, t in ((dx, x), (dx1 if p > 0 else dx, x1), (dw, w), (db, b), (dri, res), (dw1, w1), (db1, b1)):
         torch.testing.assert_close(got.double(), t.grad, atol=1e-5, rtol=1e-5)
 
 

@@ -145,6 +145,36 @@ def test_module_dropout_in_training_only():
     assert 0.3 < zero.float().mean().item() < 0.7 and torch.allclose(rout[~zero], 2 * x[~zero])
 
 
+@pytest.mark.parametrize("is_rms_norm,p", [(True, 0.0), (False, 0.0), (False, 0.2)])
+def test_parallel_norm_x1_weight1(is_rms_norm, p):
+    """x1 / weight1 / bias1 (upstream's parallel norm): s = dropout(x) + dropout(x1) + residual, out and out1
+    from the same xhat; returns (out, out1, residual_out, mask, mask1); every gradient (x, x1, residual,
+    weight, bias, weight1, bias1) against the float64 reference run with the kernel's masks."""
+    x, w, b, r = _inputs((3, 5), torch.float32, True, torch.float32, seed=14)
+    g = torch.Generator().manual_seed(15)
+    x1 = torch.randn(3, 5, HIDDEN, generator=g).requires_grad_()
+    w1, b1 = (1 + 0.3 * torch.randn(HIDDEN, generator=g)).requires_grad_(), torch.randn(HIDDEN, generator=g)
+    b1.requires_grad_()
+    douts = [torch.randn(3, 5, HIDDEN, generator=g) for _ in range(3)]
+    kw = dict(eps=1e-5, is_rms_norm=is_rms_norm, dropout_p=p)
+    out, out1, rout, mask, mask1 = layer_norm_fn(x, w, b, r, x1, w1, b1, prenorm=True, return_dropout_mask=True, **kw)
+    assert (mask is None) == (p == 0) and (mask1 is None) == (p == 0)
+    if p > 0:
+        assert not torch.equal(mask, mask1)  # each input its own seeds
+    torch.autograd.backward([out, out1, rout], douts)
+    leaves = [x, w, b, r, x1, w1, b1]
+    ins = [t.detach().double().requires_grad_() for t in leaves]
+    ref = layer_norm_ref(ins[0], ins[1], ins[2], ins[3], prenorm=True, x1=ins[4], weight1=ins[5], bias1=ins[6],
+                         dropout_mask=mask, dropout_mask1=mask1, **kw)
+    torch.autograd.backward(list(ref), [d.double() for d in douts])
+    for name, gv, rv in zip(["out", "out1", "residual_out"], (out, out1, rout), ref):
+        assert_close_to_ref(gv, rv, name=name, atol=2e-4, rtol=1e-4)
+    for name, t, t64 in zip(["dx", "dweight", "dbias", "dresidual", "dx1", "dweight1", "dbias1"], leaves, ins):
+        assert_close_to_ref(t.grad, t64.grad, name=name, atol=2e-4, rtol=1e-4)
+    two = layer_norm_fn(x.detach(), w.detach(), None, None, None, w1.detach(), None, eps=1e-5)
+    assert isinstance(two, tuple) and len(two) == 2  # weight1 alone: (out, out1) from the same x
+
+
 def test_return_conventions_and_dtypes():
     """prenorm returns (out, residual_out); residual_out's dtype is residual's, else float32 with
     residual_in_fp32, else x's (then x itself, as upstream); residual_in_fp32 is ignored with a residual;
@@ -234,8 +264,11 @@ def test_signatures_match_upstream():
     (dict(dropout_p=-0.1), ValueError, "dropout_p"),
     (dict(rowscale=torch.ones(3)), ValueError, "rowscale"),
     (dict(rowscale=torch.ones(2).int()), TypeError, "rowscale"),
-    (dict(x1=torch.randn(2, HIDDEN)), ValueError, "x1"),
-    (dict(weight1=torch.randn(HIDDEN)), ValueError, "weight1"),
+    (dict(x1=torch.randn(3, HIDDEN)), ValueError, "x1"),
+    (dict(x1=torch.randn(2, HIDDEN).bfloat16()), TypeError, "x1"),
+    (dict(x1=torch.randn(2, HIDDEN), rowscale=torch.ones(2)), ValueError, "rowscale"),
+    (dict(weight1=torch.randn(HIDDEN + 1)), ValueError, "weight1"),
+    (dict(weight1=torch.randn(HIDDEN).bfloat16()), TypeError, "weight1"),
     (dict(bias1=torch.randn(HIDDEN)), ValueError, "bias1"),
     (dict(residual=torch.randn(3, HIDDEN)), ValueError, "residual"),
     (dict(residual=torch.randn(2, HIDDEN).double()), TypeError, "residual"),

@@ -102,12 +102,13 @@ def test_gradcheck():
 @pytest.mark.parametrize("is_rms_norm", [True, False])
 def test_opcheck(is_rms_norm):
     x, w, b, z = _inputs((3,), torch.float32, True, True, seed=5)
-    args = (x.detach().reshape(3, HIDDEN), w.detach(), b.detach(), z.detach(), None, None, None, 1e-5, 16, False,
-            is_rms_norm, False, 0.0, False)
+    args = (x.detach().reshape(3, HIDDEN), w.detach(), b.detach(), z.detach()) + (None,) * 7 + (
+        1e-5, 16, False, is_rms_norm, False, 0.0, False)
     torch.library.opcheck(torch.ops.tvm_mamba.rmsnorm_gated_fwd.default, args)
-    out, _, _, mean, rstd = torch.ops.tvm_mamba.rmsnorm_gated_fwd(*args)
+    out, mean, rstd = (torch.ops.tvm_mamba.rmsnorm_gated_fwd(*args)[i] for i in (0, 5, 6))
     torch.library.opcheck(torch.ops.tvm_mamba.rmsnorm_gated_bwd.default,
-                          args[:4] + (torch.randn_like(out), mean, rstd, None, None, None) + args[7:11] + (False, 0.0))
+                          args[:4] + (torch.randn_like(out), mean, rstd) + (None,) * 6 + args[11:15] +
+                          (False, 0.0, False, False))
     args_req = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in args)
     torch.library.opcheck(torch.ops.tvm_mamba.rmsnorm_gated_fwd.default, args_req,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

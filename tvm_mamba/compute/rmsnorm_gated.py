@@ -46,6 +46,9 @@ class NormDims:
     has_rowscale: bool = False  # fwd: s = x * rowscale[row] (+ residual); bwd: dx = ds * rowscale[row]
     dropout_p: float = 0.0  # > 0: x (after rowscale) is dropped with this probability, kept ones / (1 - p)
     store_dropout_mask: bool = False  # fwd: write the keep mask (uint8)
+    has_x1: bool = False  # s += dropout(x1) (upstream's parallel norm input); bwd: dx1
+    has_weight1: bool = False  # out1 = xhat * weight1 (+ bias1); bwd: dout1 joins dxhat, dweight1
+    has_bias1: bool = False
 
     def __post_init__(self):
         if self.hidden < 1:
@@ -117,27 +120,74 @@ def _maybe(cond: bool, shape: tuple, dtype: str, name: str, full: tuple):
     return te.placeholder(full if cond else shape, dtype, name=name)
 
 
+def _dropped(v, seeds, r, h, p: float):
+    """upstream's dropout of one float32 element: kept ones scaled by 1 / (1 - p), the mask from the row seed."""
+    if p <= 0:
+        return v
+    return tirx.Select(dropout_keep(seeds[r], h, p), v / tirx.const(1.0 - p, "float32"), tirx.const(0.0, "float32"))
+
+
+def _multi(shape, vals: list, name: str) -> list:
+    """One compute per value function, or one multi-output compute (blocks ``<name>_v0``, ``_v1``, ... in one
+    loop nest, so a schedule computes a row's reductions once for all of them)."""
+    if len(vals) == 1:
+        return [te.compute(shape, vals[0], name=name)]
+    return list(te.compute(shape, lambda *i: tuple(f(*i) for f in vals), name=name))
+
+
+def _group_red(rows, G: int, gs: int, fn, name: str):
+    """(rows, ngroups) sum over each group of gs features of fn(r, h)."""
+    k = te.reduce_axis((0, gs), name="group_size")
+    return te.compute((rows, G), lambda r, g: te.sum(fn(r, g * gs + k), axis=k), name=name)
+
+
+def _stats(rows, d: NormDims, u):
+    """mean (LayerNorm; a (1, 1) placeholder for RMSNorm) and rstd, (rows, ngroups) float32, of u(r, h).
+
+    Reductions in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and out garbage), while the
+    square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny |u| (1e-30: u^2 = 1e-60)
+    does not underflow either. LayerNorm centres with the float64 mean before squaring (two passes over the
+    group, no E[u^2] - mean^2 cancellation)."""
+    gs, G, eps = d.group_size, d.ngroups, d.eps
+    if d.is_rms_norm:
+        ss = _group_red(rows, G, gs, lambda r, h: _f64(u(r, h)) * _f64(u(r, h)), "sumsq")
+        rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
+        return te.placeholder((1, 1), "float32", name="mean"), rstd
+    s1 = _group_red(rows, G, gs, lambda r, h: _f64(u(r, h)), "sum")
+
+    def centred(r, h):
+        return _f64(u(r, h)) - s1[r, h // gs] * (1.0 / gs)
+
+    ss = _group_red(rows, G, gs, lambda r, h: centred(r, h) * centred(r, h), "sumsq")
+    # one two-output compute ("stats_v0" = mean, "stats_v1" = rstd): both read the group's reductions in one
+    # loop nest, so a schedule computes them once under the (row, group) loop
+    mean, rstd = te.compute((rows, G), lambda r, g: (f32(s1[r, g] * (1.0 / gs)),
+                                                     f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps))), name="stats")
+    return mean, rstd
+
+
 def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
                       has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
                       has_residual: bool = False, store_residual: bool = False, has_rowscale: bool = False,
-                      dropout_p: float = 0.0, store_dropout_mask: bool = False, x_dtype: str = "float32",
+                      dropout_p: float = 0.0, store_dropout_mask: bool = False, has_x1: bool = False,
+                      has_weight1: bool = False, has_bias1: bool = False, x_dtype: str = "float32",
                       weight_dtype: str = "float32", residual_dtype: str | None = None,
                       residual_out_dtype: str | None = None) -> tirx.PrimFunc:
-    """x, z: (rows, hidden); residual: (rows, hidden); weight, bias: (hidden,); rowscale: (rows,) f32; seeds:
-    (rows,) int32 -> out: (rows, hidden) in x's dtype, residual_out: (rows, hidden), dropout_mask: (rows,
-    hidden) uint8, mean, rstd: (rows, hidden/group_size) float32.
+    """x, z, x1: (rows, hidden); residual: (rows, hidden); weight, bias, weight1, bias1: (hidden,); rowscale:
+    (rows,) f32; seeds, seeds1: (rows,) int32 -> out, out1: (rows, hidden) in x's dtype, residual_out: (rows,
+    hidden), dropout_mask, dropout_mask1: (rows, hidden) uint8, mean, rstd: (rows, hidden/group_size) f32.
 
-    s = dropout(x (* rowscale)) (+ residual); u = s (* silu(z) if not norm_before_gate);
-    out = (u - mean_g(u)) * rstd_g(u) * weight (+ bias) (* silu(z) if norm_before_gate); residual_out = s.
+    s = dropout(x (* rowscale)) (+ dropout1(x1)) (+ residual); u = s (* silu(z) if not norm_before_gate);
+    xhat = (u - mean_g(u)) * rstd_g(u); out = xhat * weight (+ bias) (* silu(z) if norm_before_gate);
+    out1 = xhat * weight1 (+ bias1) (upstream's parallel norm); residual_out = s.
     """
     d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm, has_residual,
                  store_residual, has_rowscale=has_rowscale, dropout_p=dropout_p,
-                 store_dropout_mask=store_dropout_mask)
-    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("residual", residual_dtype or x_dtype),
-                     ("residual_out", residual_out_dtype or x_dtype)):
-        check_dtype(name, dt)
+                 store_dropout_mask=store_dropout_mask, has_x1=has_x1, has_weight1=has_weight1, has_bias1=has_bias1)
     res_dt, rout_dt = residual_dtype or x_dtype, residual_out_dtype or x_dtype
-    gs, G = group_size, d.ngroups
+    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("residual", res_dt), ("residual_out", rout_dt)):
+        check_dtype(name, dt)
+    gs, p = group_size, dropout_p
     rows = te.var("rows")
     full = (rows, hidden)
     x = te.placeholder(full, x_dtype, name="x")
@@ -146,66 +196,46 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     z = _maybe(has_z, (1, 1), x_dtype, "z", full)
     residual = _maybe(has_residual, (1, 1), res_dt, "residual", full)
     rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
-    seeds = _maybe(dropout_p > 0, (1,), "int32", "seeds", (rows,))
+    seeds = _maybe(p > 0, (1,), "int32", "seeds", (rows,))
+    x1 = _maybe(has_x1, (1, 1), x_dtype, "x1", full)
+    weight1 = _maybe(has_weight1, (1,), weight_dtype, "weight1", (hidden,))
+    bias1 = _maybe(has_bias1, (1,), weight_dtype, "bias1", (hidden,))
+    seeds1 = _maybe(p > 0 and has_x1, (1,), "int32", "seeds1", (rows,))
 
     def s(r, h):
-        v = f32(x[r, h]) * rowscale[r] if has_rowscale else f32(x[r, h])
-        if dropout_p > 0:
-            v = tirx.Select(dropout_keep(seeds[r], h, dropout_p), v / tirx.const(1.0 - dropout_p, "float32"),
-                            tirx.const(0.0, "float32"))
+        v = _dropped(f32(x[r, h]) * rowscale[r] if has_rowscale else f32(x[r, h]), seeds, r, h, p)
+        if has_x1:
+            v = v + _dropped(f32(x1[r, h]), seeds1, r, h, p)
         return v + f32(residual[r, h]) if has_residual else v
 
     def u(r, h):
         return s(r, h) * _silu(f32(z[r, h])) if d.gate_in else s(r, h)
 
-    # Reductions in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and out garbage), while
-    # the square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny |u| (1e-30: u^2 =
-    # 1e-60) does not underflow either. LayerNorm centres with the float64 mean before squaring (two passes
-    # over the group, no E[u^2] - mean^2 cancellation).
-    def red(fn, name):
-        k = te.reduce_axis((0, gs), name="group_size")
-        return te.compute((rows, G), lambda r, g: te.sum(fn(r, g * gs + k, g), axis=k), name=name)
+    mean, rstd = _stats(rows, d, u)
 
-    if is_rms_norm:
-        ss = red(lambda r, h, g: _f64(u(r, h)) * _f64(u(r, h)), "sumsq")
-        rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
-        mean = te.placeholder((1, 1), "float32", name="mean")
-        centre = None
-    else:
-        s1 = red(lambda r, h, g: _f64(u(r, h)), "sum")
-        ss = red(lambda r, h, g: (_f64(u(r, h)) - s1[r, g] * (1.0 / gs)) * (_f64(u(r, h)) - s1[r, g] * (1.0 / gs)),
-                 "sumsq")
-        # one two-output compute ("stats_v0" = mean, "stats_v1" = rstd): both read the group's reductions in
-        # one loop nest, so a schedule computes them once under the (row, group) loop
-        mean, rstd = te.compute((rows, G), lambda r, g: (f32(s1[r, g] * (1.0 / gs)),
-                                                         f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps))), name="stats")
-        centre = mean
+    def xhat(r, h):
+        return (u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
 
     def finish(r, h):
-        xhat = u(r, h) - centre[r, h // gs] if centre is not None else u(r, h)
-        y = xhat * rstd[r, h // gs] * f32(weight[h])
-        if has_bias:
-            y = y + f32(bias[h])
-        if d.gate_out:
-            y = y * _silu(f32(z[r, h]))
-        return y.astype(x_dtype)
+        y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
+        return (y * _silu(f32(z[r, h])) if d.gate_out else y).astype(x_dtype)
 
-    # residual_out and the dropout mask share out's loop nest (blocks "out_v0" = out, then residual_out,
-    # then the mask): one pass over s; a lone out is the block "out"
-    vals = [finish]
-    if store_residual:
-        vals.append(lambda r, h: s(r, h).astype(rout_dt))
-    if store_dropout_mask:
-        vals.append(lambda r, h: dropout_keep(seeds[r], h, dropout_p).astype("uint8"))
-    if len(vals) == 1:
-        outs = [te.compute(full, finish, name="out")]
-    else:
-        outs = list(te.compute(full, lambda r, h: tuple(f(r, h) for f in vals), name="out"))
-    out = outs.pop(0)
-    residual_out = outs.pop(0) if store_residual else te.placeholder((1, 1), rout_dt, name="residual_out")
-    mask = outs.pop(0) if store_dropout_mask else te.placeholder((1, 1), "uint8", name="dropout_mask")
-    func = te.create_prim_func([x, weight, bias, z, residual, rowscale, seeds, out, residual_out, mask, mean,
-                                rstd])
+    def finish1(r, h):
+        return (xhat(r, h) * f32(weight1[h]) + (f32(bias1[h]) if has_bias1 else 0.0)).astype(x_dtype)
+
+    # residual_out, the masks and out1 share out's loop nest (blocks "out_v0" = out, then the others in this
+    # order): one pass over s
+    wanted = [("out", True, finish), ("residual_out", store_residual, lambda r, h: s(r, h).astype(rout_dt)),
+              ("dropout_mask", store_dropout_mask, lambda r, h: dropout_keep(seeds[r], h, p).astype("uint8")),
+              ("out1", has_weight1, finish1),
+              ("dropout_mask1", store_dropout_mask and has_x1,
+               lambda r, h: dropout_keep(seeds1[r], h, p).astype("uint8"))]
+    outs = _multi(full, [f for _, on, f in wanted if on], "out")
+    dtypes = {"residual_out": rout_dt, "dropout_mask": "uint8", "dropout_mask1": "uint8", "out1": x_dtype}
+    got = {n: outs.pop(0) if on else te.placeholder((1, 1), dtypes.get(n, x_dtype), name=n) for n, on, _ in wanted}
+    func = te.create_prim_func([x, weight, bias, z, residual, rowscale, seeds, x1, weight1, bias1, seeds1,
+                                got["out"], got["residual_out"], got["dropout_mask"], got["out1"],
+                                got["dropout_mask1"], mean, rstd])
     return stamp(func, "rmsnorm_gated_fwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
                                                           residual_dtype=res_dt, residual_out_dtype=rout_dt))
 
@@ -214,60 +244,63 @@ def _stamp_static(d: NormDims, **dtypes) -> dict:
     return dict(dataclasses.asdict(d), **dtypes)
 
 
-def _weight_grads(rows, hidden: int, nparts, dy, xhat, weight_dtype: str, has_bias: bool):
-    """dweight = sum_rows dy*xhat, dbias = sum_rows dy as a deterministic two-stage reduction: partial:
-    (nparts, 2, hidden) f32 (part p sums rows [p*chunk, (p+1)*chunk) in order, chunk = ceil(rows/nparts)),
-    then the parts added in order. Returns (partial, dweight, dbias or its (1,) placeholder)."""
+def _weight_grads(rows, hidden: int, nparts, terms: list, weight_dtype: str):
+    """Sums over rows of the given terms (name, present, fn(r, h)), e.g. dweight = sum_rows dy*xhat, as a
+    deterministic two-stage reduction: partial: (nparts, len(terms), hidden) f32 (part p sums rows
+    [p*chunk, (p+1)*chunk) in order, chunk = ceil(rows/nparts)), then the parts added in order. Returns
+    (partial, [each term's (hidden,) sum in weight_dtype, or a (1,) placeholder when absent])."""
     chunk = tirx.indexdiv(rows + nparts - 1, nparts)
     j = te.reduce_axis((0, chunk), name="chunk")
 
     def part(p, sel, h):
         r = tirx.min(p * chunk + j, rows - 1)
-        val = tirx.if_then_else(sel == 0, dy(r, h) * xhat(r, h), dy(r, h))
+        val = terms[-1][2](r, h)
+        for i in range(len(terms) - 2, -1, -1):
+            val = tirx.if_then_else(sel == i, terms[i][2](r, h), val)
         # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead.
         return te.sum(tirx.if_then_else(p * chunk + j < rows, val, tirx.const(0.0, "float32")), axis=j)
 
-    partial = te.compute((nparts, 2, hidden), part, name="partial")
+    partial = te.compute((nparts, len(terms), hidden), part, name="partial")
 
     def total(sel, name):
         pa = te.reduce_axis((0, nparts), name="nparts")
         acc = te.compute((hidden,), lambda h: te.sum(partial[pa, sel, h], axis=pa), name=f"{name}_acc")
         return te.compute((hidden,), lambda h: acc[h].astype(weight_dtype), name=name)
 
-    dbias = total(1, "dbias") if has_bias else te.placeholder((1,), weight_dtype, name="dbias")
-    return partial, total(0, "dweight"), dbias
+    sums = [total(i, name) if on else te.placeholder((1,), weight_dtype, name=name)
+            for i, (name, on, _) in enumerate(terms)]
+    return partial, sums
 
 
 def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
                       has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
                       has_dresidual: bool = False, store_dresidual: bool = False, has_rowscale: bool = False,
-                      dropout_p: float = 0.0, x_dtype: str = "float32", weight_dtype: str = "float32",
+                      dropout_p: float = 0.0, has_x1: bool = False, has_weight1: bool = False,
+                      has_bias1: bool = False, x_dtype: str = "float32", weight_dtype: str = "float32",
                       dout_dtype: str | None = None) -> tirx.PrimFunc:
     """Backward of :func:`rmsnorm_gated_fwd`.
 
     Inputs: x: (rows, hidden), the forward's s (its x, or the stored residual_out) in x_dtype; weight, bias, z;
     dout: (rows, hidden) in dout_dtype (the forward's x dtype); the saved mean (LayerNorm) and rstd: (rows,
     ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out; rowscale: (rows,) f32;
-    seeds: (rows,) int32, the forward's dropout seeds.
-    Outputs: dx, dz: (rows,
-    hidden) dout_dtype; dweight, dbias: (hidden,); dresidual_in: (rows, hidden) x_dtype (= dx, in residual's
-    dtype); partial: (nparts, 2, hidden) f32, the first stage of the deterministic two-stage weight/bias
-    reduction (part p sums rows [p*chunk, (p+1)*chunk), chunk = ceil(rows/nparts); the second stage sums the
-    parts in order).
+    seeds, seeds1: (rows,) int32, the forward's dropout seeds; weight1: (hidden,), dout1: (rows, hidden) the
+    gradient of out1. Outputs: dx, dz, dx1: (rows, hidden) dout_dtype; dweight, dbias, dweight1, dbias1:
+    (hidden,); dresidual_in: (rows, hidden) x_dtype (d s, in residual's dtype); partial: (nparts, 2 or 4,
+    hidden) f32, stage 1 of the deterministic weight/bias reductions (:func:`_weight_grads`).
 
-    With xhat = (u - mean)*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight,
+    With xhat = (u - mean)*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight (+ dout1*weight1),
     c1 = mean_group(dxhat*xhat), c2 = mean_group(dxhat) (LayerNorm; 0 for RMSNorm):
     du = rstd*(dxhat - xhat*c1 - c2); ds = du (* silu(z) if gating before the norm) (+ dresidual);
     dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dx = dropout(ds) (* rowscale);
-    dweight = sum_rows dy*xhat; dbias = sum_rows dy.
+    dx1 = dropout1(ds); dweight = sum_rows dy*xhat; dbias = sum_rows dy; dweight1, dbias1 likewise from dout1.
     """
     d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm,
                  has_dresidual=has_dresidual, store_dresidual=store_dresidual, has_rowscale=has_rowscale,
-                 dropout_p=dropout_p)
+                 dropout_p=dropout_p, has_x1=has_x1, has_weight1=has_weight1, has_bias1=has_bias1)
     dout_dtype = dout_dtype or x_dtype
     for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("dout", dout_dtype)):
         check_dtype(name, dt)
-    gs, G = group_size, d.ngroups
+    gs, G, p = group_size, d.ngroups, dropout_p
     rows = te.var("rows")
     full = (rows, hidden)
     x = te.placeholder(full, x_dtype, name="x")
@@ -279,7 +312,10 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     rstd = te.placeholder((rows, G), "float32", name="rstd")
     dres = _maybe(has_dresidual, (1, 1), x_dtype, "dresidual", full)
     rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
-    seeds = _maybe(dropout_p > 0, (1,), "int32", "seeds", (rows,))
+    seeds = _maybe(p > 0, (1,), "int32", "seeds", (rows,))
+    weight1 = _maybe(has_weight1, (1,), weight_dtype, "weight1", (hidden,))
+    dout1 = _maybe(has_weight1, (1, 1), dout_dtype, "dout1", full)
+    seeds1 = _maybe(p > 0 and has_x1, (1,), "int32", "seeds1", (rows,))
     nparts = te.var("nparts")
 
     def zf(r, h):
@@ -289,28 +325,22 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
         return f32(x[r, h]) * _silu(zf(r, h)) if d.gate_in else f32(x[r, h])
 
     def xhat(r, h):
-        c = u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]
-        return c * rstd[r, h // gs]
+        return (u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
 
     def dy(r, h):
         v = f32(dout[r, h])
         return v * _silu(zf(r, h)) if d.gate_out else v
 
     def dxhat(r, h):
-        return dy(r, h) * f32(weight[h])
+        v = dy(r, h) * f32(weight[h])
+        return v + f32(dout1[r, h]) * f32(weight1[h]) if has_weight1 else v
 
-    def red(fn, name):
-        k = te.reduce_axis((0, gs), name="group_size")
-        return te.compute((rows, G), lambda r, g: te.sum(fn(r, g * gs + k), axis=k), name=name)
-
-    c1 = red(lambda r, h: dxhat(r, h) * xhat(r, h), "dot")
-    c2 = None if is_rms_norm else red(dxhat, "dysum")
+    c1 = _group_red(rows, G, gs, lambda r, h: dxhat(r, h) * xhat(r, h), "dot")
+    c2 = None if is_rms_norm else _group_red(rows, G, gs, dxhat, "dysum")
 
     def du(r, h):
         v = dxhat(r, h) - xhat(r, h) * c1[r, h // gs] * (1.0 / gs)
-        if c2 is not None:
-            v = v - c2[r, h // gs] * (1.0 / gs)
-        return rstd[r, h // gs] * v
+        return rstd[r, h // gs] * (v - c2[r, h // gs] * (1.0 / gs) if c2 is not None else v)
 
     def ds(r, h):
         v = du(r, h) * _silu(zf(r, h)) if d.gate_in else du(r, h)
@@ -324,31 +354,30 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
             v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
         return v.astype(dout_dtype)
 
-    # dx, dz and dresidual_in as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then dz, then
-    # dresidual_in) sharing the (rows, hidden) loop nest, so a schedule computes the row's reductions once
-    # under the row loop for all of them; a lone dx is the block "dx".
     def dx_val(r, h):
-        v = ds(r, h)
-        if dropout_p > 0:
-            v = tirx.Select(dropout_keep(seeds[r], h, dropout_p), v / tirx.const(1.0 - dropout_p, "float32"),
-                            tirx.const(0.0, "float32"))
+        v = _dropped(ds(r, h), seeds, r, h, p)
         return (v * rowscale[r] if has_rowscale else v).astype(dout_dtype)
 
-    vals = [dx_val]
-    if has_z:
-        vals.append(dz_val)
-    if store_dresidual:
-        vals.append(lambda r, h: ds(r, h).astype(x_dtype))
-    if len(vals) == 1:
-        outs = [te.compute(full, vals[0], name="dx")]
-    else:
-        outs = list(te.compute(full, lambda r, h: tuple(f(r, h) for f in vals), name="dxdz"))
-    dx = outs.pop(0)
-    dz = outs.pop(0) if has_z else te.placeholder((1, 1), dout_dtype, name="dz")
-    dres_in = outs.pop(0) if store_dresidual else te.placeholder((1, 1), x_dtype, name="dresidual_in")
-    partial, dweight, dbias = _weight_grads(rows, hidden, nparts, dy, xhat, weight_dtype, has_bias)
-    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, dx, dz, dweight,
-                                dbias, dres_in, partial])
+    # dx, dz, dresidual_in and dx1 as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then the others
+    # in this order) sharing the (rows, hidden) loop nest, so a schedule computes the row's reductions once
+    # under the row loop for all of them; a lone dx is the block "dx".
+    wanted = [("dx", True, dx_val), ("dz", has_z, dz_val),
+              ("dresidual_in", store_dresidual, lambda r, h: ds(r, h).astype(x_dtype)),
+              ("dx1", has_x1 and p > 0, lambda r, h: _dropped(ds(r, h), seeds1, r, h, p).astype(dout_dtype))]
+    present = [f for _, on, f in wanted if on]
+    outs = _multi(full, present, "dx" if len(present) == 1 else "dxdz")
+    got = {n: outs.pop(0) if on else te.placeholder((1, 1), x_dtype if n == "dresidual_in" else dout_dtype, name=n)
+           for n, on, _ in wanted}
+    terms = [("dweight", True, lambda r, h: dy(r, h) * xhat(r, h)), ("dbias", has_bias, dy)]
+    if has_weight1:
+        terms += [("dweight1", True, lambda r, h: f32(dout1[r, h]) * xhat(r, h)),
+                  ("dbias1", has_bias1, lambda r, h: f32(dout1[r, h]))]
+    partial, sums = _weight_grads(rows, hidden, nparts, terms, weight_dtype)
+    if not has_weight1:
+        sums += [te.placeholder((1,), weight_dtype, name=n) for n in ("dweight1", "dbias1")]
+    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, weight1, dout1, seeds1,
+                                got["dx"], got["dz"], sums[0], sums[1], got["dresidual_in"], got["dx1"], sums[2],
+                                sums[3], partial])
     return stamp(func, "rmsnorm_gated_bwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
                                                           dout_dtype=dout_dtype))
 
@@ -380,6 +409,12 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                                                        residual_out="float32")))
     out.append(("bwd", NormDims(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **drop).static(),
                 dict(x="float32", weight="float32", dout="bfloat16")))
+    # upstream's parallel norm (x1, weight1, bias1) with dropout on both inputs, LayerNorm
+    par = dict(is_rms_norm=False, has_bias=True, dropout_p=0.1, has_x1=True, has_weight1=True, has_bias1=True)
+    out.append(("fwd", NormDims(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True,
+                                **par).static(), dict(x="float32", weight="float32")))
+    out.append(("bwd", NormDims(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **par).static(),
+                dict(x="float32", weight="float32")))
     return out
 
 
