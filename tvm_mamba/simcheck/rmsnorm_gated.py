@@ -31,6 +31,12 @@ def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
         t["residual"] = torch.randn(*LEAD, hidden, generator=gen).to(rdt)
         if "dout" in dtypes:
             t["x"] = t["x"].to(DTYPES[dtypes["dout"]])
+    if static.get("has_x1"):  # upstream's parallel norm: a second input and a second weight (and bias)
+        t["x1"] = torch.randn(*LEAD, hidden, generator=gen).to(t["x"].dtype)
+    if static.get("has_weight1"):
+        t["weight1"] = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(wdt)
+    if static.get("has_bias1"):
+        t["bias1"] = (0.3 * torch.randn(hidden, generator=gen)).to(wdt)
     return t
 
 
@@ -45,8 +51,8 @@ def _fused(static: dict) -> bool:
 
 def _call(t: dict, static: dict, kernel: bool = True, extra: dict | None = None):
     """The configuration's public function (kernel) or its reference; the fused add-norm returns
-    (out, residual_out). ``extra``: the fused add-norm's rowscale and, with dropout, the keep mask (the
-    kernel call stores its mask there, the reference call reads it)."""
+    (out, (out1,) residual_out). ``extra``: the fused add-norm's rowscale and, with dropout, the keep masks
+    (the kernel call stores its masks there, the reference call reads them)."""
     from ..reference.layer_norm import layer_norm_ref
     from ..reference.rmsnorm_gated import layernorm_gated_ref
 
@@ -55,15 +61,17 @@ def _call(t: dict, static: dict, kernel: bool = True, extra: dict | None = None)
         extra = {} if extra is None else extra
         p = static.get("dropout_p", 0.0)
         args = (t["x"], t["weight"], t.get("bias"), t["residual"])
-        kw = dict(eps=static["eps"], prenorm=True, is_rms_norm=rms, dropout_p=p)
+        kw = dict(eps=static["eps"], prenorm=True, is_rms_norm=rms, dropout_p=p, x1=t.get("x1"),
+                  weight1=t.get("weight1"), bias1=t.get("bias1"))
+        nout = 3 if "weight1" in t else 2
         if not kernel:
             rs = extra.get("rowscale")
             return layer_norm_ref(*args, **kw, rowscale=rs.double() if rs is not None else None,
-                                  dropout_mask=extra.get("mask"))
+                                  dropout_mask=extra.get("mask"), dropout_mask1=extra.get("mask1"))
         res = tvm_mamba_fn("layer_norm_fn")(*args, **kw, rowscale=extra.get("rowscale"), return_dropout_mask=p > 0)
         if p > 0:
-            extra["mask"] = res[2]
-        return res[:2]
+            extra["mask"], extra["mask1"] = res[nout], res[nout + 1]
+        return res[:nout]
     f = tvm_mamba_fn("layernorm_fn") if kernel else layernorm_gated_ref
     return f(t["x"], t["weight"], t.get("bias"), t.get("z"), eps=static["eps"], group_size=static["group_size"],
              norm_before_gate=static["norm_before_gate"], is_rms_norm=rms)
@@ -76,7 +84,9 @@ def tvm_mamba_fn(name: str):
 
 
 def _outputs(res) -> dict:
-    return {"out": res[0], "residual_out": res[1]} if isinstance(res, tuple) else {"out": res}
+    if not isinstance(res, tuple):
+        return {"out": res}
+    return dict(zip(["out", "out1", "residual_out"] if len(res) == 3 else ["out", "residual_out"], res))
 
 
 def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
