@@ -8,7 +8,8 @@ residual_out (upstream's choice), adds the gradient of residual_out (prenorm) an
 residual's dtype when it differs from x's.
 
 Backward memory: residual_out (rows * hidden in residual_out's dtype; it is also the prenorm output, so no
-extra copy), weight, bias and the float32 statistics (rstd, and mean for LayerNorm: rows * 4 bytes each).
+extra copy), weight, bias (weight1) and the float32 statistics (rstd, and mean for LayerNorm: rows * 4 bytes
+each), the int32 dropout seeds (4 bytes per row and input; the masks are recomputed, not saved) and rowscale.
 """
 from __future__ import annotations
 
