@@ -54,3 +54,10 @@ from .torch_ops.mamba_inner import mamba_inner_fn  # noqa: E402,F401
 from .torch_ops.mamba_split import mamba_split_conv1d_scan_combined  # noqa: E402,F401
 
 __all__ += ["mamba_inner_fn", "mamba_split_conv1d_scan_combined"]
+
+# the norms of mamba_ssm's layernorm_gated.py (layernorm_fn, LayerNorm) and layer_norm.py (the fused add-norm)
+from .torch_ops.rmsnorm_gated import layernorm_fn  # noqa: E402,F401
+from .torch_ops.layer_norm import layer_norm_fn, rms_norm_fn  # noqa: E402,F401
+from .modules.rmsnorm_gated import LayerNorm as LayerNormGated  # noqa: E402,F401
+
+__all__ += ["layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated"]

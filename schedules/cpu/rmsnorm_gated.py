@@ -1,10 +1,12 @@
-"""CPU rule for gated RMSNorm: hand-written loop nests (parallel over rows, vectorized over hidden).
+"""CPU rule for the norm kernels (gated RMSNorm / LayerNorm, fused residual-add norm): hand-written loop
+nests (parallel over rows, vectorized over hidden).
 
 Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated.py). Hidden and group_size are static,
 so every vectorized loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1
 dividing group_size. Sums of squares are float64 (as in the TE compute: no overflow for any float32 input),
-one partial sum per vector lane (field guide §10), added horizontally once per group. SiLU uses the
-vectorizable exp of compute/_math.py (llvm.exp is scalarized).
+one partial sum per vector lane (field guide §10), added horizontally once per group; LayerNorm makes one
+more pass over the group (the float64 mean first, then the centred squares; the group is in L1 by then).
+SiLU uses the vectorizable exp of compute/_math.py (llvm.exp is scalarized).
 
 Backward: rows are split into ``nparts`` contiguous parts (nparts = the partial buffer's first dim, chosen
 by the torch op from the row count only, so results do not depend on the thread count); each part
@@ -14,9 +16,12 @@ Knobs: ``vector`` (lane count, default the largest dividing group_size).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from tvm.script import tirx as T
 
 from tvm_mamba.compute import _math
+from tvm_mamba.compute.rmsnorm_gated import NormDims, dropout_keep
 from tvm_mamba.schedules import rule
 
 KERNELS = ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")
@@ -32,159 +37,286 @@ def _f64(v):
     return v.astype("float64")
 
 
-def _fwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
-    G, NV = hidden // gs, gs // V
-    gate_in, gate_out = has_z and not nbg, has_z and nbg
+def _dropout(v, seeds, r, h, p: float):
+    """upstream's dropout of one float32 element: kept ones scaled by 1 / (1 - p), the mask from the row seed."""
+    if p <= 0:
+        return v
+    return T.Select(dropout_keep(seeds[r], h, p), v / T.float32(1.0 - p), T.float32(0))
+
+
+def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
+    """The forward loop nest. The row's buffers travel as one dict ``B`` (a T.meta_var), so the helpers
+    below read whichever the static flags use."""
+    hidden, gs, eps, G, NV = d.hidden, d.group_size, d.eps, d.ngroups, d.group_size // V
+    has_bias, has_res, store_res, rms = d.has_bias, d.has_residual, d.store_residual, d.is_rms_norm
+    p, store_mask, has_x1, has_w1 = d.dropout_p, d.store_dropout_mask, d.has_x1, d.has_weight1
     inv_gs = 1.0 / gs
 
-    def u(x, z, r, h):
-        v = _f32(x[r, h])
-        return v * _math.silu(_f32(z[r, h])) if gate_in else v
+    def s(B, r, h):
+        v = _dropout(_f32(B["x"][r, h]) * B["rowscale"][r] if d.has_rowscale else _f32(B["x"][r, h]),
+                     B["seeds"], r, h, p)
+        if has_x1:
+            v = v + _dropout(_f32(B["x1"][r, h]), B["seeds1"], r, h, p)
+        return v + _f32(B["residual"][r, h]) if has_res else v
 
-    def y(x, w, b, z, rs, r, h):
-        v = u(x, z, r, h) * rs * _f32(w[h])
+    def u(B, r, h):
+        v = s(B, r, h)
+        return v * _math.silu(_f32(B["z"][r, h])) if d.gate_in else v
+
+    def xhat(B, mu, rs, r, h):
+        c = u(B, r, h)
+        return (c if rms else c - mu) * rs
+
+    def y(B, mu, rs, r, h):
+        v = xhat(B, mu, rs, r, h) * _f32(B["weight"][h])
         if has_bias:
-            v = v + _f32(b[h])
-        if gate_out:
-            v = v * _math.silu(_f32(z[r, h]))
+            v = v + _f32(B["bias"][h])
+        if d.gate_out:
+            v = v * _math.silu(_f32(B["z"][r, h]))
         return v.astype(x_dtype)
 
+    def y1(B, mu, rs, r, h):
+        v = xhat(B, mu, rs, r, h) * _f32(B["weight1"][h])
+        return (v + _f32(B["bias1"][h]) if d.has_bias1 else v).astype(x_dtype)
+
+    def centred(B, mu, r, h):
+        v = _f64(u(B, r, h))
+        return v if rms else v - mu[0]
+
     @T.macro
-    def row(x, w, b, z, out, rstd, r):
-        # float64 sum of squares, as the TE compute (u^2 overflows float32 above |u| ~ 1.8e19)
+    def row(B, r):
+        # float64 reductions, as the TE compute (u^2 overflows float32 above |u| ~ 1.8e19); LayerNorm
+        # centres with the float64 group mean before squaring (a second pass over the group, in L1)
         acc = T.alloc_buffer((V,), "float64")
         tot = T.alloc_buffer((1,), "float64")
+        mu = T.alloc_buffer((1,), "float64")
         rs = T.alloc_buffer((1,), "float32")
         for g in range(G):
+            mu[0] = T.float64(0)
+            if not rms:
+                for i in T.vectorized(V):
+                    acc[i] = T.float64(0)
+                for j in range(NV):
+                    for i in T.vectorized(V):
+                        acc[i] = acc[i] + _f64(u(B, r, g * gs + j * V + i))
+                tot[0] = T.float64(0)
+                for i in range(V):
+                    tot[0] = tot[0] + acc[i]
+                mu[0] = tot[0] * T.float64(inv_gs)
+                B["mean"][r, g] = mu[0].astype("float32")
             for i in T.vectorized(V):
                 acc[i] = T.float64(0)
             for j in range(NV):
                 for i in T.vectorized(V):
-                    acc[i] = acc[i] + _f64(u(x, z, r, g * gs + j * V + i)) * _f64(u(x, z, r, g * gs + j * V + i))
+                    acc[i] = acc[i] + centred(B, mu, r, g * gs + j * V + i) * centred(B, mu, r, g * gs + j * V + i)
             tot[0] = T.float64(0)
             for i in range(V):
                 tot[0] = tot[0] + acc[i]
             rs[0] = (T.float64(1) / T.sqrt(tot[0] * T.float64(inv_gs) + T.float64(eps))).astype("float32")
-            rstd[r, g] = rs[0]
+            B["rstd"][r, g] = rs[0]
             for j in range(NV):
                 for i in T.vectorized(V):
-                    out[r, g * gs + j * V + i] = y(x, w, b, z, rs[0], r, g * gs + j * V + i)
+                    h = T.meta_var(g * gs + j * V + i)
+                    B["out"][r, h] = y(B, mu[0].astype("float32"), rs[0], r, h)
+                    if store_res:
+                        B["residual_out"][r, h] = s(B, r, h).astype(rout_dtype)
+                    if store_mask:
+                        B["mask"][r, h] = dropout_keep(B["seeds"][r], h, p).astype("uint8")
+                    if has_w1:
+                        B["out1"][r, h] = y1(B, mu[0].astype("float32"), rs[0], r, h)
+                    if store_mask and has_x1:
+                        B["mask1"][r, h] = dropout_keep(B["seeds1"][r], h, p).astype("uint8")
+
+    def full_if(cond):
+        return lambda rows: (rows, hidden) if cond else (1, 1)
 
     @T.prim_func
-    def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, o_h: T.handle,
-                          r_h: T.handle):
+    def rmsnorm_gated_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, res_h: T.handle,
+                          rsc_h: T.handle, sd_h: T.handle, x1_h: T.handle, w1_h: T.handle, b1_h: T.handle,
+                          sd1_h: T.handle, o_h: T.handle, ro_h: T.handle, mk_h: T.handle, o1_h: T.handle,
+                          mk1_h: T.handle, m_h: T.handle, r_h: T.handle):
         T.func_attr({"global_symbol": "rmsnorm_gated_fwd", "tirx.noalias": True})
         rows = T.int32()
-        x = T.match_buffer(x_h, (rows, hidden), x_dtype)
-        w = T.match_buffer(w_h, (hidden,), w_dtype)
-        b = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
-        z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), x_dtype)
-        out = T.match_buffer(o_h, (rows, hidden), x_dtype)
-        rstd = T.match_buffer(r_h, (rows, G), "float32")
+        b_x = T.match_buffer(x_h, (rows, hidden), x_dtype)
+        b_weight = T.match_buffer(w_h, (hidden,), w_dtype)
+        b_bias = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
+        b_z = T.match_buffer(z_h, full_if(d.has_z)(rows), x_dtype)
+        b_residual = T.match_buffer(res_h, full_if(has_res)(rows), res_dtype)
+        b_rowscale = T.match_buffer(rsc_h, (rows,) if d.has_rowscale else (1,), "float32")
+        b_seeds = T.match_buffer(sd_h, (rows,) if p > 0 else (1,), "int32")
+        b_x1 = T.match_buffer(x1_h, full_if(has_x1)(rows), x_dtype)
+        b_weight1 = T.match_buffer(w1_h, (hidden,) if has_w1 else (1,), w_dtype)
+        b_bias1 = T.match_buffer(b1_h, (hidden,) if d.has_bias1 else (1,), w_dtype)
+        b_seeds1 = T.match_buffer(sd1_h, (rows,) if p > 0 and has_x1 else (1,), "int32")
+        b_out = T.match_buffer(o_h, (rows, hidden), x_dtype)
+        b_residual_out = T.match_buffer(ro_h, full_if(store_res)(rows), rout_dtype)
+        b_mask = T.match_buffer(mk_h, full_if(store_mask)(rows), "uint8")
+        b_out1 = T.match_buffer(o1_h, full_if(has_w1)(rows), x_dtype)
+        b_mask1 = T.match_buffer(mk1_h, full_if(store_mask and has_x1)(rows), "uint8")
+        b_mean = T.match_buffer(m_h, (1, 1) if rms else (rows, G), "float32")
+        b_rstd = T.match_buffer(r_h, (rows, G), "float32")
+        B = T.meta_var(dict(x=b_x, weight=b_weight, bias=b_bias, z=b_z, residual=b_residual, rowscale=b_rowscale,
+                            seeds=b_seeds, x1=b_x1, weight1=b_weight1, bias1=b_bias1, seeds1=b_seeds1, out=b_out,
+                            residual_out=b_residual_out, mask=b_mask, out1=b_out1, mask1=b_mask1, mean=b_mean,
+                            rstd=b_rstd))
         if rows * hidden <= rule.SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
             for r in T.serial(rows):
-                row(x, w, b, z, out, rstd, r)
+                row(B, r)
         else:
             for r in T.parallel(rows):
-                row(x, w, b, z, out, rstd, r)
+                row(B, r)
 
     return rmsnorm_gated_fwd
 
 
-def _bwd(hidden, gs, eps, has_bias, has_z, nbg, x_dtype, w_dtype, V):
-    G, NV, HV = hidden // gs, gs // V, hidden // V
-    gate_in, gate_out = has_z and not nbg, has_z and nbg
+def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
+    """The backward loop nests (row parts, then the in-order sum of the parts); buffers in one dict ``B``."""
+    hidden, gs, G, NV, HV = d.hidden, d.group_size, d.ngroups, d.group_size // V, d.hidden // V
+    has_bias, has_z, nbg, rms = d.has_bias, d.has_z, d.norm_before_gate, d.is_rms_norm
+    has_dres, store_dres, p, has_w1 = d.has_dresidual, d.store_dresidual, d.dropout_p, d.has_weight1
+    store_dx1 = d.has_x1 and p > 0
+    NT = 4 if has_w1 else 2  # partial rows: dy*xhat, dy (, dy1*xhat, dy1)
     inv_gs = 1.0 / gs
 
-    def zf(z, r, h):
-        return _f32(z[r, h])
+    def zf(B, r, h):
+        return _f32(B["z"][r, h])
 
-    def xhat(x, z, rs, r, h):
-        v = _f32(x[r, h])
-        return (v * _math.silu(zf(z, r, h)) if gate_in else v) * rs
+    def xhat(B, mu, rs, r, h):
+        v = _f32(B["x"][r, h])
+        v = v * _math.silu(zf(B, r, h)) if d.gate_in else v
+        return (v if rms else v - mu) * rs
 
-    def dy(d, z, r, h):
-        v = _f32(d[r, h])
-        return v * _math.silu(zf(z, r, h)) if gate_out else v
+    def dy(B, r, h):
+        v = _f32(B["dout"][r, h])
+        return v * _math.silu(zf(B, r, h)) if d.gate_out else v
 
-    def du(x, w, z, d, rs, c, r, h):
-        return rs * (dy(d, z, r, h) * _f32(w[h]) - xhat(x, z, rs, r, h) * c)
+    def dy1(B, r, h):
+        return _f32(B["dout1"][r, h])
 
-    def dx_val(x, w, z, d, rs, c, r, h):
-        v = du(x, w, z, d, rs, c, r, h)
-        return (v * _math.silu(zf(z, r, h)) if gate_in else v).astype(x_dtype)
+    def dxhat(B, r, h):
+        v = dy(B, r, h) * _f32(B["weight"][h])
+        return v + dy1(B, r, h) * _f32(B["weight1"][h]) if has_w1 else v
 
-    def dz_val(x, w, b, z, d, rs, c, r, h):
-        if not has_z:
-            return T.float32(0).astype(x_dtype)
+    def du(B, mu, rs, c1, c2, r, h):
+        v = dxhat(B, r, h) - xhat(B, mu, rs, r, h) * c1
+        return rs * (v if rms else v - c2)
+
+    def ds(B, mu, rs, c1, c2, r, h):
+        v = du(B, mu, rs, c1, c2, r, h)
+        v = v * _math.silu(zf(B, r, h)) if d.gate_in else v
+        return v + _f32(B["dresidual"][r, h]) if has_dres else v
+
+    def dx_val(B, mu, rs, c1, c2, r, h):
+        v = _dropout(ds(B, mu, rs, c1, c2, r, h), B["seeds"], r, h, p)
+        return (v * B["rowscale"][r] if d.has_rowscale else v).astype(dout_dtype)
+
+    def dz_val(B, mu, rs, c1, c2, r, h):
         if nbg:
-            yv = xhat(x, z, rs, r, h) * _f32(w[h]) + (_f32(b[h]) if has_bias else T.float32(0))
-            v = _f32(d[r, h]) * yv * _math.silu_grad(zf(z, r, h))
+            yv = xhat(B, mu, rs, r, h) * _f32(B["weight"][h]) + (_f32(B["bias"][h]) if has_bias else T.float32(0))
+            v = _f32(B["dout"][r, h]) * yv * _math.silu_grad(zf(B, r, h))
         else:
-            v = du(x, w, z, d, rs, c, r, h) * _f32(x[r, h]) * _math.silu_grad(zf(z, r, h))
-        return v.astype(x_dtype)
+            v = du(B, mu, rs, c1, c2, r, h) * _f32(B["x"][r, h]) * _math.silu_grad(zf(B, r, h))
+        return v.astype(dout_dtype)
+
+    @T.macro
+    def row(B, part, pi, acc, tot, r):
+        for g in range(G):
+            rs = T.meta_var(B["rstd"][r, g])
+            mu = T.meta_var(T.float32(0) if rms else B["mean"][r, g])
+            for i in T.vectorized(V):
+                acc[0, i] = T.float32(0)
+                acc[1, i] = T.float32(0)
+            for j in range(NV):
+                for i in T.vectorized(V):
+                    h = T.meta_var(g * gs + j * V + i)
+                    acc[0, i] = acc[0, i] + dxhat(B, r, h) * xhat(B, mu, rs, r, h)
+                    if not rms:
+                        acc[1, i] = acc[1, i] + dxhat(B, r, h)
+            tot[0] = T.float32(0)
+            tot[1] = T.float32(0)
+            for i in range(V):
+                tot[0] = tot[0] + acc[0, i]
+                tot[1] = tot[1] + acc[1, i]
+            tot[0] = tot[0] * T.float32(inv_gs)
+            tot[1] = tot[1] * T.float32(inv_gs)
+            for j in range(NV):
+                for i in T.vectorized(V):
+                    h = T.meta_var(g * gs + j * V + i)
+                    B["dx"][r, h] = dx_val(B, mu, rs, tot[0], tot[1], r, h)
+                    if has_z:
+                        B["dz"][r, h] = dz_val(B, mu, rs, tot[0], tot[1], r, h)
+                    if store_dres:
+                        B["dresidual_in"][r, h] = ds(B, mu, rs, tot[0], tot[1], r, h).astype(x_dtype)
+                    if store_dx1:
+                        B["dx1"][r, h] = _dropout(ds(B, mu, rs, tot[0], tot[1], r, h), B["seeds1"], r, h,
+                                                  p).astype(dout_dtype)
+                    part[pi, 0, h] = part[pi, 0, h] + dy(B, r, h) * xhat(B, mu, rs, r, h)
+                    part[pi, 1, h] = part[pi, 1, h] + dy(B, r, h)
+                    if has_w1:
+                        part[pi, 2, h] = part[pi, 2, h] + dy1(B, r, h) * xhat(B, mu, rs, r, h)
+                        part[pi, 3, h] = part[pi, 3, h] + dy1(B, r, h)
 
     @T.prim_func
     def rmsnorm_gated_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, d_h: T.handle,
-                          r_h: T.handle, dx_h: T.handle, dz_h: T.handle, dw_h: T.handle, db_h: T.handle,
-                          p_h: T.handle):
+                          m_h: T.handle, r_h: T.handle, dr_h: T.handle, rsc_h: T.handle, sd_h: T.handle,
+                          w1_h: T.handle, d1_h: T.handle, sd1_h: T.handle, dx_h: T.handle, dz_h: T.handle,
+                          dw_h: T.handle, db_h: T.handle, dri_h: T.handle, dx1_h: T.handle, dw1_h: T.handle,
+                          db1_h: T.handle, p_h: T.handle):
         T.func_attr({"global_symbol": "rmsnorm_gated_bwd", "tirx.noalias": True})
         rows = T.int32()
         nparts = T.int32()
-        x = T.match_buffer(x_h, (rows, hidden), x_dtype)
-        w = T.match_buffer(w_h, (hidden,), w_dtype)
-        b = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
-        z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), x_dtype)
-        d = T.match_buffer(d_h, (rows, hidden), x_dtype)
-        rstd = T.match_buffer(r_h, (rows, G), "float32")
-        dx = T.match_buffer(dx_h, (rows, hidden), x_dtype)
-        dz = T.match_buffer(dz_h, (rows, hidden) if has_z else (1, 1), x_dtype)
+        b_x = T.match_buffer(x_h, (rows, hidden), x_dtype)
+        b_weight = T.match_buffer(w_h, (hidden,), w_dtype)
+        b_bias = T.match_buffer(b_h, (hidden,) if has_bias else (1,), w_dtype)
+        b_z = T.match_buffer(z_h, (rows, hidden) if has_z else (1, 1), dout_dtype)
+        b_dout = T.match_buffer(d_h, (rows, hidden), dout_dtype)
+        b_mean = T.match_buffer(m_h, (1, 1) if rms else (rows, G), "float32")
+        b_rstd = T.match_buffer(r_h, (rows, G), "float32")
+        b_dres = T.match_buffer(dr_h, (rows, hidden) if has_dres else (1, 1), x_dtype)
+        b_rowscale = T.match_buffer(rsc_h, (rows,) if d.has_rowscale else (1,), "float32")
+        b_seeds = T.match_buffer(sd_h, (rows,) if p > 0 else (1,), "int32")
+        b_weight1 = T.match_buffer(w1_h, (hidden,) if has_w1 else (1,), w_dtype)
+        b_dout1 = T.match_buffer(d1_h, (rows, hidden) if has_w1 else (1, 1), dout_dtype)
+        b_seeds1 = T.match_buffer(sd1_h, (rows,) if store_dx1 else (1,), "int32")
+        b_dx = T.match_buffer(dx_h, (rows, hidden), dout_dtype)
+        b_dz = T.match_buffer(dz_h, (rows, hidden) if has_z else (1, 1), dout_dtype)
         dw = T.match_buffer(dw_h, (hidden,), w_dtype)
         db = T.match_buffer(db_h, (hidden,) if has_bias else (1,), w_dtype)
-        part = T.match_buffer(p_h, (nparts, 2, hidden), "float32")
-        for p in T.parallel(nparts):
-            acc = T.alloc_buffer((V,), "float32")
-            tot = T.alloc_buffer((1,), "float32")
-            for j in range(HV):
-                for i in T.vectorized(V):
-                    part[p, 0, j * V + i] = T.float32(0)
-                    part[p, 1, j * V + i] = T.float32(0)
-            chunk = T.meta_var((rows + nparts - 1) // nparts)
-            for q in range(T.max(T.min(chunk, rows - p * chunk), 0)):
-                r = T.meta_var(p * chunk + q)
-                for g in range(G):
-                    rs = T.meta_var(rstd[r, g])
+        b_dri = T.match_buffer(dri_h, (rows, hidden) if store_dres else (1, 1), x_dtype)
+        b_dx1 = T.match_buffer(dx1_h, (rows, hidden) if store_dx1 else (1, 1), dout_dtype)
+        dw1 = T.match_buffer(dw1_h, (hidden,) if has_w1 else (1,), w_dtype)
+        db1 = T.match_buffer(db1_h, (hidden,) if has_w1 and d.has_bias1 else (1,), w_dtype)
+        part = T.match_buffer(p_h, (nparts, NT, hidden), "float32")
+        B = T.meta_var(dict(x=b_x, weight=b_weight, bias=b_bias, z=b_z, dout=b_dout, mean=b_mean, rstd=b_rstd,
+                            dresidual=b_dres, rowscale=b_rowscale, seeds=b_seeds, weight1=b_weight1,
+                            dout1=b_dout1, seeds1=b_seeds1, dx=b_dx, dz=b_dz, dresidual_in=b_dri, dx1=b_dx1))
+        for pi in T.parallel(nparts):
+            acc = T.alloc_buffer((2, V), "float32")
+            tot = T.alloc_buffer((2,), "float32")
+            for t in range(NT):
+                for j in range(HV):
                     for i in T.vectorized(V):
-                        acc[i] = T.float32(0)
-                    for j in range(NV):
-                        for i in T.vectorized(V):
-                            h = T.meta_var(g * gs + j * V + i)
-                            acc[i] = acc[i] + dy(d, z, r, h) * _f32(w[h]) * xhat(x, z, rs, r, h)
-                    tot[0] = T.float32(0)
-                    for i in range(V):
-                        tot[0] = tot[0] + acc[i]
-                    tot[0] = tot[0] * T.float32(inv_gs)
-                    for j in range(NV):
-                        for i in T.vectorized(V):
-                            h = T.meta_var(g * gs + j * V + i)
-                            dx[r, h] = dx_val(x, w, z, d, rs, tot[0], r, h)
-                            if has_z:
-                                dz[r, h] = dz_val(x, w, b, z, d, rs, tot[0], r, h)
-                            part[p, 0, h] = part[p, 0, h] + dy(d, z, r, h) * xhat(x, z, rs, r, h)
-                            part[p, 1, h] = part[p, 1, h] + dy(d, z, r, h)
+                        part[pi, t, j * V + i] = T.float32(0)
+            chunk = T.meta_var((rows + nparts - 1) // nparts)
+            for q in range(T.max(T.min(chunk, rows - pi * chunk), 0)):
+                row(B, part, pi, acc, tot, pi * chunk + q)
         for j in T.parallel(HV):
-            a2 = T.alloc_buffer((2, V), "float32")
-            for i in T.vectorized(V):
-                a2[0, i] = T.float32(0)
-                a2[1, i] = T.float32(0)
-            for p in range(nparts):
+            a2 = T.alloc_buffer((NT, V), "float32")
+            for t in range(NT):
                 for i in T.vectorized(V):
-                    a2[0, i] = a2[0, i] + part[p, 0, j * V + i]
-                    a2[1, i] = a2[1, i] + part[p, 1, j * V + i]
+                    a2[t, i] = T.float32(0)
+            for pj in range(nparts):
+                for t in range(NT):
+                    for i in T.vectorized(V):
+                        a2[t, i] = a2[t, i] + part[pj, t, j * V + i]
             for i in T.vectorized(V):
                 dw[j * V + i] = a2[0, i].astype(w_dtype)
                 if has_bias:
                     db[j * V + i] = a2[1, i].astype(w_dtype)
+                if has_w1:
+                    dw1[j * V + i] = a2[2, i].astype(w_dtype)
+                    if d.has_bias1:
+                        db1[j * V + i] = a2[3, i].astype(w_dtype)
 
     return rmsnorm_gated_bwd
 
@@ -197,7 +329,9 @@ def apply(func, target, decisions: rule.Decisions):
     gs = st["group_size"]
     widths = tuple(v for v in (16, 8, 4, 2, 1) if gs % v == 0)
     V = decisions.pick("vector", widths, widths[0])
-    make = _fwd if name == "rmsnorm_gated_fwd" else _bwd
-    tmpl = make(st["hidden"], gs, st["eps"], st["has_bias"], st["has_z"], st["norm_before_gate"],
-                st["x_dtype"], st["weight_dtype"], V)
+    d = NormDims(**{f.name: st[f.name] for f in dataclasses.fields(NormDims) if f.name in st})
+    if name == "rmsnorm_gated_fwd":
+        tmpl = _fwd(d, st["x_dtype"], st["weight_dtype"], st["residual_dtype"], st["residual_out_dtype"], V)
+    else:
+        tmpl = _bwd(d, st["x_dtype"], st["weight_dtype"], st["dout_dtype"], V)
     return rule.schedule_of(tmpl, name=name)

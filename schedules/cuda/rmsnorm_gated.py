@@ -1,8 +1,9 @@
-"""CUDA rule for gated RMSNorm.
+"""CUDA rule for the norm kernels (gated RMSNorm / LayerNorm, fused residual-add norm).
 
-Forward: two launches, both one block per row with ``threads`` threads across hidden: rstd (the per-group
-sum of squares as a cross-thread reduction, warp shuffles + shared memory, kept in registers), then out
-(reads rstd back; rstd is an output, and s_tir refuses compute_at of an output block into a consumer).
+Forward: two launches, both one block per row with ``threads`` threads across hidden: the statistics (rstd,
+and LayerNorm's mean: the per-group sums as cross-thread reductions, warp shuffles + shared memory, kept in
+registers), then out and residual_out (read the statistics back; they are outputs, and s_tir refuses
+compute_at of an output block into a consumer).
 Backward: three launches. (1) one block per row: the per-group dot(dxhat, xhat) as a cross-thread reduction
 kept in registers, computed once under the row loop for both dx and dz (the TE computes dx and dz as one
 two-output op so they share that loop), then dx, dz per thread; (2) stage 1 of dweight/dbias: one block per
@@ -15,22 +16,30 @@ from __future__ import annotations
 from tvm_mamba.schedules import rule
 
 
-def _fwd(func, hidden: int, gs: int, decisions):
+def _cross_thread(sch, block, loop, threads):
+    """Compute the reduction ``block`` under ``loop``, its reduction axis across ``threads`` threads (warp
+    shuffles + shared memory), the result kept in a register."""
+    sch.compute_at(block, loop)
+    _, ki = sch.split(sch.get_loops(block)[-1], [None, threads])
+    sch.bind(ki, "threadIdx.x")
+    sch.set_scope(block, 0, "local")
+
+
+def _fwd(func, st: dict, decisions):
+    gs = st["group_size"]
     cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
     sch = rule.schedule_of(func, name="rmsnorm_gated_fwd")
-    out = sch.get_sblock("out")
-    ss = sch.get_sblock("sumsq")
-    rstd = sch.get_sblock("rstd")
-    # rstd is an output (no compute_at into the out loop): kernel 1 = rstd (one block per row, the group
-    # sums as cross-thread reductions), kernel 2 = out (one block per row), reading rstd back.
-    r1, g = sch.get_loops(rstd)
+    rms = st["is_rms_norm"]
+    # rstd (and mean) are outputs (no compute_at into the out loop): kernel 1 = the statistics (one block per
+    # row, the group reductions as cross-thread reductions; LayerNorm's mean first, then the centred squares),
+    # kernel 2 = out (and residual_out, the dropout mask: same loop nest), one block per row, reading the statistics back.
+    r1, g = sch.get_loops(sch.get_sblock("rstd" if rms else "stats_v0"))
     sch.bind(r1, "blockIdx.x")
-    sch.compute_at(ss, g)
-    _, ki = sch.split(sch.get_loops(ss)[-1], [None, threads])
-    sch.bind(ki, "threadIdx.x")
-    sch.set_scope(ss, 0, "local")
-    r, h = sch.get_loops(out)
+    for name in ("sumsq",) if rms else ("sumsq", "sum"):  # consumers first: sum feeds sumsq and the mean
+        _cross_thread(sch, sch.get_sblock(name), g, threads)
+    multi = st["store_residual"] or st["store_dropout_mask"] or st["has_weight1"]
+    r, h = sch.get_loops(sch.get_sblock("out_v0" if multi else "out"))
     sch.bind(r, "blockIdx.x")
     _, hi = sch.split(h, [None, threads])
     sch.bind(hi, "threadIdx.x")
@@ -44,26 +53,25 @@ def _threads_over(sch, loop, threads):
     return tx
 
 
-def _bwd(func, hidden: int, gs: int, has_z: bool, has_bias: bool, decisions):
+def _bwd(func, st: dict, decisions):
+    hidden, gs = st["hidden"], st["group_size"]
     cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
     pthreads = decisions.pick("part_threads", (64, 128, 256), 128)
     sch = rule.schedule_of(func, name="rmsnorm_gated_bwd")
-    # kernel 1: one block per row; the row's per-group dot(dxhat, xhat) is a cross-thread reduction (warp
-    # shuffles + shared memory) kept in registers, then each thread writes its dx (and dz) elements.
-    dx = sch.get_sblock("dxdz_v0" if has_z else "dx")
-    r, h = sch.get_loops(dx)
+    # kernel 1: one block per row; the row's per-group dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are
+    # cross-thread reductions (warp shuffles + shared memory) kept in registers, then each thread writes its
+    # dx (and dz, dresidual_in) elements.
+    multi = st["has_z"] or st["store_dresidual"] or (st["has_x1"] and st["dropout_p"] > 0)
+    r, h = sch.get_loops(sch.get_sblock("dxdz_v0" if multi else "dx"))
     sch.bind(r, "blockIdx.x")
-    # threads divides group_size: each group is gs/threads consecutive chunks, so the group's dot is
-    # computed under the group loop and held in one register (a per-row array of G dots indexed by a
-    # runtime loop variable went to local memory: 4 spill stores on sm_90)
+    # threads divides group_size: each group is gs/threads consecutive chunks, so the group's reductions are
+    # computed under the group loop and held in registers (a per-row array of G dots indexed by a runtime
+    # loop variable went to local memory: 4 spill stores on sm_90)
     grp, _, hi = sch.split(h, [hidden // gs, None, threads])
     sch.bind(hi, "threadIdx.x")
-    dot = sch.get_sblock("dot")
-    sch.compute_at(dot, grp)
-    _, ki = sch.split(sch.get_loops(dot)[-1], [None, threads])
-    sch.bind(ki, "threadIdx.x")
-    sch.set_scope(dot, 0, "local")
+    for name in ("dot",) if st["is_rms_norm"] else ("dot", "dysum"):
+        _cross_thread(sch, sch.get_sblock(name), grp, threads)
     # kernel 2 (stage 1 of dweight/dbias): one block per (row part, `pthreads` features); each thread sums
     # dy*xhat and dy over the part's rows in order (coalesced across the features of a row).
     part = sch.get_sblock("partial")
@@ -74,16 +82,14 @@ def _bwd(func, hidden: int, gs: int, has_z: bool, has_bias: bool, decisions):
     sch.bind(ho, "blockIdx.x")
     sch.bind(hi2, "threadIdx.x")
     # kernel 3 (stage 2): one thread per feature, parts added in order in a register, then cast.
-    for acc_name, fin_name, present in (("dweight_acc", "dweight", True), ("dbias_acc", "dbias", has_bias)):
+    w1 = st["has_weight1"]
+    for name, present in (("dweight", True), ("dbias", st["has_bias"]), ("dweight1", w1),
+                          ("dbias1", w1 and st["has_bias1"])):
         if present:
-            acc = sch.get_sblock(acc_name)
+            acc = sch.get_sblock(name + "_acc")
             tx = _threads_over(sch, sch.get_loops(acc)[0], pthreads)
-            sch.reverse_compute_at(sch.get_sblock(fin_name), tx)
+            sch.reverse_compute_at(sch.get_sblock(name), tx)
             sch.set_scope(acc, 0, "local")
-        else:  # the (1,) placeholder output
-            _threads_over(sch, sch.fuse(*sch.get_loops(sch.get_sblock(fin_name))), 1)
-    if not has_z:
-        _threads_over(sch, sch.fuse(*sch.get_loops(sch.get_sblock("dz"))), 1)
     return sch
 
 
@@ -91,7 +97,7 @@ def apply(func, target, decisions: rule.Decisions):
     """Schedule a gated RMSNorm kernel for CUDA; None for foreign functions."""
     name, st = rule.kernel_attrs(func)
     if name == "rmsnorm_gated_fwd":
-        return _fwd(func, st["hidden"], st["group_size"], decisions)
+        return _fwd(func, st, decisions)
     if name == "rmsnorm_gated_bwd":
-        return _bwd(func, st["hidden"], st["group_size"], st["has_z"], st["has_bias"], decisions)
+        return _bwd(func, st, decisions)
     return None

@@ -1,4 +1,4 @@
-"""rmsnorm_fn / RMSNormGated with the CUDA kernels run on the CPU by the execution harness
+"""rmsnorm_fn / layernorm_fn / RMSNormGated / LayerNorm with the CUDA kernels run on the CPU by the execution harness
 (tvm_mamba.simulate_cuda), against the float64 reference written from the math (forward and every gradient).
 Mirrors tests/torch_ops/test_rmsnorm_gated.py at small model dims.
 
@@ -14,10 +14,10 @@ import torch
 import tvm_mamba
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.compute.rmsnorm_gated import build_check_configs
-from tvm_mamba.modules.rmsnorm_gated import RMSNormGated
-from tvm_mamba.reference.rmsnorm_gated import rmsnorm_gated_ref
+from tvm_mamba.modules.rmsnorm_gated import LayerNorm, RMSNormGated
+from tvm_mamba.reference.rmsnorm_gated import layernorm_gated_ref, rmsnorm_gated_ref
 from tests.torch_ops.test_rmsnorm_gated import _inputs as _cpu_inputs, _run
-from tvm_mamba.torch_ops.rmsnorm_gated import rmsnorm_fn
+from tvm_mamba.torch_ops.rmsnorm_gated import layernorm_fn, rmsnorm_fn
 
 HIDDEN = 192
 GATES = {"none": (False, True), "after": (True, True), "before": (True, False)}  # -> (has_z, norm_before_gate)
@@ -142,15 +142,44 @@ def test_sm80_forward_backward(sim):
         assert_close_to_ref(g, r, name=name, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("group_size,gate", [(96, "before"), (192, "after"), (16, "none")])
+def test_layernorm_fp32(group_size, gate):
+    """layernorm_fn: the mean and the centred squares as two cross-thread reductions per group in the
+    statistics kernel, dot and sum(dxhat) in the backward row kernel; x offset from 0 so the mean matters."""
+    has_z, nbg = GATES[gate]
+    x, w, b, z = _inputs((5,), torch.float32, True, has_z, seed=4)
+    x = (x.detach() + 2.0).requires_grad_()
+    dout = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(5))
+    kw = dict(eps=1e-5, group_size=group_size, norm_before_gate=nbg)
+    got = _run(layernorm_fn, x, w, b, z, dout, **kw)
+    ref = _run(layernorm_gated_ref, x, w, b, z, dout.double(), dtype=torch.float64, **kw)
+    for name, g, r in zip(_names(True, has_z), got, ref):
+        assert_close_to_ref(g, r, name=name, atol=2e-4, rtol=1e-4)
+
+
+def test_layernorm_module_bf16():
+    m = LayerNorm(HIDDEN, eps=1e-5, group_size=96, norm_before_gate=False)
+    x, z = torch.randn(3, HIDDEN).bfloat16(), torch.randn(3, HIDDEN).bfloat16()
+    out = m(x, z)
+    ref = layernorm_gated_ref(x.double(), m.weight.double(), m.bias.double(), z.double(), 1e-5, 96, False)
+    low = layernorm_gated_ref(x, m.weight, m.bias, z, 1e-5, 96, False)
+    assert out.dtype == torch.bfloat16
+    assert_close_to_ref(out, ref, low)
+
+
 def _config_id(config):
     direction, static, dtypes = config
     gate = "nogate" if not static["has_z"] else ("nbg" if static["norm_before_gate"] else "gate-first")
-    return f"{direction}-{gate}-g{static['group_size']}-{dtypes['x']}"
+    kind = ("rms" if static.get("is_rms_norm", True) else "ln") + \
+        ("-res" if static.get("has_residual") or static.get("has_dresidual") else "")
+    return f"{direction}-{kind}-{gate}-g{static['group_size']}-{dtypes['x']}"
 
 
-@pytest.mark.parametrize("config", [c for c in build_check_configs() if c[2]["x"] == "bfloat16"], ids=_config_id)
+@pytest.mark.parametrize("config", [c for c in build_check_configs() if "bfloat16" in c[2].values()
+                                    and not (c[1].get("has_residual") or c[1].get("has_dresidual"))], ids=_config_id)
 def test_simcheck_build_check_configs_bf16(config):
-    """sim-check's own check on every bf16 build-check configuration (hidden 2048, 256 threads a row)."""
+    """sim-check's own check on every bf16 gated build-check configuration (hidden 2048, 256 threads a row;
+    the fused add-norm's are in tests/cudasim/test_layer_norm.py)."""
     from tvm_mamba.simcheck import rmsnorm_gated as simcheck
 
     direction, static, dtypes = config

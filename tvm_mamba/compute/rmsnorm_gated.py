@@ -1,43 +1,114 @@
-"""Gated RMSNorm (mamba_ssm 2.3.x ``rmsnorm_fn`` semantics) as TE: forward and backward.
+"""Gated group norm (mamba_ssm 2.3.x ``layernorm_gated.py``: ``rmsnorm_fn`` / ``layernorm_fn``) and the fused
+residual-add norm (``layer_norm.py``: ``rms_norm_fn`` / ``layer_norm_fn``) as TE: forward and backward.
 
-Rows (all leading dims flattened) are symbolic; hidden, group_size, eps and the flags are static.
-With u = x * silu(z) when gating before the norm (norm_before_gate=False), else u = x:
+One definition for both upstream files: rows (all leading dims flattened) are symbolic; hidden, group_size,
+eps and the flags are static. With s = x (+ residual), u = s * silu(z) when gating before the norm
+(norm_before_gate=False), else u = s:
 
-    rstd[r, g] = 1 / sqrt(mean_{h in group g} u[r, h]^2 + eps)
-    y = u * rstd * weight (+ bias);   out = y * silu(z) when norm_before_gate (and z is given), else y.
+    mean[r, g] = mean_{h in group g} u[r, h]          (LayerNorm; 0 for RMSNorm, is_rms_norm)
+    rstd[r, g] = 1 / sqrt(mean_{h in group g} (u[r, h] - mean[r, g])^2 + eps)
+    y = (u - mean) * rstd * weight (+ bias);   out = y * silu(z) when norm_before_gate (and z is given), else y.
 
-The forward also writes rstd (float32, (rows, ngroups)), which the backward reads instead of recomputing
-the reduction. Math is float32 except the sum of squares (float64, so |x| up to the float32 maximum
-normalizes); out has x's dtype. Absent bias / z are (1,)*ndim placeholders.
-These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules
-emit hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py).
+The forward writes rstd (and mean for LayerNorm; float32, (rows, ngroups)), which the backward reads instead
+of recomputing the reductions, and with ``store_residual`` residual_out = s in its own dtype (the ``prenorm``
+residual of layer_norm.py; the backward's x is then that stored residual_out, as upstream's). Math is
+float32 except the reductions over x (float64, so |x| up to the float32 maximum normalizes); out has x's
+dtype. Absent inputs and outputs are unused (1,)*ndim placeholders.
+These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules emit
+hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from tvm import te, tirx
 
 from ._common import check_dtype, f32, sigmoid, stamp
 
 
+@dataclasses.dataclass(frozen=True)
+class NormDims:
+    """The static parameters of one norm kernel (both directions; the direction-only flags are False in the
+    other). Keys with default values are left out of a KernelKey (:meth:`static`), so the plain gated
+    RMSNorm's keys (and tuning records) are the same as before the LayerNorm / residual flags existed."""
+
+    hidden: int
+    group_size: int
+    eps: float = 1e-6
+    has_bias: bool = False
+    has_z: bool = False
+    norm_before_gate: bool = True
+    is_rms_norm: bool = True
+    has_residual: bool = False  # fwd: s = x + residual
+    store_residual: bool = False  # fwd: write residual_out = s (residual_out dtype)
+    has_dresidual: bool = False  # bwd: the gradient of residual_out is added to ds
+    store_dresidual: bool = False  # bwd: also write ds in x's (the saved residual_out's) dtype
+    has_rowscale: bool = False  # fwd: s = x * rowscale[row] (+ residual); bwd: dx = ds * rowscale[row]
+    dropout_p: float = 0.0  # > 0: x (after rowscale) is dropped with this probability, kept ones / (1 - p)
+    store_dropout_mask: bool = False  # fwd: write the keep mask (uint8)
+    has_x1: bool = False  # s += dropout(x1) (upstream's parallel norm input); bwd: dx1
+    has_weight1: bool = False  # out1 = xhat * weight1 (+ bias1); bwd: dout1 joins dxhat, dweight1
+    has_bias1: bool = False
+
+    def __post_init__(self):
+        if self.hidden < 1:
+            raise ValueError(f"hidden: must be >= 1, got {self.hidden}")
+        if self.group_size < 1 or self.hidden % self.group_size:
+            raise ValueError(f"group_size: must divide hidden={self.hidden}, got {self.group_size}")
+
+    @property
+    def ngroups(self) -> int:
+        return self.hidden // self.group_size
+
+    @property
+    def gate_in(self) -> bool:
+        return self.has_z and not self.norm_before_gate
+
+    @property
+    def gate_out(self) -> bool:
+        return self.has_z and self.norm_before_gate
+
+    def static(self) -> dict:
+        """The KernelKey static dims: hidden, group_size, eps, has_bias, has_z, norm_before_gate always, the
+        newer flags only where they differ from their defaults."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("hidden", "group_size", "eps", "has_bias", "has_z", "norm_before_gate") or v != f.default:
+                out[f.name] = v
+        return out
+
+
+def _u32(v: int) -> tirx.PrimExpr:
+    return tirx.const(v, "uint32")
+
+
+def _mix32(v):
+    """A 32-bit integer hash with full avalanche (the "lowbias32" finalizer: xor-shift, multiply, twice)."""
+    v = v ^ (v >> _u32(16))
+    v = v * _u32(0x21F0AAAD)
+    v = v ^ (v >> _u32(15))
+    v = v * _u32(0x735A2D97)
+    return v ^ (v >> _u32(15))
+
+
+def dropout_keep(seed, h, p: float):
+    """Whether element ``h`` of the row with int32 ``seed`` is kept by dropout with probability ``p``: a
+    counter-based uniform u = hash(seed, h) / 2^32 in [0, 1) (24 bits), kept when u >= p, so forward and
+    backward recompute the same mask from the row's seed (upstream keeps per-row seeds too). Plain integer
+    arithmetic: the same expression on the CPU (vectorized) and CUDA."""
+    hv = _mix32(h.astype("uint32") * _u32(0x9E3779B9) + _u32(0x7F4A7C15))
+    u = (_mix32(hv ^ seed.astype("uint32")) >> _u32(8)).astype("float32") * tirx.const(2.0 ** -24, "float32")
+    return u >= tirx.const(p, "float32")
+
+
 def _f64(expr) -> tirx.PrimExpr:
-    """Widen to float64 (the sum of squares)."""
+    """Widen to float64 (the reductions over x)."""
     return expr.astype("float64")
 
 
-def _check(hidden: int, group_size: int) -> None:
-    if hidden < 1:
-        raise ValueError(f"hidden: must be >= 1, got {hidden}")
-    if group_size < 1 or hidden % group_size:
-        raise ValueError(f"group_size: must divide hidden={hidden}, got {group_size}")
-
-
-def _inputs(hidden, has_bias, has_z, x_dtype, weight_dtype):
-    rows = te.var("rows")
-    x = te.placeholder((rows, hidden), x_dtype, name="x")
-    weight = te.placeholder((hidden,), weight_dtype, name="weight")
-    bias = te.placeholder((hidden,) if has_bias else (1,), weight_dtype, name="bias")
-    z = te.placeholder((rows, hidden) if has_z else (1, 1), x_dtype, name="z")
-    return rows, x, weight, bias, z
+def _silu(v):
+    return v * sigmoid(v)
 
 
 def _silu_grad(v):
@@ -45,145 +116,277 @@ def _silu_grad(v):
     return s * (1.0 + v * (1.0 - s))
 
 
-def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
-                      has_z: bool = False, norm_before_gate: bool = True, x_dtype: str = "float32",
-                      weight_dtype: str = "float32") -> tirx.PrimFunc:
-    """x, z: (rows, hidden); weight, bias: (hidden,) -> out: (rows, hidden), rstd: (rows, hidden/group_size) f32.
+def _maybe(cond: bool, shape: tuple, dtype: str, name: str, full: tuple):
+    return te.placeholder(full if cond else shape, dtype, name=name)
 
-    out = u * rstd * weight (+ bias) (* silu(z) if norm_before_gate), u = x (* silu(z) if not norm_before_gate).
+
+def _dropped(v, seeds, r, h, p: float):
+    """upstream's dropout of one float32 element: kept ones scaled by 1 / (1 - p), the mask from the row seed."""
+    if p <= 0:
+        return v
+    return tirx.Select(dropout_keep(seeds[r], h, p), v / tirx.const(1.0 - p, "float32"), tirx.const(0.0, "float32"))
+
+
+def _multi(shape, vals: list, name: str) -> list:
+    """One compute per value function, or one multi-output compute (blocks ``<name>_v0``, ``_v1``, ... in one
+    loop nest, so a schedule computes a row's reductions once for all of them)."""
+    if len(vals) == 1:
+        return [te.compute(shape, vals[0], name=name)]
+    return list(te.compute(shape, lambda *i: tuple(f(*i) for f in vals), name=name))
+
+
+def _group_red(rows, G: int, gs: int, fn, name: str):
+    """(rows, ngroups) sum over each group of gs features of fn(r, h)."""
+    k = te.reduce_axis((0, gs), name="group_size")
+    return te.compute((rows, G), lambda r, g: te.sum(fn(r, g * gs + k), axis=k), name=name)
+
+
+def _stats(rows, d: NormDims, u):
+    """mean (LayerNorm; a (1, 1) placeholder for RMSNorm) and rstd, (rows, ngroups) float32, of u(r, h).
+
+    Reductions in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and out garbage), while the
+    square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny |u| (1e-30: u^2 = 1e-60)
+    does not underflow either. LayerNorm centres with the float64 mean before squaring (two passes over the
+    group, no E[u^2] - mean^2 cancellation)."""
+    gs, G, eps = d.group_size, d.ngroups, d.eps
+    if d.is_rms_norm:
+        ss = _group_red(rows, G, gs, lambda r, h: _f64(u(r, h)) * _f64(u(r, h)), "sumsq")
+        rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
+        return te.placeholder((1, 1), "float32", name="mean"), rstd
+    s1 = _group_red(rows, G, gs, lambda r, h: _f64(u(r, h)), "sum")
+
+    def centred(r, h):
+        return _f64(u(r, h)) - s1[r, h // gs] * (1.0 / gs)
+
+    ss = _group_red(rows, G, gs, lambda r, h: centred(r, h) * centred(r, h), "sumsq")
+    # one two-output compute ("stats_v0" = mean, "stats_v1" = rstd): both read the group's reductions in one
+    # loop nest, so a schedule computes them once under the (row, group) loop
+    mean, rstd = te.compute((rows, G), lambda r, g: (f32(s1[r, g] * (1.0 / gs)),
+                                                     f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps))), name="stats")
+    return mean, rstd
+
+
+def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
+                      has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
+                      has_residual: bool = False, store_residual: bool = False, has_rowscale: bool = False,
+                      dropout_p: float = 0.0, store_dropout_mask: bool = False, has_x1: bool = False,
+                      has_weight1: bool = False, has_bias1: bool = False, x_dtype: str = "float32",
+                      weight_dtype: str = "float32", residual_dtype: str | None = None,
+                      residual_out_dtype: str | None = None) -> tirx.PrimFunc:
+    """x, z, x1: (rows, hidden); residual: (rows, hidden); weight, bias, weight1, bias1: (hidden,); rowscale:
+    (rows,) f32; seeds, seeds1: (rows,) int32 -> out, out1: (rows, hidden) in x's dtype, residual_out: (rows,
+    hidden), dropout_mask, dropout_mask1: (rows, hidden) uint8, mean, rstd: (rows, hidden/group_size) f32.
+
+    s = dropout(x (* rowscale)) (+ dropout1(x1)) (+ residual); u = s (* silu(z) if not norm_before_gate);
+    xhat = (u - mean_g(u)) * rstd_g(u); out = xhat * weight (+ bias) (* silu(z) if norm_before_gate);
+    out1 = xhat * weight1 (+ bias1) (upstream's parallel norm); residual_out = s.
     """
-    _check(hidden, group_size)
-    check_dtype("x", x_dtype)
-    check_dtype("weight", weight_dtype)
-    gs, G = group_size, hidden // group_size
-    rows, x, weight, bias, z = _inputs(hidden, has_bias, has_z, x_dtype, weight_dtype)
-    gate_in = has_z and not norm_before_gate
-    gate_out = has_z and norm_before_gate
+    d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm, has_residual,
+                 store_residual, has_rowscale=has_rowscale, dropout_p=dropout_p,
+                 store_dropout_mask=store_dropout_mask, has_x1=has_x1, has_weight1=has_weight1, has_bias1=has_bias1)
+    res_dt, rout_dt = residual_dtype or x_dtype, residual_out_dtype or x_dtype
+    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("residual", res_dt), ("residual_out", rout_dt)):
+        check_dtype(name, dt)
+    gs, p = group_size, dropout_p
+    rows = te.var("rows")
+    full = (rows, hidden)
+    x = te.placeholder(full, x_dtype, name="x")
+    weight = te.placeholder((hidden,), weight_dtype, name="weight")
+    bias = _maybe(has_bias, (1,), weight_dtype, "bias", (hidden,))
+    z = _maybe(has_z, (1, 1), x_dtype, "z", full)
+    residual = _maybe(has_residual, (1, 1), res_dt, "residual", full)
+    rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
+    seeds = _maybe(p > 0, (1,), "int32", "seeds", (rows,))
+    x1 = _maybe(has_x1, (1, 1), x_dtype, "x1", full)
+    weight1 = _maybe(has_weight1, (1,), weight_dtype, "weight1", (hidden,))
+    bias1 = _maybe(has_bias1, (1,), weight_dtype, "bias1", (hidden,))
+    seeds1 = _maybe(p > 0 and has_x1, (1,), "int32", "seeds1", (rows,))
+
+    def s(r, h):
+        v = _dropped(f32(x[r, h]) * rowscale[r] if has_rowscale else f32(x[r, h]), seeds, r, h, p)
+        if has_x1:
+            v = v + _dropped(f32(x1[r, h]), seeds1, r, h, p)
+        return v + f32(residual[r, h]) if has_residual else v
 
     def u(r, h):
-        v = f32(x[r, h])
-        return v * (f32(z[r, h]) * sigmoid(f32(z[r, h]))) if gate_in else v
+        return s(r, h) * _silu(f32(z[r, h])) if d.gate_in else s(r, h)
 
-    # The sum of squares is accumulated in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and
-    # out garbage), while the square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny
-    # |u| (1e-30: u^2 = 1e-60) does not underflow either. rstd = 1/rms itself is representable in float32
-    # for every finite u (subnormal once rms > 8.5e37). One widening and one float64 FMA per element.
-    k = te.reduce_axis((0, gs), name="group_size")
-    ss = te.compute((rows, G), lambda r, g: te.sum(_f64(u(r, g * gs + k)) * _f64(u(r, g * gs + k)), axis=k),
-                    name="sumsq")
-    rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
+    mean, rstd = _stats(rows, d, u)
+
+    def xhat(r, h):
+        return (u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
 
     def finish(r, h):
-        y = u(r, h) * rstd[r, h // gs] * f32(weight[h])
-        if has_bias:
-            y = y + f32(bias[h])
-        if gate_out:
-            y = y * (f32(z[r, h]) * sigmoid(f32(z[r, h])))
-        return y.astype(x_dtype)
+        y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
+        return (y * _silu(f32(z[r, h])) if d.gate_out else y).astype(x_dtype)
 
-    out = te.compute((rows, hidden), finish, name="out")
-    func = te.create_prim_func([x, weight, bias, z, out, rstd])
-    static = dict(hidden=hidden, group_size=group_size, eps=eps, has_bias=has_bias, has_z=has_z,
-                  norm_before_gate=norm_before_gate, x_dtype=x_dtype, weight_dtype=weight_dtype)
-    return stamp(func, "rmsnorm_gated_fwd", static)
+    def finish1(r, h):
+        return (xhat(r, h) * f32(weight1[h]) + (f32(bias1[h]) if has_bias1 else 0.0)).astype(x_dtype)
+
+    # residual_out, the masks and out1 share out's loop nest (blocks "out_v0" = out, then the others in this
+    # order): one pass over s
+    wanted = [("out", True, finish), ("residual_out", store_residual, lambda r, h: s(r, h).astype(rout_dt)),
+              ("dropout_mask", store_dropout_mask, lambda r, h: dropout_keep(seeds[r], h, p).astype("uint8")),
+              ("out1", has_weight1, finish1),
+              ("dropout_mask1", store_dropout_mask and has_x1,
+               lambda r, h: dropout_keep(seeds1[r], h, p).astype("uint8"))]
+    outs = _multi(full, [f for _, on, f in wanted if on], "out")
+    dtypes = {"residual_out": rout_dt, "dropout_mask": "uint8", "dropout_mask1": "uint8", "out1": x_dtype}
+    got = {n: outs.pop(0) if on else te.placeholder((1, 1), dtypes.get(n, x_dtype), name=n) for n, on, _ in wanted}
+    func = te.create_prim_func([x, weight, bias, z, residual, rowscale, seeds, x1, weight1, bias1, seeds1,
+                                got["out"], got["residual_out"], got["dropout_mask"], got["out1"],
+                                got["dropout_mask1"], mean, rstd])
+    return stamp(func, "rmsnorm_gated_fwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
+                                                          residual_dtype=res_dt, residual_out_dtype=rout_dt))
+
+
+def _stamp_static(d: NormDims, **dtypes) -> dict:
+    return dict(dataclasses.asdict(d), **dtypes)
+
+
+def _weight_grads(rows, hidden: int, nparts, terms: list, weight_dtype: str):
+    """Sums over rows of the given terms (name, present, fn(r, h)), e.g. dweight = sum_rows dy*xhat, as a
+    deterministic two-stage reduction: partial: (nparts, len(terms), hidden) f32 (part p sums rows
+    [p*chunk, (p+1)*chunk) in order, chunk = ceil(rows/nparts)), then the parts added in order. Returns
+    (partial, [each term's (hidden,) sum in weight_dtype, or a (1,) placeholder when absent])."""
+    chunk = tirx.indexdiv(rows + nparts - 1, nparts)
+    j = te.reduce_axis((0, chunk), name="chunk")
+
+    def part(p, sel, h):
+        r = tirx.min(p * chunk + j, rows - 1)
+        val = terms[-1][2](r, h)
+        for i in range(len(terms) - 2, -1, -1):
+            val = tirx.if_then_else(sel == i, terms[i][2](r, h), val)
+        # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead.
+        return te.sum(tirx.if_then_else(p * chunk + j < rows, val, tirx.const(0.0, "float32")), axis=j)
+
+    partial = te.compute((nparts, len(terms), hidden), part, name="partial")
+
+    def total(sel, name):
+        pa = te.reduce_axis((0, nparts), name="nparts")
+        acc = te.compute((hidden,), lambda h: te.sum(partial[pa, sel, h], axis=pa), name=f"{name}_acc")
+        return te.compute((hidden,), lambda h: acc[h].astype(weight_dtype), name=name)
+
+    sums = [total(i, name) if on else te.placeholder((1,), weight_dtype, name=name)
+            for i, (name, on, _) in enumerate(terms)]
+    return partial, sums
 
 
 def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
-                      has_z: bool = False, norm_before_gate: bool = True, x_dtype: str = "float32",
-                      weight_dtype: str = "float32") -> tirx.PrimFunc:
+                      has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
+                      has_dresidual: bool = False, store_dresidual: bool = False, has_rowscale: bool = False,
+                      dropout_p: float = 0.0, has_x1: bool = False, has_weight1: bool = False,
+                      has_bias1: bool = False, x_dtype: str = "float32", weight_dtype: str = "float32",
+                      dout_dtype: str | None = None) -> tirx.PrimFunc:
     """Backward of :func:`rmsnorm_gated_fwd`.
 
-    Inputs as the forward plus dout: (rows, hidden) and the saved rstd: (rows, ngroups) f32. Outputs dx, dz:
-    (rows, hidden), dweight, dbias: (hidden,), and partial: (nparts, 2, hidden) f32, the first stage of the
-    deterministic two-stage weight/bias reduction (part p sums rows [p*chunk, (p+1)*chunk), chunk =
-    ceil(rows/nparts); the second stage sums the parts in order).
+    Inputs: x: (rows, hidden), the forward's s (its x, or the stored residual_out) in x_dtype; weight, bias, z;
+    dout: (rows, hidden) in dout_dtype (the forward's x dtype); the saved mean (LayerNorm) and rstd: (rows,
+    ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out; rowscale: (rows,) f32;
+    seeds, seeds1: (rows,) int32, the forward's dropout seeds; weight1: (hidden,), dout1: (rows, hidden) the
+    gradient of out1. Outputs: dx, dz, dx1: (rows, hidden) dout_dtype; dweight, dbias, dweight1, dbias1:
+    (hidden,); dresidual_in: (rows, hidden) x_dtype (d s, in residual's dtype); partial: (nparts, 2 or 4,
+    hidden) f32, stage 1 of the deterministic weight/bias reductions (:func:`_weight_grads`).
 
-    With xhat = u*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight,
-    c = mean_group(dxhat*xhat): du = rstd*(dxhat - xhat*c); dx = du (* silu(z) if gating before the norm);
-    dz = dout*y*silu'(z) (norm_before_gate) or du*x*silu'(z); dweight = sum_rows dy*xhat; dbias = sum_rows dy.
+    With xhat = (u - mean)*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight (+ dout1*weight1),
+    c1 = mean_group(dxhat*xhat), c2 = mean_group(dxhat) (LayerNorm; 0 for RMSNorm):
+    du = rstd*(dxhat - xhat*c1 - c2); ds = du (* silu(z) if gating before the norm) (+ dresidual);
+    dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dx = dropout(ds) (* rowscale);
+    dx1 = dropout1(ds); dweight = sum_rows dy*xhat; dbias = sum_rows dy; dweight1, dbias1 likewise from dout1.
     """
-    _check(hidden, group_size)
-    check_dtype("x", x_dtype)
-    check_dtype("weight", weight_dtype)
-    gs, G = group_size, hidden // group_size
-    rows, x, weight, bias, z = _inputs(hidden, has_bias, has_z, x_dtype, weight_dtype)
-    dout = te.placeholder((rows, hidden), x_dtype, name="dout")
+    d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm,
+                 has_dresidual=has_dresidual, store_dresidual=store_dresidual, has_rowscale=has_rowscale,
+                 dropout_p=dropout_p, has_x1=has_x1, has_weight1=has_weight1, has_bias1=has_bias1)
+    dout_dtype = dout_dtype or x_dtype
+    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("dout", dout_dtype)):
+        check_dtype(name, dt)
+    gs, G, p = group_size, d.ngroups, dropout_p
+    rows = te.var("rows")
+    full = (rows, hidden)
+    x = te.placeholder(full, x_dtype, name="x")
+    weight = te.placeholder((hidden,), weight_dtype, name="weight")
+    bias = _maybe(has_bias, (1,), weight_dtype, "bias", (hidden,))
+    z = _maybe(has_z, (1, 1), dout_dtype, "z", full)
+    dout = te.placeholder(full, dout_dtype, name="dout")
+    mean = _maybe(not is_rms_norm, (1, 1), "float32", "mean", (rows, G))
     rstd = te.placeholder((rows, G), "float32", name="rstd")
+    dres = _maybe(has_dresidual, (1, 1), x_dtype, "dresidual", full)
+    rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
+    seeds = _maybe(p > 0, (1,), "int32", "seeds", (rows,))
+    weight1 = _maybe(has_weight1, (1,), weight_dtype, "weight1", (hidden,))
+    dout1 = _maybe(has_weight1, (1, 1), dout_dtype, "dout1", full)
+    seeds1 = _maybe(p > 0 and has_x1, (1,), "int32", "seeds1", (rows,))
     nparts = te.var("nparts")
-    gate_in = has_z and not norm_before_gate
-    gate_out = has_z and norm_before_gate
 
     def zf(r, h):
         return f32(z[r, h])
 
     def u(r, h):
-        v = f32(x[r, h])
-        return v * (zf(r, h) * sigmoid(zf(r, h))) if gate_in else v
+        return f32(x[r, h]) * _silu(zf(r, h)) if d.gate_in else f32(x[r, h])
 
     def xhat(r, h):
-        return u(r, h) * rstd[r, h // gs]
+        return (u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
 
     def dy(r, h):
-        d = f32(dout[r, h])
-        return d * (zf(r, h) * sigmoid(zf(r, h))) if gate_out else d
+        v = f32(dout[r, h])
+        return v * _silu(zf(r, h)) if d.gate_out else v
 
     def dxhat(r, h):
-        return dy(r, h) * f32(weight[h])
+        v = dy(r, h) * f32(weight[h])
+        return v + f32(dout1[r, h]) * f32(weight1[h]) if has_weight1 else v
 
-    k = te.reduce_axis((0, gs), name="group_size")
-    c = te.compute((rows, G), lambda r, g: te.sum(dxhat(r, g * gs + k) * xhat(r, g * gs + k), axis=k),
-                   name="dot")
+    c1 = _group_red(rows, G, gs, lambda r, h: dxhat(r, h) * xhat(r, h), "dot")
+    c2 = None if is_rms_norm else _group_red(rows, G, gs, dxhat, "dysum")
 
     def du(r, h):
-        return rstd[r, h // gs] * (dxhat(r, h) - xhat(r, h) * c[r, h // gs] * (1.0 / gs))
+        v = dxhat(r, h) - xhat(r, h) * c1[r, h // gs] * (1.0 / gs)
+        return rstd[r, h // gs] * (v - c2[r, h // gs] * (1.0 / gs) if c2 is not None else v)
+
+    def ds(r, h):
+        v = du(r, h) * _silu(zf(r, h)) if d.gate_in else du(r, h)
+        return v + f32(dres[r, h]) if has_dresidual else v
+
+    def dz_val(r, h):
+        if norm_before_gate:
+            y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
+            v = f32(dout[r, h]) * y * _silu_grad(zf(r, h))
+        else:
+            v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
+        return v.astype(dout_dtype)
 
     def dx_val(r, h):
-        v = du(r, h)
-        return (v * (zf(r, h) * sigmoid(zf(r, h))) if gate_in else v).astype(x_dtype)
+        v = _dropped(ds(r, h), seeds, r, h, p)
+        return (v * rowscale[r] if has_rowscale else v).astype(dout_dtype)
 
-    if has_z:
-        def dz_val(r, h):
-            if norm_before_gate:
-                y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
-                v = f32(dout[r, h]) * y * _silu_grad(zf(r, h))
-            else:
-                v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
-            return v.astype(x_dtype)
-
-        # one two-output compute: blocks "dxdz_v0" (dx) and "dxdz_v1" (dz) share the (rows, hidden) loop
-        # nest, so a schedule can compute the row's reduction once under the row loop for both
-        dx, dz = te.compute((rows, hidden), lambda r, h: (dx_val(r, h), dz_val(r, h)), name="dxdz")
-    else:
-        dx = te.compute((rows, hidden), dx_val, name="dx")
-        dz = te.compute((1, 1), lambda i, j: tirx.const(0, x_dtype), name="dz")
-    chunk = tirx.indexdiv(rows + nparts - 1, nparts)
-    j = te.reduce_axis((0, chunk), name="chunk")
-
-    def part(p, s, h):
-        r = tirx.min(p * chunk + j, rows - 1)
-        val = tirx.if_then_else(s == 0, dy(r, h) * xhat(r, h), dy(r, h))
-        # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead.
-        return te.sum(tirx.if_then_else(p * chunk + j < rows, val, tirx.const(0.0, "float32")), axis=j)
-
-    partial = te.compute((nparts, 2, hidden), part, name="partial")
-    pa = te.reduce_axis((0, nparts), name="nparts")
-    dw_acc = te.compute((hidden,), lambda h: te.sum(partial[pa, 0, h], axis=pa), name="dweight_acc")
-    dweight = te.compute((hidden,), lambda h: dw_acc[h].astype(weight_dtype), name="dweight")
-    if has_bias:
-        pb = te.reduce_axis((0, nparts), name="nparts")
-        db_acc = te.compute((hidden,), lambda h: te.sum(partial[pb, 1, h], axis=pb), name="dbias_acc")
-        dbias = te.compute((hidden,), lambda h: db_acc[h].astype(weight_dtype), name="dbias")
-    else:
-        dbias = te.compute((1,), lambda h: tirx.const(0, weight_dtype), name="dbias")
-    func = te.create_prim_func([x, weight, bias, z, dout, rstd, dx, dz, dweight, dbias, partial])
-    static = dict(hidden=hidden, group_size=group_size, eps=eps, has_bias=has_bias, has_z=has_z,
-                  norm_before_gate=norm_before_gate, x_dtype=x_dtype, weight_dtype=weight_dtype)
-    return stamp(func, "rmsnorm_gated_bwd", static)
+    # dx, dz, dresidual_in and dx1 as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then the others
+    # in this order) sharing the (rows, hidden) loop nest, so a schedule computes the row's reductions once
+    # under the row loop for all of them; a lone dx is the block "dx".
+    wanted = [("dx", True, dx_val), ("dz", has_z, dz_val),
+              ("dresidual_in", store_dresidual, lambda r, h: ds(r, h).astype(x_dtype)),
+              ("dx1", has_x1 and p > 0, lambda r, h: _dropped(ds(r, h), seeds1, r, h, p).astype(dout_dtype))]
+    present = [f for _, on, f in wanted if on]
+    outs = _multi(full, present, "dx" if len(present) == 1 else "dxdz")
+    got = {n: outs.pop(0) if on else te.placeholder((1, 1), x_dtype if n == "dresidual_in" else dout_dtype, name=n)
+           for n, on, _ in wanted}
+    terms = [("dweight", True, lambda r, h: dy(r, h) * xhat(r, h)), ("dbias", has_bias, dy)]
+    if has_weight1:
+        terms += [("dweight1", True, lambda r, h: f32(dout1[r, h]) * xhat(r, h)),
+                  ("dbias1", has_bias1, lambda r, h: f32(dout1[r, h]))]
+    partial, sums = _weight_grads(rows, hidden, nparts, terms, weight_dtype)
+    if not has_weight1:
+        sums += [te.placeholder((1,), weight_dtype, name=n) for n in ("dweight1", "dbias1")]
+    func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, weight1, dout1, seeds1,
+                                got["dx"], got["dz"], sums[0], sums[1], got["dresidual_in"], got["dx1"], sums[2],
+                                sums[3], partial])
+    return stamp(func, "rmsnorm_gated_bwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
+                                                          dout_dtype=dout_dtype))
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static_dims, dtypes) compiled by the CUDA build-check: Mamba-2 2.7B's gated norm
-    (hidden 5120, groups of 5120/8), both gate orders, bf16 activations with fp32 weights."""
+    (hidden 5120, groups of 5120/8), both gate orders, bf16 activations with fp32 weights; the gated
+    LayerNorm; and the fused residual-add norm of mixer_seq_simple's Block (prenorm, residual in fp32, RMSNorm
+    and LayerNorm with bias)."""
     out = []
     for direction in ("fwd", "bwd"):
         for nbg in (True, False):
@@ -191,6 +394,27 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             out.append((direction, static, dict(x="bfloat16", weight="float32")))
         out.append((direction, dict(hidden=2048, group_size=2048, eps=1e-5, has_bias=True, has_z=False,
                                     norm_before_gate=True), dict(x="float32", weight="float32")))
+        out.append((direction, NormDims(2048, 256, 1e-5, True, True, False, is_rms_norm=False).static(),
+                    dict(x="bfloat16", weight="float32")))
+    for rms in (True, False):
+        fwd = NormDims(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_residual=True, store_residual=True)
+        out.append(("fwd", fwd.static(), dict(x="bfloat16", weight="float32", residual="float32",
+                                              residual_out="float32")))
+        bwd = NormDims(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_dresidual=True, store_dresidual=True)
+        out.append(("bwd", bwd.static(), dict(x="float32", weight="float32", dout="bfloat16")))
+    # the dropout path (RMSNorm module in training): uint32 hash, the uint8 keep mask, rowscale
+    drop = dict(dropout_p=0.1, has_rowscale=True)
+    out.append(("fwd", NormDims(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True,
+                                **drop).static(), dict(x="bfloat16", weight="float32", residual="float32",
+                                                       residual_out="float32")))
+    out.append(("bwd", NormDims(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **drop).static(),
+                dict(x="float32", weight="float32", dout="bfloat16")))
+    # upstream's parallel norm (x1, weight1, bias1) with dropout on both inputs, LayerNorm
+    par = dict(is_rms_norm=False, has_bias=True, dropout_p=0.1, has_x1=True, has_weight1=True, has_bias1=True)
+    out.append(("fwd", NormDims(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True,
+                                **par).static(), dict(x="float32", weight="float32")))
+    out.append(("bwd", NormDims(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **par).static(),
+                dict(x="float32", weight="float32")))
     return out
 
 
