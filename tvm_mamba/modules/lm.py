@@ -3,8 +3,9 @@
 State dict names match upstream (``backbone.embedding.weight``, ``backbone.layers.{i}.norm.weight``,
 ``backbone.layers.{i}.mixer.*``, ``backbone.norm_f.weight``, ``lm_head.weight`` tied to the embedding), so an
 upstream pure-Mamba checkpoint (no attention layers, d_intermediate = 0) loads. The block is upstream's
-unfused path (``fused_add_norm`` is accepted but the add and the norm are two ops: residual = h + residual,
-h = RMSNorm(residual) on the rmsnorm kernel, residual kept in float32 with residual_in_fp32).
+Block (upstream's fused_add_norm=True default: one add+norm kernel, layer_norm_fn(prenorm=True); else
+residual = h + residual, h = norm(residual)), residual kept in float32 with residual_in_fp32. RMSNorm
+(rms_norm=True) or LayerNorm (torch.nn.LayerNorm's parameters, as upstream): both run on layer_norm_fn.
 
 Generation (``generate``, upstream's GenerationMixin / decode loop in generation.py): the prompt runs through
 the full (chunked / scan) kernels once, filling each layer's (conv_state, ssm_state); then one ``step`` per new
@@ -21,9 +22,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..torch_ops.rmsnorm_gated import rmsnorm_fn
+from ..torch_ops.layer_norm import layer_norm_fn
 from . import checkpoint
 from .generation import GenerationMixin, InferenceParams  # noqa: F401  (InferenceParams: re-exported)
+from .layer_norm import RMSNorm
 from .mamba import Mamba
 from .mamba2 import Mamba2
 
@@ -48,24 +50,15 @@ class MambaConfig:
     tie_embeddings: bool = True
 
 
-class RMSNorm(nn.Module):
-    """mamba_ssm.ops.triton.layer_norm.RMSNorm parameters (weight (hidden,), bias None) on the rmsnorm kernel.
-    x: (..., hidden) -> x / sqrt(mean(x^2) + eps) * weight."""
-
-    def __init__(self, hidden_size, eps=1e-5, device=None, dtype=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.register_parameter("bias", None)
-
-    def forward(self, x):
-        return rmsnorm_fn(x, self.weight, None, eps=self.eps)
+def _norm(norm, x):
+    """norm(x) on the layer_norm kernel: RMSNorm or torch.nn.LayerNorm parameters (weight, bias, eps)."""
+    return layer_norm_fn(x, norm.weight, norm.bias, eps=norm.eps, is_rms_norm=isinstance(norm, RMSNorm))
 
 
 class Block(nn.Module):
     """upstream's ``modules/block.Block``: Block(dim, mixer_cls, mlp_cls=nn.Identity, norm_cls, fused_add_norm,
     residual_in_fp32), forward(h, residual) -> (mixer(norm(h + residual)), h + residual) (residual in float32
-    with residual_in_fp32). fused_add_norm is accepted: the add and the norm are two ops here."""
+    with residual_in_fp32). fused_add_norm: the add and the norm are one kernel (rms_norm_fn, prenorm)."""
 
     def __init__(self, dim, mixer_cls, mlp_cls=nn.Identity, norm_cls=RMSNorm, fused_add_norm=False,
                  residual_in_fp32=False):
@@ -79,10 +72,16 @@ class Block(nn.Module):
         self.mlp = None
 
     def forward(self, hidden_states, residual=None, inference_params=None, **mixer_kwargs):
-        residual = (hidden_states + residual) if residual is not None else hidden_states
-        hidden_states = self.norm(residual.to(dtype=self.norm.weight.dtype))
-        if self.residual_in_fp32:
-            residual = residual.to(torch.float32)
+        if self.fused_add_norm:
+            hidden_states, residual = layer_norm_fn(hidden_states, self.norm.weight, self.norm.bias,
+                                                    residual=residual, prenorm=True,
+                                                    residual_in_fp32=self.residual_in_fp32, eps=self.norm.eps,
+                                                    is_rms_norm=isinstance(self.norm, RMSNorm))
+        else:
+            residual = (hidden_states + residual) if residual is not None else hidden_states
+            hidden_states = _norm(self.norm, residual.to(dtype=self.norm.weight.dtype))
+            if self.residual_in_fp32:
+                residual = residual.to(torch.float32)
         hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
         return hidden_states, residual
 
@@ -93,20 +92,20 @@ class Block(nn.Module):
 def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, attn_cfg=None, norm_epsilon=1e-5,
                  rms_norm=True, residual_in_fp32=False, fused_add_norm=False, layer_idx=None, device=None,
                  dtype=None):
-    """upstream's create_block for the supported subset: a Mamba1/Mamba2 mixer (ssm_cfg["layer"]), RMSNorm."""
+    """upstream's create_block for the supported subset: a Mamba1/Mamba2 mixer (ssm_cfg["layer"]), RMSNorm
+    (rms_norm) or torch's LayerNorm, as upstream (the fused add-norm runs either on layer_norm_fn)."""
     if d_intermediate:
         raise ValueError("d_intermediate: MLP layers are not supported (use 0)")
     if attn_layer_idx:
         raise ValueError("attn_layer_idx: attention layers are not supported (use [])")
-    if not rms_norm:
-        raise ValueError("rms_norm: only RMSNorm is supported (rms_norm=True)")
     fk = {"device": device, "dtype": dtype}
     cfg = copy.deepcopy(ssm_cfg or {})
     layer = cfg.pop("layer", "Mamba1")
     if layer not in ("Mamba1", "Mamba2"):
         raise ValueError(f"ssm_cfg: 'layer' must be 'Mamba1' or 'Mamba2', got {layer!r}")
     mixer_cls = partial(Mamba if layer == "Mamba1" else Mamba2, layer_idx=layer_idx, **cfg, **fk)
-    block = Block(d_model, mixer_cls, nn.Identity, norm_cls=partial(RMSNorm, eps=norm_epsilon, **fk),
+    norm_cls = partial(RMSNorm if rms_norm else nn.LayerNorm, eps=norm_epsilon, **fk)
+    block = Block(d_model, mixer_cls, nn.Identity, norm_cls=norm_cls,
                   fused_add_norm=fused_add_norm, residual_in_fp32=residual_in_fp32)
     block.layer_idx = layer_idx
     return block
@@ -114,7 +113,7 @@ def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, a
 
 class MixerModel(nn.Module):
     """Embedding -> n_layer Blocks -> final RMSNorm. input_ids: (batch, seqlen) -> (batch, seqlen, d_model).
-    upstream's constructor (d_intermediate, attention and LayerNorm options: only their defaults)."""
+    upstream's constructor (d_intermediate > 0 and attention layers are refused)."""
 
     def __init__(self, d_model, n_layer, d_intermediate=0, vocab_size=50277, ssm_cfg=None, attn_layer_idx=None,
                  attn_cfg=None, norm_epsilon=1e-5, rms_norm=True, initializer_cfg=None, fused_add_norm=False,
@@ -127,7 +126,7 @@ class MixerModel(nn.Module):
         self.layers = nn.ModuleList(
             create_block(d_model, d_intermediate, ssm_cfg, attn_layer_idx, attn_cfg, norm_epsilon, rms_norm,
                          residual_in_fp32, fused_add_norm, layer_idx=i, **fk) for i in range(n_layer))
-        self.norm_f = RMSNorm(d_model, eps=norm_epsilon, **fk)
+        self.norm_f = (RMSNorm if rms_norm else nn.LayerNorm)(d_model, eps=norm_epsilon, **fk)
         self.apply(partial(_init_weights, n_layer=n_layer, **(initializer_cfg or {})))
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
@@ -144,8 +143,12 @@ class MixerModel(nn.Module):
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
                                             **mixer_kwargs)
+        if self.fused_add_norm:
+            return layer_norm_fn(hidden_states, self.norm_f.weight, self.norm_f.bias, residual=residual,
+                                 prenorm=False, residual_in_fp32=self.residual_in_fp32, eps=self.norm_f.eps,
+                                 is_rms_norm=isinstance(self.norm_f, RMSNorm))
         residual = (hidden_states + residual) if residual is not None else hidden_states
-        return self.norm_f(residual.to(dtype=self.norm_f.weight.dtype))
+        return _norm(self.norm_f, residual.to(dtype=self.norm_f.weight.dtype))
 
 
 def _init_weights(module, n_layer, initializer_range=0.02, rescale_prenorm_residual=True, n_residuals_per_layer=1):
