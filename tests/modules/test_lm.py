@@ -57,6 +57,22 @@ def test_state_dict_names_padding_and_tied_head():
     torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)
 
 
+def test_fused_add_norm_and_layernorm_variants():
+    """fused_add_norm (one add+norm kernel) equals the unfused add then norm; rms_norm=False: upstream's
+    torch.nn.LayerNorm parameters (norm.weight and norm.bias) on the layer_norm kernel."""
+    ids = _ids()
+    for rms in (True, False):
+        torch.manual_seed(0)
+        fused = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg=dict(M2), rms_norm=rms))
+        torch.manual_seed(0)
+        plain = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg=dict(M2), rms_norm=rms,
+                                             fused_add_norm=False))
+        plain.load_state_dict(fused.state_dict(), strict=True)
+        assert_rel_close(plain(ids).logits, fused(ids).logits.double(), 1e-5, f"fused_add_norm rms_norm={rms}")
+    assert "backbone.layers.0.norm.bias" in fused.state_dict() and "backbone.norm_f.bias" in fused.state_dict()
+    assert isinstance(fused.backbone.norm_f, torch.nn.LayerNorm)
+
+
 @pytest.mark.parametrize("ssm_cfg", [M2, M1], ids=["Mamba2", "Mamba1"])
 def test_logits_and_every_gradient_vs_reference(ssm_cfg):
     m = _model(ssm_cfg)
