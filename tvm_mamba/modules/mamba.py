@@ -11,7 +11,8 @@ A_log              (d_inner, d_state)       D (d_inner,)
 out_proj.weight    (d_model, d_inner)       (+ out_proj.bias with bias=True)
 =================  ==============================================
 
-Forward (upstream's non-fused path, which its fused ``mamba_inner_fn`` matches): in_proj -> split x, z ->
+Forward: with use_fast_path (default) and no cache to fill, upstream's fused ``mamba_inner_fn``; otherwise
+upstream's non-fused path, which it matches: in_proj -> split x, z ->
 causal_conv1d_fn(x) + SiLU -> x_proj -> (dt, B, C) -> dt_proj.weight @ dt -> selective_scan_fn(x, dt, A=-exp(A_log),
 B, C, D, z, delta_bias=dt_proj.bias, delta_softplus=True) -> out_proj. Decoding uses causal_conv1d_update and
 selective_state_update (one token per call).

@@ -12,7 +12,8 @@ norm.weight        (d_ssm,)                    (with rmsnorm=True)
 out_proj.weight    (d_model, d_inner)          (+ out_proj.bias with bias=True)
 =================  ==============================================
 
-Forward (upstream's unfused path, which its fused ``mamba_split_conv1d_scan_combined`` matches):
+Forward: with use_mem_eff_path (default) and no cache to fill, upstream's fused
+``mamba_split_conv1d_scan_combined``; otherwise upstream's unfused path, which it matches:
 in_proj -> [z0, x0 (d_mlp each), z, xBC, dt] -> causal_conv1d_fn(xBC) + SiLU -> [x, B, C] ->
 mamba_chunk_scan_combined(x, dt, A=-exp(A_log), B, C, D, dt_bias, dt_softplus=True, dt_limit) ->
 RMSNormGated(y, z) (norm_before_gate=False, group_size = d_ssm/ngroups) -> [silu(z0)*x0, y] -> out_proj.
@@ -158,14 +159,7 @@ class Mamba2(nn.Module):
         zxbcdt = self.in_proj(u)  # (batch, seqlen, d_in_proj)
         A = -torch.exp(self.A_log.float())
         if self.use_mem_eff_path and conv_state is None and not return_final_states:  # upstream's training path
-            return mamba_split_conv1d_scan_combined(
-                zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A,
-                D=self.D.reshape(self.nheads, self.headdim) if self.D_has_hdim else self.D, chunk_size=self.chunk_size,
-                seq_idx=seq_idx, dt_limit=self.dt_limit, activation=self.activation,
-                rmsnorm_weight=self.norm.weight if self.rmsnorm else None,
-                rmsnorm_eps=self.norm.eps if self.rmsnorm else 1e-6, outproj_weight=self.out_proj.weight,
-                outproj_bias=self.out_proj.bias, headdim=None if self.D_has_hdim else self.headdim,
-                ngroups=self.ngroups, norm_before_gate=self.norm_before_gate)
+            return self._fused_forward(zxbcdt, A, seq_idx)
         d_mlp, (z0, x0, z, xBC, dt) = self._split(zxbcdt)
         want_states = return_final_states or conv_state is not None
         xBC_t = xBC.transpose(1, 2)  # (batch, conv_dim, seqlen)
@@ -182,8 +176,8 @@ class Mamba2(nn.Module):
             chunk_size=self.chunk_size, D=self.D.reshape(self.nheads, self.headdim) if self.D_has_hdim else self.D,
             z=None if self.rmsnorm else z.reshape(batch, seqlen, self.nheads, self.headdim),
             dt_bias=self.dt_bias, dt_softplus=True, seq_idx=seq_idx, dt_limit=self.dt_limit,
-            return_final_states=want_states and not varlen,
-            **(dict(cu_seqlens=cu_seqlens, return_varlen_states=True) if varlen else {}))
+            cu_seqlens=cu_seqlens if varlen else None, return_final_states=want_states and not varlen,
+            return_varlen_states=varlen)
         if want_states:  # (y, final_states) or, varlen, (y, varlen_states (nseq, nheads, headdim, d_state))
             y, last_state = y
         out = self._finish(y.reshape(batch, seqlen, self.d_ssm), z, z0, x0, d_mlp)
@@ -193,6 +187,18 @@ class Mamba2(nn.Module):
         if return_final_states:
             return out, new_conv.contiguous(), last_state
         return out
+
+    def _fused_forward(self, zxbcdt, A, seq_idx):
+        """zxbcdt: (batch, seqlen, d_in_proj) -> (batch, seqlen, d_model) through mamba_split_conv1d_scan_combined
+        (conv, SSD, gated norm and out_proj in one autograd node: upstream's memory behaviour, docs/fused.md)."""
+        return mamba_split_conv1d_scan_combined(
+            zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, A,
+            D=self.D.reshape(self.nheads, self.headdim) if self.D_has_hdim else self.D, chunk_size=self.chunk_size,
+            seq_idx=seq_idx, dt_limit=self.dt_limit, activation=self.activation,
+            rmsnorm_weight=self.norm.weight if self.rmsnorm else None,
+            rmsnorm_eps=self.norm.eps if self.rmsnorm else 1e-6, outproj_weight=self.out_proj.weight,
+            outproj_bias=self.out_proj.bias, headdim=None if self.D_has_hdim else self.headdim,
+            ngroups=self.ngroups, norm_before_gate=self.norm_before_gate)
 
     def _check_states(self, conv_state, ssm_state, batch, device):
         conv_dim = self.conv1d.weight.shape[0]
