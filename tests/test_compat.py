@@ -25,6 +25,7 @@ PATHS = {
     "mamba_ssm.modules.mamba_simple": ["Mamba"],
     "mamba_ssm.modules.mamba2": ["Mamba2"],
     "mamba_ssm.modules.block": ["Block"],
+    "mamba_ssm.modules.mlp": ["GatedMLP"],
     "mamba_ssm.models.mixer_seq_simple": ["MambaLMHeadModel", "MixerModel", "create_block"],
     "mamba_ssm.models.config_mamba": ["MambaConfig"],
     "mamba_ssm.utils.generation": ["InferenceParams", "GenerationMixin", "decode", "sample"],

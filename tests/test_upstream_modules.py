@@ -98,10 +98,10 @@ def cpu_events(monkeypatch):
         monkeypatch.setattr(torch.cuda, "Event", _UnrecordedEvent)
 
 
-def _pair(upstream, ssm_cfg, fused_add_norm=True, rms_norm=True, seed=0):
+def _pair(upstream, ssm_cfg, fused_add_norm=True, rms_norm=True, d_intermediate=0, seed=0):
     """upstream's MambaLMHeadModel and ours with upstream's weights (strict load)."""
     kw = dict(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg=dict(ssm_cfg), fused_add_norm=fused_add_norm,
-              rms_norm=rms_norm)
+              rms_norm=rms_norm, d_intermediate=d_intermediate)
     torch.manual_seed(seed)
     theirs = upstream.lm.MambaLMHeadModel(upstream.config_mamba.MambaConfig(**kw))
     torch.manual_seed(seed)
@@ -122,18 +122,20 @@ def _ids(batch=2, seqlen=10, seed=1):
 
 
 TRAIN_CASES = {  # upstream's fused paths (mamba_inner_fn, mamba_split_conv1d_scan_combined, layer_norm_fn)
-    "Mamba1-fast-fused_add_norm": (dict(M1), True, True),  # and its unfused ones (torch.nn.LayerNorm too)
-    "Mamba1-slow": (dict(M1, use_fast_path=False), False, True),
-    "Mamba2-mem_eff-fused_add_norm": (dict(M2), True, True),
-    "Mamba2-unfused-LayerNorm": (dict(M2, use_mem_eff_path=False), False, False),
-    "Mamba2-fused_add_norm-LayerNorm": (dict(M2, use_mem_eff_path=False), True, False),
+    "Mamba1-fast-fused_add_norm": (dict(M1), True, True, 0),  # and its unfused ones (torch.nn.LayerNorm too)
+    "Mamba1-slow": (dict(M1, use_fast_path=False), False, True, 0),
+    "Mamba2-mem_eff-fused_add_norm": (dict(M2), True, True, 0),
+    "Mamba2-unfused-LayerNorm": (dict(M2, use_mem_eff_path=False), False, False, 0),
+    "Mamba2-fused_add_norm-LayerNorm": (dict(M2, use_mem_eff_path=False), True, False, 0),
+    "Mamba2-GatedMLP": (dict(M2), True, True, 48),  # d_intermediate: norm2 + GatedMLP per block
+    "Mamba2-GatedMLP-unfused": (dict(M2), False, True, 48),
 }
 
 
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
 def test_train_step_equals_ours(upstream, case):
-    ssm_cfg, fused, rms = TRAIN_CASES[case]
-    theirs, ours = _pair(upstream, ssm_cfg, fused_add_norm=fused, rms_norm=rms)
+    ssm_cfg, fused, rms, d_mlp = TRAIN_CASES[case]
+    theirs, ours = _pair(upstream, ssm_cfg, fused_add_norm=fused, rms_norm=rms, d_intermediate=d_mlp)
     ids, tgt = _ids(seqlen=12), _ids(seqlen=12, seed=2)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (theirs, ours)]
     for step in range(2):  # two steps: momentum carries the first step's gradient into the second

@@ -146,8 +146,8 @@ def test_bad_inputs_name_the_argument():
         m(_ids(), inference_params=params)
     with pytest.raises(ValueError, match="ssm_cfg"):
         _model(dict(layer="Mamba3"))
-    with pytest.raises(ValueError, match="d_intermediate"):
-        MambaLMHeadModel(MambaConfig(d_model=32, n_layer=1, vocab_size=8, d_intermediate=64))
+    with pytest.raises(ValueError, match="attn_layer_idx"):
+        MambaLMHeadModel(MambaConfig(d_model=32, n_layer=2, vocab_size=8, attn_layer_idx=[1]))
 
 
 def test_train_tiny_ci_reaches_target(tmp_path):

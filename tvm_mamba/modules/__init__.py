@@ -4,7 +4,8 @@ from .rmsnorm_gated import RMSNormGated  # noqa: F401
 from .mamba import Mamba  # noqa: F401
 from .mamba2 import Mamba2  # noqa: F401
 from .generation import GenerateDecoderOnlyOutput, GenerationMixin, InferenceParams, decode, sample  # noqa: F401
+from .mlp import GatedMLP  # noqa: F401
 from .lm import Block, MambaConfig, MambaLMHeadModel, MixerModel, RMSNorm, create_block  # noqa: F401
 
-__all__ = ["Mamba", "Mamba2", "RMSNormGated", "RMSNorm", "Block", "create_block", "MixerModel", "MambaConfig",
+__all__ = ["Mamba", "Mamba2", "RMSNormGated", "RMSNorm", "GatedMLP", "Block", "create_block", "MixerModel", "MambaConfig",
            "MambaLMHeadModel", "InferenceParams", "GenerationMixin", "GenerateDecoderOnlyOutput", "decode", "sample"]

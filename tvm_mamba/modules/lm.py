@@ -1,9 +1,9 @@
 """A small Mamba language model: mamba_ssm 2.3.x's ``models/mixer_seq_simple.MambaLMHeadModel`` on our blocks.
 
 State dict names match upstream (``backbone.embedding.weight``, ``backbone.layers.{i}.norm.weight``,
-``backbone.layers.{i}.mixer.*``, ``backbone.norm_f.weight``, ``lm_head.weight`` tied to the embedding), so an
-upstream pure-Mamba checkpoint (no attention layers, d_intermediate = 0) loads. The block is upstream's
-Block (upstream's fused_add_norm=True default: one add+norm kernel, layer_norm_fn(prenorm=True); else
+``backbone.layers.{i}.mixer.*``, ``.norm2`` / ``.mlp.fc1`` / ``.mlp.fc2`` with d_intermediate > 0,
+``backbone.norm_f.weight``, ``lm_head.weight`` tied to the embedding), so an upstream checkpoint without
+attention layers loads. The block is upstream's Block (upstream's fused_add_norm=True default: one add+norm kernel, layer_norm_fn(prenorm=True); else
 residual = h + residual, h = norm(residual)), residual kept in float32 with residual_in_fp32. RMSNorm
 (rms_norm=True) or LayerNorm (torch.nn.LayerNorm's parameters, as upstream): both run on layer_norm_fn.
 
@@ -28,6 +28,7 @@ from .generation import GenerationMixin, InferenceParams  # noqa: F401  (Inferen
 from .layer_norm import RMSNorm
 from .mamba import Mamba
 from .mamba2 import Mamba2
+from .mlp import GatedMLP
 
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
 
@@ -57,32 +58,39 @@ def _norm(norm, x):
 
 class Block(nn.Module):
     """upstream's ``modules/block.Block``: Block(dim, mixer_cls, mlp_cls=nn.Identity, norm_cls, fused_add_norm,
-    residual_in_fp32), forward(h, residual) -> (mixer(norm(h + residual)), h + residual) (residual in float32
-    with residual_in_fp32). fused_add_norm: the add and the norm are one kernel (rms_norm_fn, prenorm)."""
+    residual_in_fp32), forward(h, residual) -> (out, residual'): residual' = h + residual, out =
+    mixer(norm(residual')); with an MLP, residual' += out and out = mlp(norm2(residual')). The residual is float32
+    with residual_in_fp32; with fused_add_norm each add + norm is one kernel (layer_norm_fn, prenorm)."""
 
     def __init__(self, dim, mixer_cls, mlp_cls=nn.Identity, norm_cls=RMSNorm, fused_add_norm=False,
                  residual_in_fp32=False):
         super().__init__()
-        if mlp_cls is not nn.Identity:
-            raise ValueError("mlp_cls: MLP layers are not supported (use nn.Identity, d_intermediate=0)")
         self.residual_in_fp32 = residual_in_fp32
         self.fused_add_norm = fused_add_norm
         self.norm = norm_cls(dim)
         self.mixer = mixer_cls(dim)
-        self.mlp = None
+        if mlp_cls is not nn.Identity:
+            self.norm2 = norm_cls(dim)
+            self.mlp = mlp_cls(dim)
+        else:
+            self.mlp = None
+
+    def _add_norm(self, norm, hidden_states, residual):
+        """-> (norm(hidden_states + residual), hidden_states + residual) (residual None: hidden_states alone)."""
+        if self.fused_add_norm:
+            return layer_norm_fn(hidden_states, norm.weight, norm.bias, residual=residual, prenorm=True,
+                                 residual_in_fp32=self.residual_in_fp32, eps=norm.eps,
+                                 is_rms_norm=isinstance(norm, RMSNorm))
+        residual = (hidden_states + residual) if residual is not None else hidden_states
+        hidden_states = _norm(norm, residual.to(dtype=norm.weight.dtype))
+        return hidden_states, (residual.to(torch.float32) if self.residual_in_fp32 else residual)
 
     def forward(self, hidden_states, residual=None, inference_params=None, **mixer_kwargs):
-        if self.fused_add_norm:
-            hidden_states, residual = layer_norm_fn(hidden_states, self.norm.weight, self.norm.bias,
-                                                    residual=residual, prenorm=True,
-                                                    residual_in_fp32=self.residual_in_fp32, eps=self.norm.eps,
-                                                    is_rms_norm=isinstance(self.norm, RMSNorm))
-        else:
-            residual = (hidden_states + residual) if residual is not None else hidden_states
-            hidden_states = _norm(self.norm, residual.to(dtype=self.norm.weight.dtype))
-            if self.residual_in_fp32:
-                residual = residual.to(torch.float32)
+        hidden_states, residual = self._add_norm(self.norm, hidden_states, residual)
         hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+        if self.mlp is not None:
+            hidden_states, residual = self._add_norm(self.norm2, hidden_states, residual)
+            hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
@@ -92,10 +100,9 @@ class Block(nn.Module):
 def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, attn_cfg=None, norm_epsilon=1e-5,
                  rms_norm=True, residual_in_fp32=False, fused_add_norm=False, layer_idx=None, device=None,
                  dtype=None):
-    """upstream's create_block for the supported subset: a Mamba1/Mamba2 mixer (ssm_cfg["layer"]), RMSNorm
-    (rms_norm) or torch's LayerNorm, as upstream (the fused add-norm runs either on layer_norm_fn)."""
-    if d_intermediate:
-        raise ValueError("d_intermediate: MLP layers are not supported (use 0)")
+    """upstream's create_block without attention layers: a Mamba1/Mamba2 mixer (ssm_cfg["layer"]), a GatedMLP
+    of d_intermediate hidden features when d_intermediate > 0, RMSNorm (rms_norm) or torch's LayerNorm, as
+    upstream (both run on layer_norm_fn)."""
     if attn_layer_idx:
         raise ValueError("attn_layer_idx: attention layers are not supported (use [])")
     fk = {"device": device, "dtype": dtype}
@@ -105,7 +112,9 @@ def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, a
         raise ValueError(f"ssm_cfg: 'layer' must be 'Mamba1' or 'Mamba2', got {layer!r}")
     mixer_cls = partial(Mamba if layer == "Mamba1" else Mamba2, layer_idx=layer_idx, **cfg, **fk)
     norm_cls = partial(RMSNorm if rms_norm else nn.LayerNorm, eps=norm_epsilon, **fk)
-    block = Block(d_model, mixer_cls, nn.Identity, norm_cls=norm_cls,
+    mlp_cls = (nn.Identity if not d_intermediate
+               else partial(GatedMLP, hidden_features=d_intermediate, out_features=d_model, **fk))
+    block = Block(d_model, mixer_cls, mlp_cls, norm_cls=norm_cls,
                   fused_add_norm=fused_add_norm, residual_in_fp32=residual_in_fp32)
     block.layer_idx = layer_idx
     return block
@@ -113,7 +122,7 @@ def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, a
 
 class MixerModel(nn.Module):
     """Embedding -> n_layer Blocks -> final RMSNorm. input_ids: (batch, seqlen) -> (batch, seqlen, d_model).
-    upstream's constructor (d_intermediate > 0 and attention layers are refused)."""
+    upstream's constructor (attention layers are refused)."""
 
     def __init__(self, d_model, n_layer, d_intermediate=0, vocab_size=50277, ssm_cfg=None, attn_layer_idx=None,
                  attn_cfg=None, norm_epsilon=1e-5, rms_norm=True, initializer_cfg=None, fused_add_norm=False,
@@ -127,7 +136,8 @@ class MixerModel(nn.Module):
             create_block(d_model, d_intermediate, ssm_cfg, attn_layer_idx, attn_cfg, norm_epsilon, rms_norm,
                          residual_in_fp32, fused_add_norm, layer_idx=i, **fk) for i in range(n_layer))
         self.norm_f = (RMSNorm if rms_norm else nn.LayerNorm)(d_model, eps=norm_epsilon, **fk)
-        self.apply(partial(_init_weights, n_layer=n_layer, **(initializer_cfg or {})))
+        self.apply(partial(_init_weights, n_layer=n_layer, **(initializer_cfg or {}),
+                           n_residuals_per_layer=1 if d_intermediate == 0 else 2))
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         return {i: layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
@@ -173,8 +183,6 @@ class MambaLMHeadModel(nn.Module, GenerationMixin):
 
     def __init__(self, config: MambaConfig, initializer_cfg=None, device=None, dtype=None):
         super().__init__()
-        if config.d_intermediate:
-            raise ValueError("config.d_intermediate: MLP layers are not supported (use 0)")
         if config.attn_layer_idx:
             raise ValueError("config.attn_layer_idx: attention layers are not supported (use [])")
         self.config = config
