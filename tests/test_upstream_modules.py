@@ -42,7 +42,10 @@ def _upstream_source(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("upstream")
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(f"{SDIST}/mamba_ssm/") and m.isfile()]
-        tar.extractall(out, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: refuse links and absolute paths
+            tar.extractall(out, members=members, filter="data")
+        else:  # members are plain files under the sdist's own folder (selected above)
+            tar.extractall(out, members=members)
     return out / SDIST
 
 
