@@ -226,7 +226,8 @@ def test_upstream_fast_path_call_equals_the_mamba2_module():
     from tvm_mamba import Mamba2
 
     torch.manual_seed(10)
-    m = Mamba2(d_model=16, d_state=8, d_conv=4, expand=2, headdim=8, ngroups=2, chunk_size=8)
+    m = Mamba2(d_model=16, d_state=8, d_conv=4, expand=2, headdim=8, ngroups=2, chunk_size=8,
+               use_mem_eff_path=False)  # the module's separate-ops path, so the comparison is fused vs unfused
     u = torch.randn(2, 11, 16)
     seq = torch.tensor([[0] * 4 + [1] * 7, [0] * 11], dtype=torch.int32)
     fused = mamba_split_conv1d_scan_combined(
