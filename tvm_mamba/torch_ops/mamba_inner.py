@@ -7,8 +7,8 @@ B / C / dt RMSNorms); the projections are torch GEMMs.
 
 What backward keeps (docs/fused.md has the bytes per token at the 130M / 2.7B shapes), s = xz's element size:
 * always: xz (2*d_inner*s), x_dbl = x_proj(conv_out) ((dt_rank + 2*d_state)*s), out_z = the gated scan
-  output (d_inner*s; upstream keeps the pre-gate output instead, the same size) and the scan's chunk
-  checkpoints (d_inner*d_state*4 bytes per ``chunk_for(d_state)`` tokens);
+  output (d_inner*s; upstream keeps the pre-gate output instead, the same size); no scan states (upstream
+  keeps one per 2048 tokens): the scan's backward op rebuilds its checkpoints with one forward kernel run;
 * checkpoint_lvl=0 also conv1d_out and delta (2*d_inner*s); checkpoint_lvl=1 (default) recomputes them in
   backward (one conv1d forward + one dt_proj GEMM), as upstream.
 * B and C are never stored apart from x_dbl (upstream keeps contiguous copies, 2*d_state*s): backward
@@ -105,9 +105,9 @@ class _MambaInner(torch.autograd.Function):
         delta, _, _ = _delta(dims, t, x_dbl, batch)
         B, _, _ = _bc(dims, t, x_dbl, batch, "B")
         C, _, _ = _bc(dims, t, x_dbl, batch, "C")
-        out_z, _, ck = run_op(selective_scan_fwd, conv_out, delta, t["A"], B, C, t["D"], t["xz"][:, dims.dim:],
-                              t["delta_bias"], None, dims.delta_softplus)
-        keep = dict(t, x_dbl=x_dbl, out_z=out_z, checkpoints=ck)
+        out_z, _, _ = run_op(selective_scan_fwd, conv_out, delta, t["A"], B, C, t["D"], t["xz"][:, dims.dim:],
+                             t["delta_bias"], None, dims.delta_softplus)
+        keep = dict(t, x_dbl=x_dbl, out_z=out_z)  # no scan states: selective_scan_bwd rebuilds them
         keep["B"] = None if dims.proj_B else t["B"]
         keep["C"] = None if dims.proj_C else t["C"]
         if dims.checkpoint_lvl == 0:
@@ -138,7 +138,7 @@ class _MambaInner(torch.autograd.Function):
         dy = torch.matmul(W.t(), dout.transpose(1, 2))  # (batch, d_inner, seqlen)
         du, ddelta, g["A"], dB, dC, dD, dz, ddb, _ = run_op(
             selective_scan_bwd, conv_out, delta, s["A"], B, C, s["D"], xz[:, dim:], s["delta_bias"], None,
-            s["checkpoints"], dy, None, dims.delta_softplus)
+            None, dy, None, dims.delta_softplus)
         g["D"] = dD if s["D"] is not None else None
         g["delta_bias"] = ddb if s["delta_bias"] is not None else None
         parts = [None, None, None]  # d x_dbl columns: dt_rank, B, C
