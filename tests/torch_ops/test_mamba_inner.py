@@ -331,3 +331,14 @@ def test_complex_A_saved_bytes_per_token():
     Q = complex_chunk(DSTATE)
     sizes = [_saved_bytes(mamba_inner_fn, complex_inputs(batch=1, seqlen=n * Q, bias=False)) for n in (1, 2)]
     assert (sizes[1] - sizes[0]) / Q == 4 * (3 * DIM + RANK + 4 * DSTATE) + 8 * DIM * DSTATE / Q
+
+
+def test_complex_A_torch_compile_fullgraph():
+    t = complex_inputs(seed=14)
+    dout = torch.randn(BATCH, SEQLEN, DOUT)
+    compiled = torch.compile(mamba_inner_fn, fullgraph=True, backend="aot_eager")
+    out, grads = _run(compiled, t, dout)
+    eager, egrads = _run(mamba_inner_fn, t, dout)
+    assert torch.allclose(out, eager, atol=1e-6)
+    for name in grads:
+        assert torch.allclose(grads[name], egrads[name], atol=1e-5), name
