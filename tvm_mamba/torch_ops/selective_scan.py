@@ -11,8 +11,9 @@ Backward memory: autograd keeps the forward's inputs and no state at all (mamba_
 2048 steps, 8 dim dstate bytes each). The backward op first reruns the forward kernel (the same kernel on the
 same inputs: bitwise the same states) to rebuild the chunk-boundary states ``checkpoints`` (batch, dim,
 ceil(seqlen/chunk), dstate) fp32, chunk = ``chunk_for(dstate)`` (48 at dstate 16), held only while the
-backward runs; then the backward kernel recomputes the states of one chunk at a time from them and runs the
-reverse scan. Cost: one forward kernel more per backward (docs/selective_scan.md has the figures).
+backward runs (its out goes into the du buffer, which the backward kernel overwrites next); then the
+backward kernel recomputes the states of one chunk at a time from them and runs the reverse scan.
+Cost: one forward kernel per backward (docs/selective_scan.md has the figures).
 Workspaces (fp32): per-(batch, channel) partials of dA / D / delta_bias / time-invariant dB, dC
 (batch, dim, dstate); for time-varying B/C, per-(batch, channel block) partials (batch, dim/block, seqlen,
 dstate), summed in a fixed order in a second stage (deterministic, no atomics).
@@ -99,16 +100,19 @@ def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
 
 def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, Bk: Tensor, bg: int, Ck: Tensor, cg: int,
                   D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
-                  initial_state: Optional[Tensor], delta_softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  initial_state: Optional[Tensor], delta_softplus: bool, out: Optional[Tensor] = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """The forward kernel on kernel-layout B/C (``_bc_kernel``) -> (out, last_state, checkpoints). Called by
     the forward op and again by the backward op to rebuild the checkpoints: the same kernel (``fwd_direction``
-    depends on the shape only) on the same inputs, so the rebuilt checkpoints are bitwise the forward's."""
+    depends on the shape only) on the same inputs, so the rebuilt checkpoints are bitwise the forward's.
+    out: a (batch, dim, seqlen) buffer in u's dtype to write out into (the backward passes du, which its
+    kernel overwrites next: the rebuild allocates only the checkpoints)."""
     batch, dim, seqlen = u.shape
     dstate, acc = A.shape[1], _acc(u)
     static = _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state)
     nchunk = -(-seqlen // static["chunk"])
     u, delta = prepare(u), prepare(delta)
-    out = torch.empty_like(u)
+    out = torch.empty_like(u) if out is None else out
     last = u.new_empty((batch, dim, dstate), dtype=acc)
     ck = u.new_empty((batch, dim, nchunk, dstate), dtype=acc)
     if batch * dim == 0:  # nothing to scan (an empty grid is refused by TVM's argument checks)
@@ -182,7 +186,8 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
                 dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
                 ddb if delta_bias is not None else _empty0(ddb), dinit if initial_state is not None else _empty0(dinit))
     if checkpoints is None:
-        checkpoints = _scan_forward(u, delta, A, Bk, bg, Ck, cg, D, z, delta_bias, initial_state, delta_softplus)[2]
+        checkpoints = _scan_forward(u, delta, A, Bk, bg, Ck, cg, D, z, delta_bias, initial_state, delta_softplus,
+                                    out=du)[2]
     ws = dict(dtype=acc, device=u.device)
     wsA = torch.empty((batch, dim, dstate), **ws)
     wsB = torch.empty((batch, dim // blk, seqlen, dstate) if bg else (batch, dim, dstate), **ws)
