@@ -101,12 +101,13 @@ def test_backward_is_deterministic():
         assert torch.equal(runs[0][key][0], runs[1][key][0]), key  # bitwise: fixed-order reductions
 
 
-@pytest.mark.parametrize("name", ["var_const_all", "channels_grp_all"])
-def test_backward_keeps_no_states_and_rebuilds_them_bitwise(name):
+@pytest.mark.parametrize("name,seqlen", [("var_const_all", None), ("channels_grp_all", None),
+                                         ("var_const_all", 30)])
+def test_backward_keeps_no_states_and_rebuilds_them_bitwise(name, seqlen):
     """Autograd keeps the inputs only (no checkpoints: upstream keeps one state per 2048 steps); the backward
     op, given None, rebuilds the checkpoints with the forward kernel: gradients bitwise equal to passing the
-    forward's own checkpoints."""
-    inp = make_inputs(CONFIGS[name])
+    forward's own checkpoints (one chunk, seqlen <= 48: the initial state is the only checkpoint)."""
+    inp = make_inputs(CONFIGS[name], seqlen=seqlen)
     leaves = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):

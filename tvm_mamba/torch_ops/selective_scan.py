@@ -185,6 +185,9 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
         return (du, ddelta, dA, _bc_user(dBk, B), _bc_user(dCk, C),
                 dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
                 ddb if delta_bias is not None else _empty0(ddb), dinit if initial_state is not None else _empty0(dinit))
+    if checkpoints is None and seqlen <= static["chunk"]:  # one chunk: its checkpoint is the initial state
+        checkpoints = (prepare(initial_state.to(acc)).unsqueeze(2) if initial_state is not None
+                       else u.new_zeros((batch, dim, 1, dstate), dtype=acc))
     if checkpoints is None:
         checkpoints = _scan_forward(u, delta, A, Bk, bg, Ck, cg, D, z, delta_bias, initial_state, delta_softplus,
                                     out=du)[2]
