@@ -8,11 +8,10 @@ B / C / dt RMSNorms); the projections are torch GEMMs.
 What backward keeps (docs/fused.md has the bytes per token at the 130M / 2.7B shapes), s = xz's element size:
 * always: xz (2*d_inner*s), x_dbl = x_proj(conv_out) ((dt_rank + 2*d_state)*s), out_z = the gated scan
   output (d_inner*s; upstream keeps the pre-gate output instead, the same size); no scan states (upstream
-  keeps one per 2048 tokens): the scan's backward op rebuilds its checkpoints with one forward kernel run;
+  keeps one per 2048 tokens): the scan's backward op rebuilds its checkpoints with one forward kernel run
+  (real and complex A alike; with a complex A x_dbl has 4*d_state state columns);
 * checkpoint_lvl=0 also conv1d_out and delta (2*d_inner*s); checkpoint_lvl=1 (default) recomputes them in
   backward (one conv1d forward + one dt_proj GEMM), as upstream.
-* complex A: also the complex scan's checkpoints (fp32 (re, im), 8*d_inner*d_state bytes per
-  ``complex_chunk(d_state)`` tokens: 48 at d_state <= 42), which its backward kernel takes;
 * B and C are never stored apart from x_dbl (upstream keeps contiguous copies, 2*d_state*s): backward
   slices them from x_dbl again (and re-applies B_proj_bias / the RMSNorms).
 Both levels run the same kernels in the same order: their gradients are bitwise equal.
@@ -100,21 +99,18 @@ def _delta(dims: InnerDims, t: dict, x_dbl: Tensor, batch: int):
 
 
 def _scan_fwd(dims: InnerDims, t: dict, conv_out: Tensor, delta: Tensor, B: Tensor, C: Tensor):
-    """The layer's selective scan gated by z -> (out_z (batch, d_inner, seqlen), checkpoints to keep or None).
-    Real A: selective_scan_fwd (its backward op rebuilds the states: nothing kept). Complex A: the complex
-    kernels in their layouts (A, time-invariant B / C as (..., 2) real views; varying (batch, g, seqlen,
-    dstate, 2)); their backward takes the forward's checkpoints, kept."""
+    """The layer's selective scan gated by z -> out_z (batch, d_inner, seqlen); no states are kept (each
+    scan's backward op rebuilds its checkpoints). Real A: selective_scan_fwd; complex A: the complex kernels
+    in their layouts (A, time-invariant B / C as (..., 2) real views; varying (batch, g, seqlen, dstate, 2))."""
     z = t["xz"][:, dims.dim:]
     if not dims.complex_A:
-        out_z, _, _ = run_op(selective_scan_fwd, conv_out, delta, t["A"], B, C, t["D"], z, t["delta_bias"], None,
-                             dims.delta_softplus)
-        return out_z, None
+        return run_op(selective_scan_fwd, conv_out, delta, t["A"], B, C, t["D"], z, t["delta_bias"], None,
+                      dims.delta_softplus)[0]
     seqlen = conv_out.shape[2]
     Bk = B if dims.proj_B else complex_bc_kernel(B, seqlen)
     Ck = C if dims.proj_C else complex_bc_kernel(C, seqlen)
-    out_z, _, ck = run_op(selective_scan_complex_fwd, conv_out, delta, torch.view_as_real(t["A"]), Bk, Ck, t["D"], z,
-                          t["delta_bias"], None, dims.delta_softplus)
-    return out_z, ck
+    return run_op(selective_scan_complex_fwd, conv_out, delta, torch.view_as_real(t["A"]), Bk, Ck, t["D"], z,
+                  t["delta_bias"], None, dims.delta_softplus)[0]
 
 
 def _complex_bc_grad(dK: Tensor, M: Tensor) -> Tensor:
@@ -138,7 +134,7 @@ def _scan_bwd(dims: InnerDims, s: dict, conv_out: Tensor, delta: Tensor, B: Tens
     Ck = C if dims.proj_C else complex_bc_kernel(C, seqlen)
     du, ddelta, dA, dB, dC, dD, dz, ddb, _ = run_op(
         selective_scan_complex_bwd, conv_out, delta, torch.view_as_real(s["A"]), Bk, Ck, s["D"], z,
-        s["delta_bias"], None, s["checkpoints"], dy, None, dims.delta_softplus)
+        s["delta_bias"], None, None, dy, None, dims.delta_softplus)
     dB = dB if dims.proj_B else _complex_bc_grad(dB, B)
     dC = dC if dims.proj_C else _complex_bc_grad(dC, C)
     return du, ddelta, torch.view_as_complex(dA.contiguous()), dB, dC, dD, dz, ddb
@@ -162,10 +158,8 @@ class _MambaInner(torch.autograd.Function):
         delta, _, _ = _delta(dims, t, x_dbl, batch)
         B, _, _ = _bc(dims, t, x_dbl, batch, "B")
         C, _, _ = _bc(dims, t, x_dbl, batch, "C")
-        out_z, ck = _scan_fwd(dims, t, conv_out, delta, B, C)
-        keep = dict(t, x_dbl=x_dbl, out_z=out_z)  # real A: no scan states (selective_scan_bwd rebuilds them)
-        if ck is not None:
-            keep["checkpoints"] = ck
+        out_z = _scan_fwd(dims, t, conv_out, delta, B, C)
+        keep = dict(t, x_dbl=x_dbl, out_z=out_z)  # no scan states: the scan's backward op rebuilds them
         keep["B"] = None if dims.proj_B else t["B"]
         keep["C"] = None if dims.proj_C else t["C"]
         if dims.checkpoint_lvl == 0:
