@@ -34,6 +34,14 @@ def test_mamba_inner_every_gradient(sim, lvl):
         assert_close_to_ref(g, rgrads[name], atol=2e-5 * max(1.0, rgrads[name].abs().max().item()), name=name)
 
 
+@pytest.mark.parametrize("given", [None, {"B": "const", "C": "var"}], ids=["projected", "given"])
+def test_mamba_inner_complex_A_every_gradient(sim, given):
+    """Complex A: the complex scan's CUDA kernels (fwd_complex / bwd_complex) under the fused path."""
+    inner.check_complex_fp32(inner.complex_inputs(seed=13, given=given))
+    assert {("selective_scan", "fwd_complex"), ("selective_scan", "bwd_complex")} <= {(k.op, k.direction)
+                                                                                      for k, _ in sim}
+
+
 def test_mamba_split_every_gradient(sim):
     t = split._inputs(seed=8, ngroups=2, d_nonssm=2)
     douts = split._douts(t, split.DOUT)

@@ -44,7 +44,8 @@ def _inputs(seed=0, dtype=torch.float32, extras=(), given=None, batch=BATCH, seq
 
 def _run(fn, t, dout, cast=None, **kw):
     """out and the gradient of every leaf (by name), on fresh copies of t (cast to `cast` if given)."""
-    leaves = {k: v.detach().to(cast or v.dtype).requires_grad_() for k, v in t.items()}
+    wide = lambda v: torch.complex128 if v.is_complex() and cast == torch.float64 else (cast or v.dtype)  # noqa: E731
+    leaves = {k: v.detach().to(wide(v)).requires_grad_() for k, v in t.items()}
     out = fn(**leaves, **kw)
     grads = torch.autograd.grad(out, list(leaves.values()), dout.to(out.dtype))
     return out, dict(zip(leaves, grads))
@@ -151,13 +152,14 @@ def _saved_bytes(fn, t) -> int:
 
 @pytest.mark.parametrize("lvl", [0, 1])
 def test_saved_bytes_per_token_match_docs(lvl):
-    """docs/fused.md: s*(2d + (R + 2N) + d) + 4*d*N/chunk bytes per token at checkpoint_lvl 1, + 2d*s at 0."""
+    """docs/fused.md: s*(2d + (R + 2N) + d) bytes per token at checkpoint_lvl 1 (no scan states), + 2d*s at 0;
+    measured over two lengths a whole chunk of scan steps apart (a kept checkpoint would show up)."""
     Q = chunk_for(DSTATE)
     sizes = [_saved_bytes(lambda **k: mamba_inner_fn(**k, checkpoint_lvl=lvl), _inputs(batch=1, seqlen=n * Q))
              for n in (1, 2)]
     per_token = (sizes[1] - sizes[0]) / Q
     s, d = 4, DIM
-    expect = s * (2 * d + RANK + 2 * DSTATE + d) + 4 * d * DSTATE / Q + (2 * d * s if lvl == 0 else 0)
+    expect = s * (2 * d + RANK + 2 * DSTATE + d) + (2 * d * s if lvl == 0 else 0)
     assert per_token == expect
 
 
@@ -197,7 +199,12 @@ BAD = [
     (dict(delta_proj_weight=torch.zeros(DIM + 1, RANK)), ValueError, "delta_proj_weight"),
     (dict(out_proj_weight=torch.zeros(DOUT, DIM + 1)), ValueError, "out_proj_weight"),
     (dict(out_proj_bias=torch.zeros(DOUT + 1)), ValueError, "out_proj_bias"),
-    (dict(A=torch.zeros(DIM, DSTATE, dtype=torch.complex64)), ValueError, "A"),
+    (dict(A=torch.zeros(DIM, DSTATE, dtype=torch.complex128)), TypeError, "A"),
+    (dict(A=torch.zeros(DIM, DSTATE, dtype=torch.complex64)), ValueError, "x_proj_weight"),  # 2*d_state per B/C
+    (dict(A=torch.zeros(DIM, DSTATE, dtype=torch.complex64), x_proj_weight=torch.zeros(RANK + 4 * DSTATE, DIM),
+          b_rms_weight=torch.ones(DSTATE)), ValueError, "b_rms_weight"),
+    (dict(A=torch.zeros(DIM, DSTATE, dtype=torch.complex64), x_proj_weight=torch.zeros(RANK + 4 * DSTATE, DIM),
+          B_proj_bias=torch.zeros(DSTATE)), ValueError, "B_proj_bias"),
     (dict(A=torch.zeros(DIM + 1, DSTATE)), ValueError, "A"),
     (dict(B=torch.zeros(3, DSTATE)), ValueError, "B"),
     (dict(D=torch.zeros(DIM, dtype=torch.bfloat16)), TypeError, "D"),
@@ -248,3 +255,90 @@ def test_upstream_fast_path_call_equals_the_mamba_module():
     assert torch.allclose(fused, module, atol=1e-5)
     for (name, _), a, b in zip(m.named_parameters(), gf, gm):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), name
+
+
+# ----------------------------------------------------------------------------------------------------
+# complex A (upstream's MambaInnerFn with A.is_complex(): x_proj gives 2*d_state columns per B / C)
+# ----------------------------------------------------------------------------------------------------
+def complex_inputs(seed=10, dtype=torch.float32, given=None, bias=True, batch=BATCH, seqlen=SEQLEN):
+    """_inputs with a complex64 A (S4D-like: Re < 0) and x_proj rows for (re, im) interleaved B / C; given:
+    {"B": "const"} (complex (d_inner, d_state)) / {"C": "var"} (real (batch, d_state, 2*seqlen))."""
+    given = given or {}
+    t = {k: v.detach() for k, v in _inputs(seed, dtype, batch=batch, seqlen=seqlen).items()}
+    g = torch.Generator().manual_seed(seed + 100)
+    t["A"] = torch.complex(-torch.rand(DIM, DSTATE, generator=g) - 0.5, 2 * torch.randn(DIM, DSTATE, generator=g))
+    t["x_proj_weight"] = (0.3 * torch.randn(RANK + 2 * DSTATE * (2 - len(given)), DIM, generator=g)).to(dtype)
+    for name, kind in given.items():
+        t[name] = (torch.randn(DIM, DSTATE, dtype=torch.complex64, generator=g) if kind == "const"
+                   else torch.randn(batch, DSTATE, 2 * seqlen, generator=g).to(dtype))
+    if bias:
+        t.update({n + "_proj_bias": 0.1 * torch.randn(2 * DSTATE, generator=g) for n in "BC" if n not in given})
+    return {k: v.requires_grad_() for k, v in t.items()}
+
+
+def check_complex_fp32(t, atol=2e-5):
+    out, grads = _run(mamba_inner_fn, t, dout := torch.randn(BATCH, SEQLEN, DOUT))
+    ref, rgrads = _run(mamba_inner_ref, t, dout, cast=torch.float64)
+    assert_close_to_ref(out, ref, atol=1e-5, name="out")
+    for name, g in grads.items():
+        assert g is not None and g.dtype == t[name].dtype, name
+        r = rgrads[name]
+        if r.is_complex():
+            g, r = torch.view_as_real(g), torch.view_as_real(r)
+        assert_close_to_ref(g, r, atol=atol * max(1.0, r.abs().max().item()), name="d" + name)
+
+
+@pytest.mark.parametrize("given", [None, {"B": "const", "C": "var"}], ids=["projected", "given"])
+def test_complex_A_fp32_forward_and_every_gradient(given):
+    check_complex_fp32(complex_inputs(given=given))
+
+
+def test_complex_A_bf16_within_twice_reference_drift():
+    t = complex_inputs(seed=11, dtype=torch.bfloat16)
+    dout = torch.randn(BATCH, SEQLEN, DOUT).to(torch.bfloat16)
+    out, grads = _run(mamba_inner_fn, t, dout)
+    ref64, g64 = _run(mamba_inner_ref, t, dout, cast=torch.float64)
+    low, glow = _run(mamba_inner_ref, t, dout)
+    assert_close_to_ref(out, ref64, low, name="out")
+    for name, g in grads.items():
+        real = (lambda x: torch.view_as_real(x)) if g.is_complex() else (lambda x: x)  # noqa: E731
+        scale = 1.0 if name == "xz" else max(1.0, g64[name].abs().max().item())
+        assert_close_to_ref(real(g), real(g64[name]), real(glow[name]), atol=ATOL[torch.bfloat16] * scale, name=name)
+
+
+def test_complex_A_gradcheck_tiny():
+    """float64 leaves through the fp32 kernels, A as (Re, Im) leaves: eps 1e-2, fp32 tolerances."""
+    g = torch.Generator().manual_seed(12)
+    d, N, R, L = 2, 2, 1, 5
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) * 0.5  # noqa: E731
+    leaves = [r(1, 2 * d, L), r(d, 1, 3), r(d), r(R + 4 * N, d), r(d, R), r(3, d), r(3),
+              -torch.rand(d, N, generator=g, dtype=torch.float64) - 0.5, r(d, N), r(d), r(d), r(2 * N)]
+    leaves = [t.requires_grad_() for t in leaves]
+
+    def f(xz, cw, cb, xw, dw, ow, ob, Are, Aim, D, db, Bb):
+        f32 = [t.float() for t in (xz, cw, cb, xw, dw, ow, ob, D, db, Bb)]
+        A = torch.complex(Are.float(), Aim.float())
+        return mamba_inner_fn(*f32[:7], A, D=f32[7], delta_bias=f32[8], B_proj_bias=f32[9]).double()
+
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_complex_A_saved_bytes_per_token():
+    """docs/fused.md, complex A: s*(3d + R + 4N) per token (x_dbl's 4N state columns; no scan states, over
+    two lengths a checkpoint chunk apart)."""
+    from tvm_mamba.torch_ops._selective_scan_complex import complex_chunk
+
+    Q = complex_chunk(DSTATE)
+    sizes = [_saved_bytes(mamba_inner_fn, complex_inputs(batch=1, seqlen=n * Q, bias=False)) for n in (1, 2)]
+    assert (sizes[1] - sizes[0]) / Q == 4 * (3 * DIM + RANK + 4 * DSTATE)
+
+
+def test_complex_A_torch_compile_fullgraph():
+    t = complex_inputs(seed=14)
+    dout = torch.randn(BATCH, SEQLEN, DOUT)
+    compiled = torch.compile(mamba_inner_fn, fullgraph=True, backend="aot_eager")
+    out, grads = _run(compiled, t, dout)
+    eager, egrads = _run(mamba_inner_fn, t, dout)
+    assert torch.allclose(out, eager, atol=1e-6)
+    for name in grads:
+        assert torch.allclose(grads[name], egrads[name], atol=1e-5), name

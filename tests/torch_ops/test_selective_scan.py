@@ -101,6 +101,28 @@ def test_backward_is_deterministic():
         assert torch.equal(runs[0][key][0], runs[1][key][0]), key  # bitwise: fixed-order reductions
 
 
+@pytest.mark.parametrize("name,seqlen", [("var_const_all", None), ("channels_grp_all", None),
+                                         ("var_const_all", 30)])
+def test_backward_keeps_no_states_and_rebuilds_them_bitwise(name, seqlen):
+    """Autograd keeps the inputs only (no checkpoints: upstream keeps one state per 2048 steps); the backward
+    op, given None, rebuilds the checkpoints with the forward kernel: gradients bitwise equal to passing the
+    forward's own checkpoints (one chunk, seqlen <= 48: the initial state is the only checkpoint)."""
+    inp = make_inputs(CONFIGS[name], seqlen=seqlen)
+    leaves = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        selective_scan_fn(**leaves)
+    inputs = {t.data_ptr() for t in leaves.values() if isinstance(t, torch.Tensor)}
+    assert saved and all(x.data_ptr() in inputs for x in saved)
+    args = tuple(inp[k] for k in TENSORS)
+    _, _, ck = torch.ops.tvm_mamba.selective_scan_fwd(*args, inp["delta_softplus"])
+    dout, dlast = torch.randn_like(inp["u"]), torch.randn(ck.shape[0], ck.shape[1], ck.shape[3])
+    given = torch.ops.tvm_mamba.selective_scan_bwd(*args, ck, dout, dlast, inp["delta_softplus"])
+    rebuilt = torch.ops.tvm_mamba.selective_scan_bwd(*args, None, dout, dlast, inp["delta_softplus"])
+    for a, b in zip(given, rebuilt):
+        assert torch.equal(a, b)
+
+
 def test_chaining_with_initial_state_equals_whole():
     cfg = CONFIGS["var_const_all"]
     inp = make_inputs(cfg, seqlen=150)
@@ -154,6 +176,7 @@ def test_opcheck_custom_ops():
     _, _, ck = torch.ops.tvm_mamba.selective_scan_fwd(*args2)
     bargs = tuple(inp2[k] for k in TENSORS) + (ck, torch.randn_like(inp2["u"]), None, True)
     torch.library.opcheck(torch.ops.tvm_mamba.selective_scan_bwd, bargs)
+    torch.library.opcheck(torch.ops.tvm_mamba.selective_scan_bwd, bargs[:9] + (None,) + bargs[10:])
     st = torch.randn(2, 4, 1, 16)
     uargs = (st, torch.randn(2, 4, 1), torch.rand(2, 4, 1), -torch.rand(4, 1, 16), torch.randn(2, 1, 16),
              torch.randn(2, 1, 16), None, None, None, False, None)

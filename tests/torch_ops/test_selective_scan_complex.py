@@ -119,6 +119,30 @@ def test_chaining_with_initial_state_equals_whole():
     torch.testing.assert_close(s2, last, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seqlen", [None, 30])
+def test_backward_keeps_no_states_and_rebuilds_them_bitwise(seqlen):
+    """Autograd keeps the inputs only; the backward op given None rebuilds the checkpoints with the forward
+    kernel (one chunk: the initial state): gradients bitwise equal to passing the forward's checkpoints."""
+    inp = inputs("var_const_all", seqlen=seqlen)
+    leaves = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        selective_scan_fn(**leaves)
+    ck_like = [x for x in saved if x.dim() == 5 and x.shape[:2] == inp["u"].shape[:2]]
+    assert saved and not ck_like  # no (batch, dim, nchunk, dstate, 2) checkpoints
+    L = inp["u"].shape[2]
+    k = dict(inp, A=torch.view_as_real(inp["A"]), B=inp["B"].reshape(2, 1, 8, L, 2).permute(0, 1, 3, 2, 4),
+             C=torch.view_as_real(inp["C"]), initial_state=torch.view_as_real(inp["initial_state"]))
+    args = tuple(k[n] for n in sc.TENSORS)
+    _, last, ck = torch.ops.tvm_mamba.selective_scan_complex_fwd(*args, True)
+    dout, dlast = torch.randn_like(inp["u"]), torch.randn_like(last)
+    given = torch.ops.tvm_mamba.selective_scan_complex_bwd(*args, ck, dout, dlast, True)
+    rebuilt = torch.ops.tvm_mamba.selective_scan_complex_bwd(*args, None, dout, dlast, True)
+    for a, b in zip(given, rebuilt):
+        assert torch.equal(a, b)
+    torch.library.opcheck(torch.ops.tvm_mamba.selective_scan_complex_bwd, args + (None, dout, dlast, True))
+
+
 def test_opcheck_and_compile():
     inp = inputs("grp_var_bare", seqlen=7)
     fwd_args = (inp["u"], inp["delta"], torch.view_as_real(inp["A"]),

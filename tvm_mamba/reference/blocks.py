@@ -138,7 +138,9 @@ def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_we
     xz: (batch, 2*d_inner, seqlen); conv1d_weight: (d_inner, 1, width) or (d_inner, width); x_proj_weight:
     (dt_rank + 2*d_state, d_inner) (B at rows dt_rank:dt_rank+d_state, C the last d_state, each only when not
     given); delta_proj_weight: (d_inner, dt_rank); out_proj_weight: (d_out, d_inner); A: (d_inner, d_state)
-    -> out: (batch, seqlen, d_out).
+    -> out: (batch, seqlen, d_out). A complex A (d_inner, d_state) takes 2*d_state x_proj rows per B / C,
+    (re, im) interleaved: rows r0 + 2n, r0 + 2n + 1 are state n's (upstream's "(dstate two)"); B / C then go
+    to the scan as (batch, d_state, 2*seqlen), (re, im) interleaved in time (selective_scan_ref's layout).
 
     x, z = xz; u = silu(conv(x)); x_dbl = x_proj(u); delta = dt_proj(x_dbl[:dt_rank]) (rms * dt_rms_weight);
     B = rms(x_dbl[B rows] + B_proj_bias) * b_rms_weight (C alike); y = scan(u, delta, A, B, C, D, z,
@@ -146,7 +148,7 @@ def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_we
     """
     dtype = xz.dtype
     dim = xz.shape[1] // 2
-    rank, dstate = delta_proj_weight.shape[1], A.shape[1]
+    rank, dstate = delta_proj_weight.shape[1], A.shape[1] * (2 if A.is_complex() else 1)
     w = conv1d_weight[:, 0] if conv1d_weight.dim() == 3 else conv1d_weight
     x, z = xz.chunk(2, dim=1)
     u = causal_conv1d_ref(x, w, conv1d_bias, activation="silu")
@@ -163,7 +165,10 @@ def mamba_inner_ref(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_we
                 M = M + bias.to(dtype)
             if rms is not None:
                 M = rmsnorm_gated_ref(M, rms, eps=b_c_dt_rms_eps)
-            M = M.transpose(1, 2)  # (batch, d_state, seqlen)
+            if A.is_complex():  # (batch, seqlen, (d_state two)) -> (batch, d_state, (seqlen two))
+                M = M.reshape(*M.shape[:2], -1, 2).permute(0, 2, 1, 3).reshape(M.shape[0], -1, 2 * M.shape[1])
+            else:
+                M = M.transpose(1, 2)  # (batch, d_state, seqlen)
         mats[name] = M
     y = selective_scan_ref(u, delta.transpose(1, 2), A, mats["B"], mats["C"], D, z=z, delta_bias=delta_bias,
                            delta_softplus=delta_softplus, dtype=dtype)

@@ -88,7 +88,7 @@ def _selective_scan_complex_ref(u, delta, A, B, C, D, z, delta_bias, delta_softp
         y = y + D.to(dtype)[None, :, None] * uu
     if z is not None:
         y = y * F.silu(z.to(dtype))
-    out = y.to(u.dtype) if u.dtype != dtype and u.dtype != torch.float64 else y
+    out = y if dtype == torch.float64 else y.to(u.dtype)  # (a 16-bit dtype steps in complex64: y is float32)
     return (out, h) if return_last_state else out
 
 

@@ -6,8 +6,9 @@ The ops take the kernel layouts (every complex tensor as a real (..., 2) view; v
 (batch, groups, seqlen, dstate, 2)); :func:`complex_scan` builds those with differentiable views
 (``view_as_real``, reshape / permute), so autograd maps the kernel's gradients back to mamba_ssm's layouts
 and torch's complex-gradient convention (dL/dRe + i dL/dIm) falls out of ``view_as_real``'s backward.
-Backward memory: the inputs plus checkpoints (batch, dim, ceil(seqlen/chunk), dstate, 2) in acc, chunk =
-chunk_size(2 dstate) (the backward's per-lane state buffer holds (chunk+1) x 2 dstate values).
+Backward memory: autograd keeps the inputs only; the backward op reruns the forward kernel to rebuild the
+checkpoints (batch, dim, ceil(seqlen/chunk), dstate, 2) in acc, chunk = chunk_size(2 dstate) (the backward's
+per-lane state buffer holds (chunk+1) x 2 dstate values), held while it runs (as the real scan).
 """
 from __future__ import annotations
 
@@ -48,19 +49,18 @@ def _dtypes(u, B, C) -> dict:
     return {"u": tvm_dtype(u), "B": tvm_dtype(B), "C": tvm_dtype(C)}
 
 
-@torch.library.custom_op("tvm_mamba::selective_scan_complex_fwd", mutates_args=())
-def selective_scan_complex_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-                               z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
-                               delta_softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Kernel layouts: A (dim, dstate, 2); B, C (dim, dstate, 2) or (batch, groups, seqlen, dstate, 2);
-    initial_state (batch, dim, dstate, 2) -> out (batch, dim, seqlen), last_state (batch, dim, dstate, 2),
-    checkpoints (batch, dim, nchunk, dstate, 2)."""
+def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                  z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+                  delta_softplus: bool, out: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernel -> (out, last_state, checkpoints); run by the forward op and again by the backward
+    op to rebuild the checkpoints (same kernel, same inputs: bitwise the same). out: a buffer to write out
+    into (the backward passes du, which its kernel overwrites next)."""
     batch, dim, seqlen = u.shape
     dstate, acc = A.shape[1], _acc(u)
     static = _static(u, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
     nchunk = -(-seqlen // static["chunk"])
     u, delta, Bk, Ck = prepare(u), prepare(delta), prepare(B), prepare(C)
-    out = torch.empty_like(u)
+    out = torch.empty_like(u) if out is None else out
     last = u.new_empty((batch, dim, dstate, 2), dtype=acc)
     ck = u.new_empty((batch, dim, nchunk, dstate, 2), dtype=acc)
     if batch * dim == 0:
@@ -70,6 +70,16 @@ def selective_scan_complex_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
     kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
          _opt(initial_state, u, acc, 4), out, last, ck)
     return out, last, ck
+
+
+@torch.library.custom_op("tvm_mamba::selective_scan_complex_fwd", mutates_args=())
+def selective_scan_complex_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                               z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+                               delta_softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Kernel layouts: A (dim, dstate, 2); B, C (dim, dstate, 2) or (batch, groups, seqlen, dstate, 2);
+    initial_state (batch, dim, dstate, 2) -> out (batch, dim, seqlen), last_state (batch, dim, dstate, 2),
+    checkpoints (batch, dim, nchunk, dstate, 2) (not kept by autograd: the backward op rebuilds them)."""
+    return _scan_forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
 
 
 @selective_scan_complex_fwd.register_fake
@@ -84,10 +94,12 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
 @torch.library.custom_op("tvm_mamba::selective_scan_complex_bwd", mutates_args=())
 def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                                z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
-                               checkpoints: Tensor, dout: Tensor, dlast: Optional[Tensor], delta_softplus: bool
+                               checkpoints: Optional[Tensor], dout: Tensor, dlast: Optional[Tensor],
+                               delta_softplus: bool
                                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state) in the kernel layouts; absent
-    optional inputs get (0,) gradients."""
+    optional inputs get (0,) gradients. checkpoints: the forward's, or None (what autograd passes): rebuilt
+    here by one run of the forward kernel (a single chunk: the initial state)."""
     batch, dim, seqlen = u.shape
     dstate, acc = A.shape[1], _acc(u)
     static = _static(u, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
@@ -107,6 +119,12 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
         if initial_state is not None:
             dinit.copy_(dlast)
     else:
+        if checkpoints is None and seqlen <= static["chunk"]:  # one chunk: its checkpoint is the initial state
+            checkpoints = (prepare(initial_state.to(acc)).unsqueeze(2) if initial_state is not None
+                           else u.new_zeros((batch, dim, 1, dstate, 2), dtype=acc))
+        if checkpoints is None:
+            checkpoints = _scan_forward(u, delta, A, Bk, Ck, D, z, delta_bias, initial_state, delta_softplus,
+                                        out=du)[2]
         ws = dict(dtype=acc, device=u.device)
         wsA = torch.empty((batch, dim, dstate, 2), **ws)
         wsB = torch.empty((batch, dim // blk, seqlen, dstate, 2) if bg else (batch, dim, dstate, 2), **ws)
@@ -134,16 +152,16 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, checkpoints, dout, dla
 def _setup_context(ctx, inputs, output):
     u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
     ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, output[2])
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state)  # no checkpoints: rebuilt
     ctx.delta_softplus = delta_softplus
 
 
 def _backward(ctx, dout, dlast, _dck):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, ck = ctx.saved_tensors
+    u, delta, A, B, C, D, z, delta_bias, initial_state = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(u)
     du, ddelta, dA, dB, dC, dD, dz, ddb, dinit = torch.ops.tvm_mamba.selective_scan_complex_bwd(
-        u, delta, A, B, C, D, z, delta_bias, initial_state, ck, dout, dlast, ctx.delta_softplus)
+        u, delta, A, B, C, D, z, delta_bias, initial_state, None, dout, dlast, ctx.delta_softplus)
     return (du, ddelta, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
             ddb if delta_bias is not None else None, dinit if initial_state is not None else None, None)
 

@@ -7,8 +7,9 @@ B / C / dt RMSNorms); the projections are torch GEMMs.
 
 What backward keeps (docs/fused.md has the bytes per token at the 130M / 2.7B shapes), s = xz's element size:
 * always: xz (2*d_inner*s), x_dbl = x_proj(conv_out) ((dt_rank + 2*d_state)*s), out_z = the gated scan
-  output (d_inner*s; upstream keeps the pre-gate output instead, the same size) and the scan's chunk
-  checkpoints (d_inner*d_state*4 bytes per ``chunk_for(d_state)`` tokens);
+  output (d_inner*s; upstream keeps the pre-gate output instead, the same size); no scan states (upstream
+  keeps one per 2048 tokens): the scan's backward op rebuilds its checkpoints with one forward kernel run
+  (real and complex A alike; with a complex A x_dbl has 4*d_state state columns);
 * checkpoint_lvl=0 also conv1d_out and delta (2*d_inner*s); checkpoint_lvl=1 (default) recomputes them in
   backward (one conv1d forward + one dt_proj GEMM), as upstream.
 * B and C are never stored apart from x_dbl (upstream keeps contiguous copies, 2*d_state*s): backward
@@ -26,6 +27,8 @@ from torch import Tensor
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
 from ._fused import norm_bwd, norm_fwd
+from ._selective_scan_complex import _bc_kernel as complex_bc_kernel
+from ._selective_scan_complex import selective_scan_complex_bwd, selective_scan_complex_fwd
 from .selective_scan import selective_scan_bwd, selective_scan_fwd
 
 # the tensor arguments of mamba_inner_fn, in upstream's order (the autograd node's inputs, by name)
@@ -46,6 +49,12 @@ class InnerDims:
     delta_softplus: bool
     checkpoint_lvl: int
     eps: float
+    complex_A: bool = False
+
+    @property
+    def bc_cols(self) -> int:
+        """x_proj columns of a projected B / C: d_state, or 2*d_state (re, im interleaved) for a complex A."""
+        return self.dstate * (2 if self.complex_A else 1)
 
 
 def _rms_fwd(x: Tensor, w, eps: float):
@@ -63,11 +72,13 @@ def _bc(dims: InnerDims, t: dict, x_dbl: Tensor, batch: int, which: str):
     seqlen). Returns (scan operand, pre-norm (tokens, dstate) or None, rstd or None)."""
     if not getattr(dims, "proj_" + which):
         return t[which], None, None
-    R, N = dims.dt_rank, dims.dstate
-    M = x_dbl[:, R:R + N] if which == "B" else x_dbl[:, x_dbl.shape[1] - N:]
+    R, N, W = dims.dt_rank, dims.dstate, dims.bc_cols
+    M = x_dbl[:, R:R + W] if which == "B" else x_dbl[:, x_dbl.shape[1] - W:]
     bias, rms = t[which + "_proj_bias"], t[which.lower() + "_rms_weight"]
     if bias is not None:
         M = M + bias.to(M.dtype)
+    if dims.complex_A:  # column 2n + k is (re, im)[k] of state n (upstream's "(dstate two)"): the kernel layout
+        return M.reshape(batch, -1, 1, N, 2).transpose(1, 2), None, None  # (batch, 1, seqlen, dstate, 2)
     pre, rstd = None, None
     if rms is not None:
         pre = M.contiguous()
@@ -85,6 +96,48 @@ def _delta(dims: InnerDims, t: dict, x_dbl: Tensor, batch: int):
     pre = F.linear(low, W)  # (tokens, d_inner): rows for the norm
     out, rstd = _rms_fwd(pre, t["dt_rms_weight"], dims.eps)
     return out.reshape(batch, -1, dims.dim).transpose(1, 2).contiguous(), pre, rstd
+
+
+def _scan_fwd(dims: InnerDims, t: dict, conv_out: Tensor, delta: Tensor, B: Tensor, C: Tensor):
+    """The layer's selective scan gated by z -> out_z (batch, d_inner, seqlen); no states are kept (each
+    scan's backward op rebuilds its checkpoints). Real A: selective_scan_fwd; complex A: the complex kernels
+    in their layouts (A, time-invariant B / C as (..., 2) real views; varying (batch, g, seqlen, dstate, 2))."""
+    z = t["xz"][:, dims.dim:]
+    if not dims.complex_A:
+        return run_op(selective_scan_fwd, conv_out, delta, t["A"], B, C, t["D"], z, t["delta_bias"], None,
+                      dims.delta_softplus)[0]
+    seqlen = conv_out.shape[2]
+    Bk = B if dims.proj_B else complex_bc_kernel(B, seqlen)
+    Ck = C if dims.proj_C else complex_bc_kernel(C, seqlen)
+    return run_op(selective_scan_complex_fwd, conv_out, delta, torch.view_as_real(t["A"]), Bk, Ck, t["D"], z,
+                  t["delta_bias"], None, dims.delta_softplus)[0]
+
+
+def _complex_bc_grad(dK: Tensor, M: Tensor) -> Tensor:
+    """The kernel-layout gradient of a given B / C (complex A) -> M's layout: complex (d_inner, d_state)
+    (dL/dRe + i dL/dIm), a real (d_inner, d_state) its real part, (batch, [groups,] d_state, 2*seqlen)."""
+    if M.dim() == 2:
+        return torch.view_as_complex(dK.contiguous()) if M.is_complex() else dK[..., 0].contiguous()
+    g = dK.permute(0, 1, 3, 2, 4).reshape(dK.shape[0], dK.shape[1], dK.shape[3], -1)
+    return g.squeeze(1) if M.dim() == 3 else g
+
+
+def _scan_bwd(dims: InnerDims, s: dict, conv_out: Tensor, delta: Tensor, B: Tensor, C: Tensor, dy: Tensor):
+    """Gradients of :func:`_scan_fwd` -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias); dB / dC in the
+    layout :func:`_bc` gave a projected one, in the user's layout for a given one."""
+    z = s["xz"][:, dims.dim:]
+    if not dims.complex_A:
+        return run_op(selective_scan_bwd, conv_out, delta, s["A"], B, C, s["D"], z, s["delta_bias"], None, None, dy,
+                      None, dims.delta_softplus)[:8]
+    seqlen = conv_out.shape[2]
+    Bk = B if dims.proj_B else complex_bc_kernel(B, seqlen)
+    Ck = C if dims.proj_C else complex_bc_kernel(C, seqlen)
+    du, ddelta, dA, dB, dC, dD, dz, ddb, _ = run_op(
+        selective_scan_complex_bwd, conv_out, delta, torch.view_as_real(s["A"]), Bk, Ck, s["D"], z,
+        s["delta_bias"], None, None, dy, None, dims.delta_softplus)
+    dB = dB if dims.proj_B else _complex_bc_grad(dB, B)
+    dC = dC if dims.proj_C else _complex_bc_grad(dC, C)
+    return du, ddelta, torch.view_as_complex(dA.contiguous()), dB, dC, dD, dz, ddb
 
 
 def _conv(t: dict, dims: InnerDims):
@@ -105,9 +158,8 @@ class _MambaInner(torch.autograd.Function):
         delta, _, _ = _delta(dims, t, x_dbl, batch)
         B, _, _ = _bc(dims, t, x_dbl, batch, "B")
         C, _, _ = _bc(dims, t, x_dbl, batch, "C")
-        out_z, _, ck = run_op(selective_scan_fwd, conv_out, delta, t["A"], B, C, t["D"], t["xz"][:, dims.dim:],
-                              t["delta_bias"], None, dims.delta_softplus)
-        keep = dict(t, x_dbl=x_dbl, out_z=out_z, checkpoints=ck)
+        out_z = _scan_fwd(dims, t, conv_out, delta, B, C)
+        keep = dict(t, x_dbl=x_dbl, out_z=out_z)  # no scan states: the scan's backward op rebuilds them
         keep["B"] = None if dims.proj_B else t["B"]
         keep["C"] = None if dims.proj_C else t["C"]
         if dims.checkpoint_lvl == 0:
@@ -136,9 +188,7 @@ class _MambaInner(torch.autograd.Function):
         if s["out_proj_bias"] is not None:
             g["out_proj_bias"] = dout.sum((0, 1))
         dy = torch.matmul(W.t(), dout.transpose(1, 2))  # (batch, d_inner, seqlen)
-        du, ddelta, g["A"], dB, dC, dD, dz, ddb, _ = run_op(
-            selective_scan_bwd, conv_out, delta, s["A"], B, C, s["D"], xz[:, dim:], s["delta_bias"], None,
-            s["checkpoints"], dy, None, dims.delta_softplus)
+        du, ddelta, g["A"], dB, dC, dD, dz, ddb = _scan_bwd(dims, s, conv_out, delta, B, C, dy)
         g["D"] = dD if s["D"] is not None else None
         g["delta_bias"] = ddb if s["delta_bias"] is not None else None
         parts = [None, None, None]  # d x_dbl columns: dt_rank, B, C
@@ -146,7 +196,10 @@ class _MambaInner(torch.autograd.Function):
             if not getattr(dims, "proj_" + which):
                 g[which] = dM
                 continue
-            dM = dM.reshape(batch, dims.dstate, -1).transpose(1, 2).reshape(-1, dims.dstate)  # (tokens, dstate)
+            if dims.complex_A:  # (batch, 1, seqlen, dstate, 2) -> (tokens, 2*dstate)
+                dM = dM.reshape(-1, dims.bc_cols)
+            else:
+                dM = dM.reshape(batch, dims.dstate, -1).transpose(1, 2).reshape(-1, dims.dstate)  # (tokens, dstate)
             if pre is not None:
                 dM, g[which.lower() + "_rms_weight"] = _rms_bwd(pre, s[which.lower() + "_rms_weight"], dM, rstd,
                                                                 dims.eps)
@@ -177,7 +230,7 @@ class _MambaInner(torch.autograd.Function):
 def _assemble(parts, x_dbl: Tensor, dims: InnerDims) -> Tensor:
     """d x_dbl (tokens, K) from the dt_rank / B / C column blocks (zeros for columns not used)."""
     dx = torch.zeros_like(x_dbl)
-    R, N, K = dims.dt_rank, dims.dstate, x_dbl.shape[1]
+    R, N, K = dims.dt_rank, dims.bc_cols, x_dbl.shape[1]
     dx[:, :R] = parts[0]
     if parts[1] is not None:
         dx[:, R:R + N] = parts[1]
@@ -210,11 +263,10 @@ def _validate(t: dict, delta_softplus, checkpoint_lvl, eps) -> InnerDims:
     _check_vec("conv1d_bias", t["conv1d_bias"], dim, (w.dtype,), dev)
     A = t["A"]
     check_tensor("A", A, ndim=2, dtypes=(torch.float32, torch.complex64), device=dev)
-    if A.is_complex():
-        raise ValueError("A: complex A is not supported (the selective scan kernels take real float32 A)")
     if A.shape[0] != dim or A.shape[1] < 1:
         raise ValueError(f"A: expected (d_inner={dim}, d_state), got {tuple(A.shape)}")
-    dstate = A.shape[1]
+    dstate, cplx = A.shape[1], A.is_complex()
+    cols = dstate * (2 if cplx else 1)  # x_proj columns of B / C: (re, im) interleaved for a complex A
     dpw = t["delta_proj_weight"]
     check_tensor("delta_proj_weight", dpw, ndim=2, dtypes=(dt,), device=dev)
     if dpw.shape[0] != dim or dpw.shape[1] < 1:
@@ -223,7 +275,7 @@ def _validate(t: dict, delta_softplus, checkpoint_lvl, eps) -> InnerDims:
     proj_B, proj_C = t["B"] is None, t["C"] is None
     xpw = t["x_proj_weight"]
     check_tensor("x_proj_weight", xpw, ndim=2, dtypes=(dt,), device=dev)
-    K = rank + dstate * (proj_B + proj_C)
+    K = rank + cols * (proj_B + proj_C)
     check_shape("x_proj_weight", xpw, (K, dim))
     opw = t["out_proj_weight"]
     check_tensor("out_proj_weight", opw, ndim=2, dtypes=(dt,), device=dev)
@@ -235,26 +287,37 @@ def _validate(t: dict, delta_softplus, checkpoint_lvl, eps) -> InnerDims:
     for which, proj in (("B", proj_B), ("C", proj_C)):
         rms = which.lower() + "_rms_weight"
         if proj:
-            _check_vec(which + "_proj_bias", t[which + "_proj_bias"], dstate, FLOATS, dev)
+            _check_vec(which + "_proj_bias", t[which + "_proj_bias"], cols, FLOATS, dev)
+            if cplx and t[rms] is not None:  # upstream's norm path cannot reshape the (re, im) layout either
+                raise ValueError(f"{rms}: not supported with a complex A")
             _check_vec(rms, t[rms], dstate, (torch.float32, dt), dev)
             continue
         for name in (which + "_proj_bias", rms):
             if t[name] is not None:
                 raise ValueError(f"{name}: applies to the {which} projected by x_proj; it cannot be combined with "
                                  f"a given {which}")
-        _check_given_bc(which, t[which], batch, dim, dstate, seqlen, xz)
+        _check_given_bc(which, t[which], batch, dim, dstate, seqlen, xz, cplx)
     _check_vec("dt_rms_weight", t["dt_rms_weight"], dim, (torch.float32, dt), dev)
     if checkpoint_lvl not in (0, 1) or isinstance(checkpoint_lvl, bool):
         raise ValueError(f"checkpoint_lvl: must be 0 or 1, got {checkpoint_lvl!r}")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"b_c_dt_rms_eps: expected a non-negative float, got {eps!r}")
-    return InnerDims(dim, rank, dstate, proj_B, proj_C, bool(delta_softplus), int(checkpoint_lvl), float(eps))
+    return InnerDims(dim, rank, dstate, proj_B, proj_C, bool(delta_softplus), int(checkpoint_lvl), float(eps),
+                     cplx)
 
 
-def _check_given_bc(name: str, M, batch, dim, dstate, seqlen, xz) -> None:
+def _check_given_bc(name: str, M, batch, dim, dstate, seqlen, xz, cplx: bool) -> None:
     """A given B / C in selective_scan_fn's layouts: (d_inner, d_state), (batch, d_state, seqlen) or
-    (batch, groups, d_state, seqlen)."""
-    check_tensor(name, M, dtypes=(torch.float32, xz.dtype), device=xz.device)
+    (batch, groups, d_state, seqlen); with a complex A a (d_inner, d_state) may be complex64 and the varying
+    ones are real with (re, im) interleaved in time: seqlen -> 2*seqlen."""
+    check_tensor(name, M, dtypes=(torch.float32, xz.dtype, torch.complex64) if cplx else (torch.float32, xz.dtype),
+                 device=xz.device)
+    if M.is_complex() and M.dim() != 2:
+        raise ValueError(f"{name}: with a complex A a time-varying {name} is real, (re, im) interleaved in time: "
+                         f"(batch, [groups,] d_state, 2*seqlen), got complex")
+    if cplx and M.dim() == 2 and M.dtype != torch.float32 and not M.is_complex():
+        raise TypeError(f"{name}: a time-invariant {name} with a complex A is complex64 or float32, got {M.dtype}")
+    seqlen = 2 * seqlen if cplx else seqlen
     shapes = {2: (dim, dstate), 3: (batch, dstate, seqlen)}
     if M.dim() == 4:
         if M.shape[1] < 1 or dim % M.shape[1]:
@@ -284,9 +347,11 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
     (d_inner, 1, width) or (d_inner, width), float32 or xz's dtype; conv1d_bias: (d_inner,); x_proj_weight:
     (dt_rank + 2*d_state, d_inner) (fewer rows by d_state for each of B / C given); delta_proj_weight:
     (d_inner, dt_rank); out_proj_weight: (d_out, d_inner); out_proj_bias: (d_out,) — projections in xz's
-    dtype; A: (d_inner, d_state) real float32; B, C: None (projected: x_proj rows dt_rank:dt_rank+d_state and
-    the last d_state) or given as in selective_scan_fn; D, delta_bias: (d_inner,) float32; B_proj_bias,
-    C_proj_bias, b_rms_weight, c_rms_weight: (d_state,); dt_rms_weight: (d_inner,).
+    dtype; A: (d_inner, d_state) float32 or complex64; B, C: None (projected: x_proj rows
+    dt_rank:dt_rank+d_state and the last d_state; 2*d_state rows each, (re, im) interleaved, for a complex A)
+    or given as in selective_scan_fn (its complex-A layouts for a complex A); D, delta_bias: (d_inner,)
+    float32; B_proj_bias, C_proj_bias: (d_state,) (2*d_state for a complex A); b_rms_weight, c_rms_weight:
+    (d_state,) (real A only); dt_rms_weight: (d_inner,).
     Returns out: (batch, seqlen, d_out) in xz's dtype.
 
     x, z = xz; u = silu(conv1d(x)); (dt, B, C) = x_proj(u); B += B_proj_bias; B = rms(B) * b_rms_weight (C

@@ -7,10 +7,13 @@ Ops (namespace ``tvm_mamba``): ``selective_scan_fwd`` (autograd registered), ``s
 Forward algorithm: the sequential scan, or on CPU the chunked parallel-in-time scan when lanes cannot keep
 the cores busy (``fwd_direction``; both produce the same checkpoints, so the backward is shared).
 
-Backward memory: the forward saves its inputs plus the chunk-boundary states ``checkpoints``
-(batch, dim, ceil(seqlen/chunk), dstate) fp32 — seqlen/chunk states per lane instead of seqlen (a factor
-``chunk`` = 64 at dstate 16 less than storing every state). The backward recomputes the states of one
-chunk at a time from its checkpoint (one extra forward pass of the recurrence), then runs the reverse scan.
+Backward memory: autograd keeps the forward's inputs and no state at all (mamba_ssm keeps one state per
+2048 steps, 8 dim dstate bytes each). The backward op first reruns the forward kernel (the same kernel on the
+same inputs: bitwise the same states) to rebuild the chunk-boundary states ``checkpoints`` (batch, dim,
+ceil(seqlen/chunk), dstate) fp32, chunk = ``chunk_for(dstate)`` (48 at dstate 16), held only while the
+backward runs (its out goes into the du buffer, which the backward kernel overwrites next); then the
+backward kernel recomputes the states of one chunk at a time from them and runs the reverse scan.
+Cost: one forward kernel per backward (docs/selective_scan.md has the figures).
 Workspaces (fp32): per-(batch, channel) partials of dA / D / delta_bias / time-invariant dB, dC
 (batch, dim, dstate); for time-varying B/C, per-(batch, channel block) partials (batch, dim/block, seqlen,
 dstate), summed in a fixed order in a second stage (deterministic, no atomics).
@@ -95,20 +98,21 @@ def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
     return prepare(t) if t is not None else dummy(like.device, dtype, ndim)
 
 
-@torch.library.custom_op("tvm_mamba::selective_scan_fwd", mutates_args=())
-def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-                       z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
-                       delta_softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """u: (batch, dim, seqlen) -> out: (batch, dim, seqlen), last_state: (batch, dim, dstate),
-    checkpoints: (batch, dim, ceil(seqlen/chunk), dstate) (the state before each chunk)."""
+def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, Bk: Tensor, bg: int, Ck: Tensor, cg: int,
+                  D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
+                  initial_state: Optional[Tensor], delta_softplus: bool, out: Optional[Tensor] = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernel on kernel-layout B/C (``_bc_kernel``) -> (out, last_state, checkpoints). Called by
+    the forward op and again by the backward op to rebuild the checkpoints: the same kernel (``fwd_direction``
+    depends on the shape only) on the same inputs, so the rebuilt checkpoints are bitwise the forward's.
+    out: a (batch, dim, seqlen) buffer in u's dtype to write out into (the backward passes du, which its
+    kernel overwrites next: the rebuild allocates only the checkpoints)."""
     batch, dim, seqlen = u.shape
     dstate, acc = A.shape[1], _acc(u)
-    Bk, bg = _bc_kernel(B)
-    Ck, cg = _bc_kernel(C)
     static = _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state)
     nchunk = -(-seqlen // static["chunk"])
     u, delta = prepare(u), prepare(delta)
-    out = torch.empty_like(u)
+    out = torch.empty_like(u) if out is None else out
     last = u.new_empty((batch, dim, dstate), dtype=acc)
     ck = u.new_empty((batch, dim, nchunk, dstate), dtype=acc)
     if batch * dim == 0:  # nothing to scan (an empty grid is refused by TVM's argument checks)
@@ -120,6 +124,18 @@ def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
          _opt(initial_state, u, acc, 3), out, last, ck)
     return out, last, ck
+
+
+@torch.library.custom_op("tvm_mamba::selective_scan_fwd", mutates_args=())
+def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                       z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
+                       delta_softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """u: (batch, dim, seqlen) -> out: (batch, dim, seqlen), last_state: (batch, dim, dstate),
+    checkpoints: (batch, dim, ceil(seqlen/chunk), dstate) (the state before each chunk; autograd does not
+    keep them: the backward op rebuilds them)."""
+    Bk, bg = _bc_kernel(B)
+    Ck, cg = _bc_kernel(C)
+    return _scan_forward(u, delta, A, Bk, bg, Ck, cg, D, z, delta_bias, initial_state, delta_softplus)
 
 
 @selective_scan_fwd.register_fake
@@ -138,10 +154,12 @@ def _empty0(like: Tensor) -> Tensor:
 @torch.library.custom_op("tvm_mamba::selective_scan_bwd", mutates_args=())
 def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                        z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
-                       checkpoints: Tensor, dout: Tensor, dlast: Optional[Tensor], delta_softplus: bool
+                       checkpoints: Optional[Tensor], dout: Tensor, dlast: Optional[Tensor], delta_softplus: bool
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state) of selective_scan_fwd;
-    absent optional inputs get (0,) gradients. dlast: gradient flowing in through last_state."""
+    absent optional inputs get (0,) gradients. dlast: gradient flowing in through last_state. checkpoints:
+    the forward's, or None (what autograd passes): rebuilt here by one run of the forward kernel, held only
+    while this op runs."""
     batch, dim, seqlen = u.shape
     dstate, acc = A.shape[1], _acc(u)
     Bk, bg = _bc_kernel(B)
@@ -167,6 +185,12 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
         return (du, ddelta, dA, _bc_user(dBk, B), _bc_user(dCk, C),
                 dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
                 ddb if delta_bias is not None else _empty0(ddb), dinit if initial_state is not None else _empty0(dinit))
+    if checkpoints is None and seqlen <= static["chunk"]:  # one chunk: its checkpoint is the initial state
+        checkpoints = (prepare(initial_state.to(acc)).unsqueeze(2) if initial_state is not None
+                       else u.new_zeros((batch, dim, 1, dstate), dtype=acc))
+    if checkpoints is None:
+        checkpoints = _scan_forward(u, delta, A, Bk, bg, Ck, cg, D, z, delta_bias, initial_state, delta_softplus,
+                                    out=du)[2]
     ws = dict(dtype=acc, device=u.device)
     wsA = torch.empty((batch, dim, dstate), **ws)
     wsB = torch.empty((batch, dim // blk, seqlen, dstate) if bg else (batch, dim, dstate), **ws)
@@ -197,15 +221,15 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, checkpoints, dout, dla
 def _setup_context(ctx, inputs, output):
     u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
     ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, output[2])
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state)  # no checkpoints: see the docstring
     ctx.delta_softplus = delta_softplus
 
 
 def _backward(ctx, dout, dlast, _dck):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, ck = ctx.saved_tensors
+    u, delta, A, B, C, D, z, delta_bias, initial_state = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(u)
-    grads = torch.ops.tvm_mamba.selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, initial_state, ck,
+    grads = torch.ops.tvm_mamba.selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, initial_state, None,
                                                    dout, dlast, ctx.delta_softplus)
     du, ddelta, dA, dB, dC, dD, dz, ddb, dinit = grads
     return (du, ddelta, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
