@@ -145,6 +145,12 @@ def _chunk_scan_bwd(s, TH):
     def grad(dy, z, b, c, l, h, p, L):
         return k.g(dy, z, b, c * Q + l, h, p, L, has_z)
 
+    def gx_in(dy, z, x, b, c, l, j, h, p):  # g_l[p] x_j[p], l and j inside the sequence: no bound checks
+        # (with them, the crossing-pairs launch spilled 12-16 B on sm_80 / sm_90)
+        v = dy[b, c * Q + l, h, p].astype(F32) * x[b, c * Q + j, h, p].astype(F32)
+        return v * _math.silu(z[b, c * Q + l, h, p].astype(F32)) if has_z else v
+
+
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, cb_h: T.handle,
              dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle,
@@ -311,26 +317,32 @@ def _chunk_scan_bwd(s, TH):
         # only, g_l steps q <= l only), + the chunk-state prefix sum_{k<q} w[k] dt[k] XB[k]
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
-                acc = T.alloc_buffer((3,), F32, scope=k.scope)
+                a0 = T.alloc_buffer((1,), F32, scope=k.scope)  # one-element buffers, not one array of 3
+                a1 = T.alloc_buffer((1,), F32, scope=k.scope)  # (nvcc kept that on the stack: spills on sm_80)
+                a2 = T.alloc_buffer((1,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
+                ic = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
                 i = T.meta_var(bx * TH + tx)
-                b = T.meta_var(i // (NC * H * Q))
-                c = T.meta_var(i // (H * Q) % NC)
+                b = T.meta_var(ib[0])
+                c = T.meta_var(ic[0])
                 h = T.meta_var(i // Q % H)
                 q = T.meta_var(i % Q)
                 if i < Bt * NC * H * Q:
-                    acc[0] = ddA_step[b, h, c, q]
+                    ib[0] = i // (NC * H * Q)
+                    ic[0] = i // (H * Q) % NC
+                    a0[0] = ddA_step[b, h, c, q]
                     for j in range(q):
-                        acc[0] = acc[0] + k.w(dA_cs, seq_idx, b, h, c, j, L) * dt_out[b, h, c, j] * ddt_out[b, h, c, j]
+                        a0[0] = a0[0] + k.w(dA_cs, seq_idx, b, h, c, j, L) * dt_out[b, h, c, j] * ddt_out[b, h, c, j]
                     for l in range(q, T.min(Q, L - c * Q)):  # g is 0 past seqlen
-                        acc[1] = T.float32(0)  # sum_{k<q} G[l, k]
+                        a1[0] = T.float32(0)  # sum_{k<q} G[l, k]
                         for j in range(q):
-                            acc[2] = T.float32(0)
+                            a2[0] = T.float32(0)
                             for p in range(P):
-                                acc[2] = acc[2] + grad(dy, z, b, c, l, h, p, L) * X(x, b, c, j, h, p, L)
-                            acc[1] = acc[1] + acc[2] * cbm[b, c, h // R, l, j] * k.seg(
+                                a2[0] = a2[0] + gx_in(dy, z, x, b, c, l, j, h, p)
+                            a1[0] = a1[0] + a2[0] * cbm[b, c, h // R, l, j] * k.seg(
                                 dA_cs, seq_idx, b, h, c, l, j, L) * dt_out[b, h, c, j]
-                        acc[0] = acc[0] + acc[1]
-                    ddA_step[b, h, c, q] = acc[0]
+                        a0[0] = a0[0] + a1[0]
+                    ddA_step[b, h, c, q] = a0[0]
         # d dt[q] = sum_{l>=q} (g_l.x_q)(C_l.B_q) K + exp(dA_cs[Q-1]-dA_cs[q]) XB[q]
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
