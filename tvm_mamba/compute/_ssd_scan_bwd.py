@@ -16,7 +16,8 @@ the steps s <= l), within the chunk (the state-passing term is added by ssd_chun
 form: step s lies inside the segment from k to l of each pair it sums, so x_k enters only steps s > k and g_l
 only steps s <= l -- a non-finite x / dy never reaches another position's step through a cancelling
 difference (upstream's rows - columns of G, reverse-cumsummed, did: x_t non-finite made every step of t's
-chunk non-finite). Per row l a running prefix over k, added to s <= l: O(Q^2) per chunk as before.
+chunk non-finite). Rows from the last up: R[k] = sum_{l'>=l} G[l', k] (a vector update of row l, as the old
+column sums), then d dA_step[l] += sum_{k<l} R[k] (a row-length reduction, as the old row sums): O(Q^2).
 """
 from __future__ import annotations
 
@@ -116,6 +117,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             gr = T.alloc_buffer((Q,), F32)
             kk = T.alloc_buffer((Q,), F32)
             dcar = T.alloc_buffer((Q,), F32)  # carried-state term of d dA_cs (reverse-cumsummed at the end)
+            rsuf = T.alloc_buffer((Q,), F32)  # R[k] = sum_{l'>=l} G[l', k]: column sums of the rows done so far
             dd = T.alloc_buffer((Q,), F32)
             dac = T.alloc_buffer((Q,), F32)
             rp = T.alloc_buffer((P,), F32)
@@ -146,6 +148,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     dd[l] = T.float32(0)
                     dac[l] = T.float32(0)
                     dcar[l] = T.float32(0)
+                    rsuf[l] = T.float32(0)
                 for l in range(Q):
                     t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                     if has_seq_idx:
@@ -169,8 +172,10 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                 mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, s: xt[p, s], zero,
                       lambda l, s, v: T.buffer_store(gx, v, [l, s]))
                 # -- masks, decays, d dt and d dA_step of the intra-chunk term --
-                # (the causal blocks only: s < lower_cols(l); gx and cb right of them are never read unmasked)
-                for l in range(Q):
+                # (the causal blocks only: s < lower_cols(l); gx and cb right of them are never read unmasked;
+                # rows from the last up, for the column suffix sums R of the crossing pairs)
+                for lr in range(Q):
+                    l = T.meta_var(Q - 1 - lr)
                     for sb in range(lower_cols(l, Q, VB) // VB):
                         for v in T.vectorized(VB):
                             s = T.meta_var(sb * VB + v)
@@ -180,13 +185,13 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                             dd[s] = dd[s] + gr[s]
                             cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
                             gsum[l, s] = gsum[l, s] + T.Select(s <= l, gx[l, s] * kk[s] * dtl[s], T.float32(0))
-                            gr[s] = gr[s] * dtl[s]
-                    # crossing pairs of row l: d dA_step[s] += sum_{k<s} G[l, k] for s <= l (a running prefix,
-                    # never a difference of sums: G[l, k] reaches the steps k < s <= l only)
+                            rsuf[s] = rsuf[s] + gr[s] * dtl[s]  # G[l, s] (0 for s > l)
+                    # crossing pairs of step l: d dA_step[l] += sum_{k<l} sum_{l'>=l} G[l', k] (never a difference
+                    # of sums: G[l', k] reaches the steps k < l <= l' only)
                     sc[0] = T.float32(0)
-                    for s in range(l + 1):
-                        dac[s] = dac[s] + sc[0]
-                        sc[0] = sc[0] + gr[s]
+                    for s in range(l):
+                        sc[0] = sc[0] + rsuf[s]
+                    dac[l] = dac[l] + sc[0]
                 # -- dx, and the chunk-state terms of d dt / d dA_step (prefix over k < s) --
                 # t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l];  t2[s] = B_s dSo^T
                 mm_qp_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: cb[l, s],
