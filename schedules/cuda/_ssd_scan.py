@@ -150,7 +150,6 @@ def _chunk_scan_bwd(s, TH):
         v = dy[b, c * Q + l, h, p].astype(F32) * x[b, c * Q + j, h, p].astype(F32)
         return v * _math.silu(z[b, c * Q + l, h, p].astype(F32)) if has_z else v
 
-
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, cb_h: T.handle,
              dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle,
@@ -318,7 +317,7 @@ def _chunk_scan_bwd(s, TH):
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
                 a0 = T.alloc_buffer((1,), F32, scope=k.scope)  # one-element buffers, not one array of 3
-                a1 = T.alloc_buffer((1,), F32, scope=k.scope)  # (nvcc kept that on the stack: spills on sm_80)
+                a1 = T.alloc_buffer((1,), F32, scope=k.scope)  # (as ssd._Slots: kept in registers)
                 a2 = T.alloc_buffer((1,), F32, scope=k.scope)
                 ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
                 ic = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
