@@ -1,8 +1,10 @@
 """CUDA templates for the SSD chunk-scan kernels (see ssd.py in this folder): one thread per output element.
 
 Backward launch order inside ssd_chunk_scan_bwd (each launch reads only what earlier launches finished):
-dx, dB, dC (per position), then XB[s] = <x_s, dSo B_s> into ddt_out as scratch, then d dA_cs (reads every
-XB of its chunk), then d dt (overwrites its own scratch entry), then the dD partials.
+dx, dB, dC (per position), then XB[s] = <x_s, dSo B_s> into ddt_out as scratch, then d dA_step in three
+launches (the carried-state term per position, its reverse cumsum by one thread per chunk and head, then per
+position the crossing pairs and the chunk-state prefix, which read every XB of the chunk), then d dt (overwrites
+its own scratch entry), then the dD partials.
 """
 from __future__ import annotations
 
@@ -143,6 +145,11 @@ def _chunk_scan_bwd(s, TH):
     def grad(dy, z, b, c, l, h, p, L):
         return k.g(dy, z, b, c * Q + l, h, p, L, has_z)
 
+    def gx_in(dy, z, x, b, c, l, j, h, p):  # g_l[p] x_j[p], l and j inside the sequence: no bound checks
+        # (with them, the crossing-pairs launch spilled 12-16 B on sm_80 / sm_90)
+        v = dy[b, c * Q + l, h, p].astype(F32) * x[b, c * Q + j, h, p].astype(F32)
+        return v * _math.silu(z[b, c * Q + l, h, p].astype(F32)) if has_z else v
+
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, cb_h: T.handle,
              dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle,
@@ -167,7 +174,7 @@ def _chunk_scan_bwd(s, TH):
         dBp = T.match_buffer(db_h, (Bt, L, GP, N), F32)
         dCp = T.match_buffer(dc_h, (Bt, L, GP, N), F32)
         ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
-        ddA_cs = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
+        ddA_step = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
         dD_part = T.match_buffer(dd_h, (Bt, NC, H, P) if has_D else Z4, F32)
         # dx[s, p] = sum_{l>=s} (C_l.B_s) K dt[s] g[l, p] + w[s] dt[s] (dSo B_s)[p] + D g[s, p]
         for bx in k.loop(T.ceildiv(Bt * L * H * P, TH), "blockIdx.x"):
@@ -274,7 +281,8 @@ def _chunk_scan_bwd(s, TH):
                             acc[1] = acc[1] + BC(Bm, b, c, sq, h, n, L) * dso[b, c, h, p, n]
                         acc[0] = acc[0] + X(x, b, c, sq, h, p, L) * acc[1]
                     ddt_out[b, h, c, sq] = acc[0]
-        # d dA_cs[q] = rows - columns of G = (g.x)(C.B) K dt + e <g_q, C_q Sin> + chunk-state terms
+        # d dA_step[q] (the gradient of step q within the chunk), in three launches that never subtract sums:
+        # (1) the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q]
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
                 acc = T.alloc_buffer((3,), F32, scope=k.scope)
@@ -285,34 +293,55 @@ def _chunk_scan_bwd(s, TH):
                 q = T.meta_var(i % Q)
                 if i < Bt * NC * H * Q:
                     acc[0] = T.float32(0)
-                    # both terms are 0 at a position past seqlen (g and x are 0 there): q < L only, j < L only
-                    # (a short or ragged last chunk skipped 256 x 64 products per thread at chunk 256)
-                    if c * Q + q < L:
-                        for j in range(T.min(Q, L - c * Q)):  # row q (s = j <= q) minus column q (l = j >= q)
-                            acc[1] = T.float32(0)
-                            acc[2] = T.float32(0)
-                            for p in range(P):
-                                acc[1] = acc[1] + grad(dy, z, b, c, q, h, p, L) * X(x, b, c, j, h, p, L)
-                                acc[2] = acc[2] + grad(dy, z, b, c, j, h, p, L) * X(x, b, c, q, h, p, L)
-                            # selected, not masked by seg = 0: g_q . x_j (j > q) or g_j . x_q (j < q) may be
-                            # NaN / Inf, and a non-finite dy or x must not reach another position's d dA_cs
-                            acc[0] = acc[0] + T.Select(j <= q, acc[1] * cbm[b, c, h // R, q, j] * k.seg(
-                                dA_cs, seq_idx, b, h, c, q, j, L) * dt_out[b, h, c, j], T.float32(0))
-                            acc[0] = acc[0] - T.Select(j >= q, acc[2] * cbm[b, c, h // R, j, q] * k.seg(
-                                dA_cs, seq_idx, b, h, c, j, q, L) * dt_out[b, h, c, q], T.float32(0))
+                    if c * Q + q < L:  # g is 0 past seqlen
                         acc[1] = T.float32(0)
                         for n in range(N):
                             acc[2] = T.float32(0)
                             for p in range(P):
                                 acc[2] = acc[2] + grad(dy, z, b, c, q, h, p, L) * sin[b, c, h, p, n]
                             acc[1] = acc[1] + BC(Cm, b, c, q, h, n, L) * acc[2]
-                        acc[0] = acc[0] + k.e(dA_cs, seq_idx, b, h, c, q, L) * acc[1]
-                    acc[0] = acc[0] - k.w(dA_cs, seq_idx, b, h, c, q, L) * dt_out[b, h, c, q] * ddt_out[b, h, c, q]
-                    if q == Q - 1:
-                        for j in range(Q):
-                            acc[0] = acc[0] + k.w(dA_cs, seq_idx, b, h, c, j, L) * dt_out[b, h, c, j] * ddt_out[
-                                b, h, c, j]
-                    ddA_cs[b, h, c, q] = acc[0]
+                        acc[0] = k.e(dA_cs, seq_idx, b, h, c, q, L) * acc[1]
+                    ddA_step[b, h, c, q] = acc[0]
+        # (2) one thread per (batch, chunk, head): its reverse cumsum in place (d dA_cs[l] reaches steps q <= l)
+        for bx in k.loop(T.ceildiv(Bt * NC * H, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                acc = T.alloc_buffer((1,), F32, scope=k.scope)
+                i = T.meta_var(bx * TH + tx)
+                if i < Bt * NC * H:
+                    acc[0] = T.float32(0)
+                    for qr in range(Q):
+                        acc[0] = acc[0] + ddA_step[i // (NC * H), i % H, i // H % NC, Q - 1 - qr]
+                        ddA_step[i // (NC * H), i % H, i // H % NC, Q - 1 - qr] = acc[0]
+        # (3) + the crossing pairs sum_{l>=q>k} G[l, k], G = (g_l.x_k)(C_l.B_k) K dt[k] (x_k reaches steps q > k
+        # only, g_l steps q <= l only), + the chunk-state prefix sum_{k<q} w[k] dt[k] XB[k]
+        for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                a0 = T.alloc_buffer((1,), F32, scope=k.scope)  # one-element buffers, not one array of 3
+                a1 = T.alloc_buffer((1,), F32, scope=k.scope)  # (as ssd._Slots: kept in registers)
+                a2 = T.alloc_buffer((1,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # symbolic floordiv/mod computed once
+                ic = T.alloc_buffer((1,), I32, scope=k.scope)  # (recomputed per use they spilled on sm_80)
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(ib[0])
+                c = T.meta_var(ic[0])
+                h = T.meta_var(i // Q % H)
+                q = T.meta_var(i % Q)
+                if i < Bt * NC * H * Q:
+                    ib[0] = i // (NC * H * Q)
+                    ic[0] = i // (H * Q) % NC
+                    a0[0] = ddA_step[b, h, c, q]
+                    for j in range(q):
+                        a0[0] = a0[0] + k.w(dA_cs, seq_idx, b, h, c, j, L) * dt_out[b, h, c, j] * ddt_out[b, h, c, j]
+                    for l in range(q, T.min(Q, L - c * Q)):  # g is 0 past seqlen
+                        a1[0] = T.float32(0)  # sum_{k<q} G[l, k]
+                        for j in range(q):
+                            a2[0] = T.float32(0)
+                            for p in range(P):
+                                a2[0] = a2[0] + gx_in(dy, z, x, b, c, l, j, h, p)
+                            a1[0] = a1[0] + a2[0] * cbm[b, c, h // R, l, j] * k.seg(
+                                dA_cs, seq_idx, b, h, c, l, j, L) * dt_out[b, h, c, j]
+                        a0[0] = a0[0] + a1[0]
+                    ddA_step[b, h, c, q] = a0[0]
         # d dt[q] = sum_{l>=q} (g_l.x_q)(C_l.B_q) K + exp(dA_cs[Q-1]-dA_cs[q]) XB[q]
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):

@@ -197,7 +197,7 @@ def _cumsum_bwd(s, TH):
         dt_limit = T.match_buffer(lim_h, (2,) if has_lim else (1,), F32)
         dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
         ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
-        ddA_cs = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
+        ddA_step = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)  # per step (compute/ssd.py)
         ddecay = T.match_buffer(ddec_h, (Bt, H, NC), F32)
         ddt = T.match_buffer(ddt_h, (Bt, L, H), F32)
         dA_part = T.match_buffer(da_h, (Bt, H), F32)
@@ -217,10 +217,9 @@ def _cumsum_bwd(s, TH):
                     a1[0] = T.float32(0)
                     a2[0] = T.float32(0)
                     for c in range(NC):
-                        a0[0] = ddecay[b, h, c]
                         for lr in range(Q):
                             l = T.meta_var(Q - 1 - lr)
-                            a0[0] = a0[0] + ddA_cs[b, h, c, l]
+                            a0[0] = ddecay[b, h, c] + ddA_step[b, h, c, l]
                             a1[0] = a1[0] + T.Select(dA_passes(dt_out[b, h, c, l], A[h]), dt_out[b, h, c, l] * a0[0],
                                                      T.float32(0))
                             if c * Q + l < L:

@@ -3,8 +3,8 @@ harness (tvm_mamba.simulate_cuda), against the float64 step-by-step recurrence (
 
 * seq_idx that decreases along a row: ValueError naming seq_idx (upstream documents nondecreasing ids);
 * a NaN / Inf in x (or in dy) at a position inside a chunk, not at its start: the finiteness masks of y and of
-  dx, dB, dC, dz (and of every gradient for a non-finite dy) equal the float64 recurrence's (causal: a
-  non-finite x at t reaches y at >= t only; a non-finite dy at t reaches gradients at <= t only);
+  every gradient (dx, d dt, dA, dB, dC, dD, dz, d dt_bias) equal the float64 recurrence's (causal: a
+  non-finite x at t reaches y and d dt at >= t only; a non-finite dy at t reaches gradients at <= t only);
 * A = -inf / -1e30 for one head: finite, equal to the recurrence (exp(dt A) = 0: the head keeps no state);
 * C of another dtype than B: TypeError naming C (no silent cast).
 
@@ -108,9 +108,10 @@ def test_nonfinite_x_is_causal(target, bad):
     (y, g), (y_ref, g_ref) = _both(target, t, _dy())
     assert torch.isfinite(y[:, :T_BAD]).all() and not torch.isfinite(y[0, T_BAD, 1, 3])
     _same_mask(y, y_ref, "y")
-    # dt, A, D, dt_bias: not checked (d dA_cs is rows - columns of one product, reverse-cumsummed: a
-    # non-finite x_t reaches d dt at earlier positions of its chunk; see docs/ssd.md)
-    for name in ("x", "B", "C", "z"):
+    # d dt stays finite before t in t's chunk (the crossing-pairs form of d dA_step; upstream's rows - columns,
+    # reverse-cumsummed, made the whole chunk non-finite), non-finite from t on; dA, dD, ddt_bias: non-finite
+    assert torch.isfinite(g["dt"][:, :T_BAD]).all() and not torch.isfinite(g["dt"][0, T_BAD:, 1]).any()
+    for name in GRADS:
         _same_mask(g[name], g_ref[name], "d" + name)
 
 

@@ -8,8 +8,16 @@ mask), Sin the state entering the chunk and dSo the gradient of the state leavin
     dC[l]    = e[l] g_l Sin + sum_{s<=l} GX K dt[s] B_s
     dB[s]    = sum_{l>=s} GX K dt[s] C_l + w[s] x_s dSo
     d dt[s]  = sum_l GX CB K + exp(dA_cs[Q-1]-dA_cs[s]) <x_s, dSo B_s>
-    d dA_cs  = rows - columns of (GX CB K dt) + e[l] <g_l, C_l Sin> + the chunk-state term at Q-1 and s
+    d dA_step[s] = sum_{l>=s>k} G[l, k] + sum_{l>=s} e[l] <g_l, C_l Sin> + sum_{k<s} w[k] dt[k] <x_k, dSo B_k>
     dD       = sum_l g x  (per (batch, chunk) partial)
+
+with G = GX CB K dt: the gradient of the chunk's decay steps dA_step = dt' A themselves (dA_cs[l] is the sum of
+the steps s <= l), within the chunk (the state-passing term is added by ssd_chunk_cumsum_bwd). Crossing-pairs
+form: step s lies inside the segment from k to l of each pair it sums, so x_k enters only steps s > k and g_l
+only steps s <= l -- a non-finite x / dy never reaches another position's step through a cancelling
+difference (upstream's rows - columns of G, reverse-cumsummed, did: x_t non-finite made every step of t's
+chunk non-finite). Rows from the last up: R[k] = sum_{l'>=l} G[l', k] (a vector update of row l, as the old
+column sums), then d dA_step[l] += sum_{k<l} R[k] (a row-length reduction, as the old row sums): O(Q^2).
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
     dstate) f32; D: (nheads,) / (nheads, headdim); seq_idx: (batch, seqlen)
     -> dx: (batch, seqlen, nheads, headdim); dB_parts, dC_parts: (batch, seqlen, gparts, dstate) f32;
-    ddt_out, ddA_cumsum: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim).
+    ddt_out, ddA_step: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim).
 
     gparts = ngroups * hparts, hparts dividing nheads / ngroups (compute.ssd.head_parts): one parallel task per
     (batch, chunk, group, part) runs the part's heads in order and sums their dB / dC rows in that order
@@ -85,7 +93,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
         dBp = T.match_buffer(db_h, (batch, seqlen, gparts, N), F32)
         dCp = T.match_buffer(dc_h, (batch, seqlen, gparts, N), F32)
         ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
-        ddA_cs = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
+        ddA_step = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
         dD_part = T.match_buffer(dd_h, (batch, nchunks, H, P) if has_D else zshape, F32)
         for task in T.parallel(batch * nchunks * gparts):
             b = T.meta_var(task // (nchunks * gparts))
@@ -108,13 +116,14 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             gx = T.alloc_buffer((Q, Q), F32)
             gr = T.alloc_buffer((Q,), F32)
             kk = T.alloc_buffer((Q,), F32)
-            dcol = T.alloc_buffer((Q,), F32)
+            dcar = T.alloc_buffer((Q,), F32)  # carried-state term of d dA_cs (reverse-cumsummed at the end)
+            rsuf = T.alloc_buffer((Q,), F32)  # R[k] = sum_{l'>=l} G[l', k]: column sums of the rows done so far
             dd = T.alloc_buffer((Q,), F32)
             dac = T.alloc_buffer((Q,), F32)
             rp = T.alloc_buffer((P,), F32)
             t1 = T.alloc_buffer((Q, W2), F32)  # the two matmul products of dx, then dC, then dB
             t2 = T.alloc_buffer((Q, W2), F32)
-            sc = T.alloc_buffer((2,), F32)  # scalar accumulators: [0] reductions, [1] chunk-state dA_cs[Q-1]
+            sc = T.alloc_buffer((2,), F32)  # scalar accumulators: [0] reductions, [1] chunk-state prefix
             dBa = T.alloc_buffer((Q, N), F32)  # the part's dB / dC rows, summed over its heads in order
             dCa = T.alloc_buffer((Q, N), F32)
             gsum = T.alloc_buffer((Q, Q), F32)  # sum over the part's heads of gx K dt (causal blocks)
@@ -138,7 +147,8 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     dtl[l] = dt_out[b, h, c, l]
                     dd[l] = T.float32(0)
                     dac[l] = T.float32(0)
-                    dcol[l] = T.float32(0)
+                    dcar[l] = T.float32(0)
+                    rsuf[l] = T.float32(0)
                 for l in range(Q):
                     t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                     if has_seq_idx:
@@ -161,9 +171,11 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                 # -- gx = g x^T (cb = C B^T comes from ssd_bmm_chunk, once per group) --
                 mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: gl[l, p], lambda p, s: xt[p, s], zero,
                       lambda l, s, v: T.buffer_store(gx, v, [l, s]))
-                # -- masks, decays, d dt and d dA_cs of the intra-chunk term --
-                # (the causal blocks only: s < lower_cols(l); gx and cb right of them are never read unmasked)
-                for l in range(Q):
+                # -- masks, decays, d dt and d dA_step of the intra-chunk term --
+                # (the causal blocks only: s < lower_cols(l); gx and cb right of them are never read unmasked;
+                # rows from the last up, for the column suffix sums R of the crossing pairs)
+                for lr in range(Q):
+                    l = T.meta_var(Q - 1 - lr)
                     for sb in range(lower_cols(l, Q, VB) // VB):
                         for v in T.vectorized(VB):
                             s = T.meta_var(sb * VB + v)
@@ -173,13 +185,14 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                             dd[s] = dd[s] + gr[s]
                             cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
                             gsum[l, s] = gsum[l, s] + T.Select(s <= l, gx[l, s] * kk[s] * dtl[s], T.float32(0))
-                            gr[s] = gr[s] * dtl[s]
-                            dcol[s] = dcol[s] - gr[s]
+                            rsuf[s] = rsuf[s] + gr[s] * dtl[s]  # G[l, s] (0 for s > l)
+                    # crossing pairs of step l: d dA_step[l] += sum_{k<l} sum_{l'>=l} G[l', k] (never a difference
+                    # of sums: G[l', k] reaches the steps k < l <= l' only)
                     sc[0] = T.float32(0)
-                    for s in range(lower_cols(l, Q, VB)):
-                        sc[0] = sc[0] + gr[s]
+                    for s in range(l):
+                        sc[0] = sc[0] + rsuf[s]
                     dac[l] = dac[l] + sc[0]
-                # -- dx, and the chunk-state terms of d dt / d dA_cs --
+                # -- dx, and the chunk-state terms of d dt / d dA_step (prefix over k < s) --
                 # t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l];  t2[s] = B_s dSo^T
                 mm_qp_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: cb[l, s],
                       lambda l, p: gl[l, p], lambda s, p: dx_init(Dm, gl, h, s, p),
@@ -192,7 +205,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     for p in range(P):
                         sc[0] = sc[0] + xl[s, p] * t2[s, p]
                     dd[s] = dd[s] + wst[s] * sc[0]
-                    dac[s] = dac[s] - wst[s] * dtl[s] * sc[0]
+                    dac[s] = dac[s] + sc[1]
                     sc[1] = sc[1] + wst[s] * dtl[s] * sc[0]
                     if c * Q + s < seqlen:
                         for p in T.vectorized(P):
@@ -204,7 +217,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     sc[0] = T.float32(0)
                     for n in range(N):
                         sc[0] = sc[0] + cl[l, n] * t1[l, n]
-                    dac[l] = dac[l] + e[l] * sc[0]
+                    dcar[l] = e[l] * sc[0]
                     for n in T.vectorized(N):
                         dCa[l, n] = dCa[l, n] + e[l] * t1[l, n]
                 # -- dB, chunk-state term: t2[s] = x_s dSo --
@@ -222,9 +235,11 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                             rp[p] = rp[p] + gl[l, p] * xl[l, p]
                     for p in T.vectorized(P):
                         dD_part[b, c, h, p] = rp[p]
-                for l in range(Q):
-                    ddt_out[b, h, c, l] = dd[l]
-                    ddA_cs[b, h, c, l] = dac[l] + dcol[l] + T.if_then_else(l == Q - 1, sc[1], T.float32(0))
+                sc[0] = T.float32(0)  # the carried-state term: d dA_cs[l] reaches the steps s <= l
+                for lr in range(Q):
+                    sc[0] = sc[0] + dcar[Q - 1 - lr]
+                    ddt_out[b, h, c, Q - 1 - lr] = dd[Q - 1 - lr]
+                    ddA_step[b, h, c, Q - 1 - lr] = dac[Q - 1 - lr] + sc[0]
             # -- the intra-chunk terms once per part (B, C are the group's): with G = sum over the part's heads
             # of gx K dt, dC[l] += sum_{s<=l} G[l, s] B_s and dB[s] += sum_{l>=s} G[l, s] C_l --
             mm_qn_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: gsum[l, s],

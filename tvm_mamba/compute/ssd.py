@@ -16,8 +16,8 @@ ssd_chunk_scan         y[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l] - dA_cs[s]) dt'[
                               + exp(dA_cs[l]) C_l Sin_c + D x_l ; optional silu(z) gate
 ssd_chunk_scan_bwd_dstates   dSloc_c = sum_l exp(dA_cs[l]) g[l] C_l^T (g = dy * silu(z)), and dz
 ssd_state_passing_bwd  reverse scan: dS_c = dH_{c+1}, dH_c = dSloc_c + a_c dH_{c+1}, dinit = dH_0
-ssd_chunk_scan_bwd     every per-chunk gradient: dx, dB, dC (per head), d dt', d dA_cs, dD
-ssd_chunk_cumsum_bwd   reverse cumsum of d dA_cs -> d dt', d A, through softplus/clamp -> d dt, d dt_bias
+ssd_chunk_scan_bwd     every per-chunk gradient: dx, dB, dC (per head), d dt', d dA_step (per step), dD
+ssd_chunk_cumsum_bwd   d dA_step + the state-passing term -> d dt', d A, through softplus/clamp -> d dt, d dt_bias
 ssd_head_sum           dB, dC: the per-head partials summed over the heads of each group (fixed order)
 =====================  ============================================================================
 
@@ -149,12 +149,14 @@ def ssd_chunk_cumsum(nheads: int, chunk_size: int, has_dt_bias: bool = False, dt
 
 def ssd_chunk_cumsum_bwd(nheads: int, chunk_size: int, has_dt_bias: bool = False, dt_softplus: bool = False,
                          has_dt_limit: bool = False) -> tirx.PrimFunc:
-    """dt: (batch, seqlen, nheads) f32; dt_bias, A: (nheads,); dt_limit: (2,); ddt_out, ddA_cumsum:
+    """dt: (batch, seqlen, nheads) f32; dt_bias, A: (nheads,); dt_limit: (2,); ddt_out, ddA_step:
     (batch, nheads, nchunks, chunk_size) f32; ddecay: (batch, nheads, nchunks) f32 (gradient of the chunk's
     last dA_cumsum from state passing) -> ddt: (batch, seqlen, nheads) f32, dA_part, ddt_bias_part:
     (batch, nheads) f32 (summed over batch by the caller, in order).
 
-    ddA[l] = sum_{k>=l} ddA_cumsum[k]; d dt_out = ddt_out + A ddA; dA = sum dt_out ddA; ddt = d dt_out dt'/ddt.
+    ddA_step is already the gradient of each step dt' A within its chunk (ssd_chunk_scan_bwd sums crossing
+    pairs, no reverse cumsum here: that would carry a non-finite d dA_cs to every earlier step). With
+    ddA[l] = ddecay + ddA_step[l]: d dt_out = ddt_out + A ddA; dA = sum dt_out ddA; ddt = d dt_out dt'/ddt.
     """
     H, Q = nheads, chunk_size
     fa = dict(has_dt_bias=has_dt_bias, dt_softplus=dt_softplus, has_dt_limit=has_dt_limit)
@@ -172,7 +174,7 @@ def ssd_chunk_cumsum_bwd(nheads: int, chunk_size: int, has_dt_bias: bool = False
         dt_limit = T.match_buffer(lim_h, (2,) if has_dt_limit else (1,), F32)
         dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
         ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
-        ddA_cs = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
+        ddA_step = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
         ddecay = T.match_buffer(ddec_h, (batch, H, nchunks), F32)
         ddt = T.match_buffer(ddt_h, (batch, seqlen, H), F32)
         dA_part = T.match_buffer(da_h, (batch, H), F32)
@@ -180,15 +182,14 @@ def ssd_chunk_cumsum_bwd(nheads: int, chunk_size: int, has_dt_bias: bool = False
         for bh in T.parallel(batch * H):
             b = T.meta_var(bh // H)
             h = T.meta_var(bh % H)
-            acc = T.alloc_buffer((3,), F32)  # reverse cumsum, dA sum, ddt_bias sum
+            acc = T.alloc_buffer((3,), F32)  # d dA_step, dA sum, ddt_bias sum
             tmp = T.alloc_buffer((4,), F32)
             acc[1] = T.float32(0)
             acc[2] = T.float32(0)
             for c in range(nchunks):
-                acc[0] = ddecay[b, h, c]
                 for lr in range(Q):
                     l = T.meta_var(Q - 1 - lr)
-                    acc[0] = acc[0] + ddA_cs[b, h, c, l]
+                    acc[0] = ddecay[b, h, c] + ddA_step[b, h, c, l]
                     acc[1] = acc[1] + T.Select(dA_passes(dt_out[b, h, c, l], A[h]), dt_out[b, h, c, l] * acc[0],
                                                T.float32(0))
                     if c * Q + l < seqlen:
