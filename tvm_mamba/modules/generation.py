@@ -199,7 +199,10 @@ class GenerationMixin:
     """upstream's GenerationMixin: ``generate`` over ``decode``; the model provides allocate_inference_cache."""
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
-        raise NotImplementedError
+        """The model's decode caches, {layer_idx: (conv_state, ssm_state)}: each model class defines it (as in
+        upstream's mixin, which declares it the same way)."""
+        raise NotImplementedError(f"{type(self).__name__}.allocate_inference_cache: a model using GenerationMixin "
+                                  "must define it (MambaLMHeadModel does)")
 
     def generate(self, input_ids, max_length, top_k=1, top_p=0.0, min_p=0.0, temperature=1.0,
                  return_dict_in_generate=False, output_scores=False, **kwargs):

@@ -352,6 +352,12 @@ def _check_complex(u, A, B, C, D, z, delta_bias, initial_state):
             raise ValueError(f"{name}: with a complex A a time-varying {name} is real, (re, im) interleaved in "
                              f"time: (batch, [groups,] dstate, 2 * seqlen) (mamba_ssm's layout), got complex")
         _check_bc(name, M, batch, dim, dstate, 2 * seqlen, u)
+    _check_extras(u, D, z, delta_bias, initial_state, acc, cdt, dstate)
+
+
+def _check_extras(u, D, z, delta_bias, initial_state, acc, state_dtype, dstate):
+    """D, delta_bias: (dim,) in acc; z: like u; initial_state: (batch, dim, dstate) in state_dtype."""
+    batch, dim, _ = u.shape
     for name, v in (("D", D), ("delta_bias", delta_bias)):
         if v is not None:
             check_tensor(name, v, ndim=1, dtypes=(acc,), device=u.device)
@@ -360,7 +366,7 @@ def _check_complex(u, A, B, C, D, z, delta_bias, initial_state):
         check_tensor("z", z, ndim=3, dtypes=(u.dtype,), device=u.device)
         check_shape("z", z, u.shape)
     if initial_state is not None:
-        check_tensor("initial_state", initial_state, ndim=3, dtypes=(cdt,), device=u.device)
+        check_tensor("initial_state", initial_state, ndim=3, dtypes=(state_dtype,), device=u.device)
         check_shape("initial_state", initial_state, (batch, dim, dstate))
 
 
@@ -402,16 +408,7 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
         raise ValueError(f"A: dstate must be >= 1, got {tuple(A.shape)}")
     _check_bc("B", B, batch, dim, dstate, seqlen, u)
     _check_bc("C", C, batch, dim, dstate, seqlen, u)
-    for name, v in (("D", D), ("delta_bias", delta_bias)):
-        if v is not None:
-            check_tensor(name, v, ndim=1, dtypes=(acc,), device=u.device)
-            check_shape(name, v, (dim,))
-    if z is not None:
-        check_tensor("z", z, ndim=3, dtypes=(u.dtype,), device=u.device)
-        check_shape("z", z, u.shape)
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, ndim=3, dtypes=(acc,), device=u.device)
-        check_shape("initial_state", initial_state, (batch, dim, dstate))
+    _check_extras(u, D, z, delta_bias, initial_state, acc, acc, dstate)
     out, last, _ = run_op(selective_scan_fwd, u, delta, A, B, C, D, z, delta_bias, initial_state,
                           bool(delta_softplus))
     return (out, last) if return_last_state else out
