@@ -31,7 +31,7 @@ import filelock
 import tvm
 import tvm_ffi
 
-from . import cudasim, dispatch, pack
+from . import cudasim, dispatch, pack, threads
 from .key import KernelKey
 
 _PKG_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -136,8 +136,16 @@ def compile_module(key: KernelKey, mod: tvm.IRModule):
 
 
 def _load(path: pathlib.Path):
-    return cudasim.load(str(path)) if path.parent.name.startswith(cudasim.PREFIX) else \
-        tvm.runtime.load_module(str(path))
+    if path.parent.name.startswith(cudasim.PREFIX):
+        return cudasim.load(str(path))
+    return load_library(path)
+
+
+def load_library(path: pathlib.Path):
+    """tvm.runtime.load_module, a CPU library's parallel loops then put on torch's OpenMP team (threads.py)."""
+    module = tvm.runtime.load_module(str(path))
+    threads.route(path, cache_root())
+    return module
 
 
 def _stamp_path(path: pathlib.Path) -> pathlib.Path:
@@ -206,7 +214,7 @@ def _from_pack(key: KernelKey) -> Kernel | None:
         if key.target.startswith("cuda-"):
             pack.load_cuda_runtime()
         t0 = time.perf_counter()
-        module = tvm.runtime.load_module(str(path))
+        module = load_library(path)
         kern = Kernel(key, dispatch.Plan(key, (), f"pack: {path.name} ({source})"), module, path, 0.0,
                       time.perf_counter() - t0)
         _memo[memo_key] = kern

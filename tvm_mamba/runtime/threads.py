@@ -1,0 +1,143 @@
+"""One CPU thread pool for torch and tvm_mamba: TVM kernels run their parallel loops on torch's OpenMP team.
+
+Why: a process that mixes torch ops and TVM kernels otherwise has two pools on the same cores. torch's
+intra-op pool is OpenMP (libgomp): after each parallel region its workers spin for a while (unless
+``OMP_WAIT_POLICY=PASSIVE`` was set before torch loaded). TVM's own pool has pinned workers of its own. A
+decode step alternates small torch GEMVs and small TVM kernels, so each pool's workers keep spinning on the
+cores the other pool's workers need, and a step runs several times slower than either pool alone.
+
+How: every TVM-compiled CPU library calls its parallel loops through one entry point, a function pointer
+``__TVMBackendParallelLaunch`` in the library's data that TVM's loader points at TVM's pool. ``route(path)``
+re-points it, once the library is loaded, at a small launcher (C, built once per cache folder with the C
+compiler TVM links kernels with) that runs the same parallel lambda on the calling thread's OpenMP team.
+There is one libgomp per process (shared by soname), so kernels and torch ops share the team, its thread
+count (``torch.set_num_threads``) and its wait policy; inside an OpenMP region (e.g. a torch parallel
+section calling back) the lambda runs serially.
+
+When: only when torch is already loaded (no torch, no second pool to cooperate with), for CPU libraries, and
+unless ``TVM_MAMBA_CPU_POOL=tvm`` keeps TVM's pool. A launcher that cannot be built or loaded (no C compiler,
+no libgomp) leaves TVM's pool in place with one warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import sys
+import threading
+import warnings
+
+ENV = "TVM_MAMBA_CPU_POOL"  # "openmp" (default) or "tvm"
+SYMBOL = "__TVMBackendParallelLaunch"
+
+# TVMParallelGroupEnv is {void* sync_handle; int32_t num_task;}; the lambda is
+# int (*)(int task_id, TVMParallelGroupEnv* penv, void* cdata), as in tvm/runtime/c_backend_api.h.
+# libgomp's functions are handed in as pointers (set_omp), so the launcher links nothing: it uses the
+# libgomp the process already has.
+LAUNCHER_C = r"""
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {  /* TVM's compiler may be a C++ one */
+#endif
+typedef struct { void* sync_handle; int32_t num_task; } Env;
+typedef int (*Lambda)(int, Env*, void*);
+typedef void (*GompParallel)(void (*)(void*), void*, unsigned, unsigned);
+typedef int (*IntFn)(void);
+static GompParallel gomp_parallel;
+static IntFn thread_num, num_threads, in_parallel, max_threads;
+
+void tvm_mamba_set_omp(void* parallel, void* tnum, void* nthreads, void* inpar, void* maxthr) {
+  gomp_parallel = (GompParallel)parallel; thread_num = (IntFn)tnum; num_threads = (IntFn)nthreads;
+  in_parallel = (IntFn)inpar; max_threads = (IntFn)maxthr;
+}
+
+typedef struct { Lambda f; void* cdata; int err; } Call;
+
+static void body(void* p) {
+  Call* c = (Call*)p;
+  Env env = {0, num_threads()};
+  int r = c->f(thread_num(), &env, c->cdata);
+  if (r != 0) __atomic_store_n(&c->err, r, __ATOMIC_RELAXED);
+}
+
+int tvm_mamba_parallel_launch(Lambda f, void* cdata, int num_task) {
+  if (num_task == 1 || in_parallel() || max_threads() <= 1) {
+    Env env = {0, 1};
+    return f(0, &env, cdata);
+  }
+  Call c = {f, cdata, 0};
+  gomp_parallel(body, &c, num_task > 0 ? (unsigned)num_task : 0u, 0u);
+  return c.err;
+}
+#ifdef __cplusplus
+}
+#endif
+"""
+
+_lock = threading.Lock()
+_state: dict = {}  # "launcher": ctypes.CDLL | None once decided, "addr": int
+
+
+def enabled() -> bool:
+    """Whether CPU kernels loaded from now on are routed to OpenMP: torch loaded and not opted out."""
+    choice = os.environ.get(ENV, "openmp").strip().lower()
+    if choice not in ("openmp", "tvm"):
+        raise ValueError(f"{ENV}: expected 'openmp' or 'tvm', got {choice!r}")
+    return choice == "openmp" and "torch" in sys.modules
+
+
+def _build(folder: pathlib.Path) -> pathlib.Path:
+    from tvm.support import cc
+
+    digest = hashlib.sha256(LAUNCHER_C.encode()).hexdigest()[:12]
+    path = folder / f"omp_launch-{digest}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        src = folder / f".omp_launch-{os.getpid()}-{threading.get_ident()}.c"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        src.write_text(LAUNCHER_C)
+        try:
+            cc.create_shared(str(tmp), [str(src)], options=["-O2", "-fPIC"])
+            tmp.replace(path)  # atomic: a concurrent process sees no half-written library
+        finally:
+            src.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def launcher_address(folder: pathlib.Path) -> int | None:
+    """Address of the OpenMP launcher (built into ``folder`` on first use), or None where it cannot be had."""
+    with _lock:
+        if "addr" not in _state:
+            try:
+                gomp = ctypes.CDLL("libgomp.so.1")  # torch's, already loaded: one libgomp per process
+                lib = ctypes.CDLL(str(_build(folder)))
+                ptr = ctypes.cast
+                lib.tvm_mamba_set_omp(*(ptr(getattr(gomp, n), ctypes.c_void_p) for n in (
+                    "GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel",
+                    "omp_get_max_threads")))
+                _state["lib"] = lib
+                _state["addr"] = ctypes.cast(lib.tvm_mamba_parallel_launch, ctypes.c_void_p).value
+            except Exception as err:  # noqa: BLE001 - no compiler / no libgomp: keep TVM's pool
+                warnings.warn(f"tvm_mamba: CPU kernels keep TVM's thread pool ({type(err).__name__}: {err}); "
+                              f"set {ENV}=tvm to silence this", RuntimeWarning, stacklevel=3)
+                _state["addr"] = None
+        return _state["addr"]
+
+
+def route(path: str | os.PathLike, folder: pathlib.Path) -> bool:
+    """Point the already loaded CPU library at ``path`` at the OpenMP launcher; True when it now uses it.
+    A library without parallel loops has no entry point and is left as it is."""
+    if not enabled():
+        return False
+    addr = launcher_address(folder)
+    if addr is None:
+        return False
+    try:
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # TVM's handle, not a second copy
+        entry = ctypes.c_void_p.in_dll(lib, SYMBOL)
+    except (OSError, ValueError):
+        return False
+    entry.value = addr
+    return True
