@@ -221,9 +221,35 @@ def _from_pack(key: KernelKey) -> Kernel | None:
     return kern
 
 
+FAST_TTL_S = 1.0  # as tuning's stamp TTL: a record written by another process is served within ~1 s
+_ENVS = ("TVM_MAMBA_KERNEL_PACK", "TVM_MAMBA_TUNING_LOGS", "TVM_MAMBA_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
+_fast = threading.local()
+
+
 def build_and_load(key: KernelKey) -> Kernel:
-    """Return the compiled kernel for ``key``: an AOT pack if one is active, else memo -> disk (verified) ->
-    lock -> re-check -> build -> atomic write."""
+    """Return the compiled kernel for ``key``. A decode step calls dozens of kernels; resolving each call
+    (pack, plan, tuning lookup, memo) costs tens of microseconds of Python, so a per-thread fast path serves a
+    key it resolved less than FAST_TTL_S ago, while nothing that picks kernels has changed (the environment
+    variables above, dispatch.generation(): tuning refreshes and ``tuning_logs`` blocks)."""
+    now = time.monotonic()
+    env = os.environ
+    ctx = (dispatch.generation(), *(env.get(name) for name in _ENVS))
+    memo = getattr(_fast, "memo", None)
+    if memo is None:
+        memo = _fast.memo = {}
+    hit = memo.get(key)
+    if hit is not None and hit[1] == ctx and now - hit[0] < FAST_TTL_S:
+        return hit[2]
+    kern = _resolve(key)
+    if len(memo) > 65536:
+        memo.clear()
+    memo[key] = (now, ctx, kern)
+    return kern
+
+
+def _resolve(key: KernelKey) -> Kernel:
+    """An AOT pack's kernel if one is active, else memo -> disk (verified) -> lock -> re-check -> build ->
+    atomic write."""
     kern = _from_pack(key)
     if kern is not None:
         return kern

@@ -58,6 +58,19 @@ _plan_hooks: list[Callable[[KernelKey], Plan | None]] = []
 _plan_lock = threading.Lock()
 
 
+_generation = [0]
+
+
+def invalidate() -> None:
+    """Tell kernel callers that what plan() returns may have changed (tuning logs refreshed, a
+    ``tuning_logs`` block entered or left): cache.build_and_load's per-thread fast path re-resolves."""
+    _generation[0] += 1
+
+
+def generation() -> int:
+    return _generation[0]
+
+
 def register_plan_hook(hook: Callable[[KernelKey], Plan | None]) -> None:
     """Tuning-log lookup registers itself here (kept out of this module so dispatch has no file I/O)."""
     with _plan_lock:

@@ -112,6 +112,7 @@ def tuning_logs(enabled: bool = True, path: str | os.PathLike | None = None, shi
         yield
     finally:
         _state.enabled, _state.path, _state.shipped = prev
+        dispatch.invalidate()
 
 
 # --- device keys -----------------------------------------------------------------------------------
@@ -267,6 +268,7 @@ def refresh() -> None:
     _stamps.clear()
     _dev_memo.clear()
     _warned.clear()
+    dispatch.invalidate()
 
 
 def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
