@@ -15,8 +15,8 @@ import tempfile
 import time
 
 from .runtime import KernelKey, cpu_target, cuda_target, target_key
-from .runtime import dispatch, pack
-from .runtime.cache import compile_module
+from .runtime import dispatch, pack, threads
+from .runtime.cache import PACK_THREADS, compile_module
 
 
 def _configs(op: str, preset: str):
@@ -73,6 +73,8 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
     sys.stderr.write("\n")
     for line in failed:
         print(f"aot: FAILED {line}", file=sys.stderr)
+    if target_kind != "cuda":  # the OpenMP launcher, for hosts with only the TVM runtime (runtime/threads.py)
+        threads.build_launcher(folder / PACK_THREADS)
     pack.write_manifest(folder, tkey, entries)
     build_pack.failed = failed
     return folder

@@ -36,6 +36,8 @@ try:
 except RuntimeError as err:
     assert "not in the kernel pack" in str(err) and "aot" in str(err)
 print("runtime-only ok")
+from tvm_mamba.runtime import threads
+print("routed", threads._state.get("addr") is not None)
 """
 
 
@@ -49,6 +51,7 @@ def test_cpu_pack_runs_with_only_the_tvm_runtime(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "runtime-only ok" in proc.stdout
     assert not (tmp_path / "no-cache").exists()  # nothing was built
+    assert "routed True" in proc.stdout  # the pack's OpenMP launcher serves its kernels' parallel loops
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")

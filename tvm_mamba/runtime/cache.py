@@ -141,11 +141,16 @@ def _load(path: pathlib.Path):
     return load_library(path)
 
 
-def load_library(path: pathlib.Path):
-    """tvm.runtime.load_module, a CPU library's parallel loops then put on torch's OpenMP team (threads.py)."""
+def load_library(path: pathlib.Path, pack_folder: pathlib.Path | None = None):
+    """tvm.runtime.load_module, a CPU library's parallel loops then put on torch's OpenMP team (threads.py:
+    the launcher a kernel pack ships, else one built into the cache, never with only the TVM runtime)."""
     module = tvm.runtime.load_module(str(path))
-    threads.route(path, cache_root())
+    threads.route(path, None if pack.runtime_only() else cache_root(),
+                  pack_folder / PACK_THREADS if pack_folder is not None else None)
     return module
+
+
+PACK_THREADS = "threads"  # a kernel pack's subfolder holding the OpenMP launcher (aot.build_pack)
 
 
 def _stamp_path(path: pathlib.Path) -> pathlib.Path:
@@ -214,7 +219,7 @@ def _from_pack(key: KernelKey) -> Kernel | None:
         if key.target.startswith("cuda-"):
             pack.load_cuda_runtime()
         t0 = time.perf_counter()
-        module = load_library(path)
+        module = load_library(path, pk.folder)
         kern = Kernel(key, dispatch.Plan(key, (), f"pack: {path.name} ({source})"), module, path, 0.0,
                       time.perf_counter() - t0)
         _memo[memo_key] = kern
@@ -342,3 +347,4 @@ def clear_memo() -> None:
     with _memo_lock:
         _memo.clear()
         _views.clear()
+    dispatch.invalidate()  # every thread's fast path too

@@ -87,11 +87,15 @@ def enabled() -> bool:
     return choice == "openmp" and "torch" in sys.modules
 
 
-def _build(folder: pathlib.Path) -> pathlib.Path:
+def launcher_file(folder: pathlib.Path) -> pathlib.Path:
+    return folder / f"omp_launch-{hashlib.sha256(LAUNCHER_C.encode()).hexdigest()[:12]}.so"
+
+
+def build_launcher(folder: pathlib.Path) -> pathlib.Path:
+    """The launcher library in ``folder`` (built there with TVM's C compiler unless already present)."""
     from tvm.support import cc
 
-    digest = hashlib.sha256(LAUNCHER_C.encode()).hexdigest()[:12]
-    path = folder / f"omp_launch-{digest}.so"
+    path = launcher_file(folder)
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
         src = folder / f".omp_launch-{os.getpid()}-{threading.get_ident()}.c"
@@ -106,15 +110,25 @@ def _build(folder: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def launcher_address(folder: pathlib.Path) -> int | None:
-    """Address of the OpenMP launcher (built into ``folder`` on first use), or None where it cannot be had."""
+def _find_or_build(shipped: pathlib.Path | None, build_in: pathlib.Path | None) -> pathlib.Path | None:
+    if shipped is not None and launcher_file(shipped).exists():
+        return launcher_file(shipped)
+    return build_launcher(build_in) if build_in is not None else None
+
+
+def launcher_address(build_in: pathlib.Path | None, shipped: pathlib.Path | None = None) -> int | None:
+    """Address of the OpenMP launcher: the one in ``shipped`` (a kernel pack's), else built into
+    ``build_in`` on first use; None where it cannot be had (decided once per process)."""
     with _lock:
         if "addr" not in _state:
+            _state["addr"] = None
             try:
+                path = _find_or_build(shipped, build_in)
+                if path is None:  # a runtime-only install whose pack has no launcher: TVM's pool
+                    return None
                 gomp = ctypes.CDLL("libgomp.so.1")  # torch's, already loaded: one libgomp per process
-                lib = ctypes.CDLL(str(_build(folder)))
-                ptr = ctypes.cast
-                lib.tvm_mamba_set_omp(*(ptr(getattr(gomp, n), ctypes.c_void_p) for n in (
+                lib = ctypes.CDLL(str(path))
+                lib.tvm_mamba_set_omp(*(ctypes.cast(getattr(gomp, n), ctypes.c_void_p) for n in (
                     "GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel",
                     "omp_get_max_threads")))
                 _state["lib"] = lib
@@ -122,16 +136,15 @@ def launcher_address(folder: pathlib.Path) -> int | None:
             except Exception as err:  # noqa: BLE001 - no compiler / no libgomp: keep TVM's pool
                 warnings.warn(f"tvm_mamba: CPU kernels keep TVM's thread pool ({type(err).__name__}: {err}); "
                               f"set {ENV}=tvm to silence this", RuntimeWarning, stacklevel=3)
-                _state["addr"] = None
         return _state["addr"]
 
 
-def route(path: str | os.PathLike, folder: pathlib.Path) -> bool:
-    """Point the already loaded CPU library at ``path`` at the OpenMP launcher; True when it now uses it.
-    A library without parallel loops has no entry point and is left as it is."""
+def route(path: str | os.PathLike, build_in: pathlib.Path | None, shipped: pathlib.Path | None = None) -> bool:
+    """Point the already loaded CPU library at ``path`` at the OpenMP launcher (see launcher_address); True
+    when it now uses it. A library without parallel loops has no entry point and is left as it is."""
     if not enabled():
         return False
-    addr = launcher_address(folder)
+    addr = launcher_address(build_in, shipped)
     if addr is None:
         return False
     try:
