@@ -16,7 +16,8 @@ through the model's own decode path (ours: ``inference_params`` with ``seqlen_of
 
 Every measurement (model, implementation, batch, phase) runs in a fresh process (``--child``), ``--procs`` of
 them per cell, interleaved between the implementations; inside one, one untimed warm-up run (kernel builds /
-loads) then ``ITERS`` timed runs, their median; the table gives the median over the processes. Before timing a
+loads) then ``ITERS`` timed runs (fewer, at least one, past ``CHILD_BUDGET_S``), their median; the table gives
+the median over the processes. Before timing a
 model, one more process loads the same weights into transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM``
 (``checkpoint.config_to_hf`` / ``state_dict_to_hf``) and compares the logits of a prefill and of decode
 steps with ours: max |diff| is printed, and the run stops (exit 1) above ``CHECK_RTOL`` relative to max |logit|.
@@ -59,6 +60,8 @@ DEFAULTS = dict(models="mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m", prefil
 QUICK = dict(models="mamba1-tiny,mamba2-tiny", prefill="32", decode="8", batch="1", procs=1)
 ITERS, QUICK_ITERS = 3, 2   # timed runs per process
 DECODE_PROMPT = 8           # prompt tokens before the timed decode steps
+WARMUP_STEPS = 4            # decode steps of the warm-up run (the first step loads the decode kernels)
+CHILD_BUDGET_S = 20.0       # no further timed runs in a process once its timed runs took this long
 CHECK_RTOL = 1e-3           # max |ours - transformers| / max |transformers| allowed on the logits
 HF_NAME = "transformers (torch path)"
 RESULT_TAG = "BENCH_LM_RESULT "
@@ -131,12 +134,15 @@ def _ids(batch: int, length: int, vocab: int, seed: int):
 
 
 def time_phase(runner: Runner, phase: str, batch: int, tokens: int, vocab: int, iters: int) -> list[float]:
-    """Seconds of each timed run (after one untimed warm-up run) of the phase."""
+    """Seconds of each timed run of the phase, after one untimed warm-up (a decode warm-up takes WARMUP_STEPS
+    steps): `iters` runs, fewer (at least one) once the timed runs add up to CHILD_BUDGET_S."""
     import torch
 
-    times = []
+    times: list[float] = []
     with torch.inference_mode():
         for i in range(iters + 1):
+            if i and sum(times) >= CHILD_BUDGET_S:
+                break
             if phase == "prefill":
                 ids = _ids(batch, tokens, vocab, seed=i)
                 t0 = time.perf_counter()
@@ -144,7 +150,7 @@ def time_phase(runner: Runner, phase: str, batch: int, tokens: int, vocab: int, 
             else:
                 logits, state = runner.prefill(_ids(batch, DECODE_PROMPT, vocab, seed=i))
                 t0 = time.perf_counter()
-                runner.decode(logits, state, tokens)
+                runner.decode(logits, state, tokens if i else min(tokens, WARMUP_STEPS))
             if i:
                 times.append(time.perf_counter() - t0)
     return times
