@@ -199,6 +199,7 @@ def child(spec: dict) -> dict:
         return dict(check_logits(spec["model"]), software=software(hf=True))
     ours, ref = build_models(spec["model"], hf=spec["impl"] == "hf")
     runner = Runner(ref if spec["impl"] == "hf" else ours, spec["impl"])
+    del ours, ref  # the runner's model only (transformers' runs do not hold our copy of the weights)
     times = time_phase(runner, spec["phase"], spec["batch"], spec["tokens"], MODELS[spec["model"]][3],
                        spec["iters"])
     return dict(seconds=statistics.median(times), runs=times, software=software(hf=spec["impl"] == "hf"))
