@@ -120,5 +120,6 @@ def write_csv(path, rows: list[Row]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROW_FIELDS)
         w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if v is None else v) for k, v in r.record().items()})
+        for r in rows:  # ROW_FIELDS only: a row type's extra JSON fields (bench_lm's tokens/s) are left out
+            rec = r.record()
+            w.writerow({k: ("" if rec[k] is None else rec[k]) for k in ROW_FIELDS})

@@ -162,3 +162,19 @@ def test_bench_lm_refuses_to_time_disagreeing_models(monkeypatch):
     assert [c["phase"] for c in calls] == ["check"]  # nothing timed
     with pytest.raises(SystemExit, match="unknown model nope"):
         lm.run_all(lm.parse(["--models", "nope"]))
+
+
+def test_bench_lm_rows_keep_bench_schema(scripts_path, monkeypatch, tmp_path):
+    benchlib, lm = scripts_path, _load("bench_lm", monkeypatch)
+    rows = [lm.LMRow("lm", "decode 8 tok", "mamba1-tiny b=2", 4.0, None, tokens=16, tvm_runs=[4e-3]),
+            lm.LMRow("lm", "prefill 32 tok", "mamba1-tiny b=1", 2.0, 8.0, ref_name=lm.HF_NAME, tokens=32)]
+    lm.write_json(tmp_path / "o.json", rows, {})
+    recs = json.loads((tmp_path / "o.json").read_text())["rows"]
+    extra = ["tvm_tok_s", "ref_tok_s", "tvm_runs_s", "ref_runs_s"]
+    assert [list(r) for r in recs] == [list(benchlib.ROW_FIELDS) + extra] * 2
+    assert (recs[0]["tvm_tok_s"], recs[0]["ref_tok_s"], recs[0]["ref_s"]) == (4000.0, None, None)
+    assert (recs[1]["tvm_tok_s"], recs[1]["ref_tok_s"], recs[1]["ref_over_tvm"]) == (16000.0, 4000.0, 4.0)
+    benchlib.write_csv(tmp_path / "o.csv", rows)  # the bench.py columns only
+    lines = list(csv.reader((tmp_path / "o.csv").open()))
+    assert tuple(lines[0]) == benchlib.ROW_FIELDS and len(lines) == 3 and lines[1][4] == ""
+    assert "-" in benchlib.format_table(rows).splitlines()[2]
