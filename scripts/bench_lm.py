@@ -186,7 +186,7 @@ def software(hf: bool) -> dict:
     from tvm_mamba.runtime import target_for_device
 
     out = dict(tvm_mamba=tvm_mamba.__version__, torch=torch.__version__, target=str(target_for_device("cpu")),
-               torch_threads=torch.get_num_threads())
+               torch_threads=torch.get_num_threads(), tvm_num_threads=os.environ.get("TVM_NUM_THREADS"))
     if hf:
         import transformers
 
@@ -219,15 +219,14 @@ def run_child(spec: dict) -> dict:
 
 
 def machine() -> dict:
-    """The CPU model (/proc/cpuinfo's model name, else platform), logical cores, the threads used."""
+    """The CPU model (/proc/cpuinfo's model name, else platform), its architecture, logical cores."""
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    return dict(cpu=cpu or platform.processor() or platform.machine(), arch=platform.machine(),
-                cores=os.cpu_count(), tvm_num_threads=os.environ.get("TVM_NUM_THREADS"))
+    return dict(cpu=cpu or platform.processor() or platform.machine(), arch=platform.machine(), cores=os.cpu_count())
 
 
 @dataclasses.dataclass
@@ -334,17 +333,18 @@ def main(argv=None) -> int:
         print(RESULT_TAG + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
     mach = machine()
-    print(f"bench_lm: {mach['cpu']} ({mach['arch']}), {mach['cores']} logical cores, TVM_NUM_THREADS "
-          f"{mach['tvm_num_threads'] or '-'}; median of {args.procs} fresh process(es) per cell", flush=True)
+    print(f"bench_lm: {mach['cpu']} ({mach['arch']}), {mach['cores']} logical cores; median of {args.procs} "
+          "fresh process(es) per cell", flush=True)
     rows, extra = run_all(args)
     sw = dict(SOFTWARE)
-    print(f"tvm_mamba {sw.get('tvm_mamba')}, torch {sw.get('torch')} ({sw.get('torch_threads')} threads), "
-          f"transformers {sw.get('transformers', '-')}; target {sw.get('target')}")
+    print(f"tvm_mamba {sw.get('tvm_mamba')}, torch {sw.get('torch')} ({sw.get('torch_threads')} threads, "
+          f"TVM_NUM_THREADS {sw.get('tvm_num_threads')}), transformers {sw.get('transformers', '-')}; "
+          f"target {sw.get('target')}")
     print(format_table(rows))
     if args.json:
         meta = {"tvm_mamba": sw.get("tvm_mamba"), "torch": sw.get("torch"), "transformers": sw.get("transformers"),
                 "target": sw.get("target"), "threads": sw.get("torch_threads"), "quick": args.quick, "ops": ["lm"],
-                "machine": dict(mach, torch_threads=sw.get("torch_threads")), "procs": args.procs, **extra}
+                "machine": dict(mach, torch_threads=sw.get("torch_threads"), tvm_num_threads=sw.get("tvm_num_threads")), "procs": args.procs, **extra}
         write_json(args.json, rows, meta)
     return 0
 
