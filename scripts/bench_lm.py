@@ -17,16 +17,17 @@ through the model's own decode path (ours: ``inference_params`` with ``seqlen_of
 Every measurement (model, implementation, batch, phase) runs in a fresh process (``--child``), ``--procs`` of
 them per cell, interleaved between the implementations; inside one, one untimed warm-up run (kernel builds /
 loads) then ``ITERS`` timed runs (fewer, at least one, past ``CHILD_BUDGET_S``), their median; the table gives
-the median over the processes. Before timing a
-model, one more process loads the same weights into transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM``
-(``checkpoint.config_to_hf`` / ``state_dict_to_hf``) and compares the logits of a prefill and of decode
-steps with ours: max |diff| is printed, and the run stops (exit 1) above ``CHECK_RTOL`` relative to max |logit|.
+the median over the processes. Before timing a model, one more process loads the same weights into
+transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` (``checkpoint.config_to_hf`` / ``state_dict_to_hf``)
+and compares the logits of a prefill and of 4 decode steps with ours: max |diff| is printed, and the run stops
+(exit 1) above ``CHECK_RTOL`` relative to max |logit|.
 transformers is optional (``--no-hf``, or not installed: no comparison column).
 
 --json PATH: scripts/bench.py's schema 1 (op "lm", case "prefill 256 tok" / "decode 128 tok", shape
 "mamba2-130m b=1", ref_name "transformers (torch path)" or "" without it; ref_s / ref_over_tvm null then),
 each row with extra fields at the end: tvm_tok_s, ref_tok_s, tvm_runs_s, ref_runs_s (per-process medians);
-top level: "machine" (cpu, cores, torch threads), "checks" (per model max_abs_diff, rel_diff), "procs".
+top level: "machine" (cpu, arch, cores, torch_threads, tvm_num_threads), "checks" (per model max_abs_diff,
+rel_diff), "procs", "impls".
 """
 from __future__ import annotations
 
