@@ -16,9 +16,10 @@ row (a null is an empty field). Each ROW:
     case           str    what is timed ("fwd", "fwd+bwd", "fwd+bwd keep_chunk_states", "LM prefill", ...)
     shape          str    the problem size and flags ("b=2, d=256, L=512, w=4, silu, fp32")
     tvm_s          float  median seconds per call, tvm_mamba
-    ref_s          float  median seconds per call, the baseline named by ref_name
+    ref_s          float | null  median seconds per call, the baseline named by ref_name (null: no baseline
+                          measured, e.g. bench_lm.py --no-hf)
     ref_name       str    the baseline ("F.conv1d+silu", "torch chunked einsum + autograd", "hand default")
-    ref_over_tvm   float  ref_s / tvm_s (> 1: tvm_mamba is faster)
+    ref_over_tvm   float | null  ref_s / tvm_s (> 1: tvm_mamba is faster)
     copy_s         float | null  median seconds of a memory copy of the op's main input, timed in the same
                           direction(s) as the row (forward rows: x.clone(); fwd+bwd rows: a clone forward
                           and a clone of the gradient backward, benchlib.copy_fwd_bwd); null when a copy is

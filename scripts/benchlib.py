@@ -38,7 +38,7 @@ class Row:
     case: str        # what is timed: "fwd", "fwd+bwd", "LM decode 8 tokens"
     shape: str       # "b=4, d=256, L=2048, w=4, silu, fp32"
     tvm_ms: float
-    ref_ms: float    # the PyTorch reference / eager composition
+    ref_ms: float | None  # the PyTorch reference / eager composition (None: no baseline measured)
     copy_ms: float | None = None  # memory-copy baseline, same direction(s) as the row (None: not meaningful)
     ref_name: str = "torch eager"
     note: str = ""
@@ -46,7 +46,8 @@ class Row:
     def record(self) -> dict:
         """The row in the --json / --csv schema: seconds, ratios precomputed, None where not measured."""
         return dict(op=self.op, case=self.case, shape=self.shape, tvm_s=self.tvm_ms * 1e-3,
-                    ref_s=self.ref_ms * 1e-3, ref_name=self.ref_name, ref_over_tvm=self.ref_ms / self.tvm_ms,
+                    ref_s=None if self.ref_ms is None else self.ref_ms * 1e-3, ref_name=self.ref_name,
+                    ref_over_tvm=None if self.ref_ms is None else self.ref_ms / self.tvm_ms,
                     copy_s=None if self.copy_ms is None else self.copy_ms * 1e-3,
                     tvm_over_copy=None if not self.copy_ms else self.tvm_ms / self.copy_ms, note=self.note)
 
@@ -98,7 +99,8 @@ def format_table(rows: list[Row]) -> str:
         copy = f"{r.copy_ms:8.3f}" if r.copy_ms else f"{'-':>8}"
         vs_copy = f"{r.tvm_ms / r.copy_ms:8.2f}" if r.copy_ms else f"{'-':>8}"
         case = f"{r.case} ({r.shape})" if r.shape else r.case
-        lines.append(f"{r.op:<16} {case:<64} {r.tvm_ms:9.3f} {r.ref_ms:9.3f} {r.ref_ms / r.tvm_ms:8.2f} "
+        ref = f"{r.ref_ms:9.3f} {r.ref_ms / r.tvm_ms:8.2f}" if r.ref_ms is not None else f"{'-':>9} {'-':>8}"
+        lines.append(f"{r.op:<16} {case:<64} {r.tvm_ms:9.3f} {ref} "
                      f"{copy} {vs_copy}  {r.ref_name}{('; ' + r.note) if r.note else ''}")
     return "\n".join(lines)
 
@@ -118,5 +120,6 @@ def write_csv(path, rows: list[Row]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=ROW_FIELDS)
         w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if v is None else v) for k, v in r.record().items()})
+        for r in rows:  # ROW_FIELDS only: a row type's extra JSON fields (bench_lm's tokens/s) are left out
+            rec = r.record()
+            w.writerow({k: ("" if rec[k] is None else rec[k]) for k in ROW_FIELDS})

@@ -1,6 +1,7 @@
 """scripts/: bench.py refuses unknown ops, writes --json / --csv in its documented schema, compares forward+backward
-rows with a forward+backward copy; train_tiny.py plots only where asked, labelled with matplotlib, sketched
-without it."""
+rows with a forward+backward copy; bench_lm.py --quick times the tiny LMs in fresh processes (with and without
+transformers) and refuses to time a model whose logits disagree; train_tiny.py plots only where asked, labelled
+with matplotlib, sketched without it."""
 from __future__ import annotations
 
 import csv
@@ -31,6 +32,7 @@ def _load(name, monkeypatch):
     monkeypatch.setenv("TVM_NUM_THREADS", os.environ.get("TVM_NUM_THREADS", ""))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, mod)  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -114,3 +116,65 @@ def test_train_tiny_plots_under_out_not_cwd(tmp_path):
     assert (out / "train_tiny_loss.png").read_bytes()[:8] == PNG
     assert list(cwd.iterdir()) == []
     assert "loss curve -> " + str(out / "train_tiny_loss.png") in proc.stdout
+
+
+def _bench_lm(tmp_path, *args):
+    out = tmp_path / "lm.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_lm.py"), "--quick", *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_lm_quick_with_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    doc, out = _bench_lm(tmp_path, "--models", "mamba2-tiny")
+    assert doc["schema"] == 1 and doc["ops"] == ["lm"] and doc["procs"] == 1 and doc["machine"]["cpu"]
+    assert doc["checks"]["mamba2-tiny"]["rel_diff"] < 1e-3 and "logits check mamba2-tiny" in out
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert set(rows) == {"prefill 32 tok", "decode 8 tok"}
+    for r in rows.values():
+        assert r["shape"] == "mamba2-tiny b=1" and r["ref_name"] == "transformers (torch path)"
+        assert r["tvm_tok_s"] > 0 and r["ref_tok_s"] > 0 and r["ref_over_tvm"] > 0
+        assert r["tvm_tok_s"] * r["tvm_s"] == pytest.approx(32 if r["case"].startswith("prefill") else 8)
+
+
+def test_bench_lm_quick_without_transformers(tmp_path):
+    doc, out = _bench_lm(tmp_path, "--models", "mamba1-tiny", "--no-hf", "--prefill", "0", "--batch", "2")
+    assert doc["checks"] == {} and "logits check" not in out
+    (row,) = doc["rows"]
+    assert (row["case"], row["shape"], row["ref_name"]) == ("decode 8 tok", "mamba1-tiny b=2", "")
+    assert row["tvm_tok_s"] > 0 and row["ref_s"] is None and row["ref_over_tvm"] is None and row["ref_tok_s"] is None
+
+
+def test_bench_lm_refuses_to_time_disagreeing_models(monkeypatch):
+    lm = _load("bench_lm", monkeypatch)
+    calls = []
+
+    def fake_child(spec):
+        calls.append(spec)
+        return dict(max_abs_diff=1.0, rel_diff=0.1, max_abs_logit=10.0, steps=4)
+    monkeypatch.setattr(lm, "run_child", fake_child)
+    monkeypatch.setattr(lm, "_hf_available", lambda: True)
+    with pytest.raises(SystemExit, match="disagree"):
+        lm.run_all(lm.parse(["--quick", "--models", "mamba1-tiny"]))
+    assert [c["phase"] for c in calls] == ["check"]  # nothing timed
+    with pytest.raises(SystemExit, match="unknown model nope"):
+        lm.run_all(lm.parse(["--models", "nope"]))
+
+
+def test_bench_lm_rows_keep_bench_schema(scripts_path, monkeypatch, tmp_path):
+    benchlib, lm = scripts_path, _load("bench_lm", monkeypatch)
+    rows = [lm.LMRow("lm", "decode 8 tok", "mamba1-tiny b=2", 4.0, None, tokens=16, tvm_runs=[4e-3]),
+            lm.LMRow("lm", "prefill 32 tok", "mamba1-tiny b=1", 2.0, 8.0, ref_name=lm.HF_NAME, tokens=32)]
+    lm.write_json(tmp_path / "o.json", rows, {})
+    recs = json.loads((tmp_path / "o.json").read_text())["rows"]
+    extra = ["tvm_tok_s", "ref_tok_s", "tvm_runs_s", "ref_runs_s"]
+    assert [list(r) for r in recs] == [list(benchlib.ROW_FIELDS) + extra] * 2
+    assert (recs[0]["tvm_tok_s"], recs[0]["ref_tok_s"], recs[0]["ref_s"]) == (4000.0, None, None)
+    assert (recs[1]["tvm_tok_s"], recs[1]["ref_tok_s"], recs[1]["ref_over_tvm"]) == (16000.0, 4000.0, 4.0)
+    benchlib.write_csv(tmp_path / "o.csv", rows)  # the bench.py columns only
+    lines = list(csv.reader((tmp_path / "o.csv").open()))
+    assert tuple(lines[0]) == benchlib.ROW_FIELDS and len(lines) == 3 and lines[1][4] == ""
+    assert "-" in benchlib.format_table(rows).splitlines()[2]

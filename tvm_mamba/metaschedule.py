@@ -29,6 +29,7 @@ from .schedules.rule import Decisions, SampledDecisions, on_schedule
 from .schedules.rule import watch as rule_watch
 
 WORKLOADS, TRIALS = "database_workload.json", "database_tuning_record.json"
+BUILD_TIMEOUT_S = 120.0  # per candidate build, in MetaSchedule's builder process (its default is 30 s)
 
 
 def static_func(key: KernelKey) -> tvm.tirx.PrimFunc:
@@ -168,8 +169,20 @@ def database(folder) -> "ms.database.JSONDatabase":
 
 
 def _build_in_target(mod, target, _params):
+    """MetaSchedule's default build (a runtime Module it can export) inside the target's scope (the CUDA
+    rules read it), without the default's import of every vendor's tensor intrinsics."""
+    from tvm.driver import build as tvm_build
+
     with target:
-        return tvm.compile(mod, target=target)
+        return tvm_build(mod, target=target)
+
+
+def _log_tail(work: str, lines: int = 30) -> str:
+    """The last lines of MetaSchedule's task logs under ``work`` (where it writes build/run errors)."""
+    import pathlib
+
+    text = [ln for f in sorted(pathlib.Path(work).glob("logs/*task_*.log")) for ln in f.read_text().splitlines()]
+    return "\n".join(text[-lines:])
 
 
 def search(key: KernelKey, folder, trials: int, runner="local", seed: int = 0) -> tuple[dict, int]:
@@ -181,15 +194,19 @@ def search(key: KernelKey, folder, trials: int, runner="local", seed: int = 0) -
     gen, _ = design_space(key)
     mod = _module(key)
     db = database(folder)
-    builder = ms.builder.LocalBuilder(f_build=_build_in_target) if target.kind.name == "cuda" else "local"
+    # our f_build for every target: MetaSchedule's default one imports tvm.s_tir.tensor_intrin (every
+    # vendor's tensor intrinsics, ~20 s of TVMScript parsing) in each fresh builder process, which alone
+    # nears the builder's default 30 s timeout and turns a loaded machine's trials invalid
+    builder = ms.builder.LocalBuilder(f_build=_build_in_target, timeout_sec=BUILD_TIMEOUT_S)
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)  # its per-round tables
     with tempfile.TemporaryDirectory() as work:  # MetaSchedule's text logs; the records go to db
         ms.tune_tir(mod, target, work_dir=work, max_trials_global=trials, num_trials_per_iter=trials,
                     space=gen, strategy="replay-trace", database=db, builder=builder, runner=runner,
                     cost_model="random", num_tuning_cores=1, seed=seed)
-    records = db.get_top_k(db.commit_workload(mod), 1 << 20)
-    if not records:
-        raise RuntimeError(f"MetaSchedule measured no valid trial for {key}")
+        records = db.get_top_k(db.commit_workload(mod), 1 << 20)
+        if not records:
+            raise RuntimeError(f"MetaSchedule measured no valid trial for {key}; its log ends:\n"
+                               + _log_tail(work))
     return knobs_of(key, records[0].trace), len(records)
 
 

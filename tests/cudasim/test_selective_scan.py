@@ -190,7 +190,7 @@ def test_simcheck_every_update_config():
     """The sim-check of build-check's decode-step configurations (d_inner 1536 at every dstate); the
     scan configurations (1536 channels) take ~10 s each here and run in ``python -m tvm_mamba sim-check``."""
     configs = [c for c in compute.build_check_configs() if c[0] == "update"]
-    assert len(configs) == 5
+    assert len(configs) == 6 and configs[-1][1].get("tie_hdim") is True
     for direction, static, dtypes in configs:
         simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
 
@@ -225,6 +225,21 @@ def test_decode_step_state_pool_and_16bit_state(dtypes):
         assert torch.equal(res["out[0]"][0][1], torch.zeros_like(res["out[0]"][0][1]))
         untouched = [s for s in range(5) if s not in inp["state_batch_indices"].tolist()]
         assert torch.equal(res["state"][0][untouched], inp["state"][untouched])
+
+
+@pytest.mark.parametrize("dtypes", [X32, {"x": "bfloat16", "B": "bfloat16", "C": "bfloat16", "idx": "int32"}])
+def test_decode_step_tied_heads(dtypes):
+    """The tie_hdim CUDA kernel (A, dt, D, dt_bias one value per head, stride-0 views as Mamba2.step passes
+    them), fp32 and bf16 with a state pool, 3 steps against the float64 reference."""
+    static = dict(nheads=4, headdim=3, dstate=8, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
+                  dt_softplus=True, tie_hdim=True)
+    inp = sc.update_inputs(static, dtypes, batch=3, seed=5)
+    assert inp["A"].stride() == (1, 0, 0) and inp["dt"].stride()[2] == 0
+    res, keys = sc.update_results(inp, "sm_90", steps=3)
+    simcheck.ran(keys, "selective_scan", "update", static, dtypes)
+    for key, (mine, ref) in res.items():
+        tol = (1e-4 if mine.dtype == torch.float32 else 1e-2) * max(1.0, ref.abs().max().item())
+        assert (mine.double() - ref).abs().max().item() <= tol, key
 
 
 def test_decode_step_index_out_of_range_refused():

@@ -100,3 +100,37 @@ def test_safetensors_missing_is_a_clear_import_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails as if not installed
     with pytest.raises(ImportError, match=r"tvm-mamba\[hf\]"):
         MambaLMHeadModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("ssm_cfg", [dict(M2, ngroups=2), dict(M1, dt_rank=3)], ids=["Mamba2", "Mamba1"])
+def test_our_model_as_transformers_model_matches_and_maps_back(ssm_cfg):
+    transformers = pytest.importorskip("transformers")
+    from tvm_mamba.modules import checkpoint
+
+    torch.manual_seed(0)
+    m = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg=dict(ssm_cfg))).eval()
+    cfg = checkpoint.config_to_hf(m)
+    assert cfg["vocab_size"] == m.backbone.embedding.num_embeddings == 56  # the padded vocabulary
+    hf = transformers.AutoConfig.for_model(**cfg)
+    hf = (transformers.MambaForCausalLM if cfg["model_type"] == "mamba" else transformers.Mamba2ForCausalLM)(hf)
+    hf.load_state_dict(checkpoint.state_dict_to_hf(m.state_dict()), strict=True)
+    ids = _ids(seqlen=13)
+    with torch.no_grad():
+        assert_rel_close(m(ids).logits, hf.eval()(ids).logits.double(), 1e-4, "ours vs transformers")
+    back, eps = checkpoint.config_from_hf(cfg, MambaConfig)
+    assert eps == 1e-5 and back.d_model == 32 and back.n_layer == 2 and back.tie_embeddings
+    m2 = MambaLMHeadModel(back)
+    m2.load_state_dict(checkpoint.state_dict_from_hf(checkpoint.state_dict_to_hf(m.state_dict()), True))
+    torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)
+
+
+def test_config_to_hf_refuses_what_transformers_cannot_express():
+    from tvm_mamba.modules import checkpoint
+
+    mlp = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=1, vocab_size=VOCAB, d_intermediate=16, ssm_cfg=dict(M1)))
+    with pytest.raises(ValueError, match="d_intermediate=0"):
+        checkpoint.config_to_hf(mlp)
+    gate = MambaLMHeadModel(MambaConfig(d_model=32, n_layer=1, vocab_size=VOCAB,
+                                        ssm_cfg=dict(M2, norm_before_gate=True)))
+    with pytest.raises(ValueError, match="norm_before_gate=False"):
+        checkpoint.config_to_hf(gate)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -164,13 +166,14 @@ def test_tuning_through_an_rpc_tracker_on_loopback(logs):
 
     port = _free_port()
     tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
-                                "--port-end", str(port + 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "--port-end", str(port + 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
     server = None
     try:
         _wait_for(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() is None, "RPC tracker")
         server = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
                                    "--key", "loopback", "--host", "127.0.0.1"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         _wait_for(lambda: "loopback" in str(rpc.connect_tracker("127.0.0.1", port).summary()), "RPC server")
         # conv1d forward: loop-nest templates measured by our RPC measurer; int8 pack: block-scheduled, so
         # tuned by MetaSchedule (tune_tir with its RPCRunner) into the op's JSONDatabase
@@ -186,8 +189,8 @@ def test_tuning_through_an_rpc_tracker_on_loopback(logs):
         assert json.loads((folder / "meta.json").read_text())["budget"]["rpc"] is True
     finally:
         for p in (server, tracker):
-            if p is not None:
-                p.terminate()
+            if p is not None:  # the whole process group: the server's session workers outlive it otherwise
+                os.killpg(p.pid, signal.SIGTERM)
                 p.wait(timeout=30)
 
 

@@ -444,3 +444,89 @@ def test_state_update_with_indices_opcheck_and_compile():
     got = fn(comp_state, **kw, state_batch_indices=idx)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(comp_state, eager_state, rtol=0, atol=0)
+
+
+# --- selective_state_update: tied per-head A / dt / D / dt_bias (mamba_ssm's TIE_HDIM) ---------------------
+def _tied_args(batch: int, dtype, seed: int = 9, nh: int = 4, p: int = 3, n: int = 16):
+    """(state, kwargs) as Mamba2.step passes them: A, dt, D, dt_bias one value per head, expanded stride-0
+    views over headdim (and dstate for A); x, z, B, C in ``dtype``; 2 groups."""
+    g = torch.Generator().manual_seed(seed)
+    state = torch.randn(batch, nh, p, n, generator=g)
+    kw = dict(x=torch.randn(batch, nh, p, generator=g).to(dtype),
+              dt=(0.5 * torch.randn(batch, nh, generator=g)).to(dtype)[:, :, None].expand(batch, nh, p),
+              A=(-0.2 - torch.rand(nh, generator=g))[:, None, None].expand(nh, p, n),
+              B=torch.randn(batch, 2, n, generator=g).to(dtype), C=torch.randn(batch, 2, n, generator=g).to(dtype),
+              D=torch.randn(nh, generator=g)[:, None].expand(nh, p), z=torch.randn(batch, nh, p, generator=g).to(dtype),
+              dt_bias=(0.1 * torch.randn(nh, generator=g))[:, None].expand(nh, p), dt_softplus=True)
+    return state, kw
+
+
+def _update_keys(state, kw):
+    from tvm_mamba.simcheck import recording
+
+    with recording() as keys:
+        out = selective_state_update(state, **kw)
+    return out, [k for k in keys if k.direction == "update"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_heads_run_the_tied_kernel(dtype):
+    """3 decode steps through the tie_hdim kernel against the float64 reference (bf16: within 2x the drift
+    of the reference run on bf16-rounded inputs, fp32 math)."""
+    state, kw = _tied_args(batch=3, dtype=dtype)
+    ref64 = state.double()
+    for step in range(3):
+        kw["x"] = torch.randn_like(kw["x"])
+        out, keys = _update_keys(state, kw)
+        assert keys and all(k.static.get("tie_hdim") is True for k in keys)
+        o64, ref64 = selective_state_update_ref(ref64, **kw)
+        if dtype == torch.float32:
+            assert_close_to_ref(out, o64, name=f"out[{step}]")
+        else:  # the inputs are bf16 values already: the reference's own bf16 error is the output rounding
+            assert_close_to_ref(out, o64, o64.to(dtype), atol=1e-5, name=f"out[{step}]")
+    assert_close_to_ref(state, ref64, name="state")
+
+
+@pytest.mark.parametrize("untie", ["D", "dt", "A"])
+def test_partly_tied_heads_run_the_general_kernel(untie):
+    """A call where only some per-head tensors are tied (Mamba2 D_has_hdim's D (nheads, headdim), a full dt
+    or A) runs the untied kernel, with the same results."""
+    state, kw = _tied_args(batch=2, dtype=torch.float32, seed=11)
+    if untie == "D":
+        kw["D"] = torch.randn(4, 3)
+    elif untie == "dt":
+        kw["dt"] = kw["dt"] + 0.1 * torch.randn(2, 4, 3)
+    else:
+        kw["A"] = kw["A"] - torch.rand(4, 3, 16)
+    before = state.clone()
+    out, keys = _update_keys(state, kw)
+    assert keys and all("tie_hdim" not in k.static for k in keys)
+    o64, s64 = selective_state_update_ref(before, **kw)
+    assert_close_to_ref(out, o64, name="out")
+    assert_close_to_ref(state, s64, name="state")
+
+
+def test_tied_heads_call_copies_nothing():
+    """The tied call reads A / dt / D / dt_bias in place: no aten::copy_ / clone in the call (before the tied
+    kernel, prepare() materialised each expanded view: 4 copies per step). x, z, B, C are compact here."""
+    state, kw = _tied_args(batch=2, dtype=torch.float32, seed=12)
+    selective_state_update(state, **kw)  # build / load the kernel outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        selective_state_update(state, **kw)
+    copies = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
+    assert copies == [], copies
+
+
+def test_tied_heads_opcheck_and_compile():
+    """The op's tied form (1-D A, (batch, nheads) dt, (nheads,) D / dt_bias) passes opcheck; the public call
+    on stride-0 views compiles without a graph break and matches eager bitwise."""
+    state, kw = _tied_args(batch=2, dtype=torch.float32, seed=13)
+    args = (state.clone(), kw["x"], kw["dt"][:, :, 0], kw["A"][:, 0, 0], kw["B"], kw["C"], kw["D"][:, 0], kw["z"],
+            kw["dt_bias"][:, 0], True, None)
+    torch.library.opcheck(torch.ops.tvm_mamba.selective_state_update, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    eager_state, comp_state = state.clone(), state.clone()
+    want = selective_state_update(eager_state, **kw)
+    got = torch.compile(selective_state_update, fullgraph=True, backend="aot_eager")(comp_state, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(comp_state, eager_state, rtol=0, atol=0)

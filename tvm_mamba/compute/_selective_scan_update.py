@@ -5,6 +5,9 @@ template (split out of selective_scan.py, which it shares helpers with).
 
 state: (nstate, nheads, headdim, dstate) updated in place (Mamba-1 runs as nheads = dim, headdim = 1);
 x, dt, z, out: (batch, nheads, headdim); A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate).
+Tied per-head parameters (``tie_hdim``, mamba_ssm's TIE_HDIM layout: Mamba-2 has one A, dt, D, dt_bias per
+head): A: (nheads,), dt: (batch, nheads), D, dt_bias: (nheads,), read once per row; exp(dt' A) is then one
+value per row instead of one per state element. Same math.
 Row b's state is slot ``state_batch_indices[b]`` of the pool when indices are given (continuous batching;
 a negative index is a padding row: out = 0, no state touched, as mamba_ssm 2.3.2), else slot b.
 A 16-bit state is loaded, updated in the accumulation dtype and rounded to its own dtype once per step;
@@ -26,8 +29,9 @@ def selective_scan_update_template(nheads: int, headdim: int, dstate: int, ngrou
                                    B_dtype: str, C_dtype: str, state_dtype: str | None = None,
                                    dt_dtype: str | None = None, z_dtype: str | None = None,
                                    idx_dtype: str | None = None, mode: str = "generic",
-                                   vec: int = 1, threads: int = 64) -> tirx.PrimFunc:
-    """The decode-step loop nest: one lane per (batch, head, headdim) row, state updated in place."""
+                                   tie_hdim: bool = False, vec: int = 1, threads: int = 64) -> tirx.PrimFunc:
+    """The decode-step loop nest: one lane per (batch, head, headdim) row, state updated in place.
+    tie_hdim: A (nheads,), dt (batch, nheads), D / dt_bias (nheads,) (one value per head)."""
     H, P, N, G, V = nheads, headdim, dstate, ngroups, vec
     NV = N // V
     HPG = H // G
@@ -38,6 +42,10 @@ def selective_scan_update_template(nheads: int, headdim: int, dstate: int, ngrou
     OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
     VEC = _vec_loop(mode)
     CPU = mode == "cpu"
+    TIE = tie_hdim
+
+    def per_head(v, hh, p):  # D / dt_bias: (nheads,) tied, else (nheads, headdim)
+        return v[hh] if TIE else v[hh, p]
 
     def to_state(v):
         return v if ST == ACC else v.astype(ST)
@@ -46,19 +54,22 @@ def selective_scan_update_template(nheads: int, headdim: int, dstate: int, ngrou
     def row(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, sb, hh, p):
         yv = T.alloc_buffer((V,), ACC, scope=SCOPE)
         hv = T.alloc_buffer((V,), ACC, scope=SCOPE)  # the new state in ACC (rounded once when stored)
-        s = T.alloc_buffer((4,), ACC, scope=SCOPE)
-        s[3] = m.cast(dt[b, hh, p]) + (dtb[hh, p] if has_dt_bias else m.zero)
+        s = T.alloc_buffer((5,), ACC, scope=SCOPE)  # dt', dt' x, y, dt + dt_bias, exp(dt' A) (tied)
+        s[3] = m.cast(dt[b, hh] if TIE else dt[b, hh, p]) + (per_head(dtb, hh, p) if has_dt_bias else m.zero)
         s[0] = m.softplus(s[3]) if dt_softplus else s[3]
         s[1] = s[0] * m.cast(x[b, hh, p])
+        if TIE:
+            s[4] = m.exp(s[0] * A[hh])
         for ni in VEC(V):
             yv[ni] = m.zero
         for no in range(NV):
             for ni in VEC(V):
-                hv[ni] = (m.exp(s[0] * A[hh, p, no * V + ni]) * m.cast(state[sb, hh, p, no * V + ni])
+                hv[ni] = ((s[4] if TIE else m.exp(s[0] * A[hh, p, no * V + ni]))
+                          * m.cast(state[sb, hh, p, no * V + ni])
                           + s[1] * m.cast(Bm[b, hh // HPG, no * V + ni]))
                 state[sb, hh, p, no * V + ni] = to_state(hv[ni])
                 yv[ni] = yv[ni] + m.cast(Cm[b, hh // HPG, no * V + ni]) * hv[ni]
-        s[2] = (Dv[hh, p] * m.cast(x[b, hh, p])) if has_D else m.zero
+        s[2] = (per_head(Dv, hh, p) * m.cast(x[b, hh, p])) if has_D else m.zero
         for ni in range(V):
             s[2] = s[2] + yv[ni]
         if has_z:
@@ -89,13 +100,13 @@ def selective_scan_update_template(nheads: int, headdim: int, dstate: int, ngrou
         nstate = T.int32()  # state slots in the pool (== batch without indices)
         state = T.match_buffer(state_h, (nstate if IDX else batch, H, P, N), ST)
         x = T.match_buffer(x_h, (batch, H, P), x_dtype)
-        dt = T.match_buffer(dt_h, (batch, H, P), DT)
-        A = T.match_buffer(A_h, (H, P, N), ACC)
+        dt = T.match_buffer(dt_h, (batch, H) if TIE else (batch, H, P), DT)
+        A = T.match_buffer(A_h, (H,) if TIE else (H, P, N), ACC)
         Bm = T.match_buffer(B_h, (batch, G, N), B_dtype)
         Cm = T.match_buffer(C_h, (batch, G, N), C_dtype)
-        Dv = T.match_buffer(D_h, (H, P) if has_D else (1, 1), ACC)
+        Dv = T.match_buffer(D_h, ((H,) if TIE else (H, P)) if has_D else (1, 1), ACC)
         z = T.match_buffer(z_h, (batch, H, P) if has_z else (1, 1, 1), ZT)
-        dtb = T.match_buffer(dtb_h, (H, P) if has_dt_bias else (1, 1), ACC)
+        dtb = T.match_buffer(dtb_h, ((H,) if TIE else (H, P)) if has_dt_bias else (1, 1), ACC)
         sidx = T.match_buffer(sidx_h, (batch,) if IDX else (1,), idx_dtype or "int32")
         out = T.match_buffer(out_h, (batch, H, P), x_dtype)
         if CPU:
@@ -116,17 +127,19 @@ def selective_scan_update(nheads: int, headdim: int, dstate: int, ngroups: int =
                           has_z: bool = False, has_dt_bias: bool = False, dt_softplus: bool = False,
                           x_dtype: str = "float32", B_dtype: str = "float32", C_dtype: str = "float32",
                           state_dtype: str | None = None, dt_dtype: str | None = None, z_dtype: str | None = None,
-                          idx_dtype: str | None = None) -> tirx.PrimFunc:
+                          idx_dtype: str | None = None, tie_hdim: bool = False) -> tirx.PrimFunc:
     """Decode step (Mamba-2 head layout; Mamba-1 is nheads=dim, headdim=1).
     state: (nstate, nheads, headdim, dstate) in ``state_dtype`` (default: the accumulation dtype), updated in
     place; x, out: (batch, nheads, headdim); dt, z: the same shape in ``dt_dtype`` / ``z_dtype`` (default x's);
     A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim);
     state_batch_indices: (batch,) ``idx_dtype`` (int32/int64; absent when None: nstate = batch, row b -> slot b).
+    tie_hdim: one A / dt / D / dt_bias per head (mamba_ssm's TIE_HDIM): A: (nheads,), dt: (batch, nheads),
+    D, dt_bias: (nheads,).
 
     dt' = softplus?(dt + dt_bias); s = slot of the row; state[s] = exp(dt' A) state[s] + dt' B x;
     out = (C . state[s] + D x) * silu(z); a row with a negative slot only writes out = 0.
-    The optional dtypes are None by default (and then absent from the kernel key: the committed tuning
-    records of the fp32-state decode step keep matching).
+    The optional dtypes are None by default and tie_hdim False (and then absent from the kernel key: the
+    committed tuning records of the fp32-state decode step keep matching).
     """
     if min(nheads, headdim, dstate, ngroups) < 1 or nheads % ngroups:
         raise ValueError(f"ngroups: must divide nheads={nheads}, got {ngroups}")
@@ -142,4 +155,6 @@ def selective_scan_update(nheads: int, headdim: int, dstate: int, ngroups: int =
                   has_dt_bias=has_dt_bias, dt_softplus=dt_softplus, x_dtype=x_dtype, B_dtype=B_dtype,
                   C_dtype=C_dtype, state_dtype=state_dtype, dt_dtype=dt_dtype, z_dtype=z_dtype,
                   idx_dtype=idx_dtype)
+    if tie_hdim:
+        static["tie_hdim"] = True
     return stamp(selective_scan_update_template(**static), "selective_scan_update", static)

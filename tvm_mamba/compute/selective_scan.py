@@ -571,21 +571,27 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     out.append(("update", dict(nheads=24, headdim=64, dstate=128, ngroups=1, has_D=True, has_z=True,
                                has_dt_bias=True, dt_softplus=True),
                 {"x": "bfloat16", "B": "bfloat16", "C": "bfloat16", "state": "bfloat16", "idx": "int32"}))
+    # Mamba2.step's call: one A / dt / D / dt_bias per head (mamba_ssm's TIE_HDIM), fp32
+    out.append(("update", dict(nheads=24, headdim=64, dstate=128, ngroups=1, has_D=True, has_z=True,
+                               has_dt_bias=True, dt_softplus=True, tie_hdim=True),
+                {"x": "float32", "B": "float32", "C": "float32"}))
     return out
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     """Tuning workloads: each Mamba-1 preset's scan (d_inner channels, d_state, B/C varying, D, z,
-    delta_bias, softplus; fwd and bwd, fp32) and each Mamba-2 preset's decode step (heads layout)."""
+    delta_bias, softplus; fwd and bwd, fp32) and each Mamba-2 preset's decode step (heads layout, untied
+    and tied per head: the latter is what Mamba2.step runs)."""
     from ._presets import presets
 
     out = []
     f32 = {"u": "float32", "B": "float32", "C": "float32"}
     for _, dims in presets(preset):
         if "headdim" in dims:
-            out.append(("update", dict(nheads=dims["nheads"], headdim=dims["headdim"], dstate=dims["d_state"],
-                                       ngroups=dims["ngroups"], has_D=True, has_z=True, has_dt_bias=True,
-                                       dt_softplus=True), {"x": "float32", "B": "float32", "C": "float32"}))
+            step = dict(nheads=dims["nheads"], headdim=dims["headdim"], dstate=dims["d_state"],
+                        ngroups=dims["ngroups"], has_D=True, has_z=True, has_dt_bias=True, dt_softplus=True)
+            out.append(("update", step, {"x": "float32", "B": "float32", "C": "float32"}))
+            out.append(("update", dict(step, tie_hdim=True), {"x": "float32", "B": "float32", "C": "float32"}))
             continue
         base = dict(dim=dims["d_inner"], dstate=dims["d_state"], b_groups=1, c_groups=1, has_D=True, has_z=True,
                     has_delta_bias=True, delta_softplus=True, has_init=False, chunk=chunk_size(dims["d_state"]))

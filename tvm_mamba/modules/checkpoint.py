@@ -8,10 +8,14 @@ Two layouts are read:
   ``model_type`` "mamba" / "mamba2" + ``model.safetensors``, possibly sharded, or ``pytorch_model.bin``): the
   config keys are mapped to MambaConfig / ssm_cfg and ``backbone.embeddings.`` to ``backbone.embedding.``
   (every other parameter name is already mamba_ssm's); the norms take ``layer_norm_epsilon``.
+
+The other direction, our model as a transformers one (``config_to_hf`` + ``state_dict_to_hf``), uses the same
+key tables: ``transformers.AutoConfig.for_model(**config_to_hf(m))`` and a strict ``load_state_dict``.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 
@@ -48,6 +52,19 @@ def _hf_get(cfg: dict, key: str, default):
     return default if value is None else value
 
 
+# transformers config key -> (our block's constructor argument, transformers' default when the key is absent)
+_HF_COMMON = {"conv_kernel": ("d_conv", 4), "expand": ("expand", 2), "use_conv_bias": ("conv_bias", True),
+              "use_bias": ("bias", False), "time_step_min": ("dt_min", 0.001), "time_step_max": ("dt_max", 0.1),
+              "time_step_floor": ("dt_init_floor", 1e-4)}
+_HF_KEYS = {
+    "mamba": {**_HF_COMMON, "state_size": ("d_state", 16), "time_step_rank": ("dt_rank", "auto"),
+              "time_step_scale": ("dt_scale", 1.0), "time_step_init_scheme": ("dt_init", "random")},
+    "mamba2": {**_HF_COMMON, "state_size": ("d_state", 128), "head_dim": ("headdim", 64), "n_groups": ("ngroups", 8),
+               "chunk_size": ("chunk_size", 256), "time_step_limit": ("dt_limit", (0.0, float("inf")))},
+}
+_HF_LAYER = {"mamba": "Mamba1", "mamba2": "Mamba2"}
+
+
 def config_from_hf(cfg: dict, config_cls):
     """transformers' MambaConfig / Mamba2Config dict -> (our MambaConfig, norm epsilon)."""
     kind = cfg["model_type"]
@@ -55,30 +72,60 @@ def config_from_hf(cfg: dict, config_cls):
     if act not in ("silu", "swish"):
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (the blocks use silu)")
     hidden = cfg["hidden_size"]
-    common = dict(d_state=_hf_get(cfg, "state_size", 16 if kind == "mamba" else 128),
-                  d_conv=_hf_get(cfg, "conv_kernel", 4), expand=_hf_get(cfg, "expand", 2),
-                  conv_bias=_hf_get(cfg, "use_conv_bias", True), bias=_hf_get(cfg, "use_bias", False),
-                  dt_min=_hf_get(cfg, "time_step_min", 0.001), dt_max=_hf_get(cfg, "time_step_max", 0.1),
-                  dt_init_floor=_hf_get(cfg, "time_step_floor", 1e-4))
+    ssm_cfg = {"layer": _HF_LAYER[kind], **{ours: _hf_get(cfg, key, default)
+                                            for key, (ours, default) in _HF_KEYS[kind].items()}}
     if kind == "mamba":
-        rank = _hf_get(cfg, "time_step_rank", "auto")
-        ssm_cfg = dict(layer="Mamba1", dt_rank=rank, dt_scale=_hf_get(cfg, "time_step_scale", 1.0),
-                       dt_init=_hf_get(cfg, "time_step_init_scheme", "random"), **common)
         tie = _hf_get(cfg, "tie_word_embeddings", True)
     else:
-        heads, headdim = _hf_get(cfg, "num_heads", 128), _hf_get(cfg, "head_dim", 64)
-        if heads * headdim != common["expand"] * hidden:
-            raise ValueError(f"config.json: num_heads * head_dim ({heads * headdim}) must equal expand * hidden_size "
-                             f"({common['expand'] * hidden})")
-        ssm_cfg = dict(layer="Mamba2", headdim=headdim, ngroups=_hf_get(cfg, "n_groups", 8),
-                       chunk_size=_hf_get(cfg, "chunk_size", 256),
-                       dt_limit=tuple(_hf_get(cfg, "time_step_limit", (0.0, float("inf")))), **common)
+        ssm_cfg["dt_limit"] = tuple(ssm_cfg["dt_limit"])
+        heads = _hf_get(cfg, "num_heads", 128)
+        if heads * ssm_cfg["headdim"] != ssm_cfg["expand"] * hidden:
+            raise ValueError(f"config.json: num_heads * head_dim ({heads * ssm_cfg['headdim']}) must equal expand * "
+                             f"hidden_size ({ssm_cfg['expand'] * hidden})")
         tie = _hf_get(cfg, "tie_word_embeddings", False)
     config = config_cls(d_model=hidden, d_intermediate=0, n_layer=cfg["num_hidden_layers"],
                         vocab_size=cfg["vocab_size"], ssm_cfg=ssm_cfg, rms_norm=True,
                         residual_in_fp32=_hf_get(cfg, "residual_in_fp32", True), fused_add_norm=True,
                         pad_vocab_size_multiple=1, tie_embeddings=tie)
     return config, _hf_get(cfg, "layer_norm_epsilon", 1e-5)
+
+
+def _block_args(ssm_cfg: dict) -> tuple[str, dict]:
+    """ssm_cfg -> (layer, every constructor argument of that block: ssm_cfg's over the block's defaults)."""
+    from .mamba import Mamba
+    from .mamba2 import Mamba2
+
+    cfg = dict(ssm_cfg)
+    layer = cfg.pop("layer", "Mamba1")
+    params = inspect.signature((Mamba if layer == "Mamba1" else Mamba2).__init__).parameters.values()
+    return layer, {**{p.name: p.default for p in params if p.default is not inspect.Parameter.empty}, **cfg}
+
+
+def config_to_hf(model) -> dict:
+    """Our MambaLMHeadModel -> the transformers config dict (config.json style, with model_type "mamba" /
+    "mamba2") of the same network: the inverse of config_from_hf. vocab_size is the model's padded vocabulary,
+    layer_norm_epsilon its final norm's eps. What transformers' MambaForCausalLM / Mamba2ForCausalLM cannot
+    express (an MLP, LayerNorm, Mamba2 without its gated RMSNorm after the gate, D per head dim, d_ssm) is a
+    ValueError."""
+    config = model.config
+    if config.d_intermediate or config.attn_layer_idx or not config.rms_norm:
+        raise ValueError("model: transformers' Mamba models have no MLP / attention layers and use RMSNorm "
+                         "(need d_intermediate=0, attn_layer_idx=[], rms_norm=True)")
+    layer, args = _block_args(config.ssm_cfg)
+    kind = "mamba" if layer == "Mamba1" else "mamba2"
+    if kind == "mamba2" and (not args["rmsnorm"] or args["norm_before_gate"] or args["D_has_hdim"]
+                             or args["d_ssm"] not in (None, args["expand"] * config.d_model)):
+        raise ValueError("model: transformers' Mamba2 needs rmsnorm=True, norm_before_gate=False, "
+                         "D_has_hdim=False and d_ssm=None")
+    out = {"model_type": kind, "hidden_size": config.d_model, "num_hidden_layers": config.n_layer,
+           "vocab_size": model.backbone.embedding.num_embeddings, "hidden_act": "silu",
+           "residual_in_fp32": config.residual_in_fp32, "tie_word_embeddings": config.tie_embeddings,
+           "layer_norm_epsilon": model.backbone.norm_f.eps,
+           **{key: args[ours] for key, (ours, _) in _HF_KEYS[kind].items()}}
+    if kind == "mamba2":
+        out["num_heads"] = args["expand"] * config.d_model // args["headdim"]
+        out["time_step_limit"] = list(out["time_step_limit"])
+    return out
 
 
 def config_from_mamba_ssm(cfg: dict, config_cls):
@@ -119,17 +166,27 @@ def read_state_dict(path: str, device=None) -> dict:
                             f"{SAFE_INDEX_NAME}")
 
 
+# the one parameter-name difference between the layouts (every other name is the same in both)
+HF_EMBED, OUR_EMBED = "backbone.embeddings.", "backbone.embedding."
+
+
+def _rename_prefix(state: dict, old: str, new: str) -> dict:
+    return {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
+
+
 def state_dict_from_hf(state: dict, tie: bool) -> dict:
     """transformers' names -> mamba_ssm's: backbone.embeddings.* -> backbone.embedding.*; a tied checkpoint
     without lm_head.weight gets the embedding (our state_dict lists both)."""
-    out = {}
-    for k, v in state.items():
-        if k.startswith("backbone.embeddings."):
-            k = "backbone.embedding." + k[len("backbone.embeddings."):]
-        out[k] = v
+    out = _rename_prefix(state, HF_EMBED, OUR_EMBED)
     if tie and "lm_head.weight" not in out and "backbone.embedding.weight" in out:
         out["lm_head.weight"] = out["backbone.embedding.weight"]
     return out
+
+
+def state_dict_to_hf(state: dict) -> dict:
+    """mamba_ssm's names -> transformers': backbone.embedding.* -> backbone.embeddings.* (the inverse of
+    state_dict_from_hf; lm_head.weight is kept, tied or not, as transformers' own state_dict lists it)."""
+    return _rename_prefix(state, OUR_EMBED, HF_EMBED)
 
 
 def set_norm_eps(model, eps: float) -> None:

@@ -138,7 +138,8 @@ def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
     """selective_state_update keyword arguments: the Mamba-1 layout ((batch, dim, dstate) state) when
     headdim == 1, else the Mamba-2 head layout. Optional dtype keys as in the kernel key: ``state`` (a 16-bit
     state), ``dt``, ``z``, and ``idx``: a pool of batch + 2 state slots, rows mapped to them in reverse
-    order, the second row (when batch > 1) a padding row (index -1)."""
+    order, the second row (when batch > 1) a padding row (index -1). ``tie_hdim``: A, dt, D, dt_bias one value
+    per head, passed as expanded stride-0 views (Mamba2.step's call)."""
     g = torch.Generator().manual_seed(seed)
     H, P, N, G = static["nheads"], static["headdim"], static["dstate"], static["ngroups"]
     x_dt = _dtype(dtypes["x"])
@@ -162,12 +163,26 @@ def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
         dt_bias=(0.1 * torch.randn(*lead, generator=g)).to(acc) if static["has_dt_bias"] else None,
         dt_softplus=sp,
     )
+    if static.get("tie_hdim"):
+        _tie_heads(inp, batch, H, P, N, g)
     if "idx" in dtypes:
         idx = torch.arange(nslots - 1, nslots - 1 - batch, -1)
         if batch > 1:
             idx[1] = -1
         inp["state_batch_indices"] = idx.to(_INDEX[dtypes["idx"]])
     return inp
+
+
+def _tie_heads(inp: dict, batch: int, H: int, P: int, N: int, g) -> None:
+    """Replace A, dt, D, dt_bias of ``inp`` by one value per head, expanded over headdim (A also over dstate)."""
+    A, dt = inp["A"], inp["dt"]
+    inp["A"] = (-0.2 - torch.rand(H, generator=g)).to(A.dtype)[:, None, None].expand(H, P, N)
+    inp["dt"] = (0.5 * torch.randn(batch, H, generator=g)).to(dt.dtype)[:, :, None].expand(batch, H, P)
+    if not inp["dt_softplus"]:
+        inp["dt"] = inp["dt"].abs()
+    for name in ("D", "dt_bias"):
+        if inp[name] is not None:
+            inp[name] = inp[name][:, :1].expand(H, P)
 
 
 _INDEX = {"int32": torch.int32, "int64": torch.int64}

@@ -277,8 +277,11 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
                               dt_softplus: bool, state_batch_indices: Optional[Tensor]) -> Tensor:
     """Head layout: state (nstate, nheads, headdim, dstate) updated in place; x, dt, z: (batch, nheads, headdim);
     A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim);
-    state_batch_indices: (batch,) int32/int64 slots of state (None: nstate = batch) -> out."""
+    state_batch_indices: (batch,) int32/int64 slots of state (None: nstate = batch) -> out.
+    Tied per-head form (mamba_ssm's TIE_HDIM, the kernel's ``tie_hdim``), chosen by a 1-D A: A (nheads,),
+    dt (batch, nheads), D, dt_bias (nheads,)."""
     nstate, nheads, headdim, dstate = state.shape
+    tie = A.dim() == 1
     acc = _acc(x)
     if state_batch_indices is not None:
         _check_slots(state_batch_indices, nstate)
@@ -289,9 +292,12 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     Bk, Ck = prepare(B), prepare(C)
     static = dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=B.shape[1], has_D=D is not None,
                   has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus))
+    if tie:  # absent otherwise: the untied kernel keeps its key (and its tuning records)
+        static["tie_hdim"] = True
     kern = kernel_for(OP, "update", x.device, _update_dtypes(state, x, dt, B, C, z, state_batch_indices), static)
-    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, _opt(D, x, acc, 2), _opt(z, x, x.dtype, 3),
-         _opt(dt_bias, x, acc, 2), _opt(state_batch_indices, x, torch.int32, 1), out)
+    vec = 1 if tie else 2  # D / dt_bias rank
+    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, _opt(D, x, acc, vec), _opt(z, x, x.dtype, 3),
+         _opt(dt_bias, x, acc, vec), _opt(state_batch_indices, x, torch.int32, 1), out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
         state.copy_(st)
     return out
@@ -457,6 +463,18 @@ def _check_indices(idx, state, batch: int, device) -> None:
         raise ValueError(f"state: an empty state pool {tuple(state.shape)} with state_batch_indices")
 
 
+def _flat(t: Tensor, dims) -> bool:
+    """Every index along ``dims`` names the same element (stride 0, or a single index)."""
+    return all(t.stride(d) == 0 or t.shape[d] == 1 for d in dims)
+
+
+def _tied_heads(dt: Tensor, A: Tensor, D: Optional[Tensor], dt_bias: Optional[Tensor]) -> bool:
+    """mamba_ssm's TIE_HDIM layout of the head-layout call: one A, dt, D, dt_bias value per head, passed as
+    expanded views (A (nheads, headdim, dstate) constant over headdim and dstate, dt (batch, nheads, headdim)
+    and D / dt_bias (nheads, headdim) constant over headdim, where given) — what Mamba2.step passes."""
+    return _flat(A, (1, 2)) and _flat(dt, (2,)) and all(v is None or _flat(v, (1,)) for v in (D, dt_bias))
+
+
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_batch_indices=None):
     """One decode step, state updated in place; returns out (mamba_ssm.ops.triton.selective_state_update,
@@ -466,7 +484,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     B, C: (batch, dstate) or (batch, groups, dstate); D, dt_bias: (dim,) -> out (batch, dim).
     Mamba-2 heads: state (batch, nheads, headdim, dstate); x, dt, z: (batch, nheads, headdim);
     A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim)
-    (mamba_ssm's tied per-head dt/A/D/dt_bias, expanded stride-0 views, are accepted).
+    mamba_ssm's tied per-head dt/A/D/dt_bias (expanded stride-0 views, as Mamba2.step passes them) run a
+    kernel that reads one value per head, with no copy; a partly tied call runs the general kernel.
     state_batch_indices: (batch,) int32/int64: row b uses state slot state_batch_indices[b] of a pool
     state (nslots, ...) (continuous batching); a negative index is a padding row: out = 0, no state written.
     Indices >= nslots, or two rows naming one slot, are a ValueError before anything runs. Without indices
@@ -492,6 +511,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                          f"got shape {tuple(state.shape)}")
     elif state.shape[0] > batch:  # upstream's kernel uses rows 0..batch-1 of a larger state (a view here)
         state = state[:batch]
+    if heads and A.numel() and _tied_heads(dt, A, D, dt_bias):  # one value per head: compact views, nothing copied
+        dt, A = dt[:, :, 0], A[:, 0, 0]
+        D, dt_bias = (v[:, 0] if v is not None else None for v in (D, dt_bias))
     A = A.to(acc)
     D, dt_bias = (v.to(acc) if v is not None else None for v in (D, dt_bias))
     if not heads:  # Mamba-1 is the head layout with nheads = dim, headdim = 1

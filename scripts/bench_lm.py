@@ -1,0 +1,359 @@
+"""Whole-model CPU benchmark: random-weight Mamba-1 / Mamba-2 language models at the 130M and 370M shapes,
+prefill and decode tokens/s, tvm_mamba against transformers' implementation of the same weights.
+
+    python scripts/bench_lm.py [--models mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m] [--prefill 256,1024]
+        [--decode 128] [--batch 1,8] [--procs 3] [--no-hf] [--quick] [--json out.json]
+
+Models (mamba_ssm's state-spaces configs, weights drawn locally with mamba_ssm's init, nothing downloaded):
+``mamba{1,2}-130m`` d_model 768, 24 layers; ``mamba{1,2}-370m`` d_model 1024, 48 layers; vocab 50280; Mamba-1
+layers d_state 16, expand 2, d_conv 4; Mamba-2 layers d_state 128, headdim 64, ngroups 1, chunk_size 256.
+``mamba{1,2}-tiny`` (2 layers, d_model 128, vocab 512) are the --quick models.
+
+Phases. prefill L: one forward over a (batch, L) prompt filling the decode states (tokens/s = batch * L / time).
+decode N: after an 8-token prompt (prefilled, untimed), N greedy steps, each one forward of (batch, 1) tokens
+through the model's own decode path (ours: ``inference_params`` with ``seqlen_offset``; transformers': its
+``cache``), the argmax fed back (tokens/s = batch * N / time).
+
+Every measurement (model, implementation, batch, phase) runs in a fresh process (``--child``), ``--procs`` of
+them per cell, interleaved between the implementations; inside one, one untimed warm-up run (kernel builds /
+loads) then ``ITERS`` timed runs (fewer, at least one, past ``CHILD_BUDGET_S``), their median; the table gives
+the median over the processes. Before timing a model, one more process loads the same weights into
+transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` (``checkpoint.config_to_hf`` / ``state_dict_to_hf``)
+and compares the logits of a prefill and of 4 decode steps with ours: max |diff| is printed, and the run stops
+(exit 1) above ``CHECK_RTOL`` relative to max |logit|.
+transformers is optional (``--no-hf``, or not installed: no comparison column).
+
+--json PATH: scripts/bench.py's schema 1 (op "lm", case "prefill 256 tok" / "decode 128 tok", shape
+"mamba2-130m b=1", ref_name "transformers (torch path)" or "" without it; ref_s / ref_over_tvm null then),
+each row with extra fields at the end: tvm_tok_s, ref_tok_s, tvm_runs_s, ref_runs_s (per-process medians);
+top level: "machine" (cpu, arch, cores, torch_threads, tvm_num_threads), "checks" (per model max_abs_diff,
+rel_diff), "procs", "impls".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from benchlib import Row, format_table, write_json  # noqa: E402
+
+_M1 = dict(layer="Mamba1", d_state=16, expand=2, d_conv=4)
+_M2 = dict(layer="Mamba2", d_state=128, headdim=64, ngroups=1, chunk_size=256, expand=2, d_conv=4)
+# name -> (ssm_cfg, d_model, n_layer, vocab_size)
+MODELS = {
+    "mamba1-130m": (_M1, 768, 24, 50280), "mamba2-130m": (_M2, 768, 24, 50280),
+    "mamba1-370m": (_M1, 1024, 48, 50280), "mamba2-370m": (_M2, 1024, 48, 50280),
+    "mamba1-tiny": (_M1, 128, 2, 512), "mamba2-tiny": (_M2, 128, 2, 512),
+}
+DEFAULTS = dict(models="mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m", prefill="256,1024", decode="128",
+                batch="1,8", procs=3)
+QUICK = dict(models="mamba1-tiny,mamba2-tiny", prefill="32", decode="8", batch="1", procs=1)
+ITERS, QUICK_ITERS = 3, 2   # timed runs per process
+DECODE_PROMPT = 8           # prompt tokens before the timed decode steps
+WARMUP_STEPS = 4            # decode steps of the warm-up run (the first step loads the decode kernels)
+CHILD_BUDGET_S = 20.0       # no further timed runs in a process once its timed runs took this long
+CHECK_RTOL = 1e-3           # max |ours - transformers| / max |transformers| allowed on the logits
+HF_NAME = "transformers (torch path)"
+RESULT_TAG = "BENCH_LM_RESULT "
+SOFTWARE: dict = {}         # the parent's record of what its children ran (versions, target, torch threads)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inside a child process: build the model(s), time one phase
+def build_models(name: str, hf: bool):
+    """-> (ours, transformers' model or None): the same random weights (seed 0, mamba_ssm's init), float32."""
+    import torch
+
+    from tvm_mamba.modules import checkpoint
+    from tvm_mamba.modules.lm import MambaConfig, MambaLMHeadModel
+
+    ssm_cfg, d_model, n_layer, vocab = MODELS[name]
+    torch.manual_seed(0)
+    ours = MambaLMHeadModel(MambaConfig(d_model=d_model, n_layer=n_layer, vocab_size=vocab,
+                                        ssm_cfg=dict(ssm_cfg))).eval()
+    if not hf:
+        return ours, None
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = checkpoint.config_to_hf(ours)
+    cls = transformers.MambaForCausalLM if cfg["model_type"] == "mamba" else transformers.Mamba2ForCausalLM
+    ref = cls(transformers.AutoConfig.for_model(**cfg))
+    ref.load_state_dict(checkpoint.state_dict_to_hf(ours.state_dict()), strict=True)
+    return ours, ref.eval()
+
+
+class Runner:
+    """One implementation's prefill / decode calls. ours: inference_params; transformers: its cache."""
+
+    def __init__(self, model, impl: str):
+        self.model, self.impl = model, impl
+
+    def prefill(self, ids):
+        """ids (b, L) -> (last-token logits (b, vocab), state to continue from)."""
+        if self.impl == "hf":
+            out = self.model(ids, use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1], out.cache
+        from tvm_mamba.modules.lm import InferenceParams
+
+        params = InferenceParams(max_seqlen=ids.shape[1] + 1024, max_batch_size=ids.shape[0])
+        params.key_value_memory_dict = self.model.allocate_inference_cache(ids.shape[0], params.max_seqlen)
+        logits = self.model(ids, inference_params=params, num_last_tokens=1).logits
+        params.seqlen_offset = ids.shape[1]
+        return logits[:, -1], params
+
+    def step(self, tok, state):
+        """tok (b, 1) -> next-token logits (b, vocab); the state advances one token."""
+        if self.impl == "hf":
+            return self.model(tok, cache=state, use_cache=True).logits[:, -1]
+        logits = self.model(tok, inference_params=state, num_last_tokens=1).logits[:, -1]
+        state.seqlen_offset += 1
+        return logits
+
+    def decode(self, logits, state, n: int):
+        """n greedy steps from logits (b, vocab) (each step's argmax is the next input) -> the last logits."""
+        for _ in range(n):
+            logits = self.step(logits.argmax(dim=-1, keepdim=True), state)
+        return logits
+
+
+def _ids(batch: int, length: int, vocab: int, seed: int):
+    import torch
+
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def time_phase(runner: Runner, phase: str, batch: int, tokens: int, vocab: int, iters: int) -> list[float]:
+    """Seconds of each timed run of the phase, after one untimed warm-up (a decode warm-up takes WARMUP_STEPS
+    steps): `iters` runs, fewer (at least one) once the timed runs add up to CHILD_BUDGET_S."""
+    import torch
+
+    times: list[float] = []
+    with torch.inference_mode():
+        for i in range(iters + 1):
+            if i and sum(times) >= CHILD_BUDGET_S:
+                break
+            if phase == "prefill":
+                ids = _ids(batch, tokens, vocab, seed=i)
+                t0 = time.perf_counter()
+                runner.prefill(ids)
+            else:
+                logits, state = runner.prefill(_ids(batch, DECODE_PROMPT, vocab, seed=i))
+                t0 = time.perf_counter()
+                runner.decode(logits, state, tokens if i else min(tokens, WARMUP_STEPS))
+            if i:
+                times.append(time.perf_counter() - t0)
+    return times
+
+
+def check_logits(name: str, steps: int = 4) -> dict:
+    """ours vs transformers on the same weights: a prefill (batch 2, 64 tokens), then `steps` decode steps
+    fed the same tokens (ours' greedy choices)."""
+    import torch
+
+    ours, ref = build_models(name, hf=True)
+    ids = _ids(2, 64, MODELS[name][3], seed=123)
+    with torch.inference_mode():
+        runner = Runner(ours, "tvm")
+        logits, state = runner.prefill(ids)
+        got, tokens = [logits], []
+        for _ in range(steps):
+            tokens.append(got[-1].argmax(dim=-1, keepdim=True))
+            got.append(runner.step(tokens[-1], state))
+        runner = Runner(ref, "hf")
+        logits, state = runner.prefill(ids)
+        want = [logits] + [runner.step(tok, state) for tok in tokens]
+    diff = max(float((g - w).abs().max()) for g, w in zip(got, want))
+    scale = max(float(w.abs().max()) for w in want)
+    return dict(max_abs_diff=diff, rel_diff=diff / scale, max_abs_logit=scale, steps=steps)
+
+
+def software(hf: bool) -> dict:
+    """Versions, the TVM target and torch's thread count, as this process sees them."""
+    import torch
+
+    import tvm_mamba
+    from tvm_mamba.runtime import target_for_device
+
+    out = dict(tvm_mamba=tvm_mamba.__version__, torch=torch.__version__, target=str(target_for_device("cpu")),
+               torch_threads=torch.get_num_threads(), tvm_num_threads=os.environ.get("TVM_NUM_THREADS"))
+    if hf:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    return out
+
+
+def child(spec: dict) -> dict:
+    if spec["phase"] == "check":
+        return dict(check_logits(spec["model"]), software=software(hf=True))
+    ours, ref = build_models(spec["model"], hf=spec["impl"] == "hf")
+    runner = Runner(ref if spec["impl"] == "hf" else ours, spec["impl"])
+    del ours, ref  # the runner's model only (transformers' runs do not hold our copy of the weights)
+    times = time_phase(runner, spec["phase"], spec["batch"], spec["tokens"], MODELS[spec["model"]][3],
+                       spec["iters"])
+    return dict(seconds=statistics.median(times), runs=times, software=software(hf=spec["impl"] == "hf"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the parent: one fresh process per measurement
+def run_child(spec: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--child", json.dumps(spec)],
+                          capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"bench_lm child {spec} failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def machine() -> dict:
+    """The CPU model (/proc/cpuinfo's model name, else platform), its architecture, logical cores."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return dict(cpu=cpu or platform.processor() or platform.machine(), arch=platform.machine(), cores=os.cpu_count())
+
+
+@dataclasses.dataclass
+class LMRow(Row):
+    tokens: int = 0                                 # tokens per timed call (batch * L or batch * N)
+    tvm_runs: list = dataclasses.field(default_factory=list)   # per-process medians, seconds
+    ref_runs: list = dataclasses.field(default_factory=list)
+
+    def record(self) -> dict:
+        rec = super().record()
+        rec.update(tvm_tok_s=self.tokens / (self.tvm_ms * 1e-3),
+                   ref_tok_s=None if self.ref_ms is None else self.tokens / (self.ref_ms * 1e-3),
+                   tvm_runs_s=self.tvm_runs, ref_runs_s=self.ref_runs)
+        return rec
+
+
+def measure(model: str, phase: str, tokens: int, batch: int, impls: list[str], procs: int, iters: int) -> LMRow:
+    """procs fresh processes per implementation (interleaved) -> one row of medians."""
+    runs = {impl: [] for impl in impls}
+    for _ in range(procs):
+        for impl in impls:
+            spec = dict(model=model, impl=impl, phase=phase, batch=batch, tokens=tokens, iters=iters)
+            result = run_child(spec)
+            runs[impl].append(result["seconds"])
+            SOFTWARE.update(result["software"])
+    tvm_ms = 1e3 * statistics.median(runs["tvm"])
+    ref_ms = 1e3 * statistics.median(runs["hf"]) if "hf" in runs else None
+    n = batch * tokens
+    note = f"{n / tvm_ms * 1e3:,.1f} tok/s" + (f" vs {n / ref_ms * 1e3:,.1f} tok/s" if ref_ms else "")
+    return LMRow("lm", f"{phase} {tokens} tok", f"{model} b={batch}", tvm_ms, ref_ms,
+                 ref_name=HF_NAME if ref_ms else "", note=note, tokens=n, tvm_runs=runs["tvm"],
+                 ref_runs=runs.get("hf", []))
+
+
+def _ints(text: str, what: str, least: int = 1) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or min(values) < least:
+        raise SystemExit(f"bench_lm.py: --{what} must be a comma-separated list of ints >= {least}, got {text!r}")
+    return values
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default {DEFAULTS['models']})")
+    ap.add_argument("--prefill", help=f"prompt lengths (default {DEFAULTS['prefill']}; '0': no prefill rows)")
+    ap.add_argument("--decode", help=f"decode steps (default {DEFAULTS['decode']}; '0': no decode rows)")
+    ap.add_argument("--batch", help=f"batch sizes (default {DEFAULTS['batch']})")
+    ap.add_argument("--procs", type=int, help=f"fresh processes per cell (default {DEFAULTS['procs']})")
+    ap.add_argument("--no-hf", action="store_true", help="no transformers comparison")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: " + " ".join(f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows and the machine as JSON")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def _hf_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+def run_all(args) -> tuple[list[LMRow], dict]:
+    """Every (model, phase, batch) row, a logits check per model first when transformers runs."""
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise SystemExit(f"bench_lm.py: unknown model {', '.join(unknown) or '(none)'}; valid: {', '.join(MODELS)}")
+    if args.procs < 1:
+        raise SystemExit("bench_lm.py: --procs must be >= 1")
+    phases = [("prefill", n) for n in _ints(args.prefill, "prefill", 0) if n] + \
+             [("decode", n) for n in _ints(args.decode, "decode", 0) if n]
+    batches = _ints(args.batch, "batch")
+    impls = ["tvm"] + (["hf"] if not args.no_hf and _hf_available() else [])
+    iters = QUICK_ITERS if args.quick else ITERS
+    rows, checks = [], {}
+    for model in models:
+        if "hf" in impls:
+            checks[model] = c = run_child(dict(model=model, phase="check"))
+            SOFTWARE.update(c.pop("software", {}))
+            print(f"logits check {model} vs transformers: max |diff| {c['max_abs_diff']:.3g} "
+                  f"(rel {c['rel_diff']:.3g} of max |logit| {c['max_abs_logit']:.3g}; prefill + {c['steps']} "
+                  "decode steps)", flush=True)
+            if not c["rel_diff"] <= CHECK_RTOL:
+                raise SystemExit(f"bench_lm.py: {model}: ours and transformers disagree (rel {c['rel_diff']:.3g} > "
+                                 f"{CHECK_RTOL}); not timing")
+        for phase, tokens in phases:
+            for batch in batches:
+                rows.append(measure(model, phase, tokens, batch, impls, args.procs, iters))
+                print(f"  {rows[-1].case} ({rows[-1].shape}): {rows[-1].note}", flush=True)
+    return rows, dict(checks=checks, impls=impls)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.child:
+        print(RESULT_TAG + json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+    mach = machine()
+    print(f"bench_lm: {mach['cpu']} ({mach['arch']}), {mach['cores']} logical cores; median of {args.procs} "
+          "fresh process(es) per cell", flush=True)
+    rows, extra = run_all(args)
+    sw = dict(SOFTWARE)
+    print(f"tvm_mamba {sw.get('tvm_mamba')}, torch {sw.get('torch')} ({sw.get('torch_threads')} threads, "
+          f"TVM_NUM_THREADS {sw.get('tvm_num_threads')}), transformers {sw.get('transformers', '-')}; "
+          f"target {sw.get('target')}")
+    print(format_table(rows))
+    if args.json:
+        meta = {"tvm_mamba": sw.get("tvm_mamba"), "torch": sw.get("torch"), "transformers": sw.get("transformers"),
+                "target": sw.get("target"), "threads": sw.get("torch_threads"), "quick": args.quick, "ops": ["lm"],
+                "machine": dict(mach, torch_threads=sw.get("torch_threads"), tvm_num_threads=sw.get("tvm_num_threads")), "procs": args.procs, **extra}
+        write_json(args.json, rows, meta)
+    return 0
+
+
+def run(quick: bool = False) -> list[Row]:
+    """scripts/bench.py's entry: the --quick set, or the full default set (long: fresh processes per cell)."""
+    return run_all(parse(["--quick"] if quick else []))[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
