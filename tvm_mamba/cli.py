@@ -43,8 +43,11 @@ def cmd_info(args) -> int:
           f"torch {torch.__version__})")
     print(f"cpu target:  {target_for_device('cpu')}")
     env = __import__("os").environ
-    print(f"threads:     TVM {env.get('TVM_NUM_THREADS')} (bind {env.get('TVM_BIND_THREADS')}), "
-          f"torch {torch.get_num_threads()}")
+    from tvm_mamba.runtime import threads
+
+    pool = "torch's OpenMP team" if threads.enabled() else f"TVM's pool ({threads.ENV}=tvm)"
+    print(f"threads:     kernels on {pool}, torch {torch.get_num_threads()}; TVM pool "
+          f"{env.get('TVM_NUM_THREADS')} (bind {env.get('TVM_BIND_THREADS')})")
     if torch.cuda.is_available():
         print(f"cuda target: {target_for_device('cuda:0')}")
     print(f"cache:       {cache.cache_root()}")
