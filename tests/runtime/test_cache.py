@@ -204,3 +204,22 @@ def test_cache_path_names_versions(fresh_cache):
     assert root.parent == fresh_cache
     assert f"tvm-{tvm.__version__}" in root.name and "tvm_mamba-" in root.name
     assert build_and_load(_key()).path.parent.name == target_key(cpu_target())
+
+
+def test_fast_path_re_resolves_when_plan_hooks_or_tuning_blocks_change(monkeypatch):
+    """The per-thread fast path serves a key again without plan(), but never across a change of the plan
+    hooks or a tuning_logs block (dispatch.generation)."""
+    from tvm_mamba.runtime import dispatch, tuning
+
+    k = _key(dim=28)
+    first = build_and_load(k)
+    assert build_and_load(k) is first
+    seen = []
+    monkeypatch.setattr(dispatch, "_plan_hooks", [lambda key: seen.append(key)])
+    build_and_load(k)
+    assert seen == [k]  # new hooks: resolved again at once
+    build_and_load(k)
+    assert seen == [k]  # then served from the fast path
+    with tuning.tuning_logs(enabled=False):
+        build_and_load(k)
+    assert seen == [k, k]

@@ -67,8 +67,9 @@ def invalidate() -> None:
     _generation[0] += 1
 
 
-def generation() -> int:
-    return _generation[0]
+def generation() -> tuple:
+    """Changes whenever what plan() returns may change: invalidate() calls and the set of plan hooks."""
+    return (_generation[0], tuple(map(id, _plan_hooks)))
 
 
 def register_plan_hook(hook: Callable[[KernelKey], Plan | None]) -> None:
