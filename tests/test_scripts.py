@@ -84,8 +84,6 @@ def test_bench_quick_json_csv(scripts_path, monkeypatch, tmp_path, capsys):
     for r in cases.values():
         assert r["op"] == "causal_conv1d" and r["shape"].startswith("b=2, d=256, L=512")
         assert r["tvm_s"] > 0 and r["ref_s"] > 0 and r["copy_s"] > 0
-    # the forward+backward copy moves twice the bytes of the forward one, through autograd
-    assert cases["fwd+bwd"]["copy_s"] > cases["fwd"]["copy_s"]
     assert len(list(csv.reader((tmp_path / "b.csv").open()))) == 3
     assert "fwd+bwd (b=2, d=256" in capsys.readouterr().out
 
