@@ -12,6 +12,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ...compute._math import Math
 from ...compute.ssd import dA_passes, dA_step
 from ..rule import Decisions, kernel_attrs, schedule_of
 
@@ -24,31 +25,9 @@ def _c(v):
     return tirx.const(v, F32)
 
 
-class _math:  # noqa: N801 - CUDA-native stand-in for compute/_math (expf, log1pf: not polynomials;
-    """the CPU polynomials nested in softplus made expression trees that spilled in ssd_chunk_cumsum_bwd)."""
-
-    exp = staticmethod(tirx.exp)
-
-    @staticmethod
-    def sigmoid(v):
-        return _c(1.0) / (_c(1.0) + tirx.exp(-v))
-
-    @staticmethod
-    def silu(v):
-        return v * _math.sigmoid(v)
-
-    @staticmethod
-    def silu_grad(v):
-        s = _math.sigmoid(v)
-        return s * (_c(1.0) + v * (_c(1.0) - s))
-
-    @staticmethod
-    def softplus(v):
-        return tirx.Select(v > _c(20.0), v, tirx.log1p(tirx.exp(v)))
-
-    @staticmethod
-    def softplus_grad(v):
-        return tirx.Select(v > _c(20.0), _c(1.0), _math.sigmoid(v))
+# CUDA-native math (expf, log1pf), not the CPU polynomials: nested in softplus they made expression
+# trees that spilled in ssd_chunk_cumsum_bwd.
+_math = Math(F32, native=True)
 
 
 def _dt_stages(tmp, raw, dt_bias, h, dt_limit, has_dt_bias, dt_softplus, has_dt_limit):

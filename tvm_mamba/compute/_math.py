@@ -112,3 +112,50 @@ def softplus(x):
 def softplus_grad(x):
     """d softplus / dx = sigmoid(x) (1 above the threshold 20)."""
     return tirx.Select(x > _c(20.0), _c(1.0), sigmoid(x))
+
+
+class Math:
+    """exp / softplus / sigmoid / silu and their derivatives in an accumulation dtype: the one place where
+    a target's math is chosen. Templates call ``m.exp(x)`` etc.; the strategy decides what it lowers to.
+
+    ``native=False`` (CPU loop nests, float32): the vectorizable polynomials above — ``T.exp`` on a vector
+    is one libm call per lane. SiLU goes through tanh, exact at huge |x| (x * sigmoid(x) with the
+    polynomial exp + Newton reciprocal gave silu'(1e20) = 7e12 and silu(-1e36) = -0.025).
+    ``native=True`` (CUDA, or any float64 build): the target's own exp / log1p (CUDA expf / log1pf); the
+    polynomials cost 20-100 extra registers per kernel there and spilled.
+    """
+
+    def __init__(self, acc: str = "float32", native: bool = False):
+        self.acc, self.native = acc, native
+        self.zero, self.one = tirx.const(0.0, acc), tirx.const(1.0, acc)
+        self.poly = acc == "float32" and not native
+
+    def const(self, v: float):
+        return tirx.const(v, self.acc)
+
+    def cast(self, x):
+        dtype = getattr(x, "dtype", None)  # a TVMScript buffer load (TensorLoad) has no .dtype here
+        return x if dtype == self.acc else x.astype(self.acc)
+
+    def exp(self, x):
+        return exp(x) if self.poly else tirx.exp(x)
+
+    def sigmoid(self, x):
+        return sigmoid(x) if self.poly else self.one / (self.one + tirx.exp(-x))
+
+    def softplus(self, x):
+        if self.poly:
+            return softplus(x)
+        return tirx.Select(x > self.const(20.0), x, tirx.log1p(tirx.exp(x)))
+
+    def softplus_grad(self, x):
+        return tirx.Select(x > self.const(20.0), self.one, self.sigmoid(x))
+
+    def silu(self, x):
+        return silu(x) if self.poly else x * self.sigmoid(x)
+
+    def silu_grad(self, x):
+        if self.poly:
+            return silu_grad(x)
+        s = self.sigmoid(x)
+        return s * (self.one + x * (self.one - s))

@@ -35,39 +35,7 @@ from ._selective_scan_dims import block_size, chunk_size  # noqa: F401  (re-expo
 IO_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
-class _Math:
-    """exp/softplus/silu and their derivatives in the accumulation dtype (vectorizable for float32)."""
-
-    def __init__(self, acc: str, native: bool = False):
-        """native: the target's own exp/log1p (CUDA: expf/log1pf); else float32 uses _math's vectorizable
-        polynomial exp (on CUDA it cost 20-100 extra registers and spilled)."""
-        self.acc = acc
-        self.zero, self.one = tirx.const(0.0, acc), tirx.const(1.0, acc)
-        if acc == "float32" and not native:
-            self.exp, self.softplus, self.sigmoid = _math.exp, _math.softplus, _math.sigmoid
-            # SiLU through tanh (as the CPU conv1d and RMSNorm): exact at huge |z|. x * sigmoid(x) with the
-            # polynomial exp + Newton reciprocal gave silu'(1e20) = 7e12 (reciprocal(1) = 1 - 6e-8, times
-            # x) and silu(-1e36) = -0.025 (the reciprocal's 4e37 clamp); tanh saturates to exactly +-1.
-            self.silu, self.silu_grad = _math.silu, _math.silu_grad
-        else:
-            self.exp = tirx.exp
-            self.softplus = lambda x: tirx.Select(x > tirx.const(20.0, acc), x, tirx.log1p(tirx.exp(x)))
-            self.sigmoid = lambda x: self.one / (self.one + tirx.exp(-x))
-            self.silu, self.silu_grad = self._silu, self._silu_grad
-
-    def cast(self, x):
-        dtype = getattr(x, "dtype", None)  # a TVMScript buffer load (TensorLoad) has no .dtype here
-        return x if dtype == self.acc else x.astype(self.acc)
-
-    def _silu(self, x):
-        return x * self.sigmoid(x)
-
-    def _silu_grad(self, x):
-        s = self.sigmoid(x)
-        return s * (self.one + x * (self.one - s))
-
-    def softplus_grad(self, x):
-        return tirx.Select(x > tirx.const(20.0, self.acc), self.one, self.sigmoid(x))
+_Math = _math.Math  # the target math (one definition: compute/_math.py)
 
 
 def acc_dtype(u_dtype: str) -> str:
