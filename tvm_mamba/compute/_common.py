@@ -1,8 +1,9 @@
 """Helpers shared by the compute builders (no torch)."""
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+from typing import Any, Mapping
 
 from tvm import tirx
 
@@ -41,3 +42,45 @@ def sigmoid(v):
 # worker could wait a scheduler slice per launch (the small LM's decode: 920-940 ms instead of ~80 ms in 2
 # of 5 processes). CPU templates test it at run time against their symbolic sizes.
 SERIAL_WORK = 1 << 15
+
+
+OMIT_DEFAULT = {"omit_default": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Base of the typed static dims of one op: a frozen dataclass of model dims, flags and dtypes
+    (fields named ``<tensor>_dtype``) that flows from the torch op to the KernelKey, the compute builder
+    and the schedule rule, instead of the same keyword list repeated in every signature.
+
+    The KernelKey keeps its two plain maps (``static_dims``, ``dtypes``: tuning records and cache paths
+    derive from them, so their format does not change): ``key_parts`` splits a Dims into them and
+    ``from_key`` rebuilds it. A subclass lists its fields with defaults and validates in ``__post_init__``;
+    a field declared ``dataclasses.field(default=..., metadata=OMIT_DEFAULT)`` is left out of the key at
+    its default, so keys (and tuning records) made before the field existed still match.
+    """
+
+    def key_parts(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """(static_dims, dtypes) as the KernelKey holds them: ``u_dtype`` -> dtypes["u"]."""
+        static, dtypes = {}, {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("omit_default") and value == f.default:
+                continue  # a field added after records were made: its default keeps the old key
+            if f.name.endswith("_dtype"):
+                dtypes[f.name[:-len("_dtype")]] = value
+            else:
+                static[f.name] = value
+        return static, dtypes
+
+    def static(self) -> dict[str, Any]:
+        """Every field by name (what ``stamp`` records on the PrimFunc for the rules)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_key(cls, static_dims: Mapping[str, Any], dtypes: Mapping[str, str]):
+        """The Dims of a KernelKey's maps (unknown names are a TypeError: a key of another op)."""
+        return cls(**dict(static_dims), **{f"{k}_dtype": v for k, v in dtypes.items()})
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)

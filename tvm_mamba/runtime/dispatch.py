@@ -40,8 +40,18 @@ def builder(key: KernelKey) -> Callable[..., tvm.tirx.PrimFunc]:
     return fn
 
 
+def dims_class(key: KernelKey):
+    """The op's typed static dims (``compute.<op>.DIMS``, a ``compute._common.Dims``), or None for an op
+    whose builders still take keyword arguments."""
+    dims = getattr(importlib.import_module(f"tvm_mamba.compute.{key.op}"), "DIMS", None)
+    return dims.get(key.direction) if isinstance(dims, dict) else dims
+
+
 def build_func(key: KernelKey) -> tvm.tirx.PrimFunc:
     """The unscheduled PrimFunc of a key (pure function of its static dims and dtypes)."""
+    cls = dims_class(key)
+    if cls is not None:
+        return builder(key)(cls.from_key(key.static, key.dtype))
     dtypes = {f"{name}_dtype": dt for name, dt in key.dtypes}
     return builder(key)(**key.static, **dtypes)
 

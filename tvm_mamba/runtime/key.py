@@ -46,6 +46,13 @@ class KernelKey:
         return KernelKey(op, direction, _freeze(dtypes), _freeze(static_dims), target,
                          _freeze(shape_bucket or {}))
 
+    @staticmethod
+    def of(op: str, direction: str, dims, target: str,
+           shape_bucket: Mapping[str, int] | None = None) -> "KernelKey":
+        """The key of a typed ``dims`` (a ``compute._common.Dims``: static dims and dtypes in one object)."""
+        static, dtypes = dims.key_parts()
+        return KernelKey.make(op, direction, dtypes, static, target, shape_bucket)
+
     @property
     def static(self) -> dict[str, Any]:
         return dict(self.static_dims)
