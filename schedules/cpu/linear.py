@@ -10,8 +10,8 @@ reading w once, so the loop nest streams each weight row exactly once per call a
   by every row of the tile; the tile's weights (features x K) stay in L1 while further row tiles reread them;
 - lanes and unrolled accumulators summed at the end, K % vector columns in scalar code, then scale, bias and
   the cast to x's dtype.
-Summation order: lane-strided partial sums (k = i mod vector*unroll), a function of the knobs only (the same
-bits at any thread count). Calls of at most SERIAL_WORK multiply-adds run on the calling thread.
+Summation order: lane-strided partial sums (k = i mod vector*unroll), the unrolled ones folded, then the
+lanes as a tree: a function of the knobs only (the same bits at any thread count). Calls of at most SERIAL_WORK multiply-adds run on the calling thread.
 
 bwd: dx[m, k] = sum_n dy[m, n] * scale[n] * w[n, k]: parallel over blocks of ``vector`` x ``k_vectors``
 columns of k; per row, the n loop streams the weight block (contiguous along k) with register accumulators.
@@ -67,9 +67,15 @@ def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int):
                 for u in T.unroll(1, U):  # fold the unrolled accumulators into the first, lane-wise
                     acc[T.ramp((r * F + j) * U * V, 1, V)] = acc[T.ramp((r * F + j) * U * V, 1, V)] + \
                         acc[T.ramp(((r * F + j) * U + u) * V, 1, V)]
-                tot[0] = T.float32(0)
-                for i in range(V):
-                    tot[0] = tot[0] + acc[(r * F + j) * U * V + i]
+                # lanes summed as a tree (halves added lane-wise): 4 dependent adds, not V
+                if V == 16:
+                    acc[T.ramp((r * F + j) * U * V, 1, 8)] = acc[T.ramp((r * F + j) * U * V, 1, 8)] + \
+                        acc[T.ramp((r * F + j) * U * V + 8, 1, 8)]
+                acc[T.ramp((r * F + j) * U * V, 1, 4)] = acc[T.ramp((r * F + j) * U * V, 1, 4)] + \
+                    acc[T.ramp((r * F + j) * U * V + 4, 1, 4)]
+                acc[T.ramp((r * F + j) * U * V, 1, 2)] = acc[T.ramp((r * F + j) * U * V, 1, 2)] + \
+                    acc[T.ramp((r * F + j) * U * V + 2, 1, 2)]
+                tot[0] = acc[(r * F + j) * U * V] + acc[(r * F + j) * U * V + 1]
                 for kt in range(KS, K):
                     tot[0] = tot[0] + T.Cast("float32", x[m0 + r, kt]) * T.Cast("float32", w[n0 + j, kt])
                 if d.has_scale:

@@ -1,0 +1,66 @@
+"""linear (projection GEMV) at the 130M Mamba's shapes: GB/s of weight read, torch F.linear with fp32 weights
+against tvm_mamba's linear with fp32 / bf16 / int8 weight-only weights, 1 and 8 rows (decode).
+
+A decode step is bound by reading the weights once, so the figure of merit is weight bytes / time. The two
+sides are timed alternately (``ROUNDS`` rounds of medians each), so a neighbour's load on a shared machine
+hits both; each row keeps the median of the round medians and its note the range over the rounds.
+Shapes: in_proj 768 -> 3072 (d_inner 1536, x and z), out_proj 1536 -> 768, LM head 768 -> 50280.
+
+    python scripts/bench_linear.py            # or: python scripts/bench.py --ops linear
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from benchlib import Row, median_ms
+
+SHAPES = ((768, 3072, "in_proj"), (1536, 768, "out_proj"), (768, 50280, "lm_head"))
+ROUNDS = 3
+
+
+def _case(K: int, N: int, M: int, wdt: str, rounds: int) -> Row:
+    from tvm_mamba.torch_ops.linear import linear, quantize_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    x = torch.randn(M, K, generator=g)
+    qw, s = quantize_weight(w, wdt)
+    with torch.no_grad():
+        err = (linear(x, qw, None, s) - F.linear(x, w)).abs().max().item()
+        nbytes = qw.numel() * qw.element_size()
+        iters = 5 if N * K > 10**7 else 20
+        ours, ref = [], []
+        for _ in range(rounds):  # alternate: a neighbour's load hits both sides
+            ref.append(median_ms(lambda: F.linear(x, w), iters=iters))
+            ours.append(median_ms(lambda: linear(x, qw, None, s), iters=iters))
+        copy = median_ms(lambda: qw.clone(), iters=iters)
+    t, r = statistics.median(ours), statistics.median(ref)
+
+    def gbs(ms):
+        return f"{nbytes / ms / 1e6:.1f}"
+
+    def ref_gbs(ms):
+        return f"{N * K * 4 / ms / 1e6:.1f}"
+
+    note = (f"weights {gbs(t)} GB/s (rounds {gbs(max(ours))}-{gbs(min(ours))}); torch fp32 {ref_gbs(r)} GB/s "
+            f"({ref_gbs(max(ref))}-{ref_gbs(min(ref))}); max|y - fp32| {err:.1e}")
+    return Row("linear", f"fwd {wdt} weights", f"rows={M}, {K}->{N}", t, r, copy, "F.linear fp32", note)
+
+
+def run(quick: bool) -> list[Row]:
+    shapes = SHAPES[:1] if quick else SHAPES
+    rows = []
+    for K, N, _ in shapes:
+        for M in ((1,) if quick else (1, 8)):
+            for wdt in ("float32", "bfloat16", "int8"):
+                rows.append(_case(K, N, M, wdt, 1 if quick else ROUNDS))
+    return rows
+
+
+if __name__ == "__main__":
+    from benchlib import format_table
+
+    print(format_table(run(quick=False)))
