@@ -12,6 +12,7 @@ Knobs: ``warps`` (fwd), ``threads`` (bwd).
 from __future__ import annotations
 
 from tvm_mamba.schedules import rule
+from ._common import bind_flat
 
 WARP = 32
 
@@ -34,11 +35,8 @@ def _fwd(func, decisions):
 def _bwd(func, decisions):
     threads = decisions.pick("threads", (64, 128, 256), 128)
     sch = rule.schedule_of(func, name="linear_bwd")
-    acc, dx = sch.get_sblock("acc"), sch.get_sblock("dx")
-    bx, tx = sch.split(sch.fuse(*sch.get_loops(dx)), [None, threads])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    sch.compute_at(acc, tx)
+    acc = sch.get_sblock("acc")
+    sch.compute_at(acc, bind_flat(sch, sch.get_sblock("dx"), threads))
     sch.set_scope(acc, 0, "local")
     return sch
 
