@@ -9,10 +9,18 @@ hits both; each row keeps the median of the round medians and its note the range
 Shapes: in_proj 768 -> 3072 (d_inner 1536, x and z), out_proj 1536 -> 768, LM head 768 -> 50280.
 
     python scripts/bench_linear.py            # or: python scripts/bench.py --ops linear
+    python scripts/bench_linear.py --cpu-time # one thread each side, CPU seconds of the calling thread
+
+``--cpu-time`` runs both sides on one thread (torch.set_num_threads(1), TVM_NUM_THREADS=1) and times the
+thread's CPU time instead of the wall clock: on a machine shared with other jobs, time spent waiting for a
+core is left out (memory stalls are not), so the kernels can be compared while neighbours run.
 """
 from __future__ import annotations
 
+import os
 import statistics
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +30,19 @@ from benchlib import Row, median_ms
 SHAPES = ((768, 3072, "in_proj"), (1536, 768, "out_proj"), (768, 50280, "lm_head"))
 ROUNDS = 3
 COLD_BYTES = 128 << 20  # weight bytes cycled through per side
+TIMER = [median_ms]  # median_ms, or _cpu_ms with --cpu-time
+
+
+def _cpu_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median CPU time of fn() on the calling thread, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def _copies(w: torch.Tensor):
@@ -46,9 +67,9 @@ def _case(K: int, N: int, M: int, wdt: str, rounds: int) -> Row:
         iters = 5 if N * K > 10**7 else 20
         ours, ref = [], []
         for _ in range(rounds):  # alternate: a neighbour's load hits both sides
-            ref.append(median_ms(lambda: F.linear(x, next(ws)), iters=iters))
-            ours.append(median_ms(lambda: linear(x, next(qws), None, s), iters=iters))
-        copy = median_ms(lambda: next(qws).clone(), iters=iters)
+            ref.append(TIMER[0](lambda: F.linear(x, next(ws)), iters=iters))
+            ours.append(TIMER[0](lambda: linear(x, next(qws), None, s), iters=iters))
+        copy = TIMER[0](lambda: next(qws).clone(), iters=iters)
     t, r = statistics.median(ours), statistics.median(ref)
 
     def gbs(ms):
@@ -75,4 +96,8 @@ def run(quick: bool) -> list[Row]:
 if __name__ == "__main__":
     from benchlib import format_table
 
+    if "--cpu-time" in sys.argv[1:]:
+        os.environ["TVM_NUM_THREADS"] = "1"  # before tvm_mamba (and TVM's pool) is first imported
+        torch.set_num_threads(1)
+        TIMER[0] = _cpu_ms
     print(format_table(run(quick=False)))
