@@ -111,35 +111,18 @@ def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int):
             for t in T.parallel(NT):
                 task(x, xb, w, wb, scale, bias, y, M, t)
 
-    if d.has_scale and d.has_bias:
-        @T.prim_func
-        def linear_fwd(x_h: T.handle, w_h: T.handle, s_h: T.handle, b_h: T.handle, y_h: T.handle):
-            T.func_attr({"global_symbol": "linear_fwd", "tirx.noalias": True})
-            M = T.int32()
-            x, w = T.match_buffer(x_h, (M, K), xd), T.match_buffer(w_h, (N, K), wd)
-            scale, bias = T.match_buffer(s_h, (N,), "float32"), T.match_buffer(b_h, (N,), "float32")
-            y = T.match_buffer(y_h, (M, N), xd)
-            xb, wb = T.decl_buffer((M, K), "uint16", data=x.data), T.decl_buffer((N, K), "uint16", data=w.data)
-            body(x, xb, w, wb, scale, bias, y, M)
-    elif d.has_scale or d.has_bias:
-        @T.prim_func
-        def linear_fwd(x_h: T.handle, w_h: T.handle, v_h: T.handle, y_h: T.handle):
-            T.func_attr({"global_symbol": "linear_fwd", "tirx.noalias": True})
-            M = T.int32()
-            x, w = T.match_buffer(x_h, (M, K), xd), T.match_buffer(w_h, (N, K), wd)
-            v = T.match_buffer(v_h, (N,), "float32")  # the scale or the bias, whichever the layer has
-            y = T.match_buffer(y_h, (M, N), xd)
-            xb, wb = T.decl_buffer((M, K), "uint16", data=x.data), T.decl_buffer((N, K), "uint16", data=w.data)
-            body(x, xb, w, wb, v, v, y, M)
-    else:
-        @T.prim_func
-        def linear_fwd(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-            T.func_attr({"global_symbol": "linear_fwd", "tirx.noalias": True})
-            M = T.int32()
-            x, w = T.match_buffer(x_h, (M, K), xd), T.match_buffer(w_h, (N, K), wd)
-            y = T.match_buffer(y_h, (M, N), xd)
-            xb, wb = T.decl_buffer((M, K), "uint16", data=x.data), T.decl_buffer((N, K), "uint16", data=w.data)
-            body(x, xb, w, wb, y, y, y, M)
+    NS, NBIAS = (N if d.has_scale else 1), (N if d.has_bias else 1)  # absent: (1,), never read
+
+    @T.prim_func
+    def linear_fwd(x_h: T.handle, w_h: T.handle, s_h: T.handle, b_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": "linear_fwd", "tirx.noalias": True})
+        M = T.int32()
+        x, w = T.match_buffer(x_h, (M, K), xd), T.match_buffer(w_h, (N, K), wd)
+        scale, bias = T.match_buffer(s_h, (NS,), "float32"), T.match_buffer(b_h, (NBIAS,), "float32")
+        y = T.match_buffer(y_h, (M, N), xd)
+        xb, wb = T.decl_buffer((M, K), "uint16", data=x.data), T.decl_buffer((N, K), "uint16", data=w.data)
+        body(x, xb, w, wb, scale, bias, y, M)
+
     return linear_fwd
 
 
@@ -179,25 +162,18 @@ def _bwd(d: LinearDims, V: int, KB: int):
                             acc[0] = acc[0] + g[0] * T.Cast("float32", w[n, NKB * W + kt])
                         dx[m, NKB * W + kt] = T.Cast(xd, acc[0])
 
-    if d.has_scale:
-        @T.prim_func
-        def linear_bwd(dy_h: T.handle, w_h: T.handle, s_h: T.handle, dx_h: T.handle):
-            T.func_attr({"global_symbol": "linear_bwd", "tirx.noalias": True})
-            M = T.int32()
-            dy, w = T.match_buffer(dy_h, (M, N), xd), T.match_buffer(w_h, (N, K), wd)
-            scale = T.match_buffer(s_h, (N,), "float32")
-            dx = T.match_buffer(dx_h, (M, K), xd)
-            wb = T.decl_buffer((N, K), "uint16", data=w.data)
-            body(dy, w, wb, scale, dx, M)
-    else:
-        @T.prim_func
-        def linear_bwd(dy_h: T.handle, w_h: T.handle, dx_h: T.handle):
-            T.func_attr({"global_symbol": "linear_bwd", "tirx.noalias": True})
-            M = T.int32()
-            dy, w = T.match_buffer(dy_h, (M, N), xd), T.match_buffer(w_h, (N, K), wd)
-            dx = T.match_buffer(dx_h, (M, K), xd)
-            wb = T.decl_buffer((N, K), "uint16", data=w.data)
-            body(dy, w, wb, dx, dx, M)
+    NS = N if d.has_scale else 1  # absent: (1,), never read
+
+    @T.prim_func
+    def linear_bwd(dy_h: T.handle, w_h: T.handle, s_h: T.handle, dx_h: T.handle):
+        T.func_attr({"global_symbol": "linear_bwd", "tirx.noalias": True})
+        M = T.int32()
+        dy, w = T.match_buffer(dy_h, (M, N), xd), T.match_buffer(w_h, (N, K), wd)
+        scale = T.match_buffer(s_h, (NS,), "float32")
+        dx = T.match_buffer(dx_h, (M, K), xd)
+        wb = T.decl_buffer((N, K), "uint16", data=w.data)
+        body(dy, w, wb, scale, dx, M)
+
     return linear_bwd
 
 

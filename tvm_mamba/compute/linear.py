@@ -6,7 +6,8 @@
 x: (rows, in_features) float32 / bfloat16 with rows symbolic (decode: 1..8 rows); w: (out_features,
 in_features) float32, bfloat16 or int8; scale: (out_features,) float32, present exactly when w is int8
 (per-output-channel scales: weight-only quantization, x stays in its float dtype); bias: (out_features,)
-float32 (has_bias). y and dx have x's dtype. The int8 weight is widened to float32 and multiplied with the
+float32 (has_bias). y and dx have x's dtype. Every kernel takes the same arguments (fwd: x, weight, scale,
+bias, y; bwd: dy, weight, scale, dx): an absent scale or bias is a (1,) placeholder that is never read. The int8 weight is widened to float32 and multiplied with the
 float x, so the only error against the fp32 layer is the weight's rounding (no activation quantization).
 There is no weight gradient: low-precision weights are frozen (inference), see torch_ops/linear.py.
 
@@ -55,52 +56,51 @@ DIMS = LinearDims
 
 
 def _weight_inputs(d: LinearDims):
+    """weight, scale and bias placeholders ((1,) and unused for an absent scale or bias)."""
     w = te.placeholder((d.out_features, d.in_features), d.weight_dtype, name="weight")
-    scale = te.placeholder((d.out_features,), "float32", name="scale") if d.has_scale else None
-    return w, scale
+    scale = te.placeholder((d.out_features if d.has_scale else 1,), "float32", name="scale")
+    bias = te.placeholder((d.out_features if d.has_bias else 1,), "float32", name="bias")
+    return w, scale, bias
 
 
 def linear_fwd(d: LinearDims) -> tirx.PrimFunc:
-    """x: (rows, in_features), weight: (out_features, in_features), [scale: (out_features,) float32],
-    [bias: (out_features,) float32] -> y: (rows, out_features) in x's dtype;
+    """x: (rows, in_features), weight: (out_features, in_features), scale: (out_features,) float32 (int8
+    weight), bias: (out_features,) float32 (has_bias) -> y: (rows, out_features) in x's dtype;
     y[m, n] = scale[n] * sum_k x[m, k] * weight[n, k] + bias[n] (float32 accumulation)."""
     rows = te.var("rows")
     x = te.placeholder((rows, d.in_features), d.x_dtype, name="x")
-    w, scale = _weight_inputs(d)
-    bias = te.placeholder((d.out_features,), "float32", name="bias") if d.has_bias else None
+    w, scale, bias = _weight_inputs(d)
     k = te.reduce_axis((0, d.in_features), name="in_features")
     acc = te.compute((rows, d.out_features), lambda m, n: te.sum(f32(x[m, k]) * f32(w[n, k]), axis=k), name="acc")
 
     def epilogue(m, n):
         v = acc[m, n]
-        if scale is not None:
+        if d.has_scale:
             v = v * scale[n]
-        if bias is not None:
+        if d.has_bias:
             v = v + bias[n]
         return v.astype(d.x_dtype)
 
     y = te.compute((rows, d.out_features), epilogue, name="y")
-    args = [x, w] + [t for t in (scale, bias) if t is not None] + [y]
-    return stamp(te.create_prim_func(args), "linear_fwd", d.static())
+    return stamp(te.create_prim_func([x, w, scale, bias, y]), "linear_fwd", d.static())
 
 
 def linear_bwd(d: LinearDims) -> tirx.PrimFunc:
-    """dy: (rows, out_features) in x's dtype, weight: (out_features, in_features), [scale: (out_features,)
-    float32] -> dx: (rows, in_features) in x's dtype; dx[m, k] = sum_n dy[m, n] * scale[n] * weight[n, k]
+    """dy: (rows, out_features) in x's dtype, weight: (out_features, in_features), scale: (out_features,)
+    float32 (int8 weight) -> dx: (rows, in_features) in x's dtype; dx[m, k] = sum_n dy[m, n] * scale[n] * weight[n, k]
     (float32 accumulation; the bias flag does not change the input gradient)."""
     rows = te.var("rows")
     dy = te.placeholder((rows, d.out_features), d.x_dtype, name="dy")
-    w, scale = _weight_inputs(d)
+    w, scale, _ = _weight_inputs(d)
     n = te.reduce_axis((0, d.out_features), name="out_features")
 
     def term(m, kk):
-        g = f32(dy[m, n]) * scale[n] if scale is not None else f32(dy[m, n])
+        g = f32(dy[m, n]) * scale[n] if d.has_scale else f32(dy[m, n])
         return te.sum(g * f32(w[n, kk]), axis=n)
 
     acc = te.compute((rows, d.in_features), term, name="acc")
     dx = te.compute((rows, d.in_features), lambda m, kk: acc[m, kk].astype(d.x_dtype), name="dx")
-    args = [dy, w] + ([scale] if scale is not None else []) + [dx]
-    return stamp(te.create_prim_func(args), "linear_bwd", d.static())
+    return stamp(te.create_prim_func([dy, w, scale, dx]), "linear_bwd", d.static())
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..compute.linear import LinearDims
-from ._dlpack import TORCH_TO_TVM, check_shape, check_size, check_tensor, kernel_for, prepare, run_op
+from ._dlpack import TORCH_TO_TVM, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op
 
 OP = "linear"
 X_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,6 +33,11 @@ def _parts(K: int, N: int, has_bias: bool, x_dtype: torch.dtype, w_dtype: torch.
     return dtypes, static
 
 
+def _opt(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """The kernel argument of an optional float32 vector: the tensor, or the (1,) placeholder of an absent one."""
+    return prepare(t) if t is not None else dummy(like.device, torch.float32, 1)
+
+
 @torch.library.custom_op("tvm_mamba::linear_fwd", mutates_args=())
 def linear_fwd(x: Tensor, weight: Tensor, scale: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
     """x: (rows, in_features) -> y: (rows, out_features) in x's dtype; y = (x · Wᵀ) * scale + bias."""
@@ -43,7 +48,7 @@ def linear_fwd(x: Tensor, weight: Tensor, scale: Optional[Tensor], bias: Optiona
         return y
     dtypes, static = _parts(K, N, bias is not None, x.dtype, weight.dtype)
     kern = kernel_for(OP, "fwd", x.device, dtypes, static, rows=rows)
-    kern(prepare(x), prepare(weight), *(prepare(t) for t in (scale, bias) if t is not None), y)
+    kern(prepare(x), prepare(weight), _opt(scale, x), _opt(bias, x), y)
     return y
 
 
@@ -62,7 +67,7 @@ def linear_bwd(dy: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
         return dx
     dtypes, static = _parts(K, N, False, dy.dtype, weight.dtype)
     kern = kernel_for(OP, "bwd", dy.device, dtypes, static, rows=rows)
-    kern(prepare(dy), prepare(weight), *((prepare(scale),) if scale is not None else ()), dx)
+    kern(prepare(dy), prepare(weight), _opt(scale, dy), dx)
     return dx
 
 
