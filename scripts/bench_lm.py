@@ -2,7 +2,7 @@
 prefill and decode tokens/s, tvm_mamba against transformers' implementation of the same weights.
 
     python scripts/bench_lm.py [--models mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m] [--prefill 256,1024]
-        [--decode 128] [--batch 1,8] [--procs 3] [--no-hf] [--quick] [--json out.json]
+        [--decode 128] [--batch 1,8] [--procs 3] [--weights fp32,bf16,int8] [--no-hf] [--quick] [--json out.json]
 
 Models (mamba_ssm's state-spaces configs, weights drawn locally with mamba_ssm's init, nothing downloaded):
 ``mamba{1,2}-130m`` d_model 768, 24 layers; ``mamba{1,2}-370m`` d_model 1024, 48 layers; vocab 50280; Mamba-1
@@ -22,6 +22,9 @@ transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` (``checkpoint.config_
 and compares the logits of a prefill and of 4 decode steps with ours: max |diff| is printed, and the run stops
 (exit 1) above ``CHECK_RTOL`` relative to max |logit|.
 transformers is optional (``--no-hf``, or not installed: no comparison column).
+--weights: ours with fp32 weights and/or ``tvm_mamba.quantize_weights(model, "bfloat16" | "int8")`` (weight-only
+projections and LM head, docs/linear.md); rows of a quantized model say so in their shape ("... int8"), and
+are compared with transformers at fp32. The logits check runs on the fp32 model.
 
 --json PATH: scripts/bench.py's schema 1 (op "lm", case "prefill 256 tok" / "decode 128 tok", shape
 "mamba2-130m b=1", ref_name "transformers (torch path)" or "" without it; ref_s / ref_over_tvm null then),
@@ -57,8 +60,9 @@ MODELS = {
     "mamba1-tiny": (_M1, 128, 2, 512), "mamba2-tiny": (_M2, 128, 2, 512),
 }
 DEFAULTS = dict(models="mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m", prefill="256,1024", decode="128",
-                batch="1,8", procs=3)
-QUICK = dict(models="mamba1-tiny,mamba2-tiny", prefill="32", decode="8", batch="1", procs=1)
+                batch="1,8", procs=3, weights="fp32")
+QUICK = dict(models="mamba1-tiny,mamba2-tiny", prefill="32", decode="8", batch="1", procs=1, weights="fp32")
+WEIGHTS = {"fp32": None, "bf16": "bfloat16", "int8": "int8"}  # --weights -> quantize_weights dtype
 ITERS, QUICK_ITERS = 3, 2   # timed runs per process
 DECODE_PROMPT = 8           # prompt tokens before the timed decode steps
 WARMUP_STEPS = 4            # decode steps of the warm-up run (the first step loads the decode kernels)
@@ -71,8 +75,9 @@ SOFTWARE: dict = {}         # the parent's record of what its children ran (vers
 
 # ------------------------------------------------------------------------------------------------------------
 # inside a child process: build the model(s), time one phase
-def build_models(name: str, hf: bool):
-    """-> (ours, transformers' model or None): the same random weights (seed 0, mamba_ssm's init), float32."""
+def build_models(name: str, hf: bool, weights: str = "fp32"):
+    """-> (ours, transformers' model or None): the same random weights (seed 0, mamba_ssm's init), float32;
+    ours then quantized by ``quantize_weights`` unless ``weights`` is fp32."""
     import torch
 
     from tvm_mamba.modules import checkpoint
@@ -83,7 +88,7 @@ def build_models(name: str, hf: bool):
     ours = MambaLMHeadModel(MambaConfig(d_model=d_model, n_layer=n_layer, vocab_size=vocab,
                                         ssm_cfg=dict(ssm_cfg))).eval()
     if not hf:
-        return ours, None
+        return _quantized(ours, weights), None
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -91,7 +96,13 @@ def build_models(name: str, hf: bool):
     cls = transformers.MambaForCausalLM if cfg["model_type"] == "mamba" else transformers.Mamba2ForCausalLM
     ref = cls(transformers.AutoConfig.for_model(**cfg))
     ref.load_state_dict(checkpoint.state_dict_to_hf(ours.state_dict()), strict=True)
-    return ours, ref.eval()
+    return _quantized(ours, weights), ref.eval()
+
+
+def _quantized(model, weights: str):
+    from tvm_mamba import quantize_weights
+
+    return model if WEIGHTS[weights] is None else quantize_weights(model, WEIGHTS[weights])
 
 
 class Runner:
@@ -198,7 +209,7 @@ def software(hf: bool) -> dict:
 def child(spec: dict) -> dict:
     if spec["phase"] == "check":
         return dict(check_logits(spec["model"]), software=software(hf=True))
-    ours, ref = build_models(spec["model"], hf=spec["impl"] == "hf")
+    ours, ref = build_models(spec["model"], hf=spec["impl"] == "hf", weights=spec.get("weights", "fp32"))
     runner = Runner(ref if spec["impl"] == "hf" else ours, spec["impl"])
     del ours, ref  # the runner's model only (transformers' runs do not hold our copy of the weights)
     times = time_phase(runner, spec["phase"], spec["batch"], spec["tokens"], MODELS[spec["model"]][3],
@@ -244,12 +255,13 @@ class LMRow(Row):
         return rec
 
 
-def measure(model: str, phase: str, tokens: int, batch: int, impls: list[str], procs: int, iters: int) -> LMRow:
+def measure(model: str, phase: str, tokens: int, batch: int, impls: list[str], procs: int, iters: int,
+            weights: str = "fp32") -> LMRow:
     """procs fresh processes per implementation (interleaved) -> one row of medians."""
     runs = {impl: [] for impl in impls}
     for _ in range(procs):
         for impl in impls:
-            spec = dict(model=model, impl=impl, phase=phase, batch=batch, tokens=tokens, iters=iters)
+            spec = dict(model=model, impl=impl, phase=phase, batch=batch, tokens=tokens, iters=iters, weights=weights)
             result = run_child(spec)
             runs[impl].append(result["seconds"])
             SOFTWARE.update(result["software"])
@@ -257,7 +269,8 @@ def measure(model: str, phase: str, tokens: int, batch: int, impls: list[str], p
     ref_ms = 1e3 * statistics.median(runs["hf"]) if "hf" in runs else None
     n = batch * tokens
     note = f"{n / tvm_ms * 1e3:,.1f} tok/s" + (f" vs {n / ref_ms * 1e3:,.1f} tok/s" if ref_ms else "")
-    return LMRow("lm", f"{phase} {tokens} tok", f"{model} b={batch}", tvm_ms, ref_ms,
+    shape = f"{model} b={batch}" + ("" if weights == "fp32" else f" {weights}")
+    return LMRow("lm", f"{phase} {tokens} tok", shape, tvm_ms, ref_ms,
                  ref_name=HF_NAME if ref_ms else "", note=note, tokens=n, tvm_runs=runs["tvm"],
                  ref_runs=runs.get("hf", []))
 
@@ -279,6 +292,7 @@ def parse(argv=None):
     ap.add_argument("--decode", help=f"decode steps (default {DEFAULTS['decode']}; '0': no decode rows)")
     ap.add_argument("--batch", help=f"batch sizes (default {DEFAULTS['batch']})")
     ap.add_argument("--procs", type=int, help=f"fresh processes per cell (default {DEFAULTS['procs']})")
+    ap.add_argument("--weights", help=f"ours' weights, comma-separated of {', '.join(WEIGHTS)} (default fp32)")
     ap.add_argument("--no-hf", action="store_true", help="no transformers comparison")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: " + " ".join(f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
@@ -308,6 +322,10 @@ def run_all(args) -> tuple[list[LMRow], dict]:
     phases = [("prefill", n) for n in _ints(args.prefill, "prefill", 0) if n] + \
              [("decode", n) for n in _ints(args.decode, "decode", 0) if n]
     batches = _ints(args.batch, "batch")
+    weights = [w for w in args.weights.split(",") if w]
+    if not weights or any(w not in WEIGHTS for w in weights):
+        raise SystemExit(f"bench_lm.py: --weights must be a comma-separated list of {', '.join(WEIGHTS)}, "
+                         f"got {args.weights!r}")
     impls = ["tvm"] + (["hf"] if not args.no_hf and _hf_available() else [])
     iters = QUICK_ITERS if args.quick else ITERS
     rows, checks = [], {}
@@ -321,9 +339,9 @@ def run_all(args) -> tuple[list[LMRow], dict]:
             if not c["rel_diff"] <= CHECK_RTOL:
                 raise SystemExit(f"bench_lm.py: {model}: ours and transformers disagree (rel {c['rel_diff']:.3g} > "
                                  f"{CHECK_RTOL}); not timing")
-        for phase, tokens in phases:
+        for w, (phase, tokens) in ((w, p) for w in weights for p in phases):
             for batch in batches:
-                rows.append(measure(model, phase, tokens, batch, impls, args.procs, iters))
+                rows.append(measure(model, phase, tokens, batch, impls, args.procs, iters, w))
                 print(f"  {rows[-1].case} ({rows[-1].shape}): {rows[-1].note}", flush=True)
     return rows, dict(checks=checks, impls=impls)
 

@@ -61,3 +61,9 @@ from .torch_ops.layer_norm import layer_norm_fn, rms_norm_fn  # noqa: E402,F401
 from .modules.rmsnorm_gated import LayerNorm as LayerNormGated  # noqa: E402,F401
 
 __all__ += ["layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated"]
+
+# weight-only bf16 / int8 projections (the linear op) and the model-level swap
+from .torch_ops.linear import linear, quantize_weight  # noqa: E402,F401
+from .modules.quantize import QuantizedLinear, quantize_weights  # noqa: E402,F401
+
+__all__ += ["linear", "quantize_weight", "QuantizedLinear", "quantize_weights"]

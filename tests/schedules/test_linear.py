@@ -1,0 +1,76 @@
+"""linear schedule rules: the CPU loop nest's knobs against float64 (every tile path), AVX-512 in its
+assembly, the CUDA rule clean on sm_90 / sm_80 (no spills), None on foreign functions."""
+from __future__ import annotations
+
+import pytest
+import torch
+import tvm
+
+from tvm_mamba.compute.linear import LinearDims, build_check_configs, linear_fwd
+from tvm_mamba.reference.linear import linear_ref
+from tvm_mamba.runtime import cpu_target, cuda_target, dispatch
+from tvm_mamba.runtime.cache import compile_module
+from tvm_mamba.runtime.key import KernelKey
+from tvm_mamba.runtime.nvcc import ptxas_stats
+from tvm_mamba.schedules.cpu import linear as cpu_rule
+from tvm_mamba.schedules.cuda import linear as cuda_rule
+from tvm_mamba.schedules.rule import Decisions
+
+
+def test_rules_return_none_on_foreign_funcs():
+    from tvm_mamba.compute.rmsnorm_gated import rmsnorm_gated_fwd
+
+    foreign = rmsnorm_gated_fwd(16, 16)
+    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
+    assert cuda_rule.apply(foreign, cuda_target("sm_90"), Decisions()) is None
+
+
+def test_dims_validate_and_round_trip():
+    d = LinearDims(768, 3072, True, "bfloat16", "int8")
+    assert LinearDims.from_key(*d.key_parts()) == d and d.has_scale
+    with pytest.raises(ValueError, match="in_features"):
+        LinearDims(0, 4)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        LinearDims(4, 4, weight_dtype="int4")
+
+
+# (vector, unroll, features, rows, task): every combination of full / ragged unrolled k steps, leftover
+# vectors and scalar columns (K = 200 = 6 x 32 + 8 at vector 16 unroll 2; 200 = 25 x 8 at vector 8), feature
+# tiles (N = 37) and row tiles (M = 7)
+@pytest.mark.parametrize("knobs", [dict(vector=16, unroll=2, features=4, rows=2, task=16),
+                                   dict(vector=8, unroll=4, features=2, rows=4, task=8),
+                                   dict(vector=16, unroll=1, features=1, rows=1, task=64)])
+@pytest.mark.parametrize("wdt", ["bfloat16", "int8"])
+def test_cpu_fwd_knobs_against_float64(knobs, wdt):
+    d = LinearDims(200, 37, True, "float32", wdt)
+    sch = cpu_rule.apply(linear_fwd(d), cpu_target(), Decisions(knobs))
+    fn = tvm.compile(sch.mod, target=cpu_target())["linear_fwd"]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 200, generator=g)
+    if wdt == "int8":
+        w, s = torch.randint(-127, 128, (37, 200), generator=g).to(torch.int8), torch.rand(37, generator=g)
+    else:
+        w, s = torch.randn(37, 200, generator=g).to(torch.bfloat16), None
+    b, y = torch.randn(37, generator=g), torch.empty(7, 37)
+    fn(x, w, torch.zeros(1) if s is None else s, b, y)  # an absent scale: the (1,) placeholder
+    ref = linear_ref(x, w, b, s)
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_cpu_fwd_is_avx512():
+    sch = cpu_rule.apply(linear_fwd(LinearDims(768, 64, weight_dtype="bfloat16")), cpu_target(), Decisions())
+    asm = tvm.compile(sch.mod, target=cpu_target()).mod.inspect_source("asm")
+    assert "zmm" in asm and "vfmadd" in asm
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_cuda_build_check_configs_compile_clean(arch):
+    for direction, static, dtypes in build_check_configs():
+        key = KernelKey.make("linear", direction, dtypes, static, f"cuda-{arch}")
+        src = compile_module(key, dispatch.schedule(key)).mod.imports[0].inspect_source("cuda")
+        if direction == "fwd":
+            assert "__shfl_down_sync" in src  # the warp's cross-lane sum
+        stats = ptxas_stats(src, arch)
+        assert stats["ok"], stats["error"]
+        for k in stats["kernels"]:
+            assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (direction, static, k)

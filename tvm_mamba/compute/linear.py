@@ -1,0 +1,117 @@
+"""Linear (projection GEMV / GEMM) with weight-only low-precision weights, as TE.
+
+    fwd: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n])     (float32 accumulation)
+    bwd: dx[m, k] = sum_n dy[m, n] * scale[n] * w[n, k]                 (input gradient only)
+
+x: (rows, in_features) float32 / bfloat16 with rows symbolic (decode: 1..8 rows); w: (out_features,
+in_features) float32, bfloat16 or int8; scale: (out_features,) float32, present exactly when w is int8
+(per-output-channel scales: weight-only quantization, x stays in its float dtype); bias: (out_features,)
+float32 (has_bias). y and dx have x's dtype. Every kernel takes the same arguments (fwd: x, weight, scale,
+bias, y; bwd: dy, weight, scale, dx): an absent scale or bias is a (1,) placeholder that is never read. The int8 weight is widened to float32 and multiplied with the
+float x, so the only error against the fp32 layer is the weight's rounding (no activation quantization).
+There is no weight gradient: low-precision weights are frozen (inference), see torch_ops/linear.py.
+
+These TE definitions are the semantic source of truth and what the CUDA rule schedules; the CPU rule emits an
+AVX-512 loop nest with the same parameters (schedules/cpu/linear.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import te, tirx
+
+from ._common import Dims, check_dtype, f32, stamp
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+X_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearDims(Dims):
+    """Static dims of one linear layer: in_features (K), out_features (N), a bias flag, x's and the weight's
+    dtypes (the scale exists iff the weight is int8)."""
+
+    in_features: int
+    out_features: int
+    has_bias: bool = False
+    x_dtype: str = "float32"
+    weight_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("in_features", "out_features"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be a positive int, got {v!r}")
+        if not isinstance(self.has_bias, bool):
+            raise ValueError(f"has_bias: must be a bool, got {self.has_bias!r}")
+        check_dtype("x_dtype", self.x_dtype, X_DTYPES)
+        check_dtype("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+
+    @property
+    def has_scale(self) -> bool:
+        return self.weight_dtype == "int8"
+
+
+DIMS = LinearDims
+
+
+def _weight_inputs(d: LinearDims):
+    """weight, scale and bias placeholders ((1,) and unused for an absent scale or bias)."""
+    w = te.placeholder((d.out_features, d.in_features), d.weight_dtype, name="weight")
+    scale = te.placeholder((d.out_features if d.has_scale else 1,), "float32", name="scale")
+    bias = te.placeholder((d.out_features if d.has_bias else 1,), "float32", name="bias")
+    return w, scale, bias
+
+
+def linear_fwd(d: LinearDims) -> tirx.PrimFunc:
+    """x: (rows, in_features), weight: (out_features, in_features), scale: (out_features,) float32 (int8
+    weight), bias: (out_features,) float32 (has_bias) -> y: (rows, out_features) in x's dtype;
+    y[m, n] = scale[n] * sum_k x[m, k] * weight[n, k] + bias[n] (float32 accumulation)."""
+    rows = te.var("rows")
+    x = te.placeholder((rows, d.in_features), d.x_dtype, name="x")
+    w, scale, bias = _weight_inputs(d)
+    k = te.reduce_axis((0, d.in_features), name="in_features")
+    acc = te.compute((rows, d.out_features), lambda m, n: te.sum(f32(x[m, k]) * f32(w[n, k]), axis=k), name="acc")
+
+    def epilogue(m, n):
+        v = acc[m, n]
+        if d.has_scale:
+            v = v * scale[n]
+        if d.has_bias:
+            v = v + bias[n]
+        return v.astype(d.x_dtype)
+
+    y = te.compute((rows, d.out_features), epilogue, name="y")
+    return stamp(te.create_prim_func([x, w, scale, bias, y]), "linear_fwd", d.static())
+
+
+def linear_bwd(d: LinearDims) -> tirx.PrimFunc:
+    """dy: (rows, out_features) in x's dtype, weight: (out_features, in_features), scale: (out_features,)
+    float32 (int8 weight) -> dx: (rows, in_features) in x's dtype; dx[m, k] = sum_n dy[m, n] * scale[n] * weight[n, k]
+    (float32 accumulation; the bias flag does not change the input gradient)."""
+    rows = te.var("rows")
+    dy = te.placeholder((rows, d.out_features), d.x_dtype, name="dy")
+    w, scale, _ = _weight_inputs(d)
+    n = te.reduce_axis((0, d.out_features), name="out_features")
+
+    def term(m, kk):
+        g = f32(dy[m, n]) * scale[n] if d.has_scale else f32(dy[m, n])
+        return te.sum(g * f32(w[n, kk]), axis=n)
+
+    acc = te.compute((rows, d.in_features), term, name="acc")
+    dx = te.compute((rows, d.in_features), lambda m, kk: acc[m, kk].astype(d.x_dtype), name="dx")
+    return stamp(te.create_prim_func([dy, w, scale, dx]), "linear_bwd", d.static())
+
+
+def build_check_configs() -> list[tuple[str, dict, dict]]:
+    """(direction, static_dims, dtypes) for the CUDA build-check: the 130M Mamba's projections (768 -> 3072
+    in_proj, 1536 -> 768 out_proj, 768 -> 50280 LM head) for every weight dtype, a bf16 x, an odd in_features,
+    and the input gradient."""
+    dims = [LinearDims(768, 3072, weight_dtype=w) for w in WEIGHT_DTYPES]
+    dims += [LinearDims(1536, 768, weight_dtype="int8"), LinearDims(768, 50280, weight_dtype="bfloat16"),
+             LinearDims(768, 3072, True, x_dtype="bfloat16", weight_dtype="bfloat16"),
+             LinearDims(131, 40, True, weight_dtype="int8")]
+    out = [("fwd", *d.key_parts()) for d in dims]
+    out += [("bwd", *d.key_parts()) for d in (LinearDims(768, 3072, weight_dtype="int8"),
+                                              LinearDims(131, 40, x_dtype="bfloat16", weight_dtype="bfloat16"))]
+    return out
