@@ -7,8 +7,8 @@ kernel (argument checks, kernel-key lookup, output allocation, ``torch.split`` /
 
 - derived parameters (A = -exp(A_log), float32 D / dt_bias, the (dim, width) conv weight view) are computed
   when the plan is built;
-- projections write into buffers it owns (:class:`Projection`: the parts of in_proj / x_proj land in compact
-  tensors without a copy);
+- projections write into buffers it owns (:class:`Projection`: one matmul; the parts of in_proj / x_proj
+  are its views at batch 1, compact copies into buffers made once otherwise);
 - each kernel op runs once through its public function (all checks, the kernel resolved through
   ``build_and_load``) while :func:`~tvm_mamba.torch_ops._dlpack.capture_launches` records the kernel and its
   argument tuple; later steps replay that launch on the same tensors (:class:`Captured`) — the CPU
@@ -92,38 +92,6 @@ def forget(module: torch.nn.Module) -> None:
     _plans.pop(module, None)
 
 
-class Projection:
-    """y = x @ weight.T (+ bias) for x: (batch, in_features), into preallocated outputs, one per part of weight's
-    rows (``sizes``; parts of size 0 get an empty tensor).
-
-    At batch 1, when every part starts on a 64-byte boundary: one matmul into one (1, out_features) buffer and
-    the parts are its views (a one-row slice is compact). Otherwise one matmul per part, each into its own
-    compact buffer: the kernels reading the parts need compact tensors, and a row slice of the weight is
-    compact, so this replaces the copy a column slice of one output would need. Each output element is the
-    same dot product either way (torch's CPU matmul gives the same bits; tests/modules/test_decode.py)."""
-
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], sizes, batch: int):
-        bounds = _bounds(sizes)
-        if bounds[-1] != weight.shape[0]:
-            raise ValueError(f"sizes: must add up to weight's {weight.shape[0]} rows, got {list(sizes)}")
-        if _views_ok(bounds, batch, weight.element_size()):
-            full = weight.new_empty((batch, weight.shape[0]))
-            self.calls = [(weight.t(), bias, full)]
-            self.outputs = [full[:, a:b] for a, b in zip(bounds, bounds[1:])]
-        else:
-            self.outputs = [weight.new_empty((batch, b - a)) for a, b in zip(bounds, bounds[1:])]
-            self.calls = [(weight[a:b].t(), None if bias is None else bias[a:b], out)
-                          for a, b, out in zip(bounds, bounds[1:], self.outputs) if b > a]
-
-    def __call__(self, x: Tensor) -> list[Tensor]:
-        for w_t, bias, out in self.calls:
-            if bias is None:
-                torch.mm(x, w_t, out=out)
-            else:
-                torch.addmm(bias, x, w_t, out=out)
-        return self.outputs
-
-
 def linear_into(x: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
     """F.linear(x, weight, bias) for x: (batch, in_features), written into ``out`` when given (same bits)."""
     if out is None:
@@ -141,60 +109,71 @@ class Captured:
     Every tensor argument given to the first run, and every tensor it returns, must therefore be a kernel
     argument at its own address; one that is not was copied by the op (a strided or unaligned input, a
     dtype conversion, a copied output), and a replay would use that stale copy: the stage then runs the op
-    on every call instead. The ops a plan captures do no other per-call work
-    than checks and allocating outputs their kernel writes in full (no dropout seeds, no zero-filling)."""
+    on every call instead. The ops a plan captures do no other per-call work than checks and allocating
+    outputs their kernel writes in full (no dropout seeds, no zero-filling). Its result is the same tensors on
+    every run (the op's fresh result copied into them when it cannot replay), so the stages after it replay
+    on the memory they captured."""
 
     def __init__(self):
         self.launches = None  # None: not run yet; []: run the op every time
         self.result = None
 
+    @staticmethod
+    def _tensors(result) -> tuple:
+        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
     def run(self, fn: Callable, *args, **kwargs):
+        """fn(*args, **kwargs), with the same tensors on every call (a plan's buffers), or its replay."""
         if self.launches:
             for launch in self.launches:
                 launch.kernel(*launch.args)
             return self.result
-        if self.launches is not None:
-            return fn(*args, **kwargs)
+        if self.launches is not None:  # into the first result's tensors: later stages replay on those
+            fresh = fn(*args, **kwargs)
+            for mine, new in zip(self._tensors(self.result), self._tensors(fresh)):
+                mine.copy_(new)
+            return self.result
         with capture_launches() as launches:
             result = fn(*args, **kwargs)
         seen = {a.data_ptr() for launch in launches for a in launch.args if isinstance(a, Tensor)}
-        outs = result if isinstance(result, (tuple, list)) else (result,)
-        used = [a for a in (*args, *kwargs.values(), *outs) if isinstance(a, Tensor) and a.numel()]
+        used = [a for a in (*args, *kwargs.values(), *self._tensors(result)) if isinstance(a, Tensor) and a.numel()]
         replayable = bool(launches) and all(t.data_ptr() in seen for t in used)
         self.launches, self.result = (list(launches) if replayable else []), result
         return result
 
 
-def _bounds(sizes) -> list[int]:
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    return bounds
-
-
-def _views_ok(bounds, batch: int, itemsize: int) -> bool:
-    """Parts of a (batch, total) tensor are compact, aligned views: one row, every part on a 64-byte boundary."""
-    return batch == 1 and all(b * itemsize % ALIGN == 0 for b in bounds)
-
-
 class Parts:
-    """The parts (``sizes`` along the last dim) of a (batch, total) kernel output as compact, aligned tensors:
-    its views where :func:`_views_ok`, else copies into buffers made once (a Mamba2 step's x, B, C after the
-    conv; one copy each at batch > 1 instead of the ops' allocate-and-copy)."""
+    """The parts (``sizes`` along the last dim) of a (batch, total) tensor as compact, 64-byte aligned tensors,
+    as the kernels read them: a part is a view where it is one already (one row, or the whole width, starting
+    on a 64-byte boundary), else a copy into a buffer made once (batch > 1: one copy per part instead of the
+    ops' allocate-and-copy of a strided slice)."""
 
     def __init__(self, sizes, batch: int, like: Tensor):
-        self.bounds = _bounds(sizes)
-        self.views = _views_ok(self.bounds, batch, like.element_size())
-        self.buffers = None if self.views else [like.new_empty((batch, b - a))
-                                               for a, b in zip(self.bounds, self.bounds[1:])]
+        total, self.spans, start = sum(sizes), [], 0
+        for size in sizes:
+            view = (batch == 1 or size == total) and start * like.element_size() % ALIGN == 0
+            self.spans.append((start, start + size, None if view else like.new_empty((batch, size))))
+            start += size
 
     def __call__(self, t: Tensor) -> list[Tensor]:
-        pieces = [t[:, a:b] for a, b in zip(self.bounds, self.bounds[1:])]
-        if self.views:
-            return pieces
-        for buf, piece in zip(self.buffers, pieces):
-            buf.copy_(piece)
-        return self.buffers
+        return [t[:, a:b] if buf is None else buf.copy_(t[:, a:b]) for a, b, buf in self.spans]
+
+
+class Projection:
+    """y = x @ weight.T (+ bias) for x: (batch, in_features): one matmul into a buffer made once, returned as
+    its parts (``sizes`` along out_features) in compact, aligned tensors (:class:`Parts`). One matmul, not
+    one per part: torch's CPU matmul of a few rows reduces in another order than the whole matrix's (other
+    bits), and one call is one launch."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], sizes, batch: int):
+        if sum(sizes) != weight.shape[0]:
+            raise ValueError(f"sizes: must add up to weight's {weight.shape[0]} rows, got {list(sizes)}")
+        self.weight, self.bias = weight, bias
+        self.out = weight.new_empty((batch, weight.shape[0]))
+        self.parts = Parts(sizes, batch, self.out)
+
+    def __call__(self, x: Tensor) -> list[Tensor]:
+        return self.parts(linear_into(x, self.weight, self.bias, self.out))
 
 
 # ------------------------------------------------------------------------------------------------------------
