@@ -28,7 +28,7 @@ modules' ordinary path, which runs the same kernels.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +43,50 @@ from ..torch_ops.rmsnorm_gated import rmsnorm_fn
 from ..torch_ops.selective_scan import selective_state_update
 from .layer_norm import RMSNorm
 
-_plans: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_plans: "weakref.WeakKeyDictionary[torch.nn.Module, _Entry]" = weakref.WeakKeyDictionary()
 
 
-def eager(x: Tensor, params) -> bool:
+class Watch:
+    """What a plan baked in from a module tree: every submodule edge (parent, name, child) and parameter
+    (owner, name, tensor) with the tensor's data pointer and version counter. :meth:`changed` is True once a
+    submodule or parameter is replaced, or a parameter is updated in place (an optimizer step,
+    load_state_dict) or moved (``.to``): the plan's derived tensors (A = -exp(A_log), ...) or the weights it
+    reads may be stale. Cheaper per step than walking the tree (``model.parameters()``). Owners are held
+    weakly (a plan must not keep its module alive)."""
+
+    def __init__(self, root: torch.nn.Module):
+        mods = list(root.modules())
+        self.edges = [(weakref.ref(m), name, c) for m in mods for name, c in m._modules.items()]
+        self.params = [(weakref.ref(m), name, p) for m in mods for name, p in m._parameters.items() if p is not None]
+        self.stamp = self._stamp()  # RuntimeError for an inference tensor (no version counter)
+
+    def _stamp(self) -> list:
+        return [(p.data_ptr(), p._version) for _, _, p in self.params]
+
+    def changed(self) -> bool:
+        for owner, name, child in self.edges:
+            m = owner()
+            if m is None or m._modules.get(name) is not child:
+                return True
+        for owner, name, p in self.params:
+            m = owner()
+            if m is None or m._parameters.get(name) is not p:
+                return True
+        return self._stamp() != self.stamp
+
+
+class _Entry(NamedTuple):
+    key: tuple
+    watch: Watch
+    plan: object
+
+
+def eager(x: Tensor, module: torch.nn.Module) -> bool:
     """True when a plan may serve a step on input ``x``: eager mode, a plain tensor, and no gradient needed
-    (grad mode off, or no parameter requires one)."""
+    (grad mode off, or no parameter of ``module`` requires one)."""
     if not eager_direct(x):
         return False
-    return not torch.is_grad_enabled() or not any(p.requires_grad for p in params)
+    return not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters())
 
 
 def tensor_stamp(t: Tensor) -> tuple:
@@ -59,31 +94,23 @@ def tensor_stamp(t: Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def params_stamp(params) -> Optional[tuple]:
-    """(data pointer, version) of every parameter, or None when one has no version counter (an inference
-    tensor: an in-place update could not be seen, so no plan is cached)."""
-    try:
-        return tuple((p.data_ptr(), p._version) for p in params)
-    except RuntimeError:
-        return None
-
-
-def plan_key(x: Tensor, params, *extra) -> Optional[tuple]:
-    """The key a plan for input ``x`` is valid under (module docstring), or None when none may be cached."""
-    stamp = params_stamp(params)
-    if stamp is None:
-        return None
-    return (x.shape[0], x.dtype, x.device, device_target_key(x.device), dispatch.generation(),
-            torch.is_inference_mode_enabled(), stamp) + extra
-
-
-def cached(module: torch.nn.Module, key: tuple, build: Callable[[], object]):
-    """The module's plan for ``key``: the cached one when its key matches, else ``build()`` (cached)."""
+def cached(module: torch.nn.Module, x: Tensor, extra: tuple, build: Callable[[], object]):
+    """The module's plan for a step on input ``x`` (batch first): the cached one while its key (batch, dtype,
+    device, kernel target, dispatch generation, inference mode, ``extra``) matches and its :class:`Watch`
+    sees no change, else ``build()``, cached. None when the module has parameters without a version counter
+    (inference tensors: an in-place update could not be seen)."""
+    key = (x.shape[0], x.dtype, x.device, device_target_key(x.device), dispatch.generation(),
+           torch.is_inference_mode_enabled()) + extra
     hit = _plans.get(module)
-    if hit is not None and hit[0] == key:
-        return hit[1]
+    if hit is not None and hit.key == key and not hit.watch.changed():
+        return hit.plan
+    try:
+        watch = Watch(module)
+    except RuntimeError:
+        _plans.pop(module, None)
+        return None
     plan = build()
-    _plans[module] = (key, plan)
+    _plans[module] = _Entry(key, watch, plan)
     return plan
 
 
@@ -314,15 +341,11 @@ def lm_plan(model, input_ids: Tensor, inference_params) -> Optional[LMStep]:
     if input_ids.dim() != 2 or input_ids.shape[1] != 1 or not bb.fused_add_norm or \
             any(layer.mlp is not None for layer in bb.layers) or bb.embedding.max_norm is not None:
         return None
-    params = list(model.parameters())
-    if not eager(input_ids, params):
+    if not eager(input_ids, model):
         return None
     cache = inference_params.key_value_memory_dict
     entries = [cache.get(layer.mixer.layer_idx) for layer in bb.layers]
     if any(e is None for e in entries):
-        return None
-    key = plan_key(input_ids, params, id(cache), tuple((id(e), e[0].data_ptr(), e[1].data_ptr()) for e in entries))
-    if key is None:
         return None
     batch = input_ids.shape[0]
 
@@ -330,22 +353,19 @@ def lm_plan(model, input_ids: Tensor, inference_params) -> Optional[LMStep]:
         for layer, (conv_state, ssm_state) in zip(bb.layers, entries):
             layer.mixer._check_states(conv_state, ssm_state, batch, input_ids.device)
         return LMStep(model, cache, batch)
-    return cached(model, key, build)
+    states = (id(cache),) + tuple((id(e), e[0].data_ptr(), e[1].data_ptr()) for e in entries)
+    return cached(model, input_ids, states, build)
 
 
 def block_plan(m, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor):
     """Mamba / Mamba2 ``m``'s decode plan (``m.decode_plan``) for this step's (checked) hidden_states
     (batch, 1, d_model) and states, or None where it does not apply (:func:`eager`, untrackable parameters).
     The states are checked (``m._check_states``) when a plan is built for them."""
-    params = list(m.parameters())
-    if not eager(hidden_states, params):
-        return None
-    key = plan_key(hidden_states, params, tensor_stamp(conv_state), tensor_stamp(ssm_state))
-    if key is None:
+    if not eager(hidden_states, m):
         return None
     batch = hidden_states.shape[0]
 
     def build():
         m._check_states(conv_state, ssm_state, batch, hidden_states.device)
         return m.decode_plan(conv_state, ssm_state, batch)
-    return cached(m, key, build)
+    return cached(m, hidden_states, (tensor_stamp(conv_state), tensor_stamp(ssm_state)), build)
