@@ -71,7 +71,7 @@ def test_planned_step_matches_unplanned_bitwise(name, batch):
     ref = _unplanned_steps(m, xs, *ref_states)
     states = _states(m, batch)
     got = _planned_steps(m, xs, *states)
-    plan = _decode._plans[m].plan
+    plan = _decode.plan_of(m)
     assert _replaying(plan), "every kernel stage replays its captured launch"
     for t, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), f"step {t}: max diff {(a - b).abs().max().item()}"
@@ -84,14 +84,16 @@ def test_plan_is_reused_while_nothing_changes_and_rebuilt_for_other_states():
     states = _states(m, 2)
     with torch.inference_mode():
         m.step(torch.randn(2, 1, D_MODEL), *states)
-        plan = _decode._plans[m].plan
+        plan = _decode.plan_of(m)
         m.step(torch.randn(2, 1, D_MODEL), *states)
-        assert _decode._plans[m].plan is plan
+        assert _decode.plan_of(m) is plan
         other = _states(m, 2)
         m.step(torch.randn(2, 1, D_MODEL), *other)
-        assert _decode._plans[m].plan is not plan
+        assert _decode.plan_of(m) is not plan
+        m.step(torch.randn(2, 1, D_MODEL), *states)  # caches decoded in turn keep their plans
+        assert _decode.plan_of(m) is plan
         m.step(torch.randn(1, 1, D_MODEL), *other)  # batch 1 on the batch-2 cache: rows :1, a new plan
-        assert _decode._plans[m].plan.ssm_state.shape[0] == 1
+        assert _decode.plan_of(m).ssm_state.shape[0] == 1
 
 
 @pytest.mark.parametrize("name", ["mamba", "mamba2_Dhdim"])
@@ -100,14 +102,14 @@ def test_step_after_an_optimizer_update_uses_the_new_weights(name):
     xs = [torch.randn(2, 1, D_MODEL) for _ in range(2)]
     states = _states(m, 2)
     _planned_steps(m, xs[:1], *states)
-    old_plan = _decode._plans[m].plan
+    old_plan = _decode.plan_of(m)
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
     for p in m.parameters():  # every parameter moves, A_log included (A = -exp(A_log) is cached)
         p.grad = torch.randn_like(p)
     opt.step()
     ref_states = tuple(s.clone() for s in states)
     got = _planned_steps(m, xs[1:], *states)
-    assert _decode._plans[m].plan is not old_plan
+    assert _decode.plan_of(m) is not old_plan
     _decode.forget(m)
     ref = _unplanned_steps(m, xs[1:], *ref_states)
     assert torch.equal(got[0], ref[0])
@@ -130,7 +132,7 @@ def test_strided_state_runs_the_ops_each_step():
     strided = wide[..., ::2]
     strided.copy_(conv)
     got = _planned_steps(m, xs, strided, ssm)
-    assert _decode._plans[m].plan.conv.launches == []
+    assert _decode.plan_of(m).conv.launches == []
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert torch.equal(strided, conv_ref) and torch.equal(ssm, ssm_ref)
 
@@ -165,7 +167,7 @@ def test_lm_decode_plan_matches_blocks_path(layer, batch):
     model = MambaLMHeadModel(MambaConfig(d_model=D_MODEL, n_layer=2, vocab_size=64, ssm_cfg=LM_SSM[layer]))
     ids = torch.randint(0, 64, (batch, 5))
     planned = model.generate(ids, max_length=9, return_dict_in_generate=True, output_scores=True)
-    plan = _decode._plans[model].plan
+    plan = _decode.plan_of(model)
     assert isinstance(plan, _decode.LMStep) and all(s.launches for s, *_ in plan.layers)
 
     def unplanned(step_ids, params):
@@ -190,14 +192,14 @@ def test_replaced_parameter_or_submodule_rebuilds_the_plan():
     states = _states(m, 1)
     _planned_steps(m, xs[:1], *states)
     m.D = torch.nn.Parameter(m.D.detach() * 3)  # a new parameter object (load_state_dict(assign=True) does this)
-    plan = _decode._plans[m].plan
+    plan = _decode.plan_of(m)
     ref_states = tuple(s.clone() for s in states)
     got = _planned_steps(m, xs[1:], *states)
-    assert _decode._plans[m].plan is not plan
+    assert _decode.plan_of(m) is not plan
     m.out_proj = torch.nn.Linear(m.d_inner, D_MODEL, bias=True)  # a new submodule
-    plan = _decode._plans[m].plan
+    plan = _decode.plan_of(m)
     got += _planned_steps(m, xs[:1], *states)
-    assert _decode._plans[m].plan is not plan
+    assert _decode.plan_of(m) is not plan
     _decode.forget(m)
     ref = _unplanned_steps(m, xs[1:] + xs[:1], *ref_states)
     assert torch.equal(got[1], ref[1])

@@ -43,7 +43,7 @@ from ..torch_ops.rmsnorm_gated import rmsnorm_fn
 from ..torch_ops.selective_scan import selective_state_update
 from .layer_norm import RMSNorm
 
-_plans: "weakref.WeakKeyDictionary[torch.nn.Module, _Entry]" = weakref.WeakKeyDictionary()
+_plans: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # key -> _Entry
 
 
 class Watch:
@@ -76,7 +76,6 @@ class Watch:
 
 
 class _Entry(NamedTuple):
-    key: tuple
     watch: Watch
     plan: object
 
@@ -94,28 +93,44 @@ def tensor_stamp(t: Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+PLANS_PER_MODULE = 4  # caches decoded in turn through one model (sessions, candidates) keep their plans
+
+
 def cached(module: torch.nn.Module, x: Tensor, extra: tuple, build: Callable[[], object]):
-    """The module's plan for a step on input ``x`` (batch first): the cached one while its key (batch, dtype,
-    device, kernel target, dispatch generation, inference mode, ``extra``) matches and its :class:`Watch`
-    sees no change, else ``build()``, cached. None when the module has parameters without a version counter
-    (inference tensors: an in-place update could not be seen)."""
+    """The module's plan for a step on input ``x`` (batch first): a cached one while its key (batch, dtype,
+    device, kernel target, dispatch generation, inference mode, ``extra``: the states) matches and its
+    :class:`Watch` sees no change, else ``build()``, cached (the least recently used of more than
+    PLANS_PER_MODULE is dropped). None when the module has parameters without a version counter (inference
+    tensors: an in-place update could not be seen)."""
     key = (x.shape[0], x.dtype, x.device, device_target_key(x.device), dispatch.generation(),
            torch.is_inference_mode_enabled()) + extra
-    hit = _plans.get(module)
-    if hit is not None and hit.key == key and not hit.watch.changed():
+    entries = _plans.get(module)
+    hit = entries.pop(key, None) if entries is not None else None
+    if hit is not None and not hit.watch.changed():
+        entries[key] = hit  # most recently used last
         return hit.plan
     try:
         watch = Watch(module)
     except RuntimeError:
         _plans.pop(module, None)
         return None
+    if entries is None or any(e.watch.changed() for e in entries.values()):
+        entries = _plans[module] = {}
     plan = build()
-    _plans[module] = _Entry(key, watch, plan)
+    entries[key] = _Entry(watch, plan)
+    while len(entries) > PLANS_PER_MODULE:
+        entries.pop(next(iter(entries)))
     return plan
 
 
+def plan_of(module: torch.nn.Module):
+    """The module's most recently used plan, or None."""
+    entries = _plans.get(module)
+    return next(reversed(entries.values())).plan if entries else None
+
+
 def forget(module: torch.nn.Module) -> None:
-    """Drop the module's cached plan (and the state tensors it holds)."""
+    """Drop the module's cached plans (and the state tensors they hold)."""
     _plans.pop(module, None)
 
 
