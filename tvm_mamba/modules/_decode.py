@@ -14,12 +14,16 @@ kernel (argument checks, kernel-key lookup, output allocation, ``torch.split`` /
   argument tuple; later steps replay that launch on the same tensors (:class:`Captured`) — the CPU
   counterpart of upstream's CUDA-graph decode (mamba_ssm ``utils/generation.capture_graph``).
 
-A plan is keyed (:func:`plan_key`) by everything it baked in: the parameters (each one's data pointer and
-``_version`` counter, so an optimizer step or ``load_state_dict`` rebuilds it), the state tensors (pointer,
-shape, strides, dtype), batch, dtype, device, the kernel target (``simulate_cuda``), the dispatch generation
-(tuning logs) and inference mode (buffers made in inference mode are inference tensors). Module attributes
-(eps, dt_limit, ...) are read when a plan is built. Plans live in a weak dictionary beside the module, not on
-it (state_dict, deepcopy and pickling never see them). A plan holds its state tensors until it is replaced.
+A plan is reused (:func:`cached`) while everything it baked in is unchanged: the module tree's parameters and
+submodules (:class:`Watch`: identities, data pointers and ``_version`` counters, so an optimizer step,
+``load_state_dict`` or ``.to`` rebuilds it), the state tensors (pointer, shape, strides, dtype), batch,
+dtype, device, the kernel target (``simulate_cuda``), the dispatch generation (tuning logs) and inference
+mode (buffers made in inference mode are inference tensors). Module attributes (eps, dt_limit, ...) are read
+when a plan is built. Plans live in a weak dictionary beside the module, not on it (state_dict, deepcopy and
+pickling never see them); a plan holds its state tensors until it is dropped (:func:`forget`).
+
+A plan's buffers serve one step at a time; threads decoding different caches through one module get a plan
+each (up to PLANS_PER_MODULE), as the same cache could not be shared by two threads anyway.
 
 Used only where nothing needs autograd or tracing (:func:`eager`): grad mode with parameters that need
 gradients, torch.compile, dispatch / function modes (profilers, FakeTensor) and tensor subclasses take the
@@ -258,14 +262,13 @@ class Mamba2Step:
 
     def __init__(self, m, conv_state: Tensor, ssm_state: Tensor, batch: int):
         gn, hp = m.ngroups * m.d_state, (m.nheads, m.headdim)
-        self.m_dims = (batch, hp, m.ngroups, m.d_state, m.d_ssm)
-        d_mlp = (m.in_proj.weight.shape[0] - 2 * m.d_ssm - 2 * gn - m.nheads) // 2
-        self.d_mlp = d_mlp
+        self.dims = (batch, hp, m.ngroups, m.d_state, m.d_ssm)
+        self.d_mlp = d_mlp = (m.in_proj.weight.shape[0] - 2 * m.d_ssm - 2 * gn - m.nheads) // 2
         self.in_proj = Projection(m.in_proj.weight, m.in_proj.bias, (d_mlp, d_mlp, m.d_ssm, m.d_ssm + 2 * gn,
                                                                      m.nheads), batch)
         self.conv_args = (conv_state[:batch], m._conv_weight(), m.conv1d.bias, m.activation)
+        self.xbc = Parts((m.d_ssm, gn, gn), batch, m.in_proj.weight)  # x, B, C of the conv output
         self.ssm_state = ssm_state[:batch]
-        self.xbc = None  # Parts of the conv output, made on the first step (they may view it)
         self.tied = not m.D_has_hdim
         A = (-torch.exp(m.A_log.float()))[:, None, None].expand(*hp, m.d_state)
         D = m.D.float().reshape(hp) if m.D_has_hdim else m.D.float()[:, None].expand(hp)
@@ -285,7 +288,7 @@ class Mamba2Step:
 
     def _dt(self, dt: Tensor) -> Tensor:
         """dt as the kernel reads it: (batch, nheads, headdim) (an expanded view in the tied case)."""
-        batch, hp = self.m_dims[0], self.m_dims[1]
+        batch, hp = self.dims[0], self.dims[1]
         if self.limit:  # the kernel has no clamp: softplus and dt_limit here, as Mamba2.step
             dt = F.softplus(dt.float() + self.dt_bias_raw.float()).clamp(*self.limit).to(dt.dtype)
             if self.tied:
@@ -295,12 +298,9 @@ class Mamba2Step:
         return self.dt_buf.copy_(dt[:, :, None].expand(batch, *hp))
 
     def step(self, h: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        batch, hp, g, n, d_ssm = self.m_dims
+        batch, hp, g, n, d_ssm = self.dims
         z0, x0, z, xbc, dt = self.in_proj(h)
-        xbc = self.conv.run(causal_conv1d_update, xbc, *self.conv_args)
-        if self.xbc is None:
-            self.xbc = Parts((d_ssm, g * n, g * n), batch, xbc)
-        x, B, C = self.xbc(xbc)
+        x, B, C = self.xbc(self.conv.run(causal_conv1d_update, xbc, *self.conv_args))
         y = self.scan.run(selective_state_update, self.ssm_state, x.view(batch, *hp), self._dt(dt), self.A,
                           B.view(batch, g, n), C.view(batch, g, n), self.D,
                           z=None if self.norm else z.view(batch, *hp), dt_bias=self.dt_bias,
