@@ -197,7 +197,7 @@ class Parts:
     def __init__(self, sizes, batch: int, like: Tensor):
         total, self.spans, start = sum(sizes), [], 0
         for size in sizes:
-            view = (batch == 1 or size == total) and start * like.element_size() % ALIGN == 0
+            view = size == 0 or (batch == 1 or size == total) and start * like.element_size() % ALIGN == 0
             self.spans.append((start, start + size, None if view else like.new_empty((batch, size))))
             start += size
 
