@@ -9,7 +9,9 @@ residual = h + residual, h = norm(residual)), residual kept in float32 with resi
 
 Generation (``generate``, upstream's GenerationMixin / decode loop in generation.py): the prompt runs through
 the full (chunked / scan) kernels once, filling each layer's (conv_state, ssm_state); then one ``step`` per new
-token through the decode kernels. ``from_pretrained`` / ``save_pretrained``: checkpoint.py.
+token through the decode kernels, as one cached plan for the whole model where nothing needs autograd
+(modules/_decode.py: the same ops on preallocated buffers, kernel launches replayed).
+``from_pretrained`` / ``save_pretrained``: checkpoint.py.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from ..torch_ops.layer_norm import layer_norm_fn
-from . import checkpoint
+from . import _decode, checkpoint
 from .generation import GenerationMixin, InferenceParams  # noqa: F401  (InferenceParams: re-exported)
 from .layer_norm import RMSNorm
 from .mamba import Mamba
@@ -143,11 +145,15 @@ class MixerModel(nn.Module):
         return {i: layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
                 for i, layer in enumerate(self.layers)}
 
-    def forward(self, input_ids, inference_params=None, **mixer_kwargs):
+    def check_ids(self, input_ids):
+        """IndexError for a token id outside the (padded) vocabulary, before anything runs."""
         vocab = self.embedding.num_embeddings
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise IndexError(f"input_ids: token ids must be in [0, {vocab}) (the padded vocabulary), got "
                              f"min {int(input_ids.min())}, max {int(input_ids.max())}")
+
+    def forward(self, input_ids, inference_params=None, **mixer_kwargs):
+        self.check_ids(input_ids)
         hidden_states = self.embedding(input_ids)
         residual = None
         for layer in self.layers:
@@ -212,6 +218,11 @@ class MambaLMHeadModel(nn.Module, GenerationMixin):
             raise TypeError("input_ids: expected an int32/int64 tensor")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected (batch, seqlen), got shape {tuple(input_ids.shape)}")
+        if inference_params is not None and inference_params.seqlen_offset > 0 and not mixer_kwargs:
+            plan = _decode.lm_plan(self, input_ids, inference_params)
+            if plan is not None:  # one decode token, no autograd / tracing: the cached plan, same ops and bits
+                self.backbone.check_ids(input_ids)
+                return CausalLMOutput(logits=plan.step(input_ids))
         hidden_states = self.backbone(input_ids, inference_params=inference_params, **mixer_kwargs)
         if num_last_tokens > 0:
             hidden_states = hidden_states[:, -num_last_tokens:]

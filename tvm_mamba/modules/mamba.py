@@ -28,6 +28,7 @@ from torch import nn
 from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from ..torch_ops.mamba_inner import mamba_inner_fn
 from ..torch_ops.selective_scan import selective_scan_fn, selective_state_update
+from . import _decode
 from ._checks import FLOAT_STATES, check_hidden, check_state
 
 
@@ -141,6 +142,9 @@ class Mamba(nn.Module):
         ssm_state: (batch', d_inner, d_state) float32, batch' >= batch, updated in place (rows :batch)
         -> (out (batch, 1, d_model), conv_state, ssm_state)."""
         check_hidden("hidden_states", hidden_states, self.d_model, seqlen_one=True)
+        plan = _decode.block_plan(self, hidden_states, conv_state, ssm_state)
+        if plan is not None:  # no autograd / tracing: the cached plan (modules/_decode.py), same ops and bits
+            return plan.step(hidden_states.squeeze(1)).unsqueeze(1), conv_state, ssm_state
         batch = hidden_states.shape[0]
         self._check_states(conv_state, ssm_state, batch, hidden_states.device)
         xz = self.in_proj(hidden_states.squeeze(1))  # (batch, 2*d_inner)
@@ -154,6 +158,11 @@ class Mamba(nn.Module):
                                    dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
         out = self.out_proj(y)
         return out.unsqueeze(1), conv_state, ssm_state
+
+    def decode_plan(self, conv_state, ssm_state, batch):
+        """A :class:`~tvm_mamba.modules._decode.MambaStep` for these (checked) states: :meth:`step`'s work on
+        preallocated buffers, its kernels' launches replayed; ``.step(h (batch, d_model), out=None)``."""
+        return _decode.MambaStep(self, conv_state, ssm_state, batch)
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         """-> conv_state (batch_size, d_inner, d_conv) in dtype (default conv1d.weight's), ssm_state

@@ -33,6 +33,7 @@ from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update, ca
 from ..torch_ops.mamba_split import mamba_split_conv1d_scan_combined
 from ..torch_ops.selective_scan import selective_state_update
 from ..torch_ops.ssd import mamba_chunk_scan_combined
+from . import _decode
 from ._checks import FLOAT_STATES, check_cu_seqlens, check_hidden, check_state
 from .rmsnorm_gated import RMSNormGated
 
@@ -211,6 +212,9 @@ class Mamba2(nn.Module):
         batch, updated in place (rows :batch)
         -> (out (batch, 1, d_model), conv_state, ssm_state)."""
         check_hidden("hidden_states", hidden_states, self.d_model, seqlen_one=True)
+        plan = _decode.block_plan(self, hidden_states, conv_state, ssm_state)
+        if plan is not None:  # no autograd / tracing: the cached plan (modules/_decode.py), same ops and bits
+            return plan.step(hidden_states.squeeze(1)).unsqueeze(1), conv_state, ssm_state
         batch = hidden_states.shape[0]
         self._check_states(conv_state, ssm_state, batch, hidden_states.device)
         zxbcdt = self.in_proj(hidden_states.squeeze(1))  # (batch, d_in_proj)
@@ -231,6 +235,11 @@ class Mamba2(nn.Module):
             z=None if self.rmsnorm else z.reshape(batch, *hp), dt_bias=dt_bias, dt_softplus=softplus)
         out = self._finish(y.reshape(batch, self.d_ssm), z, z0, x0, d_mlp)
         return out.unsqueeze(1), conv_state, ssm_state
+
+    def decode_plan(self, conv_state, ssm_state, batch):
+        """A :class:`~tvm_mamba.modules._decode.Mamba2Step` for these (checked) states: :meth:`step`'s work on
+        preallocated buffers, its kernels' launches replayed; ``.step(h (batch, d_model), out=None)``."""
+        return _decode.Mamba2Step(self, conv_state, ssm_state, batch)
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         """-> conv_state (batch_size, conv_dim, d_conv) in dtype (default conv1d.weight's), ssm_state

@@ -8,6 +8,8 @@ guide §6), so every input goes through :func:`prepare` first.
 from __future__ import annotations
 
 import functools
+import threading
+from typing import NamedTuple
 
 import torch
 
@@ -59,7 +61,9 @@ def kernel_for(op: str, direction: str, device, dtypes: dict, static: dict, **dy
         key = KernelKey.make(op, direction, dtypes, static, target, bucket)
         if memo is not None and len(_keys) < 65536:
             _keys[memo] = key
-    return build_and_load(key)
+    kern = build_and_load(key)
+    launches = getattr(_capture, "launches", None)
+    return kern if launches is None else _Recording(kern, launches)
 
 
 def kernel_device_type(device) -> str:
@@ -69,6 +73,41 @@ def kernel_device_type(device) -> str:
 
 
 _keys: dict[tuple, KernelKey] = {}  # call signature -> its KernelKey (building one costs ~5 us per call)
+_capture = threading.local()
+
+
+class Launch(NamedTuple):
+    """One kernel run: ``kernel(*args)`` runs it again on the same tensors."""
+    kernel: object
+    args: tuple
+
+
+class _Recording:
+    """A kernel handed out inside :class:`capture_launches`: runs it, then records the launch."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __call__(self, *args):
+        out = self.kernel(*args)
+        self.launches.append(Launch(self.kernel, args))
+        return out
+
+
+class capture_launches:
+    """``with capture_launches() as launches: op(...)`` runs the ops as usual and appends a :class:`Launch`
+    (kernel, argument tuple) for every kernel they run, in order: what a decode plan replays without the
+    ops' validation and allocation (modules/_decode.py; the CPU counterpart of upstream's CUDA-graph capture).
+    A replay is only valid while every recorded tensor is still the memory the caller means to use: the
+    caller checks that no argument is a copy the op made (see modules/_decode.py)."""
+
+    def __enter__(self) -> list[Launch]:
+        self._prev = getattr(_capture, "launches", None)
+        _capture.launches = []
+        return _capture.launches
+
+    def __exit__(self, *exc) -> None:
+        _capture.launches = self._prev
 
 
 def eager_direct(*tensors) -> bool:

@@ -1,0 +1,205 @@
+"""Cached decode plans (modules/_decode.py): the planned step gives the bits of the blocks' ordinary step path,
+is reused while nothing changes, and is rebuilt after a weight update or for other states."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tvm_mamba.modules import _decode
+from tvm_mamba.modules.lm import InferenceParams, MambaConfig, MambaLMHeadModel
+from tvm_mamba.modules.mamba import Mamba
+from tvm_mamba.modules.mamba2 import Mamba2
+
+D_MODEL = 32
+BLOCKS = {
+    "mamba": lambda: Mamba(D_MODEL, d_state=8, layer_idx=0),
+    "mamba2": lambda: Mamba2(D_MODEL, d_state=16, headdim=16, layer_idx=0),
+    "mamba2_groups2": lambda: Mamba2(D_MODEL, d_state=16, headdim=8, ngroups=2, layer_idx=0),
+    "mamba2_Dhdim": lambda: Mamba2(D_MODEL, d_state=16, headdim=16, D_has_hdim=True, layer_idx=0),
+    "mamba2_Dhdim_dtlimit": lambda: Mamba2(D_MODEL, d_state=16, headdim=16, D_has_hdim=True,
+                                           dt_limit=(0.0, 0.05), layer_idx=0),
+}
+
+
+def _block(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    m = BLOCKS[name]()
+    with torch.no_grad():  # non-trivial D, dt_bias, norm weight: every input of the step matters
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def _states(m, batch: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    conv_state, ssm_state = m.allocate_inference_cache(batch, 16)
+    conv_state.copy_(torch.randn(conv_state.shape, generator=g))
+    ssm_state.copy_(torch.randn(ssm_state.shape, generator=g))
+    return conv_state, ssm_state
+
+
+def _unplanned_steps(m, xs, conv_state, ssm_state):
+    """The blocks' ordinary path: grad mode with parameters that need gradients never takes a plan."""
+    outs = []
+    with torch.enable_grad():
+        for x in xs:
+            outs.append(m.step(x, conv_state, ssm_state)[0].detach())
+    assert m not in _decode._plans
+    return outs
+
+
+def _planned_steps(m, xs, conv_state, ssm_state):
+    outs = []
+    with torch.inference_mode():
+        for x in xs:
+            outs.append(m.step(x, conv_state, ssm_state)[0].clone())
+    return outs
+
+
+def _replaying(plan) -> bool:
+    stages = [v for v in vars(plan).values() if isinstance(v, _decode.Captured)]
+    return bool(stages) and all(s.launches for s in stages if s.launches is not None)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_planned_step_matches_unplanned_bitwise(name, batch):
+    m = _block(name)
+    xs = [torch.randn(batch, 1, D_MODEL) for _ in range(4)]
+    ref_states = _states(m, batch)
+    ref = _unplanned_steps(m, xs, *ref_states)
+    states = _states(m, batch)
+    got = _planned_steps(m, xs, *states)
+    plan = _decode.plan_of(m)
+    assert _replaying(plan), "every kernel stage replays its captured launch"
+    for t, (a, b) in enumerate(zip(got, ref)):
+        assert torch.equal(a, b), f"step {t}: max diff {(a - b).abs().max().item()}"
+    for s, r in zip(states, ref_states):
+        assert torch.equal(s, r)
+
+
+def test_plan_is_reused_while_nothing_changes_and_rebuilt_for_other_states():
+    m = _block("mamba2")
+    states = _states(m, 2)
+    with torch.inference_mode():
+        m.step(torch.randn(2, 1, D_MODEL), *states)
+        plan = _decode.plan_of(m)
+        m.step(torch.randn(2, 1, D_MODEL), *states)
+        assert _decode.plan_of(m) is plan
+        other = _states(m, 2)
+        m.step(torch.randn(2, 1, D_MODEL), *other)
+        assert _decode.plan_of(m) is not plan
+        m.step(torch.randn(2, 1, D_MODEL), *states)  # caches decoded in turn keep their plans
+        assert _decode.plan_of(m) is plan
+        m.step(torch.randn(1, 1, D_MODEL), *other)  # batch 1 on the batch-2 cache: rows :1, a new plan
+        assert _decode.plan_of(m).ssm_state.shape[0] == 1
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2_Dhdim"])
+def test_step_after_an_optimizer_update_uses_the_new_weights(name):
+    m = _block(name)
+    xs = [torch.randn(2, 1, D_MODEL) for _ in range(2)]
+    states = _states(m, 2)
+    _planned_steps(m, xs[:1], *states)
+    old_plan = _decode.plan_of(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for p in m.parameters():  # every parameter moves, A_log included (A = -exp(A_log) is cached)
+        p.grad = torch.randn_like(p)
+    opt.step()
+    ref_states = tuple(s.clone() for s in states)
+    got = _planned_steps(m, xs[1:], *states)
+    assert _decode.plan_of(m) is not old_plan
+    _decode.forget(m)
+    ref = _unplanned_steps(m, xs[1:], *ref_states)
+    assert torch.equal(got[0], ref[0])
+    with torch.no_grad():  # an in-place update outside an optimizer (load_state_dict copies in place too)
+        m.A_log.mul_(0.5)
+    got = _planned_steps(m, xs[:1], *states)
+    _decode.forget(m)
+    assert torch.equal(got[0], _unplanned_steps(m, xs[:1], *ref_states)[0])
+
+
+def test_strided_state_runs_the_ops_each_step():
+    """A conv_state the kernel cannot update in place (a strided view): the op copies it, so the plan's capture
+    refuses to replay and the step stays right through the op's own path."""
+    m = _block("mamba")
+    xs = [torch.randn(2, 1, D_MODEL) for _ in range(3)]
+    conv_ref, ssm_ref = _states(m, 2)
+    ref = _unplanned_steps(m, xs, conv_ref, ssm_ref)
+    conv, ssm = _states(m, 2)
+    wide = torch.zeros(2, conv.shape[1], 2 * conv.shape[2])
+    strided = wide[..., ::2]
+    strided.copy_(conv)
+    got = _planned_steps(m, xs, strided, ssm)
+    assert _decode.plan_of(m).conv.launches == []
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert torch.equal(strided, conv_ref) and torch.equal(ssm, ssm_ref)
+
+
+def test_parameters_without_version_counter_get_no_cached_plan():
+    with torch.inference_mode():
+        m = _block("mamba")  # inference tensors: an in-place update could not be seen
+        states = _states(m, 1)
+        m.step(torch.randn(1, 1, D_MODEL), *states)
+    assert m not in _decode._plans
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_projection_parts_match_one_linear(batch):
+    torch.manual_seed(0)
+    w, x = torch.randn(100, 48), torch.randn(batch, 48)
+    full = torch.nn.functional.linear(x, w)
+    proj = _decode.Projection(w, None, (16, 0, 68, 16), batch)
+    parts = proj(x)
+    assert all(p.is_contiguous() and p.data_ptr() % 64 == 0 for p in parts if p.numel())
+    assert torch.equal(torch.cat(parts, dim=1), full)
+
+
+LM_SSM = {"mamba": dict(layer="Mamba1", d_state=8),
+          "mamba2": dict(layer="Mamba2", d_state=16, headdim=16, ngroups=2, D_has_hdim=True)}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("layer", list(LM_SSM))
+def test_lm_decode_plan_matches_blocks_path(layer, batch):
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(MambaConfig(d_model=D_MODEL, n_layer=2, vocab_size=64, ssm_cfg=LM_SSM[layer]))
+    ids = torch.randint(0, 64, (batch, 5))
+    planned = model.generate(ids, max_length=9, return_dict_in_generate=True, output_scores=True)
+    plan = _decode.plan_of(model)
+    assert isinstance(plan, _decode.LMStep) and all(s.launches for s, *_ in plan.layers)
+
+    def unplanned(step_ids, params):
+        with torch.enable_grad():
+            return model(step_ids, inference_params=params, num_last_tokens=1).logits.detach()
+    params = InferenceParams(max_seqlen=9, max_batch_size=batch)
+    sequences = planned.sequences.clone()  # a normal tensor (generate ran in inference mode)
+    logits = unplanned(ids, params)
+    assert torch.equal(logits[:, -1], planned.scores[0])
+    for t in range(1, len(planned.scores)):
+        params.seqlen_offset = ids.shape[1] + t - 1
+        logits = unplanned(sequences[:, ids.shape[1] + t - 1:ids.shape[1] + t], params)
+        assert torch.equal(logits[:, -1], planned.scores[t]), f"token {t}"
+    with pytest.raises(IndexError, match="input_ids"):
+        with torch.inference_mode():
+            model(torch.full((batch, 1), 64), inference_params=params)
+
+
+def test_replaced_parameter_or_submodule_rebuilds_the_plan():
+    m = _block("mamba")
+    xs = [torch.randn(1, 1, D_MODEL) for _ in range(2)]
+    states = _states(m, 1)
+    _planned_steps(m, xs[:1], *states)
+    m.D = torch.nn.Parameter(m.D.detach() * 3)  # a new parameter object (load_state_dict(assign=True) does this)
+    plan = _decode.plan_of(m)
+    ref_states = tuple(s.clone() for s in states)
+    got = _planned_steps(m, xs[1:], *states)
+    assert _decode.plan_of(m) is not plan
+    m.out_proj = torch.nn.Linear(m.d_inner, D_MODEL, bias=True)  # a new submodule
+    plan = _decode.plan_of(m)
+    got += _planned_steps(m, xs[:1], *states)
+    assert _decode.plan_of(m) is not plan
+    _decode.forget(m)
+    ref = _unplanned_steps(m, xs[1:] + xs[:1], *ref_states)
+    assert torch.equal(got[1], ref[1])
