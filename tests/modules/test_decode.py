@@ -150,8 +150,11 @@ def test_projection_parts_match_one_linear(batch):
     torch.manual_seed(0)
     w, x = torch.randn(100, 48), torch.randn(batch, 48)
     full = torch.nn.functional.linear(x, w)
-    proj = _decode.Projection(w, None, (16, 0, 68, 16), batch)
-    parts = proj(x)
+    layer = torch.nn.Linear(48, 100, bias=False)
+    layer.weight.data.copy_(w)
+    proj = _decode.Projection(layer, (16, 0, 68, 16), batch, torch.float32)
+    with torch.no_grad():  # as plans run (eager inference)
+        parts = proj(x)
     assert all(p.is_contiguous() and p.data_ptr() % 64 == 0 for p in parts if p.numel())
     assert torch.equal(torch.cat(parts, dim=1), full)
 
@@ -184,6 +187,33 @@ def test_lm_decode_plan_matches_blocks_path(layer, batch):
     with pytest.raises(IndexError, match="input_ids"):
         with torch.inference_mode():
             model(torch.full((batch, 1), 64), inference_params=params)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("layer", list(LM_SSM))
+def test_quantized_lm_decode_plan_runs_the_linear_op(layer, dtype):
+    """A quantize_weights model decodes on its plan through the linear op (no dequantized fp32 matmul):
+    every planned step's logits equal the blocks' path on the same quantized model, bit for bit."""
+    from tvm_mamba import quantize_weights
+
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(MambaConfig(d_model=D_MODEL, n_layer=2, vocab_size=64, ssm_cfg=LM_SSM[layer]))
+    quantize_weights(model, dtype)
+    ids = torch.randint(0, 64, (2, 5))
+    planned = model.generate(ids, max_length=8, return_dict_in_generate=True, output_scores=True)
+    plan = _decode.plan_of(model)
+    assert isinstance(plan, _decode.LMStep) and plan.lm_head.quantized and plan.lm_head.call.launches
+    assert all(mixer.out_proj.quantized and mixer.in_proj.dense.quantized for _, _, mixer, _ in plan.layers)
+    params = InferenceParams(max_seqlen=8, max_batch_size=2)
+    sequences = planned.sequences.clone()
+    with torch.enable_grad():
+        logits = model(ids, inference_params=params, num_last_tokens=1).logits.detach()
+        assert torch.equal(logits[:, -1], planned.scores[0])
+        for t in range(1, len(planned.scores)):
+            params.seqlen_offset = ids.shape[1] + t - 1
+            step = sequences[:, ids.shape[1] + t - 1:ids.shape[1] + t]
+            logits = model(step, inference_params=params, num_last_tokens=1).logits.detach()
+            assert torch.equal(logits[:, -1], planned.scores[t]), f"token {t}"
 
 
 def test_replaced_parameter_or_submodule_rebuilds_the_plan():

@@ -43,9 +43,11 @@ from ..runtime.target import device_target_key
 from ..torch_ops._dlpack import ALIGN, capture_launches, eager_direct
 from ..torch_ops.causal_conv1d import causal_conv1d_update
 from ..torch_ops.layer_norm import layer_norm_fn
+from ..torch_ops.linear import linear
 from ..torch_ops.rmsnorm_gated import rmsnorm_fn
 from ..torch_ops.selective_scan import selective_state_update
 from .layer_norm import RMSNorm
+from .quantize import QuantizedLinear
 
 _plans: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # key -> _Entry
 
@@ -205,21 +207,54 @@ class Parts:
         return [t[:, a:b] if buf is None else buf.copy_(t[:, a:b]) for a, b, buf in self.spans]
 
 
-class Projection:
-    """y = x @ weight.T (+ bias) for x: (batch, in_features): one matmul into a buffer made once, returned as
-    its parts (``sizes`` along out_features) in compact, aligned tensors (:class:`Parts`). One matmul, not
-    one per part: torch's CPU matmul of a few rows reduces in another order than the whole matrix's (other
-    bits), and one call is one launch."""
+class _without_bias(NamedTuple):
+    """dt_proj as the step uses it: its weight alone (the bias is added inside the state update)."""
+    weight: Tensor
+    bias: None = None
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], sizes, batch: int):
-        if sum(sizes) != weight.shape[0]:
-            raise ValueError(f"sizes: must add up to weight's {weight.shape[0]} rows, got {list(sizes)}")
-        self.weight, self.bias = weight, bias
-        self.out = weight.new_empty((batch, weight.shape[0]))
-        self.parts = Parts(sizes, batch, self.out)
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+class Dense:
+    """y = layer(x) for x: (batch, in_features): an ``nn.Linear`` as one matmul (into ``out`` when given, same
+    bits as F.linear), a ``QuantizedLinear`` (bf16 / int8 weight-only) through the linear op, its launch
+    captured once and replayed (its result is then the same tensor every step)."""
+
+    def __init__(self, layer):
+        self.quantized = isinstance(layer, QuantizedLinear)
+        if self.quantized:
+            self.call, self.args = Captured(), (layer.qweight, layer.bias, layer.scale)
+        else:
+            self.args = (layer.weight, layer.bias)
+
+    def __call__(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        if self.quantized:
+            return self.call.run(linear, x, *self.args)
+        return linear_into(x, *self.args, out)
+
+
+class Projection:
+    """y = layer(x) for x: (batch, in_features): one matmul into a buffer made once (or the quantized layer's
+    replayed result), returned as its parts (``sizes`` along out_features) in compact, aligned tensors
+    (:class:`Parts`). One matmul, not one per part: torch's CPU matmul of a few rows reduces in another order
+    than the whole matrix's (other bits), and one call is one launch. ``dtype``: the activations' (the result's
+dtype for a quantized layer; an nn.Linear's result has its weight's)."""
+
+    def __init__(self, layer, sizes, batch: int, dtype: torch.dtype):
+        if sum(sizes) != layer.out_features:
+            raise ValueError(f"sizes: must add up to the layer's {layer.out_features} outputs, got {list(sizes)}")
+        self.dense = Dense(layer)
+        device = self.dense.args[0].device
+        if not self.dense.quantized:
+            dtype = layer.weight.dtype  # F.linear's result dtype
+        self.out = None if self.dense.quantized else torch.empty((batch, layer.out_features), dtype=dtype,
+                                                                 device=device)
+        self.parts = Parts(sizes, batch, torch.empty(0, dtype=dtype, device=device))
 
     def __call__(self, x: Tensor) -> list[Tensor]:
-        return self.parts(linear_into(x, self.weight, self.bias, self.out))
+        return self.parts(self.dense(x, self.out))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -231,14 +266,15 @@ class MambaStep:
 
     def __init__(self, m, conv_state: Tensor, ssm_state: Tensor, batch: int):
         d, n = m.d_inner, m.d_state
-        self.in_proj = Projection(m.in_proj.weight, m.in_proj.bias, (d, d), batch)
-        self.x_proj = Projection(m.x_proj.weight, None, (m.dt_rank, n, n), batch)
-        self.dt_proj = Projection(m.dt_proj.weight, None, (d,), batch)
+        dtype = conv_state.dtype
+        self.in_proj = Projection(m.in_proj, (d, d), batch, dtype)
+        self.x_proj = Projection(m.x_proj, (m.dt_rank, n, n), batch, dtype)
+        self.dt_proj = Projection(_without_bias(m.dt_proj.weight), (d,), batch, dtype)
         self.conv_args = (conv_state[:batch], m._conv_weight(), m.conv1d.bias, m.activation)
         self.ssm_state = ssm_state[:batch]
         self.A = -torch.exp(m.A_log.float())
         self.D, self.dt_bias = m.D.float(), m.dt_proj.bias.float()
-        self.out_proj = (m.out_proj.weight, m.out_proj.bias)
+        self.out_proj = Dense(m.out_proj)
         self.conv, self.scan = Captured(), Captured()
 
     def step(self, h: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -248,7 +284,7 @@ class MambaStep:
         dt, = self.dt_proj(dt)
         y = self.scan.run(selective_state_update, self.ssm_state, x, dt, self.A, B, C, self.D, z=z,
                           dt_bias=self.dt_bias, dt_softplus=True)
-        return linear_into(y, *self.out_proj, out)
+        return self.out_proj(y, out)
 
 
 class Mamba2Step:
@@ -264,8 +300,8 @@ class Mamba2Step:
         gn, hp = m.ngroups * m.d_state, (m.nheads, m.headdim)
         self.dims = (batch, hp, m.ngroups, m.d_state, m.d_ssm)
         self.d_mlp = d_mlp = (m.in_proj.weight.shape[0] - 2 * m.d_ssm - 2 * gn - m.nheads) // 2
-        self.in_proj = Projection(m.in_proj.weight, m.in_proj.bias, (d_mlp, d_mlp, m.d_ssm, m.d_ssm + 2 * gn,
-                                                                     m.nheads), batch)
+        self.in_proj = Projection(m.in_proj, (d_mlp, d_mlp, m.d_ssm, m.d_ssm + 2 * gn, m.nheads), batch,
+                                  conv_state.dtype)
         self.conv_args = (conv_state[:batch], m._conv_weight(), m.conv1d.bias, m.activation)
         self.xbc = Parts((m.d_ssm, gn, gn), batch, m.in_proj.weight)  # x, B, C of the conv output
         self.ssm_state = ssm_state[:batch]
@@ -283,7 +319,7 @@ class Mamba2Step:
         self.norm = ((m.norm.weight, m.norm.bias), dict(eps=m.norm.eps, group_size=m.norm.group_size,
                                                          norm_before_gate=m.norm.norm_before_gate)) \
             if m.rmsnorm else None
-        self.out_proj = (m.out_proj.weight, m.out_proj.bias)
+        self.out_proj = Dense(m.out_proj)
         self.conv, self.scan, self.gate = Captured(), Captured(), Captured()
 
     def _dt(self, dt: Tensor) -> Tensor:
@@ -310,7 +346,7 @@ class Mamba2Step:
             y = self.gate.run(rmsnorm_fn, y, *self.norm[0], z=z, **self.norm[1])
         if self.d_mlp > 0:
             y = torch.cat([F.silu(z0) * x0, y], dim=-1)
-        return linear_into(y, *self.out_proj, out)
+        return self.out_proj(y, out)
 
 
 def _add_norm_args(norm, **flags) -> tuple:
@@ -335,7 +371,7 @@ class LMStep:
             self.layers.append((Captured(), norm, layer.mixer.decode_plan(conv_state, ssm_state, batch),
                                 torch.empty_like(self.h0)))
         self.final = (Captured(), _add_norm_args(bb.norm_f, prenorm=False, residual_in_fp32=bb.residual_in_fp32))
-        self.lm_head = (model.lm_head.weight, model.lm_head.bias)
+        self.lm_head = Dense(model.lm_head)
 
     def step(self, ids: Tensor) -> Tensor:
         h = torch.index_select(self.embedding, 0, ids.reshape(-1), out=self.h0)
@@ -345,7 +381,7 @@ class LMStep:
             h = mixer.step(h, out)
         final, (weight, bias, kw) = self.final
         h = final.run(layer_norm_fn, h, weight, bias, residual=residual, **kw)
-        return linear_into(h, *self.lm_head, None).unsqueeze(1)
+        return self.lm_head(h).unsqueeze(1)
 
 
 def lm_plan(model, input_ids: Tensor, inference_params) -> Optional[LMStep]:
