@@ -84,3 +84,11 @@ class Dims:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, *args, **fields):
+        """The dims a builder is called with: ``builder(dims)`` passes an instance through; the field form
+        ``builder(dim, width, ...)`` / ``builder(dim=..., ...)`` (tests, scripts) makes one."""
+        if len(args) == 1 and not fields and isinstance(args[0], cls):
+            return args[0]
+        return cls(*args, **fields)
