@@ -26,9 +26,10 @@ def _check(dim: int, width: int, activation: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class CausalConv1dFwd(Dims):
-    """x: (batch, dim, seqlen), weight: (dim, width); has_bias / has_seq_idx / has_init: the optional inputs
-    are present; return_final: write final_states (batch, dim, width-1)."""
+class _Conv(Dims):
+    """What the forward and the backward share: x: (batch, dim, seqlen), weight: (dim, width); has_bias /
+    has_seq_idx / has_init: the optional inputs are present. (Each subclass ends with its flag, then the
+    x / weight dtypes: the builders' positional order.)"""
 
     dim: int
     width: int
@@ -36,9 +37,6 @@ class CausalConv1dFwd(Dims):
     has_bias: bool = False
     has_seq_idx: bool = False
     has_init: bool = False
-    return_final: bool = False
-    x_dtype: str = "float32"
-    weight_dtype: str = "float32"
 
     def __post_init__(self):
         _check(self.dim, self.width, self.activation)
@@ -47,23 +45,21 @@ class CausalConv1dFwd(Dims):
 
 
 @dataclasses.dataclass(frozen=True)
-class CausalConv1dBwd(Dims):
-    """As the forward; has_dfinal: a gradient of final_states (batch, dim, width-1) flows in."""
+class CausalConv1dFwd(_Conv):
+    """return_final: write final_states (batch, dim, width-1)."""
 
-    dim: int
-    width: int
-    activation: str = "none"
-    has_bias: bool = False
-    has_seq_idx: bool = False
-    has_init: bool = False
-    has_dfinal: bool = False
+    return_final: bool = False
     x_dtype: str = "float32"
     weight_dtype: str = "float32"
 
-    def __post_init__(self):
-        _check(self.dim, self.width, self.activation)
-        check_dtype("x", self.x_dtype)
-        check_dtype("weight", self.weight_dtype)
+
+@dataclasses.dataclass(frozen=True)
+class CausalConv1dBwd(_Conv):
+    """has_dfinal: a gradient of final_states (batch, dim, width-1) flows in."""
+
+    has_dfinal: bool = False
+    x_dtype: str = "float32"
+    weight_dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,8 +84,18 @@ def _flag(default=False):
     return dataclasses.field(default=default, metadata=OMIT_DEFAULT)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Norm(Dims):
-    """What both directions' dims share: validation, and the direction-independent NormDims the math uses."""
+    """What both directions' dims share: the first fields (the builders' positional order; each subclass
+    adds its own flags and dtypes), validation, and the direction-independent NormDims the math uses."""
+
+    hidden: int
+    group_size: int
+    eps: float = 1e-6
+    has_bias: bool = False
+    has_z: bool = False
+    norm_before_gate: bool = True
+    is_rms_norm: bool = _flag(True)
 
     def __post_init__(self):
         self.norm()  # hidden / group_size checks
@@ -102,13 +112,6 @@ class RMSNormGatedFwd(_Norm):
     """The forward's static dims (NormDims' flags of the forward, in the builder's positional order) and
     dtypes; residual / residual_out dtypes are None (and out of the key) when they are x's."""
 
-    hidden: int
-    group_size: int
-    eps: float = 1e-6
-    has_bias: bool = False
-    has_z: bool = False
-    norm_before_gate: bool = True
-    is_rms_norm: bool = _flag(True)
     has_residual: bool = _flag()
     store_residual: bool = _flag()
     has_rowscale: bool = _flag()
@@ -127,13 +130,6 @@ class RMSNormGatedFwd(_Norm):
 class RMSNormGatedBwd(_Norm):
     """The backward's static dims and dtypes; dout_dtype is None (and out of the key) when it is x's."""
 
-    hidden: int
-    group_size: int
-    eps: float = 1e-6
-    has_bias: bool = False
-    has_z: bool = False
-    norm_before_gate: bool = True
-    is_rms_norm: bool = _flag(True)
     has_dresidual: bool = _flag()
     store_dresidual: bool = _flag()
     has_rowscale: bool = _flag()
