@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Mapping
 
@@ -92,3 +93,14 @@ class Dims:
         if len(args) == 1 and not fields and isinstance(args[0], cls):
             return args[0]
         return cls(*args, **fields)
+
+    @classmethod
+    def cached(cls, *args, **fields):
+        """``cls(*args, **fields)``, memoized: a torch op makes dims on every kernel call, and a frozen
+        dataclass's __init__ plus validation costs several microseconds, a lookup about one."""
+        return _cached_dims(cls, args, tuple(fields.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_dims(cls, args: tuple, fields: tuple) -> Dims:
+    return cls(*args, **dict(fields))

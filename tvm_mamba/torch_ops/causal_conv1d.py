@@ -25,11 +25,10 @@ from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_size, check_t
 OP = "causal_conv1d"
 
 
-def _fields(x: Tensor, weight: Tensor, silu: bool, bias, seq_idx, initial_states) -> dict:
-    """The dims fields the forward and the backward share."""
-    return dict(dim=x.shape[1], width=weight.shape[1], activation="silu" if silu else "none",
-                has_bias=bias is not None, has_seq_idx=seq_idx is not None, has_init=initial_states is not None,
-                x_dtype=tvm_dtype(x), weight_dtype=tvm_dtype(weight))
+def _dims(cls, x: Tensor, weight: Tensor, silu: bool, bias, seq_idx, initial_states, flag: bool):
+    """The forward's or backward's dims (``cls``); ``flag``: return_final / has_dfinal."""
+    return cls.cached(x.shape[1], weight.shape[1], "silu" if silu else "none", bias is not None,
+                      seq_idx is not None, initial_states is not None, flag, tvm_dtype(x), tvm_dtype(weight))
 
 
 def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
@@ -50,7 +49,7 @@ def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx
         if return_final_states and batch * dim:
             final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
         return out, final
-    dims = CausalConv1dFwd(**_fields(x, weight, silu, bias, seq_idx, initial_states), return_final=return_final_states)
+    dims = _dims(CausalConv1dFwd, x, weight, silu, bias, seq_idx, initial_states, return_final_states)
     kern = kernel_for(OP, "fwd", x.device, dims, batch=batch, seqlen=seqlen)
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(seq_idx, x, torch.int32, 2),
          _opt(initial_states, x, x.dtype, 3), out,
@@ -81,7 +80,7 @@ def causal_conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx
         if initial_states is not None:
             dinit.copy_(dfinal if dfinal is not None else torch.zeros_like(dinit))
         return dx, dweight, dbias, dinit
-    dims = CausalConv1dBwd(**_fields(x, weight, silu, bias, seq_idx, initial_states), has_dfinal=dfinal is not None)
+    dims = _dims(CausalConv1dBwd, x, weight, silu, bias, seq_idx, initial_states, dfinal is not None)
     kern = kernel_for(OP, "bwd", x.device, dims, batch=batch, seqlen=seqlen)
     g = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     partial = torch.empty((batch, dim, width + 1), device=x.device, dtype=torch.float32)
@@ -154,10 +153,9 @@ def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias:
     if batch * dim == 0 or seqlen == 0:
         return out
     state = prepare(conv_state)  # conv_state itself when compact and aligned: the kernel updates it in place
-    dims = CausalConv1dUpdate(dim=dim, width=weight.shape[1], state_len=state.shape[2],
-                              activation="silu" if silu else "none", has_bias=bias is not None,
-                              has_indices=conv_state_indices is not None, has_cache_seqlens=cache_seqlens is not None,
-                              x_dtype=tvm_dtype(xk), weight_dtype=tvm_dtype(weight), state_dtype=tvm_dtype(state))
+    dims = CausalConv1dUpdate.cached(dim, weight.shape[1], state.shape[2], "silu" if silu else "none",
+                                     bias is not None, conv_state_indices is not None, cache_seqlens is not None,
+                                     tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state))
     kern = kernel_for(OP, "update", x.device, dims, batch=batch, seqlen=seqlen)
     kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), _opt(conv_state_indices, x, torch.int32, 1),
          _opt(cache_seqlens, x, torch.int32, 1), out)
@@ -190,7 +188,7 @@ def causal_conv1d_varlen_states_op(x: Tensor, cu_seqlens: Tensor, state_len: int
         return x.new_zeros((batch, state_len, dim))
     xk, cu = prepare(x), prepare(cu_seqlens.to(torch.int32))
     states = x.new_empty((batch, state_len, dim))
-    kern = kernel_for(OP, "varlen_states", x.device, CausalConv1dVarlenStates(dim, state_len, tvm_dtype(xk)),
+    kern = kernel_for(OP, "varlen_states", x.device, CausalConv1dVarlenStates.cached(dim, state_len, tvm_dtype(xk)),
                       batch=batch, seqlen=x.shape[0])
     kern(xk, cu, states)
     return states

@@ -31,9 +31,9 @@ def _dims(cls, x: Tensor, weight: Tensor, bias, z, eps: float, group_size: int, 
           is_rms_norm: bool, **flags):
     """The kernel's typed dims (``cls``: RMSNormGatedFwd / RMSNormGatedBwd); ``flags``: the direction's own
     flags, and its extra dtypes where they differ from x's (None keeps them out of the key)."""
-    return cls(x.shape[1], group_size, float(eps), bias is not None, z is not None,
-               bool(norm_before_gate) if z is not None else True, bool(is_rms_norm), x_dtype=tvm_dtype(x),
-               weight_dtype=tvm_dtype(weight), **flags)
+    return cls.cached(x.shape[1], group_size, float(eps), bias is not None, z is not None,
+                      bool(norm_before_gate) if z is not None else True, bool(is_rms_norm), x_dtype=tvm_dtype(x),
+                      weight_dtype=tvm_dtype(weight), **flags)
 
 
 def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
