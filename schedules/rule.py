@@ -5,8 +5,11 @@ Every ``schedules/<cpu|cuda>/<op>.py`` exposes::
     def apply(func: PrimFunc, target: Target, decisions: Decisions) -> s_tir.Schedule | None
 
 ``func`` is the compute builder's PrimFunc for one kernel; its ``tvm_mamba.kernel`` attribute names the
-kernel (``causal_conv1d_fwd``) and ``tvm_mamba.static`` carries its static dims and dtypes. A rule checks
-that it knows the kernel first and returns None when it does not (never raises on a foreign pattern).
+kernel (``causal_conv1d_fwd``) and ``tvm_mamba.static`` carries its static dims and dtypes (an op with
+typed dims rebuilds them: ``compute.<op>.DIMS[direction](**static)``). A rule checks that it knows the
+kernel and the target's capability first (``"gpu" in target.keys`` for the ``cuda/`` rules, which serve any
+GPU codegen; ``"cpu"`` for ``cpu/``) and returns None when it does not (never raises on a foreign pattern:
+tests/schedules/test_rule_contract.py).
 
 Each rule is a *design space*: every choice (vector width, time tile, threads per block, unroll, chunk
 length, algorithm) is made through ``decisions.pick(name, candidates, default)``. With no tuning record the

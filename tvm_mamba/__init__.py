@@ -32,38 +32,49 @@ def _map_schedules_from_checkout() -> None:
 
 _map_schedules_from_checkout()
 
-from .torch_ops.causal_conv1d import (causal_conv1d_fn, causal_conv1d_update,  # noqa: E402,F401
-                                      causal_conv1d_varlen_states)
-from .torch_ops.ssd import mamba_chunk_scan_combined  # noqa: E402,F401
-from .torch_ops.selective_scan import selective_scan_fn, selective_state_update  # noqa: E402,F401
-from .torch_ops.rmsnorm_gated import rmsnorm_fn  # noqa: E402,F401
-from .torch_ops.int8_dot import (int8_decoder_tail, int8_lowrank_projection, int8_matmul,  # noqa: E402,F401
-                                 pack_int8x4, quantize_int8, unpack_int8x4)
-from .modules import Mamba, Mamba2, MambaConfig, MambaLMHeadModel, RMSNormGated  # noqa: E402,F401
-from .explain import explain  # noqa: E402,F401
-from .runtime.tuning import tuning_logs  # noqa: E402,F401
-from .runtime.cudasim import simulate as simulate_cuda  # noqa: E402,F401
+# Public name -> the module that defines it. Resolved on first use (PEP 562), so ``import tvm_mamba.compute``
+# or ``tvm_mamba.runtime`` (the torch-free layers: an AOT host with only TVM) does not import torch through
+# this file, and no module of the package imports this one to get at a sibling.
+_PUBLIC = {
+    ".torch_ops.causal_conv1d": ("causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen_states"),
+    ".torch_ops.ssd": ("mamba_chunk_scan_combined",),
+    ".torch_ops.selective_scan": ("selective_scan_fn", "selective_state_update"),
+    ".torch_ops.rmsnorm_gated": ("rmsnorm_fn", "layernorm_fn"),
+    ".torch_ops.int8_dot": ("quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
+                            "int8_lowrank_projection", "int8_decoder_tail"),
+    ".modules": ("Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel", "RMSNormGated"),
+    ".explain": ("explain",),
+    ".runtime.tuning": ("tuning_logs",),
+    ".torch_ops.mamba_inner": ("mamba_inner_fn",),  # the fused layer paths
+    ".torch_ops.mamba_split": ("mamba_split_conv1d_scan_combined",),
+    ".torch_ops.layer_norm": ("layer_norm_fn", "rms_norm_fn"),  # mamba_ssm's layer_norm.py (fused add-norm)
+    # weight-only bf16 / int8 projections (the linear op) and the model-level swap
+    ".torch_ops.linear": ("linear", "quantize_weight"),
+    ".modules.quantize": ("QuantizedLinear", "quantize_weights"),
+}
+_RENAMED = {"simulate_cuda": (".runtime.cudasim", "simulate"),
+            "LayerNormGated": (".modules.rmsnorm_gated", "LayerNorm")}  # layernorm_gated.py's LayerNorm
+_WHERE = {name: (module, name) for module, names in _PUBLIC.items() for name in names} | _RENAMED
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen_states", "mamba_chunk_scan_combined",
            "selective_scan_fn", "selective_state_update", "rmsnorm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
            "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel",
-           "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__"]
+           "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__",
+           "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
+           "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated",
+           "linear", "quantize_weight", "QuantizedLinear", "quantize_weights"]
 
-# the fused layer paths (their own lines, so the list above can grow without touching these)
-from .torch_ops.mamba_inner import mamba_inner_fn  # noqa: E402,F401
-from .torch_ops.mamba_split import mamba_split_conv1d_scan_combined  # noqa: E402,F401
 
-__all__ += ["mamba_inner_fn", "mamba_split_conv1d_scan_combined"]
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-# the norms of mamba_ssm's layernorm_gated.py (layernorm_fn, LayerNorm) and layer_norm.py (the fused add-norm)
-from .torch_ops.rmsnorm_gated import layernorm_fn  # noqa: E402,F401
-from .torch_ops.layer_norm import layer_norm_fn, rms_norm_fn  # noqa: E402,F401
-from .modules.rmsnorm_gated import LayerNorm as LayerNormGated  # noqa: E402,F401
+    value = getattr(importlib.import_module(where[0], __name__), where[1])
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
 
-__all__ += ["layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated"]
 
-# weight-only bf16 / int8 projections (the linear op) and the model-level swap
-from .torch_ops.linear import linear, quantize_weight  # noqa: E402,F401
-from .modules.quantize import QuantizedLinear, quantize_weights  # noqa: E402,F401
-
-__all__ += ["linear", "quantize_weight", "QuantizedLinear", "quantize_weights"]
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

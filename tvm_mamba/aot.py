@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from .runtime import KernelKey, cpu_target, cuda_target, target_key
-from .runtime import dispatch, pack, threads
+from .runtime import dispatch, pack, rules, threads
 from .runtime.cache import PACK_THREADS, compile_module
 
 
@@ -81,9 +81,7 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
 
 
 def main(args) -> int:
-    from .cli import _compute_modules
-
-    ops = args.ops.split(",") if args.ops else _compute_modules()
+    ops = args.ops.split(",") if args.ops else rules.compute_ops()
     if _needs_stub_reexec(args.target):
         with tempfile.TemporaryDirectory(prefix="tvm_mamba_stub_") as tmp:
             stub = pack.make_stub_driver(pathlib.Path(tmp))

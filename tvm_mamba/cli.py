@@ -20,14 +20,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import importlib
-import pathlib
 import sys
 import time
-
-
-def _compute_modules() -> list[str]:
-    root = pathlib.Path(__file__).resolve().parent / "compute"
-    return sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_"))
 
 
 def cmd_info(args) -> int:
@@ -104,7 +98,9 @@ def _checked_ops_arch(args, cmd: str):
         print(f"{cmd}: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
         return None
 
-    valid = _compute_modules()
+    from tvm_mamba.runtime.rules import compute_ops
+
+    valid = compute_ops()
     ops = [o for o in args.ops.split(",") if o] if args.ops else valid
     unknown = [o for o in ops if o not in valid]
     if unknown:
@@ -241,7 +237,9 @@ def _directions(args):
 
 
 def cmd_tune(args) -> int:
-    ops = args.ops.split(",") if args.ops else _compute_modules()
+    from tvm_mamba.runtime.rules import compute_ops
+
+    ops = args.ops.split(",") if args.ops else compute_ops()
     seqlens = tuple(int(v) for v in args.seqlens.split(","))
     batches = tuple(int(v) for v in args.batches.split(","))
     if args.emit_candidates or args.measure or args.commit:

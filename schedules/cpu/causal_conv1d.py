@@ -16,7 +16,7 @@ from tvm.script import tirx as T
 
 from ...compute import _math
 from ...compute._causal_conv1d_update import update_template
-from ...compute.causal_conv1d import window_value, zero_padding
+from ...compute.causal_conv1d import DIMS, CausalConv1dBwd, CausalConv1dFwd, window_value, zero_padding
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 F32 = "float32"
@@ -30,8 +30,12 @@ def _act_grad(v, activation):
     return _math.silu_grad(v) if activation == "silu" else tirx.const(1.0, F32)
 
 
-def _fwd(dim, width, activation, has_bias, has_seq_idx, has_init, return_final, x_dtype, weight_dtype, V):
-    D, W = dim, width
+def _fwd(d: CausalConv1dFwd, V: int):
+    D, W = d.dim, d.width
+    # plain names: TVMScript folds these Python values into the kernel's static branches
+    activation, has_bias, has_seq_idx, has_init, return_final = d.activation, d.has_bias, d.has_seq_idx, \
+        d.has_init, d.return_final
+    x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
 
     def xx(x, init, seq_idx, b, c, s, t):
         return window_value(x, init, seq_idx, W, has_seq_idx, has_init, b, c, s, t)
@@ -90,39 +94,161 @@ def _fwd(dim, width, activation, has_bias, has_seq_idx, has_init, return_final, 
     return causal_conv1d_fwd
 
 
-def _bwd(dim, width, activation, has_bias, has_seq_idx, has_init, has_dfinal, x_dtype, weight_dtype, V):
-    D, W = dim, width
-    zero = tirx.const(0.0, F32)
+class _BwdTaps:
+    """The backward's float32 reads at a (batch b, channel c, position) for dims ``d``: the window (xx),
+    g at a later source position, dout and dfinal, each masked as the TE backward masks it."""
 
-    def xx(x, init, seq_idx, b, c, s, t):
-        return window_value(x, init, seq_idx, W, has_seq_idx, has_init, b, c, s, t)
+    def __init__(self, d: CausalConv1dBwd):
+        self.d, self.W, self.zero = d, d.width, tirx.const(0.0, F32)
 
+    def xx(self, x, init, seq_idx, b, c, s, t):
+        return window_value(x, init, seq_idx, self.W, self.d.has_seq_idx, self.d.has_init, b, c, s, t)
+
+    @staticmethod
     def same(seq_idx, b, s, t):  # both positions inside [0, L)
         return seq_idx[b, s] == seq_idx[b, t]
 
-    def g_at(g, seq_idx, L, b, c, src, s):  # g[src] if src is a later position of s's sequence, else 0
+    def g_at(self, g, seq_idx, L, b, c, src, s):  # g[src] if src is a later position of s's sequence, else 0
         val = g[b, c, tirx.min(tirx.max(src, 0), L - 1)]
-        if has_seq_idx:
-            val = tirx.Select(same(seq_idx, b, tirx.min(tirx.max(src, 0), L - 1), tirx.max(s, 0)), val, zero)
-        return tirx.if_then_else(tirx.all(src >= 0, src < L), val, zero)
+        if self.d.has_seq_idx:
+            val = tirx.Select(self.same(seq_idx, b, tirx.min(tirx.max(src, 0), L - 1), tirx.max(s, 0)), val,
+                              self.zero)
+        return tirx.if_then_else(tirx.all(src >= 0, src < L), val, self.zero)
 
-    def g_main(g, seq_idx, b, c, src, s):  # main loop: 0 <= s <= src < L
+    def g_main(self, g, seq_idx, b, c, src, s):  # main loop: 0 <= s <= src < L
         val = g[b, c, src]
-        return tirx.Select(same(seq_idx, b, src, s), val, zero) if has_seq_idx else val
+        return tirx.Select(self.same(seq_idx, b, src, s), val, self.zero) if self.d.has_seq_idx else val
 
-    def final_grad(dfinal, L, b, c, s):
-        if not has_dfinal:
-            return zero
+    def final_grad(self, dfinal, L, b, c, s):
+        if not self.d.has_dfinal:
+            return self.zero
+        W = self.W
         j = s - (L - (W - 1))
         return tirx.if_then_else(tirx.all(j >= 0, j < W - 1),
-                                 dfinal[b, c, tirx.min(tirx.max(j, 0), W - 2)].astype(F32), zero)
+                                 dfinal[b, c, tirx.min(tirx.max(j, 0), W - 2)].astype(F32), self.zero)
 
-    def dout_at(dout, seq_idx, b, c, t):  # a padding output is a constant 0: no gradient flows from it
-        return zero_padding(dout[b, c, t].astype(F32), seq_idx, has_seq_idx, b, t)
+    def dout_at(self, dout, seq_idx, b, c, t):  # a padding output is a constant 0: no gradient flows from it
+        return zero_padding(dout[b, c, t].astype(F32), seq_idx, self.d.has_seq_idx, b, t)
 
-    def xtap(x, seq_idx, b, c, s, t):  # main loop: s >= 0
+    def xtap(self, x, seq_idx, b, c, s, t):  # main loop: s >= 0
         v = x[b, c, s].astype(F32)
-        return tirx.Select(same(seq_idx, b, s, t), v, zero) if has_seq_idx else v
+        return tirx.Select(self.same(seq_idx, b, s, t), v, self.zero) if self.d.has_seq_idx else v
+
+
+def _bwd_grad_pre(d: CausalConv1dBwd, V: int, tp: _BwdTaps):
+    """Phase 1, per row: g = dout * act'(pre), pre recomputed (cheaper than saving it: one row pass);
+    a scalar head (t < V: the window reaches before t=0), full vectors, a scalar tail."""
+    D, W, activation, has_bias = d.dim, d.width, d.activation, d.has_bias
+
+    @T.macro
+    def grad_pre(x, weight, bias, seq_idx, init, dout, g, B, L):
+        for row in T.parallel(B * D):
+            b = T.meta_var(row // D)
+            c = T.meta_var(row % D)
+            wv = T.alloc_buffer((W + 1,), F32)
+            acc = T.alloc_buffer((V,), F32)
+            for k in T.unroll(W):
+                wv[k] = weight[c, k].astype(F32)
+            wv[W] = bias[c].astype(F32) if has_bias else T.float32(0)
+            for t in range(T.min(L, V)):
+                acc[0] = wv[W]
+                for k in T.unroll(W):
+                    acc[0] = acc[0] + wv[k] * tp.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
+                g[b, c, t] = tp.dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
+            for t0 in range(1, L // V):
+                for i in T.vectorized(V):
+                    acc[i] = wv[W]
+                for k in T.unroll(W):
+                    for i in T.vectorized(V):
+                        acc[i] = acc[i] + wv[k] * tp.xtap(x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
+                for i in T.vectorized(V):
+                    g[b, c, t0 * V + i] = tp.dout_at(dout, seq_idx, b, c, t0 * V + i) * _act_grad(acc[i], activation)
+            for t in range(T.max(L // V * V, V), L):
+                acc[0] = wv[W]
+                for k in T.unroll(W):
+                    acc[0] = acc[0] + wv[k] * tp.xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
+                g[b, c, t] = tp.dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
+
+    return grad_pre
+
+
+def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _BwdTaps):
+    """Phase 2, per row: dx, dinit, and the row's partial sums for dweight / dbias (stage 1 of 2)."""
+    D, W, x_dtype, has_init = d.dim, d.width, d.x_dtype, d.has_init
+
+    @T.macro
+    def dx_dinit(weight, seq_idx, dfinal, dx, dinit, g, wv, acc, b, c, L):
+        for k in T.unroll(W):
+            wv[k] = weight[c, k].astype(F32)
+        nmain = T.meta_var(T.max(L - (W - 1), 0) // V)
+        for s0 in range(nmain):  # dx main: every source s + (W-1) - k < L
+            for i in T.vectorized(V):
+                acc[i] = T.float32(0)
+            for k in T.unroll(W):
+                for i in T.vectorized(V):
+                    acc[i] = acc[i] + wv[k] * tp.g_main(g, seq_idx, b, c, s0 * V + i + (W - 1) - k, s0 * V + i)
+            for i in T.vectorized(V):
+                dx[b, c, s0 * V + i] = acc[i].astype(x_dtype)
+        for s in range(nmain * V, L):
+            acc[0] = tp.final_grad(dfinal, L, b, c, s)
+            for k in T.unroll(W):
+                acc[0] = acc[0] + wv[k] * tp.g_at(g, seq_idx, L, b, c, s + (W - 1) - k, s)
+            dx[b, c, s] = acc[0].astype(x_dtype)
+        if has_init:
+            for j in range(W - 1):
+                acc[0] = tp.final_grad(dfinal, L, b, c, j - (W - 1))
+                for k in T.unroll(W):
+                    acc[0] = acc[0] + wv[k] * tp.g_at(g, seq_idx, L, b, c, j - k, 0)
+                dinit[b, c, j] = acc[0].astype(x_dtype)
+
+    @T.macro
+    def row_partials(x, seq_idx, init, g, partial, acc, pacc, b, c, L):
+        for k in range(W + 1):
+            for i in T.vectorized(V):
+                pacc[k, i] = T.float32(0)
+        for t in range(T.min(L, V)):
+            for k in T.unroll(W):
+                pacc[k, 0] = pacc[k, 0] + g[b, c, t] * tp.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
+            pacc[W, 0] = pacc[W, 0] + g[b, c, t]
+        for t0 in range(1, L // V):
+            for k in T.unroll(W):
+                for i in T.vectorized(V):
+                    pacc[k, i] = pacc[k, i] + g[b, c, t0 * V + i] * tp.xtap(
+                        x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
+            for i in T.vectorized(V):
+                pacc[W, i] = pacc[W, i] + g[b, c, t0 * V + i]
+        for t in range(T.max(L // V * V, V), L):
+            for k in T.unroll(W):
+                pacc[k, 0] = pacc[k, 0] + g[b, c, t] * tp.xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
+            pacc[W, 0] = pacc[W, 0] + g[b, c, t]
+        for k in range(W + 1):
+            acc[0] = T.float32(0)
+            for i in range(V):  # fixed order: deterministic
+                acc[0] = acc[0] + pacc[k, i]
+            partial[b, c, k] = acc[0]
+
+    @T.macro
+    def grad_inputs(x, weight, seq_idx, init, dfinal, dx, dinit, g, partial, B, L):
+        for row in T.parallel(B * D):
+            b = T.meta_var(row // D)
+            c = T.meta_var(row % D)
+            wv = T.alloc_buffer((W,), F32)
+            acc = T.alloc_buffer((V,), F32)
+            pacc = T.alloc_buffer((W + 1, V), F32)
+            dx_dinit(weight, seq_idx, dfinal, dx, dinit, g, wv, acc, b, c, L)
+            row_partials(x, seq_idx, init, g, partial, acc, pacc, b, c, L)
+
+    return grad_inputs
+
+
+def _bwd(d: CausalConv1dBwd, V: int):
+    """The backward loop nest: phase 1 (_bwd_grad_pre), phase 2 (_bwd_grad_inputs), then stage 2 of the
+    dweight / dbias reduction over batch, in batch order (deterministic)."""
+    D, W = d.dim, d.width
+    has_bias, has_seq_idx, has_init, has_dfinal = d.has_bias, d.has_seq_idx, d.has_init, d.has_dfinal
+    x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
+    tp = _BwdTaps(d)
+    grad_pre, grad_inputs = _bwd_grad_pre(d, V, tp), _bwd_grad_inputs(d, V, tp)
 
     @T.prim_func
     def causal_conv1d_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
@@ -144,87 +270,9 @@ def _bwd(dim, width, activation, has_bias, has_seq_idx, has_init, has_dfinal, x_
         dinit = T.match_buffer(di_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
         g = T.match_buffer(g_h, (B, D, L), F32)
         partial = T.match_buffer(p_h, (B, D, W + 1), F32)
-        # phase 1: g = dout * act'(pre), pre recomputed (cheaper than saving it: one row pass)
-        for row in T.parallel(B * D):
-            b = T.meta_var(row // D)
-            c = T.meta_var(row % D)
-            wv = T.alloc_buffer((W + 1,), F32)
-            acc = T.alloc_buffer((V,), F32)
-            for k in T.unroll(W):
-                wv[k] = weight[c, k].astype(F32)
-            wv[W] = bias[c].astype(F32) if has_bias else T.float32(0)
-            for t in range(T.min(L, V)):
-                acc[0] = wv[W]
-                for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
-                g[b, c, t] = dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
-            for t0 in range(1, L // V):
-                for i in T.vectorized(V):
-                    acc[i] = wv[W]
-                for k in T.unroll(W):
-                    for i in T.vectorized(V):
-                        acc[i] = acc[i] + wv[k] * xtap(x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
-                for i in T.vectorized(V):
-                    g[b, c, t0 * V + i] = dout_at(dout, seq_idx, b, c, t0 * V + i) * _act_grad(acc[i], activation)
-            for t in range(T.max(L // V * V, V), L):
-                acc[0] = wv[W]
-                for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
-                g[b, c, t] = dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
-        # phase 2: dx, dinit, and per-row partial sums for dweight / dbias (stage 1 of 2)
-        for row in T.parallel(B * D):
-            b = T.meta_var(row // D)
-            c = T.meta_var(row % D)
-            wv = T.alloc_buffer((W,), F32)
-            acc = T.alloc_buffer((V,), F32)
-            pacc = T.alloc_buffer((W + 1, V), F32)
-            for k in T.unroll(W):
-                wv[k] = weight[c, k].astype(F32)
-            nmain = T.meta_var(T.max(L - (W - 1), 0) // V)
-            for s0 in range(nmain):  # dx main: every source s + (W-1) - k < L
-                for i in T.vectorized(V):
-                    acc[i] = T.float32(0)
-                for k in T.unroll(W):
-                    for i in T.vectorized(V):
-                        acc[i] = acc[i] + wv[k] * g_main(g, seq_idx, b, c, s0 * V + i + (W - 1) - k, s0 * V + i)
-                for i in T.vectorized(V):
-                    dx[b, c, s0 * V + i] = acc[i].astype(x_dtype)
-            for s in range(nmain * V, L):
-                acc[0] = final_grad(dfinal, L, b, c, s)
-                for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * g_at(g, seq_idx, L, b, c, s + (W - 1) - k, s)
-                dx[b, c, s] = acc[0].astype(x_dtype)
-            if has_init:
-                for j in range(W - 1):
-                    acc[0] = final_grad(dfinal, L, b, c, j - (W - 1))
-                    for k in T.unroll(W):
-                        acc[0] = acc[0] + wv[k] * g_at(g, seq_idx, L, b, c, j - k, 0)
-                    dinit[b, c, j] = acc[0].astype(x_dtype)
-            for k in range(W + 1):
-                for i in T.vectorized(V):
-                    pacc[k, i] = T.float32(0)
-            for t in range(T.min(L, V)):
-                for k in T.unroll(W):
-                    pacc[k, 0] = pacc[k, 0] + g[b, c, t] * xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
-                pacc[W, 0] = pacc[W, 0] + g[b, c, t]
-            for t0 in range(1, L // V):
-                for k in T.unroll(W):
-                    for i in T.vectorized(V):
-                        pacc[k, i] = pacc[k, i] + g[b, c, t0 * V + i] * xtap(
-                            x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
-                for i in T.vectorized(V):
-                    pacc[W, i] = pacc[W, i] + g[b, c, t0 * V + i]
-            for t in range(T.max(L // V * V, V), L):
-                for k in T.unroll(W):
-                    pacc[k, 0] = pacc[k, 0] + g[b, c, t] * xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
-                pacc[W, 0] = pacc[W, 0] + g[b, c, t]
-            for k in range(W + 1):
-                acc[0] = T.float32(0)
-                for i in range(V):  # fixed order: deterministic
-                    acc[0] = acc[0] + pacc[k, i]
-                partial[b, c, k] = acc[0]
-        # phase 3 (stage 2): sum the per-row partials over batch, in batch order
-        for c in T.parallel(D):
+        grad_pre(x, weight, bias, seq_idx, init, dout, g, B, L)
+        grad_inputs(x, weight, seq_idx, init, dfinal, dx, dinit, g, partial, B, L)
+        for c in T.parallel(D):  # stage 2: the per-row partials summed over batch, in batch order
             acc = T.alloc_buffer((W + 1,), F32)
             for k in range(W + 1):
                 acc[k] = T.float32(0)
@@ -250,20 +298,18 @@ def _varlen_states(func):
 
 
 def apply(func, target, decisions: Decisions):
-    """Loop-nest template for the causal_conv1d kernels on llvm targets; None for anything else."""
+    """Loop-nest template for the causal_conv1d kernels on CPU targets; None for anything else."""
     kernel, st = kernel_attrs(func)
-    if target.kind.name != "llvm" or kernel is None or not kernel.startswith("causal_conv1d_"):
+    cls = DIMS.get(kernel[len("causal_conv1d_"):]) if kernel and kernel.startswith("causal_conv1d_") else None
+    if "cpu" not in target.keys or cls is None:
         return None
+    dims = cls(**st)
     if kernel == "causal_conv1d_fwd":
-        V = decisions.pick("vector", (8, 16, 32), 16)
-        f = _fwd(st["dim"], st["width"], st["activation"], st["has_bias"], st["has_seq_idx"], st["has_init"],
-                 st["return_final"], st["x_dtype"], st["weight_dtype"], V)
+        f = _fwd(dims, decisions.pick("vector", (8, 16, 32), 16))
     elif kernel == "causal_conv1d_bwd":
-        V = decisions.pick("vector", (8, 16, 32), 16)
-        f = _bwd(st["dim"], st["width"], st["activation"], st["has_bias"], st["has_seq_idx"], st["has_init"],
-                 st["has_dfinal"], st["x_dtype"], st["weight_dtype"], V)
+        f = _bwd(dims, decisions.pick("vector", (8, 16, 32), 16))
     elif kernel == "causal_conv1d_update":
-        f = update_template(**st, mode="cpu")
+        f = update_template(dims, mode="cpu")
     elif kernel == "causal_conv1d_varlen_states":
         return _varlen_states(func)
     else:

@@ -374,6 +374,8 @@ def _has_vnni(target) -> bool:
 def apply(func, target, decisions: rule.Decisions):
     """Loop-nest schedule for int8_dot kernels, or None for a foreign PrimFunc."""
     name, st = rule.kernel_attrs(func)
+    if "cpu" not in target.keys:
+        return None
     if name == "int8_dot_matmul":
         N, K = st["N"], st["K"]
         if not _has_vnni(target):

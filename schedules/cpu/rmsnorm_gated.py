@@ -17,6 +17,7 @@ Knobs: ``vector`` (lane count, default the largest dividing group_size).
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from tvm.script import tirx as T
 
@@ -44,13 +45,12 @@ def _dropout(v, seeds, r, h, p: float):
     return T.Select(dropout_keep(seeds[r], h, p), v / T.float32(1.0 - p), T.float32(0))
 
 
-def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
-    """The forward loop nest. The row's buffers travel as one dict ``B`` (a T.meta_var), so the helpers
-    below read whichever the static flags use."""
-    hidden, gs, eps, G, NV = d.hidden, d.group_size, d.eps, d.ngroups, d.group_size // V
-    has_bias, has_res, store_res, rms = d.has_bias, d.has_residual, d.store_residual, d.is_rms_norm
-    p, store_mask, has_x1, has_w1 = d.dropout_p, d.store_dropout_mask, d.has_x1, d.has_weight1
-    inv_gs = 1.0 / gs
+def _fwd_math(d: NormDims, x_dtype: str) -> types.SimpleNamespace:
+    """The forward's values at (row r, column h), read from the row's buffers ``B`` (a dict, so each helper
+    reads whichever buffers the static flags use): s = dropout(x (* rowscale)) (+ dropout(x1)) (+ residual);
+    u = s (* silu(z) when gating before the norm); xhat; y (out) and y1 (out1) in x's dtype; centred, the
+    float64 u - mean the sum of squares reads."""
+    has_bias, has_res, rms, p, has_x1 = d.has_bias, d.has_residual, d.is_rms_norm, d.dropout_p, d.has_x1
 
     def s(B, r, h):
         v = _dropout(_f32(B["x"][r, h]) * B["rowscale"][r] if d.has_rowscale else _f32(B["x"][r, h]),
@@ -82,6 +82,16 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
     def centred(B, mu, r, h):
         v = _f64(u(B, r, h))
         return v if rms else v - mu[0]
+
+    return types.SimpleNamespace(s=s, u=u, y=y, y1=y1, centred=centred)
+
+
+def _fwd_row(d: NormDims, V: int, m: types.SimpleNamespace, rout_dtype: str):
+    """The forward's work on one row: per group, the statistics, then every output of the row."""
+    gs, eps, G, NV, inv_gs = d.group_size, d.eps, d.ngroups, d.group_size // V, 1.0 / d.group_size
+    store_res, rms, p, store_mask, has_x1, has_w1 = d.store_residual, d.is_rms_norm, d.dropout_p, \
+        d.store_dropout_mask, d.has_x1, d.has_weight1
+    s, u, y, y1, centred = m.s, m.u, m.y, m.y1, m.centred
 
     @T.macro
     def row(B, r):
@@ -127,6 +137,17 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
                     if store_mask and has_x1:
                         B["mask1"][r, h] = dropout_keep(B["seeds1"][r], h, p).astype("uint8")
 
+    return row
+
+
+def _fwd(d: NormDims, x_dtype, w_dtype, res_dtype, rout_dtype, V):
+    """The forward loop nest: one task per row (_fwd_row), on the calling thread for decode-size calls.
+    The row's buffers travel as one dict ``B`` (a T.meta_var)."""
+    hidden, G = d.hidden, d.ngroups
+    has_bias, has_res, store_res, rms = d.has_bias, d.has_residual, d.store_residual, d.is_rms_norm
+    p, store_mask, has_x1, has_w1 = d.dropout_p, d.store_dropout_mask, d.has_x1, d.has_weight1
+    row = _fwd_row(d, V, _fwd_math(d, x_dtype), rout_dtype)
+
     def full_if(cond):
         return lambda rows: (rows, hidden) if cond else (1, 1)
 
@@ -169,14 +190,12 @@ def _fwd(d, x_dtype, w_dtype, res_dtype, rout_dtype, V):
     return rmsnorm_gated_fwd
 
 
-def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
-    """The backward loop nests (row parts, then the in-order sum of the parts); buffers in one dict ``B``."""
-    hidden, gs, G, NV, HV = d.hidden, d.group_size, d.ngroups, d.group_size // V, d.hidden // V
-    has_bias, has_z, nbg, rms = d.has_bias, d.has_z, d.norm_before_gate, d.is_rms_norm
-    has_dres, store_dres, p, has_w1 = d.has_dresidual, d.store_dresidual, d.dropout_p, d.has_weight1
-    store_dx1 = d.has_x1 and p > 0
-    NT = 4 if has_w1 else 2  # partial rows: dy*xhat, dy (, dy1*xhat, dy1)
-    inv_gs = 1.0 / gs
+def _bwd_math(d: NormDims, dout_dtype: str) -> types.SimpleNamespace:
+    """The backward's values at (row r, column h) from the row's buffers ``B``, given the group's mean mu,
+    rstd rs and the two group sums c1 = mean(dxhat * xhat), c2 = mean(dxhat) (see compute/rmsnorm_gated.py
+    for the formulas): xhat, dy, dy1, dxhat, ds, and the outputs dx, dz in dout's dtype."""
+    has_bias, nbg, rms, has_dres, p = d.has_bias, d.norm_before_gate, d.is_rms_norm, d.has_dresidual, d.dropout_p
+    has_w1 = d.has_weight1
 
     def zf(B, r, h):
         return _f32(B["z"][r, h])
@@ -218,6 +237,17 @@ def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
             v = du(B, mu, rs, c1, c2, r, h) * _f32(B["x"][r, h]) * _math.silu_grad(zf(B, r, h))
         return v.astype(dout_dtype)
 
+    return types.SimpleNamespace(xhat=xhat, dy=dy, dy1=dy1, dxhat=dxhat, ds=ds, dx_val=dx_val, dz_val=dz_val)
+
+
+def _bwd_row(d: NormDims, V: int, m: types.SimpleNamespace, x_dtype: str, dout_dtype: str):
+    """The backward's work on one row of part ``pi``: per group, the two sums, then the row's gradients,
+    and the row's terms added to the part's weight/bias partial sums (in row order)."""
+    gs, G, NV, inv_gs = d.group_size, d.ngroups, d.group_size // V, 1.0 / d.group_size
+    has_z, rms, store_dres, p, has_w1 = d.has_z, d.is_rms_norm, d.store_dresidual, d.dropout_p, d.has_weight1
+    store_dx1 = d.has_x1 and p > 0
+    xhat, dy, dy1, dxhat, ds, dx_val, dz_val = m.xhat, m.dy, m.dy1, m.dxhat, m.ds, m.dx_val, m.dz_val
+
     @T.macro
     def row(B, part, pi, acc, tot, r):
         for g in range(G):
@@ -255,6 +285,19 @@ def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
                     if has_w1:
                         part[pi, 2, h] = part[pi, 2, h] + dy1(B, r, h) * xhat(B, mu, rs, r, h)
                         part[pi, 3, h] = part[pi, 3, h] + dy1(B, r, h)
+
+    return row
+
+
+def _bwd(d: NormDims, x_dtype, w_dtype, dout_dtype, V):
+    """The backward loop nests (row parts, each row by _bwd_row, then the in-order sum of the parts);
+    buffers in one dict ``B``."""
+    hidden, G, HV = d.hidden, d.ngroups, d.hidden // V
+    has_bias, has_z, rms = d.has_bias, d.has_z, d.is_rms_norm
+    has_dres, store_dres, p, has_w1 = d.has_dresidual, d.store_dresidual, d.dropout_p, d.has_weight1
+    store_dx1 = d.has_x1 and p > 0
+    NT = 4 if has_w1 else 2  # partial rows: dy*xhat, dy (, dy1*xhat, dy1)
+    row = _bwd_row(d, V, _bwd_math(d, dout_dtype), x_dtype, dout_dtype)
 
     @T.prim_func
     def rmsnorm_gated_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, d_h: T.handle,
@@ -324,7 +367,7 @@ def _bwd(d, x_dtype, w_dtype, dout_dtype, V):
 def apply(func, target, decisions: rule.Decisions):
     """Loop-nest schedule of a gated RMSNorm kernel, or None for a foreign PrimFunc."""
     name, st = rule.kernel_attrs(func)
-    if name not in KERNELS:
+    if name not in KERNELS or "cpu" not in target.keys:
         return None
     gs = st["group_size"]
     widths = tuple(v for v in (16, 8, 4, 2, 1) if gs % v == 0)

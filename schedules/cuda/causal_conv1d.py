@@ -13,17 +13,18 @@ from __future__ import annotations
 
 from ..rule import Decisions, kernel_attrs, schedule_of
 from ...compute._causal_conv1d_update import update_template
+from ...compute.causal_conv1d import CausalConv1dUpdate
 from ._common import schedule_acc_chain
 
 
 def apply(func, target, decisions: Decisions):
     kernel, _ = kernel_attrs(func)
-    if target.kind.name != "cuda" or kernel is None or not kernel.startswith("causal_conv1d_"):
+    if "gpu" not in target.keys or kernel is None or not kernel.startswith("causal_conv1d_"):
         return None
     threads = decisions.pick("threads", (64, 128, 256, 512), 256)
     if kernel == "causal_conv1d_update":  # a loop-nest template: one thread per (batch, channel) row
         _, static = kernel_attrs(func)
-        loop = update_template(**static, mode="cuda", threads=threads)
+        loop = update_template(CausalConv1dUpdate(**static), mode="cuda", threads=threads)
         return schedule_of(loop.with_attrs(dict(func.attrs)), name=kernel)
     sch = schedule_of(func, name=kernel)
     schedule_acc_chain(sch, threads)

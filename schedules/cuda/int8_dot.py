@@ -136,6 +136,8 @@ def _wgrad(func, decisions):
 def apply(func, target, decisions: rule.Decisions):
     """Schedule an int8_dot kernel for CUDA, or None for a foreign PrimFunc / unsupported shape."""
     name, st = rule.kernel_attrs(func)
+    if "gpu" not in target.keys:
+        return None
     if name == "int8_dot_matmul":
         if st["K"] % 4:
             return None

@@ -96,6 +96,8 @@ def _bwd(func, st: dict, decisions):
 def apply(func, target, decisions: rule.Decisions):
     """Schedule a gated RMSNorm kernel for CUDA; None for foreign functions."""
     name, st = rule.kernel_attrs(func)
+    if "gpu" not in target.keys:
+        return None
     if name == "rmsnorm_gated_fwd":
         return _fwd(func, st, decisions)
     if name == "rmsnorm_gated_bwd":

@@ -22,7 +22,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import _math
-from ._common import SERIAL_WORK, check_dtype, sigmoid, stamp
+from ._causal_conv1d_dims import CausalConv1dUpdate
+from ._common import SERIAL_WORK, sigmoid, stamp
 
 F32 = "float32"
 
@@ -35,11 +36,12 @@ def _lanes(mode: str, threads: int):
     return (T.parallel if mode == "cpu" else T.serial), T.serial, 1
 
 
-def update_template(dim: int, width: int, state_len: int, activation: str, has_bias: bool, has_indices: bool,
-                    has_cache_seqlens: bool, x_dtype: str, weight_dtype: str, state_dtype: str,
-                    mode: str = "generic", threads: int = 128) -> tirx.PrimFunc:
+def update_template(d: CausalConv1dUpdate, mode: str = "generic", threads: int = 128) -> tirx.PrimFunc:
     """The decode-step loop nest (see the module docstring); ``mode`` picks the loops and the SiLU."""
-    D, W, S = dim, width, state_len
+    D, W, S = d.dim, d.width, d.state_len
+    # plain names: TVMScript folds these Python values into the kernel's static branches
+    activation, has_bias, has_indices, has_cache_seqlens = d.activation, d.has_bias, d.has_indices, d.has_cache_seqlens
+    x_dtype, weight_dtype, state_dtype = d.x_dtype, d.weight_dtype, d.state_dtype
     OUTER, INNER, TPB = _lanes(mode, threads)
     SCOPE = "local" if mode == "cuda" else "global"
 
@@ -106,24 +108,13 @@ def update_template(dim: int, width: int, state_len: int, activation: str, has_b
     return causal_conv1d_update
 
 
-def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str = "none", has_bias: bool = False,
-                         has_indices: bool = False, has_cache_seqlens: bool = False, x_dtype: str = "float32",
-                         weight_dtype: str = "float32", state_dtype: str = "float32") -> tirx.PrimFunc:
+def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:
     """Decode step, conv_state updated in place. x: (batch, dim, seqlen); conv_state: (pool, dim, state_len)
     (pool = batch without conv_state_indices), state_len >= width-1; weight: (dim, width); bias: (dim,);
     conv_state_indices: (batch,) int32; cache_seqlens: (batch,) int32 -> out: (batch, dim, seqlen).
 
     out[t] = act(bias + sum_k weight[k] * [window | x][t + k]); see the module docstring for the window and
-    the state update (linear shift or circular buffer).
+    the state update (linear shift or circular buffer). ``dims``: a :class:`CausalConv1dUpdate`, or its fields.
     """
-    from .causal_conv1d import _check
-
-    _check(dim, width, activation)
-    if state_len < width - 1:
-        raise ValueError(f"conv_state: state length must be >= width-1 = {width - 1}, got {state_len}")
-    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("conv_state", state_dtype)):
-        check_dtype(name, dt)
-    static = dict(dim=dim, width=width, state_len=state_len, activation=activation, has_bias=has_bias,
-                  has_indices=has_indices, has_cache_seqlens=has_cache_seqlens, x_dtype=x_dtype,
-                  weight_dtype=weight_dtype, state_dtype=state_dtype)
-    return stamp(update_template(**static), "causal_conv1d_update", static)
+    d = CausalConv1dUpdate.of(*dims, **fields)
+    return stamp(update_template(d), "causal_conv1d_update", d.static())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Mapping
 
@@ -84,3 +85,22 @@ class Dims:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, *args, **fields):
+        """The dims a builder is called with: ``builder(dims)`` passes an instance through; the field form
+        ``builder(dim, width, ...)`` / ``builder(dim=..., ...)`` (tests, scripts) makes one."""
+        if len(args) == 1 and not fields and isinstance(args[0], cls):
+            return args[0]
+        return cls(*args, **fields)
+
+    @classmethod
+    def cached(cls, *args, **fields):
+        """``cls(*args, **fields)``, memoized: a torch op makes dims on every kernel call, and a frozen
+        dataclass's __init__ plus validation costs several microseconds, a lookup about one."""
+        return _cached_dims(cls, args, tuple(fields.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_dims(cls, args: tuple, fields: tuple) -> Dims:
+    return cls(*args, **dict(fields))

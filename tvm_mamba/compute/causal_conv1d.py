@@ -18,28 +18,19 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from ._common import check_dtype, f32, sigmoid, stamp
-
-ACTIVATIONS = ("none", "silu")
-WIDTHS = range(2, 9)
-
-
-def _check(dim: int, width: int, activation: str) -> None:
-    if width not in WIDTHS:
-        raise ValueError(f"width: must be in 2..8, got {width}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: must be one of {ACTIVATIONS}, got {activation!r}")
-    if dim < 1:
-        raise ValueError(f"dim: must be >= 1, got {dim}")
+from ._causal_conv1d_dims import (ACTIVATIONS, DIMS, WIDTHS, CausalConv1dBwd, CausalConv1dFwd,  # noqa: F401
+                                  CausalConv1dUpdate, CausalConv1dVarlenStates)
+from ._common import f32, sigmoid, stamp
 
 
-def _inputs(dim, width, has_bias, has_seq_idx, has_init, x_dtype, weight_dtype):
+def _inputs(d: CausalConv1dFwd | CausalConv1dBwd):
     batch, seqlen = te.var("batch"), te.var("seqlen")
-    x = te.placeholder((batch, dim, seqlen), x_dtype, name="x")
-    weight = te.placeholder((dim, width), weight_dtype, name="weight")
-    bias = te.placeholder((dim,) if has_bias else (1,), weight_dtype, name="bias")
-    seq_idx = te.placeholder((batch, seqlen) if has_seq_idx else (1, 1), "int32", name="seq_idx")
-    init = te.placeholder((batch, dim, width - 1) if has_init else (1, 1, 1), x_dtype, name="initial_states")
+    x = te.placeholder((batch, d.dim, seqlen), d.x_dtype, name="x")
+    weight = te.placeholder((d.dim, d.width), d.weight_dtype, name="weight")
+    bias = te.placeholder((d.dim,) if d.has_bias else (1,), d.weight_dtype, name="bias")
+    seq_idx = te.placeholder((batch, seqlen) if d.has_seq_idx else (1, 1), "int32", name="seq_idx")
+    init = te.placeholder((batch, d.dim, d.width - 1) if d.has_init else (1, 1, 1), d.x_dtype,
+                          name="initial_states")
     return batch, seqlen, x, weight, bias, seq_idx, init
 
 
@@ -64,49 +55,42 @@ def zero_padding(value, seq_idx, has_seq_idx, b, t):
     return tirx.Select(seq_idx[b, t] < 0, tirx.const(0.0, "float32"), value)  # value: float32
 
 
-def causal_conv1d_fwd(dim: int, width: int, activation: str = "none", has_bias: bool = False,
-                      has_seq_idx: bool = False, has_init: bool = False, return_final: bool = False,
-                      x_dtype: str = "float32", weight_dtype: str = "float32") -> tirx.PrimFunc:
+def causal_conv1d_fwd(*dims, **fields) -> tirx.PrimFunc:
     """x: (batch, dim, seqlen); weight: (dim, width); bias: (dim,); seq_idx: (batch, seqlen) int32;
     initial_states: (batch, dim, width-1) -> out: (batch, dim, seqlen), final_states: (batch, dim, width-1).
 
     out = act(bias + sum_k weight[:, k] * xx[..., t-(width-1)+k]); final_states = xx[..., seqlen-(width-1):].
+    ``dims``: a :class:`CausalConv1dFwd`, or its fields (``dim, width, activation="none", ...``).
     """
-    _check(dim, width, activation)
-    check_dtype("x", x_dtype)
-    check_dtype("weight", weight_dtype)
-    batch, seqlen, x, weight, bias, seq_idx, init = _inputs(dim, width, has_bias, has_seq_idx, has_init,
-                                                            x_dtype, weight_dtype)
+    d = CausalConv1dFwd.of(*dims, **fields)
+    width, has_seq_idx, has_init, x_dtype = d.width, d.has_seq_idx, d.has_init, d.x_dtype
+    batch, seqlen, x, weight, bias, seq_idx, init = _inputs(d)
     k = te.reduce_axis((0, width), name="width")
     acc = te.compute(
-        (batch, dim, seqlen),
+        (batch, d.dim, seqlen),
         lambda b, c, t: te.sum(f32(weight[c, k]) * window_value(
             x, init, seq_idx, width, has_seq_idx, has_init, b, c, t - (width - 1) + k, t), axis=k),
         name="conv_acc")
 
     def finish(b, c, t):
-        v = acc[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
-        v = zero_padding(v * sigmoid(v) if activation == "silu" else v, seq_idx, has_seq_idx, b, t)
+        v = acc[b, c, t] + (f32(bias[c]) if d.has_bias else 0.0)
+        v = zero_padding(v * sigmoid(v) if d.activation == "silu" else v, seq_idx, has_seq_idx, b, t)
         return v.astype(x_dtype)
 
-    out = te.compute((batch, dim, seqlen), finish, name="out")
-    fshape = (batch, dim, width - 1) if return_final else (1, 1, 1)
+    out = te.compute((batch, d.dim, seqlen), finish, name="out")
+    fshape = (batch, d.dim, width - 1) if d.return_final else (1, 1, 1)
     final = te.compute(
         fshape,
         lambda b, c, j: window_value(x, init, seq_idx, width, False, has_init, b, c,
                                      seqlen - (width - 1) + j, 0).astype(x_dtype)
-        if return_final else tirx.const(0, x_dtype),
+        if d.return_final else tirx.const(0, x_dtype),
         name="final_states")
     func = te.create_prim_func([x, weight, bias, seq_idx, init, out, final])
-    static = dict(dim=dim, width=width, activation=activation, has_bias=has_bias, has_seq_idx=has_seq_idx,
-                  has_init=has_init, return_final=return_final, x_dtype=x_dtype, weight_dtype=weight_dtype)
-    return stamp(func, "causal_conv1d_fwd", static)
+    return stamp(func, "causal_conv1d_fwd", d.static())
 
 
-def causal_conv1d_bwd(dim: int, width: int, activation: str = "none", has_bias: bool = False,
-                      has_seq_idx: bool = False, has_init: bool = False, has_dfinal: bool = False,
-                      x_dtype: str = "float32", weight_dtype: str = "float32") -> tirx.PrimFunc:
-    """Backward of :func:`causal_conv1d_fwd`.
+def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
+    """Backward of :func:`causal_conv1d_fwd`; ``dims``: a :class:`CausalConv1dBwd`, or its fields.
 
     Inputs as the forward plus dout: (batch, dim, seqlen) and dfinal: (batch, dim, width-1).
     Outputs: dx: (batch, dim, seqlen), dweight: (dim, width), dbias: (dim,), dinit: (batch, dim, width-1),
@@ -117,12 +101,11 @@ def causal_conv1d_bwd(dim: int, width: int, activation: str = "none", has_bias: 
     dx[s] = sum_k weight[k] * g[s + (width-1) - k] (same seq id) + dfinal[s - (seqlen-(width-1))];
     dweight[c, k] = sum_{b,t} g[b,c,t] * xx[b, c, t-(width-1)+k]; dbias[c] = sum_{b,t} g[b,c,t].
     """
-    _check(dim, width, activation)
-    check_dtype("x", x_dtype)
-    check_dtype("weight", weight_dtype)
-    W = width
-    batch, seqlen, x, weight, bias, seq_idx, init = _inputs(dim, width, has_bias, has_seq_idx, has_init,
-                                                            x_dtype, weight_dtype)
+    d = CausalConv1dBwd.of(*dims, **fields)
+    dim, W, has_bias, has_seq_idx, has_init, has_dfinal = d.dim, d.width, d.has_bias, d.has_seq_idx, \
+        d.has_init, d.has_dfinal
+    x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
+    batch, seqlen, x, weight, bias, seq_idx, init = _inputs(d)
     dout = te.placeholder((batch, dim, seqlen), x_dtype, name="dout")
     dfinal = te.placeholder((batch, dim, W - 1) if has_dfinal else (1, 1, 1), x_dtype, name="dfinal")
 
@@ -135,12 +118,12 @@ def causal_conv1d_bwd(dim: int, width: int, activation: str = "none", has_bias: 
                      name="pre_acc")
 
     def grad_pre(b, c, t):
-        d = zero_padding(f32(dout[b, c, t]), seq_idx, has_seq_idx, b, t)
-        if activation != "silu":
-            return d
+        dv = zero_padding(f32(dout[b, c, t]), seq_idx, has_seq_idx, b, t)
+        if d.activation != "silu":
+            return dv
         v = pre[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
         s = sigmoid(v)
-        return d * s * (1.0 + v * (1.0 - s))
+        return dv * s * (1.0 + v * (1.0 - s))
 
     g = te.compute((batch, dim, seqlen), grad_pre, name="g")
     zero = tirx.const(0.0, "float32")
@@ -194,22 +177,20 @@ def causal_conv1d_bwd(dim: int, width: int, activation: str = "none", has_bias: 
     else:
         dbias = te.compute((1,), lambda c: tirx.const(0, weight_dtype), name="dbias")
     func = te.create_prim_func([x, weight, bias, seq_idx, init, dout, dfinal, dx, dweight, dbias, dinit, g, partial])
-    static = dict(dim=dim, width=width, activation=activation, has_bias=has_bias, has_seq_idx=has_seq_idx,
-                  has_init=has_init, has_dfinal=has_dfinal, x_dtype=x_dtype, weight_dtype=weight_dtype)
-    return stamp(func, "causal_conv1d_bwd", static)
+    return stamp(func, "causal_conv1d_bwd", d.static())
 
 
-def causal_conv1d_varlen_states(dim: int, state_len: int, x_dtype: str = "float32") -> tirx.PrimFunc:
+def causal_conv1d_varlen_states(*dims, **fields) -> tirx.PrimFunc:
     """x: (total_tokens, dim) packed sequences; cu_seqlens: (batch + 1,) int32, 0 = cu[0] <= ... = total_tokens
     -> states: (batch, state_len, dim) (the torch op returns its (batch, dim, state_len) transpose, as
     causal-conv1d 1.7.0's causal_conv1d_varlen_states does).
 
     states[b, j] = x[end - state_len + j] if that row is inside sequence b (>= cu[b]) else 0, end = cu[b+1]:
     the last state_len tokens of each sequence, right-aligned, zeros on the left of a shorter one.
+    ``dims``: a :class:`CausalConv1dVarlenStates`, or its fields (``dim, state_len, x_dtype="float32"``).
     """
-    if dim < 1 or state_len < 1:
-        raise ValueError(f"dim, state_len: must be >= 1, got {dim}, {state_len}")
-    check_dtype("x", x_dtype)
+    d = CausalConv1dVarlenStates.of(*dims, **fields)
+    dim, state_len, x_dtype = d.dim, d.state_len, d.x_dtype
     batch, total, ncu = te.var("batch"), te.var("total_tokens"), te.var("ncu")
     x = te.placeholder((total, dim), x_dtype, name="x")
     cu = te.placeholder((ncu,), "int32", name="cu_seqlens")
@@ -222,41 +203,38 @@ def causal_conv1d_varlen_states(dim: int, state_len: int, x_dtype: str = "float3
 
     states = te.compute((batch, state_len, dim), state, name="states")
     func = te.create_prim_func([x, cu, states])
-    return stamp(func, "causal_conv1d_varlen_states", dict(dim=dim, state_len=state_len, x_dtype=x_dtype))
+    return stamp(func, "causal_conv1d_varlen_states", d.static())
 
 
-def causal_conv1d_update(dim: int, width: int, state_len: int, activation: str = "none", has_bias: bool = False,
-                         has_indices: bool = False, has_cache_seqlens: bool = False, x_dtype: str = "float32",
-                         weight_dtype: str = "float32", state_dtype: str = "float32") -> tirx.PrimFunc:
+def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:
     """Decode step, conv_state (pool, dim, state_len) updated in place -> out (batch, dim, seqlen): the
     builder of direction "update", defined in _causal_conv1d_update.py. Imported on first use: that module
     needs TVMScript, which a runtime-only TVM (a kernel pack on a GPU machine) lacks, and this module must
-    stay importable there (build_check_configs)."""
+    stay importable there (build_check_configs). ``dims``: a :class:`CausalConv1dUpdate`, or its fields."""
     from ._causal_conv1d_update import causal_conv1d_update as build
 
-    return build(dim, width, state_len, activation, has_bias, has_indices, has_cache_seqlens, x_dtype,
-                 weight_dtype, state_dtype)
+    return build(CausalConv1dUpdate.of(*dims, **fields))
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA.
     d_inner 1536 is Mamba-130M's; width 4 is every released Mamba's, 8 the widest supported."""
-    out = []
+    dims = []
     for x_dtype in ("float32", "bfloat16"):
-        dt = {"x": x_dtype, "weight": "float32"}
+        base = dict(dim=1536, activation="silu", has_bias=True, x_dtype=x_dtype)
         for width in (4, 8):
-            base = dict(dim=1536, width=width, activation="silu", has_bias=True)
-            out.append(("fwd", dict(base, has_seq_idx=False, has_init=False, return_final=False), dt))
-            out.append(("bwd", dict(base, has_seq_idx=False, has_init=False, has_dfinal=False), dt))
-        base = dict(dim=1536, width=4, activation="silu", has_bias=True)
-        out.append(("fwd", dict(base, has_seq_idx=True, has_init=True, return_final=True), dt))
-        out.append(("bwd", dict(base, has_seq_idx=True, has_init=True, has_dfinal=True), dt))
-        out.append(("update", dict(base, state_len=3, has_indices=False, has_cache_seqlens=False),
-                    dict(dt, state=x_dtype)))
-        out.append(("update", dict(base, state_len=6, has_indices=True, has_cache_seqlens=True),
-                    dict(dt, state=x_dtype)))
-        out.append(("varlen_states", dict(dim=1536, state_len=3), {"x": x_dtype}))
-    return out
+            dims += [CausalConv1dFwd(**base, width=width), CausalConv1dBwd(**base, width=width)]
+        dims += [CausalConv1dFwd(**base, width=4, has_seq_idx=True, has_init=True, return_final=True),
+                 CausalConv1dBwd(**base, width=4, has_seq_idx=True, has_init=True, has_dfinal=True),
+                 CausalConv1dUpdate(**base, width=4, state_len=3, state_dtype=x_dtype),
+                 CausalConv1dUpdate(**base, width=4, state_len=6, has_indices=True, has_cache_seqlens=True,
+                                    state_dtype=x_dtype),
+                 CausalConv1dVarlenStates(dim=1536, state_len=3, x_dtype=x_dtype)]
+    return [(_direction(d), *d.key_parts()) for d in dims]
+
+
+def _direction(dims) -> str:
+    return next(name for name, cls in DIMS.items() if type(dims) is cls)
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
@@ -267,8 +245,6 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     out = []
     for _, dims in presets(preset):
         base = dict(dim=dims.get("conv_dim", dims["d_inner"]), width=dims["d_conv"], activation="silu",
-                    has_bias=True, has_seq_idx=False, has_init=False)
-        dt = {"x": "float32", "weight": "float32"}
-        out.append(("fwd", dict(base, return_final=False), dt))
-        out.append(("bwd", dict(base, has_dfinal=False), dt))
+                    has_bias=True)
+        out += [("fwd", *CausalConv1dFwd(**base).key_parts()), ("bwd", *CausalConv1dBwd(**base).key_parts())]
     return out

@@ -12,9 +12,11 @@ the CUDA rules schedule (dp4a tensorize); the CPU rule emits a VNNI loop nest wi
 """
 from __future__ import annotations
 
+import dataclasses
+
 from tvm import te, tirx
 
-from ._common import stamp
+from ._common import Dims, stamp
 
 
 def _check_pos(name: str, v: int) -> None:
@@ -22,22 +24,73 @@ def _check_pos(name: str, v: int) -> None:
         raise ValueError(f"{name}: must be a positive int, got {v!r}")
 
 
-def int8_dot_matmul(N: int, K: int) -> tirx.PrimFunc:
-    """a: (M, K) int8, b: (N, K) int8 -> c: (M, N) int32; c[m, n] = sum_k a[m, k] * b[n, k] (exact)."""
-    _check_pos("N", N)
-    _check_pos("K", K)
+class _Positive(Dims):
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_pos(f.name, getattr(self, f.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8DotMatmul(_Positive):
+    """b: (N, K) int8 codes; a's rows M are symbolic."""
+
+    N: int
+    K: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8DotPacking(_Positive):
+    """codes: (rows, K) int8 <-> packed: (rows, ceil(K/4)) int32 (pack and unpack)."""
+
+    K: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8DotDgrad(_Positive):
+    """g: (heads, M, K), codes: (heads, K, N)."""
+
+    heads: int
+    N: int
+    K: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8DotWgrad(_Positive):
+    """codes: (code_heads, M, N), code_heads 1 (shared) or heads; g: (heads, M, K)."""
+
+    heads: int
+    code_heads: int
+    N: int
+    K: int
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.code_heads not in (1, self.heads):
+            raise ValueError(f"code_heads: must be 1 or heads={self.heads}, got {self.code_heads}")
+
+
+DIMS = {"matmul": Int8DotMatmul, "pack": Int8DotPacking, "unpack": Int8DotPacking, "dgrad": Int8DotDgrad,
+        "wgrad": Int8DotWgrad}
+
+
+def int8_dot_matmul(*dims, **fields) -> tirx.PrimFunc:
+    """a: (M, K) int8, b: (N, K) int8 -> c: (M, N) int32; c[m, n] = sum_k a[m, k] * b[n, k] (exact).
+    ``dims``: an :class:`Int8DotMatmul`, or its fields ``N, K``."""
+    d = Int8DotMatmul.of(*dims, **fields)
+    N, K = d.N, d.K
     M = te.var("M")
     a = te.placeholder((M, K), "int8", name="a")
     b = te.placeholder((N, K), "int8", name="b")
     k = te.reduce_axis((0, K), name="K")
     c = te.compute((M, N), lambda m, n: te.sum(a[m, k].astype("int32") * b[n, k].astype("int32"), axis=k),
                    name="c")
-    return stamp(te.create_prim_func([a, b, c]), "int8_dot_matmul", dict(N=N, K=K))
+    return stamp(te.create_prim_func([a, b, c]), "int8_dot_matmul", d.static())
 
 
-def int8_dot_pack(K: int) -> tirx.PrimFunc:
-    """codes: (rows, K) int8 -> packed: (rows, ceil(K/4)) int32, byte i of word j = codes[:, 4j+i] (0 past K)."""
-    _check_pos("K", K)
+def int8_dot_pack(*dims, **fields) -> tirx.PrimFunc:
+    """codes: (rows, K) int8 -> packed: (rows, ceil(K/4)) int32, byte i of word j = codes[:, 4j+i] (0 past K).
+    ``dims``: an :class:`Int8DotPacking`, or ``K``."""
+    K = Int8DotPacking.of(*dims, **fields).K
     W = (K + 3) // 4
     rows = te.var("rows")
     codes = te.placeholder((rows, K), "int8", name="codes")
@@ -54,9 +107,10 @@ def int8_dot_pack(K: int) -> tirx.PrimFunc:
     return stamp(te.create_prim_func([codes, packed]), "int8_dot_pack", dict(K=K))
 
 
-def int8_dot_unpack(K: int) -> tirx.PrimFunc:
-    """packed: (rows, ceil(K/4)) int32 -> codes: (rows, K) int8; inverse of :func:`int8_dot_pack`."""
-    _check_pos("K", K)
+def int8_dot_unpack(*dims, **fields) -> tirx.PrimFunc:
+    """packed: (rows, ceil(K/4)) int32 -> codes: (rows, K) int8; inverse of :func:`int8_dot_pack`.
+    ``dims``: an :class:`Int8DotPacking`, or ``K``."""
+    K = Int8DotPacking.of(*dims, **fields).K
     W = (K + 3) // 4
     rows = te.var("rows")
     packed = te.placeholder((rows, W), "int32", name="packed")
@@ -67,15 +121,15 @@ def int8_dot_unpack(K: int) -> tirx.PrimFunc:
     return stamp(te.create_prim_func([packed, codes]), "int8_dot_unpack", dict(K=K))
 
 
-def int8_dot_dgrad(heads: int, N: int, K: int) -> tirx.PrimFunc:
+def int8_dot_dgrad(*dims, **fields) -> tirx.PrimFunc:
     """Straight-through input gradient, a float x codes matmul (the scale is a device tensor, no host sync).
 
     g: (heads, M, K) float32, codes: (heads, K, N) int8, scale: (1,) float32 -> out: (heads, M, N) float32;
     out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]. (Projection: k = latent (h, l), n = E;
-    decoder tail: k = D, n = (h, l).) M is symbolic.
+    decoder tail: k = D, n = (h, l).) M is symbolic. ``dims``: an :class:`Int8DotDgrad`, or its fields.
     """
-    for name, v in (("heads", heads), ("N", N), ("K", K)):
-        _check_pos(name, v)
+    d = Int8DotDgrad.of(*dims, **fields)
+    heads, N, K = d.heads, d.N, d.K
     M = te.var("M")
     g = te.placeholder((heads, M, K), "float32", name="g")
     codes = te.placeholder((heads, K, N), "int8", name="codes")
@@ -84,21 +138,20 @@ def int8_dot_dgrad(heads: int, N: int, K: int) -> tirx.PrimFunc:
     acc = te.compute((heads, M, N),
                      lambda h, m, n: te.sum(g[h, m, k] * codes[h, k, n].astype("float32"), axis=k), name="acc")
     out = te.compute((heads, M, N), lambda h, m, n: acc[h, m, n] * scale[0], name="out")
-    return stamp(te.create_prim_func([g, codes, scale, out]), "int8_dot_dgrad", dict(heads=heads, N=N, K=K))
+    return stamp(te.create_prim_func([g, codes, scale, out]), "int8_dot_dgrad", d.static())
 
 
-def int8_dot_wgrad(heads: int, code_heads: int, N: int, K: int) -> tirx.PrimFunc:
+def int8_dot_wgrad(*dims, **fields) -> tirx.PrimFunc:
     """Straight-through weight gradient, codes^T x float summed over the rows M = batch*T in two stages.
 
     codes: (code_heads, M, N) int8 (code_heads 1 = shared by every head), g: (heads, M, K) float32,
     scale: (1,) float32 -> out: (heads, N, K) float32 and partial: (nparts, heads, N, K) float32 (stage 1:
     part p sums rows [p*chunk, (p+1)*chunk) in order, chunk = ceil(M/nparts); stage 2 adds the parts in
     order: deterministic, no atomics). out[h, n, k] = scale * sum_m codes[h|0, m, n] * g[h, m, k].
+    ``dims``: an :class:`Int8DotWgrad`, or its fields.
     """
-    for name, v in (("heads", heads), ("code_heads", code_heads), ("N", N), ("K", K)):
-        _check_pos(name, v)
-    if code_heads not in (1, heads):
-        raise ValueError(f"code_heads: must be 1 or heads={heads}, got {code_heads}")
+    d = Int8DotWgrad.of(*dims, **fields)
+    heads, code_heads, N, K = d.heads, d.code_heads, d.N, d.K
     M = te.var("M")
     nparts = te.var("nparts")
     codes = te.placeholder((code_heads, M, N), "int8", name="codes")
@@ -117,20 +170,20 @@ def int8_dot_wgrad(heads: int, code_heads: int, N: int, K: int) -> tirx.PrimFunc
     pa = te.reduce_axis((0, nparts), name="nparts")
     acc = te.compute((heads, N, K), lambda h, n, kk: te.sum(partial[pa, h, n, kk], axis=pa), name="acc")
     out = te.compute((heads, N, K), lambda h, n, kk: acc[h, n, kk] * scale[0], name="out")
-    return stamp(te.create_prim_func([codes, g, scale, out, partial]), "int8_dot_wgrad",
-                 dict(heads=heads, code_heads=code_heads, N=N, K=K))
+    return stamp(te.create_prim_func([codes, g, scale, out, partial]), "int8_dot_wgrad", d.static())
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static_dims, dtypes) for the CUDA build-check: the issue's K = N = 4096 matmul, a
     low-rank projection shape (E=1024 -> Lc=128) and the packing kernels."""
-    return [("matmul", dict(N=4096, K=4096), {}), ("matmul", dict(N=128, K=1024), {}),
-            ("pack", dict(K=4096), {}), ("unpack", dict(K=4096), {}),
+    dims = [("matmul", Int8DotMatmul(N=4096, K=4096)), ("matmul", Int8DotMatmul(N=128, K=1024)),
+            ("pack", Int8DotPacking(K=4096)), ("unpack", Int8DotPacking(K=4096)),
             # straight-through backward: projection H=8, E=1024, latent 128 (per head, and heads summed
             # for input_heads=1), decoder tail H*L=1024 -> D=2048
-            ("dgrad", dict(heads=8, N=1024, K=128), {}), ("dgrad", dict(heads=1, N=1024, K=1024), {}),
-            ("wgrad", dict(heads=8, code_heads=1, N=1024, K=128), {}),
-            ("wgrad", dict(heads=1, code_heads=1, N=1024, K=2048), {})]
+            ("dgrad", Int8DotDgrad(heads=8, N=1024, K=128)), ("dgrad", Int8DotDgrad(heads=1, N=1024, K=1024)),
+            ("wgrad", Int8DotWgrad(heads=8, code_heads=1, N=1024, K=128)),
+            ("wgrad", Int8DotWgrad(heads=1, code_heads=1, N=1024, K=2048))]
+    return [(direction, *d.key_parts()) for direction, d in dims]
 
 
 def wgrad_parts(M: int, heads: int, K: int) -> int:

@@ -23,7 +23,7 @@ import dataclasses
 
 from tvm import te, tirx
 
-from ._common import check_dtype, f32, sigmoid, stamp
+from ._common import OMIT_DEFAULT, Dims, check_dtype, f32, sigmoid, stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,71 @@ class NormDims:
                 out[f.name] = v
         return out
 
+
+def _flag(default=False):
+    """A field the key leaves out at its default (added after the first tuning records; NormDims.static)."""
+    return dataclasses.field(default=default, metadata=OMIT_DEFAULT)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Norm(Dims):
+    """What both directions' dims share: the first fields (the builders' positional order; each subclass
+    adds its own flags and dtypes), validation, and the direction-independent NormDims the math uses."""
+
+    hidden: int
+    group_size: int
+    eps: float = 1e-6
+    has_bias: bool = False
+    has_z: bool = False
+    norm_before_gate: bool = True
+    is_rms_norm: bool = _flag(True)
+
+    def __post_init__(self):
+        self.norm()  # hidden / group_size checks
+        for f in dataclasses.fields(self):
+            if f.name.endswith("_dtype") and getattr(self, f.name) is not None:
+                check_dtype(f.name[:-len("_dtype")], getattr(self, f.name))
+
+    def norm(self) -> NormDims:
+        return NormDims(**{f.name: getattr(self, f.name) for f in dataclasses.fields(NormDims) if hasattr(self, f.name)})
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSNormGatedFwd(_Norm):
+    """The forward's static dims (NormDims' flags of the forward, in the builder's positional order) and
+    dtypes; residual / residual_out dtypes are None (and out of the key) when they are x's."""
+
+    has_residual: bool = _flag()
+    store_residual: bool = _flag()
+    has_rowscale: bool = _flag()
+    dropout_p: float = _flag(0.0)
+    store_dropout_mask: bool = _flag()
+    has_x1: bool = _flag()
+    has_weight1: bool = _flag()
+    has_bias1: bool = _flag()
+    x_dtype: str = "float32"
+    weight_dtype: str = "float32"
+    residual_dtype: str | None = _flag(None)
+    residual_out_dtype: str | None = _flag(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSNormGatedBwd(_Norm):
+    """The backward's static dims and dtypes; dout_dtype is None (and out of the key) when it is x's."""
+
+    has_dresidual: bool = _flag()
+    store_dresidual: bool = _flag()
+    has_rowscale: bool = _flag()
+    dropout_p: float = _flag(0.0)
+    has_x1: bool = _flag()
+    has_weight1: bool = _flag()
+    has_bias1: bool = _flag()
+    x_dtype: str = "float32"
+    weight_dtype: str = "float32"
+    dout_dtype: str | None = _flag(None)
+
+
+DIMS = {"fwd": RMSNormGatedFwd, "bwd": RMSNormGatedBwd}
 
 def _u32(v: int) -> tirx.PrimExpr:
     return tirx.const(v, "uint32")
@@ -166,13 +231,7 @@ def _stats(rows, d: NormDims, u):
     return mean, rstd
 
 
-def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
-                      has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
-                      has_residual: bool = False, store_residual: bool = False, has_rowscale: bool = False,
-                      dropout_p: float = 0.0, store_dropout_mask: bool = False, has_x1: bool = False,
-                      has_weight1: bool = False, has_bias1: bool = False, x_dtype: str = "float32",
-                      weight_dtype: str = "float32", residual_dtype: str | None = None,
-                      residual_out_dtype: str | None = None) -> tirx.PrimFunc:
+def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
     """x, z, x1: (rows, hidden); residual: (rows, hidden); weight, bias, weight1, bias1: (hidden,); rowscale:
     (rows,) f32; seeds, seeds1: (rows,) int32 -> out, out1: (rows, hidden) in x's dtype, residual_out: (rows,
     hidden), dropout_mask, dropout_mask1: (rows, hidden) uint8, mean, rstd: (rows, hidden/group_size) f32.
@@ -181,32 +240,29 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     xhat = (u - mean_g(u)) * rstd_g(u); out = xhat * weight (+ bias) (* silu(z) if norm_before_gate);
     out1 = xhat * weight1 (+ bias1) (upstream's parallel norm); residual_out = s.
     """
-    d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm, has_residual,
-                 store_residual, has_rowscale=has_rowscale, dropout_p=dropout_p,
-                 store_dropout_mask=store_dropout_mask, has_x1=has_x1, has_weight1=has_weight1, has_bias1=has_bias1)
-    res_dt, rout_dt = residual_dtype or x_dtype, residual_out_dtype or x_dtype
-    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("residual", res_dt), ("residual_out", rout_dt)):
-        check_dtype(name, dt)
-    gs, p = group_size, dropout_p
+    dd = RMSNormGatedFwd.of(*dims, **fields)
+    d, x_dtype, weight_dtype = dd.norm(), dd.x_dtype, dd.weight_dtype
+    res_dt, rout_dt = dd.residual_dtype or x_dtype, dd.residual_out_dtype or x_dtype
+    gs, p = d.group_size, d.dropout_p
     rows = te.var("rows")
-    full = (rows, hidden)
+    full = (rows, d.hidden)
     x = te.placeholder(full, x_dtype, name="x")
-    weight = te.placeholder((hidden,), weight_dtype, name="weight")
-    bias = _maybe(has_bias, (1,), weight_dtype, "bias", (hidden,))
-    z = _maybe(has_z, (1, 1), x_dtype, "z", full)
-    residual = _maybe(has_residual, (1, 1), res_dt, "residual", full)
-    rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
+    weight = te.placeholder((d.hidden,), weight_dtype, name="weight")
+    bias = _maybe(d.has_bias, (1,), weight_dtype, "bias", (d.hidden,))
+    z = _maybe(d.has_z, (1, 1), x_dtype, "z", full)
+    residual = _maybe(d.has_residual, (1, 1), res_dt, "residual", full)
+    rowscale = _maybe(d.has_rowscale, (1,), "float32", "rowscale", (rows,))
     seeds = _maybe(p > 0, (1,), "int32", "seeds", (rows,))
-    x1 = _maybe(has_x1, (1, 1), x_dtype, "x1", full)
-    weight1 = _maybe(has_weight1, (1,), weight_dtype, "weight1", (hidden,))
-    bias1 = _maybe(has_bias1, (1,), weight_dtype, "bias1", (hidden,))
-    seeds1 = _maybe(p > 0 and has_x1, (1,), "int32", "seeds1", (rows,))
+    x1 = _maybe(d.has_x1, (1, 1), x_dtype, "x1", full)
+    weight1 = _maybe(d.has_weight1, (1,), weight_dtype, "weight1", (d.hidden,))
+    bias1 = _maybe(d.has_bias1, (1,), weight_dtype, "bias1", (d.hidden,))
+    seeds1 = _maybe(p > 0 and d.has_x1, (1,), "int32", "seeds1", (rows,))
 
     def s(r, h):
-        v = _dropped(f32(x[r, h]) * rowscale[r] if has_rowscale else f32(x[r, h]), seeds, r, h, p)
-        if has_x1:
+        v = _dropped(f32(x[r, h]) * rowscale[r] if d.has_rowscale else f32(x[r, h]), seeds, r, h, p)
+        if d.has_x1:
             v = v + _dropped(f32(x1[r, h]), seeds1, r, h, p)
-        return v + f32(residual[r, h]) if has_residual else v
+        return v + f32(residual[r, h]) if d.has_residual else v
 
     def u(r, h):
         return s(r, h) * _silu(f32(z[r, h])) if d.gate_in else s(r, h)
@@ -214,21 +270,21 @@ def rmsnorm_gated_fwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     mean, rstd = _stats(rows, d, u)
 
     def xhat(r, h):
-        return (u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
+        return (u(r, h) if d.is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
 
     def finish(r, h):
-        y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
+        y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if d.has_bias else 0.0)
         return (y * _silu(f32(z[r, h])) if d.gate_out else y).astype(x_dtype)
 
     def finish1(r, h):
-        return (xhat(r, h) * f32(weight1[h]) + (f32(bias1[h]) if has_bias1 else 0.0)).astype(x_dtype)
+        return (xhat(r, h) * f32(weight1[h]) + (f32(bias1[h]) if d.has_bias1 else 0.0)).astype(x_dtype)
 
     # residual_out, the masks and out1 share out's loop nest (blocks "out_v0" = out, then the others in this
     # order): one pass over s
-    wanted = [("out", True, finish), ("residual_out", store_residual, lambda r, h: s(r, h).astype(rout_dt)),
-              ("dropout_mask", store_dropout_mask, lambda r, h: dropout_keep(seeds[r], h, p).astype("uint8")),
-              ("out1", has_weight1, finish1),
-              ("dropout_mask1", store_dropout_mask and has_x1,
+    wanted = [("out", True, finish), ("residual_out", d.store_residual, lambda r, h: s(r, h).astype(rout_dt)),
+              ("dropout_mask", d.store_dropout_mask, lambda r, h: dropout_keep(seeds[r], h, p).astype("uint8")),
+              ("out1", d.has_weight1, finish1),
+              ("dropout_mask1", d.store_dropout_mask and d.has_x1,
                lambda r, h: dropout_keep(seeds1[r], h, p).astype("uint8"))]
     outs = _multi(full, [f for _, on, f in wanted if on], "out")
     dtypes = {"residual_out": rout_dt, "dropout_mask": "uint8", "dropout_mask1": "uint8", "out1": x_dtype}
@@ -272,12 +328,7 @@ def _weight_grads(rows, hidden: int, nparts, terms: list, weight_dtype: str):
     return partial, sums
 
 
-def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias: bool = False,
-                      has_z: bool = False, norm_before_gate: bool = True, is_rms_norm: bool = True,
-                      has_dresidual: bool = False, store_dresidual: bool = False, has_rowscale: bool = False,
-                      dropout_p: float = 0.0, has_x1: bool = False, has_weight1: bool = False,
-                      has_bias1: bool = False, x_dtype: str = "float32", weight_dtype: str = "float32",
-                      dout_dtype: str | None = None) -> tirx.PrimFunc:
+def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
     """Backward of :func:`rmsnorm_gated_fwd`.
 
     Inputs: x: (rows, hidden), the forward's s (its x, or the stored residual_out) in x_dtype; weight, bias, z;
@@ -294,28 +345,24 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
     dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dx = dropout(ds) (* rowscale);
     dx1 = dropout1(ds); dweight = sum_rows dy*xhat; dbias = sum_rows dy; dweight1, dbias1 likewise from dout1.
     """
-    d = NormDims(hidden, group_size, eps, has_bias, has_z, norm_before_gate, is_rms_norm,
-                 has_dresidual=has_dresidual, store_dresidual=store_dresidual, has_rowscale=has_rowscale,
-                 dropout_p=dropout_p, has_x1=has_x1, has_weight1=has_weight1, has_bias1=has_bias1)
-    dout_dtype = dout_dtype or x_dtype
-    for name, dt in (("x", x_dtype), ("weight", weight_dtype), ("dout", dout_dtype)):
-        check_dtype(name, dt)
-    gs, G, p = group_size, d.ngroups, dropout_p
+    dd = RMSNormGatedBwd.of(*dims, **fields)
+    d, x_dtype, weight_dtype, dout_dtype = dd.norm(), dd.x_dtype, dd.weight_dtype, dd.dout_dtype or dd.x_dtype
+    gs, G, p = d.group_size, d.ngroups, d.dropout_p
     rows = te.var("rows")
-    full = (rows, hidden)
+    full = (rows, d.hidden)
     x = te.placeholder(full, x_dtype, name="x")
-    weight = te.placeholder((hidden,), weight_dtype, name="weight")
-    bias = _maybe(has_bias, (1,), weight_dtype, "bias", (hidden,))
-    z = _maybe(has_z, (1, 1), dout_dtype, "z", full)
+    weight = te.placeholder((d.hidden,), weight_dtype, name="weight")
+    bias = _maybe(d.has_bias, (1,), weight_dtype, "bias", (d.hidden,))
+    z = _maybe(d.has_z, (1, 1), dout_dtype, "z", full)
     dout = te.placeholder(full, dout_dtype, name="dout")
-    mean = _maybe(not is_rms_norm, (1, 1), "float32", "mean", (rows, G))
+    mean = _maybe(not d.is_rms_norm, (1, 1), "float32", "mean", (rows, G))
     rstd = te.placeholder((rows, G), "float32", name="rstd")
-    dres = _maybe(has_dresidual, (1, 1), x_dtype, "dresidual", full)
-    rowscale = _maybe(has_rowscale, (1,), "float32", "rowscale", (rows,))
+    dres = _maybe(d.has_dresidual, (1, 1), x_dtype, "dresidual", full)
+    rowscale = _maybe(d.has_rowscale, (1,), "float32", "rowscale", (rows,))
     seeds = _maybe(p > 0, (1,), "int32", "seeds", (rows,))
-    weight1 = _maybe(has_weight1, (1,), weight_dtype, "weight1", (hidden,))
-    dout1 = _maybe(has_weight1, (1, 1), dout_dtype, "dout1", full)
-    seeds1 = _maybe(p > 0 and has_x1, (1,), "int32", "seeds1", (rows,))
+    weight1 = _maybe(d.has_weight1, (1,), weight_dtype, "weight1", (d.hidden,))
+    dout1 = _maybe(d.has_weight1, (1, 1), dout_dtype, "dout1", full)
+    seeds1 = _maybe(p > 0 and d.has_x1, (1,), "int32", "seeds1", (rows,))
     nparts = te.var("nparts")
 
     def zf(r, h):
@@ -325,7 +372,7 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
         return f32(x[r, h]) * _silu(zf(r, h)) if d.gate_in else f32(x[r, h])
 
     def xhat(r, h):
-        return (u(r, h) if is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
+        return (u(r, h) if d.is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
 
     def dy(r, h):
         v = f32(dout[r, h])
@@ -333,10 +380,10 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
 
     def dxhat(r, h):
         v = dy(r, h) * f32(weight[h])
-        return v + f32(dout1[r, h]) * f32(weight1[h]) if has_weight1 else v
+        return v + f32(dout1[r, h]) * f32(weight1[h]) if d.has_weight1 else v
 
     c1 = _group_red(rows, G, gs, lambda r, h: dxhat(r, h) * xhat(r, h), "dot")
-    c2 = None if is_rms_norm else _group_red(rows, G, gs, dxhat, "dysum")
+    c2 = None if d.is_rms_norm else _group_red(rows, G, gs, dxhat, "dysum")
 
     def du(r, h):
         v = dxhat(r, h) - xhat(r, h) * c1[r, h // gs] * (1.0 / gs)
@@ -344,11 +391,11 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
 
     def ds(r, h):
         v = du(r, h) * _silu(zf(r, h)) if d.gate_in else du(r, h)
-        return v + f32(dres[r, h]) if has_dresidual else v
+        return v + f32(dres[r, h]) if d.has_dresidual else v
 
     def dz_val(r, h):
-        if norm_before_gate:
-            y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if has_bias else 0.0)
+        if d.norm_before_gate:
+            y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if d.has_bias else 0.0)
             v = f32(dout[r, h]) * y * _silu_grad(zf(r, h))
         else:
             v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
@@ -356,24 +403,24 @@ def rmsnorm_gated_bwd(hidden: int, group_size: int, eps: float = 1e-6, has_bias:
 
     def dx_val(r, h):
         v = _dropped(ds(r, h), seeds, r, h, p)
-        return (v * rowscale[r] if has_rowscale else v).astype(dout_dtype)
+        return (v * rowscale[r] if d.has_rowscale else v).astype(dout_dtype)
 
     # dx, dz, dresidual_in and dx1 as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then the others
-    # in this order) sharing the (rows, hidden) loop nest, so a schedule computes the row's reductions once
+    # in this order) sharing the (rows, d.hidden) loop nest, so a schedule computes the row's reductions once
     # under the row loop for all of them; a lone dx is the block "dx".
-    wanted = [("dx", True, dx_val), ("dz", has_z, dz_val),
-              ("dresidual_in", store_dresidual, lambda r, h: ds(r, h).astype(x_dtype)),
-              ("dx1", has_x1 and p > 0, lambda r, h: _dropped(ds(r, h), seeds1, r, h, p).astype(dout_dtype))]
+    wanted = [("dx", True, dx_val), ("dz", d.has_z, dz_val),
+              ("dresidual_in", d.store_dresidual, lambda r, h: ds(r, h).astype(x_dtype)),
+              ("dx1", d.has_x1 and p > 0, lambda r, h: _dropped(ds(r, h), seeds1, r, h, p).astype(dout_dtype))]
     present = [f for _, on, f in wanted if on]
     outs = _multi(full, present, "dx" if len(present) == 1 else "dxdz")
     got = {n: outs.pop(0) if on else te.placeholder((1, 1), x_dtype if n == "dresidual_in" else dout_dtype, name=n)
            for n, on, _ in wanted}
-    terms = [("dweight", True, lambda r, h: dy(r, h) * xhat(r, h)), ("dbias", has_bias, dy)]
-    if has_weight1:
+    terms = [("dweight", True, lambda r, h: dy(r, h) * xhat(r, h)), ("dbias", d.has_bias, dy)]
+    if d.has_weight1:
         terms += [("dweight1", True, lambda r, h: f32(dout1[r, h]) * xhat(r, h)),
-                  ("dbias1", has_bias1, lambda r, h: f32(dout1[r, h]))]
-    partial, sums = _weight_grads(rows, hidden, nparts, terms, weight_dtype)
-    if not has_weight1:
+                  ("dbias1", d.has_bias1, lambda r, h: f32(dout1[r, h]))]
+    partial, sums = _weight_grads(rows, d.hidden, nparts, terms, weight_dtype)
+    if not d.has_weight1:
         sums += [te.placeholder((1,), weight_dtype, name=n) for n in ("dweight1", "dbias1")]
     func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, weight1, dout1, seeds1,
                                 got["dx"], got["dz"], sums[0], sums[1], got["dresidual_in"], got["dx1"], sums[2],
@@ -387,35 +434,28 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     (hidden 5120, groups of 5120/8), both gate orders, bf16 activations with fp32 weights; the gated
     LayerNorm; and the fused residual-add norm of mixer_seq_simple's Block (prenorm, residual in fp32, RMSNorm
     and LayerNorm with bias)."""
-    out = []
-    for direction in ("fwd", "bwd"):
-        for nbg in (True, False):
-            static = dict(hidden=2048, group_size=256, eps=1e-5, has_bias=False, has_z=True, norm_before_gate=nbg)
-            out.append((direction, static, dict(x="bfloat16", weight="float32")))
-        out.append((direction, dict(hidden=2048, group_size=2048, eps=1e-5, has_bias=True, has_z=False,
-                                    norm_before_gate=True), dict(x="float32", weight="float32")))
-        out.append((direction, NormDims(2048, 256, 1e-5, True, True, False, is_rms_norm=False).static(),
-                    dict(x="bfloat16", weight="float32")))
-    for rms in (True, False):
-        fwd = NormDims(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_residual=True, store_residual=True)
-        out.append(("fwd", fwd.static(), dict(x="bfloat16", weight="float32", residual="float32",
-                                              residual_out="float32")))
-        bwd = NormDims(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_dresidual=True, store_dresidual=True)
-        out.append(("bwd", bwd.static(), dict(x="float32", weight="float32", dout="bfloat16")))
+    Fwd, Bwd = RMSNormGatedFwd, RMSNormGatedBwd
+    bf16 = dict(x_dtype="bfloat16")
+    dims = []
+    for cls in (Fwd, Bwd):
+        dims += [cls(2048, 256, 1e-5, has_z=True, norm_before_gate=nbg, **bf16) for nbg in (True, False)]
+        dims += [cls(2048, 2048, 1e-5, has_bias=True),
+                 cls(2048, 256, 1e-5, True, True, False, is_rms_norm=False, **bf16)]
+    for rms in (True, False):  # the fused residual-add norm: prenorm, residual in fp32
+        dims += [Fwd(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_residual=True, store_residual=True,
+                     residual_dtype="float32", residual_out_dtype="float32", **bf16),
+                 Bwd(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_dresidual=True, store_dresidual=True,
+                     dout_dtype="bfloat16")]
     # the dropout path (RMSNorm module in training): uint32 hash, the uint8 keep mask, rowscale
     drop = dict(dropout_p=0.1, has_rowscale=True)
-    out.append(("fwd", NormDims(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True,
-                                **drop).static(), dict(x="bfloat16", weight="float32", residual="float32",
-                                                       residual_out="float32")))
-    out.append(("bwd", NormDims(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **drop).static(),
-                dict(x="float32", weight="float32", dout="bfloat16")))
+    dims += [Fwd(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True, **drop,
+                 residual_dtype="float32", residual_out_dtype="float32", **bf16),
+             Bwd(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **drop, dout_dtype="bfloat16")]
     # upstream's parallel norm (x1, weight1, bias1) with dropout on both inputs, LayerNorm
     par = dict(is_rms_norm=False, has_bias=True, dropout_p=0.1, has_x1=True, has_weight1=True, has_bias1=True)
-    out.append(("fwd", NormDims(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True,
-                                **par).static(), dict(x="float32", weight="float32")))
-    out.append(("bwd", NormDims(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **par).static(),
-                dict(x="float32", weight="float32")))
-    return out
+    dims += [Fwd(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True, **par),
+             Bwd(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **par)]
+    return [("fwd" if isinstance(d, Fwd) else "bwd", *d.key_parts()) for d in dims]
 
 
 def derived_dims(direction: str, dims: dict, static: dict) -> dict:

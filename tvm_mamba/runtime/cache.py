@@ -16,7 +16,6 @@ timeout: a process stuck holding it makes the others build privately, with a war
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import json
 import os
@@ -29,18 +28,16 @@ from typing import Any
 
 import filelock
 import tvm
-import tvm_ffi
 
 from . import cudasim, dispatch, pack, threads
-from .key import KernelKey
-
-_PKG_ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .cache_dir import _source_digest, cache_base, cache_root  # noqa: F401  (cache's API)
+from .key import KernelKey, Plan
 
 
 class Kernel:
     """A loaded kernel: ``kernel(*tensors)``; ``.key``, ``.plan``, ``.path``, ``.build_seconds``."""
 
-    def __init__(self, key: KernelKey, plan: "dispatch.Plan", module: Any, path: pathlib.Path | None,
+    def __init__(self, key: KernelKey, plan: Plan, module: Any, path: pathlib.Path | None,
                  build_seconds: float, load_seconds: float):
         self.key, self.plan, self.module, self.path = key, plan, module, path
         self.build_seconds, self.load_seconds = build_seconds, load_seconds
@@ -57,62 +54,7 @@ class Kernel:
         return f"Kernel({self.key}, {self.plan.source})"
 
 
-@functools.lru_cache(maxsize=None)
-def _source_digest() -> str:
-    h = hashlib.sha256()
-    for sub in ("compute", "schedules", "runtime"):
-        root = _PKG_ROOT / sub
-        if not root.exists():  # editable layouts map schedules/ elsewhere
-            import importlib
-
-            root = pathlib.Path(importlib.import_module(f"tvm_mamba.{sub}").__path__[0])
-        files = list(root.rglob("*.py")) + [f for f in (root / "cudasim_include").rglob("*") if f.is_file()]
-        for f in sorted(files):  # cudasim_include: the CUDA execution header the simulated kernels build with
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:12]
-
-
-def cache_base() -> pathlib.Path:
-    """``$TVM_MAMBA_CACHE_DIR``, else ``$XDG_CACHE_HOME/tvm_mamba``, else ``~/.cache/tvm_mamba``."""
-    base = os.environ.get("TVM_MAMBA_CACHE_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "tvm_mamba")
-    return pathlib.Path(base)
-
-
-_fallback: dict[str, pathlib.Path] = {}
-
-
-def _usable(folder: pathlib.Path) -> bool:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK | os.X_OK)
-
-
-def cache_root() -> pathlib.Path:
-    """This package version's folder in the cache. An unusable cache directory (not creatable, not a
-    directory, read-only) is replaced, with one warning naming it, by a temporary folder for this process."""
-    from .. import __version__
-
-    versions = f"tvm_mamba-{__version__}_tvm-{tvm.__version__}_ffi-{tvm_ffi.__version__}_src-{_source_digest()}"
-    base = cache_base()
-    if str(base) in _fallback:
-        return _fallback[str(base)] / versions
-    root = base / versions
-    if not _usable(root):
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix="tvm_mamba_cache_"))
-        _fallback[str(base)] = tmp
-        warnings.warn(f"tvm_mamba: the kernel cache directory {base} is not usable (set TVM_MAMBA_CACHE_DIR to a "
-                      f"writable folder); building into {tmp} for this process only", RuntimeWarning, stacklevel=3)
-        return tmp / versions
-    return root
-
-
-def cache_path(key: KernelKey, plan: "dispatch.Plan") -> pathlib.Path:
+def cache_path(key: KernelKey, plan: Plan) -> pathlib.Path:
     tag = hashlib.sha256((key.workload().digest() + plan.digest()).encode()).hexdigest()[:16]
     return cache_root() / key.target / f"{key.op}-{key.direction}-{tag}.so"
 
@@ -157,12 +99,12 @@ def _stamp_path(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _stamp(path: pathlib.Path, key: KernelKey, plan: "dispatch.Plan") -> dict:
+def _stamp(path: pathlib.Path, key: KernelKey, plan: Plan) -> dict:
     return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "key": key.workload().digest(),
             "plan": hashlib.sha256(plan.digest().encode()).hexdigest()[:16]}
 
 
-def _verified(path: pathlib.Path, key: KernelKey, plan: "dispatch.Plan") -> bool:
+def _verified(path: pathlib.Path, key: KernelKey, plan: Plan) -> bool:
     """True if ``path`` is the file this key's build wrote: its stamp (written at the atomic write) names this
     key and plan and the sha256 of these exact bytes. A truncated, overwritten or swapped file is never mapped
     (mapping a truncated .so faults when touched past its end)."""
@@ -183,7 +125,7 @@ def _discard(path: pathlib.Path, why: str) -> None:
             pass
 
 
-def _try_load(path: pathlib.Path, key: KernelKey, plan: "dispatch.Plan", may_discard: bool):
+def _try_load(path: pathlib.Path, key: KernelKey, plan: Plan, may_discard: bool):
     """The module at ``path`` if it verifies and loads; else None (removing the file only when
     ``may_discard``: under the build lock, so a reader never removes a file a writer is finishing)."""
     if not path.exists():
@@ -220,7 +162,7 @@ def _from_pack(key: KernelKey) -> Kernel | None:
             pack.load_cuda_runtime()
         t0 = time.perf_counter()
         module = load_library(path, pk.folder)
-        kern = Kernel(key, dispatch.Plan(key, (), f"pack: {path.name} ({source})"), module, path, 0.0,
+        kern = Kernel(key, Plan(key, (), f"pack: {path.name} ({source})"), module, path, 0.0,
                       time.perf_counter() - t0)
         _memo[memo_key] = kern
     return kern
@@ -286,7 +228,7 @@ def _resolve(key: KernelKey) -> Kernel:
 _views: dict[tuple, Kernel] = {}
 
 
-def _serving(kern: Kernel, key: KernelKey, plan: "dispatch.Plan") -> Kernel:
+def _serving(kern: Kernel, key: KernelKey, plan: Plan) -> Kernel:
     """``kern`` (built for the same workload and decisions) as serving this call's key and plan: the same
     binary, but explain() must name this call's bucket and the record that chose its decisions, not those of
     the call that built it."""
@@ -302,7 +244,7 @@ def _serving(kern: Kernel, key: KernelKey, plan: "dispatch.Plan") -> Kernel:
     return view
 
 
-def _locked_build(key: KernelKey, plan: "dispatch.Plan", path: pathlib.Path):
+def _locked_build(key: KernelKey, plan: Plan, path: pathlib.Path):
     """Under the cross-process lock: load what another process built, or build and write atomically. If the
     lock is not had within LOCK_TIMEOUT_S (a process stuck holding it), build privately with a warning."""
     try:
@@ -324,7 +266,7 @@ def _locked_build(key: KernelKey, plan: "dispatch.Plan", path: pathlib.Path):
         return _load(private), private, time.perf_counter() - tb
 
 
-def _write(key: KernelKey, plan: "dispatch.Plan", path: pathlib.Path) -> None:
+def _write(key: KernelKey, plan: Plan, path: pathlib.Path) -> None:
     """Build ``key`` and write it atomically (temp file + rename), then its stamp."""
     with _build_lock:  # TVMScript parsing is not thread-safe in CPython 3.11 (AST recursion-depth mismatch)
         ex = compile_module(key, dispatch.schedule(key))

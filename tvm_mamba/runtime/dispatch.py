@@ -1,67 +1,25 @@
-"""Kernel key -> scheduled IRModule (compute builder + schedule rule + decisions), and explain().
+"""Kernel key -> plan (which decisions serve it) -> scheduled IRModule, and explain().
 
-Discovery is by the one-file-name-per-op convention: key ``(op, direction)`` is built by
-``tvm_mamba.compute.<op>.<op>_<direction>(**static_dims, **{<tensor>_dtype: ...})`` and scheduled by
-``tvm_mamba.schedules.<cpu|cuda>.<op>.apply``. Decisions come from a tuning record for the key's bucket
-(see ``tuning.py``) or are the rule's defaults; ``explain`` reports which.
+``rules.py`` builds a key's PrimFunc and applies the target's schedule rule (see there for how a key names
+its builder and rule). This module chooses the decisions: ``plan(key)`` asks the registered plan hooks (an
+explicit override: a test or a tool pinning decisions), then the tuning logs (``tuning.lookup``, called
+here by name, not registered as an import side effect), else the rule's hand defaults; ``explain``
+reports which.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import threading
 from typing import Callable
 
 import tvm
-from tvm.target import Target
 
 from ..schedules.rule import Decisions
-from .key import KernelKey
-from .target import target_from_key
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one kernel key is served: the decisions and where they came from."""
-
-    key: KernelKey
-    decisions: tuple  # sorted (name, value) pairs
-    source: str  # "default" or "tuned: <file> (<seconds> s)"
-
-    def digest(self) -> str:
-        return repr(self.decisions)
-
-
-def builder(key: KernelKey) -> Callable[..., tvm.tirx.PrimFunc]:
-    module = importlib.import_module(f"tvm_mamba.compute.{key.op}")
-    fn = getattr(module, f"{key.op}_{key.direction}", None)
-    if fn is None:
-        raise KeyError(f"no compute builder {key.op}_{key.direction} in tvm_mamba.compute.{key.op}")
-    return fn
-
-
-def dims_class(key: KernelKey):
-    """The op's typed static dims (``compute.<op>.DIMS``, a ``compute._common.Dims``), or None for an op
-    whose builders still take keyword arguments."""
-    dims = getattr(importlib.import_module(f"tvm_mamba.compute.{key.op}"), "DIMS", None)
-    return dims.get(key.direction) if isinstance(dims, dict) else dims
-
-
-def build_func(key: KernelKey) -> tvm.tirx.PrimFunc:
-    """The unscheduled PrimFunc of a key (pure function of its static dims and dtypes)."""
-    cls = dims_class(key)
-    if cls is not None:
-        return builder(key)(cls.from_key(key.static, key.dtype))
-    dtypes = {f"{name}_dtype": dt for name, dt in key.dtypes}
-    return builder(key)(**key.static, **dtypes)
-
-
-def rule_module(target: Target, op: str):
-    kind = "cuda" if target.kind.name == "cuda" else "cpu"
-    try:
-        return importlib.import_module(f"tvm_mamba.schedules.{kind}.{op}")
-    except ModuleNotFoundError:
-        return None
+from . import tuning
+from .key import KernelKey, Plan  # noqa: F401  (Plan: re-exported, dispatch.Plan is its name in use)
+from . import rules
+from .rules import build_func, builder, compute_ops, dims_class, rule_module  # noqa: F401  (dispatch's API)
+from .target import target_from_key  # noqa: F401  (re-exported: cache and tests name it here)
 
 
 _plan_hooks: list[Callable[[KernelKey], Plan | None]] = []
@@ -72,51 +30,43 @@ _generation = [0]
 
 
 def invalidate() -> None:
-    """Tell kernel callers that what plan() returns may have changed (tuning logs refreshed, a
-    ``tuning_logs`` block entered or left): cache.build_and_load's per-thread fast path re-resolves."""
+    """Tell kernel callers that what plan() returns may have changed (a kernel cache cleared, a hook's
+    answers changed): cache.build_and_load's per-thread fast path re-resolves."""
     _generation[0] += 1
 
 
 def generation() -> tuple:
-    """Changes whenever what plan() returns may change: invalidate() calls and the set of plan hooks."""
-    return (_generation[0], tuple(map(id, _plan_hooks)))
+    """Changes whenever what plan() returns may change: invalidate() calls, the tuning logs' state
+    (``tuning.generation()``: refreshes, ``tuning_logs`` blocks entered or left) and the set of plan hooks."""
+    return (_generation[0], tuning.generation(), tuple(map(id, _plan_hooks)))
 
 
 def register_plan_hook(hook: Callable[[KernelKey], Plan | None]) -> None:
-    """Tuning-log lookup registers itself here (kept out of this module so dispatch has no file I/O)."""
+    """Add an override consulted before the tuning logs (first non-None answer serves); for tools and
+    tests that pin decisions. The tuning logs need no hook: plan() calls them itself."""
     with _plan_lock:
         if hook not in _plan_hooks:
             _plan_hooks.append(hook)
 
 
 def plan(key: KernelKey) -> Plan:
-    """The decisions that serve ``key``: the best tuning record of its bucket, else the hand defaults. A
-    ``cudasim-sm_XY`` key is served as ``cuda-sm_XY`` would be, so the harness runs what the GPU runs."""
+    """The decisions that serve ``key``: a plan hook's (an explicit override), else the best tuning record
+    of its bucket, else the hand defaults. A ``cudasim-sm_XY`` key is served as ``cuda-sm_XY`` would be, so
+    the harness runs what the GPU runs."""
     lookup = key
     if key.target.startswith("cudasim-"):
         lookup = dataclasses.replace(key, target="cuda-" + key.target[len("cudasim-"):])
-    for hook in list(_plan_hooks):
-        found = hook(lookup)
+    for ask in (*_plan_hooks, tuning.lookup):
+        found = ask(lookup)
         if found is not None:
             return found if lookup is key else Plan(key, found.decisions, found.source)
     return Plan(key, (), "default")
 
 
 def schedule(key: KernelKey, decisions: Decisions | None = None) -> tvm.IRModule:
-    """Build and schedule ``key``; returns an IRModule ready for ``tvm.compile``."""
-    func = build_func(key)
-    target = target_from_key(key.target)
-    decisions = decisions if decisions is not None else Decisions(dict(plan(key).decisions))
-    rules = rule_module(target, key.op)
-    sch = rules.apply(func, target, decisions) if rules is not None else None
-    if sch is not None:
-        return sch.mod
-    if target.kind.name == "cuda":
-        from tvm.s_tir import dlight as dl
-
-        with target:
-            return dl.ApplyDefaultSchedule(dl.gpu.Fallback())(tvm.IRModule({key.op + "_" + key.direction: func}))
-    return tvm.IRModule({f"{key.op}_{key.direction}": func})
+    """Build and schedule ``key`` with ``decisions`` (default: ``plan(key)``'s); returns an IRModule ready
+    for ``tvm.compile``."""
+    return rules.apply(key, decisions if decisions is not None else Decisions(dict(plan(key).decisions)))
 
 
 def explain_key(key: KernelKey, served: Plan | None = None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Mapping
 
 Static = tuple[tuple[str, Any], ...]
@@ -92,6 +93,26 @@ class KernelKey:
         dts = ",".join(f"{k}:{v}" for k, v in self.dtypes)
         bucket = ",".join(f"{k}<={v}" for k, v in self.shape_bucket)
         return f"{self.op}.{self.direction}[{dts}][{dims}]@{self.target}" + (f"{{{bucket}}}" if bucket else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one kernel key is served: the decisions and where they came from (made by ``dispatch.plan``,
+    the tuning lookup and the kernel pack; ``dispatch.Plan`` is the same class)."""
+
+    key: KernelKey
+    decisions: tuple  # sorted (name, value) pairs
+    source: str  # "default" or "tuned: <file> (<seconds> s)"
+
+    def digest(self) -> str:
+        return repr(self.decisions)
+
+
+def bucket_distance(a: Mapping[str, int], b: Mapping[str, int]) -> float:
+    """How far apart two shape buckets are: the sum over their dims of |log2 a - log2 b| (a missing dim
+    counts as 1). The nearest tuned bucket, or packed kernel, serves a bucket with none of its own."""
+    names = set(a) | set(b)
+    return sum(abs(math.log2(max(a.get(n, 1), 1)) - math.log2(max(b.get(n, 1), 1))) for n in names)
 
 
 def pow2_bucket(n: int, lo: int = 1, hi: int = 1 << 20) -> int:

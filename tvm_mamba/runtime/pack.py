@@ -28,7 +28,7 @@ import tempfile
 import tvm
 import tvm_ffi
 
-from .key import KernelKey
+from .key import KernelKey, bucket_distance
 
 ENV = "TVM_MAMBA_KERNEL_PACK"
 MANIFEST = "manifest.json"
@@ -83,13 +83,11 @@ class Pack:
             self.entries.setdefault(key.workload(), []).append((dict(key.shape_bucket), e["file"], e["plan"]))
 
     def find(self, key: KernelKey) -> tuple[pathlib.Path, str] | None:
-        from .tuning import _distance
-
         cands = self.entries.get(key.workload())
         if not cands:
             return None
         want = dict(key.shape_bucket)
-        _, file, plan = min(cands, key=lambda c: _distance(want, c[0]))
+        _, file, plan = min(cands, key=lambda c: bucket_distance(want, c[0]))
         return self.folder / file, plan
 
 

@@ -33,7 +33,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import pathlib
 import threading
@@ -43,12 +42,24 @@ import tvm
 import tvm_ffi
 
 from ..schedules.rule import Decisions
-from . import dispatch, records
-from .key import KernelKey
+from . import records, rules
+from .cache_dir import cache_root
+from .key import KernelKey, Plan, bucket_distance
 
 ENV = "TVM_MAMBA_TUNING_LOGS"
 RECORDS = "records.jsonl"
 _state = threading.local()
+_generation = [0]
+
+
+def generation() -> int:
+    """Changes whenever what lookup() answers may change (a refresh, a ``tuning_logs`` block entered or
+    left); ``dispatch.generation()`` includes it, so kernel callers' fast paths re-resolve."""
+    return _generation[0]
+
+
+def _invalidate() -> None:
+    _generation[0] += 1
 
 
 @functools.lru_cache(maxsize=None)  # find_spec checks the filesystem: ~0.4 ms per kernel call otherwise
@@ -112,7 +123,7 @@ def tuning_logs(enabled: bool = True, path: str | os.PathLike | None = None, shi
         yield
     finally:
         _state.enabled, _state.path, _state.shipped = prev
-        dispatch.invalidate()
+        _invalidate()
 
 
 # --- device keys -----------------------------------------------------------------------------------
@@ -132,7 +143,8 @@ def _cpu_vendor() -> str:
 @functools.lru_cache(maxsize=None)
 def _cpu_isa() -> str:
     try:
-        flags = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
     except OSError:
         return "unknown"
     for isa, flag in (("avx512", " avx512f"), ("avx2", " avx2"), ("sse4", " sse4_2")):
@@ -268,7 +280,7 @@ def refresh() -> None:
     _stamps.clear()
     _dev_memo.clear()
     _warned.clear()
-    dispatch.invalidate()
+    _invalidate()
 
 
 def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
@@ -287,11 +299,6 @@ def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
             stamp.append((str(p), -1, -1, 0))
     _stamps[(str(root), dev)] = (now, tuple(stamp))
     return tuple(stamp)
-
-
-def _distance(a: dict, b: dict) -> float:
-    names = set(a) | set(b)
-    return sum(abs(math.log2(max(a.get(n, 1), 1)) - math.log2(max(b.get(n, 1), 1))) for n in names)
 
 
 # --- does the rule accept a record's knobs? -------------------------------------------------------------
@@ -321,7 +328,7 @@ def _check_decisions(workload: KernelKey, values: dict) -> str | None:
         return None  # the hand default
     d = _StrictDecisions(values)
     try:
-        dispatch.schedule(workload, d)
+        rules.apply(workload, d)
     except Exception as err:  # noqa: BLE001 - a record that breaks the rule is a bad record, not a crash
         return f"the schedule rule fails with them ({type(err).__name__}: {str(err)[:80]})"
     bad = [f"{n}={values[n]!r} is not one of {c}" for n, c in d.rejected.items() if n in values]
@@ -342,8 +349,6 @@ def _rule_problem(workload: KernelKey, values: dict) -> str | None:
         return _checked[tag]
     path = None
     try:
-        from .cache import cache_root
-
         path = cache_root() / "tuning_checks" / f"{tag}.json"
         text, _ = records.read_text(path)
         obj, _ = records.parse_json(text) if text is not None else (None, None)
@@ -409,7 +414,7 @@ def _find(key: KernelKey, root: pathlib.Path, dev: str, stamp: tuple):
     entries = _load(str(root), dev, stamp).get(key.workload())
     want = dict(key.shape_bucket)
     useful = [e for e in entries or () if e[1]["time_s"] < e[1]["default_time_s"]]  # never slower than default
-    for bucket, rec, file in sorted(useful, key=lambda e: (_distance(want, e[0]), e[1]["time_s"])):
+    for bucket, rec, file in sorted(useful, key=lambda e: (bucket_distance(want, e[0]), e[1]["time_s"])):
         problem = _rule_problem(key.workload(), rec["decisions"])
         if problem is None:
             return rec, file
@@ -419,8 +424,8 @@ def _find(key: KernelKey, root: pathlib.Path, dev: str, stamp: tuple):
     return None
 
 
-def lookup(key: KernelKey) -> "dispatch.Plan | None":
-    """The dispatch plan hook: a tuned plan for ``key`` or None (hand defaults)."""
+def lookup(key: KernelKey) -> Plan | None:
+    """A tuned plan for ``key`` or None (hand defaults); ``dispatch.plan`` calls it after its hooks."""
     if not enabled():
         return None
     found = find_record(key)
@@ -430,11 +435,9 @@ def lookup(key: KernelKey) -> "dispatch.Plan | None":
     decisions = tuple(sorted(rec["decisions"].items()))
     bucket = ",".join(f"{k}={v}" for k, v in sorted(rec["key"].get("shape_bucket", {}).items()))
     how = ", MetaSchedule" if rec.get("source") == "metaschedule" else ""
-    return dispatch.Plan(key, decisions, f"tuned: {file} [{bucket}] ({1e3 * rec['time_s']:.3f} ms vs default "
+    return Plan(key, decisions, f"tuned: {file} [{bucket}] ({1e3 * rec['time_s']:.3f} ms vs default "
                                          f"{1e3 * rec['default_time_s']:.3f} ms{how})")
 
-
-dispatch.register_plan_hook(lookup)
 
 
 def device_summary(target_key: str, gpu_name: str | None = None) -> dict:

@@ -48,17 +48,22 @@ def dummy(device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
     return _dummy(torch.device(device), dtype, ndim)
 
 
-def kernel_for(op: str, direction: str, device, dtypes: dict, static: dict, **dynamic: int):
-    """Build or load the kernel for a call on ``device``; ``dynamic`` dims only choose the bucket."""
+def kernel_for(op: str, direction: str, device, dims, static: dict | None = None, **dynamic: int):
+    """Build or load the kernel for a call on ``device``. ``dims``: the op's typed static dims (a
+    ``compute._common.Dims``, which holds the dtypes too); for an op without typed dims, its dtypes map,
+    then ``static``, the static dims map. ``dynamic`` dims only choose the bucket."""
     target = device_target_key(device)
     bucket = shape_bucket(**dynamic)
+    typed = static is None
     try:
-        memo = (op, direction, target, tuple(dtypes.items()), tuple(static.items()), tuple(bucket.items()))
+        parts = (dims,) if typed else (tuple(dims.items()), tuple(static.items()))
+        memo = (op, direction, target, *parts, tuple(bucket.items()))
         key = _keys.get(memo)
     except TypeError:  # an unhashable static value: no memo (KernelKey.make validates it)
         memo, key = None, None
     if key is None:
-        key = KernelKey.make(op, direction, dtypes, static, target, bucket)
+        key = (KernelKey.of(op, direction, dims, target, bucket) if typed
+               else KernelKey.make(op, direction, dims, static, target, bucket))
         if memo is not None and len(_keys) < 65536:
             _keys[memo] = key
     kern = build_and_load(key)

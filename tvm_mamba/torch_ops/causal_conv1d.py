@@ -17,19 +17,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..compute._causal_conv1d_dims import (CausalConv1dBwd, CausalConv1dFwd, CausalConv1dUpdate,
+                                           CausalConv1dVarlenStates)
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, kernel_for, prepare,
                      run_op, tvm_dtype)
 
 OP = "causal_conv1d"
 
 
-def _static(x: Tensor, weight: Tensor, silu: bool, bias, seq_idx, initial_states) -> dict:
-    return dict(dim=x.shape[1], width=weight.shape[1], activation="silu" if silu else "none",
-                has_bias=bias is not None, has_seq_idx=seq_idx is not None, has_init=initial_states is not None)
-
-
-def _dtypes(x: Tensor, weight: Tensor) -> dict:
-    return {"x": tvm_dtype(x), "weight": tvm_dtype(weight)}
+def _dims(cls, x: Tensor, weight: Tensor, silu: bool, bias, seq_idx, initial_states, flag: bool):
+    """The forward's or backward's dims (``cls``); ``flag``: return_final / has_dfinal."""
+    return cls.cached(x.shape[1], weight.shape[1], "silu" if silu else "none", bias is not None,
+                      seq_idx is not None, initial_states is not None, flag, tvm_dtype(x), tvm_dtype(weight))
 
 
 def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
@@ -50,8 +49,8 @@ def causal_conv1d_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx
         if return_final_states and batch * dim:
             final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
         return out, final
-    static = dict(_static(x, weight, silu, bias, seq_idx, initial_states), return_final=return_final_states)
-    kern = kernel_for(OP, "fwd", x.device, _dtypes(x, weight), static, batch=batch, seqlen=seqlen)
+    dims = _dims(CausalConv1dFwd, x, weight, silu, bias, seq_idx, initial_states, return_final_states)
+    kern = kernel_for(OP, "fwd", x.device, dims, batch=batch, seqlen=seqlen)
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(seq_idx, x, torch.int32, 2),
          _opt(initial_states, x, x.dtype, 3), out,
          final if return_final_states else dummy(x.device, x.dtype, 3))
@@ -81,8 +80,8 @@ def causal_conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq_idx
         if initial_states is not None:
             dinit.copy_(dfinal if dfinal is not None else torch.zeros_like(dinit))
         return dx, dweight, dbias, dinit
-    static = dict(_static(x, weight, silu, bias, seq_idx, initial_states), has_dfinal=dfinal is not None)
-    kern = kernel_for(OP, "bwd", x.device, _dtypes(x, weight), static, batch=batch, seqlen=seqlen)
+    dims = _dims(CausalConv1dBwd, x, weight, silu, bias, seq_idx, initial_states, dfinal is not None)
+    kern = kernel_for(OP, "bwd", x.device, dims, batch=batch, seqlen=seqlen)
     g = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     partial = torch.empty((batch, dim, width + 1), device=x.device, dtype=torch.float32)
     kern(x, weight, _opt(bias, x, weight.dtype, 1), _opt(seq_idx, x, torch.int32, 2),
@@ -154,11 +153,10 @@ def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias:
     if batch * dim == 0 or seqlen == 0:
         return out
     state = prepare(conv_state)  # conv_state itself when compact and aligned: the kernel updates it in place
-    static = dict(dim=dim, width=weight.shape[1], state_len=state.shape[2],
-                  activation="silu" if silu else "none", has_bias=bias is not None,
-                  has_indices=conv_state_indices is not None, has_cache_seqlens=cache_seqlens is not None)
-    dtypes = {"x": tvm_dtype(xk), "weight": tvm_dtype(weight), "state": tvm_dtype(state)}
-    kern = kernel_for(OP, "update", x.device, dtypes, static, batch=batch, seqlen=seqlen)
+    dims = CausalConv1dUpdate.cached(dim, weight.shape[1], state.shape[2], "silu" if silu else "none",
+                                     bias is not None, conv_state_indices is not None, cache_seqlens is not None,
+                                     tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state))
+    kern = kernel_for(OP, "update", x.device, dims, batch=batch, seqlen=seqlen)
     kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), _opt(conv_state_indices, x, torch.int32, 1),
          _opt(cache_seqlens, x, torch.int32, 1), out)
     if state is not conv_state:  # a strided or unaligned conv_state: the kernel updated a compact copy
@@ -190,7 +188,7 @@ def causal_conv1d_varlen_states_op(x: Tensor, cu_seqlens: Tensor, state_len: int
         return x.new_zeros((batch, state_len, dim))
     xk, cu = prepare(x), prepare(cu_seqlens.to(torch.int32))
     states = x.new_empty((batch, state_len, dim))
-    kern = kernel_for(OP, "varlen_states", x.device, {"x": tvm_dtype(xk)}, dict(dim=dim, state_len=state_len),
+    kern = kernel_for(OP, "varlen_states", x.device, CausalConv1dVarlenStates.cached(dim, state_len, tvm_dtype(xk)),
                       batch=batch, seqlen=x.shape[0])
     kern(xk, cu, states)
     return states

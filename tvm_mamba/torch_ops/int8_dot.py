@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.int8_dot import wgrad_parts
+from ..compute.int8_dot import Int8DotDgrad, Int8DotMatmul, Int8DotPacking, Int8DotWgrad, wgrad_parts
 from ._dlpack import check_size, FLOATS, check_tensor, kernel_for, prepare, run_op
 
 OP = "int8_dot"
@@ -37,7 +37,7 @@ def int8_matmul_op(a: Tensor, b: Tensor) -> Tensor:
         return c
     if K == 0:
         return c.zero_()
-    kern = kernel_for(OP, "matmul", a.device, {}, dict(N=N, K=K), M=M)
+    kern = kernel_for(OP, "matmul", a.device, Int8DotMatmul.cached(N, K), M=M)
     kern(prepare(a), prepare(b), c)
     return c
 
@@ -53,7 +53,7 @@ def int8_pack_op(codes: Tensor) -> Tensor:
     rows, K = codes.shape
     out = torch.empty((rows, (K + 3) // 4), device=codes.device, dtype=torch.int32)
     if rows and K:
-        kernel_for(OP, "pack", codes.device, {}, dict(K=K), rows=rows)(prepare(codes), out)
+        kernel_for(OP, "pack", codes.device, Int8DotPacking.cached(K), rows=rows)(prepare(codes), out)
     return out
 
 
@@ -68,7 +68,7 @@ def int8_unpack_op(packed: Tensor, K: int) -> Tensor:
     rows = packed.shape[0]
     out = torch.empty((rows, K), device=packed.device, dtype=torch.int8)
     if rows and K:
-        kernel_for(OP, "unpack", packed.device, {}, dict(K=K), rows=rows)(prepare(packed), out)
+        kernel_for(OP, "unpack", packed.device, Int8DotPacking.cached(K), rows=rows)(prepare(packed), out)
     return out
 
 
@@ -88,7 +88,7 @@ def int8_dgrad_op(g: Tensor, codes: Tensor, scale: Tensor) -> Tensor:
         return out
     if K == 0:
         return out.zero_()
-    kern = kernel_for(OP, "dgrad", g.device, {}, dict(heads=H, N=N, K=K), M=M)
+    kern = kernel_for(OP, "dgrad", g.device, Int8DotDgrad.cached(H, N, K), M=M)
     kern(prepare(g), prepare(codes), prepare(scale.reshape(1)), out)
     return out
 
@@ -111,7 +111,7 @@ def int8_wgrad_op(codes: Tensor, g: Tensor, scale: Tensor) -> Tensor:
         return out.zero_()
     nparts = wgrad_parts(M, H, K)
     partial = torch.empty((nparts, H, N, K), device=g.device, dtype=torch.float32)
-    kern = kernel_for(OP, "wgrad", g.device, {}, dict(heads=H, code_heads=CH, N=N, K=K), M=M)
+    kern = kernel_for(OP, "wgrad", g.device, Int8DotWgrad.cached(H, CH, N, K), M=M)
     kern(prepare(codes), prepare(g), prepare(scale.reshape(1)), out, partial)
     return out
 

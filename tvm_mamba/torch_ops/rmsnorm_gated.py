@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.rmsnorm_gated import NormDims
+from ..compute.rmsnorm_gated import RMSNormGatedBwd, RMSNormGatedFwd
 from ._dlpack import (FLOATS, TORCH_TO_TVM, check_shape, check_tensor, dummy, kernel_for, prepare, run_op,
                       tvm_dtype)
 
@@ -27,10 +27,13 @@ OP = "rmsnorm_gated"
 MAX_PARTS = 64
 
 
-def _dims(x: Tensor, bias, z, eps: float, group_size: int, norm_before_gate: bool, is_rms_norm: bool,
-          **flags) -> NormDims:
-    return NormDims(x.shape[1], group_size, float(eps), bias is not None, z is not None,
-                    bool(norm_before_gate) if z is not None else True, bool(is_rms_norm), **flags)
+def _dims(cls, x: Tensor, weight: Tensor, bias, z, eps: float, group_size: int, norm_before_gate: bool,
+          is_rms_norm: bool, **flags):
+    """The kernel's typed dims (``cls``: RMSNormGatedFwd / RMSNormGatedBwd); ``flags``: the direction's own
+    flags, and its extra dtypes where they differ from x's (None keeps them out of the key)."""
+    return cls.cached(x.shape[1], group_size, float(eps), bias is not None, z is not None,
+                      bool(norm_before_gate) if z is not None else True, bool(is_rms_norm), x_dtype=tvm_dtype(x),
+                      weight_dtype=tvm_dtype(weight), **flags)
 
 
 def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
@@ -81,16 +84,13 @@ def rmsnorm_gated_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
     mean, rstd = _empty(x, not is_rms_norm, torch.float32, stats), _empty(x, True, torch.float32, stats)
     if rows == 0:
         return out, rout, mask, out1, mask1, mean, rstd
-    d = _dims(x, bias, z, eps, group_size, norm_before_gate, is_rms_norm, has_residual=residual is not None,
-              store_residual=store, has_rowscale=rowscale is not None, dropout_p=float(dropout_p),
-              store_dropout_mask=store_mask, has_x1=x1 is not None, has_weight1=weight1 is not None,
-              has_bias1=weight1 is not None and bias1 is not None)
-    dtypes = {"x": tvm_dtype(x), "weight": tvm_dtype(weight)}
-    if residual is not None and residual.dtype != x.dtype:
-        dtypes["residual"] = tvm_dtype(residual)
-    if rdt != x.dtype:
-        dtypes["residual_out"] = TORCH_TO_TVM[rdt]
-    kern = kernel_for(OP, "fwd", x.device, dtypes, d.static(), rows=rows)
+    d = _dims(RMSNormGatedFwd, x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm,
+              has_residual=residual is not None, store_residual=store, has_rowscale=rowscale is not None,
+              dropout_p=float(dropout_p), store_dropout_mask=store_mask, has_x1=x1 is not None,
+              has_weight1=weight1 is not None, has_bias1=weight1 is not None and bias1 is not None,
+              residual_dtype=tvm_dtype(residual) if residual is not None and residual.dtype != x.dtype else None,
+              residual_out_dtype=TORCH_TO_TVM[rdt] if rdt != x.dtype else None)
+    kern = kernel_for(OP, "fwd", x.device, d, rows=rows)
     f32, i32, u8, wdt = torch.float32, torch.int32, torch.uint8, weight.dtype
     kern(x, weight, _opt(bias, x, wdt, 1), _opt(z, x, x.dtype, 2), _opt(residual, x, rdt if residual is not None
                                                                        else x.dtype, 2),
@@ -150,13 +150,11 @@ def rmsnorm_gated_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
         return dx, dz, dweight, dbias, dres_in, dx1, dweight1, dbias1
     nparts = min(rows, MAX_PARTS)
     partial = torch.empty((nparts, 4 if w1 else 2, hidden), device=x.device, dtype=torch.float32)
-    d = _dims(x, bias, z, eps, group_size, norm_before_gate, is_rms_norm, has_dresidual=dresidual is not None,
-              store_dresidual=store_dres, has_rowscale=rowscale is not None, dropout_p=float(dropout_p),
-              has_x1=has_x1, has_weight1=w1, has_bias1=b1)
-    dtypes = {"x": tvm_dtype(x), "weight": tvm_dtype(weight)}
-    if dout.dtype != x.dtype:
-        dtypes["dout"] = tvm_dtype(dout)
-    kern = kernel_for(OP, "bwd", x.device, dtypes, d.static(), rows=rows)
+    d = _dims(RMSNormGatedBwd, x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm,
+              has_dresidual=dresidual is not None, store_dresidual=store_dres, has_rowscale=rowscale is not None,
+              dropout_p=float(dropout_p), has_x1=has_x1, has_weight1=w1, has_bias1=b1,
+              dout_dtype=tvm_dtype(dout) if dout.dtype != x.dtype else None)
+    kern = kernel_for(OP, "bwd", x.device, d, rows=rows)
     f32, i32, wdt = torch.float32, torch.int32, weight.dtype
     kern(x, weight, _opt(bias, x, wdt, 1), _opt(z, x, dout.dtype, 2), dout, _out(prepare(mean), not is_rms_norm,
                                                                                  x, f32),
