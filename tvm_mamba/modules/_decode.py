@@ -47,7 +47,6 @@ from ..torch_ops.linear import linear
 from ..torch_ops.rmsnorm_gated import rmsnorm_fn
 from ..torch_ops.selective_scan import selective_state_update
 from .layer_norm import RMSNorm
-from .quantize import QuantizedLinear
 
 _plans: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # key -> _Entry
 
@@ -223,7 +222,8 @@ class Dense:
     captured once and replayed (its result is then the same tensor every step)."""
 
     def __init__(self, layer):
-        self.quantized = isinstance(layer, QuantizedLinear)
+        # a QuantizedLinear (modules/quantize.py) by what it holds: that module imports the blocks, which import this one
+        self.quantized = isinstance(getattr(layer, "qweight", None), Tensor)
         if self.quantized:
             self.call, self.args = Captured(), (layer.qweight, layer.bias, layer.scale)
         else:
