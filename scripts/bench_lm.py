@@ -144,14 +144,16 @@ class Runner:
 
 class LlamaRunner(Runner):
     """llama.cpp on the GGUF file of the same weights (scripts/_llamacpp.py): batch b is b sequences of one
-    context, n_threads tvm_mamba's thread count. Logits come back as torch tensors for Runner.decode."""
+    context; n_threads is torch's thread count, the OpenMP team tvm_mamba's kernels run on by default. The
+    greedy loop stays in numpy (a torch argmax could wake torch's own threads between llama.cpp's steps);
+    logits come back as torch tensors like the other runners'."""
 
     def __init__(self, path: str, batch: int, max_tokens: int):
+        import torch
         from _llamacpp import LlamaCpp
 
-        from tvm_mamba.runtime.target import num_cores
-
-        super().__init__(LlamaCpp(path, n_threads=num_cores(), n_seq=batch, max_tokens=max_tokens), "llamacpp")
+        super().__init__(LlamaCpp(path, n_threads=torch.get_num_threads(), n_seq=batch, max_tokens=max_tokens),
+                         "llamacpp")
 
     def prefill(self, ids):
         import torch
@@ -163,6 +165,14 @@ class LlamaRunner(Runner):
         import torch
 
         return torch.from_numpy(self.model.forward(tok.numpy()))
+
+    def decode(self, logits, state, n: int):
+        import torch
+
+        logits = logits.numpy()
+        for _ in range(n):
+            logits = self.model.forward(logits.argmax(axis=-1)[:, None])
+        return torch.from_numpy(logits)
 
 
 def _ids(batch: int, length: int, vocab: int, seed: int):
