@@ -42,6 +42,7 @@ rel_diff; "llamacpp": the same per weight type), "procs", "impls", "llama_cpp" (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -429,7 +430,7 @@ def run_all(args) -> tuple[list[LMRow], dict]:
     impls = ["tvm"] + (["hf"] if not args.no_hf and _hf_available() else []) + [LLAMA_IMPL + q for q in qtypes]
     iters = QUICK_ITERS if args.quick else ITERS
     rows, checks = [], {}
-    with tempfile.TemporaryDirectory(prefix="bench_lm_gguf_") as gguf_dir:
+    with (tempfile.TemporaryDirectory(prefix="bench_lm_gguf_") if qtypes else contextlib.nullcontext()) as gguf_dir:
         for model in models:
             if "hf" in impls:
                 checks[model] = c = run_child(dict(model=model, phase="check"))
@@ -476,7 +477,8 @@ def main(argv=None) -> int:
     print(format_table(rows))
     if args.json:
         meta = {"tvm_mamba": sw.get("tvm_mamba"), "torch": sw.get("torch"), "transformers": sw.get("transformers"),
-                "llama_cpp": sw.get("llama_cpp"), "target": sw.get("target"), "threads": sw.get("torch_threads"), "quick": args.quick, "ops": ["lm"],
+                "llama_cpp": sw.get("llama_cpp"),
+                "target": sw.get("target"), "threads": sw.get("torch_threads"), "quick": args.quick, "ops": ["lm"],
                 "machine": dict(mach, torch_threads=sw.get("torch_threads"), tvm_num_threads=sw.get("tvm_num_threads")), "procs": args.procs, **extra}
         write_json(args.json, rows, meta)
     return 0

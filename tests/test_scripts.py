@@ -1,7 +1,7 @@
 """scripts/: bench.py refuses unknown ops, writes --json / --csv in its documented schema, compares forward+backward
 rows with a forward+backward copy; bench_lm.py --quick times the tiny LMs in fresh processes (with and without
-transformers, against llama.cpp when installed) and refuses to time a model whose logits disagree; train_tiny.py plots only where asked, labelled
-with matplotlib, sketched without it."""
+transformers, against llama.cpp when installed) and refuses to time a model whose logits disagree; train_tiny.py
+plots only where asked, labelled with matplotlib, sketched without it."""
 from __future__ import annotations
 
 import csv
