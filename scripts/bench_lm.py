@@ -1,8 +1,9 @@
 """Whole-model CPU benchmark: random-weight Mamba-1 / Mamba-2 language models at the 130M and 370M shapes,
-prefill and decode tokens/s, tvm_mamba against transformers' implementation of the same weights.
+prefill and decode tokens/s, tvm_mamba against transformers' implementation and llama.cpp on the same weights.
 
     python scripts/bench_lm.py [--models mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m] [--prefill 256,1024]
-        [--decode 128] [--batch 1,8] [--procs 3] [--weights fp32,bf16,int8] [--no-hf] [--quick] [--json out.json]
+        [--decode 128] [--batch 1,8] [--procs 3] [--weights fp32,bf16,int8] [--no-hf]
+        [--llamacpp f32,q8_0 | --no-llamacpp] [--quick] [--json out.json]
 
 Models (mamba_ssm's state-spaces configs, weights drawn locally with mamba_ssm's init, nothing downloaded):
 ``mamba{1,2}-130m`` d_model 768, 24 layers; ``mamba{1,2}-370m`` d_model 1024, 48 layers; vocab 50280; Mamba-1
@@ -26,15 +27,25 @@ transformers is optional (``--no-hf``, or not installed: no comparison column).
 projections and LM head, docs/linear.md); rows of a quantized model say so in their shape ("... int8"), and
 are compared with transformers at fp32. The logits check runs on the fp32 model.
 
+llama.cpp (``pip install 'tvm-mamba[llamacpp]'``: llama-cpp-python, which compiles llama.cpp, and gguf; skipped
+with ``--no-llamacpp`` or when not installed): one more process per model writes the model as GGUF files
+(``tvm_mamba.modules.gguf.save_gguf``, one per ``--llamacpp`` weight type: f32, q8_0) in a temporary directory
+and checks llama.cpp's f32 logits against ours like transformers' (q8_0's difference is printed, not
+checked); llama.cpp then runs each phase in its own fresh processes through llama.h (scripts/_llamacpp.py),
+``n_threads`` = tvm_mamba's thread count, batch b as b sequences of one context.
+Each reference gets its own row (same case and shape, tvm_mamba's figures repeated, ``ref_name`` "transformers
+(torch path)", "llama.cpp f32" or "llama.cpp q8_0"); a cell with no reference gets one row without.
+
 --json PATH: scripts/bench.py's schema 1 (op "lm", case "prefill 256 tok" / "decode 128 tok", shape
 "mamba2-130m b=1", ref_name "transformers (torch path)" or "" without it; ref_s / ref_over_tvm null then),
 each row with extra fields at the end: tvm_tok_s, ref_tok_s, tvm_runs_s, ref_runs_s (per-process medians);
 top level: "machine" (cpu, arch, cores, torch_threads, tvm_num_threads), "checks" (per model max_abs_diff,
-rel_diff), "procs", "impls".
+rel_diff; "llamacpp": the same per weight type), "procs", "impls", "llama_cpp" (llama-cpp-python's version).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,6 +54,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -60,8 +72,9 @@ MODELS = {
     "mamba1-tiny": (_M1, 128, 2, 512), "mamba2-tiny": (_M2, 128, 2, 512),
 }
 DEFAULTS = dict(models="mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m", prefill="256,1024", decode="128",
-                batch="1,8", procs=3, weights="fp32")
-QUICK = dict(models="mamba1-tiny,mamba2-tiny", prefill="32", decode="8", batch="1", procs=1, weights="fp32")
+                batch="1,8", procs=3, weights="fp32", llamacpp="f32,q8_0")
+QUICK = dict(models="mamba1-tiny,mamba2-tiny", prefill="32", decode="8", batch="1", procs=1, weights="fp32",
+             llamacpp="f32")
 WEIGHTS = {"fp32": None, "bf16": "bfloat16", "int8": "int8"}  # --weights -> quantize_weights dtype
 ITERS, QUICK_ITERS = 3, 2   # timed runs per process
 DECODE_PROMPT = 8           # prompt tokens before the timed decode steps
@@ -69,6 +82,9 @@ WARMUP_STEPS = 4            # decode steps of the warm-up run (the first step lo
 CHILD_BUDGET_S = 20.0       # no further timed runs in a process once its timed runs took this long
 CHECK_RTOL = 1e-3           # max |ours - transformers| / max |transformers| allowed on the logits
 HF_NAME = "transformers (torch path)"
+LLAMA_IMPL = "llamacpp-"    # + weight type: the impl name of llama.cpp on that GGUF file; its ref_name below
+LLAMA_NAME = "llama.cpp {}"
+LLAMA_QTYPES = ("f32", "q8_0")  # tvm_mamba.modules.gguf.QTYPES, named here so the parent need not import torch
 RESULT_TAG = "BENCH_LM_RESULT "
 SOFTWARE: dict = {}         # the parent's record of what its children ran (versions, target, torch threads)
 
@@ -139,6 +155,39 @@ class Runner:
         return logits
 
 
+class LlamaRunner(Runner):
+    """llama.cpp on the GGUF file of the same weights (scripts/_llamacpp.py): batch b is b sequences of one
+    context; n_threads is torch's thread count, the OpenMP team tvm_mamba's kernels run on by default. The
+    greedy loop stays in numpy (a torch argmax could wake torch's own threads between llama.cpp's steps);
+    logits come back as torch tensors like the other runners'."""
+
+    def __init__(self, path: str, batch: int, max_tokens: int):
+        import torch
+        from _llamacpp import LlamaCpp
+
+        super().__init__(LlamaCpp(path, n_threads=torch.get_num_threads(), n_seq=batch, max_tokens=max_tokens),
+                         "llamacpp")
+
+    def prefill(self, ids):
+        import torch
+
+        self.model.reset()
+        return torch.from_numpy(self.model.forward(ids.numpy())), None
+
+    def step(self, tok, state):
+        import torch
+
+        return torch.from_numpy(self.model.forward(tok.numpy()))
+
+    def decode(self, logits, state, n: int):
+        import torch
+
+        logits = logits.numpy()
+        for _ in range(n):
+            logits = self.model.forward(logits.argmax(axis=-1)[:, None])
+        return torch.from_numpy(logits)
+
+
 def _ids(batch: int, length: int, vocab: int, seed: int):
     import torch
 
@@ -168,29 +217,64 @@ def time_phase(runner: Runner, phase: str, batch: int, tokens: int, vocab: int, 
     return times
 
 
-def check_logits(name: str, steps: int = 4) -> dict:
-    """ours vs transformers on the same weights: a prefill (batch 2, 64 tokens), then `steps` decode steps
-    fed the same tokens (ours' greedy choices)."""
+CHECK_BATCH, CHECK_LEN, CHECK_STEPS = 2, 64, 4  # the logits checks' prompt and decode steps
+
+
+def _ours_logits(ours, name: str) -> tuple[list, list]:
+    """ours on the check prompt (batch CHECK_BATCH, CHECK_LEN tokens) then CHECK_STEPS greedy steps ->
+    (logits of the prefill and of each step, the tokens fed)."""
     import torch
 
-    ours, ref = build_models(name, hf=True)
-    ids = _ids(2, 64, MODELS[name][3], seed=123)
     with torch.inference_mode():
         runner = Runner(ours, "tvm")
-        logits, state = runner.prefill(ids)
+        logits, state = runner.prefill(_ids(CHECK_BATCH, CHECK_LEN, MODELS[name][3], seed=123))
         got, tokens = [logits], []
-        for _ in range(steps):
+        for _ in range(CHECK_STEPS):
             tokens.append(got[-1].argmax(dim=-1, keepdim=True))
             got.append(runner.step(tokens[-1], state))
-        runner = Runner(ref, "hf")
-        logits, state = runner.prefill(ids)
-        want = [logits] + [runner.step(tok, state) for tok in tokens]
+    return got, tokens
+
+
+def _compare(got: list, tokens: list, ref: Runner, name: str) -> dict:
+    """ref fed the same prompt and tokens as ours (_ours_logits) -> max |ours - ref| over every logit."""
+    import torch
+
+    with torch.inference_mode():
+        logits, state = ref.prefill(_ids(CHECK_BATCH, CHECK_LEN, MODELS[name][3], seed=123))
+        want = [logits] + [ref.step(tok, state) for tok in tokens]
     diff = max(float((g - w).abs().max()) for g, w in zip(got, want))
     scale = max(float(w.abs().max()) for w in want)
-    return dict(max_abs_diff=diff, rel_diff=diff / scale, max_abs_logit=scale, steps=steps)
+    return dict(max_abs_diff=diff, rel_diff=diff / scale, max_abs_logit=scale, steps=len(tokens))
 
 
-def software(hf: bool) -> dict:
+def check_logits(name: str) -> dict:
+    """ours vs transformers on the same weights: a prefill (batch 2, 64 tokens), then 4 decode steps fed the
+    same tokens (ours' greedy choices)."""
+    ours, ref = build_models(name, hf=True)
+    return _compare(*_ours_logits(ours, name), Runner(ref, "hf"), name)
+
+
+def export_and_check_llamacpp(name: str, directory: str, qtypes: list[str]) -> dict:
+    """Write the model as one GGUF file per weight type in directory (gguf_path), then ours vs llama.cpp on
+    each, as check_logits -> {qtype: check}."""
+    from tvm_mamba.modules.gguf import save_gguf
+
+    ours, _ = build_models(name, hf=False)
+    got, tokens = _ours_logits(ours, name)
+    checks = {}
+    for qtype in qtypes:
+        path = save_gguf(ours, gguf_path(directory, name, qtype), qtype=qtype, name=name)
+        ref = LlamaRunner(str(path), CHECK_BATCH, CHECK_BATCH * CHECK_LEN)
+        checks[qtype] = _compare(got, tokens, ref, name)
+        ref.model.close()
+    return checks
+
+
+def gguf_path(directory: str, name: str, qtype: str) -> str:
+    return os.path.join(directory, f"{name}-{qtype}.gguf")
+
+
+def software(hf: bool, llamacpp: bool = False) -> dict:
     """Versions, the TVM target and torch's thread count, as this process sees them."""
     import torch
 
@@ -203,18 +287,30 @@ def software(hf: bool) -> dict:
         import transformers
 
         out["transformers"] = transformers.__version__
+    if llamacpp:
+        from _llamacpp import version
+
+        out["llama_cpp"] = version()
     return out
 
 
 def child(spec: dict) -> dict:
     if spec["phase"] == "check":
         return dict(check_logits(spec["model"]), software=software(hf=True))
-    ours, ref = build_models(spec["model"], hf=spec["impl"] == "hf", weights=spec.get("weights", "fp32"))
-    runner = Runner(ref if spec["impl"] == "hf" else ours, spec["impl"])
-    del ours, ref  # the runner's model only (transformers' runs do not hold our copy of the weights)
+    if spec["phase"] == "export":
+        return dict(llamacpp=export_and_check_llamacpp(spec["model"], spec["dir"], spec["qtypes"]),
+                    software=software(hf=False, llamacpp=True))
+    if spec["impl"].startswith(LLAMA_IMPL):  # llama.cpp's runs do not build our model at all
+        path = gguf_path(spec["dir"], spec["model"], spec["impl"][len(LLAMA_IMPL):])
+        runner = LlamaRunner(path, spec["batch"], spec["batch"] * max(spec["tokens"], DECODE_PROMPT))
+    else:
+        ours, ref = build_models(spec["model"], hf=spec["impl"] == "hf", weights=spec.get("weights", "fp32"))
+        runner = Runner(ref if spec["impl"] == "hf" else ours, spec["impl"])
+        del ours, ref  # the runner's model only (transformers' runs do not hold our copy of the weights)
     times = time_phase(runner, spec["phase"], spec["batch"], spec["tokens"], MODELS[spec["model"]][3],
                        spec["iters"])
-    return dict(seconds=statistics.median(times), runs=times, software=software(hf=spec["impl"] == "hf"))
+    return dict(seconds=statistics.median(times), runs=times,
+                software=software(hf=spec["impl"] == "hf", llamacpp=spec["impl"].startswith(LLAMA_IMPL)))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -255,24 +351,33 @@ class LMRow(Row):
         return rec
 
 
+def ref_name(impl: str) -> str:
+    return HF_NAME if impl == "hf" else LLAMA_NAME.format(impl[len(LLAMA_IMPL):])
+
+
 def measure(model: str, phase: str, tokens: int, batch: int, impls: list[str], procs: int, iters: int,
-            weights: str = "fp32") -> LMRow:
-    """procs fresh processes per implementation (interleaved) -> one row of medians."""
+            gguf_dir: str | None = None, weights: str = "fp32") -> list[LMRow]:
+    """procs fresh processes per implementation (interleaved) -> one row of medians per reference
+    implementation (tvm_mamba's figures in each), or one row without a reference. ``weights``: ours'."""
     runs = {impl: [] for impl in impls}
     for _ in range(procs):
         for impl in impls:
-            spec = dict(model=model, impl=impl, phase=phase, batch=batch, tokens=tokens, iters=iters, weights=weights)
+            spec = dict(model=model, impl=impl, phase=phase, batch=batch, tokens=tokens, iters=iters, dir=gguf_dir,
+                        weights=weights)
             result = run_child(spec)
             runs[impl].append(result["seconds"])
             SOFTWARE.update(result["software"])
     tvm_ms = 1e3 * statistics.median(runs["tvm"])
-    ref_ms = 1e3 * statistics.median(runs["hf"]) if "hf" in runs else None
     n = batch * tokens
-    note = f"{n / tvm_ms * 1e3:,.1f} tok/s" + (f" vs {n / ref_ms * 1e3:,.1f} tok/s" if ref_ms else "")
     shape = f"{model} b={batch}" + ("" if weights == "fp32" else f" {weights}")
-    return LMRow("lm", f"{phase} {tokens} tok", shape, tvm_ms, ref_ms,
-                 ref_name=HF_NAME if ref_ms else "", note=note, tokens=n, tvm_runs=runs["tvm"],
-                 ref_runs=runs.get("hf", []))
+    rows = []
+    for ref in [impl for impl in impls if impl != "tvm"] or [None]:
+        ref_ms = 1e3 * statistics.median(runs[ref]) if ref else None
+        note = f"{n / tvm_ms * 1e3:,.1f} tok/s" + (f" vs {n / ref_ms * 1e3:,.1f} tok/s" if ref_ms else "")
+        rows.append(LMRow("lm", f"{phase} {tokens} tok", shape, tvm_ms, ref_ms,
+                          ref_name=ref_name(ref) if ref else "", note=note, tokens=n, tvm_runs=runs["tvm"],
+                          ref_runs=runs[ref] if ref else []))
+    return rows
 
 
 def _ints(text: str, what: str, least: int = 1) -> list[int]:
@@ -294,6 +399,9 @@ def parse(argv=None):
     ap.add_argument("--procs", type=int, help=f"fresh processes per cell (default {DEFAULTS['procs']})")
     ap.add_argument("--weights", help=f"ours' weights, comma-separated of {', '.join(WEIGHTS)} (default fp32)")
     ap.add_argument("--no-hf", action="store_true", help="no transformers comparison")
+    ap.add_argument("--llamacpp", help="llama.cpp weight types, of f32, q8_0 (default "
+                    f"{DEFAULTS['llamacpp']}; --quick: {QUICK['llamacpp']}) when llama-cpp-python is installed")
+    ap.add_argument("--no-llamacpp", action="store_true", help="no llama.cpp comparison")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: " + " ".join(f"--{k} {v}" for k, v in QUICK.items()) + " unless given")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the machine as JSON")
@@ -311,6 +419,17 @@ def _hf_available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
+def _llamacpp_qtypes(args) -> list[str]:
+    """The --llamacpp weight types to compare, [] with --no-llamacpp or without llama-cpp-python / gguf."""
+    from _llamacpp import available
+
+    qtypes = [q for q in args.llamacpp.split(",") if q]
+    if not qtypes or not set(qtypes) <= set(LLAMA_QTYPES):
+        raise SystemExit(f"bench_lm.py: --llamacpp must be a comma-separated list of {', '.join(LLAMA_QTYPES)}, "
+                         f"got {args.llamacpp!r}")
+    return [] if args.no_llamacpp or not available() else qtypes
+
+
 def run_all(args) -> tuple[list[LMRow], dict]:
     """Every (model, phase, batch) row, a logits check per model first when transformers runs."""
     models = [m for m in args.models.split(",") if m]
@@ -326,24 +445,39 @@ def run_all(args) -> tuple[list[LMRow], dict]:
     if not weights or any(w not in WEIGHTS for w in weights):
         raise SystemExit(f"bench_lm.py: --weights must be a comma-separated list of {', '.join(WEIGHTS)}, "
                          f"got {args.weights!r}")
-    impls = ["tvm"] + (["hf"] if not args.no_hf and _hf_available() else [])
+    qtypes = _llamacpp_qtypes(args)
+    impls = ["tvm"] + (["hf"] if not args.no_hf and _hf_available() else []) + [LLAMA_IMPL + q for q in qtypes]
     iters = QUICK_ITERS if args.quick else ITERS
     rows, checks = [], {}
-    for model in models:
-        if "hf" in impls:
-            checks[model] = c = run_child(dict(model=model, phase="check"))
-            SOFTWARE.update(c.pop("software", {}))
-            print(f"logits check {model} vs transformers: max |diff| {c['max_abs_diff']:.3g} "
-                  f"(rel {c['rel_diff']:.3g} of max |logit| {c['max_abs_logit']:.3g}; prefill + {c['steps']} "
-                  "decode steps)", flush=True)
-            if not c["rel_diff"] <= CHECK_RTOL:
-                raise SystemExit(f"bench_lm.py: {model}: ours and transformers disagree (rel {c['rel_diff']:.3g} > "
-                                 f"{CHECK_RTOL}); not timing")
-        for w, (phase, tokens) in ((w, p) for w in weights for p in phases):
-            for batch in batches:
-                rows.append(measure(model, phase, tokens, batch, impls, args.procs, iters, w))
-                print(f"  {rows[-1].case} ({rows[-1].shape}): {rows[-1].note}", flush=True)
+    with (tempfile.TemporaryDirectory(prefix="bench_lm_gguf_") if qtypes else contextlib.nullcontext()) as gguf_dir:
+        for model in models:
+            if "hf" in impls:
+                checks[model] = c = run_child(dict(model=model, phase="check"))
+                SOFTWARE.update(c.pop("software", {}))
+                _report_check(model, "transformers", c, gate=True)
+            if qtypes:  # the GGUF files of this model (the previous model's are deleted: 0.5 GB each at 130M f32)
+                for f in os.listdir(gguf_dir):
+                    os.remove(os.path.join(gguf_dir, f))
+                c = run_child(dict(model=model, phase="export", dir=gguf_dir, qtypes=qtypes))
+                SOFTWARE.update(c.pop("software", {}))
+                checks.setdefault(model, {})["llamacpp"] = c["llamacpp"]
+                for qtype, check in c["llamacpp"].items():
+                    _report_check(model, LLAMA_NAME.format(qtype), check, gate=qtype == "f32")
+            for w, (phase, tokens) in ((w, p) for w in weights for p in phases):
+                for batch in batches:
+                    rows += measure(model, phase, tokens, batch, impls, args.procs, iters, gguf_dir, w)
+                    for row in rows[-(len(impls) - 1 or 1):]:
+                        print(f"  {row.case} ({row.shape}) vs {row.ref_name or '-'}: {row.note}", flush=True)
     return rows, dict(checks=checks, impls=impls)
+
+
+def _report_check(model: str, ref: str, c: dict, gate: bool) -> None:
+    """Print a logits check; with gate, stop (SystemExit) when ours and ref disagree beyond CHECK_RTOL."""
+    print(f"logits check {model} vs {ref}: max |diff| {c['max_abs_diff']:.3g} (rel {c['rel_diff']:.3g} of max "
+          f"|logit| {c['max_abs_logit']:.3g}; prefill + {c['steps']} decode steps)", flush=True)
+    if gate and not c["rel_diff"] <= CHECK_RTOL:
+        raise SystemExit(f"bench_lm.py: {model}: ours and {ref} disagree (rel {c['rel_diff']:.3g} > "
+                         f"{CHECK_RTOL}); not timing")
 
 
 def main(argv=None) -> int:
@@ -357,11 +491,12 @@ def main(argv=None) -> int:
     rows, extra = run_all(args)
     sw = dict(SOFTWARE)
     print(f"tvm_mamba {sw.get('tvm_mamba')}, torch {sw.get('torch')} ({sw.get('torch_threads')} threads, "
-          f"TVM_NUM_THREADS {sw.get('tvm_num_threads')}), transformers {sw.get('transformers', '-')}; "
-          f"target {sw.get('target')}")
+          f"TVM_NUM_THREADS {sw.get('tvm_num_threads')}), transformers {sw.get('transformers', '-')}, "
+          f"llama-cpp-python {sw.get('llama_cpp', '-')}; target {sw.get('target')}")
     print(format_table(rows))
     if args.json:
         meta = {"tvm_mamba": sw.get("tvm_mamba"), "torch": sw.get("torch"), "transformers": sw.get("transformers"),
+                "llama_cpp": sw.get("llama_cpp"),
                 "target": sw.get("target"), "threads": sw.get("torch_threads"), "quick": args.quick, "ops": ["lm"],
                 "machine": dict(mach, torch_threads=sw.get("torch_threads"), tvm_num_threads=sw.get("tvm_num_threads")), "procs": args.procs, **extra}
         write_json(args.json, rows, meta)

@@ -1,7 +1,7 @@
 """scripts/: bench.py refuses unknown ops, writes --json / --csv in its documented schema, compares forward+backward
 rows with a forward+backward copy; bench_lm.py --quick times the tiny LMs in fresh processes (with and without
-transformers) and refuses to time a model whose logits disagree; train_tiny.py plots only where asked, labelled
-with matplotlib, sketched without it."""
+transformers, against llama.cpp when installed) and refuses to time a model whose logits disagree; train_tiny.py
+plots only where asked, labelled with matplotlib, sketched without it."""
 from __future__ import annotations
 
 import csv
@@ -127,7 +127,7 @@ def _bench_lm(tmp_path, *args):
 
 def test_bench_lm_quick_with_transformers(tmp_path):
     pytest.importorskip("transformers")
-    doc, out = _bench_lm(tmp_path, "--models", "mamba2-tiny")
+    doc, out = _bench_lm(tmp_path, "--models", "mamba2-tiny", "--no-llamacpp")
     assert doc["schema"] == 1 and doc["ops"] == ["lm"] and doc["procs"] == 1 and doc["machine"]["cpu"]
     assert doc["checks"]["mamba2-tiny"]["rel_diff"] < 1e-3 and "logits check mamba2-tiny" in out
     rows = {r["case"]: r for r in doc["rows"]}
@@ -139,7 +139,8 @@ def test_bench_lm_quick_with_transformers(tmp_path):
 
 
 def test_bench_lm_quick_without_transformers(tmp_path):
-    doc, out = _bench_lm(tmp_path, "--models", "mamba1-tiny", "--no-hf", "--prefill", "0", "--batch", "2")
+    doc, out = _bench_lm(tmp_path, "--models", "mamba1-tiny", "--no-hf", "--no-llamacpp", "--prefill", "0",
+                         "--batch", "2")
     assert doc["checks"] == {} and "logits check" not in out
     (row,) = doc["rows"]
     assert (row["case"], row["shape"], row["ref_name"]) == ("decode 8 tok", "mamba1-tiny b=2", "")
@@ -160,6 +161,38 @@ def test_bench_lm_refuses_to_time_disagreeing_models(monkeypatch):
     assert [c["phase"] for c in calls] == ["check"]  # nothing timed
     with pytest.raises(SystemExit, match="unknown model nope"):
         lm.run_all(lm.parse(["--models", "nope"]))
+
+
+def test_bench_lm_quick_with_llamacpp(tmp_path):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    doc, out = _bench_lm(tmp_path, "--models", "mamba2-tiny", "--no-hf", "--batch", "2")
+    check = doc["checks"]["mamba2-tiny"]["llamacpp"]["f32"]
+    assert check["rel_diff"] < 1e-3 and "logits check mamba2-tiny vs llama.cpp f32" in out
+    assert doc["impls"] == ["tvm", "llamacpp-f32"] and doc["llama_cpp"]
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert set(rows) == {"prefill 32 tok", "decode 8 tok"} and len(doc["rows"]) == 2
+    for r in rows.values():
+        assert r["shape"] == "mamba2-tiny b=2" and r["ref_name"] == "llama.cpp f32"
+        assert r["tvm_tok_s"] > 0 and r["ref_tok_s"] > 0 and r["ref_over_tvm"] > 0
+        assert r["ref_tok_s"] * r["ref_s"] == pytest.approx(64 if r["case"].startswith("prefill") else 16)
+
+
+def test_bench_lm_refuses_to_time_when_llamacpp_disagrees(monkeypatch):
+    lm = _load("bench_lm", monkeypatch)
+    with pytest.raises(SystemExit, match="--llamacpp must be"):
+        lm._llamacpp_qtypes(lm.parse(["--llamacpp", "q4_0"]))
+    calls = []
+
+    def fake_child(spec):
+        calls.append(spec)
+        bad = dict(max_abs_diff=1.0, rel_diff=0.1, max_abs_logit=10.0, steps=4)
+        return dict(llamacpp={"f32": bad, "q8_0": bad})
+    monkeypatch.setattr(lm, "run_child", fake_child)
+    monkeypatch.setattr(lm, "_llamacpp_qtypes", lambda args: ["f32", "q8_0"])
+    with pytest.raises(SystemExit, match="llama.cpp f32 disagree"):
+        lm.run_all(lm.parse(["--quick", "--models", "mamba1-tiny", "--no-hf"]))
+    assert [c["phase"] for c in calls] == ["export"] and calls[0]["qtypes"] == ["f32", "q8_0"]
 
 
 def test_bench_lm_rows_keep_bench_schema(scripts_path, monkeypatch, tmp_path):
