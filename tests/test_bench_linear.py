@@ -23,12 +23,12 @@ def test_bench_lm_weights(scripts_path, monkeypatch):
         specs.append(spec)
         return dict(seconds=0.5, software={})
     monkeypatch.setattr(lm, "run_child", fake_child)
-    rows, _ = lm.run_all(lm.parse(["--quick", "--no-hf", "--models", "mamba1-tiny", "--prefill", "0",
-                                   "--weights", "fp32,int8"]))
+    rows, _ = lm.run_all(lm.parse(["--quick", "--no-hf", "--no-llamacpp", "--models", "mamba1-tiny",
+                                   "--prefill", "0", "--weights", "fp32,int8"]))
     assert [s["weights"] for s in specs] == ["fp32", "int8"]
     assert [r.shape for r in rows] == ["mamba1-tiny b=1", "mamba1-tiny b=1 int8"]
     with pytest.raises(SystemExit, match="--weights must be"):
-        lm.run_all(lm.parse(["--quick", "--weights", "int4"]))
+        lm.run_all(lm.parse(["--quick", "--no-llamacpp", "--weights", "int4"]))
 
 
 def test_bench_lm_builds_the_quantized_model(scripts_path, monkeypatch):
