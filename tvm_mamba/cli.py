@@ -27,7 +27,8 @@ import time
 
 def _compute_modules() -> list[str]:
     root = pathlib.Path(__file__).resolve().parent / "compute"
-    return sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_"))
+    files = {p.stem for p in root.glob("*.py")} | {p.parent.name for p in root.glob("*/__init__.py")}  # ops as packages
+    return sorted(name for name in files if not name.startswith("_"))
 
 
 def cmd_info(args) -> int:

@@ -25,8 +25,9 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute import ssd as compute
+from ...compute.ssd.chunk_state import chunk_state_template
 from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
-from ...compute.ssd.mm import COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS
+from ...compute.ssd.mm import COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, matmul, zero
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
 from ...compute.ssd.strategy import Strategy
 from ..rule import Decisions, kernel_attrs, schedule_of
@@ -34,7 +35,7 @@ from ..rule import Decisions, kernel_attrs, schedule_of
 _BLOCKED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
 SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
-          "ssd_head_sum": head_sum_template}
+          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template}
 
 
 class Cpu(Strategy):
@@ -43,8 +44,34 @@ class Cpu(Strategy):
     name = "cpu"
     vector = True
 
+    def __init__(self, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER):
+        super().__init__()
+        self.rows, self.cols, self.order = rows, cols, order
+
     def outer(self, extent):
         return T.parallel(extent)
+
+    def scaled_matmul(self, M: int, W: int, K: int):
+        """A task per matmul: its operands staged in float32 stack buffers (rhs rows scaled once per k, lhs
+        transposed so the k loop reads it contiguously), then the register-blocked matmul (mm.py)."""
+        mm = matmul(M, W, self.rows, self.cols, order=self.order)
+
+        @T.macro
+        def run(extent, lhs, scale, rhs, store):
+            for t in T.parallel(extent):
+                bw = T.alloc_buffer((K, W), "float32")
+                at = T.alloc_buffer((M, K), "float32")
+                sc = T.alloc_buffer((1,), "float32")
+                for k in range(K):
+                    sc[0] = scale(t, k)
+                    for j in T.vectorized(W):
+                        bw[k, j] = sc[0] * rhs(t, k, j)
+                    for i in range(M):
+                        at[i, k] = lhs(t, i, k)
+                mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: at[i, k], lambda k, j: bw[k, j], zero,
+                   lambda i, j, v: store(t, i, j, v))
+
+        return run
 
 
 def apply(func, target, decisions: Decisions):
@@ -53,12 +80,12 @@ def apply(func, target, decisions: Decisions):
     if target.kind.name != "llvm" or name is None or not name.startswith("ssd_"):
         return None
     dims = compute.DIMS[name[len("ssd_"):]](**static)
-    if name in SHARED:
-        prim = SHARED[name](dims, Cpu()).with_attrs(dict(func.attrs))
-        return schedule_of(prim, name=name)
     if name not in _BLOCKED:
-        return schedule_of(func, name=name)
+        return schedule_of(SHARED[name](dims, Cpu()).with_attrs(dict(func.attrs)) if name in SHARED else func,
+                           name=name)
     rows = decisions.pick("rows", ROWS, DEFAULT_ROWS)
     cols = decisions.pick("cols", COLS, DEFAULT_COLS)
     order = decisions.pick("order", ORDERS, DEFAULT_ORDER)
+    if name in SHARED:
+        return schedule_of(SHARED[name](dims, Cpu(rows, cols, order)).with_attrs(dict(func.attrs)), name=name)
     return schedule_of(getattr(compute, name)(dims, rows=rows, cols=cols, order=order), name=name)

@@ -1,6 +1,6 @@
 """CUDA rule for the SSD kernels, and the CUDA strategy (compute/ssd/strategy.py) it lays templates out with.
 
-Kernels with one template for every target (chunk_cumsum(_bwd), state_passing(_bwd), head_sum: the
+Kernels with one template for every target (chunk_cumsum(_bwd), state_passing(_bwd), head_sum, chunk_state: the
 templates in tvm_mamba/compute/ssd/) are laid out by ``Gpu``: blockIdx.x x threadIdx.x of ``threads``, a
 thread per task and per lane (dstate element), scratch in registers, CUDA-native exp / log1p. The chunk-matmul
 kernels still have CUDA templates of their own (here, _ssd_scan.py, _ssd_varlen.py; same parameter lists as
@@ -15,6 +15,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute.ssd import DIMS
+from ...compute.ssd.chunk_state import chunk_state_template
 from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
 from ...compute.ssd.strategy import Strategy
@@ -70,41 +71,6 @@ def _bmm_chunk(s, TH):
     return func
 
 
-def _chunk_state(s, TH):
-    k = _Ctx(s)
-    H, G, P, N, Q, R = s["nheads"], s["ngroups"], s["headdim"], s["dstate"], s["chunk_size"], k.R
-    xd, bcd, seq = s["x_dtype"], s["bc_dtype"], s["has_seq_idx"]
-
-    @T.prim_func
-    def func(x_h: T.handle, b_h: T.handle, dto_h: T.handle, dac_h: T.handle, s_h: T.handle, st_h: T.handle):
-        Bt = T.int32()
-        L = T.int32()
-        NC = T.int32()
-        x = T.match_buffer(x_h, (Bt, L, H, P), xd)
-        Bm = T.match_buffer(b_h, (Bt, L, G, N), bcd)
-        dt_out = T.match_buffer(dto_h, (Bt, H, NC, Q), F32)
-        dA_cs = T.match_buffer(dac_h, (Bt, H, NC, Q), F32)
-        seq_idx = T.match_buffer(s_h, (Bt, L) if seq else (1, 1), I32)
-        states = T.match_buffer(st_h, (Bt, NC, H, P, N), F32)
-        for bx in k.loop(T.ceildiv(Bt * NC * H * P * N, TH), "blockIdx.x"):
-            for tx in k.loop(TH, "threadIdx.x"):
-                acc = T.alloc_buffer((1,), F32, scope=k.scope)
-                i = T.meta_var(bx * TH + tx)
-                b = T.meta_var(i // (NC * H * P * N))
-                c = T.meta_var(i // (H * P * N) % NC)
-                h = T.meta_var(i // (P * N) % H)
-                p = T.meta_var(i // N % P)
-                n = T.meta_var(i % N)
-                if i < Bt * NC * H * P * N:
-                    acc[0] = T.float32(0)
-                    for l in range(T.min(Q, L - c * Q)):
-                        acc[0] = acc[0] + x[b, c * Q + l, h, p].astype(F32) * dt_out[b, h, c, l] * k.w(
-                            dA_cs, seq_idx, b, h, c, l, L) * Bm[b, c * Q + l, h // R, n].astype(F32)
-                    states[b, c, h, p, n] = acc[0]
-
-    return func
-
-
 # the chunk-scan templates (forward, dstates, backward) are in _ssd_scan.py, varlen states in _ssd_varlen.py
 from ._ssd_scan import _chunk_scan, _chunk_scan_bwd, _chunk_scan_bwd_dstates  # noqa: E402
 from ._ssd_varlen import _chunk_state_varlen  # noqa: E402
@@ -112,9 +78,9 @@ from ._ssd_varlen import _chunk_state_varlen  # noqa: E402
 # one template for every target (compute/ssd/), laid out by the strategy
 SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
-          "ssd_head_sum": head_sum_template}
+          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template}
 # CUDA-only templates of the chunk-matmul kernels (static dict, threads)
-TEMPLATES = {"ssd_chunk_state": _chunk_state, "ssd_bmm_chunk": _bmm_chunk, "ssd_chunk_scan": _chunk_scan,
+TEMPLATES = {"ssd_bmm_chunk": _bmm_chunk, "ssd_chunk_scan": _chunk_scan,
              "ssd_chunk_scan_bwd_dstates": _chunk_scan_bwd_dstates, "ssd_chunk_scan_bwd": _chunk_scan_bwd,
              "ssd_chunk_state_varlen": _chunk_state_varlen}
 

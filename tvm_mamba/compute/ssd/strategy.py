@@ -12,6 +12,10 @@ innermost axis: dstate or headdim). The strategy decides:
 * ``lanes(width)``: how many lanes of an elementwise-independent axis one task owns: the whole axis on a CPU
   (a vector), 1 on CUDA (a thread each). ``lane_loop(v)`` loops over them (vectorized / serial).
 * ``vloop(width)``: an axis a task runs itself (a reduction's operand row): vectorized on a CPU, serial on CUDA.
+* ``scaled_matmul(M, W, K)``: a chunk matmul out[t, i, j] = sum_k lhs(t, i, k) (scale(t, k) rhs(t, k, j)) over
+  ``extent`` tasks t, k ascending from 0 on every layout: the serial / CUDA layout runs a task per output
+  element reading the operands where they are; the CPU layout stages the task's operands (scale once per k)
+  and runs the register-blocked matmul of mm.py (knobs rows / cols / order).
 * ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers), and ``math`` (``_math.Math``:
   the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
 
@@ -58,6 +62,26 @@ class Strategy:
 
     def vloop(self, width: int):
         return T.vectorized(width) if self.vector else T.serial(width)
+
+    def scaled_matmul(self, M: int, W: int, K: int):
+        """A macro ``run(extent, lhs, scale, rhs, store)``: a task per output (t, i, j), the sum over k in order
+        into one scalar (module docstring; the CPU strategy overrides it)."""
+        S = self
+
+        @T.macro
+        def run(extent, lhs, scale, rhs, store):
+            for bx in S.outer(extent * M * W):
+                for tx in S.inner():
+                    acc = T.alloc_buffer((1,), "float32", scope=S.scope)
+                    i = T.meta_var(S.index(bx, tx))
+                    if i < extent * M * W:
+                        acc[0] = T.float32(0)
+                        for k in range(K):
+                            acc[0] = acc[0] + lhs(i // (M * W), i // W % M, k) * (
+                                scale(i // (M * W), k) * rhs(i // (M * W), k, i % W))
+                        store(i // (M * W), i // W % M, i % W, acc[0])
+
+        return run
 
     def key(self) -> tuple:
         return (self.name, self.threads, self.math.native)
