@@ -1,7 +1,8 @@
 """CUDA templates for the SSD chunk-scan kernels (see ssd.py in this folder): one thread per output element.
 
 Backward launch order inside ssd_chunk_scan_bwd (each launch reads only what earlier launches finished):
-dx, dB, dC (per position), then XB[s] = <x_s, dSo B_s> into ddt_out as scratch, then d dA_step in three
+dx (per position), gsum = the part's sum of (g x^T) K dt into the workspace (once per head part, as the CPU
+kernel), dB and dC (per position, from gsum: two matmul-shaped sums in the CPU kernel's order), then XB[s] = <x_s, dSo B_s> into ddt_out as scratch, then d dA_step in three
 launches (the carried-state term per position, its reverse cumsum by one thread per chunk and head, then per
 position the crossing pairs and the chunk-state prefix, which read every XB of the chunk), then d dt (overwrites
 its own scratch entry), then the dD partials.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .ssd import F32, I32, Z4, _Ctx, _math
+from ._ssd_common import F32, I32, Z4, _Ctx, _math
 
 
 def _dims(s):
@@ -153,7 +154,8 @@ def _chunk_scan_bwd(s, TH):
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, cb_h: T.handle,
              dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle,
-             dx_h: T.handle, db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
+             dx_h: T.handle, db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle,
+             ws_h: T.handle):
         Bt = T.int32()
         L = T.int32()
         NC = T.int32()
@@ -176,6 +178,7 @@ def _chunk_scan_bwd(s, TH):
         ddt_out = T.match_buffer(ddto_h, (Bt, H, NC, Q), F32)
         ddA_step = T.match_buffer(ddac_h, (Bt, H, NC, Q), F32)
         dD_part = T.match_buffer(dd_h, (Bt, NC, H, P) if has_D else Z4, F32)
+        gsum = T.match_buffer(ws_h, (Bt, NC, GP, Q, Q), F32)  # workspace: sum over the part's heads of gx K dt
         # dx[s, p] = sum_{l>=s} (C_l.B_s) K dt[s] g[l, p] + w[s] dt[s] (dSo B_s)[p] + D g[s, p]
         for bx in k.loop(T.ceildiv(Bt * L * H * P, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
@@ -202,7 +205,30 @@ def _chunk_scan_bwd(s, TH):
                         acc[0] = acc[0] + cbm[b, c, h // R, l, sq] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
                             b, h, c, sq] * grad(dy, z, b, c, l, h, p, L)
                     dx[b, t, h, p] = acc[0].astype(xd)
-        # dB[s, n] = sum_{l>=s} (g_l.x_s) K dt[s] C[l, n] + w[s] dt[s] (x_s dSo)[n], summed over the part's heads
+        # gsum[l, s] = sum over the part's heads of (g_l.x_s) K[l, s] dt[s] (s <= l): g x^T once per head part,
+        # as the CPU kernel; dB and dC below are two matmuls over it (no g.x recomputed per (l, n))
+        for bx in k.loop(T.ceildiv(Bt * NC * GP * Q * Q, TH), "blockIdx.x"):
+            for tx in k.loop(TH, "threadIdx.x"):
+                a0 = T.alloc_buffer((1,), F32, scope=k.scope)
+                a1 = T.alloc_buffer((1,), F32, scope=k.scope)
+                ib = T.alloc_buffer((1,), I32, scope=k.scope)  # the part's first head
+                i = T.meta_var(bx * TH + tx)
+                b = T.meta_var(i // (NC * GP * Q * Q))
+                c = T.meta_var(i // (GP * Q * Q) % NC)
+                gp = T.meta_var(i // (Q * Q) % GP)
+                lq = T.meta_var(i // Q % Q)
+                sq = T.meta_var(i % Q)
+                if i < Bt * NC * GP * Q * Q:
+                    a0[0] = T.float32(0)
+                    if sq <= lq:
+                        ib[0] = gp // (GP // G) * R + gp % (GP // G) * (R // (GP // G))
+                        for h in range(ib[0], ib[0] + R // (GP // G)):
+                            a1[0] = T.float32(0)
+                            for p in range(P):
+                                a1[0] = a1[0] + grad(dy, z, b, c, lq, h, p, L) * X(x, b, c, sq, h, p, L)
+                            a0[0] = a0[0] + a1[0] * k.seg(dA_cs, seq_idx, b, h, c, lq, sq, L) * dt_out[b, h, c, sq]
+                    gsum[b, c, gp, lq, sq] = a0[0]
+        # dB[s, n] = sum_h w[s] dt[s] (x_s dSo)[n] + sum_{l>=s} gsum[l, s] C[l, n]   (the CPU kernel's order)
         for bx in k.loop(T.ceildiv(Bt * L * GP * N, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
                 acc = T.alloc_buffer((2,), F32, scope=k.scope)
@@ -219,21 +245,17 @@ def _chunk_scan_bwd(s, TH):
                 if i < Bt * L * GP * N:
                     ib[0] = i // (L * GP * N)
                     it[0] = i // (GP * N) % L
-                    acc[0] = T.float32(0)  # summed over the part's heads, term by term
+                    acc[0] = T.float32(0)
                     ih[0] = gp // (GP // G) * R + gp % (GP // G) * (R // (GP // G))  # the part's first head
                     for h in range(ih[0], ih[0] + R // (GP // G)):
                         acc[1] = T.float32(0)
                         for p in range(P):
                             acc[1] = acc[1] + x[b, t, h, p].astype(F32) * dso[b, c, h, p, n]
-                        acc[0] = acc[0] + acc[1] * k.w(dA_cs, seq_idx, b, h, c, sq, L) * dt_out[b, h, c, sq]
-                        for l in range(sq, T.min(Q, L - c * Q)):
-                            acc[1] = T.float32(0)
-                            for p in range(P):
-                                acc[1] = acc[1] + grad(dy, z, b, c, l, h, p, L) * x[b, t, h, p].astype(F32)
-                            acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, l, sq, L) * dt_out[
-                                b, h, c, sq] * BC(Cm, b, c, l, h, n, L)
+                        acc[0] = acc[0] + k.w(dA_cs, seq_idx, b, h, c, sq, L) * dt_out[b, h, c, sq] * acc[1]
+                    for l in range(sq, T.min(Q, L - c * Q)):
+                        acc[0] = acc[0] + gsum[b, c, gp, l, sq] * Cm[b, c * Q + l, gp // (GP // G), n].astype(F32)
                     dBp[b, t, gp, n] = acc[0]
-        # dC[l, n] = e[l] (g_l Sin)[n] + sum_{s<=l} (g_l.x_s) K dt[s] B[s, n], summed over the part's heads
+        # dC[l, n] = sum_h e[l] (g_l Sin)[n] + sum_{s<=l} gsum[l, s] B[s, n]   (the CPU kernel's order)
         for bx in k.loop(T.ceildiv(Bt * L * GP * N, TH), "blockIdx.x"):
             for tx in k.loop(TH, "threadIdx.x"):
                 acc = T.alloc_buffer((2,), F32, scope=k.scope)
@@ -250,19 +272,15 @@ def _chunk_scan_bwd(s, TH):
                 if i < Bt * L * GP * N:
                     ib[0] = i // (L * GP * N)
                     it[0] = i // (GP * N) % L
-                    acc[0] = T.float32(0)  # summed over the part's heads, term by term
+                    acc[0] = T.float32(0)
                     ih[0] = gp // (GP // G) * R + gp % (GP // G) * (R // (GP // G))  # the part's first head
                     for h in range(ih[0], ih[0] + R // (GP // G)):
                         acc[1] = T.float32(0)
                         for p in range(P):
                             acc[1] = acc[1] + grad(dy, z, b, c, lq, h, p, L) * sin[b, c, h, p, n]
-                        acc[0] = acc[0] + acc[1] * k.e(dA_cs, seq_idx, b, h, c, lq, L)
-                        for sp in range(lq + 1):
-                            acc[1] = T.float32(0)
-                            for p in range(P):
-                                acc[1] = acc[1] + grad(dy, z, b, c, lq, h, p, L) * x[b, c * Q + sp, h, p].astype(F32)
-                            acc[0] = acc[0] + acc[1] * k.seg(dA_cs, seq_idx, b, h, c, lq, sp, L) * dt_out[
-                                b, h, c, sp] * Bm[b, c * Q + sp, h // R, n].astype(F32)
+                        acc[0] = acc[0] + k.e(dA_cs, seq_idx, b, h, c, lq, L) * acc[1]
+                    for sp in range(lq + 1):
+                        acc[0] = acc[0] + gsum[b, c, gp, lq, sp] * Bm[b, c * Q + sp, gp // (GP // G), n].astype(F32)
                     dCp[b, t, gp, n] = acc[0]
         # XB[s] = <x_s, dSo B_s> -> ddt_out (scratch)
         for bx in k.loop(T.ceildiv(Bt * NC * H * Q, TH), "blockIdx.x"):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...compute._ssd_varlen import carries
-from .ssd import F32, I32, _Ctx, _math
+from ...compute.ssd.varlen import carries
+from ._ssd_common import F32, I32, _Ctx, _math
 
 
 def _chunk_state_varlen(s, TH):

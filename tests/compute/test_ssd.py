@@ -31,16 +31,39 @@ def test_check_dims(bad, match):
 
 @pytest.mark.parametrize("direction", ssd.DIRECTIONS)
 def test_builders_are_stamped(direction):
+    import dataclasses
+
     full = dict(nheads=H, ngroups=1, headdim=P, dstate=N, chunk_size=Q)
     fn = getattr(ssd, f"ssd_{direction}")
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    func = fn(**{k: v for k, v in full.items() if k in params})
+    cls = ssd.DIMS[direction]
+    dims = cls(**{f.name: full[f.name] for f in dataclasses.fields(cls) if f.name in full})
+    func = fn(dims)
     assert str(func.attrs["tvm_mamba.kernel"]) == f"ssd_{direction}"
     assert str(func.attrs["global_symbol"]) == f"ssd_{direction}"
     static = json.loads(str(func.attrs["tvm_mamba.static"]))
     assert static.get("chunk_size", Q) == Q and static.get("nheads", H) == H  # head_sum: no chunk; bmm_chunk: no heads
+
+
+def test_dims_keep_the_keys():
+    """Every key the op, build-check, tuning and the committed tuning records use rebuilds into its typed dims
+    and back into the same two maps (caches and tuning records still match); state_dtype at its default
+    stays out of the key and the stamp."""
+    import pathlib
+
+    cases = [(d, s, t) for d, s, t in ssd.build_check_configs() + ssd.tuning_configs()]
+    logs = pathlib.Path(__file__).parents[2] / "tuning_logs"
+    for path in logs.glob("*/ssd/*.jsonl"):
+        for line in path.read_text().splitlines():
+            k = json.loads(line)["key"]
+            cases.append((k["direction"], k["static_dims"], k["dtypes"]))
+    assert len(cases) > 40
+    for direction, static, dtypes in cases:
+        dims = ssd.DIMS[direction].from_key(static, dtypes)
+        assert dims.key_parts() == (dict(static), dict(dtypes)), (direction, static, dtypes)
+    plain = ssd.DIMS["state_passing"](nheads=2, headdim=4, dstate=8, chunk_size=8)
+    assert "state" not in plain.key_parts()[1] and "state_dtype" not in plain.stamp_static()
+    with pytest.raises(ValueError, match="states"):
+        ssd.DIMS["chunk_scan"](nheads=2, ngroups=1, headdim=4, dstate=8, chunk_size=8, state_dtype="int8")
 
 
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])

@@ -78,8 +78,10 @@ def apply(key: KernelKey, decisions: Decisions) -> tvm.IRModule:
 
 
 def compute_ops() -> list[str]:
-    """The ops a key can name: the public modules of ``tvm_mamba.compute`` (one per op)."""
+    """The ops a key can name: the public modules of ``tvm_mamba.compute`` (one per op; an op whose compute
+    is large is a package, ``compute/ssd/``)."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent / "compute"
-    return sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_"))
+    names = {p.stem for p in root.glob("*.py")} | {p.parent.name for p in root.glob("*/__init__.py")}
+    return sorted(name for name in names if not name.startswith("_"))

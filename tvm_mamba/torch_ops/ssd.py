@@ -3,7 +3,7 @@
 Ops (namespace ``tvm_mamba``): ``ssd_fwd`` and ``ssd_bwd``, each with a fake (meta) implementation; the
 forward has autograd registered.
 
-Forward: ssd_chunk_cumsum -> ssd_chunk_state -> ssd_state_passing -> ssd_chunk_scan (compute/ssd.py).
+Forward: ssd_chunk_cumsum -> ssd_chunk_state -> ssd_state_passing -> ssd_chunk_scan (compute/ssd/).
 Backward: ssd_chunk_scan_bwd_dstates -> ssd_state_passing_bwd -> ssd_chunk_scan_bwd -> ssd_chunk_cumsum_bwd,
 then fixed-order sums of the partials: dB / dC per part of each group's heads (summed in the kernel over the
 part's heads; ssd_head_sum over the parts when there is more than one, compute/_ssd_dims.head_parts) and
@@ -224,7 +224,7 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
     k.kernel("chunk_scan_bwd", dict(k.dims, has_D=has_D, D_has_hdim=has_D and D.dim() == 2, has_z=has_z,
                                     has_seq_idx=k.has_seq))(
         k.x, _opt(k.z, k.x, xdt, 4), dy, k.B, k.C, k.cb(), dt_out, dA_cs, states_in, dso, k.Dk, k.seq, dx, dBp,
-        dCp, ddt_out, ddA, dD_part)
+        dCp, ddt_out, ddA, dD_part, k.new((k.batch, k.nchunks, gparts, k.Q, k.Q)))  # workspace: (g x^T) K dt
     # 4. through the chunk cumsum, softplus and clamp
     ddt = k.new((k.batch, k.seqlen, k.nheads))
     dA_part, dbias_part = k.new((k.batch, k.nheads)), k.new((k.batch, k.nheads))

@@ -1,6 +1,6 @@
 """SSD varlen states (mamba_ssm 2.3.x ``chunk_state_varlen`` semantics): the final state of every sequence
 packed into one row (batch 1) of ``mamba_chunk_scan_combined``, from the states entering each chunk and the
-tokens of the sequence's last chunk. See ssd.py for the chunked algorithm.
+tokens of the sequence's last chunk. See the package docstring for the chunked algorithm.
 
 For sequence i = [s, e) of the packed row (cu_seqlens[i] = s, cu_seqlens[i + 1] = e), last chunk c = (e-1) // Q,
 l_e = e - 1 - c Q (its last position in the chunk):
@@ -20,11 +20,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import _math
-from ._common import check_dtype, stamp
+from .. import _math
+from .._common import stamp
 
-F32 = "float32"
-I32 = "int32"
+from .common import F32, I32
+from .dims import VarlenDims, dims_of
 
 
 def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
@@ -38,18 +38,7 @@ def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
     return tirx.all(ok, seq_idx[tirx.max(e, 1) - 1] == prev)
 
 
-def varlen_static(nheads, ngroups, headdim, dstate, chunk_size, has_seq_idx, x_dtype, bc_dtype, state_dtype,
-                  out_dtype):
-    static = dict(nheads=nheads, ngroups=ngroups, headdim=headdim, dstate=dstate, chunk_size=chunk_size,
-                  has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype, out_dtype=out_dtype)
-    if state_dtype != F32:  # the default is left out of the stamp (as in ssd_state_passing / ssd_chunk_scan)
-        static["state_dtype"] = state_dtype
-    return static
-
-
-def ssd_chunk_state_varlen(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int,
-                           has_seq_idx: bool = False, x_dtype: str = F32, bc_dtype: str = F32,
-                           state_dtype: str = F32, out_dtype: str = F32) -> tirx.PrimFunc:
+def ssd_chunk_state_varlen(dims: VarlenDims | None = None, **kw) -> tirx.PrimFunc:
     """x: (seqlen, nheads, headdim); B: (seqlen, ngroups, dstate); dt_out, dA_cumsum: (nheads, nchunks,
     chunk_size) f32; states_in: (nchunks, nheads, headdim, dstate) in state_dtype; cu_seqlens: (num_seqs + 1,)
     int32 (validated by the caller: 0 = cu[0] <= cu[1] <= ... <= cu[-1] = seqlen); seq_idx: (seqlen,) int32
@@ -58,9 +47,10 @@ def ssd_chunk_state_varlen(nheads: int, ngroups: int, headdim: int, dstate: int,
     V_i = sum over the last chunk's tokens of sequence i of x dt' exp(dA_cs[l_e] - dA_cs[l]) B^T, plus the
     carried state exp(dA_cs[l_e]) Sin_c where sequence i began before its last chunk (module docstring).
     """
-    for name, dt in (("x", x_dtype), ("B", bc_dtype), ("states", state_dtype), ("out", out_dtype)):
-        check_dtype(name, dt)
-    H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
+    d = dims_of(VarlenDims, dims, kw)
+    H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
+    x_dtype, bc_dtype, state_dtype, out_dtype, has_seq_idx = d.x_dtype, d.bc_dtype, d.state_dtype, d.out_dtype, \
+        d.has_seq_idx
     R = H // G
 
     @T.prim_func
@@ -105,5 +95,4 @@ def ssd_chunk_state_varlen(nheads: int, ngroups: int, headdim: int, dstate: int,
                 for n in T.vectorized(N):
                     out[i, h, p, n] = acc[p, n].astype(out_dtype)
 
-    return stamp(func, "ssd_chunk_state_varlen", varlen_static(H, G, P, N, Q, has_seq_idx, x_dtype, bc_dtype,
-                                                               state_dtype, out_dtype))
+    return stamp(func, "ssd_chunk_state_varlen", d.stamp_static())

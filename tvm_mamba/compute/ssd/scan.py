@@ -1,4 +1,4 @@
-"""SSD chunk-scan kernels (forward, dstates, per-chunk backward); see ssd.py for the algorithm.
+"""SSD chunk-scan kernels (forward, dstates, per-chunk backward); see the package docstring for the algorithm.
 
 Every kernel runs one (batch, chunk, head) per parallel iteration and stages the chunk in float32 stack
 buffers (x, B, C, transposes), so each chunk-local matmul is a row update vectorized over its contiguous
@@ -11,42 +11,27 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import _math
-from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, matmul, vblock, zero
+from .. import _math
+from .._common import stamp
+from .._math import Math
+from .mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, matmul, vblock, zero
 
-F32 = "float32"
-I32 = "int32"
-NEG = -100.0
+from .common import F32, I32, gate, ld, seg_exp
+from .dims import BmmDims, DstatesDims, ScanDims, dims_of
 
-
-def _ld(buf, idx, seqlen, t):
-    """buf[idx] as float32 when position t < L, else 0 (t is clamped into range for the load)."""
-    return tirx.if_then_else(t < seqlen, buf[idx].astype(F32), tirx.const(0.0, F32))
+_m = Math()  # the CPU loop nests' math: the vectorizable polynomials
 
 
-def _seg_exp(acs, sid, l, s, has_seq_idx):
-    """exp(dA_cs[l] - dA_cs[s]) for s <= l in the same sequence, else 0 (masked before the exp)."""
-    ok = s <= l
-    if has_seq_idx:
-        ok = tirx.all(ok, sid[l] == sid[s])
-    return _math.exp(tirx.Select(ok, acs[l] - acs[s], tirx.const(NEG, F32)))
-
-
-def _static(H, G, P, N, Q, **kw):
-    return dict(nheads=H, ngroups=G, headdim=P, dstate=N, chunk_size=Q, **kw)
-
-
-def ssd_bmm_chunk(ngroups: int, dstate: int, chunk_size: int, bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
-                  cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
+def ssd_bmm_chunk(dims: BmmDims | None = None, *, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
+                  order: int = DEFAULT_ORDER, **kw) -> tirx.PrimFunc:
     """B, C: (batch, seqlen, ngroups, dstate) -> cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32.
 
     cb[c, g, l, s] = C_l . B_s within chunk c (positions past seqlen count as zero rows): computed once per
     group and shared by its heads (upstream's _bmm_chunk_fwd; the causal / sequence masks are applied by
     the consumers). One (batch, chunk, group) per parallel iteration; the full Q x Q block is computed.
     """
-    check_dtype("B", bc_dtype)
-    G, N, Q = ngroups, dstate, chunk_size
+    d = dims_of(BmmDims, dims, kw)
+    G, N, Q, bc_dtype = d.ngroups, d.dstate, d.chunk_size, d.bc_dtype
     mm = matmul(Q, Q, rows, cols, order=order)
 
     @T.prim_func
@@ -66,19 +51,17 @@ def ssd_bmm_chunk(ngroups: int, dstate: int, chunk_size: int, bc_dtype: str = F3
             for l in range(Q):
                 t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                 for n in T.vectorized(N):
-                    cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
+                    cl[l, n] = ld(Cm, (b, t, g, n), seqlen, c * Q + l)
                 for n in range(N):
-                    bt[n, l] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
+                    bt[n, l] = ld(Bm, (b, t, g, n), seqlen, c * Q + l)
             mm(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, s: bt[n, s], zero,
                lambda l, s, v: T.buffer_store(cb, v, [b, c, g, l, s]))
 
-    return stamp(func, "ssd_bmm_chunk", dict(ngroups=G, dstate=N, chunk_size=Q, bc_dtype=bc_dtype))
+    return stamp(func, "ssd_bmm_chunk", d.stamp_static())
 
 
-def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
-                   D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
-                   x_dtype: str = F32, bc_dtype: str = F32, state_dtype: str = F32, rows: int = DEFAULT_ROWS,
-                   cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
+def ssd_chunk_scan(dims: ScanDims | None = None, *, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
+                   order: int = DEFAULT_ORDER, **kw) -> tirx.PrimFunc:
     """x, z: (batch, seqlen, nheads, headdim); cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32 (C.B^T,
     ssd_bmm_chunk); C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum: (batch, nheads, nchunks, chunk_size)
     f32; states_in: (batch, nchunks, nheads, headdim, dstate) in state_dtype; D: (nheads,) or (nheads, headdim) f32;
@@ -86,12 +69,12 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
     -> y: (batch, seqlen, nheads, headdim), y_pre: same (the pre-gate output, written only with z).
 
     y0[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l]-dA_cs[s]) dt_out[s] x[s] + exp(dA_cs[l]) Sin C_l + D x[l];
-    y = y0 * silu(z). ``rows`` x ``cols``: the register block of the chunk matmuls (_ssd_mm.py).
+    y = y0 * silu(z). ``rows`` x ``cols``: the register block of the chunk matmuls (mm.py).
     """
-    check_dtype("x", x_dtype)
-    check_dtype("B", bc_dtype)
-    check_dtype("states", state_dtype)
-    H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
+    d = dims_of(ScanDims, dims, kw)
+    H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
+    x_dtype, bc_dtype, state_dtype, has_seq_idx = d.x_dtype, d.bc_dtype, d.state_dtype, d.has_seq_idx
+    has_D, D_has_hdim, has_z = d.has_D, d.D_has_hdim, d.has_z
     R = H // G
     mm_qp = matmul(Q, P, rows, cols, order=order)
     mm_qp_le = matmul(Q, P, rows, cols, order=order, tri="le")  # sum_{s<=l}: causal (no 0 * x[s > l])
@@ -146,14 +129,14 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                 else:
                     e[l] = _math.exp(acs[l])
                 for p in T.vectorized(P):
-                    xl[l, p] = _ld(x, (b, t, h, p), seqlen, c * Q + l)
+                    xl[l, p] = ld(x, (b, t, h, p), seqlen, c * Q + l)
                 for n in T.vectorized(N):
-                    cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
+                    cl[l, n] = ld(Cm, (b, t, g, n), seqlen, c * Q + l)
             for l in range(Q):  # cb[l, s] = (C_l . B_s) exp(segsum) dt[s] (after acs / sid / dtl are staged)
                 for sb in range(lower_cols(l, Q, VB) // VB):  # the causal blocks; the rest is read masked
                     for v in T.vectorized(VB):
                         s = T.meta_var(sb * VB + v)
-                        cb[l, s] = cbg[b, c, g, l, s] * _seg_exp(acs, sid, l, s, has_seq_idx) * dtl[s]
+                        cb[l, s] = cbg[b, c, g, l, s] * seg_exp(_m, acs, sid, l, s, has_seq_idx) * dtl[s]
             for p in range(P):
                 for n in range(N):
                     sint[n, p] = sin[b, c, h, p, n].astype(F32)
@@ -171,25 +154,11 @@ def ssd_chunk_scan(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_s
                     else:
                         y[b, c * Q + l, h, p] = acc[l, p].astype(x_dtype)
 
-    static = _static(H, G, P, N, Q, has_D=has_D, D_has_hdim=D_has_hdim, has_z=has_z, has_seq_idx=has_seq_idx,
-                     x_dtype=x_dtype, bc_dtype=bc_dtype)
-    if state_dtype != F32:  # the default stays out of the stamp (tuning records keyed before state_dtype)
-        static["state_dtype"] = state_dtype
-    return stamp(func, "ssd_chunk_scan", static)
+    return stamp(func, "ssd_chunk_scan", d.stamp_static())
 
 
-def _gate(dy, z, idx, seqlen, t, has_z):
-    """g = dy * silu(z) (the gradient reaching the pre-gate output), 0 past seqlen."""
-    g = _ld(dy, idx, seqlen, t)
-    if has_z:
-        g = g * _math.silu(_ld(z, idx, seqlen, t))
-    return g
-
-
-def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int,
-                               has_z: bool = False, has_seq_idx: bool = False, x_dtype: str = F32,
-                               bc_dtype: str = F32, rows: int = DEFAULT_ROWS,
-                               cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER) -> tirx.PrimFunc:
+def ssd_chunk_scan_bwd_dstates(dims: DstatesDims | None = None, *, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
+                               order: int = DEFAULT_ORDER, **kw) -> tirx.PrimFunc:
     """dy, z, y_pre: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate); dA_cumsum:
     (batch, nheads, nchunks, chunk_size); seq_idx: (batch, seqlen)
     -> dstates_local: (batch, nchunks, nheads, headdim, dstate) f32, dz: (batch, seqlen, nheads, headdim).
@@ -197,7 +166,9 @@ def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: 
     dstates_local[c, p, n] = sum_l exp(dA_cs[l]) g[l, p] C[l, n] (seq-masked), g = dy silu(z);
     dz = dy * y_pre * silu'(z). ``rows`` x ``cols``: the register block of the matmul.
     """
-    H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
+    d = dims_of(DstatesDims, dims, kw)
+    H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
+    x_dtype, bc_dtype, has_seq_idx, has_z = d.x_dtype, d.bc_dtype, d.has_seq_idx, d.has_z
     R = H // G
     mm = matmul(P, N, rows, cols, order=order)
     zshape = (1, 1, 1, 1)
@@ -235,7 +206,7 @@ def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: 
                 for n in T.vectorized(N):
                     ce[l, n] = Cm[b, t, h // R, n].astype(F32) * e[0]
                 for p in T.vectorized(P):  # vectorized (silu's exp), then transposed by a scalar copy
-                    gv[p] = _gate(dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
+                    gv[p] = gate(_m, dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
                 for p in range(P):
                     gt[p, l] = gv[p]
                 if has_z:
@@ -246,5 +217,4 @@ def ssd_chunk_scan_bwd_dstates(nheads: int, ngroups: int, headdim: int, dstate: 
             mm(lambda lo, hi: 0, lambda lo, hi: Q, lambda p, l: gt[p, l], lambda l, n: ce[l, n], zero,
                lambda p, n, v: T.buffer_store(dsl, v, [b, c, h, p, n]))
 
-    return stamp(func, "ssd_chunk_scan_bwd_dstates", _static(H, G, P, N, Q, has_z=has_z, has_seq_idx=has_seq_idx,
-                                                              x_dtype=x_dtype, bc_dtype=bc_dtype))
+    return stamp(func, "ssd_chunk_scan_bwd_dstates", d.stamp_static())

@@ -1,4 +1,4 @@
-"""SSD per-chunk backward kernel (every gradient of one (batch, chunk, head) in one pass; see ssd.py).
+"""SSD per-chunk backward kernel (every gradient of one (batch, chunk, head) in one pass; see the package docstring).
 
 With g = dy * silu(z), K[l, s] = exp(dA_cs[l] - dA_cs[s]) (s <= l, same sequence), CB = C B^T,
 GX = g x^T, e[l] = exp(dA_cs[l]) (carried-state mask), w[s] = dt[s] exp(dA_cs[Q-1] - dA_cs[s]) (chunk-state
@@ -23,36 +23,38 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from . import _math
-from ._common import check_dtype, stamp
-from ._ssd_mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, matmul, vblock, zero
-from ._ssd_scan import _gate, _ld, _seg_exp, _static
+from .. import _math
+from .._common import stamp
+from .._math import Math
+from .mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, matmul, vblock, zero
+from .common import F32, I32, gate, ld, seg_exp
+from .dims import ScanBwdDims, dims_of
 
-F32 = "float32"
-I32 = "int32"
+_m = Math()  # the CPU loop nests' math: the vectorizable polynomials
 
 
-def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chunk_size: int, has_D: bool = False,
-                       D_has_hdim: bool = False, has_z: bool = False, has_seq_idx: bool = False,
-                       x_dtype: str = F32, bc_dtype: str = F32, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
-                       order: int = DEFAULT_ORDER):
+def ssd_chunk_scan_bwd(dims: ScanBwdDims | None = None, *, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
+                       order: int = DEFAULT_ORDER, **kw):
     """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); cb: (batch, nchunks,
     ngroups, chunk_size, chunk_size) f32 (C.B^T, ssd_bmm_chunk); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
     dstate) f32; D: (nheads,) / (nheads, headdim); seq_idx: (batch, seqlen)
     -> dx: (batch, seqlen, nheads, headdim); dB_parts, dC_parts: (batch, seqlen, gparts, dstate) f32;
-    ddt_out, ddA_step: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim).
+    ddt_out, ddA_step: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim);
+    gsum (workspace, written then read): (batch, nchunks, gparts, chunk_size, chunk_size) f32.
 
     gparts = ngroups * hparts, hparts dividing nheads / ngroups (compute.ssd.head_parts): one parallel task per
     (batch, chunk, group, part) runs the part's heads in order and sums their dB / dC rows in that order
     (hparts = 1: the group's dB / dC themselves; the heads share the staged B / C rows). The intra-chunk
     terms of dB / dC multiply the group's C / B, so they run once per part on the sum over its heads of
-    (g x^T) K dt: two Q x Q x dstate products per part instead of per head (2 of the 5 per-head matmuls).
-    ``rows`` x ``cols`` x ``order``: the register block of the chunk matmuls (_ssd_mm.py).
+    (g x^T) K dt (the workspace gsum, the causal blocks of each part's Q x Q rows: the CUDA layout writes it in
+    one launch and reads it in the next two): two Q x Q x dstate products per part instead of per head (2 of the
+    5 per-head matmuls). ``rows`` x ``cols`` x ``order``: the register block of the chunk matmuls (mm.py).
     """
-    check_dtype("x", x_dtype)
-    check_dtype("B", bc_dtype)
-    H, G, P, N, Q = nheads, ngroups, headdim, dstate, chunk_size
+    d = dims_of(ScanBwdDims, dims, kw)
+    H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
+    x_dtype, bc_dtype, has_seq_idx = d.x_dtype, d.bc_dtype, d.has_seq_idx
+    has_D, D_has_hdim, has_z = d.has_D, d.D_has_hdim, d.has_z
     R = H // G
     VB = vblock(Q)
     W2 = max(P, N)
@@ -72,7 +74,8 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, dy_h: T.handle, b_h: T.handle, c_h: T.handle, cb_h: T.handle,
              dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, dso_h: T.handle, d_h: T.handle, s_h: T.handle,
-             dx_h: T.handle, db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle):
+             dx_h: T.handle, db_h: T.handle, dc_h: T.handle, ddto_h: T.handle, ddac_h: T.handle, dd_h: T.handle,
+             ws_h: T.handle):
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
@@ -95,6 +98,7 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
         ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
         ddA_step = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
         dD_part = T.match_buffer(dd_h, (batch, nchunks, H, P) if has_D else zshape, F32)
+        ws = T.match_buffer(ws_h, (batch, nchunks, gparts, Q, Q), F32)
         for task in T.parallel(batch * nchunks * gparts):
             b = T.meta_var(task // (nchunks * gparts))
             c = T.meta_var(task // gparts % nchunks)
@@ -126,16 +130,15 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
             sc = T.alloc_buffer((2,), F32)  # scalar accumulators: [0] reductions, [1] chunk-state prefix
             dBa = T.alloc_buffer((Q, N), F32)  # the part's dB / dC rows, summed over its heads in order
             dCa = T.alloc_buffer((Q, N), F32)
-            gsum = T.alloc_buffer((Q, Q), F32)  # sum over the part's heads of gx K dt (causal blocks)
             for l in range(Q):
                 for sb in range(lower_cols(l, Q, VB) // VB):
                     for v in T.vectorized(VB):
-                        gsum[l, sb * VB + v] = T.float32(0)
+                        ws[b, c, task % gparts, l, sb * VB + v] = T.float32(0)
             for l in range(Q):  # the group's B / C rows (zeros past seqlen), shared by the part's heads
                 t = T.meta_var(T.min(c * Q + l, seqlen - 1))
                 for n in T.vectorized(N):
-                    cl[l, n] = _ld(Cm, (b, t, g, n), seqlen, c * Q + l)
-                    bl[l, n] = _ld(Bm, (b, t, g, n), seqlen, c * Q + l)
+                    cl[l, n] = ld(Cm, (b, t, g, n), seqlen, c * Q + l)
+                    bl[l, n] = ld(Bm, (b, t, g, n), seqlen, c * Q + l)
                     dBa[l, n] = T.float32(0)
                     dCa[l, n] = T.float32(0)
             for hh in range(per):
@@ -161,8 +164,8 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                         e[l] = _math.exp(acs[l])
                         wst[l] = _math.exp(acs[Q - 1] - acs[l])
                     for p in T.vectorized(P):
-                        xl[l, p] = _ld(x, (b, t, h, p), seqlen, c * Q + l)
-                        gl[l, p] = _gate(dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
+                        xl[l, p] = ld(x, (b, t, h, p), seqlen, c * Q + l)
+                        gl[l, p] = gate(_m, dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
                     for p in range(P):
                         xt[p, l] = xl[l, p]
                 for p in range(P):
@@ -179,12 +182,12 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     for sb in range(lower_cols(l, Q, VB) // VB):
                         for v in T.vectorized(VB):
                             s = T.meta_var(sb * VB + v)
-                            kk[s] = _seg_exp(acs, sid, l, s, has_seq_idx)
+                            kk[s] = seg_exp(_m, acs, sid, l, s, has_seq_idx)
                             # selected, not multiplied by kk = 0: gx[l, s > l] = g_l . x_s may be NaN / Inf
                             gr[s] = T.Select(s <= l, gx[l, s] * cbg[b, c, g, l, s] * kk[s], T.float32(0))
                             dd[s] = dd[s] + gr[s]
                             cb[l, s] = cbg[b, c, g, l, s] * kk[s] * dtl[s]
-                            gsum[l, s] = gsum[l, s] + T.Select(s <= l, gx[l, s] * kk[s] * dtl[s], T.float32(0))
+                            ws[b, c, task % gparts, l, s] = ws[b, c, task % gparts, l, s] + T.Select(s <= l, gx[l, s] * kk[s] * dtl[s], T.float32(0))
                             rsuf[s] = rsuf[s] + gr[s] * dtl[s]  # G[l, s] (0 for s > l)
                     # crossing pairs of step l: d dA_step[l] += sum_{k<l} sum_{l'>=l} G[l', k] (never a difference
                     # of sums: G[l', k] reaches the steps k < l <= l' only)
@@ -242,14 +245,13 @@ def ssd_chunk_scan_bwd(nheads: int, ngroups: int, headdim: int, dstate: int, chu
                     ddA_step[b, h, c, Q - 1 - lr] = dac[Q - 1 - lr] + sc[0]
             # -- the intra-chunk terms once per part (B, C are the group's): with G = sum over the part's heads
             # of gx K dt, dC[l] += sum_{s<=l} G[l, s] B_s and dB[s] += sum_{l>=s} G[l, s] C_l --
-            mm_qn_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: gsum[l, s],
+            mm_qn_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: ws[b, c, task % gparts, l, s],
                   lambda s, n: bl[s, n], lambda l, n: dCa[l, n], lambda l, n, v: T.buffer_store(dCa, v, [l, n]))
-            mm_qn_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: gsum[l, s],
+            mm_qn_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: ws[b, c, task % gparts, l, s],
                   lambda l, n: cl[l, n], lambda s, n: dBa[s, n], lambda s, n, v: T.buffer_store(dBa, v, [s, n]))
             for l in range(T.min(Q, seqlen - c * Q)):
                 for n in T.vectorized(N):
                     dBp[b, c * Q + l, task % gparts, n] = dBa[l, n]
                     dCp[b, c * Q + l, task % gparts, n] = dCa[l, n]
 
-    return stamp(func, "ssd_chunk_scan_bwd", _static(H, G, P, N, Q, has_D=has_D, D_has_hdim=D_has_hdim, has_z=has_z,
-                                                      has_seq_idx=has_seq_idx, x_dtype=x_dtype, bc_dtype=bc_dtype))
+    return stamp(func, "ssd_chunk_scan_bwd", d.stamp_static())

@@ -1,0 +1,130 @@
+"""Mamba-2 SSD chunked scan (mamba_ssm 2.3.x ``mamba_chunk_scan_combined`` semantics): kernel builders.
+
+Per head h of group g, with dt' = clamp(softplus(dt + dt_bias)), dA_cs = chunk-local cumsum(dt' A):
+
+    h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T,   y_t = h_t C_t + D x_t,   y <- y * silu(z)
+
+computed chunk by chunk (chunk length Q = chunk_size), as upstream's five Triton kernels do:
+
+=====================  ============================================================================
+ssd_chunk_cumsum       dt' and dA_cs per chunk; positions past seqlen get dt' = 0 (no decay, no input),
+                       which makes a ragged last chunk exact without padding any tensor
+ssd_bmm_chunk          CB_c[l, s] = C_l . B_s per (chunk, group): computed once, shared by the group's heads
+ssd_chunk_state        S_c[p, n] = sum_l x[l, p] dt'[l] exp(dA_cs[Q-1] - dA_cs[l]) B[l, n]   (P x Q x N)
+ssd_state_passing      Sin_{c+1} = exp(dA_cs_c[Q-1]) Sin_c + S_c (sequential over chunks)
+ssd_chunk_scan         y[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l] - dA_cs[s]) dt'[s] x[s]
+                              + exp(dA_cs[l]) C_l Sin_c + D x_l ; optional silu(z) gate
+ssd_chunk_scan_bwd_dstates   dSloc_c = sum_l exp(dA_cs[l]) g[l] C_l^T (g = dy * silu(z)), and dz
+ssd_state_passing_bwd  reverse scan: dS_c = dH_{c+1}, dH_c = dSloc_c + a_c dH_{c+1}, dinit = dH_0
+ssd_chunk_scan_bwd     every per-chunk gradient: dx, dB, dC (per head), d dt', d dA_step (per step), dD
+ssd_chunk_cumsum_bwd   d dA_step + the state-passing term -> d dt', d A, through softplus/clamp -> d dt, d dt_bias
+ssd_head_sum           dB, dC: the per-head partials summed over the heads of each group (fixed order)
+=====================  ============================================================================
+
+Segment decays are always exp of a *difference* of cumulative sums, masked (s <= l, same seq_idx) before
+the exponential, so nothing overflows in any dtype (never exp(cumsum) / exp(cumsum)). With seq_idx the
+masks are upstream's: a position's state contribution counts only toward its own sequence, the carried
+state only where the sequence id matches the previous chunk's last id (id 0 before position 0).
+
+All reductions are owned by one thread (no atomics): per-head dB/dC and per-(batch, chunk) dD partials are
+summed over heads/chunks in a fixed order by the torch op. Accumulation and states are float32.
+Batch, seqlen and nchunks are symbolic; nheads, ngroups, headdim, dstate, chunk_size are static.
+
+These kernels are TVMScript loop nests, not TE: a symbolic seqlen with vectorized TE schedules loses all
+vector code on CPU (see the CPU rule). Layout of the package:
+
+    dims.py      the typed static dims (one frozen dataclass per kernel family; ``DIMS``, what dispatch builds)
+    common.py    the shared math (decay step, dt', segment decays and masks, the gate)
+    strategy.py  how a template is laid onto the machine (serial here; CPU / CUDA in schedules/<target>/ssd.py)
+    dt.py, passing.py          chunk_cumsum(_bwd), state_passing(_bwd), head_sum: one template each
+    chunk_state.py, scan.py, scan_bwd.py, varlen.py, mm.py   the chunk-matmul kernels (CPU loop nests;
+                 schedules/cuda/ssd.py has their CUDA templates, see docs/ssd.md)
+
+A builder takes its dims (``ssd_chunk_scan(ScanDims(...))``, or the fields as keywords) and returns the
+PrimFunc the rules reschedule: the templated kernels laid out serially, the others as their CPU loop nests.
+"""
+from __future__ import annotations
+
+from .chunk_state import ssd_chunk_state
+from .common import DA_MIN, NEG, dA_passes, dA_step, with_state_dtype  # noqa: F401 (public helpers)
+from .dims import DIMS, check_dims  # noqa: F401
+from .dt import ssd_chunk_cumsum, ssd_chunk_cumsum_bwd
+from .passing import ssd_head_sum, ssd_state_passing, ssd_state_passing_bwd
+from .scan import ssd_bmm_chunk, ssd_chunk_scan, ssd_chunk_scan_bwd_dstates
+from .scan_bwd import ssd_chunk_scan_bwd
+from .varlen import ssd_chunk_state_varlen
+from .._ssd_dims import head_parts
+
+__all__ = ["ssd_chunk_cumsum", "ssd_bmm_chunk", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan",
+           "ssd_chunk_scan_bwd_dstates", "ssd_state_passing_bwd", "ssd_chunk_scan_bwd", "ssd_chunk_cumsum_bwd",
+           "ssd_head_sum", "ssd_chunk_state_varlen", "DIMS", "DIRECTIONS", "check_dims", "head_parts"]
+
+DIRECTIONS = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
+              "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum", "chunk_state_varlen")
+
+
+def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
+    """Tuning workloads: the five kernels with chunk matmuls (the others have no knobs) of each Mamba-2
+    preset (nheads, ngroups, headdim 64, dstate 128, chunk 256) as its block calls them: fp32, D per
+    head, z, no seq_idx."""
+    from .._presets import presets
+
+    out = []
+    f32 = {"x": "float32", "bc": "float32"}
+    for _, d in presets(preset):
+        if "headdim" not in d:
+            continue
+        dims = dict(nheads=d["nheads"], ngroups=d["ngroups"], headdim=d["headdim"], dstate=d["d_state"],
+                    chunk_size=d["chunk_size"])
+        out += [("bmm_chunk", dict(ngroups=d["ngroups"], dstate=d["d_state"], chunk_size=d["chunk_size"]),
+                 {"bc": "float32"}),
+                ("chunk_state", dict(dims, has_seq_idx=False), f32),
+                ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32),
+                ("chunk_scan_bwd_dstates", dict(dims, has_z=True, has_seq_idx=False), f32),
+                ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32)]
+    return out
+
+
+def derived_dims(direction: str, dims: dict, static: dict) -> dict:
+    """Dynamic dims that follow from the others (for tuning-time inputs): nchunks = ceil(seqlen / chunk);
+    chunk_scan_bwd's gparts = ngroups * head_parts(...), as torch_ops/ssd.py allocates its partials."""
+    if "seqlen" not in dims or "chunk_size" not in static:
+        return {}
+    out = {"nchunks": -(-dims["seqlen"] // static["chunk_size"])}
+    if direction == "chunk_scan_bwd":
+        G = static["ngroups"]
+        out["gparts"] = G * head_parts(dims.get("batch", 1), out["nchunks"], static["nheads"], G)
+    return out
+
+
+def build_check_configs() -> list[tuple[str, dict, dict]]:
+    """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: the Mamba-2
+    2.7B shape (nheads 80, ngroups 1, headdim 64, dstate 128, chunk 256) and the same with dstate 256, bf16
+    activations, with every optional input on (D per head, z, dt_bias, softplus, dt_limit, initial and
+    final states, seq_idx) and, for the 2.7B shape, the plain variant too; then the varlen-states kernel
+    (with seq_idx; without, from bf16 chunk states) and the kernels that store / read bf16 chunk states."""
+    out = []
+    dts = {"x": "bfloat16", "bc": "bfloat16"}
+    for dstate, flag_sets in ((128, (False, True)), (256, (True,))):
+        dims = dict(nheads=80, ngroups=1, headdim=64, dstate=dstate, chunk_size=256)
+        sdims = dict(nheads=80, headdim=64, dstate=dstate, chunk_size=256)
+        for on in flag_sets:
+            dtf = dict(nheads=80, chunk_size=256, has_dt_bias=on, dt_softplus=on, has_dt_limit=on)
+            out += [("chunk_cumsum", dtf, {}), ("chunk_cumsum_bwd", dtf, {}),
+                    ("chunk_state", dict(dims, has_seq_idx=on), dts),
+                    ("state_passing", dict(sdims, has_init=on, has_seq_idx=on), {}),
+                    ("state_passing_bwd", dict(sdims, has_init=on, has_dfinal=on, has_seq_idx=on), {}),
+                    ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts),
+                    ("chunk_scan_bwd_dstates", dict(dims, has_z=on, has_seq_idx=on), dts),
+                    ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts)]
+        out.append(("head_sum", dict(nheads=80, ngroups=1, dstate=dstate), {"out": "bfloat16"}))
+        out.append(("bmm_chunk", dict(ngroups=1, dstate=dstate, chunk_size=256), {"bc": "bfloat16"}))
+    # varlen states (batch 1, cu_seqlens) and chunk states stored in bf16 (state_dtype), at the 2.7B shape
+    dims = dict(nheads=80, ngroups=1, headdim=64, dstate=128, chunk_size=256)
+    sdims = dict(nheads=80, headdim=64, dstate=128, chunk_size=256)
+    out += [("chunk_state_varlen", dict(dims, has_seq_idx=True), dict(dts, out="bfloat16")),
+            ("chunk_state_varlen", dict(dims, has_seq_idx=False), dict(dts, state="bfloat16", out="bfloat16")),
+            ("state_passing", dict(sdims, has_init=True, has_seq_idx=True), {"state": "bfloat16"}),
+            ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True),
+             dict(dts, state="bfloat16"))]
+    return out

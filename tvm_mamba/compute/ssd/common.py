@@ -1,0 +1,80 @@
+"""The SSD math every template shares: the decay step and its clamp, dt' = clamp(softplus(dt + dt_bias)),
+the segment decays and sequence masks, the gate g = dy silu(z). Expressions only (no loops): templates
+place them, strategies choose the math they lower to (``m``: a ``compute._math.Math``)."""
+from __future__ import annotations
+
+from tvm import tirx
+
+F32 = "float32"
+I32 = "int32"
+NEG = -100.0  # exp(-100) == 0 in _math.exp (inputs below -87 give 0): the masked-out exponent
+DA_MIN = -110.0  # the lowest dt'*A step: exp(-110) = 1.7e-48 is 0 in float32 (exp(-104) ~ the last denormal)
+Z4 = (1, 1, 1, 1)  # the shape of an absent optional 4-d tensor
+
+
+def c32(v):
+    return tirx.const(v, F32)
+
+
+def dA_step(dt, A):
+    """dt' * A clamped below at DA_MIN (issue #16): A = -inf (or a huge negative A) gives decay exp(DA_MIN) = 0,
+    exactly as exp(dt' A) = 0, while every cumsum and segment difference stays finite (-inf - -inf was NaN for
+    the whole head). dt' = 0 (past seqlen; no step) gives 0 even for A = -inf (0 * -inf); NaN stays NaN."""
+    u = dt * A
+    lo = tirx.const(DA_MIN, F32)
+    return tirx.Select(u >= lo, u, tirx.Select(u < lo, lo, tirx.Select(dt == c32(0.0), c32(0.0), u)))
+
+
+def dA_passes(dt, A):
+    """Whether dA_step passes its gradient (dt' * A >= DA_MIN): a clamped step has zero gradient w.r.t. dt'
+    and A (torch.clamp's rule; the true d exp(dt A) = A exp(dt A) or dt exp(dt A) is 0 in float32 there)."""
+    return dt * A >= tirx.const(DA_MIN, F32)
+
+
+def dt_stages(m, tmp, raw, dt_bias, h, dt_limit, has_dt_bias, dt_softplus, has_dt_limit):
+    """The stages of dt' = clamp(softplus(dt + dt_bias)) as (slot, expr) pairs, each stored in a scalar slot
+    ``tmp[i]`` (so no exp is nested inside another: inlined, the polynomial trees took LLVM 5 s to compile one
+    kernel, and nvcc spilled). Slots: 0 pre-activation, 1 before the clamp, 2 dt', 3 d dt' / d dt (torch
+    semantics: the clamp passes the gradient on [lo, hi])."""
+    v = raw + dt_bias[h] if has_dt_bias else raw
+    gs = m.softplus_grad(tmp[0]) if dt_softplus else c32(1.0)
+    if has_dt_limit:
+        gs = tirx.Select(tirx.all(tmp[1] >= dt_limit[0], tmp[1] <= dt_limit[1]), gs, c32(0.0))
+    return [(0, v), (1, m.softplus(tmp[0]) if dt_softplus else tmp[0]),
+            (2, tirx.min(tirx.max(tmp[1], dt_limit[0]), dt_limit[1]) if has_dt_limit else tmp[1]), (3, gs)]
+
+
+def chunk_scale(m, seq_idx, dA_cs, b, h, c, Q, seqlen, has_seq_idx):
+    """exp(dA_cs[c, Q-1]), zeroed when chunk c's last sequence id differs from chunk c-1's (0 for c = 0)."""
+    a = m.exp(dA_cs[b, h, c, Q - 1])
+    if not has_seq_idx:
+        return a
+    cur = seq_idx[b, tirx.min(c * Q + Q, seqlen) - 1]
+    prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
+    return tirx.Select(cur == prev, a, c32(0.0))
+
+
+def ld(buf, idx, seqlen, t):
+    """buf[idx] as float32 when position t < seqlen, else 0 (t is clamped into range for the load)."""
+    return tirx.if_then_else(t < seqlen, buf[idx].astype(F32), c32(0.0))
+
+
+def seg_exp(m, acs, sid, l, s, has_seq_idx):
+    """exp(acs[l] - acs[s]) for s <= l in the same sequence, else 0 (masked before the exp)."""
+    ok = s <= l
+    if has_seq_idx:
+        ok = tirx.all(ok, sid[l] == sid[s])
+    return m.exp(tirx.Select(ok, acs[l] - acs[s], c32(NEG)))
+
+
+def gate(m, dy, z, idx, seqlen, t, has_z):
+    """g = dy * silu(z) (the gradient reaching the pre-gate output), 0 past seqlen."""
+    g = ld(dy, idx, seqlen, t)
+    if has_z:
+        g = g * m.silu(ld(z, idx, seqlen, t))
+    return g
+
+
+def with_state_dtype(static: dict, state_dtype: str) -> dict:
+    """static plus state_dtype when it is not the default float32 (default stamps stay as before)."""
+    return dict(static, state_dtype=state_dtype) if state_dtype != F32 else static

@@ -1,0 +1,90 @@
+"""How an SSD template is laid onto the machine: the strategy object every template takes.
+
+A template (compute/ssd/<kernel>.py) writes a kernel's math once, as independent *tasks* (an index range the
+template decomposes into (batch, chunk, head, ...)), each optionally owning a run of contiguous *lanes* (the
+innermost axis: dstate or headdim). The strategy decides:
+
+* ``tasks(extent)``: how the task range becomes loops. ``Serial``: one serial loop (tests, and the unscheduled
+  PrimFunc a builder returns); the CPU strategy (schedules/cpu/ssd.py): a parallel loop; the CUDA strategy
+  (schedules/cuda/ssd.py): blockIdx x threadIdx of ``threads`` with a bound check. A template writes
+  ``for bx in S.outer(n): for tx in S.inner(): i = S.index(bx, tx); if i < n: ...`` (the CPU's and the serial
+  strategy's inner loop has extent 1 and the bound check folds away).
+* ``lanes(width)``: how many lanes of an elementwise-independent axis one task owns: the whole axis on a CPU
+  (a vector), 1 on CUDA (a thread each). ``lane_loop(v)`` loops over them (vectorized / serial).
+* ``vloop(width)``: an axis a task runs itself (a reduction's operand row): vectorized on a CPU, serial on CUDA.
+* ``scaled_matmul(M, W, K)``: a chunk matmul out[t, i, j] = sum_k lhs(t, i, k) (scale(t, k) rhs(t, k, j)) over
+  ``extent`` tasks t, k ascending from 0 on every layout: the serial / CUDA layout runs a task per output
+  element reading the operands where they are; the CPU layout stages the task's operands (scale once per k)
+  and runs the register-blocked matmul of mm.py (knobs rows / cols / order).
+* ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers), and ``math`` (``_math.Math``:
+  the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
+
+Strategies never change the order in which a sum is taken: the same template gives bitwise-equal float32
+results under every strategy that picks the same math.
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .._math import Math
+
+
+class Strategy:
+    """Serial loops, a task per lane (as the CUDA strategy decomposes the work); ``native_math``: the target's
+    exp / log1p (CUDA's arithmetic, run on the CPU by tests) instead of the CPU polynomials. The layout of the
+    unscheduled PrimFunc a builder returns. Subclasses: schedules/cpu/ssd.py, schedules/cuda/ssd.py."""
+
+    name = "serial"
+    scope = "global"
+    threads = 1
+    vector = False  # whether a task owns whole lane axes (and vectorizes them)
+
+    def __init__(self, native_math: bool = False):
+        self.math = Math("float32", native=native_math)
+
+    def outer(self, extent):
+        return T.serial(self.blocks(extent))
+
+    def inner(self):
+        return T.serial(self.threads)
+
+    def blocks(self, extent):
+        return (extent + self.threads - 1) // self.threads
+
+    def index(self, bx, tx):
+        return bx * self.threads + tx
+
+    def lanes(self, width: int) -> int:
+        return width if self.vector else 1
+
+    def lane_loop(self, v: int):
+        return T.vectorized(v) if self.vector and v > 1 else T.serial(v)
+
+    def vloop(self, width: int):
+        return T.vectorized(width) if self.vector else T.serial(width)
+
+    def scaled_matmul(self, M: int, W: int, K: int):
+        """A macro ``run(extent, lhs, scale, rhs, store)``: a task per output (t, i, j), the sum over k in order
+        into one scalar (module docstring; the CPU strategy overrides it)."""
+        S = self
+
+        @T.macro
+        def run(extent, lhs, scale, rhs, store):
+            for bx in S.outer(extent * M * W):
+                for tx in S.inner():
+                    acc = T.alloc_buffer((1,), "float32", scope=S.scope)
+                    i = T.meta_var(S.index(bx, tx))
+                    if i < extent * M * W:
+                        acc[0] = T.float32(0)
+                        for k in range(K):
+                            acc[0] = acc[0] + lhs(i // (M * W), i // W % M, k) * (
+                                scale(i // (M * W), k) * rhs(i // (M * W), k, i % W))
+                        store(i // (M * W), i // W % M, i % W, acc[0])
+
+        return run
+
+    def key(self) -> tuple:
+        return (self.name, self.threads, self.math.native)
+
+
+SERIAL = Strategy()
