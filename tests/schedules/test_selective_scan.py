@@ -60,7 +60,7 @@ def test_complex_kernels_cpu_vectorized_and_cuda_compile():
     """The complex-A templates under both rules: CPU vector code over dstate; CUDA through nvcc (a thread per
     lane; its state arrays live in local memory and cosf/sinf have a call-based slow path: ptxas spills
     36-84 bytes around it at sm_90, allowed here)."""
-    from tvm_mamba.compute import selective_scan_complex as sx
+    sx = ss  # the complex-A builders live in the same package
 
     st = dict(STATIC, chunk=ss.chunk_size(32))
     funcs = (sx.selective_scan_fwd_complex(**st), sx.selective_scan_bwd_complex(**st, block=16))

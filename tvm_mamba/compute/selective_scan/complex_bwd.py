@@ -1,5 +1,5 @@
-"""Backward of the complex-A selective scan (formulas in selective_scan_complex.py's docstring): one template,
-laid out by ``mode`` like the forward.
+"""Backward of the complex-A selective scan (formulas in complex_fwd.py's docstring): one template, laid out
+by a one-thread-per-lane ``Layout`` like the forward.
 
 Stage 1: one lane per (batch, block of ``block`` channels) runs the reverse scan of each of its channels,
 chunk by chunk (the chunk's states recomputed from its checkpoint into a lane-local (chunk+1, 2, dstate)
@@ -10,21 +10,21 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import stamp
-from .selective_scan import _check, _lanes, _Math, _static, _vec_loop, acc_dtype
-from .selective_scan_complex import _step_fns
+from ._dims import ScanBwdDims
+from ._layout import Layout
+from .complex_fwd import _step_fns
 
 
-def selective_scan_bwd_complex_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool,
-                                        has_z: bool, has_delta_bias: bool, delta_softplus: bool, has_init: bool,
-                                        chunk: int, u_dtype: str, B_dtype: str, C_dtype: str, block: int = 1,
-                                        mode: str = "generic", vec: int = 1, threads: int = 64) -> tirx.PrimFunc:
-    N, V, BLK = dstate, vec, block
+def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
+    """The backward loop nest (module docstring) laid out by ``L`` (one thread per lane)."""
+    (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype, block) = dims.static().values()
+    N, V, BLK = dstate, L.V, block
     NV, NBLK = N // V, dim // BLK
-    ACC = acc_dtype(u_dtype)
-    m = _Math(ACC, native=mode == "cuda")
-    OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
-    VEC = _vec_loop(mode)
+    ACC = dims.acc
+    m = L.math
+    OUTER, INNER, TPB, SCOPE = L.outer_loop, L.lane_loop, L.TPB, L.scope
+    VEC = L.vec_loop
     VARB, VARC = b_groups > 0, c_groups > 0
     BBPG = dim // b_groups // BLK if VARB else 1  # channel blocks per B group
     CBPG = dim // c_groups // BLK if VARC else 1
@@ -262,21 +262,3 @@ def selective_scan_bwd_complex_template(dim: int, dstate: int, b_groups: int, c_
     return bwd
 
 
-def selective_scan_bwd_complex(dim: int, dstate: int, b_groups: int = 0, c_groups: int = 0, has_D: bool = False,
-                               has_z: bool = False, has_delta_bias: bool = False, delta_softplus: bool = False,
-                               has_init: bool = False, chunk: int = 32, block: int = 1, u_dtype: str = "float32",
-                               B_dtype: str = "float32", C_dtype: str = "float32") -> tirx.PrimFunc:
-    """Backward of :func:`selective_scan_fwd_complex` (layouts there; every complex tensor as (..., 2)).
-
-    Inputs: the forward's inputs, checkpoints, dout: (batch, dim, seqlen), dlast: (batch, dim, dstate, 2).
-    Outputs: du, ddelta, dz: (batch, dim, seqlen); dA: (dim, dstate, 2); dB, dC: B's/C's kernel layout;
-    dD, ddelta_bias: (dim,); dinit: (batch, dim, dstate, 2); workspaces wsA: (batch, dim, dstate, 2),
-    wsB/wsC: (batch, dim // block, seqlen, dstate, 2) varying else (batch, dim, dstate, 2), wsS: (batch, dim, 2).
-    Gradients of complex tensors are dL/dRe + i dL/dIm (torch's convention).
-    """
-    _check(dim, dstate, b_groups, c_groups, chunk, u_dtype, B_dtype, C_dtype)
-    if block < 1 or (dim // max(b_groups, 1)) % block or (dim // max(c_groups, 1)) % block:
-        raise ValueError(f"block: must divide the channels of every group, got {block}")
-    static = _static(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init,
-                     chunk, u_dtype, B_dtype, C_dtype, block=block)
-    return stamp(selective_scan_bwd_complex_template(**static), "selective_scan_bwd_complex", static)

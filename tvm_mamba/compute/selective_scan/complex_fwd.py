@@ -1,5 +1,6 @@
 """Mamba-1 selective scan with a complex A (mamba_ssm 2.3.2 ``selective_scan_ref`` semantics, S4D-style), as
-ONE loop-nest template per direction that the CPU and CUDA rules lay out (``mode``).
+ONE loop-nest template per direction, laid out by a one-thread-per-lane ``Layout`` (serial, CPU vectors
+over dstate pairs, a CUDA thread per lane).
 
     dt = softplus?(delta + delta_bias);  h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t   (h, A, B, C complex)
     y_t = 2 Re(C_t . h_t) + D u_t;  out = y * silu(z)
@@ -25,8 +26,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import stamp
-from .selective_scan import _check, _lanes, _Math, _static, _vec_loop, acc_dtype
+from ._dims import ScanDims
+from ._layout import Layout
 
 
 def _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus):
@@ -54,18 +55,16 @@ def _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus):
     return bval, cval, pre_dt, dt_of, rot
 
 
-def selective_scan_fwd_complex_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool,
-                                        has_z: bool, has_delta_bias: bool, delta_softplus: bool, has_init: bool,
-                                        chunk: int, u_dtype: str, B_dtype: str, C_dtype: str,
-                                        mode: str = "generic", vec: int = 1, threads: int = 64) -> tirx.PrimFunc:
-    """The forward loop nest (module docstring); ``mode`` generic (serial), cpu (parallel lanes, dstate
-    vectors of ``vec``) or cuda (one thread per lane, ``threads`` per block)."""
-    N, V = dstate, vec
+def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
+    """The forward loop nest (module docstring) laid out by ``L`` (one thread per lane)."""
+    (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype) = dims.static().values()
+    N, V = dstate, L.V
     NV = N // V
-    ACC = acc_dtype(u_dtype)
-    m = _Math(ACC, native=mode == "cuda")
-    OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
-    VEC = _vec_loop(mode)
+    ACC = dims.acc
+    m = L.math
+    OUTER, INNER, TPB, SCOPE = L.outer_loop, L.lane_loop, L.TPB, L.scope
+    VEC = L.vec_loop
     VARB, VARC = b_groups > 0, c_groups > 0
     bval, cval, pre_dt, dt_of, rot = _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus)
     two = tirx.const(2.0, ACC)
@@ -138,28 +137,3 @@ def selective_scan_fwd_complex_template(dim: int, dstate: int, b_groups: int, c_
     return fwd
 
 
-def selective_scan_fwd_complex(dim: int, dstate: int, b_groups: int = 0, c_groups: int = 0, has_D: bool = False,
-                               has_z: bool = False, has_delta_bias: bool = False, delta_softplus: bool = False,
-                               has_init: bool = False, chunk: int = 32, u_dtype: str = "float32",
-                               B_dtype: str = "float32", C_dtype: str = "float32") -> tirx.PrimFunc:
-    """u, delta, z: (batch, dim, seqlen); A: (dim, dstate, 2); B, C: (dim, dstate, 2) if groups == 0 else
-    (batch, groups, seqlen, dstate, 2); D, delta_bias: (dim,); initial_state: (batch, dim, dstate, 2)
-    -> out: (batch, dim, seqlen), last_state: (batch, dim, dstate, 2),
-    checkpoints: (batch, dim, nchunk, dstate, 2). ``_dtype`` of a time-invariant B/C is ignored (acc).
-
-    h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t (complex); out_t = (2 Re(C_t . h_t) + D u_t) * silu(z_t).
-    """
-    _check(dim, dstate, b_groups, c_groups, chunk, u_dtype, B_dtype, C_dtype)
-    static = _static(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init,
-                     chunk, u_dtype, B_dtype, C_dtype)
-    return stamp(selective_scan_fwd_complex_template(**static), "selective_scan_fwd_complex", static)
-
-
-def __getattr__(name: str):
-    """The backward builders live in _selective_scan_complex_bwd.py (which imports the helpers above),
-    loaded on first use so that either module may be imported first."""
-    if name in ("selective_scan_bwd_complex", "selective_scan_bwd_complex_template"):
-        from . import _selective_scan_complex_bwd
-
-        return getattr(_selective_scan_complex_bwd, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
