@@ -27,7 +27,9 @@ import time
 
 def _compute_modules() -> list[str]:
     root = pathlib.Path(__file__).resolve().parent / "compute"
-    return sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_"))
+    # an op is a module compute/<op>.py or a package compute/<op>/
+    return sorted(p.stem for p in root.iterdir() if not p.stem.startswith("_")
+                  and (p.suffix == ".py" or (p / "__init__.py").is_file()))
 
 
 def cmd_info(args) -> int:

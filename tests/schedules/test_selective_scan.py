@@ -24,6 +24,13 @@ def test_rules_ignore_foreign_kernels():
     assert cuda_rule.apply(ss.selective_scan_fwd(**STATIC), cpu_target(), Decisions()) is None
 
 
+def test_gpu_rule_selects_by_capability():
+    """The GPU rule serves any target with the "gpu" key (its loops are blockIdx x threadIdx + warp shuffles),
+    not only kind "cuda"."""
+    sch = cuda_rule.apply(ss.selective_scan_fwd(**STATIC), tvm.target.Target("rocm"), Decisions())
+    assert sch is not None and "tvm_warp_shuffle_xor" in sch.mod.script()
+
+
 @pytest.mark.parametrize("layout,used", [(None, {"layout": "channels"}),
                                          ("dstate", {"layout": "dstate", "vector": 16})])
 def test_cpu_forward_layouts_are_vectorized(layout, used):

@@ -72,7 +72,8 @@ def _passes(dims: ScanDims, L: Layout, sm: ScanMath):
                     loc[L.reg(ko, ki)] = ck[b, d, c, L.state(ko, ki, 0)]
                     ck[b, d, c, L.state(ko, ki, 0)] = hc[L.reg(ko, ki)]
                     # the recurrence over a whole chunk: exp(L_c) H_c + S_c
-                    hc[L.reg(ko, ki)] = m.exp(logdec[b, d, c, L.state(ko, ki, 0)]) * hc[L.reg(ko, ki)] + loc[L.reg(ko, ki)]
+                    r = T.meta_var(L.reg(ko, ki))
+                    hc[r] = m.exp(logdec[b, d, c, L.state(ko, ki, 0)]) * hc[r] + loc[r]
         for ko in L.st_outer(N):
             for ki in L.st_inner():
                 last[b, d, L.state(ko, ki, 0)] = hc[L.reg(ko, ki)]

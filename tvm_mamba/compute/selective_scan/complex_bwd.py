@@ -15,8 +15,8 @@ from ._layout import Layout
 from .complex_fwd import _step_fns
 
 
-def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
-    """The backward loop nest (module docstring) laid out by ``L`` (one thread per lane)."""
+def _env(dims: ScanBwdDims, L: Layout) -> tuple:
+    """The names every piece of the complex backward uses (dims, layout loops, step functions)."""
     (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
      B_dtype, C_dtype, block) = dims.static().values()
     N, V, BLK = dstate, L.V, block
@@ -29,8 +29,18 @@ def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     BBPG = dim // b_groups // BLK if VARB else 1  # channel blocks per B group
     CBPG = dim // c_groups // BLK if VARC else 1
     BT, CT = (B_dtype if VARB else ACC), (C_dtype if VARC else ACC)
-    bval, cval, pre_dt, dt_of, rot = _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus)
+    bval, cval, pre_dt, dt_of, rot = _step_fns(dims, m)
     two = tirx.const(2.0, ACC)
+    return (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype, block, N, V, BLK, NV, NBLK, ACC, m, OUTER, INNER, TPB, SCOPE, VEC, VARB, VARC, BBPG, CBPG, BT,
+     CT, bval, cval, pre_dt, dt_of, rot, two)
+
+
+def _step_macros(dims: ScanBwdDims, L: Layout):
+    """One reverse step of a channel, and the recompute of one chunk's states from its checkpoint."""
+    (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype, block, N, V, BLK, NV, NBLK, ACC, m, OUTER, INNER, TPB, SCOPE, VEC, VARB, VARC, BBPG, CBPG, BT,
+     CT, bval, cval, pre_dt, dt_of, rot, two) = _env(dims, L)
 
     @T.macro
     def reverse_step(A, Bm, Cm, Dv, u, dout, z, delta, db, du, ddelta, dz, wsB, wsC, hs, g, gA, gB, gC, ex, rv, s,
@@ -120,85 +130,72 @@ def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
                     hs[i + 1, 1, no * V + ni] = (ex[0, ni] * hs[i, 1, no * V + ni] + ex[1, ni] * hs[i, 0, no * V + ni]
                                                  + s[1] * bval(Bm, b, d, c * chunk + i, no * V + ni, 1))
 
-    @T.prim_func
-    def bwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
-            z_h: T.handle, db_h: T.handle, init_h: T.handle, ck_h: T.handle, dout_h: T.handle, dlast_h: T.handle,
-            du_h: T.handle, ddelta_h: T.handle, dA_h: T.handle, dB_h: T.handle, dC_h: T.handle, dD_h: T.handle,
-            ddb_h: T.handle, dz_h: T.handle, dinit_h: T.handle,
-            wsA_h: T.handle, wsB_h: T.handle, wsC_h: T.handle, wsS_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunk = T.meta_var((seqlen + chunk - 1) // chunk)
-        u = T.match_buffer(u_h, (batch, dim, seqlen), u_dtype)
-        delta = T.match_buffer(delta_h, (batch, dim, seqlen), u_dtype)
-        A = T.match_buffer(A_h, (dim, N, 2), ACC)
-        Bm = T.match_buffer(B_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), BT)
-        Cm = T.match_buffer(C_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), CT)
-        Dv = T.match_buffer(D_h, (dim,) if has_D else (1,), ACC)
-        z = T.match_buffer(z_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
-        db = T.match_buffer(db_h, (dim,) if has_delta_bias else (1,), ACC)
-        init = T.match_buffer(init_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)  # noqa: F841
-        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N, 2), ACC)
-        dout = T.match_buffer(dout_h, (batch, dim, seqlen), u_dtype)
-        dlast = T.match_buffer(dlast_h, (batch, dim, N, 2), ACC)
-        du = T.match_buffer(du_h, (batch, dim, seqlen), u_dtype)
-        ddelta = T.match_buffer(ddelta_h, (batch, dim, seqlen), u_dtype)
-        dA = T.match_buffer(dA_h, (dim, N, 2), ACC)
-        dB = T.match_buffer(dB_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), BT)
-        dC = T.match_buffer(dC_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), CT)
-        dD = T.match_buffer(dD_h, (dim,) if has_D else (1,), ACC)
-        ddb = T.match_buffer(ddb_h, (dim,) if has_delta_bias else (1,), ACC)
-        dz = T.match_buffer(dz_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
-        dinit = T.match_buffer(dinit_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)
-        wsA = T.match_buffer(wsA_h, (batch, dim, N, 2), ACC)
-        wsB = T.match_buffer(wsB_h, (batch, NBLK, seqlen, N, 2) if VARB else (batch, dim, N, 2), ACC)
-        wsC = T.match_buffer(wsC_h, (batch, NBLK, seqlen, N, 2) if VARC else (batch, dim, N, 2), ACC)
-        wsS = T.match_buffer(wsS_h, (batch, dim, 2), ACC)
-        for lane_o in OUTER((batch * NBLK + TPB - 1) // TPB):
-            for lane_i in INNER(TPB):
-                if lane_o * TPB + lane_i < batch * NBLK:
-                    lane = T.meta_var(lane_o * TPB + lane_i)
-                    hs = T.alloc_buffer((chunk + 1, 2, N), ACC, scope=SCOPE)  # hs[i] = h before step i of the chunk
-                    g = T.alloc_buffer((2, N), ACC, scope=SCOPE)  # adjoint of h (re, im)
-                    gA = T.alloc_buffer((2, N), ACC, scope=SCOPE)
-                    gB = T.alloc_buffer((2, N), ACC, scope=SCOPE)  # time-invariant B / C partials
-                    gC = T.alloc_buffer((2, N), ACC, scope=SCOPE)
-                    ex = T.alloc_buffer((6, V), ACC, scope=SCOPE)
-                    rv = T.alloc_buffer((2, V), ACC, scope=SCOPE)
-                    s = T.alloc_buffer((12,), ACC, scope=SCOPE)
-                    hs[chunk, 1, N - 1] = m.zero  # pin the full extent (buffer compaction would make it symbolic)
-                    b = T.meta_var(lane // NBLK)
-                    blk = T.meta_var(lane % NBLK)
-                    for ci in range(BLK):
-                        d = T.meta_var(blk * BLK + ci)
-                        s[8] = m.zero  # dD partial
-                        s[9] = m.zero  # ddelta_bias partial
-                        for k in range(2):
-                            for no in range(NV):
-                                for ni in VEC(V):
-                                    g[k, no * V + ni] = dlast[b, d, no * V + ni, k]
-                                    gA[k, no * V + ni] = m.zero
-                                    gB[k, no * V + ni] = m.zero
-                                    gC[k, no * V + ni] = m.zero
-                        for cr in range(nchunk):
-                            c = T.meta_var(nchunk - 1 - cr)
-                            NT = T.meta_var(T.min(seqlen - c * chunk, chunk))
-                            recompute(A, Bm, u, delta, db, ck, hs, ex, s, b, d, c, NT)
-                            for ir in range(NT):
-                                reverse_step(A, Bm, Cm, Dv, u, dout, z, delta, db, du, ddelta, dz, wsB, wsC, hs, g,
-                                             gA, gB, gC, ex, rv, s, b, blk, ci, d, c, NT - 1 - ir)
-                        for k in range(2):
-                            for no in range(NV):
-                                for ni in VEC(V):
-                                    wsA[b, d, no * V + ni, k] = gA[k, no * V + ni]
-                                    if has_init:
-                                        dinit[b, d, no * V + ni, k] = g[k, no * V + ni]
-                                    if not VARB:
-                                        wsB[b, d, no * V + ni, k] = gB[k, no * V + ni]
-                                    if not VARC:
-                                        wsC[b, d, no * V + ni, k] = gC[k, no * V + ni]
-                        wsS[b, d, 0] = s[8]
-                        wsS[b, d, 1] = s[9]
+    return reverse_step, recompute
+
+
+def _lane_macro(dims: ScanBwdDims, L: Layout):
+    """Stage 1 of one lane (batch, block of channels): the reverse scan of each channel, chunk by chunk."""
+    (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype, block, N, V, BLK, NV, NBLK, ACC, m, OUTER, INNER, TPB, SCOPE, VEC, VARB, VARC, BBPG, CBPG, BT,
+     CT, bval, cval, pre_dt, dt_of, rot, two) = _env(dims, L)
+    reverse_step, recompute = _step_macros(dims, L)
+
+    @T.macro
+    def lane_scan(u, delta, A, Bm, Cm, Dv, z, db, ck, dout, dlast, du, ddelta, dz, dinit, wsA, wsB, wsC, wsS,
+                  seqlen, nchunk, lane):
+        hs = T.alloc_buffer((chunk + 1, 2, N), ACC, scope=SCOPE)  # hs[i] = h before step i of the chunk
+        g = T.alloc_buffer((2, N), ACC, scope=SCOPE)  # adjoint of h (re, im)
+        gA = T.alloc_buffer((2, N), ACC, scope=SCOPE)
+        gB = T.alloc_buffer((2, N), ACC, scope=SCOPE)  # time-invariant B / C partials
+        gC = T.alloc_buffer((2, N), ACC, scope=SCOPE)
+        ex = T.alloc_buffer((6, V), ACC, scope=SCOPE)
+        rv = T.alloc_buffer((2, V), ACC, scope=SCOPE)
+        s = T.alloc_buffer((12,), ACC, scope=SCOPE)
+        hs[chunk, 1, N - 1] = m.zero  # pin the full extent (buffer compaction would make it symbolic)
+        b = T.meta_var(lane // NBLK)
+        blk = T.meta_var(lane % NBLK)
+        for ci in range(BLK):
+            d = T.meta_var(blk * BLK + ci)
+            s[8] = m.zero  # dD partial
+            s[9] = m.zero  # ddelta_bias partial
+            for k in range(2):
+                for no in range(NV):
+                    for ni in VEC(V):
+                        g[k, no * V + ni] = dlast[b, d, no * V + ni, k]
+                        gA[k, no * V + ni] = m.zero
+                        gB[k, no * V + ni] = m.zero
+                        gC[k, no * V + ni] = m.zero
+            for cr in range(nchunk):
+                c = T.meta_var(nchunk - 1 - cr)
+                NT = T.meta_var(T.min(seqlen - c * chunk, chunk))
+                recompute(A, Bm, u, delta, db, ck, hs, ex, s, b, d, c, NT)
+                for ir in range(NT):
+                    reverse_step(A, Bm, Cm, Dv, u, dout, z, delta, db, du, ddelta, dz, wsB, wsC, hs, g,
+                                 gA, gB, gC, ex, rv, s, b, blk, ci, d, c, NT - 1 - ir)
+            for k in range(2):
+                for no in range(NV):
+                    for ni in VEC(V):
+                        wsA[b, d, no * V + ni, k] = gA[k, no * V + ni]
+                        if has_init:
+                            dinit[b, d, no * V + ni, k] = g[k, no * V + ni]
+                        if not VARB:
+                            wsB[b, d, no * V + ni, k] = gB[k, no * V + ni]
+                        if not VARC:
+                            wsC[b, d, no * V + ni, k] = gC[k, no * V + ni]
+            wsS[b, d, 0] = s[8]
+            wsS[b, d, 1] = s[9]
+
+    return lane_scan
+
+
+def _stage2_macro(dims: ScanBwdDims, L: Layout):
+    """Stage 2: fixed-order sums of the stage-1 partials over batch (and over the channel blocks of a group)."""
+    (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype, block, N, V, BLK, NV, NBLK, ACC, m, OUTER, INNER, TPB, SCOPE, VEC, VARB, VARC, BBPG, CBPG, BT,
+     CT, bval, cval, pre_dt, dt_of, rot, two) = _env(dims, L)
+
+    @T.macro
+    def stage2(wsA, wsB, wsC, wsS, dA, dB, dC, dD, ddb, batch, seqlen):
         # stage 2: fixed-order sums over batch (and over the channel blocks of a group)
         for d_o in OUTER((dim + TPB - 1) // TPB):
             for d_i in INNER(TPB):
@@ -259,6 +256,56 @@ def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
                                 dC[row // (c_groups * seqlen), (row // seqlen) % c_groups, row % seqlen, n, k] = \
                                     rc[0].astype(CT)
 
+    return stage2
+
+
+def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
+    """The backward loop nest (module docstring) laid out by ``L`` (one thread per lane)."""
+    (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype, block, N, V, BLK, NV, NBLK, ACC, m, OUTER, INNER, TPB, SCOPE, VEC, VARB, VARC, BBPG, CBPG, BT,
+     CT, bval, cval, pre_dt, dt_of, rot, two) = _env(dims, L)
+    lane_scan = _lane_macro(dims, L)
+    stage2 = _stage2_macro(dims, L)
+
+    @T.prim_func
+    def bwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
+            z_h: T.handle, db_h: T.handle, init_h: T.handle, ck_h: T.handle, dout_h: T.handle, dlast_h: T.handle,
+            du_h: T.handle, ddelta_h: T.handle, dA_h: T.handle, dB_h: T.handle, dC_h: T.handle, dD_h: T.handle,
+            ddb_h: T.handle, dz_h: T.handle, dinit_h: T.handle,
+            wsA_h: T.handle, wsB_h: T.handle, wsC_h: T.handle, wsS_h: T.handle):
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunk = T.meta_var((seqlen + chunk - 1) // chunk)
+        u = T.match_buffer(u_h, (batch, dim, seqlen), u_dtype)
+        delta = T.match_buffer(delta_h, (batch, dim, seqlen), u_dtype)
+        A = T.match_buffer(A_h, (dim, N, 2), ACC)
+        Bm = T.match_buffer(B_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), BT)
+        Cm = T.match_buffer(C_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), CT)
+        Dv = T.match_buffer(D_h, (dim,) if has_D else (1,), ACC)
+        z = T.match_buffer(z_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
+        db = T.match_buffer(db_h, (dim,) if has_delta_bias else (1,), ACC)
+        init = T.match_buffer(init_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)  # noqa: F841
+        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N, 2), ACC)
+        dout = T.match_buffer(dout_h, (batch, dim, seqlen), u_dtype)
+        dlast = T.match_buffer(dlast_h, (batch, dim, N, 2), ACC)
+        du = T.match_buffer(du_h, (batch, dim, seqlen), u_dtype)
+        ddelta = T.match_buffer(ddelta_h, (batch, dim, seqlen), u_dtype)
+        dA = T.match_buffer(dA_h, (dim, N, 2), ACC)
+        dB = T.match_buffer(dB_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), BT)
+        dC = T.match_buffer(dC_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), CT)
+        dD = T.match_buffer(dD_h, (dim,) if has_D else (1,), ACC)
+        ddb = T.match_buffer(ddb_h, (dim,) if has_delta_bias else (1,), ACC)
+        dz = T.match_buffer(dz_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
+        dinit = T.match_buffer(dinit_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)
+        wsA = T.match_buffer(wsA_h, (batch, dim, N, 2), ACC)
+        wsB = T.match_buffer(wsB_h, (batch, NBLK, seqlen, N, 2) if VARB else (batch, dim, N, 2), ACC)
+        wsC = T.match_buffer(wsC_h, (batch, NBLK, seqlen, N, 2) if VARC else (batch, dim, N, 2), ACC)
+        wsS = T.match_buffer(wsS_h, (batch, dim, 2), ACC)
+        for lane_o in OUTER((batch * NBLK + TPB - 1) // TPB):
+            for lane_i in INNER(TPB):
+                if lane_o * TPB + lane_i < batch * NBLK:
+                    lane_scan(u, delta, A, Bm, Cm, Dv, z, db, ck, dout, dlast, du, ddelta, dz, dinit, wsA, wsB, wsC,
+                              wsS, seqlen, nchunk, lane_o * TPB + lane_i)
+        stage2(wsA, wsB, wsC, wsS, dA, dB, dC, dD, ddb, batch, seqlen)
+
     return bwd
-
-

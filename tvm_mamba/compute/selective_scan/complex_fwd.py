@@ -28,31 +28,30 @@ from tvm.script import tirx as T
 
 from ._dims import ScanDims
 from ._layout import Layout
+from ._step import ScanMath
 
 
-def _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus):
-    """B/C pair reads (k = 0 re, 1 im; time-invariant or per group), pre-softplus dt and the rotation."""
-    BPG = dim // b_groups if b_groups else 1
-    CPG = dim // c_groups if c_groups else 1
+class ComplexMath(ScanMath):
+    """The complex scan's step pieces: B / C pair reads (k = 0 re, 1 im; a time-invariant B / C is complex in
+    the accumulation dtype) and the rotation; dt, softplus and SiLU are the real scan's (``ScanMath``)."""
 
-    def bval(Bm, b, d, t, n, k):
-        return m.cast(Bm[b, d // BPG, t, n, k]) if b_groups else Bm[d, n, k]
+    def B(self, Bm, b, d, t, n, k):
+        s = self.d
+        return self.m.cast(Bm[b, d // s.b_per_group, t, n, k]) if s.varying_B else Bm[d, n, k]
 
-    def cval(Cm, b, d, t, n, k):
-        return m.cast(Cm[b, d // CPG, t, n, k]) if c_groups else Cm[d, n, k]
+    def C(self, Cm, b, d, t, n, k):
+        s = self.d
+        return self.m.cast(Cm[b, d // s.c_per_group, t, n, k]) if s.varying_C else Cm[d, n, k]
 
-    def pre_dt(delta, db, b, d, t):
-        return m.cast(delta[b, d, t]) + (db[d] if has_delta_bias else m.zero)
-
-    def dt_of(x):
-        return m.softplus(x) if delta_softplus else x
-
-    def rot(A, d, n, dt, k):
+    def rot(self, A, d, n, dt, k):
         """Re (k = 0) / Im (k = 1) of exp(dt A[d, n])."""
         trig = tirx.cos if k == 0 else tirx.sin
-        return m.exp(dt * A[d, n, 0]) * trig(dt * A[d, n, 1])
+        return self.m.exp(dt * A[d, n, 0]) * trig(dt * A[d, n, 1])
 
-    return bval, cval, pre_dt, dt_of, rot
+
+def _step_fns(dims: ScanDims, m):
+    cm = ComplexMath(dims, m)
+    return cm.B, cm.C, cm.pre_dt, cm.dt, cm.rot
 
 
 def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
@@ -66,7 +65,7 @@ def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     OUTER, INNER, TPB, SCOPE = L.outer_loop, L.lane_loop, L.TPB, L.scope
     VEC = L.vec_loop
     VARB, VARC = b_groups > 0, c_groups > 0
-    bval, cval, pre_dt, dt_of, rot = _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus)
+    bval, cval, pre_dt, dt_of, rot = _step_fns(dims, m)
     two = tirx.const(2.0, ACC)
 
     @T.prim_func
