@@ -229,7 +229,15 @@ def _stage2_macros(dims: ScanBwdDims, L: Layout, m):
                     dM[row // (groups * seqlen), (row // seqlen) % groups, row % seqlen,
                        L.state(ko, ki, j)] = rb[0, ki].astype(dM.dtype)
 
-    return per_channel, per_row
+    @T.macro
+    def group_rows(ws, dM, groups, batch, seqlen):
+        for lo in L.lane_outer(batch * groups * seqlen):
+            for li in L.lane_inner():
+                if L.lane_guard(lo, li, batch * groups * seqlen):
+                    per_row(ws, dM, groups, seqlen, L.lane_of(lo, li, batch * groups * seqlen), L.thread(li),
+                            L.lane_ok(lo, li, batch * groups * seqlen))
+
+    return per_channel, group_rows
 
 
 def bwd_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
@@ -238,7 +246,7 @@ def bwd_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     NBLK, VARB, VARC = dims.nblocks, dims.varying_B, dims.varying_C
     sm = ScanMath(dims, L.math)
     lane = _lane_macro(dims, L, sm)
-    per_channel, per_row = _stage2_macros(dims, L, L.math)
+    per_channel, group_rows = _stage2_macros(dims, L, L.math)
     bg, cg = dims.b_groups, dims.c_groups
     opt = lambda cond, shape: shape if cond else (1,) * len(shape)  # noqa: E731  (absent input placeholder)
 
@@ -289,16 +297,8 @@ def bwd_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
                     per_channel(wsA, wsB, wsC, wsS, dA, dB, dC, dD, ddb, batch, L.lane_of(lo, li, dim),
                                 L.thread(li), L.lane_ok(lo, li, dim))
         if VARB:
-            for lo in L.lane_outer(batch * bg * seqlen):
-                for li in L.lane_inner():
-                    if L.lane_guard(lo, li, batch * bg * seqlen):
-                        per_row(wsB, dB, bg, seqlen, L.lane_of(lo, li, batch * bg * seqlen), L.thread(li),
-                                L.lane_ok(lo, li, batch * bg * seqlen))
+            group_rows(wsB, dB, bg, batch, seqlen)
         if VARC:
-            for lo in L.lane_outer(batch * cg * seqlen):
-                for li in L.lane_inner():
-                    if L.lane_guard(lo, li, batch * cg * seqlen):
-                        per_row(wsC, dC, cg, seqlen, L.lane_of(lo, li, batch * cg * seqlen), L.thread(li),
-                                L.lane_ok(lo, li, batch * cg * seqlen))
+            group_rows(wsC, dC, cg, batch, seqlen)
 
     return bwd

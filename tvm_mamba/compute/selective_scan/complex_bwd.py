@@ -195,6 +195,23 @@ def _stage2_macro(dims: ScanBwdDims, L: Layout):
      CT, bval, cval, pre_dt, dt_of, rot, two) = _env(dims, L)
 
     @T.macro
+    def group_rows(ws, dM, groups, bpg, dtype, batch, seqlen):
+        """Varying dB / dC of each row (batch, group, t): the sum over the group's channel blocks."""
+        for row_o in OUTER((batch * groups * seqlen + TPB - 1) // TPB):
+            for row_i in INNER(TPB):
+                if row_o * TPB + row_i < batch * groups * seqlen:
+                    row = T.meta_var(row_o * TPB + row_i)
+                    rb = T.alloc_buffer((1,), ACC, scope=SCOPE)
+                    for n in range(N):
+                        for k in range(2):
+                            rb[0] = m.zero
+                            for kb in range(bpg):
+                                rb[0] = rb[0] + ws[row // (groups * seqlen), (row // seqlen) % groups * bpg + kb,
+                                                   row % seqlen, n, k]
+                            dM[row // (groups * seqlen), (row // seqlen) % groups, row % seqlen, n, k] = \
+                                rb[0].astype(dtype)
+
+    @T.macro
     def stage2(wsA, wsB, wsC, wsS, dA, dB, dC, dD, ddb, batch, seqlen):
         # stage 2: fixed-order sums over batch (and over the channel blocks of a group)
         for d_o in OUTER((dim + TPB - 1) // TPB):
@@ -228,33 +245,9 @@ def _stage2_macro(dims: ScanBwdDims, L: Layout):
                     if has_delta_bias:
                         ddb[e] = rs[1]
         if VARB:
-            for row_o in OUTER((batch * b_groups * seqlen + TPB - 1) // TPB):
-                for row_i in INNER(TPB):
-                    if row_o * TPB + row_i < batch * b_groups * seqlen:
-                        row = T.meta_var(row_o * TPB + row_i)
-                        rb = T.alloc_buffer((1,), ACC, scope=SCOPE)
-                        for n in range(N):
-                            for k in range(2):
-                                rb[0] = m.zero
-                                for kb in range(BBPG):
-                                    rb[0] = rb[0] + wsB[row // (b_groups * seqlen), (row // seqlen) % b_groups * BBPG + kb,
-                                                        row % seqlen, n, k]
-                                dB[row // (b_groups * seqlen), (row // seqlen) % b_groups, row % seqlen, n, k] = \
-                                    rb[0].astype(BT)
+            group_rows(wsB, dB, b_groups, BBPG, BT, batch, seqlen)
         if VARC:
-            for row_o in OUTER((batch * c_groups * seqlen + TPB - 1) // TPB):
-                for row_i in INNER(TPB):
-                    if row_o * TPB + row_i < batch * c_groups * seqlen:
-                        row = T.meta_var(row_o * TPB + row_i)
-                        rc = T.alloc_buffer((1,), ACC, scope=SCOPE)
-                        for n in range(N):
-                            for k in range(2):
-                                rc[0] = m.zero
-                                for kc in range(CBPG):
-                                    rc[0] = rc[0] + wsC[row // (c_groups * seqlen), (row // seqlen) % c_groups * CBPG + kc,
-                                                        row % seqlen, n, k]
-                                dC[row // (c_groups * seqlen), (row // seqlen) % c_groups, row % seqlen, n, k] = \
-                                    rc[0].astype(CT)
+            group_rows(wsC, dC, c_groups, CBPG, CT, batch, seqlen)
 
     return stage2
 
