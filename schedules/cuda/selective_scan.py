@@ -108,7 +108,15 @@ class CudaLayout(compute.Layout):
             reduce(dst, i, parts, row)
             dst[i] = dst[i] + init
 
-        self.reduce, self.reduce_plus = reduce, reduce_plus
+        @T.macro
+        def reduce2(dst, i0, i1, parts):
+            dst[i0] = parts[0, 0]
+            dst[i1] = parts[1, 0]
+            for r in T.unroll(LOG):
+                dst[i0] = dst[i0] + T.tvm_warp_shuffle_xor(MASK, dst[i0], 1 << r, W, 32)
+                dst[i1] = dst[i1] + T.tvm_warp_shuffle_xor(MASK, dst[i1], 1 << r, W, 32)
+
+        self.reduce, self.reduce_plus, self.reduce2 = reduce, reduce_plus, reduce2
 
 
 def apply(func, target, decisions: Decisions):

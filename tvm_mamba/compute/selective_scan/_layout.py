@@ -13,7 +13,8 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
   indexed ``ki``;
 - **sums over dstate**: the macros ``reduce(dst, i, parts, row)`` (dst[i] = the sum of the partials
   parts[row, :] over the lane, in the layout's order) and ``reduce_plus(dst, i, parts, row, init)`` (plus ``init``,
-  in the order the layout's kernels always used: first on a CPU vector, last after a warp butterfly);
+  in the order the layout's kernels always used: first on a CPU vector, last after a warp butterfly),
+  ``reduce2(dst, i0, i1, parts)`` (dst[i0], dst[i1] = the sums of parts[0, :], parts[1, :], side by side);
 - **time**: ``time_batched`` True computes each checkpoint chunk's per-step scalars (softplus, SiLU: two
   exps each) in loops vectorized over ``tvec`` steps into chunk buffers before the serial scan, and the
   outputs after it; False computes them inline in the step (registers are scarce on a GPU thread);
@@ -111,4 +112,12 @@ class Layout:
             for ki in range(V):
                 dst[i] = dst[i] + parts[row, ki]
 
-        self.reduce, self.reduce_plus = reduce, reduce_plus
+        @T.macro
+        def reduce2(dst, i0, i1, parts):
+            dst[i0] = zero
+            dst[i1] = zero
+            for ki in range(V):
+                dst[i0] = dst[i0] + parts[0, ki]
+                dst[i1] = dst[i1] + parts[1, ki]
+
+        self.reduce, self.reduce_plus, self.reduce2 = reduce, reduce_plus, reduce2

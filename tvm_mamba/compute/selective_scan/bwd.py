@@ -101,18 +101,23 @@ def _reverse_step(dims: ScanBwdDims, L: Layout, sm: ScanMath):
             for ki in L.st_inner():
                 adjoint(A, Bm, Cm, wsB, wsC, hs, g, gA, gB, gC, ex, rv, s, b, blk, ci, d, t, i,
                         L.state(ko, ki, j), L.reg(ko, ki), ki, ok)
-        L.reduce(s, 5, rv, 0)  # sum_n g B
-        L.reduce(s, 6, rv, 1)  # sum_n g h_{t-1} exp(dt A) A
+        L.reduce2(s, 5, 6, rv)  # sum_n g B, sum_n g h_{t-1} exp(dt A) A
+        if TB:  # (statement order as the CPU kernel always had it: the same machine code)
+            du[b, d, t] = ((s[3] * Dv[d] if dims.has_D else m.zero) + s[0] * s[5]).astype(dims.u_dtype)
         s[7] = s[1] * s[5] + s[6]  # d dt
         if dims.delta_softplus:
             if TB:
                 s[7] = s[7] * pb[1, i]
             else:
                 s[7] = s[7] * sm.dt_grad(s[10])
-        s[9] = s[9] + s[7]
-        if L.leader(ok, j):
-            du[b, d, t] = ((s[3] * Dv[d] if dims.has_D else m.zero) + s[0] * s[5]).astype(dims.u_dtype)
+        if TB:
             ddelta[b, d, t] = s[7].astype(dims.u_dtype)
+            s[9] = s[9] + s[7]
+        else:
+            s[9] = s[9] + s[7]
+            if L.leader(ok, j):
+                du[b, d, t] = ((s[3] * Dv[d] if dims.has_D else m.zero) + s[0] * s[5]).astype(dims.u_dtype)
+                ddelta[b, d, t] = s[7].astype(dims.u_dtype)
 
     return step
 
