@@ -1,15 +1,17 @@
-"""CPU schedules for the selective scan: the compute templates emitted as CPU loop nests.
+"""CPU schedules for the selective scan: the compute templates laid out by ``CpuLayout``.
 
-Two forward layouts (knob ``layout``), measured on this 2-core znver5 box, single thread, CPU time
-(forward, B/C varying, softplus, dim 256, dstate 16, seqlen 512): ``channels`` 1.29 ms, ``dstate`` 1.78 ms.
-- ``channels`` (default when dim % 16 == 0): a lane is (batch, 16 channels); the state h[dstate, 16] is
-  updated 16 channels at a time, so dt/softplus/silu are vector ops per step and y needs no horizontal sum.
-  A (and time-invariant B/C) are transposed into the lane's stack once.
-- ``dstate``: a lane is one (batch, channel); each step updates the dstate vector (``vector`` lanes) and
-  sums C.h horizontally; per-step scalar math is vectorized over the time steps of a checkpoint chunk.
-The backward and the decode step use the ``dstate`` layout. Lane-local buffers are stack allocas (default
-scope; scope "local" would be a heap workspace call per lane). Vectorizing a scan *block* with s_tir gives
-wrong numbers (field guide §10), so per-lane state is explicit and the loops are written by hand.
+``CpuLayout``: lanes are ``T.parallel`` (one (batch, channel) each), a lane's dstate is visited in vectors
+of ``vector`` states (``T.vectorized``; dstate sums as vector partials then one horizontal sum), per-step
+scalar math (softplus, SiLU) is batched per checkpoint chunk and vectorized over time, exp is the
+vectorizable polynomial of ``compute._math``. Lane-local buffers are stack allocas (default scope; scope
+"local" would be a heap workspace call per lane). Vectorizing a scan *block* with s_tir gives wrong
+numbers (field guide §10), so per-lane state is explicit and the loops come from the templates.
+
+Two forward layouts (knob ``layout``; forward, B/C varying, softplus, dim 256, dstate 16, seqlen 512,
+single thread: ``channels`` about 1.4x faster than ``dstate``):
+- ``channels`` (default when dim % 16 == 0): ``fwd_channels`` below, a lane is (batch, 16 channels);
+- ``dstate``: the forward template under ``CpuLayout``.
+The backward, the chunked forward, the decode step and the complex-A scan use ``CpuLayout``.
 
 Knobs (``decisions``): ``layout`` (channels, dstate), ``vector`` — dstate lanes per step (powers of two
 dividing dstate, <= 16). The backward's channel block and the checkpoint chunk are static dims (they shape
@@ -20,42 +22,46 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute import selective_scan as compute
-from ...compute import selective_scan_complex as complex_scan
-from ...compute.selective_scan import _Math, acc_dtype
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ...compute._math import Math
+from ...compute.selective_scan import ScanDims
+from ...compute.selective_scan._step import ScanMath
+from ..rule import SERIAL_WORK, Decisions, kernel_attrs, schedule_of
 
 CH = 16  # channels per vector in the channels layout (one zmm of fp32)
 
-_TEMPLATES = {
-    "selective_scan_fwd": compute.selective_scan_fwd_template,
-    "selective_scan_fwd_chunked": compute.selective_scan_fwd_chunked_template,
-    "selective_scan_bwd": compute.selective_scan_bwd_template,
-    "selective_scan_update": compute.selective_scan_update_template,
-    # complex A: one lane per (batch, channel) / (batch, channel block), the dstate pairs as the vector
-    "selective_scan_fwd_complex": complex_scan.selective_scan_fwd_complex_template,
-    "selective_scan_bwd_complex": complex_scan.selective_scan_bwd_complex_template,
-}
+
+class CpuLayout(compute.Layout):
+    """Parallel lanes, dstate vectors of ``vec``, time-batched per-step math, polynomial exp."""
+
+    serial_work = SERIAL_WORK  # decode step: work up to this size runs on the calling thread (no pool launch)
+
+    def outer_loop(self, n):
+        return T.parallel(n)
+
+    def vec_loop(self, n):
+        return T.vectorized(n)
 
 
-def fwd_channels(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk,
-                 u_dtype, B_dtype, C_dtype):
-    """Forward, one lane per (batch, 16 channels): h[dstate, 16] in the lane's stack."""
-    N, NL = dstate, dim // CH
-    ACC = acc_dtype(u_dtype)
-    m = _Math(ACC)
-    VARB, VARC = b_groups > 0, c_groups > 0
-    BPG = dim // b_groups if VARB else 1
-    CPG = dim // c_groups if VARC else 1
+def fwd_channels(dims: ScanDims):
+    """Forward, one lane per (batch, 16 channels): h[dstate, 16] in the lane's stack; dt, dt*u and y are
+    16-channel vectors per step, so y needs no horizontal sum and A (and time-invariant B/C) are
+    transposed into the lane's stack once.
+
+    The one layout that is not the forward template: its vector axis is channels, not dstate, so every
+    per-step scalar of the template (dt, dt*u, y) becomes a vector, dstate is the serial loop, and y
+    starts from D u (out = (D u + sum_n C h) silu(z), the operation order its fp32 results have always had).
+    The step's math is still ``_step.ScanMath``'s.
+    """
+    N, NL, ACC, UT, chunk = dims.dstate, dims.dim // CH, dims.acc, dims.u_dtype, dims.chunk
+    m = Math(ACC)
+    sm = ScanMath(dims, m)
+    VARB, VARC = dims.varying_B, dims.varying_C
 
     def bval(Bm, bt, b, d, t, n, c):
-        return m.cast(Bm[b, d // BPG, t, n]) if VARB else bt[n, c]
+        return sm.B(Bm, b, d, t, n) if VARB else bt[n, c]
 
     def cval(Cm, ct, b, d, t, n, c):
-        return m.cast(Cm[b, d // CPG, t, n]) if VARC else ct[n, c]
-
-    def dt_of(delta, db, b, d, t):
-        x = m.cast(delta[b, d, t]) + (db[d] if has_delta_bias else m.zero)
-        return m.softplus(x) if delta_softplus else x
+        return sm.C(Cm, b, d, t, n) if VARC else ct[n, c]
 
     @T.prim_func
     def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
@@ -63,18 +69,18 @@ def fwd_channels(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, 
         batch = T.int32()
         seqlen = T.int32()
         nchunk = T.meta_var((seqlen + chunk - 1) // chunk)  # checkpoints: the state before each chunk
-        u = T.match_buffer(u_h, (batch, dim, seqlen), u_dtype)
-        delta = T.match_buffer(delta_h, (batch, dim, seqlen), u_dtype)
-        A = T.match_buffer(A_h, (dim, N), ACC)
-        Bm = T.match_buffer(B_h, (batch, b_groups, seqlen, N) if VARB else (dim, N), B_dtype)
-        Cm = T.match_buffer(C_h, (batch, c_groups, seqlen, N) if VARC else (dim, N), C_dtype)
-        Dv = T.match_buffer(D_h, (dim,) if has_D else (1,), ACC)
-        z = T.match_buffer(z_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
-        db = T.match_buffer(db_h, (dim,) if has_delta_bias else (1,), ACC)
-        init = T.match_buffer(init_h, (batch, dim, N) if has_init else (1, 1, 1), ACC)
-        out = T.match_buffer(out_h, (batch, dim, seqlen), u_dtype)
-        last = T.match_buffer(last_h, (batch, dim, N), ACC)
-        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N), ACC)
+        u = T.match_buffer(u_h, (batch, dims.dim, seqlen), UT)
+        delta = T.match_buffer(delta_h, (batch, dims.dim, seqlen), UT)
+        A = T.match_buffer(A_h, (dims.dim, N), ACC)
+        Bm = T.match_buffer(B_h, (batch, dims.b_groups, seqlen, N) if VARB else (dims.dim, N), dims.B_dtype)
+        Cm = T.match_buffer(C_h, (batch, dims.c_groups, seqlen, N) if VARC else (dims.dim, N), dims.C_dtype)
+        Dv = T.match_buffer(D_h, (dims.dim,) if dims.has_D else (1,), ACC)
+        z = T.match_buffer(z_h, (batch, dims.dim, seqlen) if dims.has_z else (1, 1, 1), UT)
+        db = T.match_buffer(db_h, (dims.dim,) if dims.has_delta_bias else (1,), ACC)
+        init = T.match_buffer(init_h, (batch, dims.dim, N) if dims.has_init else (1, 1, 1), ACC)
+        out = T.match_buffer(out_h, (batch, dims.dim, seqlen), UT)
+        last = T.match_buffer(last_h, (batch, dims.dim, N), ACC)
+        ck = T.match_buffer(ck_h, (batch, dims.dim, nchunk, N), ACC)
         for lane in T.parallel(batch * NL):
             h = T.alloc_buffer((N, CH), ACC)
             at = T.alloc_buffer((N, CH), ACC)
@@ -86,7 +92,7 @@ def fwd_channels(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, 
             for n in range(N):
                 for c in T.vectorized(CH):
                     at[n, c] = A[d0 + c, n]
-                    h[n, c] = init[b, d0 + c, n] if has_init else m.zero
+                    h[n, c] = init[b, d0 + c, n] if dims.has_init else m.zero
                     if not VARB:
                         bt[n, c] = m.cast(Bm[d0 + c, n])
                     if not VARC:
@@ -97,18 +103,19 @@ def fwd_channels(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, 
                         ck[b, d0 + c, ci, n] = h[n, c]
                 for t in range(ci * chunk, T.min(seqlen, ci * chunk + chunk)):
                     for c in T.vectorized(CH):
-                        v[0, c] = dt_of(delta, db, b, d0 + c, t)
+                        v[0, c] = sm.dt_at(delta, db, b, d0 + c, t)
                         v[1, c] = v[0, c] * m.cast(u[b, d0 + c, t])
-                        v[2, c] = (Dv[d0 + c] * m.cast(u[b, d0 + c, t])) if has_D else m.zero
+                        v[2, c] = sm.skip(Dv, u, b, d0 + c, t)
                     for n in range(N):
                         for c in T.vectorized(CH):
-                            h[n, c] = m.exp(v[0, c] * at[n, c]) * h[n, c] + v[1, c] * bval(Bm, bt, b, d0 + c, t, n, c)
+                            h[n, c] = sm.h_next(m.exp(v[0, c] * at[n, c]), h[n, c], v[1, c],
+                                                bval(Bm, bt, b, d0 + c, t, n, c))
                             v[2, c] = v[2, c] + cval(Cm, ct, b, d0 + c, t, n, c) * h[n, c]
                     for c in T.vectorized(CH):
-                        if has_z:
-                            out[b, d0 + c, t] = (v[2, c] * m.silu(m.cast(z[b, d0 + c, t]))).astype(u_dtype)
+                        if dims.has_z:
+                            out[b, d0 + c, t] = (v[2, c] * m.silu(sm.z_at(z, b, d0 + c, t))).astype(UT)
                         else:
-                            out[b, d0 + c, t] = v[2, c].astype(u_dtype)
+                            out[b, d0 + c, t] = v[2, c].astype(UT)
             for n in range(N):
                 for c in T.vectorized(CH):
                     last[b, d0 + c, n] = h[n, c]
@@ -118,13 +125,13 @@ def fwd_channels(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, 
 
 def apply(func, target, decisions: Decisions):
     name, static = kernel_attrs(func)
-    if target.kind.name != "llvm" or name not in _TEMPLATES:
+    direction = name[len("selective_scan_"):] if name and name.startswith("selective_scan_") else None
+    if target.kind.name != "llvm" or direction not in compute.TEMPLATES:
         return None
-    dstate = static["dstate"]
-    if name == "selective_scan_fwd" and static["dim"] % CH == 0:
+    dims = compute.DIMS[direction](**static)
+    if direction == "fwd" and dims.dim % CH == 0:
         if decisions.pick("layout", ("channels", "dstate"), "channels") == "channels":
-            return schedule_of(compute.stamp(fwd_channels(**static), name, static), name=name)
-    widths = [v for v in (1, 2, 4, 8, 16) if dstate % v == 0]
-    vec = decisions.pick("vector", widths, compute.vector_width(dstate))
-    loop = _TEMPLATES[name](**static, mode="cpu", vec=vec)
-    return schedule_of(compute.stamp(loop, name, static), name=name)
+            return schedule_of(compute.stamp(fwd_channels(dims), name, static), name=name)
+    widths = [v for v in (1, 2, 4, 8, 16) if dims.dstate % v == 0]
+    vec = decisions.pick("vector", widths, compute.vector_width(dims.dstate))
+    return schedule_of(compute.build(direction, dims, CpuLayout(Math(dims.acc), vec=vec)), name=name)

@@ -106,7 +106,7 @@ def test_builders_are_stamped_and_validate_static_dims():
 def test_generic_complex_forward_backward_match_reference():
     """The complex-A templates (generic: serial lanes and dstate), float64, against the complex128 reference
     through autograd: every gradient in the kernel layouts ((..., 2) pairs)."""
-    from tvm_mamba.compute import selective_scan_complex as sx
+    sx = ss  # the complex-A builders live in the same package
 
     batch, dim, N, L, chunk = 2, 4, 3, 9, 4  # 3 chunks, the last partial; B varying in 2 groups, C complex
     st = dict(STATIC, dstate=N, chunk=chunk)
@@ -137,3 +137,14 @@ def test_generic_complex_forward_backward_match_reference():
     for name, val, leaf in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "ddb", "dz", "dinit"), grads,
                                (lu, ld, lA, lB, lC, lD, ldb, lz, li)):
         torch.testing.assert_close(val, leaf.grad, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_typed_dims_keep_the_kernel_keys():
+    """The typed dims split back into exactly the static / dtype maps the keyword builders keyed kernels
+    and tuning records by (optional update fields absent at their defaults)."""
+    for direction, static, dtypes in ss.build_check_configs() + ss.tuning_configs():
+        dims = ss.DIMS[direction].from_key(static, dtypes)
+        assert dims.key_parts() == (static, dtypes), direction
+        assert ss.DIMS[direction](**dims.static()) == dims  # what the rules rebuild from the stamp
+    with pytest.raises(TypeError, match="not both"):
+        ss.selective_scan_fwd(ss.ScanDims(dim=8, dstate=16), dim=8)

@@ -24,6 +24,13 @@ def test_rules_ignore_foreign_kernels():
     assert cuda_rule.apply(ss.selective_scan_fwd(**STATIC), cpu_target(), Decisions()) is None
 
 
+def test_gpu_rule_selects_by_capability():
+    """The GPU rule serves any target with the "gpu" key (its loops are blockIdx x threadIdx + warp shuffles),
+    not only kind "cuda"."""
+    sch = cuda_rule.apply(ss.selective_scan_fwd(**STATIC), tvm.target.Target("rocm"), Decisions())
+    assert sch is not None and "tvm_warp_shuffle_xor" in sch.mod.script()
+
+
 @pytest.mark.parametrize("layout,used", [(None, {"layout": "channels"}),
                                          ("dstate", {"layout": "dstate", "vector": 16})])
 def test_cpu_forward_layouts_are_vectorized(layout, used):
@@ -60,7 +67,7 @@ def test_complex_kernels_cpu_vectorized_and_cuda_compile():
     """The complex-A templates under both rules: CPU vector code over dstate; CUDA through nvcc (a thread per
     lane; its state arrays live in local memory and cosf/sinf have a call-based slow path: ptxas spills
     36-84 bytes around it at sm_90, allowed here)."""
-    from tvm_mamba.compute import selective_scan_complex as sx
+    sx = ss  # the complex-A builders live in the same package
 
     st = dict(STATIC, chunk=ss.chunk_size(32))
     funcs = (sx.selective_scan_fwd_complex(**st), sx.selective_scan_bwd_complex(**st, block=16))

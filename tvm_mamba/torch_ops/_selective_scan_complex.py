@@ -1,6 +1,6 @@
 """selective_scan_fn with a complex A (mamba_ssm 2.3.2's ``selective_scan_ref`` / complex CUDA kernels):
 custom ops ``tvm_mamba::selective_scan_complex_fwd`` / ``_bwd`` on the kernels of
-compute/selective_scan_complex.py, and the glue that maps mamba_ssm's complex layouts to them.
+compute/selective_scan/complex_{fwd,bwd}.py, and the glue that maps mamba_ssm's complex layouts to them.
 
 The ops take the kernel layouts (every complex tensor as a real (..., 2) view; varying B/C as
 (batch, groups, seqlen, dstate, 2)); :func:`complex_scan` builds those with differentiable views

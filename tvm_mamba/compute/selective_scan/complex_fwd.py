@@ -1,5 +1,6 @@
 """Mamba-1 selective scan with a complex A (mamba_ssm 2.3.2 ``selective_scan_ref`` semantics, S4D-style), as
-ONE loop-nest template per direction that the CPU and CUDA rules lay out (``mode``).
+ONE loop-nest template per direction, laid out by a one-thread-per-lane ``Layout`` (serial, CPU vectors
+over dstate pairs, a CUDA thread per lane).
 
     dt = softplus?(delta + delta_bias);  h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t   (h, A, B, C complex)
     y_t = 2 Re(C_t . h_t) + D u_t;  out = y * silu(z)
@@ -25,49 +26,46 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import stamp
-from .selective_scan import _check, _lanes, _Math, _static, _vec_loop, acc_dtype
+from ._dims import ScanDims
+from ._layout import Layout
+from ._step import ScanMath
 
 
-def _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus):
-    """B/C pair reads (k = 0 re, 1 im; time-invariant or per group), pre-softplus dt and the rotation."""
-    BPG = dim // b_groups if b_groups else 1
-    CPG = dim // c_groups if c_groups else 1
+class ComplexMath(ScanMath):
+    """The complex scan's step pieces: B / C pair reads (k = 0 re, 1 im; a time-invariant B / C is complex in
+    the accumulation dtype) and the rotation; dt, softplus and SiLU are the real scan's (``ScanMath``)."""
 
-    def bval(Bm, b, d, t, n, k):
-        return m.cast(Bm[b, d // BPG, t, n, k]) if b_groups else Bm[d, n, k]
+    def B(self, Bm, b, d, t, n, k):
+        s = self.d
+        return self.m.cast(Bm[b, d // s.b_per_group, t, n, k]) if s.varying_B else Bm[d, n, k]
 
-    def cval(Cm, b, d, t, n, k):
-        return m.cast(Cm[b, d // CPG, t, n, k]) if c_groups else Cm[d, n, k]
+    def C(self, Cm, b, d, t, n, k):
+        s = self.d
+        return self.m.cast(Cm[b, d // s.c_per_group, t, n, k]) if s.varying_C else Cm[d, n, k]
 
-    def pre_dt(delta, db, b, d, t):
-        return m.cast(delta[b, d, t]) + (db[d] if has_delta_bias else m.zero)
-
-    def dt_of(x):
-        return m.softplus(x) if delta_softplus else x
-
-    def rot(A, d, n, dt, k):
+    def rot(self, A, d, n, dt, k):
         """Re (k = 0) / Im (k = 1) of exp(dt A[d, n])."""
         trig = tirx.cos if k == 0 else tirx.sin
-        return m.exp(dt * A[d, n, 0]) * trig(dt * A[d, n, 1])
-
-    return bval, cval, pre_dt, dt_of, rot
+        return self.m.exp(dt * A[d, n, 0]) * trig(dt * A[d, n, 1])
 
 
-def selective_scan_fwd_complex_template(dim: int, dstate: int, b_groups: int, c_groups: int, has_D: bool,
-                                        has_z: bool, has_delta_bias: bool, delta_softplus: bool, has_init: bool,
-                                        chunk: int, u_dtype: str, B_dtype: str, C_dtype: str,
-                                        mode: str = "generic", vec: int = 1, threads: int = 64) -> tirx.PrimFunc:
-    """The forward loop nest (module docstring); ``mode`` generic (serial), cpu (parallel lanes, dstate
-    vectors of ``vec``) or cuda (one thread per lane, ``threads`` per block)."""
-    N, V = dstate, vec
+def _step_fns(dims: ScanDims, m):
+    cm = ComplexMath(dims, m)
+    return cm.B, cm.C, cm.pre_dt, cm.dt, cm.rot
+
+
+def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
+    """The forward loop nest (module docstring) laid out by ``L`` (one thread per lane)."""
+    (dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init, chunk, u_dtype,
+     B_dtype, C_dtype) = dims.static().values()
+    N, V = dstate, L.V
     NV = N // V
-    ACC = acc_dtype(u_dtype)
-    m = _Math(ACC, native=mode == "cuda")
-    OUTER, INNER, TPB, SCOPE = _lanes(mode, threads)
-    VEC = _vec_loop(mode)
+    ACC = dims.acc
+    m = L.math
+    OUTER, INNER, TPB, SCOPE = L.outer_loop, L.lane_loop, L.TPB, L.scope
+    VEC = L.vec_loop
     VARB, VARC = b_groups > 0, c_groups > 0
-    bval, cval, pre_dt, dt_of, rot = _step_fns(m, dim, b_groups, c_groups, has_delta_bias, delta_softplus)
+    bval, cval, pre_dt, dt_of, rot = _step_fns(dims, m)
     two = tirx.const(2.0, ACC)
 
     @T.prim_func
@@ -138,28 +136,3 @@ def selective_scan_fwd_complex_template(dim: int, dstate: int, b_groups: int, c_
     return fwd
 
 
-def selective_scan_fwd_complex(dim: int, dstate: int, b_groups: int = 0, c_groups: int = 0, has_D: bool = False,
-                               has_z: bool = False, has_delta_bias: bool = False, delta_softplus: bool = False,
-                               has_init: bool = False, chunk: int = 32, u_dtype: str = "float32",
-                               B_dtype: str = "float32", C_dtype: str = "float32") -> tirx.PrimFunc:
-    """u, delta, z: (batch, dim, seqlen); A: (dim, dstate, 2); B, C: (dim, dstate, 2) if groups == 0 else
-    (batch, groups, seqlen, dstate, 2); D, delta_bias: (dim,); initial_state: (batch, dim, dstate, 2)
-    -> out: (batch, dim, seqlen), last_state: (batch, dim, dstate, 2),
-    checkpoints: (batch, dim, nchunk, dstate, 2). ``_dtype`` of a time-invariant B/C is ignored (acc).
-
-    h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t (complex); out_t = (2 Re(C_t . h_t) + D u_t) * silu(z_t).
-    """
-    _check(dim, dstate, b_groups, c_groups, chunk, u_dtype, B_dtype, C_dtype)
-    static = _static(dim, dstate, b_groups, c_groups, has_D, has_z, has_delta_bias, delta_softplus, has_init,
-                     chunk, u_dtype, B_dtype, C_dtype)
-    return stamp(selective_scan_fwd_complex_template(**static), "selective_scan_fwd_complex", static)
-
-
-def __getattr__(name: str):
-    """The backward builders live in _selective_scan_complex_bwd.py (which imports the helpers above),
-    loaded on first use so that either module may be imported first."""
-    if name in ("selective_scan_bwd_complex", "selective_scan_bwd_complex_template"):
-        from . import _selective_scan_complex_bwd
-
-        return getattr(_selective_scan_complex_bwd, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
