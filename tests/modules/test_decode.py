@@ -18,6 +18,8 @@ BLOCKS = {
     "mamba2_Dhdim": lambda: Mamba2(D_MODEL, d_state=16, headdim=16, D_has_hdim=True, layer_idx=0),
     "mamba2_Dhdim_dtlimit": lambda: Mamba2(D_MODEL, d_state=16, headdim=16, D_has_hdim=True,
                                            dt_limit=(0.0, 0.05), layer_idx=0),
+    # the tied per-head kernel with no dt_bias argument (the step clamps dt itself)
+    "mamba2_dtlimit": lambda: Mamba2(D_MODEL, d_state=16, headdim=16, dt_limit=(0.0, 0.05), layer_idx=0),
 }
 
 

@@ -487,6 +487,22 @@ def test_tied_heads_run_the_tied_kernel(dtype):
     assert_close_to_ref(state, ref64, name="state")
 
 
+@pytest.mark.parametrize("absent", ["D", "dt_bias", "both"])
+def test_tied_heads_without_D_or_dt_bias(absent):
+    """The tied kernel with D and / or dt_bias absent (Mamba2.step with a binding dt_limit passes no dt_bias):
+    its placeholders have the kernel's rank (this failed with 'Mismatched dtb.ndim'), same results as the
+    float64 reference."""
+    state, kw = _tied_args(batch=2, dtype=torch.float32, seed=14)
+    for name in (("D", "dt_bias") if absent == "both" else (absent,)):
+        kw[name] = None
+    before = state.clone()
+    out, keys = _update_keys(state, kw)
+    assert keys and all(k.static.get("tie_hdim") is True for k in keys)
+    o64, s64 = selective_state_update_ref(before, **kw)
+    assert_close_to_ref(out, o64, name="out")
+    assert_close_to_ref(state, s64, name="state")
+
+
 @pytest.mark.parametrize("untie", ["D", "dt", "A"])
 def test_partly_tied_heads_run_the_general_kernel(untie):
     """A call where only some per-head tensors are tied (Mamba2 D_has_hdim's D (nheads, headdim), a full dt

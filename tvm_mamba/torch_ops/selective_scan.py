@@ -295,9 +295,10 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     if tie:  # absent otherwise: the untied kernel keeps its key (and its tuning records)
         static["tie_hdim"] = True
     kern = kernel_for(OP, "update", x.device, _update_dtypes(state, x, dt, B, C, z, state_batch_indices), static)
-    vec = 1 if tie else 2  # D / dt_bias rank
-    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, _opt(D, x, acc, vec), _opt(z, x, x.dtype, 3),
-         _opt(dt_bias, x, acc, vec), _opt(state_batch_indices, x, torch.int32, 1), out)
+    vec = 1 if tie else 2  # D / dt_bias rank; an absent one is the kernel's (1, 1) placeholder in both forms
+    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, _opt(D, x, acc, vec if D is not None else 2),
+         _opt(z, x, x.dtype, 3), _opt(dt_bias, x, acc, vec if dt_bias is not None else 2),
+         _opt(state_batch_indices, x, torch.int32, 1), out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
         state.copy_(st)
     return out
