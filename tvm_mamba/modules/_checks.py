@@ -59,3 +59,18 @@ def check_cu_seqlens(cu_seqlens, batch: int, seqlen: int, seq_idx=None) -> Tenso
         raise ValueError("seq_idx: does not match cu_seqlens (seq_idx[0, t] must be the index of the sequence "
                          "holding position t)")
     return seq_idx
+
+
+def states_from_cache(block, inference_params, batch_size: int, initialize_states: bool = False):
+    """(conv_state, ssm_state) of ``block`` (a Mamba or Mamba2 with ``layer_idx``) in the inference cache,
+    allocated by the block's ``allocate_inference_cache`` on first use; zeroed in place when
+    ``initialize_states`` (mamba_ssm's ``_get_states_from_cache``, shared by both blocks)."""
+    assert block.layer_idx is not None, "layer_idx: must be set to use inference_params"
+    cache = inference_params.key_value_memory_dict
+    if block.layer_idx not in cache:
+        cache[block.layer_idx] = block.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+    conv_state, ssm_state = cache[block.layer_idx]
+    if initialize_states:
+        conv_state.zero_()
+        ssm_state.zero_()
+    return conv_state, ssm_state

@@ -34,7 +34,7 @@ from ..torch_ops.mamba_split import mamba_split_conv1d_scan_combined
 from ..torch_ops.selective_scan import selective_state_update
 from ..torch_ops.ssd import mamba_chunk_scan_combined
 from . import _decode
-from ._checks import FLOAT_STATES, check_cu_seqlens, check_hidden, check_state
+from ._checks import FLOAT_STATES, check_cu_seqlens, check_hidden, check_state, states_from_cache
 from .rmsnorm_gated import RMSNormGated
 
 NO_LIMIT = (0.0, float("inf"))
@@ -253,12 +253,4 @@ class Mamba2(nn.Module):
         return conv_state, ssm_state
 
     def _get_states_from_cache(self, inference_params, batch_size, initialize_states=False):
-        assert self.layer_idx is not None, "layer_idx: must be set to use inference_params"
-        cache = inference_params.key_value_memory_dict
-        if self.layer_idx not in cache:
-            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-        conv_state, ssm_state = cache[self.layer_idx]
-        if initialize_states:
-            conv_state.zero_()
-            ssm_state.zero_()
-        return conv_state, ssm_state
+        return states_from_cache(self, inference_params, batch_size, initialize_states)
