@@ -2,8 +2,9 @@
 
 ``Cpu``: a parallel loop over the tasks, each task's lane axis (dstate) vectorized, scratch on the stack, the
 vectorizable polynomial math: serves the kernels with one template for every target (chunk_cumsum(_bwd),
-state_passing(_bwd), head_sum). The chunk-matmul kernels are CPU loop nests (tvm_mamba/compute/ssd/) rebuilt
-with the knobs below.
+state_passing(_bwd), head_sum, chunk_state_varlen; bmm_chunk, chunk_state and chunk_scan_bwd_dstates through its
+staged matmuls). ssd_chunk_scan and its backward are CPU loop nests (tvm_mamba/compute/ssd/) rebuilt with the
+knobs below.
 
 Why loop nests: with a symbolic seqlen, s_tir split + vectorize adds a ``t < seqlen`` predicate and LLVM
 emits no vector code; the SSD chunk matmuls have static extents (chunk_size, headdim, dstate) inside a
@@ -25,17 +26,22 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute import ssd as compute
+from ...compute.ssd.bmm import bmm_template
 from ...compute.ssd.chunk_state import chunk_state_template
+from ...compute.ssd.dstates import dstates_template
 from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
 from ...compute.ssd.mm import COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, matmul, zero
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
 from ...compute.ssd.strategy import Strategy
+from ...compute.ssd.varlen import varlen_template
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 _BLOCKED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
 SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
-          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template}
+          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
+          "ssd_bmm_chunk": bmm_template, "ssd_chunk_scan_bwd_dstates": dstates_template,
+          "ssd_chunk_state_varlen": varlen_template}
 
 
 class Cpu(Strategy):
@@ -61,14 +67,38 @@ class Cpu(Strategy):
             for t in T.parallel(extent):
                 bw = T.alloc_buffer((K, W), "float32")
                 at = T.alloc_buffer((M, K), "float32")
+                row = T.alloc_buffer((M,), "float32")
                 sc = T.alloc_buffer((1,), "float32")
                 for k in range(K):
                     sc[0] = scale(t, k)
                     for j in T.vectorized(W):
                         bw[k, j] = sc[0] * rhs(t, k, j)
+                    for i in T.vectorized(M):  # vectorized (lhs may hold math: the gate's silu), then transposed
+                        row[i] = lhs(t, i, k)
                     for i in range(M):
-                        at[i, k] = lhs(t, i, k)
+                        at[i, k] = row[i]
                 mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: at[i, k], lambda k, j: bw[k, j], zero,
+                   lambda i, j, v: store(t, i, j, v))
+
+        return run
+
+    def matmul_rows(self, M: int, W: int, K: int):
+        """A task per matmul: lhs rows staged as they are (vectorized along k), rhs rows transposed into a
+        K x W operand, then the register-blocked matmul (mm.py); no scale pass."""
+        mm = matmul(M, W, self.rows, self.cols, order=self.order)
+
+        @T.macro
+        def run(extent, lhs, rhs, store):
+            for t in T.parallel(extent):
+                al = T.alloc_buffer((M, K), "float32")
+                bt = T.alloc_buffer((K, W), "float32")
+                for i in range(M):
+                    for k in T.vectorized(K):
+                        al[i, k] = lhs(t, i, k)
+                for j in range(W):
+                    for k in range(K):
+                        bt[k, j] = rhs(t, j, k)
+                mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: al[i, k], lambda k, j: bt[k, j], zero,
                    lambda i, j, v: store(t, i, j, v))
 
         return run

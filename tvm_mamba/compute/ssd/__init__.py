@@ -50,7 +50,9 @@ from .common import DA_MIN, NEG, dA_passes, dA_step, with_state_dtype  # noqa: F
 from .dims import DIMS, check_dims  # noqa: F401
 from .dt import ssd_chunk_cumsum, ssd_chunk_cumsum_bwd
 from .passing import ssd_head_sum, ssd_state_passing, ssd_state_passing_bwd
-from .scan import ssd_bmm_chunk, ssd_chunk_scan, ssd_chunk_scan_bwd_dstates
+from .bmm import ssd_bmm_chunk
+from .dstates import ssd_chunk_scan_bwd_dstates
+from .scan import ssd_chunk_scan
 from .scan_bwd import ssd_chunk_scan_bwd
 from .varlen import ssd_chunk_state_varlen
 from .._ssd_dims import head_parts

@@ -1,4 +1,4 @@
-"""SSD chunk-scan kernels (forward, dstates, per-chunk backward); see the package docstring for the algorithm.
+"""SSD chunk-scan kernel (forward); see the package docstring for the algorithm.
 
 Every kernel runs one (batch, chunk, head) per parallel iteration and stages the chunk in float32 stack
 buffers (x, B, C, transposes), so each chunk-local matmul is a row update vectorized over its contiguous
@@ -16,48 +16,10 @@ from .._common import stamp
 from .._math import Math
 from .mm import DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, lower_cols, matmul, vblock, zero
 
-from .common import F32, I32, gate, ld, seg_exp
-from .dims import BmmDims, DstatesDims, ScanDims, dims_of
+from .common import F32, I32, ld, seg_exp
+from .dims import ScanDims, dims_of
 
 _m = Math()  # the CPU loop nests' math: the vectorizable polynomials
-
-
-def ssd_bmm_chunk(dims: BmmDims | None = None, *, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
-                  order: int = DEFAULT_ORDER, **kw) -> tirx.PrimFunc:
-    """B, C: (batch, seqlen, ngroups, dstate) -> cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32.
-
-    cb[c, g, l, s] = C_l . B_s within chunk c (positions past seqlen count as zero rows): computed once per
-    group and shared by its heads (upstream's _bmm_chunk_fwd; the causal / sequence masks are applied by
-    the consumers). One (batch, chunk, group) per parallel iteration; the full Q x Q block is computed.
-    """
-    d = dims_of(BmmDims, dims, kw)
-    G, N, Q, bc_dtype = d.ngroups, d.dstate, d.chunk_size, d.bc_dtype
-    mm = matmul(Q, Q, rows, cols, order=order)
-
-    @T.prim_func
-    def func(b_h: T.handle, c_h: T.handle, cb_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunks = T.int32()
-        Bm = T.match_buffer(b_h, (batch, seqlen, G, N), bc_dtype)
-        Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
-        cb = T.match_buffer(cb_h, (batch, nchunks, G, Q, Q), F32)
-        for bcg in T.parallel(batch * nchunks * G):
-            b = T.meta_var(bcg // (nchunks * G))
-            c = T.meta_var(bcg // G % nchunks)
-            g = T.meta_var(bcg % G)
-            cl = T.alloc_buffer((Q, N), F32)
-            bt = T.alloc_buffer((N, Q), F32)
-            for l in range(Q):
-                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
-                for n in T.vectorized(N):
-                    cl[l, n] = ld(Cm, (b, t, g, n), seqlen, c * Q + l)
-                for n in range(N):
-                    bt[n, l] = ld(Bm, (b, t, g, n), seqlen, c * Q + l)
-            mm(lambda lo, hi: 0, lambda lo, hi: N, lambda l, n: cl[l, n], lambda n, s: bt[n, s], zero,
-               lambda l, s, v: T.buffer_store(cb, v, [b, c, g, l, s]))
-
-    return stamp(func, "ssd_bmm_chunk", d.stamp_static())
 
 
 def ssd_chunk_scan(dims: ScanDims | None = None, *, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
@@ -155,66 +117,3 @@ def ssd_chunk_scan(dims: ScanDims | None = None, *, rows: int = DEFAULT_ROWS, co
                         y[b, c * Q + l, h, p] = acc[l, p].astype(x_dtype)
 
     return stamp(func, "ssd_chunk_scan", d.stamp_static())
-
-
-def ssd_chunk_scan_bwd_dstates(dims: DstatesDims | None = None, *, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS,
-                               order: int = DEFAULT_ORDER, **kw) -> tirx.PrimFunc:
-    """dy, z, y_pre: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate); dA_cumsum:
-    (batch, nheads, nchunks, chunk_size); seq_idx: (batch, seqlen)
-    -> dstates_local: (batch, nchunks, nheads, headdim, dstate) f32, dz: (batch, seqlen, nheads, headdim).
-
-    dstates_local[c, p, n] = sum_l exp(dA_cs[l]) g[l, p] C[l, n] (seq-masked), g = dy silu(z);
-    dz = dy * y_pre * silu'(z). ``rows`` x ``cols``: the register block of the matmul.
-    """
-    d = dims_of(DstatesDims, dims, kw)
-    H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
-    x_dtype, bc_dtype, has_seq_idx, has_z = d.x_dtype, d.bc_dtype, d.has_seq_idx, d.has_z
-    R = H // G
-    mm = matmul(P, N, rows, cols, order=order)
-    zshape = (1, 1, 1, 1)
-
-    @T.prim_func
-    def func(dy_h: T.handle, z_h: T.handle, yp_h: T.handle, c_h: T.handle, dac_h: T.handle, s_h: T.handle,
-             dsl_h: T.handle, dz_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunks = T.int32()
-        dy = T.match_buffer(dy_h, (batch, seqlen, H, P), x_dtype)
-        z = T.match_buffer(z_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
-        y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
-        Cm = T.match_buffer(c_h, (batch, seqlen, G, N), bc_dtype)
-        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
-        seq_idx = T.match_buffer(s_h, (batch, seqlen) if has_seq_idx else (1, 1), I32)
-        dsl = T.match_buffer(dsl_h, (batch, nchunks, H, P, N), F32)
-        dz = T.match_buffer(dz_h, (batch, seqlen, H, P) if has_z else zshape, x_dtype)
-        for bch in T.parallel(batch * nchunks * H):
-            b = T.meta_var(bch // (nchunks * H))
-            c = T.meta_var(bch // H % nchunks)
-            h = T.meta_var(bch % H)
-            ce = T.alloc_buffer((Q, N), F32)  # C rows scaled by exp(dA_cs[l]) (0 past seqlen)
-            gt = T.alloc_buffer((P, Q), F32)  # g transposed
-            gv = T.alloc_buffer((P,), F32)
-            e = T.alloc_buffer((1,), F32)
-            for l in range(Q):
-                t = T.meta_var(T.min(c * Q + l, seqlen - 1))
-                e[0] = T.float32(0)
-                if c * Q + l < seqlen:
-                    e[0] = _math.exp(dA_cs[b, h, c, l])
-                    if has_seq_idx:
-                        e[0] = T.Select(seq_idx[b, t] == T.if_then_else(c > 0, seq_idx[b, T.max(c * Q, 1) - 1], 0),
-                                        e[0], T.float32(0))
-                for n in T.vectorized(N):
-                    ce[l, n] = Cm[b, t, h // R, n].astype(F32) * e[0]
-                for p in T.vectorized(P):  # vectorized (silu's exp), then transposed by a scalar copy
-                    gv[p] = gate(_m, dy, z, (b, t, h, p), seqlen, c * Q + l, has_z)
-                for p in range(P):
-                    gt[p, l] = gv[p]
-                if has_z:
-                    if c * Q + l < seqlen:
-                        for p in T.vectorized(P):
-                            dz[b, t, h, p] = (dy[b, t, h, p].astype(F32) * y_pre[b, t, h, p].astype(F32)
-                                              * _math.silu_grad(z[b, t, h, p].astype(F32))).astype(x_dtype)
-            mm(lambda lo, hi: 0, lambda lo, hi: Q, lambda p, l: gt[p, l], lambda l, n: ce[l, n], zero,
-               lambda p, n, v: T.buffer_store(dsl, v, [b, c, h, p, n]))
-
-    return stamp(func, "ssd_chunk_scan_bwd_dstates", d.stamp_static())

@@ -16,6 +16,8 @@ innermost axis: dstate or headdim). The strategy decides:
   ``extent`` tasks t, k ascending from 0 on every layout: the serial / CUDA layout runs a task per output
   element reading the operands where they are; the CPU layout stages the task's operands (scale once per k)
   and runs the register-blocked matmul of mm.py (knobs rows / cols / order).
+* ``matmul_rows(M, W, K)``: the product of two row-major operands, out[t, i, j] = sum_k lhs(t, i, k) rhs(t, j, k)
+  (C B^T), k ascending: ``scaled_matmul`` with scale 1; the CPU layout stages lhs rows and transposes rhs.
 * ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers), and ``math`` (``_math.Math``:
   the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
 
@@ -85,6 +87,18 @@ class Strategy:
 
     def key(self) -> tuple:
         return (self.name, self.threads, self.math.native)
+
+    def matmul_rows(self, M: int, W: int, K: int):
+        """A macro ``run(extent, lhs, rhs, store)``: out[t, i, j] = sum_k lhs(t, i, k) rhs(t, j, k), both operands
+        read as rows along k (C B^T); k ascending from 0. Here ``scaled_matmul`` with scale 1 (x * 1 is x, so
+        the sum is lhs * rhs term by term); the CPU strategy stages the rows without the scale pass."""
+        run = self.scaled_matmul(M, W, K)
+
+        @T.macro
+        def rows(extent, lhs, rhs, store):
+            run(extent, lhs, lambda t, k: T.float32(1), lambda t, k, j: rhs(t, j, k), store)
+
+        return rows
 
 
 SERIAL = Strategy()

@@ -20,11 +20,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .. import _math
 from .._common import stamp
-
 from .common import F32, I32
 from .dims import VarlenDims, dims_of
+from .strategy import SERIAL, Strategy
 
 
 def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
@@ -38,7 +37,69 @@ def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
     return tirx.all(ok, seq_idx[tirx.max(e, 1) - 1] == prev)
 
 
-def ssd_chunk_state_varlen(dims: VarlenDims | None = None, **kw) -> tirx.PrimFunc:
+def varlen_template(d: VarlenDims, S: Strategy) -> tirx.PrimFunc:
+    """The ssd_chunk_state_varlen kernel laid out by ``S``: a task per (sequence, head) and block of headdim rows
+    (all of them on a CPU, one on CUDA) with lanes of dstate (all on a CPU, one on CUDA); each output element
+    takes the carried term, then the sequence's tokens of its last chunk in order."""
+    H, G, P, N, Q, m, od = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, S.math, d.out_dtype
+    R = H // G
+    V = S.lanes(N)  # dstate lanes of a task
+    PB = P if S.vector else 1  # headdim rows of a task
+    NT = (P // PB) * (N // V)  # tasks per (sequence, head)
+
+    @T.prim_func
+    def func(x_h: T.handle, b_h: T.handle, dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, cu_h: T.handle,
+             s_h: T.handle, o_h: T.handle):
+        seqlen = T.int32()
+        nchunks = T.int32()
+        ncu = T.int32()
+        nseqs = T.int32()
+        x = T.match_buffer(x_h, (seqlen, H, P), d.x_dtype)
+        Bm = T.match_buffer(b_h, (seqlen, G, N), d.bc_dtype)
+        dt_out = T.match_buffer(dto_h, (H, nchunks, Q), F32)
+        dA_cs = T.match_buffer(dac_h, (H, nchunks, Q), F32)
+        sin = T.match_buffer(sin_h, (nchunks, H, P, N), d.state_dtype)
+        cu = T.match_buffer(cu_h, (ncu,), I32)
+        seq_idx = T.match_buffer(s_h, (seqlen,) if d.has_seq_idx else (1,), I32)
+        out = T.match_buffer(o_h, (nseqs, H, P, N), od)
+        for bx in S.outer(nseqs * H * NT):
+            for tx in S.inner():
+                st = T.alloc_buffer((1,), I32, scope=S.scope)  # sequence start
+                en = T.alloc_buffer((1,), I32, scope=S.scope)  # sequence end
+                ch = T.alloc_buffer((1,), I32, scope=S.scope)  # its last chunk
+                le = T.alloc_buffer((1,), I32, scope=S.scope)  # its last position in that chunk (-1: empty)
+                w = T.alloc_buffer((1,), F32, scope=S.scope)
+                acc = T.alloc_buffer((PB, V), F32, scope=S.scope)
+                i = T.meta_var(S.index(bx, tx))
+                sq = T.meta_var(i // (H * NT))
+                h = T.meta_var(i // NT % H)
+                p0 = T.meta_var(i // (N // V) % (P // PB) * PB)
+                n0 = T.meta_var(i % (N // V) * V)
+                if i < nseqs * H * NT:
+                    st[0] = cu[sq]
+                    en[0] = cu[sq + 1]
+                    ch[0] = T.max(en[0] - 1, 0) // Q
+                    le[0] = T.Select(en[0] > st[0], en[0] - 1 - ch[0] * Q, -1)
+                    w[0] = T.float32(0)
+                    if carries(seq_idx, st[0], en[0], ch[0], le[0], Q, d.has_seq_idx):
+                        w[0] = m.exp(dA_cs[h, ch[0], le[0]])
+                    for p in range(PB):
+                        for v in S.lane_loop(V):
+                            acc[p, v] = w[0] * sin[ch[0], h, p0 + p, n0 + v].astype(F32)
+                    for l in range(T.max(st[0] - ch[0] * Q, 0), le[0] + 1):
+                        w[0] = dt_out[h, ch[0], l] * m.exp(dA_cs[h, ch[0], le[0]] - dA_cs[h, ch[0], l])
+                        for p in range(PB):
+                            for v in S.lane_loop(V):
+                                acc[p, v] = acc[p, v] + w[0] * x[ch[0] * Q + l, h, p0 + p].astype(F32) * Bm[
+                                    ch[0] * Q + l, h // R, n0 + v].astype(F32)
+                    for p in range(PB):
+                        for v in S.lane_loop(V):
+                            out[sq, h, p0 + p, n0 + v] = acc[p, v].astype(od)
+
+    return func
+
+
+def ssd_chunk_state_varlen(dims: VarlenDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
     """x: (seqlen, nheads, headdim); B: (seqlen, ngroups, dstate); dt_out, dA_cumsum: (nheads, nchunks,
     chunk_size) f32; states_in: (nchunks, nheads, headdim, dstate) in state_dtype; cu_seqlens: (num_seqs + 1,)
     int32 (validated by the caller: 0 = cu[0] <= cu[1] <= ... <= cu[-1] = seqlen); seq_idx: (seqlen,) int32
@@ -48,51 +109,4 @@ def ssd_chunk_state_varlen(dims: VarlenDims | None = None, **kw) -> tirx.PrimFun
     carried state exp(dA_cs[l_e]) Sin_c where sequence i began before its last chunk (module docstring).
     """
     d = dims_of(VarlenDims, dims, kw)
-    H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
-    x_dtype, bc_dtype, state_dtype, out_dtype, has_seq_idx = d.x_dtype, d.bc_dtype, d.state_dtype, d.out_dtype, \
-        d.has_seq_idx
-    R = H // G
-
-    @T.prim_func
-    def func(x_h: T.handle, b_h: T.handle, dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, cu_h: T.handle,
-             s_h: T.handle, o_h: T.handle):
-        seqlen = T.int32()
-        nchunks = T.int32()
-        ncu = T.int32()
-        nseqs = T.int32()
-        x = T.match_buffer(x_h, (seqlen, H, P), x_dtype)
-        Bm = T.match_buffer(b_h, (seqlen, G, N), bc_dtype)
-        dt_out = T.match_buffer(dto_h, (H, nchunks, Q), F32)
-        dA_cs = T.match_buffer(dac_h, (H, nchunks, Q), F32)
-        sin = T.match_buffer(sin_h, (nchunks, H, P, N), state_dtype)
-        cu = T.match_buffer(cu_h, (ncu,), I32)
-        seq_idx = T.match_buffer(s_h, (seqlen,) if has_seq_idx else (1,), I32)
-        out = T.match_buffer(o_h, (nseqs, H, P, N), out_dtype)
-        for ih in T.parallel(nseqs * H):
-            i = T.meta_var(ih // H)
-            h = T.meta_var(ih % H)
-            iv = T.alloc_buffer((4,), I32)  # start, end, last chunk, last position in it (-1: empty)
-            w = T.alloc_buffer((1,), F32)
-            acc = T.alloc_buffer((P, N), F32)
-            iv[0] = cu[i]
-            iv[1] = cu[i + 1]
-            iv[2] = T.max(iv[1] - 1, 0) // Q
-            iv[3] = T.Select(iv[1] > iv[0], iv[1] - 1 - iv[2] * Q, -1)
-            w[0] = T.float32(0)
-            if carries(seq_idx, iv[0], iv[1], iv[2], iv[3], Q, has_seq_idx):
-                w[0] = _math.exp(dA_cs[h, iv[2], iv[3]])
-            for p in range(P):
-                for n in T.vectorized(N):
-                    acc[p, n] = w[0] * sin[iv[2], h, p, n].astype(F32)
-            for l in range(Q):
-                if l <= iv[3] and iv[2] * Q + l >= iv[0]:
-                    w[0] = dt_out[h, iv[2], l] * _math.exp(dA_cs[h, iv[2], iv[3]] - dA_cs[h, iv[2], l])
-                    for p in range(P):
-                        for n in T.vectorized(N):
-                            acc[p, n] = acc[p, n] + w[0] * x[iv[2] * Q + l, h, p].astype(F32) * Bm[
-                                iv[2] * Q + l, h // R, n].astype(F32)
-            for p in range(P):
-                for n in T.vectorized(N):
-                    out[i, h, p, n] = acc[p, n].astype(out_dtype)
-
-    return stamp(func, "ssd_chunk_state_varlen", d.stamp_static())
+    return stamp(varlen_template(d, strategy), "ssd_chunk_state_varlen", d.stamp_static())

@@ -1,0 +1,84 @@
+"""ssd_chunk_scan_bwd_dstates: the gradient each chunk sends into the state entering it,
+dSloc_c[p, n] = sum_l g[l, p] (e[l] C[l, n]), g = dy silu(z), e[l] = exp(dA_cs[l]) (the carried state's decay
+to position l), and dz = dy y_pre silu'(z). A template laid out by the strategy: the P x Q x N matmul per
+(batch, chunk, head) by ``scaled_matmul`` (strategy.py), dz by a second pass, a task per (batch, position,
+head) row of headdim lanes (upstream's _chunk_scan_bwd_dstates; dz as its _chunk_scan_bwd_dz)."""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .._common import stamp
+from .common import F32, I32, Z4, c32, gate
+from .dims import DstatesDims, dims_of
+from .strategy import SERIAL, Strategy
+
+
+def carried_decay(m, seq_idx, dA_cs, b, h, c, l, Q, seqlen, has_seq_idx):
+    """exp(dA_cs[c, l]): the decay of the state entering chunk c up to position l; 0 past seqlen and, with seq_idx,
+    where position l is not in the sequence of that state (the id of chunk c-1's last position, 0 for c = 0)."""
+    e = m.exp(dA_cs[b, h, c, l])
+    if has_seq_idx:
+        prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
+        e = tirx.Select(seq_idx[b, tirx.min(c * Q + l, seqlen - 1)] == prev, e, c32(0.0))
+    return tirx.Select(c * Q + l < seqlen, e, c32(0.0))
+
+
+def dstates_template(d: DstatesDims, S: Strategy) -> tirx.PrimFunc:
+    """The ssd_chunk_scan_bwd_dstates kernel laid out by ``S``: task t = (batch, chunk, head) for dstates_local
+    (rows past seqlen: e = 0, g = 0, C read at the last position); then, with z, dz elementwise."""
+    H, G, P, N, Q, m, xd = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, S.math, d.x_dtype
+    R = H // G
+    run = S.scaled_matmul(P, N, Q)
+    V = S.lanes(P)
+    NV = P // V
+
+    @T.prim_func
+    def func(dy_h: T.handle, z_h: T.handle, yp_h: T.handle, c_h: T.handle, dac_h: T.handle, s_h: T.handle,
+             dsl_h: T.handle, dz_h: T.handle):
+        batch = T.int32()
+        seqlen = T.int32()
+        nchunks = T.int32()
+        dy = T.match_buffer(dy_h, (batch, seqlen, H, P), xd)
+        z = T.match_buffer(z_h, (batch, seqlen, H, P) if d.has_z else Z4, xd)
+        y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if d.has_z else Z4, xd)
+        Cm = T.match_buffer(c_h, (batch, seqlen, G, N), d.bc_dtype)
+        dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
+        seq_idx = T.match_buffer(s_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
+        dsl = T.match_buffer(dsl_h, (batch, nchunks, H, P, N), F32)
+        dz = T.match_buffer(dz_h, (batch, seqlen, H, P) if d.has_z else Z4, xd)
+        run(batch * nchunks * H,
+            lambda t, p, l: gate(m, dy, z, (t // (nchunks * H), T.min(t // H % nchunks * Q + l, seqlen - 1), t % H, p),
+                                 seqlen, t // H % nchunks * Q + l, d.has_z),
+            lambda t, l: carried_decay(m, seq_idx, dA_cs, t // (nchunks * H), t % H, t // H % nchunks, l, Q, seqlen,
+                                       d.has_seq_idx),
+            lambda t, l, n: Cm[t // (nchunks * H), T.min(t // H % nchunks * Q + l, seqlen - 1), t % H // R,
+                               n].astype(F32),
+            lambda t, p, n, v: T.buffer_store(dsl, v, [t // (nchunks * H), t // H % nchunks, t % H, p, n]))
+        if d.has_z:  # dz = dy y_pre silu'(z): a task per (batch, position, head), lanes of headdim
+            for bx in S.outer(batch * seqlen * H * NV):
+                for tx in S.inner():
+                    i = T.meta_var(S.index(bx, tx))
+                    b = T.meta_var(i // (seqlen * H * NV))
+                    t = T.meta_var(i // (H * NV) % seqlen)
+                    h = T.meta_var(i // NV % H)
+                    p0 = T.meta_var(i % NV * V)
+                    if i < batch * seqlen * H * NV:
+                        for v in S.lane_loop(V):
+                            dz[b, t, h, p0 + v] = (dy[b, t, h, p0 + v].astype(F32) * y_pre[b, t, h, p0 + v].astype(F32)
+                                                   * m.silu_grad(z[b, t, h, p0 + v].astype(F32))).astype(xd)
+
+    return func
+
+
+def ssd_chunk_scan_bwd_dstates(dims: DstatesDims | None = None, strategy: Strategy = SERIAL,
+                               **kw) -> tirx.PrimFunc:
+    """dy, z, y_pre: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate); dA_cumsum:
+    (batch, nheads, nchunks, chunk_size); seq_idx: (batch, seqlen)
+    -> dstates_local: (batch, nchunks, nheads, headdim, dstate) f32, dz: (batch, seqlen, nheads, headdim).
+
+    dstates_local[c, p, n] = sum_l g[l, p] exp(dA_cs[l]) C[l, n] (seq-masked), g = dy silu(z);
+    dz = dy * y_pre * silu'(z). The CPU strategy's knobs rows x cols x order: the matmul's register block (mm.py).
+    """
+    d = dims_of(DstatesDims, dims, kw)
+    return stamp(dstates_template(d, strategy), "ssd_chunk_scan_bwd_dstates", d.stamp_static())
