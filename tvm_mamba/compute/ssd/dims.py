@@ -86,21 +86,18 @@ class DstatesDims(StateDims):
 
 
 @dataclass(frozen=True)
-class ScanDims(StateDims):
-    """ssd_chunk_scan (state_dtype: the stored chunk states' dtype) and ssd_chunk_scan_bwd (state_dtype unused,
-    always float32 there)."""
+class ScanBwdDims(StateDims):
+    """ssd_chunk_scan_bwd: the skip (D) and gate (z) flags."""
     has_D: bool = False
     D_has_hdim: bool = False
     has_z: bool = False
-    state_dtype: str = field(default=F32, metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)
-class ScanBwdDims(StateDims):
-    """ssd_chunk_scan_bwd."""
-    has_D: bool = False
-    D_has_hdim: bool = False
-    has_z: bool = False
+class ScanDims(ScanBwdDims):
+    """ssd_chunk_scan: ScanBwdDims' fields and state_dtype, the stored chunk states' dtype (the backward reads
+    float32 ones)."""
+    state_dtype: str = field(default=F32, metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -111,27 +108,26 @@ class VarlenDims(StateDims):
 
 
 @dataclass(frozen=True)
-class PassingDims(SSDDims):
-    """ssd_state_passing."""
+class ChunkStatesDims(SSDDims):
+    """What the scans over chunk states share: nheads states of (headdim, dstate) per chunk."""
     nheads: int
     headdim: int
     dstate: int
     chunk_size: int
     has_init: bool = False
     has_seq_idx: bool = False
+
+
+@dataclass(frozen=True)
+class PassingDims(ChunkStatesDims):
+    """ssd_state_passing."""
     state_dtype: str = field(default=F32, metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)
-class PassingBwdDims(SSDDims):
+class PassingBwdDims(ChunkStatesDims):
     """ssd_state_passing_bwd."""
-    nheads: int
-    headdim: int
-    dstate: int
-    chunk_size: int
-    has_init: bool = False
     has_dfinal: bool = False
-    has_seq_idx: bool = False
 
 
 @dataclass(frozen=True)

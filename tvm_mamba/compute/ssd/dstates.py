@@ -11,7 +11,7 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, Z4, c32, gate
 from .dims import DstatesDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, Strategy, unravel
 
 
 def carried_decay(m, seq_idx, dA_cs, b, h, c, l, Q, seqlen, has_seq_idx):
@@ -32,6 +32,14 @@ def dstates_template(d: DstatesDims, S: Strategy) -> tirx.PrimFunc:
     run = S.scaled_matmul(P, N, Q)
     V = S.lanes(P)
     NV = P // V
+    tasks = S.tasks()
+
+    @T.macro
+    def dz_row(i, dy, y_pre, z, dz, seqlen):
+        b, t, h, pb = T.meta_var(unravel(i, (None, seqlen, H, NV)))
+        for v in S.lane_loop(V):
+            dz[b, t, h, pb * V + v] = (dy[b, t, h, pb * V + v].astype(F32) * y_pre[b, t, h, pb * V + v].astype(F32)
+                                       * m.silu_grad(z[b, t, h, pb * V + v].astype(F32))).astype(xd)
 
     @T.prim_func
     def func(dy_h: T.handle, z_h: T.handle, yp_h: T.handle, c_h: T.handle, dac_h: T.handle, s_h: T.handle,
@@ -56,17 +64,7 @@ def dstates_template(d: DstatesDims, S: Strategy) -> tirx.PrimFunc:
                                n].astype(F32),
             lambda t, p, n, v: T.buffer_store(dsl, v, [t // (nchunks * H), t // H % nchunks, t % H, p, n]))
         if d.has_z:  # dz = dy y_pre silu'(z): a task per (batch, position, head), lanes of headdim
-            for bx in S.outer(batch * seqlen * H * NV):
-                for tx in S.inner():
-                    i = T.meta_var(S.index(bx, tx))
-                    b = T.meta_var(i // (seqlen * H * NV))
-                    t = T.meta_var(i // (H * NV) % seqlen)
-                    h = T.meta_var(i // NV % H)
-                    p0 = T.meta_var(i % NV * V)
-                    if i < batch * seqlen * H * NV:
-                        for v in S.lane_loop(V):
-                            dz[b, t, h, p0 + v] = (dy[b, t, h, p0 + v].astype(F32) * y_pre[b, t, h, p0 + v].astype(F32)
-                                                   * m.silu_grad(z[b, t, h, p0 + v].astype(F32))).astype(xd)
+            tasks(batch * seqlen * H * NV, lambda i: dz_row(i, dy, y_pre, z, dz, seqlen))
 
     return func
 

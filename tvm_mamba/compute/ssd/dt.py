@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 from .._common import stamp
 from .common import F32, dA_passes, dA_step, dt_stages
 from .dims import DtDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, Strategy, unravel
 
 
 class _Slots:
@@ -27,9 +28,38 @@ def _flags(d: DtDims) -> dict:
     return dict(has_dt_bias=d.has_dt_bias, dt_softplus=d.dt_softplus, has_dt_limit=d.has_dt_limit)
 
 
+def _dt_inputs(d: DtDims, handles, batch, seqlen, nchunks):
+    """The first five parameters of both directions, (dt, dt_bias, A, dt_limit, dt_out), declared from their
+    handles (named as in the builders' docstrings); absent optional ones are one-element placeholders."""
+    shapes = {"dt": (batch, seqlen, d.nheads), "dt_bias": (d.nheads,) if d.has_dt_bias else (1,), "A": (d.nheads,),
+              "dt_limit": (2,) if d.has_dt_limit else (1,), "dt_out": (batch, d.nheads, nchunks, d.chunk_size)}
+    return tuple(IRBuilder.name(n, T.match_buffer(h, shape, F32)) for h, (n, shape) in zip(handles, shapes.items()))
+
+
 def cumsum_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
-    """The ssd_chunk_cumsum loop nest laid out by ``S`` (same parameters as the builder's PrimFunc)."""
+    """The ssd_chunk_cumsum loop nest laid out by ``S`` (same parameters as the builder's PrimFunc): a task per
+    (batch, head, chunk)."""
     H, Q, m, fa = d.nheads, d.chunk_size, S.math, _flags(d)
+    tasks = S.tasks()
+
+    @T.macro
+    def chunk(i, dt, dt_bias, A, dt_limit, dt_out, dA_cs, seqlen, nchunks):
+        acc = T.alloc_buffer((1,), F32, scope=S.scope)
+        t0 = T.alloc_buffer((1,), F32, scope=S.scope)
+        t1 = T.alloc_buffer((1,), F32, scope=S.scope)
+        t2 = T.alloc_buffer((1,), F32, scope=S.scope)
+        b, h, c = T.meta_var(unravel(i, (None, H, nchunks)))
+        acc[0] = T.float32(0)
+        for l in range(Q):
+            t2[0] = T.float32(0)
+            if c * Q + l < seqlen:
+                st = T.meta_var(dt_stages(m, _Slots(t0, t1, t2, t2), dt[b, c * Q + l, h], dt_bias, h, dt_limit, **fa))
+                t0[0] = st[0][1]
+                t1[0] = st[1][1]
+                t2[0] = st[2][1]
+            dt_out[b, h, c, l] = t2[0]
+            acc[0] = acc[0] + dA_step(t2[0], A[h])  # clamped: A = -inf gives decay 0, not NaN
+            dA_cs[b, h, c, l] = acc[0]
 
     @T.prim_func
     def func(dt_h: T.handle, bias_h: T.handle, a_h: T.handle, lim_h: T.handle, dto_h: T.handle,
@@ -37,42 +67,48 @@ def cumsum_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
-        dt = T.match_buffer(dt_h, (batch, seqlen, H), F32)
-        dt_bias = T.match_buffer(bias_h, (H,) if d.has_dt_bias else (1,), F32)
-        A = T.match_buffer(a_h, (H,), F32)
-        dt_limit = T.match_buffer(lim_h, (2,) if d.has_dt_limit else (1,), F32)
-        dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
+        dt, dt_bias, A, dt_limit, dt_out = T.meta_var(_dt_inputs(d, (dt_h, bias_h, a_h, lim_h, dto_h), batch, seqlen,
+                                                                 nchunks))
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
-        for bx in S.outer(batch * H * nchunks):
-            for tx in S.inner():
-                acc = T.alloc_buffer((1,), F32, scope=S.scope)
-                t0 = T.alloc_buffer((1,), F32, scope=S.scope)
-                t1 = T.alloc_buffer((1,), F32, scope=S.scope)
-                t2 = T.alloc_buffer((1,), F32, scope=S.scope)
-                i = T.meta_var(S.index(bx, tx))
-                b = T.meta_var(i // (H * nchunks))
-                h = T.meta_var(i // nchunks % H)
-                c = T.meta_var(i % nchunks)
-                if i < batch * H * nchunks:
-                    acc[0] = T.float32(0)
-                    for l in range(Q):
-                        t2[0] = T.float32(0)
-                        if c * Q + l < seqlen:
-                            st = T.meta_var(dt_stages(m, _Slots(t0, t1, t2, t2), dt[b, c * Q + l, h], dt_bias, h,
-                                                      dt_limit, **fa))
-                            t0[0] = st[0][1]
-                            t1[0] = st[1][1]
-                            t2[0] = st[2][1]
-                        dt_out[b, h, c, l] = t2[0]
-                        acc[0] = acc[0] + dA_step(t2[0], A[h])  # clamped: A = -inf gives decay 0, not NaN
-                        dA_cs[b, h, c, l] = acc[0]
+        tasks(batch * H * nchunks, lambda i: chunk(i, dt, dt_bias, A, dt_limit, dt_out, dA_cs, seqlen, nchunks))
 
     return func
 
 
 def cumsum_bwd_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
-    """The ssd_chunk_cumsum_bwd loop nest laid out by ``S``."""
+    """The ssd_chunk_cumsum_bwd loop nest laid out by ``S``: a task per (batch, head), its chunks in order."""
     H, Q, m, fa = d.nheads, d.chunk_size, S.math, _flags(d)
+    tasks = S.tasks()
+
+    @T.macro
+    def head(i, dt, dt_bias, A, dt_limit, dt_out, ddt_out, ddA_step, ddecay, ddt, dA_part, dbias_part, seqlen,
+             nchunks):
+        a0 = T.alloc_buffer((1,), F32, scope=S.scope)  # d dA_step of this position
+        a1 = T.alloc_buffer((1,), F32, scope=S.scope)  # dA sum
+        a2 = T.alloc_buffer((1,), F32, scope=S.scope)  # ddt_bias sum
+        t0 = T.alloc_buffer((1,), F32, scope=S.scope)
+        t1 = T.alloc_buffer((1,), F32, scope=S.scope)
+        t3 = T.alloc_buffer((1,), F32, scope=S.scope)
+        b, h = T.meta_var(unravel(i, (None, H)))
+        a1[0] = T.float32(0)
+        a2[0] = T.float32(0)
+        for c in range(nchunks):
+            for lr in range(Q):
+                l = T.meta_var(Q - 1 - lr)
+                a0[0] = ddecay[b, h, c] + ddA_step[b, h, c, l]
+                a1[0] = a1[0] + T.Select(dA_passes(dt_out[b, h, c, l], A[h]), dt_out[b, h, c, l] * a0[0],
+                                         T.float32(0))
+                if c * Q + l < seqlen:
+                    st = T.meta_var(dt_stages(m, _Slots(t0, t1, t1, t3), dt[b, c * Q + l, h], dt_bias, h, dt_limit,
+                                              **fa))
+                    t0[0] = st[0][1]
+                    t1[0] = st[1][1]
+                    t3[0] = st[3][1]
+                    ddt[b, c * Q + l, h] = (ddt_out[b, h, c, l] + T.Select(
+                        dA_passes(dt_out[b, h, c, l], A[h]), A[h] * a0[0], T.float32(0))) * t3[0]
+                    a2[0] = a2[0] + ddt[b, c * Q + l, h]
+        dA_part[b, h] = a1[0]
+        dbias_part[b, h] = a2[0]
 
     @T.prim_func
     def func(dt_h: T.handle, bias_h: T.handle, a_h: T.handle, lim_h: T.handle, dto_h: T.handle,
@@ -81,48 +117,16 @@ def cumsum_bwd_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
-        dt = T.match_buffer(dt_h, (batch, seqlen, H), F32)
-        dt_bias = T.match_buffer(bias_h, (H,) if d.has_dt_bias else (1,), F32)
-        A = T.match_buffer(a_h, (H,), F32)
-        dt_limit = T.match_buffer(lim_h, (2,) if d.has_dt_limit else (1,), F32)
-        dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
+        dt, dt_bias, A, dt_limit, dt_out = T.meta_var(_dt_inputs(d, (dt_h, bias_h, a_h, lim_h, dto_h), batch, seqlen,
+                                                                 nchunks))
         ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
         ddA_step = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
         ddecay = T.match_buffer(ddec_h, (batch, H, nchunks), F32)
         ddt = T.match_buffer(ddt_h, (batch, seqlen, H), F32)
         dA_part = T.match_buffer(da_h, (batch, H), F32)
         dbias_part = T.match_buffer(dbias_h, (batch, H), F32)
-        for bx in S.outer(batch * H):
-            for tx in S.inner():
-                a0 = T.alloc_buffer((1,), F32, scope=S.scope)  # d dA_step of this position
-                a1 = T.alloc_buffer((1,), F32, scope=S.scope)  # dA sum
-                a2 = T.alloc_buffer((1,), F32, scope=S.scope)  # ddt_bias sum
-                t0 = T.alloc_buffer((1,), F32, scope=S.scope)
-                t1 = T.alloc_buffer((1,), F32, scope=S.scope)
-                t3 = T.alloc_buffer((1,), F32, scope=S.scope)
-                i = T.meta_var(S.index(bx, tx))
-                b = T.meta_var(i // H)
-                h = T.meta_var(i % H)
-                if i < batch * H:
-                    a1[0] = T.float32(0)
-                    a2[0] = T.float32(0)
-                    for c in range(nchunks):
-                        for lr in range(Q):
-                            l = T.meta_var(Q - 1 - lr)
-                            a0[0] = ddecay[b, h, c] + ddA_step[b, h, c, l]
-                            a1[0] = a1[0] + T.Select(dA_passes(dt_out[b, h, c, l], A[h]), dt_out[b, h, c, l] * a0[0],
-                                                     T.float32(0))
-                            if c * Q + l < seqlen:
-                                st = T.meta_var(dt_stages(m, _Slots(t0, t1, t1, t3), dt[b, c * Q + l, h], dt_bias, h,
-                                                          dt_limit, **fa))
-                                t0[0] = st[0][1]
-                                t1[0] = st[1][1]
-                                t3[0] = st[3][1]
-                                ddt[b, c * Q + l, h] = (ddt_out[b, h, c, l] + T.Select(
-                                    dA_passes(dt_out[b, h, c, l], A[h]), A[h] * a0[0], T.float32(0))) * t3[0]
-                                a2[0] = a2[0] + ddt[b, c * Q + l, h]
-                    dA_part[b, h] = a1[0]
-                    dbias_part[b, h] = a2[0]
+        tasks(batch * H, lambda i: head(i, dt, dt_bias, A, dt_limit, dt_out, ddt_out, ddA_step, ddecay, ddt, dA_part,
+                                        dbias_part, seqlen, nchunks))
 
     return func
 

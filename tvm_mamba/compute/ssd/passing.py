@@ -8,14 +8,41 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, Z4, chunk_scale
 from .dims import HeadSumDims, PassingBwdDims, PassingDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, Strategy, unravel
+
+
+def _row_scan(d, S: Strategy, reverse: bool):
+    """A macro ``run(i, start, emit, step, finish, dA_cs, seq_idx, seqlen, nchunks)``: the scan over chunks of task
+    i = (batch, head, p, lane block) of dstate lanes, chunks in order (``reverse``: last first): cur = start(b, h,
+    p, n); per chunk c, with a = chunk_scale(c), emit(b, c, h, p, n, cur) then cur = step(b, c, h, p, n, a, cur);
+    then finish(b, h, p, n, cur) (None: nothing). Both directions of state passing are this recurrence."""
+    H, P, N, Q, m = d.nheads, d.headdim, d.dstate, d.chunk_size, S.math
+    V = S.lanes(N)
+
+    @T.macro
+    def run(i, start, emit, step, finish, dA_cs, seq_idx, seqlen, nchunks):
+        cur = T.alloc_buffer((V,), F32, scope=S.scope)
+        a = T.alloc_buffer((1,), F32, scope=S.scope)
+        b, h, p, nb = T.meta_var(unravel(i, (None, H, P, N // V)))
+        for v in S.lane_loop(V):
+            cur[v] = start(b, h, p, nb * V + v)
+        for cr in range(nchunks):
+            c = T.meta_var(nchunks - 1 - cr if reverse else cr)
+            a[0] = chunk_scale(m, seq_idx, dA_cs, b, h, c, Q, seqlen, d.has_seq_idx)
+            for v in S.lane_loop(V):
+                emit(b, c, h, p, nb * V + v, cur[v])
+                cur[v] = step(b, c, h, p, nb * V + v, a[0], cur[v])
+        if finish is not None:
+            for v in S.lane_loop(V):
+                finish(b, h, p, nb * V + v, cur[v])
+
+    return run
 
 
 def passing_template(d: PassingDims, S: Strategy) -> tirx.PrimFunc:
     """The ssd_state_passing loop nest laid out by ``S``: a task per (batch, head, p) and lanes of n."""
-    H, P, N, Q, sd, m = d.nheads, d.headdim, d.dstate, d.chunk_size, d.state_dtype, S.math
-    V = S.lanes(N)
-    NV = N // V
+    H, P, N, Q, sd = d.nheads, d.headdim, d.dstate, d.chunk_size, d.state_dtype
+    scan, tasks = _row_scan(d, S, reverse=False), S.tasks()
 
     @T.prim_func
     def func(st_h: T.handle, dac_h: T.handle, i_h: T.handle, s_h: T.handle, sin_h: T.handle, f_h: T.handle):
@@ -28,25 +55,11 @@ def passing_template(d: PassingDims, S: Strategy) -> tirx.PrimFunc:
         seq_idx = T.match_buffer(s_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
         states_in = T.match_buffer(sin_h, (batch, nchunks, H, P, N), sd)
         final = T.match_buffer(f_h, (batch, H, P, N), F32)
-        for bx in S.outer(batch * H * P * NV):
-            for tx in S.inner():
-                cur = T.alloc_buffer((V,), F32, scope=S.scope)
-                a = T.alloc_buffer((1,), F32, scope=S.scope)
-                i = T.meta_var(S.index(bx, tx))
-                b = T.meta_var(i // (H * P * NV))
-                h = T.meta_var(i // (P * NV) % H)
-                p = T.meta_var(i // NV % P)
-                n0 = T.meta_var(i % NV * V)
-                if i < batch * H * P * NV:
-                    for v in S.lane_loop(V):
-                        cur[v] = init[b, h, p, n0 + v] if d.has_init else T.float32(0)
-                    for c in range(nchunks):
-                        a[0] = chunk_scale(m, seq_idx, dA_cs, b, h, c, Q, seqlen, d.has_seq_idx)
-                        for v in S.lane_loop(V):
-                            states_in[b, c, h, p, n0 + v] = cur[v].astype(sd)
-                            cur[v] = a[0] * cur[v] + states[b, c, h, p, n0 + v]
-                    for v in S.lane_loop(V):
-                        final[b, h, p, n0 + v] = cur[v]
+        tasks(batch * H * P * (N // S.lanes(N)), lambda i: scan(
+            i, lambda b, h, p, n: init[b, h, p, n] if d.has_init else T.float32(0),
+            lambda b, c, h, p, n, v: T.buffer_store(states_in, v.astype(sd), [b, c, h, p, n]),
+            lambda b, c, h, p, n, a, v: a * v + states[b, c, h, p, n],
+            lambda b, h, p, n, v: T.buffer_store(final, v, [b, h, p, n]), dA_cs, seq_idx, seqlen, nchunks))
 
     return func
 
@@ -58,6 +71,23 @@ def passing_bwd_template(d: PassingBwdDims, S: Strategy) -> tirx.PrimFunc:
     H, P, N, Q, m = d.nheads, d.headdim, d.dstate, d.chunk_size, S.math
     V = S.lanes(N)
     NV = N // V
+    scan, tasks = _row_scan(d, S, reverse=True), S.tasks()
+
+    @T.macro
+    def ddecay_of(i, dso, states_in, dA_cs, seq_idx, ddecay, seqlen, nchunks):  # a_c <dS_c, Sin_c>
+        part = T.alloc_buffer((V,), F32, scope=S.scope)
+        acc = T.alloc_buffer((1,), F32, scope=S.scope)
+        b, h, c = T.meta_var(unravel(i, (None, H, nchunks)))
+        acc[0] = T.float32(0)
+        for nb in range(NV):
+            for v in S.lane_loop(V):
+                part[v] = T.float32(0)
+            for p in range(P):
+                for v in S.lane_loop(V):
+                    part[v] = part[v] + dso[b, c, h, p, nb * V + v] * states_in[b, c, h, p, nb * V + v]
+            for v in range(V):
+                acc[0] = acc[0] + part[v]
+        ddecay[b, h, c] = acc[0] * chunk_scale(m, seq_idx, dA_cs, b, h, c, Q, seqlen, d.has_seq_idx)
 
     @T.prim_func
     def func(sin_h: T.handle, dsl_h: T.handle, dac_h: T.handle, df_h: T.handle, s_h: T.handle,
@@ -73,47 +103,14 @@ def passing_bwd_template(d: PassingBwdDims, S: Strategy) -> tirx.PrimFunc:
         dso = T.match_buffer(dso_h, (batch, nchunks, H, P, N), F32)
         dinit = T.match_buffer(di_h, (batch, H, P, N) if d.has_init else Z4, F32)
         ddecay = T.match_buffer(ddec_h, (batch, H, nchunks), F32)
-        for bx in S.outer(batch * H * P * NV):
-            for tx in S.inner():
-                cur = T.alloc_buffer((V,), F32, scope=S.scope)
-                a = T.alloc_buffer((1,), F32, scope=S.scope)
-                i = T.meta_var(S.index(bx, tx))
-                b = T.meta_var(i // (H * P * NV))
-                h = T.meta_var(i // (P * NV) % H)
-                p = T.meta_var(i // NV % P)
-                n0 = T.meta_var(i % NV * V)
-                if i < batch * H * P * NV:
-                    for v in S.lane_loop(V):
-                        cur[v] = dfinal[b, h, p, n0 + v] if d.has_dfinal else T.float32(0)
-                    for cr in range(nchunks):
-                        c = T.meta_var(nchunks - 1 - cr)
-                        a[0] = chunk_scale(m, seq_idx, dA_cs, b, h, c, Q, seqlen, d.has_seq_idx)
-                        for v in S.lane_loop(V):
-                            dso[b, c, h, p, n0 + v] = cur[v]
-                            cur[v] = dsl[b, c, h, p, n0 + v] + a[0] * cur[v]
-                    if d.has_init:
-                        for v in S.lane_loop(V):
-                            dinit[b, h, p, n0 + v] = cur[v]
-        # ddecay_c = a_c <dS_c, Sin_c>: one task per (batch, head, chunk), reading the dS_c stored above
-        for bx in S.outer(batch * H * nchunks):
-            for tx in S.inner():
-                part = T.alloc_buffer((V,), F32, scope=S.scope)
-                acc = T.alloc_buffer((1,), F32, scope=S.scope)
-                i = T.meta_var(S.index(bx, tx))
-                b = T.meta_var(i // (H * nchunks))
-                h = T.meta_var(i // nchunks % H)
-                c = T.meta_var(i % nchunks)
-                if i < batch * H * nchunks:
-                    acc[0] = T.float32(0)
-                    for nb in range(NV):
-                        for v in S.lane_loop(V):
-                            part[v] = T.float32(0)
-                        for p in range(P):
-                            for v in S.lane_loop(V):
-                                part[v] = part[v] + dso[b, c, h, p, nb * V + v] * states_in[b, c, h, p, nb * V + v]
-                        for v in range(V):
-                            acc[0] = acc[0] + part[v]
-                    ddecay[b, h, c] = acc[0] * chunk_scale(m, seq_idx, dA_cs, b, h, c, Q, seqlen, d.has_seq_idx)
+        tasks(batch * H * P * NV, lambda i: scan(
+            i, lambda b, h, p, n: dfinal[b, h, p, n] if d.has_dfinal else T.float32(0),
+            lambda b, c, h, p, n, v: T.buffer_store(dso, v, [b, c, h, p, n]),
+            lambda b, c, h, p, n, a, v: dsl[b, c, h, p, n] + a * v,
+            (lambda b, h, p, n, v: T.buffer_store(dinit, v, [b, h, p, n])) if d.has_init else None,
+            dA_cs, seq_idx, seqlen, nchunks))
+        # ddecay_c: one task per (batch, head, chunk), reading the dS_c stored above
+        tasks(batch * H * nchunks, lambda i: ddecay_of(i, dso, states_in, dA_cs, seq_idx, ddecay, seqlen, nchunks))
 
     return func
 
@@ -125,6 +122,19 @@ def head_sum_template(d: HeadSumDims, S: Strategy) -> tirx.PrimFunc:
     R = H // G
     V = S.lanes(N)
     NV = N // V
+    tasks = S.tasks()
+
+    @T.macro
+    def group(i, per_head, out, seqlen):
+        acc = T.alloc_buffer((V,), F32, scope=S.scope)
+        b, t, g, nb = T.meta_var(unravel(i, (None, seqlen, G, NV)))
+        for v in S.lane_loop(V):
+            acc[v] = per_head[b, t, g * R, nb * V + v]
+        for r in range(1, R):
+            for v in S.lane_loop(V):
+                acc[v] = acc[v] + per_head[b, t, g * R + r, nb * V + v]
+        for v in S.lane_loop(V):
+            out[b, t, g, nb * V + v] = acc[v].astype(od)
 
     @T.prim_func
     def func(ph_h: T.handle, o_h: T.handle):
@@ -132,22 +142,7 @@ def head_sum_template(d: HeadSumDims, S: Strategy) -> tirx.PrimFunc:
         seqlen = T.int32()
         per_head = T.match_buffer(ph_h, (batch, seqlen, H, N), F32)
         out = T.match_buffer(o_h, (batch, seqlen, G, N), od)
-        for bx in S.outer(batch * seqlen * G * NV):
-            for tx in S.inner():
-                acc = T.alloc_buffer((V,), F32, scope=S.scope)
-                i = T.meta_var(S.index(bx, tx))
-                b = T.meta_var(i // (seqlen * G * NV))
-                t = T.meta_var(i // (G * NV) % seqlen)
-                g = T.meta_var(i // NV % G)
-                n0 = T.meta_var(i % NV * V)
-                if i < batch * seqlen * G * NV:
-                    for v in S.lane_loop(V):
-                        acc[v] = per_head[b, t, g * R, n0 + v]
-                    for r in range(1, R):
-                        for v in S.lane_loop(V):
-                            acc[v] = acc[v] + per_head[b, t, g * R + r, n0 + v]
-                    for v in S.lane_loop(V):
-                        out[b, t, g, n0 + v] = acc[v].astype(od)
+        tasks(batch * seqlen * G * NV, lambda i: group(i, per_head, out, seqlen))
 
     return func
 

@@ -18,6 +18,7 @@ innermost axis: dstate or headdim). The strategy decides:
   and runs the register-blocked matmul of mm.py (knobs rows / cols / order).
 * ``matmul_rows(M, W, K)``: the product of two row-major operands, out[t, i, j] = sum_k lhs(t, i, k) rhs(t, j, k)
   (C B^T), k ascending: ``scaled_matmul`` with scale 1; the CPU layout stages lhs rows and transposes rhs.
+* ``tasks()``: the task loop as a macro taking the task's body (``unravel`` splits the task index).
 * ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers), and ``math`` (``_math.Math``:
   the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
 
@@ -99,6 +100,34 @@ class Strategy:
             run(extent, lhs, lambda t, k: T.float32(1), lambda t, k, j: rhs(t, j, k), store)
 
         return rows
+
+    def tasks(self):
+        """A macro ``run(extent, body)``: ``body(i)`` (a macro call, or a lambda making one) for every task
+        i < extent, as ``outer`` x ``inner`` loops with the bound check: the task loop of every template."""
+        S = self
+
+        @T.macro
+        def run(extent, body):
+            for bx in S.outer(extent):
+                for tx in S.inner():
+                    i = T.meta_var(S.index(bx, tx))
+                    if i < extent:
+                        body(i)
+
+        return run
+
+
+def unravel(i, extents):
+    """Task index ``i`` as the digits of the mixed radix ``extents`` (outermost first; the first extent bounds
+    nothing): ``unravel(i, (batch, H, P))`` = (i // (H * P), i // P % H, i % P), each digit from i itself."""
+    digits = []
+    for k in range(len(extents)):
+        inner = 1
+        for e in extents[k + 1:]:
+            inner = inner * e
+        d = i // inner if k + 1 < len(extents) else i
+        digits.append(d % extents[k] if k > 0 else d)
+    return tuple(digits)
 
 
 SERIAL = Strategy()

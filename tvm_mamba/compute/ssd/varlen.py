@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32
 from .dims import VarlenDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, Strategy, unravel
 
 
 def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
@@ -46,6 +46,36 @@ def varlen_template(d: VarlenDims, S: Strategy) -> tirx.PrimFunc:
     V = S.lanes(N)  # dstate lanes of a task
     PB = P if S.vector else 1  # headdim rows of a task
     NT = (P // PB) * (N // V)  # tasks per (sequence, head)
+    tasks = S.tasks()
+
+    @T.macro
+    def sequence(i, x, Bm, dt_out, dA_cs, sin, cu, seq_idx, out):
+        st = T.alloc_buffer((1,), I32, scope=S.scope)  # sequence start
+        en = T.alloc_buffer((1,), I32, scope=S.scope)  # sequence end
+        ch = T.alloc_buffer((1,), I32, scope=S.scope)  # its last chunk
+        le = T.alloc_buffer((1,), I32, scope=S.scope)  # its last position in that chunk (-1: empty)
+        w = T.alloc_buffer((1,), F32, scope=S.scope)
+        acc = T.alloc_buffer((PB, V), F32, scope=S.scope)
+        sq, h, pb, nb = T.meta_var(unravel(i, (None, H, P // PB, N // V)))
+        st[0] = cu[sq]
+        en[0] = cu[sq + 1]
+        ch[0] = T.max(en[0] - 1, 0) // Q
+        le[0] = T.Select(en[0] > st[0], en[0] - 1 - ch[0] * Q, -1)
+        w[0] = T.float32(0)
+        if carries(seq_idx, st[0], en[0], ch[0], le[0], Q, d.has_seq_idx):
+            w[0] = m.exp(dA_cs[h, ch[0], le[0]])
+        for p in range(PB):
+            for v in S.lane_loop(V):
+                acc[p, v] = w[0] * sin[ch[0], h, pb * PB + p, nb * V + v].astype(F32)
+        for l in range(T.max(st[0] - ch[0] * Q, 0), le[0] + 1):
+            w[0] = dt_out[h, ch[0], l] * m.exp(dA_cs[h, ch[0], le[0]] - dA_cs[h, ch[0], l])
+            for p in range(PB):
+                for v in S.lane_loop(V):
+                    acc[p, v] = acc[p, v] + w[0] * x[ch[0] * Q + l, h, pb * PB + p].astype(F32) * Bm[
+                        ch[0] * Q + l, h // R, nb * V + v].astype(F32)
+        for p in range(PB):
+            for v in S.lane_loop(V):
+                out[sq, h, pb * PB + p, nb * V + v] = acc[p, v].astype(od)
 
     @T.prim_func
     def func(x_h: T.handle, b_h: T.handle, dto_h: T.handle, dac_h: T.handle, sin_h: T.handle, cu_h: T.handle,
@@ -62,39 +92,7 @@ def varlen_template(d: VarlenDims, S: Strategy) -> tirx.PrimFunc:
         cu = T.match_buffer(cu_h, (ncu,), I32)
         seq_idx = T.match_buffer(s_h, (seqlen,) if d.has_seq_idx else (1,), I32)
         out = T.match_buffer(o_h, (nseqs, H, P, N), od)
-        for bx in S.outer(nseqs * H * NT):
-            for tx in S.inner():
-                st = T.alloc_buffer((1,), I32, scope=S.scope)  # sequence start
-                en = T.alloc_buffer((1,), I32, scope=S.scope)  # sequence end
-                ch = T.alloc_buffer((1,), I32, scope=S.scope)  # its last chunk
-                le = T.alloc_buffer((1,), I32, scope=S.scope)  # its last position in that chunk (-1: empty)
-                w = T.alloc_buffer((1,), F32, scope=S.scope)
-                acc = T.alloc_buffer((PB, V), F32, scope=S.scope)
-                i = T.meta_var(S.index(bx, tx))
-                sq = T.meta_var(i // (H * NT))
-                h = T.meta_var(i // NT % H)
-                p0 = T.meta_var(i // (N // V) % (P // PB) * PB)
-                n0 = T.meta_var(i % (N // V) * V)
-                if i < nseqs * H * NT:
-                    st[0] = cu[sq]
-                    en[0] = cu[sq + 1]
-                    ch[0] = T.max(en[0] - 1, 0) // Q
-                    le[0] = T.Select(en[0] > st[0], en[0] - 1 - ch[0] * Q, -1)
-                    w[0] = T.float32(0)
-                    if carries(seq_idx, st[0], en[0], ch[0], le[0], Q, d.has_seq_idx):
-                        w[0] = m.exp(dA_cs[h, ch[0], le[0]])
-                    for p in range(PB):
-                        for v in S.lane_loop(V):
-                            acc[p, v] = w[0] * sin[ch[0], h, p0 + p, n0 + v].astype(F32)
-                    for l in range(T.max(st[0] - ch[0] * Q, 0), le[0] + 1):
-                        w[0] = dt_out[h, ch[0], l] * m.exp(dA_cs[h, ch[0], le[0]] - dA_cs[h, ch[0], l])
-                        for p in range(PB):
-                            for v in S.lane_loop(V):
-                                acc[p, v] = acc[p, v] + w[0] * x[ch[0] * Q + l, h, p0 + p].astype(F32) * Bm[
-                                    ch[0] * Q + l, h // R, n0 + v].astype(F32)
-                    for p in range(PB):
-                        for v in S.lane_loop(V):
-                            out[sq, h, p0 + p, n0 + v] = acc[p, v].astype(od)
+        tasks(nseqs * H * NT, lambda i: sequence(i, x, Bm, dt_out, dA_cs, sin, cu, seq_idx, out))
 
     return func
 
