@@ -37,11 +37,14 @@ vector code on CPU (see the CPU rule). Layout of the package:
     common.py    the shared math (decay step, dt', segment decays and masks, the gate)
     strategy.py  how a template is laid onto the machine (serial here; CPU / CUDA in schedules/<target>/ssd.py)
     dt.py, passing.py          chunk_cumsum(_bwd), state_passing(_bwd), head_sum: one template each
-    chunk_state.py, scan.py, scan_bwd.py, varlen.py, mm.py   the chunk-matmul kernels (CPU loop nests;
-                 schedules/cuda/ssd.py has their CUDA templates, see docs/ssd.md)
+    bmm.py, chunk_state.py, dstates.py, varlen.py   bmm_chunk, chunk_state, chunk_scan_bwd_dstates,
+                 chunk_state_varlen: one template each (the chunk matmuls through the strategy's)
+    scan.py, scan_bwd.py, mm.py   chunk_scan and its backward (CPU loop nests; schedules/cuda/ssd.py has their
+                 CUDA templates, see docs/ssd.md) and the CPU's register-blocked matmul
 
 A builder takes its dims (``ssd_chunk_scan(ScanDims(...))``, or the fields as keywords) and returns the
-PrimFunc the rules reschedule: the templated kernels laid out serially, the others as their CPU loop nests.
+PrimFunc the rules reschedule: the templated kernels laid out serially (``strategy=``: another layout), the
+others as their CPU loop nests.
 """
 from __future__ import annotations
 
