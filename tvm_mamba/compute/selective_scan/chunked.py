@@ -81,7 +81,7 @@ def _passes(dims: ScanDims, L: Layout, sm: ScanMath):
     @T.macro
     def fixup(u, delta, db, A, Bm, Cm, Dv, z, ck, out, seqlen, b, d, c):
         """Pass 3: chunk c again from its checkpoint, writing the outputs."""
-        h = T.alloc_buffer((N,), ACC)
+        h = T.alloc_buffer((N, 1), ACC)
         yv = T.alloc_buffer((1, L.V), ACC)
         s = T.alloc_buffer((3,), ACC)
         dtb = T.alloc_buffer((chunk,), ACC)
@@ -89,11 +89,11 @@ def _passes(dims: ScanDims, L: Layout, sm: ScanMath):
         NT = T.min(seqlen - c * chunk, chunk)  # a let: bound analysis of the meta_var form overflows
         for ko in L.st_outer(N):
             for ki in L.st_inner():
-                h[L.reg(ko, ki)] = ck[b, d, c, L.state(ko, ki, 0)]
+                h[L.reg(ko, ki), 0] = ck[b, d, c, L.state(ko, ki, 0)]
         chunk_dt(delta, db, dtb, b, d, c, NT)
         for i in range(NT):
             s[0] = dtb[i]
-            step(u, A, Bm, Cm, h, yv, s, b, d, c * chunk + i, 0)
+            step(u, A, Bm, Cm, Dv, A, Bm, Cm, h, yv, s, b, d, c * chunk + i, 0)
             yb[i] = s[2]
         chunk_out(u, Dv, z, out, yb, b, d, c, NT)
 
