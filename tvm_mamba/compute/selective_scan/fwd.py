@@ -14,6 +14,7 @@ from tvm.script import tirx as T
 
 from ._dims import ScanDims
 from ._layout import Layout
+from ._signature import scan_kernel
 from ._step import ScanMath
 
 
@@ -93,7 +94,7 @@ def step_macro(dims: ScanDims, L: Layout, sm: ScanMath):
 
 def fwd_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     """The forward loop nest of ``dims`` laid out by ``L`` (shapes: ``selective_scan_fwd``)."""
-    N, chunk, ACC, UT, G = dims.dstate, dims.chunk, dims.acc, dims.u_dtype, L.chans
+    N, chunk, ACC, G = dims.dstate, dims.chunk, dims.acc, L.chans
     m, TB, SCOPE, ST = L.math, L.time_batched, L.scope, L.stage_params
     assert dims.dim % G == 0 and not (TB and G > 1), "a lane of several channels computes per-step math inline"
     sm = ScanMath(dims, m)
@@ -157,24 +158,8 @@ def fwd_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
                     for e in L.chan_loop():
                         last[b, d0 + e, L.state(ko, ki, j)] = h[L.reg(ko, ki), e]
 
-    @T.prim_func
-    def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
-            z_h: T.handle, db_h: T.handle, init_h: T.handle, out_h: T.handle, last_h: T.handle, ck_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunk = T.meta_var(L.nchunk(seqlen, chunk))  # checkpoints: the state before each chunk
-        u = T.match_buffer(u_h, (batch, dims.dim, seqlen), UT)
-        delta = T.match_buffer(delta_h, (batch, dims.dim, seqlen), UT)
-        A = T.match_buffer(A_h, (dims.dim, N), ACC)
-        Bm = T.match_buffer(B_h, (batch, dims.b_groups, seqlen, N) if VARB else (dims.dim, N), dims.B_dtype)
-        Cm = T.match_buffer(C_h, (batch, dims.c_groups, seqlen, N) if VARC else (dims.dim, N), dims.C_dtype)
-        Dv = T.match_buffer(D_h, (dims.dim,) if dims.has_D else (1,), ACC)
-        z = T.match_buffer(z_h, (batch, dims.dim, seqlen) if dims.has_z else (1, 1, 1), UT)
-        db = T.match_buffer(db_h, (dims.dim,) if dims.has_delta_bias else (1,), ACC)
-        init = T.match_buffer(init_h, (batch, dims.dim, N) if has_init else (1, 1, 1), ACC)
-        out = T.match_buffer(out_h, (batch, dims.dim, seqlen), UT)
-        last = T.match_buffer(last_h, (batch, dims.dim, N), ACC)
-        ck = T.match_buffer(ck_h, (batch, dims.dim, nchunk, N), ACC)
+    @T.macro
+    def body(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, batch, seqlen, nchunk):
         for lo in L.lane_outer(batch * NL):
             for li in L.lane_inner():
                 if L.lane_guard(lo, li, batch * NL):
@@ -183,4 +168,4 @@ def fwd_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
                               lane // NL, lane % NL * G if G > 1 else lane % NL, L.thread(li),
                               L.lane_ok(lo, li, batch * NL))
 
-    return fwd
+    return scan_kernel(dims, L, body)
