@@ -18,58 +18,33 @@ import torch
 from torch import Tensor
 
 from ..compute._selective_scan_dims import block_size, chunk_size
-from ._dlpack import dummy, kernel_for, prepare, run_op, tvm_dtype
-
-OP = "selective_scan"
+from ..compute.selective_scan import ScanBwdDims, ScanDims
+from ._dlpack import dummy, kernel_for, prepare, run_op
+from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
 
 def complex_chunk(dstate: int) -> int:
     return chunk_size(2 * dstate)
 
 
-def _acc(u: Tensor) -> torch.dtype:
-    return torch.float64 if u.dtype == torch.float64 else torch.float32
-
-
 def _groups(M: Tensor) -> int:
     return M.shape[1] if M.dim() == 5 else 0
 
 
-def _static(u, A, B, C, D, z, delta_bias, delta_softplus, initial_state) -> dict:
-    return dict(dim=u.shape[1], dstate=A.shape[1], b_groups=_groups(B), c_groups=_groups(C), has_D=D is not None,
-                has_z=z is not None, has_delta_bias=delta_bias is not None, delta_softplus=bool(delta_softplus),
-                has_init=initial_state is not None, chunk=complex_chunk(A.shape[1]))
-
-
-def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
-    return prepare(t) if t is not None else dummy(like.device, dtype, ndim)
-
-
-def _dtypes(u, B, C) -> dict:
-    return {"u": tvm_dtype(u), "B": tvm_dtype(B), "C": tvm_dtype(C)}
+def _dims(cls, u, A, Bk, Ck, D, z, delta_bias, delta_softplus, initial_state, **extra):
+    """``scan_dims`` of kernel-layout B / C with the complex scan's checkpoint chunk."""
+    return scan_dims(cls, u, A, Bk, _groups(Bk), Ck, _groups(Ck), D, z, delta_bias, delta_softplus, initial_state,
+                     complex_chunk(A.shape[1]), **extra)
 
 
 def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                   z: Optional[Tensor], delta_bias: Optional[Tensor], initial_state: Optional[Tensor],
                   delta_softplus: bool, out: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The forward kernel -> (out, last_state, checkpoints); run by the forward op and again by the backward
-    op to rebuild the checkpoints (same kernel, same inputs: bitwise the same). out: a buffer to write out
-    into (the backward passes du, which its kernel overwrites next)."""
-    batch, dim, seqlen = u.shape
-    dstate, acc = A.shape[1], _acc(u)
-    static = _static(u, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
-    nchunk = -(-seqlen // static["chunk"])
-    u, delta, Bk, Ck = prepare(u), prepare(delta), prepare(B), prepare(C)
-    out = torch.empty_like(u) if out is None else out
-    last = u.new_empty((batch, dim, dstate, 2), dtype=acc)
-    ck = u.new_empty((batch, dim, nchunk, dstate, 2), dtype=acc)
-    if batch * dim == 0:
-        last.copy_(initial_state) if initial_state is not None else last.zero_()
-        return out, last, ck.zero_()
-    kern = kernel_for(OP, "fwd_complex", u.device, _dtypes(u, Bk, Ck), static, seqlen=seqlen)
-    kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
-         _opt(initial_state, u, acc, 4), out, last, ck)
-    return out, last, ck
+    op to rebuild the checkpoints (same kernel, same inputs: bitwise the same; out: ``scan_forward``)."""
+    Bk, Ck = prepare(B), prepare(C)
+    dims = _dims(ScanDims, u, A, Bk, Ck, D, z, delta_bias, delta_softplus, initial_state)
+    return scan_forward("fwd_complex", dims, u, delta, A, Bk, Ck, D, z, delta_bias, initial_state, out)
 
 
 @torch.library.custom_op("tvm_mamba::selective_scan_complex_fwd", mutates_args=())
@@ -84,11 +59,7 @@ def selective_scan_complex_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
 
 @selective_scan_complex_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
-    batch, dim, seqlen = u.shape
-    dstate, acc = A.shape[1], _acc(u)
-    nchunk = -(-seqlen // complex_chunk(dstate))
-    return (torch.empty_like(u, memory_format=torch.contiguous_format),
-            u.new_empty((batch, dim, dstate, 2), dtype=acc), u.new_empty((batch, dim, nchunk, dstate, 2), dtype=acc))
+    return (torch.empty_like(u, memory_format=torch.contiguous_format), *new_states(u, A, complex_chunk(A.shape[1])))
 
 
 @torch.library.custom_op("tvm_mamba::selective_scan_complex_bwd", mutates_args=())
@@ -101,11 +72,11 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
     optional inputs get (0,) gradients. checkpoints: the forward's, or None (what autograd passes): rebuilt
     here by one run of the forward kernel (a single chunk: the initial state)."""
     batch, dim, seqlen = u.shape
-    dstate, acc = A.shape[1], _acc(u)
-    static = _static(u, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
-    bg, cg = static["b_groups"], static["c_groups"]
-    static["block"] = blk = block_size(dim, bg, cg)
+    dstate, acc = A.shape[1], acc_of(u)
     u, delta, Bk, Ck = prepare(u), prepare(delta), prepare(B), prepare(C)
+    bg, cg = _groups(Bk), _groups(Ck)
+    blk = block_size(dim, bg, cg)
+    dims = _dims(ScanBwdDims, u, A, Bk, Ck, D, z, delta_bias, delta_softplus, initial_state, block=blk)
     dout = prepare(dout.to(u.dtype))
     dlast = prepare(dlast.to(acc)) if dlast is not None else u.new_zeros((batch, dim, dstate, 2), dtype=acc)
     du, ddelta, dA, dB, dC = (torch.empty_like(t) for t in (u, u, prepare(A), Bk, Ck))
@@ -119,7 +90,7 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
         if initial_state is not None:
             dinit.copy_(dlast)
     else:
-        if checkpoints is None and seqlen <= static["chunk"]:  # one chunk: its checkpoint is the initial state
+        if checkpoints is None and seqlen <= dims.chunk:  # one chunk: its checkpoint is the initial state
             checkpoints = (prepare(initial_state.to(acc)).unsqueeze(2) if initial_state is not None
                            else u.new_zeros((batch, dim, 1, dstate, 2), dtype=acc))
         if checkpoints is None:
@@ -130,9 +101,9 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
         wsB = torch.empty((batch, dim // blk, seqlen, dstate, 2) if bg else (batch, dim, dstate, 2), **ws)
         wsC = torch.empty((batch, dim // blk, seqlen, dstate, 2) if cg else (batch, dim, dstate, 2), **ws)
         wsS = torch.empty((batch, dim, 2), **ws)
-        kern = kernel_for(OP, "bwd_complex", u.device, _dtypes(u, Bk, Ck), static, seqlen=seqlen)
-        kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
-             _opt(initial_state, u, acc, 4), prepare(checkpoints), dout, dlast,
+        kern = kernel_for(OP, "bwd_complex", u.device, dims, seqlen=seqlen)
+        kern(u, delta, prepare(A), Bk, Ck, opt(D, u, acc, 1), opt(z, u, u.dtype, 3), opt(delta_bias, u, acc, 1),
+             opt(initial_state, u, acc, 4), prepare(checkpoints), dout, dlast,
              du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, wsA, wsB, wsC, wsS)
     empty = lambda: u.new_empty((0,), dtype=acc)  # noqa: E731  (one per output: outputs may not alias)
     return (du, ddelta, dA, dB, dC, dD if D is not None else empty(), dz if z is not None else u.new_empty((0,)),
@@ -141,7 +112,7 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
 
 @selective_scan_complex_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, checkpoints, dout, dlast, delta_softplus):
-    acc = _acc(u)
+    acc = acc_of(u)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     empty = lambda: u.new_empty((0,), dtype=acc)  # noqa: E731
     return (like(u), like(u), like(A), like(B), like(C), like(D) if D is not None else empty(),

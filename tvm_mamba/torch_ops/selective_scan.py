@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from ..compute._selective_scan_dims import block_size, chunk_size
+from ..compute.selective_scan import ScanBwdDims, ScanDims, UpdateDims
 from ._selective_scan_complex import complex_scan
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
                       prepare, run_op, tvm_dtype)
-
-OP = "selective_scan"
+from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
 
 def chunk_for(dstate: int) -> int:
@@ -66,10 +66,6 @@ def fwd_direction(batch: int, dim: int, seqlen: int, chunk: int, device_type: st
     return "fwd_chunked" if chunked_speed > 1.2 * min(cores, seq_lanes) else "fwd"
 
 
-def _acc(u: Tensor) -> torch.dtype:
-    return torch.float64 if u.dtype == torch.float64 else torch.float32
-
-
 def _bc_kernel(M: Tensor) -> tuple[Tensor, int]:
     """B/C in the kernel layout: (dim, dstate) stays; (batch, dstate, L) / (batch, g, dstate, L) become
     (batch, g, L, dstate) contiguous. Returns (tensor, groups) with groups 0 for time-invariant."""
@@ -88,14 +84,10 @@ def _bc_user(dM: Tensor, like: Tensor) -> Tensor:
     return (dM.squeeze(1) if like.dim() == 3 else dM).contiguous()
 
 
-def _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state) -> dict:
-    return dict(dim=u.shape[1], dstate=A.shape[1], b_groups=bg, c_groups=cg, has_D=D is not None,
-                has_z=z is not None, has_delta_bias=delta_bias is not None, delta_softplus=bool(delta_softplus),
-                has_init=initial_state is not None, chunk=chunk_for(A.shape[1]))
-
-
-def _opt(t: Optional[Tensor], like: Tensor, dtype, ndim: int) -> Tensor:
-    return prepare(t) if t is not None else dummy(like.device, dtype, ndim)
+def _dims(cls, u, A, Bk, bg, Ck, cg, D, z, delta_bias, delta_softplus, initial_state, **extra):
+    """``scan_dims`` with the real scan's checkpoint chunk."""
+    return scan_dims(cls, u, A, Bk, bg, Ck, cg, D, z, delta_bias, delta_softplus, initial_state,
+                     chunk_for(A.shape[1]), **extra)
 
 
 def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, Bk: Tensor, bg: int, Ck: Tensor, cg: int,
@@ -105,25 +97,11 @@ def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, Bk: Tensor, bg: int, Ck: 
     """The forward kernel on kernel-layout B/C (``_bc_kernel``) -> (out, last_state, checkpoints). Called by
     the forward op and again by the backward op to rebuild the checkpoints: the same kernel (``fwd_direction``
     depends on the shape only) on the same inputs, so the rebuilt checkpoints are bitwise the forward's.
-    out: a (batch, dim, seqlen) buffer in u's dtype to write out into (the backward passes du, which its
-    kernel overwrites next: the rebuild allocates only the checkpoints)."""
+    out: a (batch, dim, seqlen) buffer in u's dtype to write out into (``scan_forward``)."""
     batch, dim, seqlen = u.shape
-    dstate, acc = A.shape[1], _acc(u)
-    static = _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state)
-    nchunk = -(-seqlen // static["chunk"])
-    u, delta = prepare(u), prepare(delta)
-    out = torch.empty_like(u) if out is None else out
-    last = u.new_empty((batch, dim, dstate), dtype=acc)
-    ck = u.new_empty((batch, dim, nchunk, dstate), dtype=acc)
-    if batch * dim == 0:  # nothing to scan (an empty grid is refused by TVM's argument checks)
-        last.copy_(initial_state) if initial_state is not None else last.zero_()
-        return out, last, ck.zero_()
-    direction = fwd_direction(batch, dim, seqlen, static["chunk"], kernel_device_type(u.device))
-    kern = kernel_for(OP, direction, u.device, {"u": tvm_dtype(u), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)}, static,
-                      seqlen=seqlen)
-    kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
-         _opt(initial_state, u, acc, 3), out, last, ck)
-    return out, last, ck
+    dims = _dims(ScanDims, u, A, Bk, bg, Ck, cg, D, z, delta_bias, delta_softplus, initial_state)
+    direction = fwd_direction(batch, dim, seqlen, dims.chunk, kernel_device_type(u.device))
+    return scan_forward(direction, dims, u, delta, A, Bk, Ck, D, z, delta_bias, initial_state, out)
 
 
 @torch.library.custom_op("tvm_mamba::selective_scan_fwd", mutates_args=())
@@ -140,11 +118,7 @@ def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
 
 @selective_scan_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
-    batch, dim, seqlen = u.shape
-    dstate, acc = A.shape[1], _acc(u)
-    nchunk = -(-seqlen // chunk_for(dstate))
-    return (torch.empty_like(u, memory_format=torch.contiguous_format),
-            u.new_empty((batch, dim, dstate), dtype=acc), u.new_empty((batch, dim, nchunk, dstate), dtype=acc))
+    return (torch.empty_like(u, memory_format=torch.contiguous_format), *new_states(u, A, chunk_for(A.shape[1])))
 
 
 def _empty0(like: Tensor) -> Tensor:
@@ -161,11 +135,11 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     the forward's, or None (what autograd passes): rebuilt here by one run of the forward kernel, held only
     while this op runs."""
     batch, dim, seqlen = u.shape
-    dstate, acc = A.shape[1], _acc(u)
+    dstate, acc = A.shape[1], acc_of(u)
     Bk, bg = _bc_kernel(B)
     Ck, cg = _bc_kernel(C)
-    static = _static(u, A, bg, cg, D, z, delta_bias, delta_softplus, initial_state)
-    static["block"] = blk = block_size(dim, bg, cg)
+    blk = block_size(dim, bg, cg)
+    dims = _dims(ScanBwdDims, u, A, Bk, bg, Ck, cg, D, z, delta_bias, delta_softplus, initial_state, block=blk)
     u, delta = prepare(u), prepare(delta)
     dout = prepare(dout.to(u.dtype))
     dlast = prepare(dlast.to(acc)) if dlast is not None else u.new_zeros((batch, dim, dstate), dtype=acc)
@@ -185,7 +159,7 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
         return (du, ddelta, dA, _bc_user(dBk, B), _bc_user(dCk, C),
                 dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
                 ddb if delta_bias is not None else _empty0(ddb), dinit if initial_state is not None else _empty0(dinit))
-    if checkpoints is None and seqlen <= static["chunk"]:  # one chunk: its checkpoint is the initial state
+    if checkpoints is None and seqlen <= dims.chunk:  # one chunk: its checkpoint is the initial state
         checkpoints = (prepare(initial_state.to(acc)).unsqueeze(2) if initial_state is not None
                        else u.new_zeros((batch, dim, 1, dstate), dtype=acc))
     if checkpoints is None:
@@ -196,10 +170,9 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     wsB = torch.empty((batch, dim // blk, seqlen, dstate) if bg else (batch, dim, dstate), **ws)
     wsC = torch.empty((batch, dim // blk, seqlen, dstate) if cg else (batch, dim, dstate), **ws)
     wsS = torch.empty((batch, dim, 2), **ws)
-    kern = kernel_for(OP, "bwd", u.device, {"u": tvm_dtype(u), "B": tvm_dtype(Bk), "C": tvm_dtype(Ck)}, static,
-                      seqlen=seqlen)
-    kern(u, delta, prepare(A), Bk, Ck, _opt(D, u, acc, 1), _opt(z, u, u.dtype, 3), _opt(delta_bias, u, acc, 1),
-         _opt(initial_state, u, acc, 3), prepare(checkpoints), dout, dlast,
+    kern = kernel_for(OP, "bwd", u.device, dims, seqlen=seqlen)
+    kern(u, delta, prepare(A), Bk, Ck, opt(D, u, acc, 1), opt(z, u, u.dtype, 3), opt(delta_bias, u, acc, 1),
+         opt(initial_state, u, acc, 3), prepare(checkpoints), dout, dlast,
          du, ddelta, dA, dBk, dCk, dD, ddb, dz, dinit, wsA, wsB, wsC, wsS)
     return (du, ddelta, dA, _bc_user(dBk, B), _bc_user(dCk, C),
             dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
@@ -208,7 +181,7 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
 
 @selective_scan_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, checkpoints, dout, dlast, delta_softplus):
-    acc = _acc(u)
+    acc = acc_of(u)
     like = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     return (like(u), like(u), like(A), like(B), like(C),
             like(D) if D is not None else u.new_empty((0,), dtype=acc),
@@ -255,20 +228,19 @@ def _check_slots(idx: Tensor, nstate: int) -> None:
                          "place; a shared slot would be a race)")
 
 
-def _update_dtypes(state: Tensor, x: Tensor, dt: Tensor, B: Tensor, C: Tensor, z: Optional[Tensor],
-                   idx: Optional[Tensor]) -> dict:
-    """Kernel-key dtypes of the decode step: x/B/C always; state, dt, z and the index dtype only where they
-    differ from the defaults (accumulation dtype; x's dtype; no indices)."""
-    dts = {"x": tvm_dtype(x), "B": tvm_dtype(B), "C": tvm_dtype(C)}
-    if state.dtype != _acc(x):
-        dts["state"] = tvm_dtype(state)
-    if dt.dtype != x.dtype:
-        dts["dt"] = tvm_dtype(dt)
-    if z is not None and z.dtype != x.dtype:
-        dts["z"] = tvm_dtype(z)
-    if idx is not None:
-        dts["idx"] = tvm_dtype(idx)
-    return dts
+def _update_dims(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                 z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
+                 idx: Optional[Tensor]) -> UpdateDims:
+    """The decode step's typed dims: the state, dt and z dtypes and the index dtype stay None where they are
+    the defaults (accumulation dtype; x's dtype; no indices), and ``tie_hdim`` False for the untied kernel,
+    so those kernels keep their keys (and tuning records)."""
+    _, nheads, headdim, dstate = state.shape
+    other = lambda t, default: tvm_dtype(t) if t is not None and t.dtype != default else None  # noqa: E731
+    return UpdateDims.cached(
+        nheads=nheads, headdim=headdim, dstate=dstate, ngroups=B.shape[1], has_D=D is not None, has_z=z is not None,
+        has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus), x_dtype=tvm_dtype(x),
+        B_dtype=tvm_dtype(B), C_dtype=tvm_dtype(C), state_dtype=other(state, acc_of(x)), dt_dtype=other(dt, x.dtype),
+        z_dtype=other(z, x.dtype), idx_dtype=tvm_dtype(idx) if idx is not None else None, tie_hdim=A.dim() == 1)
 
 
 @torch.library.custom_op("tvm_mamba::selective_state_update", mutates_args=("state",))
@@ -282,7 +254,7 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     dt (batch, nheads), D, dt_bias (nheads,)."""
     nstate, nheads, headdim, dstate = state.shape
     tie = A.dim() == 1
-    acc = _acc(x)
+    acc = acc_of(x)
     if state_batch_indices is not None:
         _check_slots(state_batch_indices, nstate)
     xk, st = prepare(x), prepare(state)
@@ -290,15 +262,12 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     if x.shape[0] * nheads * headdim == 0:
         return out
     Bk, Ck = prepare(B), prepare(C)
-    static = dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=B.shape[1], has_D=D is not None,
-                  has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus))
-    if tie:  # absent otherwise: the untied kernel keeps its key (and its tuning records)
-        static["tie_hdim"] = True
-    kern = kernel_for(OP, "update", x.device, _update_dtypes(state, x, dt, B, C, z, state_batch_indices), static)
+    dims = _update_dims(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+    kern = kernel_for(OP, "update", x.device, dims)
     vec = 1 if tie else 2  # D / dt_bias rank; an absent one is the kernel's (1, 1) placeholder in both forms
-    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, _opt(D, x, acc, vec if D is not None else 2),
-         _opt(z, x, x.dtype, 3), _opt(dt_bias, x, acc, vec if dt_bias is not None else 2),
-         _opt(state_batch_indices, x, torch.int32, 1), out)
+    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, opt(D, x, acc, vec if D is not None else 2),
+         opt(z, x, x.dtype, 3), opt(dt_bias, x, acc, vec if dt_bias is not None else 2),
+         opt(state_batch_indices, x, torch.int32, 1), out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
         state.copy_(st)
     return out
@@ -344,7 +313,7 @@ def _check_complex(u, A, B, C, D, z, delta_bias, initial_state):
     """Inputs of the complex-A path (mamba_ssm's complex kernels): A complex64 (complex128 with float64 u);
     time-invariant B/C complex (or real: its real part), varying B/C real with (re, im) interleaved in time."""
     batch, dim, seqlen = u.shape
-    acc = _acc(u)
+    acc = acc_of(u)
     cdt = torch.complex128 if acc == torch.float64 else torch.complex64
     check_tensor("A", A, ndim=2, dtypes=(cdt,), device=u.device)
     if A.shape[0] != dim or A.shape[1] < 1:
@@ -400,7 +369,7 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     batch, dim, seqlen = u.shape
     if seqlen < 1:
         raise ValueError(f"u: seqlen must be >= 1, got shape {tuple(u.shape)}")
-    acc = _acc(u)
+    acc = acc_of(u)
     check_tensor("delta", delta, ndim=3, dtypes=(u.dtype,), device=u.device)
     check_shape("delta", delta, u.shape)
     if isinstance(A, Tensor) and A.is_complex():
@@ -425,7 +394,7 @@ def _check_update_tensors(state, x, dt, A, B, C, D, z, dt_bias, heads: bool, bat
     """Dtypes/shapes of selective_state_update's tensors (any float mix mamba_ssm's Triton kernel loads:
     every input is widened to fp32 there; here float64 x means an all-float64 kernel, for gradcheck-style
     checks)."""
-    acc = _acc(x)
+    acc = acc_of(x)
     io = _io_dtypes(x)
     check_tensor("state", state, ndim=x.dim() + 1, dtypes=io, device=x.device)
     if tuple(state.shape[1:-1]) != tuple(x.shape[1:]):
@@ -499,7 +468,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     dt' = softplus?(dt + dt_bias); state = exp(dt' A) state + dt' B x; out = (C . state + D x) * silu(z).
     """
     check_tensor("x", x, dtypes=FLOATS + (torch.float64,))
-    acc = _acc(x)
+    acc = acc_of(x)
     if x.dim() not in (2, 3):
         raise ValueError(f"x: expected (batch, dim) or (batch, nheads, headdim), got shape {tuple(x.shape)}")
     heads = x.dim() == 3

@@ -11,6 +11,10 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
   ``n = state(ko, ki, j)``; lane-local state buffers have ``regs(N)`` entries indexed ``reg(ko, ki)``
   (all N on one thread; N / W on each of W warp threads), vector partials of a dstate sum have ``V`` entries
   indexed ``ki``;
+- **channels** (forward): a lane is one batch row and ``chans`` consecutive channels (1, or a vector of
+  channels when the layout's vector axis is channels instead of dstate), visited by ``chan_loop()``;
+  ``stage_params`` copies A and a time-invariant B / C into the lane, ``y_from_skip`` starts y's partial
+  from D u;
 - **sums over dstate**: the macros ``reduce(dst, i, parts, row)`` (dst[i] = the sum of the partials
   parts[row, :] over the lane, in the layout's order) and ``reduce_plus(dst, i, parts, row, init)`` (plus ``init``,
   in the order the layout's kernels always used: first on a CPU vector, last after a warp butterfly),
@@ -36,6 +40,9 @@ class Layout:
     """Serial lanes, serial dstate loop of ``vec`` (1: scalar) per step, lane-local buffers in ``scope``."""
 
     time_batched = True
+    chans = 1  # channels per forward lane (the CPU's channels layout: a vector of them)
+    stage_params = False  # forward: copy A and a time-invariant B / C into the lane once (transposed)
+    y_from_skip = False  # forward: y's partial starts from D u (one partial per channel), not 0 + D u after
 
     def __init__(self, math: Math, vec: int = 1, tvec: int = 16, scope: str = "global", lanes_per_block: int = 1):
         self.math, self.V, self.tvec, self.scope = math, vec, tvec, scope
@@ -54,6 +61,10 @@ class Layout:
 
     def vec_loop(self, n):
         return T.serial(n)
+
+    def chan_loop(self):
+        """Over a forward lane's ``chans`` channel slots (one: a loop of one the lowering removes)."""
+        return T.serial(self.chans)
 
     # --- lanes
     def lane_outer(self, total):

@@ -62,9 +62,9 @@ class ScanMath:
         """D u (0 without D)."""
         return Dv[d] * self.m.cast(u[b, d, t]) if self.d.has_D else self.m.zero
 
-    def finish(self, y, u, Dv, z, b, d, t):
-        """out = (y + D u) * silu(z) in u's dtype."""
-        y = y + self.skip(Dv, u, b, d, t)
+    def finish(self, y, u, Dv, z, b, d, t, skip: bool = True):
+        """out = (y + D u) * silu(z) in u's dtype (``skip`` False: y already holds D u)."""
+        y = y + self.skip(Dv, u, b, d, t) if skip else y
         return (y * self.m.silu(self.z_at(z, b, d, t)) if self.d.has_z else y).astype(self.d.u_dtype)
 
     @staticmethod

@@ -13,6 +13,7 @@ from tvm.script import tirx as T
 
 from ._dims import ScanBwdDims
 from ._layout import Layout
+from ._signature import scan_kernel
 from ._step import ScanMath, adjoint_state
 
 
@@ -247,48 +248,15 @@ def _stage2_macros(dims: ScanBwdDims, L: Layout, m):
 
 def bwd_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     """The backward loop nest of ``dims`` laid out by ``L`` (shapes: ``selective_scan_bwd``)."""
-    N, chunk, ACC, UT, dim = dims.dstate, dims.chunk, dims.acc, dims.u_dtype, dims.dim
-    NBLK, VARB, VARC = dims.nblocks, dims.varying_B, dims.varying_C
+    dim, NBLK, VARB, VARC = dims.dim, dims.nblocks, dims.varying_B, dims.varying_C
     sm = ScanMath(dims, L.math)
     lane = _lane_macro(dims, L, sm)
     per_channel, group_rows = _stage2_macros(dims, L, L.math)
     bg, cg = dims.b_groups, dims.c_groups
-    opt = lambda cond, shape: shape if cond else (1,) * len(shape)  # noqa: E731  (absent input placeholder)
 
-    @T.prim_func
-    def bwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
-            z_h: T.handle, db_h: T.handle, init_h: T.handle, ck_h: T.handle, dout_h: T.handle, dlast_h: T.handle,
-            du_h: T.handle, ddelta_h: T.handle, dA_h: T.handle, dB_h: T.handle, dC_h: T.handle, dD_h: T.handle,
-            ddb_h: T.handle, dz_h: T.handle, dinit_h: T.handle,
-            wsA_h: T.handle, wsB_h: T.handle, wsC_h: T.handle, wsS_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunk = T.meta_var(L.nchunk(seqlen, chunk))  # checkpoints: the state before each chunk
-        u = T.match_buffer(u_h, (batch, dim, seqlen), UT)
-        delta = T.match_buffer(delta_h, (batch, dim, seqlen), UT)
-        A = T.match_buffer(A_h, (dim, N), ACC)
-        Bm = T.match_buffer(B_h, (batch, bg, seqlen, N) if VARB else (dim, N), dims.B_dtype)
-        Cm = T.match_buffer(C_h, (batch, cg, seqlen, N) if VARC else (dim, N), dims.C_dtype)
-        Dv = T.match_buffer(D_h, opt(dims.has_D, (dim,)), ACC)
-        z = T.match_buffer(z_h, opt(dims.has_z, (batch, dim, seqlen)), UT)
-        db = T.match_buffer(db_h, opt(dims.has_delta_bias, (dim,)), ACC)
-        init = T.match_buffer(init_h, opt(dims.has_init, (batch, dim, N)), ACC)  # noqa: F841  (signature)
-        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N), ACC)
-        dout = T.match_buffer(dout_h, (batch, dim, seqlen), UT)
-        dlast = T.match_buffer(dlast_h, (batch, dim, N), ACC)
-        du = T.match_buffer(du_h, (batch, dim, seqlen), UT)
-        ddelta = T.match_buffer(ddelta_h, (batch, dim, seqlen), UT)
-        dA = T.match_buffer(dA_h, (dim, N), ACC)
-        dB = T.match_buffer(dB_h, (batch, bg, seqlen, N) if VARB else (dim, N), dims.B_dtype)
-        dC = T.match_buffer(dC_h, (batch, cg, seqlen, N) if VARC else (dim, N), dims.C_dtype)
-        dD = T.match_buffer(dD_h, opt(dims.has_D, (dim,)), ACC)
-        ddb = T.match_buffer(ddb_h, opt(dims.has_delta_bias, (dim,)), ACC)
-        dz = T.match_buffer(dz_h, opt(dims.has_z, (batch, dim, seqlen)), UT)
-        dinit = T.match_buffer(dinit_h, opt(dims.has_init, (batch, dim, N)), ACC)
-        wsA = T.match_buffer(wsA_h, (batch, dim, N), ACC)
-        wsB = T.match_buffer(wsB_h, (batch, NBLK, seqlen, N) if VARB else (batch, dim, N), ACC)
-        wsC = T.match_buffer(wsC_h, (batch, NBLK, seqlen, N) if VARC else (batch, dim, N), ACC)
-        wsS = T.match_buffer(wsS_h, (batch, dim, 2), ACC)
+    @T.macro
+    def body(u, delta, A, Bm, Cm, Dv, z, db, init, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit,
+             wsA, wsB, wsC, wsS, batch, seqlen, nchunk):
         for lo in L.lane_outer(batch * NBLK):
             for li in L.lane_inner():
                 if L.lane_guard(lo, li, batch * NBLK):
@@ -306,4 +274,4 @@ def bwd_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
         if VARC:
             group_rows(wsC, dC, cg, batch, seqlen)
 
-    return bwd
+    return scan_kernel(dims, L, body, backward=True)

@@ -23,6 +23,7 @@ from tvm.script import tirx as T
 
 from ._dims import ScanDims
 from ._layout import Layout
+from ._signature import scan_kernel
 from ._step import ScanMath
 from .fwd import _chunk_macros, step_macro
 
@@ -81,7 +82,7 @@ def _passes(dims: ScanDims, L: Layout, sm: ScanMath):
     @T.macro
     def fixup(u, delta, db, A, Bm, Cm, Dv, z, ck, out, seqlen, b, d, c):
         """Pass 3: chunk c again from its checkpoint, writing the outputs."""
-        h = T.alloc_buffer((N,), ACC)
+        h = T.alloc_buffer((N, 1), ACC)
         yv = T.alloc_buffer((1, L.V), ACC)
         s = T.alloc_buffer((3,), ACC)
         dtb = T.alloc_buffer((chunk,), ACC)
@@ -89,11 +90,11 @@ def _passes(dims: ScanDims, L: Layout, sm: ScanMath):
         NT = T.min(seqlen - c * chunk, chunk)  # a let: bound analysis of the meta_var form overflows
         for ko in L.st_outer(N):
             for ki in L.st_inner():
-                h[L.reg(ko, ki)] = ck[b, d, c, L.state(ko, ki, 0)]
+                h[L.reg(ko, ki), 0] = ck[b, d, c, L.state(ko, ki, 0)]
         chunk_dt(delta, db, dtb, b, d, c, NT)
         for i in range(NT):
             s[0] = dtb[i]
-            step(u, A, Bm, Cm, h, yv, s, b, d, c * chunk + i, 0)
+            step(u, A, Bm, Cm, Dv, A, Bm, Cm, h, yv, s, b, d, c * chunk + i, 0)
             yb[i] = s[2]
         chunk_out(u, Dv, z, out, yb, b, d, c, NT)
 
@@ -102,29 +103,11 @@ def _passes(dims: ScanDims, L: Layout, sm: ScanMath):
 
 def fwd_chunked_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     """The three-pass loop nest of ``dims`` (one-thread-per-lane layout ``L``)."""
-    N, chunk, ACC, UT, dim = dims.dstate, dims.chunk, dims.acc, dims.u_dtype, dims.dim
-    VARB, VARC = dims.varying_B, dims.varying_C
+    N, ACC, dim = dims.dstate, dims.acc, dims.dim
     local_scan, carry, fixup = _passes(dims, L, ScanMath(dims, L.math))
-    opt = lambda cond, shape: shape if cond else (1,) * len(shape)  # noqa: E731  (absent input placeholder)
 
-    @T.prim_func
-    def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
-            z_h: T.handle, db_h: T.handle, init_h: T.handle, out_h: T.handle, last_h: T.handle, ck_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunk = T.meta_var((seqlen + chunk - 1) // chunk)
-        u = T.match_buffer(u_h, (batch, dim, seqlen), UT)
-        delta = T.match_buffer(delta_h, (batch, dim, seqlen), UT)
-        A = T.match_buffer(A_h, (dim, N), ACC)
-        Bm = T.match_buffer(B_h, (batch, dims.b_groups, seqlen, N) if VARB else (dim, N), dims.B_dtype)
-        Cm = T.match_buffer(C_h, (batch, dims.c_groups, seqlen, N) if VARC else (dim, N), dims.C_dtype)
-        Dv = T.match_buffer(D_h, opt(dims.has_D, (dim,)), ACC)
-        z = T.match_buffer(z_h, opt(dims.has_z, (batch, dim, seqlen)), UT)
-        db = T.match_buffer(db_h, opt(dims.has_delta_bias, (dim,)), ACC)
-        init = T.match_buffer(init_h, opt(dims.has_init, (batch, dim, N)), ACC)
-        out = T.match_buffer(out_h, (batch, dim, seqlen), UT)
-        last = T.match_buffer(last_h, (batch, dim, N), ACC)
-        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N), ACC)
+    @T.macro
+    def body(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, batch, seqlen, nchunk):
         # pass 1 writes S_c into ck[c] and L_c into logdec[c]; pass 2 turns ck into the checkpoints in place
         logdec = T.alloc_buffer((batch, dim, nchunk, N), ACC)
         for lc in L.outer_loop(batch * dim * nchunk):
@@ -136,4 +119,4 @@ def fwd_chunked_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
             fixup(u, delta, db, A, Bm, Cm, Dv, z, ck, out, seqlen, lc // (dim * nchunk), lc // nchunk % dim,
                   lc % nchunk)
 
-    return fwd
+    return scan_kernel(dims, L, body)

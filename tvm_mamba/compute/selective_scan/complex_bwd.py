@@ -12,6 +12,7 @@ from tvm.script import tirx as T
 
 from ._dims import ScanBwdDims
 from ._layout import Layout
+from ._signature import scan_kernel
 from .complex_fwd import _step_fns
 
 
@@ -260,40 +261,9 @@ def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     lane_scan = _lane_macro(dims, L)
     stage2 = _stage2_macro(dims, L)
 
-    @T.prim_func
-    def bwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
-            z_h: T.handle, db_h: T.handle, init_h: T.handle, ck_h: T.handle, dout_h: T.handle, dlast_h: T.handle,
-            du_h: T.handle, ddelta_h: T.handle, dA_h: T.handle, dB_h: T.handle, dC_h: T.handle, dD_h: T.handle,
-            ddb_h: T.handle, dz_h: T.handle, dinit_h: T.handle,
-            wsA_h: T.handle, wsB_h: T.handle, wsC_h: T.handle, wsS_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunk = T.meta_var((seqlen + chunk - 1) // chunk)
-        u = T.match_buffer(u_h, (batch, dim, seqlen), u_dtype)
-        delta = T.match_buffer(delta_h, (batch, dim, seqlen), u_dtype)
-        A = T.match_buffer(A_h, (dim, N, 2), ACC)
-        Bm = T.match_buffer(B_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), BT)
-        Cm = T.match_buffer(C_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), CT)
-        Dv = T.match_buffer(D_h, (dim,) if has_D else (1,), ACC)
-        z = T.match_buffer(z_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
-        db = T.match_buffer(db_h, (dim,) if has_delta_bias else (1,), ACC)
-        init = T.match_buffer(init_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)  # noqa: F841
-        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N, 2), ACC)
-        dout = T.match_buffer(dout_h, (batch, dim, seqlen), u_dtype)
-        dlast = T.match_buffer(dlast_h, (batch, dim, N, 2), ACC)
-        du = T.match_buffer(du_h, (batch, dim, seqlen), u_dtype)
-        ddelta = T.match_buffer(ddelta_h, (batch, dim, seqlen), u_dtype)
-        dA = T.match_buffer(dA_h, (dim, N, 2), ACC)
-        dB = T.match_buffer(dB_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), BT)
-        dC = T.match_buffer(dC_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), CT)
-        dD = T.match_buffer(dD_h, (dim,) if has_D else (1,), ACC)
-        ddb = T.match_buffer(ddb_h, (dim,) if has_delta_bias else (1,), ACC)
-        dz = T.match_buffer(dz_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
-        dinit = T.match_buffer(dinit_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)
-        wsA = T.match_buffer(wsA_h, (batch, dim, N, 2), ACC)
-        wsB = T.match_buffer(wsB_h, (batch, NBLK, seqlen, N, 2) if VARB else (batch, dim, N, 2), ACC)
-        wsC = T.match_buffer(wsC_h, (batch, NBLK, seqlen, N, 2) if VARC else (batch, dim, N, 2), ACC)
-        wsS = T.match_buffer(wsS_h, (batch, dim, 2), ACC)
+    @T.macro
+    def body(u, delta, A, Bm, Cm, Dv, z, db, init, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit,
+             wsA, wsB, wsC, wsS, batch, seqlen, nchunk):
         for lane_o in OUTER((batch * NBLK + TPB - 1) // TPB):
             for lane_i in INNER(TPB):
                 if lane_o * TPB + lane_i < batch * NBLK:
@@ -301,4 +271,4 @@ def bwd_complex_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
                               wsS, seqlen, nchunk, lane_o * TPB + lane_i)
         stage2(wsA, wsB, wsC, wsS, dA, dB, dC, dD, ddb, batch, seqlen)
 
-    return bwd
+    return scan_kernel(dims, L, body, backward=True, pair=(2,))

@@ -28,6 +28,7 @@ from tvm.script import tirx as T
 
 from ._dims import ScanDims
 from ._layout import Layout
+from ._signature import scan_kernel
 from ._step import ScanMath
 
 
@@ -64,28 +65,11 @@ def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     m = L.math
     OUTER, INNER, TPB, SCOPE = L.outer_loop, L.lane_loop, L.TPB, L.scope
     VEC = L.vec_loop
-    VARB, VARC = b_groups > 0, c_groups > 0
     bval, cval, pre_dt, dt_of, rot = _step_fns(dims, m)
     two = tirx.const(2.0, ACC)
 
-    @T.prim_func
-    def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
-            z_h: T.handle, db_h: T.handle, init_h: T.handle, out_h: T.handle, last_h: T.handle, ck_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunk = T.meta_var((seqlen + chunk - 1) // chunk)
-        u = T.match_buffer(u_h, (batch, dim, seqlen), u_dtype)
-        delta = T.match_buffer(delta_h, (batch, dim, seqlen), u_dtype)
-        A = T.match_buffer(A_h, (dim, N, 2), ACC)
-        Bm = T.match_buffer(B_h, (batch, b_groups, seqlen, N, 2) if VARB else (dim, N, 2), B_dtype if VARB else ACC)
-        Cm = T.match_buffer(C_h, (batch, c_groups, seqlen, N, 2) if VARC else (dim, N, 2), C_dtype if VARC else ACC)
-        Dv = T.match_buffer(D_h, (dim,) if has_D else (1,), ACC)
-        z = T.match_buffer(z_h, (batch, dim, seqlen) if has_z else (1, 1, 1), u_dtype)
-        db = T.match_buffer(db_h, (dim,) if has_delta_bias else (1,), ACC)
-        init = T.match_buffer(init_h, (batch, dim, N, 2) if has_init else (1, 1, 1, 1), ACC)
-        out = T.match_buffer(out_h, (batch, dim, seqlen), u_dtype)
-        last = T.match_buffer(last_h, (batch, dim, N, 2), ACC)
-        ck = T.match_buffer(ck_h, (batch, dim, nchunk, N, 2), ACC)
+    @T.macro
+    def body(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, batch, seqlen, nchunk):
         for lane_o in OUTER((batch * dim + TPB - 1) // TPB):
             for lane_i in INNER(TPB):
                 if lane_o * TPB + lane_i < batch * dim:
@@ -133,6 +117,6 @@ def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
                             last[b, d, no * V + ni, 0] = h[0, no * V + ni]
                             last[b, d, no * V + ni, 1] = h[1, no * V + ni]
 
-    return fwd
+    return scan_kernel(dims, L, body, pair=(2,))
 
 
