@@ -7,8 +7,10 @@ kernel (argument checks, kernel-key lookup, output allocation, ``torch.split`` /
 
 - derived parameters (A = -exp(A_log), float32 D / dt_bias, the (dim, width) conv weight view) are computed
   when the plan is built;
-- projections write into buffers it owns (:class:`Projection`: one matmul; the parts of in_proj / x_proj
-  are its views at batch 1, compact copies into buffers made once otherwise);
+- projections (:class:`Dense`, :class:`Projection`) run the linear op's GEMV kernel — fp32 layers at inference
+  (``fp32_linear``: the same function the blocks' step paths call) and bf16 / int8 ``QuantizedLinear`` — as a
+  replayed launch, or one matmul into a buffer the plan owns; the parts of in_proj / x_proj are views of the
+  result at batch 1, compact copies into buffers made once otherwise;
 - each kernel op runs once through its public function (all checks, the kernel resolved through
   ``build_and_load``) while :func:`~tvm_mamba.torch_ops._dlpack.capture_launches` records the kernel and its
   argument tuple; later steps replay that launch on the same tensors (:class:`Captured`) — the CPU
@@ -261,11 +263,11 @@ def project(layer, x: Tensor) -> Tensor:
 
 
 class Projection:
-    """y = layer(x) for x: (batch, in_features): one matmul into a buffer made once (or the quantized layer's
-    replayed result), returned as its parts (``sizes`` along out_features) in compact, aligned tensors
-    (:class:`Parts`). One matmul, not one per part: torch's CPU matmul of a few rows reduces in another order
-    than the whole matrix's (other bits), and one call is one launch. ``dtype``: the activations' (the result's
-dtype for a quantized layer; an nn.Linear's result has its weight's)."""
+    """y = layer(x) for x: (batch, in_features): the :class:`Dense` layer's replayed result (linear op) or one
+    matmul into a buffer made once, returned as its parts (``sizes`` along out_features) in compact, aligned
+    tensors (:class:`Parts`). One call, not one per part: torch's CPU matmul of a few rows reduces in another
+    order than the whole matrix's (other bits), and one call is one launch. ``dtype``: the activations' (the
+    result's dtype for a quantized layer; an nn.Linear's result has its weight's). ``external``: see Dense."""
 
     def __init__(self, layer, sizes, batch: int, dtype: torch.dtype, external: bool = False):
         if sum(sizes) != layer.out_features:
