@@ -4,15 +4,19 @@ fwd: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]). At decode (1..8 r
 reading w once, so the loop nest streams each weight row exactly once per call and keeps x (rows x K floats,
 <= 48 KiB at K = 1536, 8 rows) in L1/L2:
 - parallel over tasks of ``task`` consecutive output features (each task reads task x K contiguous weights);
-- inside a task, tiles of ``features`` output features x ``rows`` x rows: one register accumulator per
-  (row, feature, unrolled k vector), features x unroll weight vectors loaded and widened to float32 per k
-  step (bf16: the 16 bits shifted into the top of a float32 lane; int8: sign-extend + convert), each used
-  by every row of the tile; the tile's weights (features x K) stay in L1 while further row tiles reread them.
-  Default one feature per tile: the weights are then read as one sequential stream (see ``apply``);
+- inside a task, tiles of ``rows`` rows of x (the M % rows left over: one tile of that many rows) against
+  ``features`` output features (fewer where rows x features x unroll would pass ACC accumulators): one register
+  accumulator per (row, feature, unrolled k vector), features x unroll weight vectors loaded and widened to
+  float32 per k step (bf16: the 16 bits shifted into the top of a float32 lane; int8: sign-extend + convert),
+  each used by every row of the tile. A row tile reads the task's weights (task x K) once; a further row
+  tile rereads them from L2. Default one feature per tile: the weights are then read as one sequential
+  stream (see ``apply``);
 - lanes and unrolled accumulators summed at the end, K % vector columns in scalar code, then scale, bias and
   the cast to x's dtype.
 Summation order: lane-strided partial sums (k = i mod vector*unroll), the unrolled ones folded, then the
-lanes as a tree: a function of the knobs only (the same bits at any thread count). Calls of at most SERIAL_WORK multiply-adds run on the calling thread.
+lanes as a tree: a function of ``vector`` and ``unroll`` only (the same bits at any thread count, and for
+a row whatever tile it falls in: at any number of rows). Calls of at most SERIAL_WORK multiply-adds run on
+the calling thread.
 
 bwd: dx[m, k] = sum_n dy[m, n] * scale[n] * w[n, k]: parallel over blocks of ``vector`` x ``k_vectors``
 columns of k; per row, the n loop streams the weight block (contiguous along k) with register accumulators.
@@ -26,6 +30,11 @@ from tvm.script import tirx as T
 
 from tvm_mamba.compute.linear import LinearDims
 from tvm_mamba.schedules import rule
+
+
+# register accumulators a tile may use (of 32 zmm registers; the rest hold the weight and x vectors): a tile of
+# R rows holds at most ACC // (R * unroll) features
+ACC = 16
 
 
 def _widen(buf, bits, row, k0, V: int, dtype: str):
@@ -46,7 +55,10 @@ def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int):
     KS = KU * V * U + K1 * V  # columns done in vector code; [KS, K) scalar
     NT = (N + TN - 1) // TN
     xd, wd = d.x_dtype, d.weight_dtype
-    A = MB * NB * U  # accumulators of a full tile
+    def fb(R: int) -> int:  # features per tile of R rows: R x features x unroll accumulators, at most ACC
+        return max(1, min(NB, ACC // (R * U)))
+
+    A = max(R * fb(R) for R in range(1, MB + 1)) * U  # accumulators of the largest tile
 
     @T.macro
     def tile(x, xb, w, wb, scale, bias, y, acc, tot, R, F, m0, n0):
@@ -86,19 +98,32 @@ def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int):
                 y[m0 + r, n0 + j] = T.Cast(xd, tot[0])
 
     @T.macro
+    def row_tile(x, xb, w, wb, scale, bias, y, acc, tot, R, m0, n0, count):
+        # R rows from m0 against the task's `count` features from n0, fb(R) features per tile
+        for jb in range(count // fb(R)):
+            tile(x, xb, w, wb, scale, bias, y, acc, tot, R, fb(R), m0, n0 + jb * fb(R))
+        for jr in range(count % fb(R)):
+            tile(x, xb, w, wb, scale, bias, y, acc, tot, R, 1, m0, n0 + count - count % fb(R) + jr)
+
+    @T.macro
     def task(x, xb, w, wb, scale, bias, y, M, t):
         acc = T.alloc_buffer((A * V,), "float32")
         tot = T.alloc_buffer((1,), "float32")
         n0 = T.meta_var(t * TN)
         count = T.meta_var(T.min(TN, N - t * TN))
-        for jb in range(count // NB):
-            for mt in range(M // MB):
-                tile(x, xb, w, wb, scale, bias, y, acc, tot, MB, NB, mt * MB, n0 + jb * NB)
-            for mr in range(M % MB):
-                tile(x, xb, w, wb, scale, bias, y, acc, tot, 1, NB, M - M % MB + mr, n0 + jb * NB)
-        for jr in range(count % NB):
-            for m in range(M):
-                tile(x, xb, w, wb, scale, bias, y, acc, tot, 1, 1, m, n0 + count - count % NB + jr)
+        for mt in range(M // MB):
+            row_tile(x, xb, w, wb, scale, bias, y, acc, tot, MB, mt * MB, n0, count)
+        # the last M % MB rows as one tile of that many rows, never a loop of 1-row tiles: LLVM unrolls the
+        # whole k loop and hoists the weight row out of such a loop (at 1 row: spilled to the stack, reloaded)
+        if MB > 1:
+            if M % MB == 1:
+                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 1, M - 1, n0, count)
+        if MB > 2:
+            if M % MB == 2:
+                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 2, M - 2, n0, count)
+        if MB > 3:
+            if M % MB == 3:
+                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 3, M - 3, n0, count)
 
     serial_rows = rule.SERIAL_WORK // (N * K)  # (rows * N * K overflows int32 for the LM head)
 
@@ -187,9 +212,10 @@ def apply(func, target, decisions: rule.Decisions):
         V = decisions.pick("vector", (8, 16), 16)
         U = decisions.pick("unroll", (1, 2, 4), 2)
         # one feature per tile: its weight row is one sequential stream, which the hardware prefetcher
-        # follows; 2 or 4 rows read side by side (short interleaved streams of in_features bytes) measured
-        # 1.7x (fp32) to 3.6x (int8) slower on one thread at 768 -> 50280, 1 row, here (2-vCPU EPYC)
-        NB = decisions.pick("features", (1, 2, 4), 1)
+        # follows (fp32 at 1 row: ~15-19 GB/s on one thread, the core's streaming read); 2 or 4 weight rows
+        # read side by side (short interleaved streams of in_features elements) measured 1.4-1.5x (fp32) to
+        # 3.6x (int8) slower on one thread at 768 -> 3072 / 50280, 1 row (2-vCPU EPYC)
+        NB = decisions.pick("features", (1, 2, 4, 8), 1)
         # 4 x rows per weight vector: at 8 rows 10-20% faster than 2 (fewer passes over the row)
         MB = decisions.pick("rows", (1, 2, 4), 4)
         # 16 features per task: 48 tasks at N = 768 (2 cores stay balanced), 16 x 3 KiB weight rows each

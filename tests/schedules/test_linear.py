@@ -36,25 +36,32 @@ def test_dims_validate_and_round_trip():
 
 # (vector, unroll, features, rows, task): every combination of full / ragged unrolled k steps, leftover
 # vectors and scalar columns (K = 200 = 6 x 32 + 8 at vector 16 unroll 2; 200 = 25 x 8 at vector 8), feature
-# tiles (N = 37) and row tiles (M = 7)
+# tiles (N = 37, features capped by the accumulators at more rows) and row tiles (every M % rows remainder)
 @pytest.mark.parametrize("knobs", [dict(vector=16, unroll=2, features=4, rows=2, task=16),
                                    dict(vector=8, unroll=4, features=2, rows=4, task=8),
+                                   dict(vector=16, unroll=1, features=8, rows=4, task=16),
                                    dict(vector=16, unroll=1, features=1, rows=1, task=64)])
-@pytest.mark.parametrize("wdt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("wdt", ["float32", "bfloat16", "int8"])
 def test_cpu_fwd_knobs_against_float64(knobs, wdt):
     d = LinearDims(200, 37, True, "float32", wdt)
     sch = cpu_rule.apply(linear_fwd(d), cpu_target(), Decisions(knobs))
     fn = tvm.compile(sch.mod, target=cpu_target())["linear_fwd"]
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 200, generator=g)
     if wdt == "int8":
         w, s = torch.randint(-127, 128, (37, 200), generator=g).to(torch.int8), torch.rand(37, generator=g)
     else:
-        w, s = torch.randn(37, 200, generator=g).to(torch.bfloat16), None
-    b, y = torch.randn(37, generator=g), torch.empty(7, 37)
-    fn(x, w, torch.zeros(1) if s is None else s, b, y)  # an absent scale: the (1,) placeholder
-    ref = linear_ref(x, w, b, s)
-    assert (y.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+        w, s = torch.randn(37, 200, generator=g).to(getattr(torch, wdt)), None
+    b = torch.randn(37, generator=g)
+    x8 = torch.randn(8, 200, generator=g)
+    rows = {}
+    for M in range(1, 9):
+        x, y = x8[:M].clone(), torch.full((M, 37), float("nan"))
+        fn(x, w, torch.zeros(1) if s is None else s, b, y)  # an absent scale: the (1,) placeholder
+        ref = linear_ref(x, w, b, s)
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), M
+        rows[M] = y
+    for M in range(1, 8):  # a row's summation order does not depend on the tile it falls in: same bits
+        assert torch.equal(rows[M], rows[8][:M]), M
 
 
 def test_cpu_fwd_is_avx512():

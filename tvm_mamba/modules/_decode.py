@@ -7,8 +7,10 @@ kernel (argument checks, kernel-key lookup, output allocation, ``torch.split`` /
 
 - derived parameters (A = -exp(A_log), float32 D / dt_bias, the (dim, width) conv weight view) are computed
   when the plan is built;
-- projections write into buffers it owns (:class:`Projection`: one matmul; the parts of in_proj / x_proj
-  are its views at batch 1, compact copies into buffers made once otherwise);
+- projections (:class:`Dense`, :class:`Projection`) run the linear op's GEMV kernel — fp32 layers at inference
+  (``fp32_linear``: the same function the blocks' step paths call) and bf16 / int8 ``QuantizedLinear`` — as a
+  replayed launch, or one matmul into a buffer the plan owns; the parts of in_proj / x_proj are views of the
+  result at batch 1, compact copies into buffers made once otherwise;
 - each kernel op runs once through its public function (all checks, the kernel resolved through
   ``build_and_load``) while :func:`~tvm_mamba.torch_ops._dlpack.capture_launches` records the kernel and its
   argument tuple; later steps replay that launch on the same tensors (:class:`Captured`) — the CPU
@@ -43,7 +45,7 @@ from ..runtime.target import device_target_key
 from ..torch_ops._dlpack import ALIGN, capture_launches, eager_direct
 from ..torch_ops.causal_conv1d import causal_conv1d_update
 from ..torch_ops.layer_norm import layer_norm_fn
-from ..torch_ops.linear import linear
+from ..torch_ops.linear import fp32_gemv, fp32_linear, linear
 from ..torch_ops.rmsnorm_gated import rmsnorm_fn
 from ..torch_ops.selective_scan import selective_state_update
 from .layer_norm import RMSNorm
@@ -217,44 +219,69 @@ class _without_bias(NamedTuple):
 
 
 class Dense:
-    """y = layer(x) for x: (batch, in_features): an ``nn.Linear`` as one matmul (into ``out`` when given, same
-    bits as F.linear), a ``QuantizedLinear`` (bf16 / int8 weight-only) through the linear op, its launch
-    captured once and replayed (its result is then the same tensor every step)."""
+    """y = layer(x) for x: (batch, in_features), as :func:`project` computes it: through the linear op (a
+    ``QuantizedLinear``'s bf16 / int8 weights, or an fp32 ``nn.Linear`` where :func:`fp32_gemv` holds, decided
+    on the first call: the plan's batch and dtype are fixed), its launch captured once and replayed; otherwise
+    one matmul (into ``out`` when given, same bits as F.linear). ``external``: x is the caller's tensor (a new
+    one each step), copied into a buffer the replayed launch reads; else x is a plan buffer, the same tensor
+    every step."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, external: bool = False):
         # a QuantizedLinear (modules/quantize.py) by what it holds: that module imports the blocks, which import this one
         self.quantized = isinstance(getattr(layer, "qweight", None), Tensor)
-        if self.quantized:
-            self.call, self.args = Captured(), (layer.qweight, layer.bias, layer.scale)
-        else:
-            self.args = (layer.weight, layer.bias)
+        self.args = (layer.qweight, layer.bias, layer.scale) if self.quantized else (layer.weight, layer.bias)
+        self.call, self.external, self.x = Captured(), external, None
+        self.op = True if self.quantized else None  # None: decided on the first call
+
+    def reused(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """layer(x); on the linear op, the replayed launch's result: the same tensor every step."""
+        if self.op is None:
+            self.op = fp32_gemv(x, *self.args)
+        if not self.op:
+            return linear_into(x, *self.args, out)
+        if self.external:
+            if self.x is None:
+                self.x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            x = self.x.copy_(x)
+        return self.call.run(linear, x, *self.args)
 
     def __call__(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        if self.quantized:
-            return self.call.run(linear, x, *self.args)
-        return linear_into(x, *self.args, out)
+        """layer(x) in ``out`` when given, else a new tensor (the caller may keep it past the next step)."""
+        y = self.reused(x, out)
+        if not self.op:
+            return y
+        return y.clone() if out is None else out.copy_(y)
+
+
+def project(layer, x: Tensor) -> Tensor:
+    """layer(x) on a decode step's unplanned path (Mamba.step, Mamba2.step, the LM head), as a plan's
+    :class:`Dense` computes it: an fp32 ``nn.Linear`` through :func:`fp32_linear` (the GEMV kernel at inference,
+    F.linear under autograd), any other layer (``QuantizedLinear``) called."""
+    if isinstance(layer, torch.nn.Linear):
+        return fp32_linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 class Projection:
-    """y = layer(x) for x: (batch, in_features): one matmul into a buffer made once (or the quantized layer's
-    replayed result), returned as its parts (``sizes`` along out_features) in compact, aligned tensors
-    (:class:`Parts`). One matmul, not one per part: torch's CPU matmul of a few rows reduces in another order
-    than the whole matrix's (other bits), and one call is one launch. ``dtype``: the activations' (the result's
-dtype for a quantized layer; an nn.Linear's result has its weight's)."""
+    """y = layer(x) for x: (batch, in_features): the :class:`Dense` layer's replayed result (linear op) or one
+    matmul into a buffer made once, returned as its parts (``sizes`` along out_features) in compact, aligned
+    tensors (:class:`Parts`). One call, not one per part: torch's CPU matmul of a few rows reduces in another
+    order than the whole matrix's (other bits), and one call is one launch. ``dtype``: the activations' (the
+    result's dtype for a quantized layer; an nn.Linear's result has its weight's). ``external``: see Dense."""
 
-    def __init__(self, layer, sizes, batch: int, dtype: torch.dtype):
+    def __init__(self, layer, sizes, batch: int, dtype: torch.dtype, external: bool = False):
         if sum(sizes) != layer.out_features:
             raise ValueError(f"sizes: must add up to the layer's {layer.out_features} outputs, got {list(sizes)}")
-        self.dense = Dense(layer)
+        self.dense = Dense(layer, external)
         device = self.dense.args[0].device
         if not self.dense.quantized:
-            dtype = layer.weight.dtype  # F.linear's result dtype
+            dtype = layer.weight.dtype  # F.linear's result dtype (the linear op's too: fp32 x and weight)
         self.out = None if self.dense.quantized else torch.empty((batch, layer.out_features), dtype=dtype,
-                                                                 device=device)
+                                                                 device=device)  # unused where the op serves
         self.parts = Parts(sizes, batch, torch.empty(0, dtype=dtype, device=device))
 
     def __call__(self, x: Tensor) -> list[Tensor]:
-        return self.parts(self.dense(x, self.out))
+        return self.parts(self.dense.reused(x, self.out))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -267,7 +294,7 @@ class MambaStep:
     def __init__(self, m, conv_state: Tensor, ssm_state: Tensor, batch: int):
         d, n = m.d_inner, m.d_state
         dtype = conv_state.dtype
-        self.in_proj = Projection(m.in_proj, (d, d), batch, dtype)
+        self.in_proj = Projection(m.in_proj, (d, d), batch, dtype, external=True)
         self.x_proj = Projection(m.x_proj, (m.dt_rank, n, n), batch, dtype)
         self.dt_proj = Projection(_without_bias(m.dt_proj.weight), (d,), batch, dtype)
         self.conv_args = (conv_state[:batch], m._conv_weight(), m.conv1d.bias, m.activation)
@@ -301,7 +328,7 @@ class Mamba2Step:
         self.dims = (batch, hp, m.ngroups, m.d_state, m.d_ssm)
         self.d_mlp = d_mlp = (m.in_proj.weight.shape[0] - 2 * m.d_ssm - 2 * gn - m.nheads) // 2
         self.in_proj = Projection(m.in_proj, (d_mlp, d_mlp, m.d_ssm, m.d_ssm + 2 * gn, m.nheads), batch,
-                                  conv_state.dtype)
+                                  conv_state.dtype, external=True)
         self.conv_args = (conv_state[:batch], m._conv_weight(), m.conv1d.bias, m.activation)
         self.xbc = Parts((m.d_ssm, gn, gn), batch, m.in_proj.weight)  # x, B, C of the conv output
         self.ssm_state = ssm_state[:batch]

@@ -226,7 +226,7 @@ class MambaLMHeadModel(nn.Module, GenerationMixin):
         hidden_states = self.backbone(input_ids, inference_params=inference_params, **mixer_kwargs)
         if num_last_tokens > 0:
             hidden_states = hidden_states[:, -num_last_tokens:]
-        return CausalLMOutput(logits=self.lm_head(hidden_states))
+        return CausalLMOutput(logits=_decode.project(self.lm_head, hidden_states))  # the decode plan's LM head
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name, device=None, dtype=None, **kwargs):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ..torch_ops.linear import fp32_linear
 from ..torch_ops.mamba_inner import mamba_inner_fn
 from ..torch_ops.selective_scan import selective_scan_fn, selective_state_update
 from . import _decode
@@ -147,16 +148,16 @@ class Mamba(nn.Module):
             return plan.step(hidden_states.squeeze(1)).unsqueeze(1), conv_state, ssm_state
         batch = hidden_states.shape[0]
         self._check_states(conv_state, ssm_state, batch, hidden_states.device)
-        xz = self.in_proj(hidden_states.squeeze(1))  # (batch, 2*d_inner)
+        xz = _decode.project(self.in_proj, hidden_states.squeeze(1))  # (batch, 2*d_inner), as the plan's
         x, z = xz.chunk(2, dim=-1)
         x = causal_conv1d_update(x, conv_state[:batch], self._conv_weight(), self.conv1d.bias, self.activation)
-        x_db = self.x_proj(x)
+        x_db = _decode.project(self.x_proj, x)
         dt, B, C = torch.split(x_db, [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.linear(dt, self.dt_proj.weight)
+        dt = fp32_linear(dt, self.dt_proj.weight)
         A = -torch.exp(self.A_log.float())
         y = selective_state_update(ssm_state[:batch], x, dt, A, B, C, self.D.float(), z=z,
                                    dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
-        out = self.out_proj(y)
+        out = _decode.project(self.out_proj, y)
         return out.unsqueeze(1), conv_state, ssm_state
 
     def decode_plan(self, conv_state, ssm_state, batch):

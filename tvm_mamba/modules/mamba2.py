@@ -117,12 +117,13 @@ class Mamba2(nn.Module):
         return d_mlp, torch.split(zxbcdt, [d_mlp, d_mlp, self.d_ssm,
                                            self.d_ssm + 2 * self.ngroups * self.d_state, self.nheads], dim=-1)
 
-    def _finish(self, y, z, z0, x0, d_mlp):
+    def _finish(self, y, z, z0, x0, d_mlp, project=None):
+        """Gated norm, the MLP half, out_proj (``project(out_proj, y)`` when given: the decode step's)."""
         if self.rmsnorm:
             y = self.norm(y, z)
         if d_mlp > 0:
             y = torch.cat([F.silu(z0) * x0, y], dim=-1)
-        return self.out_proj(y)
+        return self.out_proj(y) if project is None else project(self.out_proj, y)
 
     def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None,
                 return_final_states=False):
@@ -217,7 +218,7 @@ class Mamba2(nn.Module):
             return plan.step(hidden_states.squeeze(1)).unsqueeze(1), conv_state, ssm_state
         batch = hidden_states.shape[0]
         self._check_states(conv_state, ssm_state, batch, hidden_states.device)
-        zxbcdt = self.in_proj(hidden_states.squeeze(1))  # (batch, d_in_proj)
+        zxbcdt = _decode.project(self.in_proj, hidden_states.squeeze(1))  # (batch, d_in_proj), as the plan's
         d_mlp, (z0, x0, z, xBC, dt) = self._split(zxbcdt)
         xBC = causal_conv1d_update(xBC, conv_state[:batch], self._conv_weight(), self.conv1d.bias, self.activation)
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
@@ -233,7 +234,7 @@ class Mamba2(nn.Module):
             ssm_state[:batch], x.reshape(batch, *hp), dt_k[:, :, None].expand(batch, *hp), A,
             B.reshape(batch, self.ngroups, self.d_state), C.reshape(batch, self.ngroups, self.d_state), D,
             z=None if self.rmsnorm else z.reshape(batch, *hp), dt_bias=dt_bias, dt_softplus=softplus)
-        out = self._finish(y.reshape(batch, self.d_ssm), z, z0, x0, d_mlp)
+        out = self._finish(y.reshape(batch, self.d_ssm), z, z0, x0, d_mlp, _decode.project)
         return out.unsqueeze(1), conv_state, ssm_state
 
     def decode_plan(self, conv_state, ssm_state, batch):

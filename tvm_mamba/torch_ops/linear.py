@@ -16,10 +16,12 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..compute.linear import LinearDims
-from ._dlpack import TORCH_TO_TVM, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op
+from ._dlpack import (TORCH_TO_TVM, check_shape, check_size, check_tensor, dummy, eager_direct, kernel_for,
+                      kernel_device_type, prepare, run_op)
 
 OP = "linear"
 X_DTYPES = (torch.float32, torch.bfloat16)
@@ -132,6 +134,37 @@ def linear(x, weight, bias=None, scale=None):
         bias = bias.to(torch.float32)
     y = run_op(linear_fwd, x.reshape(-1, K), weight, scale, bias)
     return y.reshape(*x.shape[:-1], N)
+
+
+GEMV_ROWS = 8  # fp32 inference calls of up to this many rows (decode: one per sequence) take the GEMV kernel
+
+
+def fp32_gemv(x, weight, bias=None) -> bool:
+    """Whether :func:`fp32_linear` runs ``F.linear(x, weight, bias)`` on the linear op: float32 x (1 to GEMV_ROWS
+    rows of in_features), weight and bias on a CPU device served by the CPU kernels (not ``simulate_cuda``),
+    eager mode and no gradient needed. There the GEMV kernel reads the weight at the core's streaming speed,
+    faster than torch's batch-1 GEMV (docs/linear.md), and gives a row the same bits at any row count;
+    autograd, tracing and larger matmuls (prefill) keep F.linear."""
+    if not (x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)):
+        return False
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.device != weight.device:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not (1 <= rows <= GEMV_ROWS and x.device.type == "cpu" and kernel_device_type(x.device) == "cpu"):
+        return False
+    params = [t for t in (weight, bias) if t is not None]  # nn.Parameter or plain tensors
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in params):
+        return False
+    return eager_direct(x) and not (torch.is_grad_enabled() and any(t.requires_grad for t in params))
+
+
+def fp32_linear(x, weight, bias=None):
+    """F.linear(x, weight, bias) for an fp32 layer at inference, on the GEMV kernel where :func:`fp32_gemv` says
+    so (the decode plans and the blocks' step paths call this one function, so both give the same bits).
+    x: (..., in_features), weight: (out_features, in_features), bias: (out_features,) -> (..., out_features)."""
+    if fp32_gemv(x, weight, bias):
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def quantize_weight(weight, dtype: str = "int8"):
