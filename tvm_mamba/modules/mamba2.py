@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..torch_ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_states
-from ..torch_ops.mamba_split import mamba_split_conv1d_scan_combined
+from ..torch_ops.mamba_split import channels_to_rows, mamba_split_conv1d_scan_combined
 from ..torch_ops.selective_scan import selective_state_update
 from ..torch_ops.ssd import mamba_chunk_scan_combined
 from . import _decode
@@ -170,8 +170,8 @@ class Mamba2(nn.Module):
         elif want_states:  # the last d_conv conv inputs (zero-padded on the left), upstream's layout
             new_conv = F.pad(xBC_t, (self.d_conv - seqlen, 0)) if seqlen < self.d_conv else xBC_t[..., -self.d_conv:]
         xBC = causal_conv1d_fn(xBC_t, self._conv_weight(), self.conv1d.bias, seq_idx=seq_idx,
-                               activation=self.activation).transpose(1, 2)
-        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+                               activation=self.activation)
+        x, B, C = channels_to_rows(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state])
         y = mamba_chunk_scan_combined(
             x.reshape(batch, seqlen, self.nheads, self.headdim), dt, A,
             B.reshape(batch, seqlen, self.ngroups, self.d_state), C.reshape(batch, seqlen, self.ngroups, self.d_state),

@@ -58,16 +58,33 @@ class SplitDims:
         return [2 * self.d_nonssm, self.dim, self.dim + 2 * self.ngroups * self.dstate, self.nheads]
 
 
+def channels_to_rows(out: Tensor, sizes: list) -> list:
+    """out: (batch, channels, seqlen) contiguous (a conv1d output) -> one contiguous (batch, seqlen, size) tensor
+    per part of ``sizes`` channels (x, B, C for the SSD, whose kernels take compact buffers).
+
+    Copied one 2-D (size, seqlen) -> (seqlen, size) transpose per batch row: torch copies a fully transposed
+    2-D matrix with its blocked transpose, while the same data as a 3-D transposed view (what ``prepare`` got
+    before) goes through the generic strided copy, 2-4x slower at (1, 1792, 256..1024) fp32 on one core."""
+    batch, _, seqlen = out.shape
+    parts = []
+    for part in torch.split(out, sizes, dim=1):
+        rows = part.new_empty((batch, seqlen, part.shape[1]))
+        for b in range(batch):
+            rows[b].copy_(part[b].t())
+        parts.append(rows)
+    return parts
+
+
 def _conv(t: dict, dims: SplitDims):
-    """xBC -> act(conv1d(xBC)) as (batch, conv_dim, seqlen), and the x, B, C views for the SSD."""
+    """xBC -> act(conv1d(xBC)) as (batch, conv_dim, seqlen) -> x, B, C for the SSD (compact)."""
     batch, seqlen, _ = t["zxbcdt"].shape
     xBC = torch.split(t["zxbcdt"], dims.splits, dim=-1)[2].transpose(1, 2)
     out, _ = run_op(causal_conv1d_fwd, xBC, t["conv1d_weight"], t["conv1d_bias"], t["seq_idx"], None, False,
                     dims.silu)
     gn = dims.ngroups * dims.dstate
-    x, B, C = torch.split(out.transpose(1, 2), [dims.dim, gn, gn], dim=-1)
-    return (x.reshape(batch, seqlen, dims.nheads, dims.headdim), B.reshape(batch, seqlen, dims.ngroups, dims.dstate),
-            C.reshape(batch, seqlen, dims.ngroups, dims.dstate))
+    x, B, C = channels_to_rows(out, [dims.dim, gn, gn])
+    return (x.view(batch, seqlen, dims.nheads, dims.headdim), B.view(batch, seqlen, dims.ngroups, dims.dstate),
+            C.view(batch, seqlen, dims.ngroups, dims.dstate))
 
 
 def _ssd_args(t: dict, dims: SplitDims) -> tuple:
