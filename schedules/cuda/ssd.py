@@ -1,13 +1,14 @@
 """CUDA rule for the SSD kernels, and the CUDA strategy (compute/ssd/strategy.py) it lays templates out with.
 
-Kernels with one template for every target (chunk_cumsum(_bwd), state_passing(_bwd), head_sum, chunk_state: the
-templates in tvm_mamba/compute/ssd/) are laid out by ``Gpu``: blockIdx.x x threadIdx.x of ``threads``, a
-thread per task and per lane (dstate element), scratch in registers, CUDA-native exp / log1p. The chunk-matmul
-kernels still have CUDA templates of their own (here, _ssd_scan.py, _ssd_varlen.py; same parameter lists as
-the compute builders): one thread per output element, several launches inside one PrimFunc where a later one
-reads what an earlier one wrote (launches run in order on the stream: the backward's cross-position sums
-without atomics). C_l.B_s comes from ssd_bmm_chunk (once per group); no shared-memory staging and no tensor
-cores yet, so they compile cleanly (0 spills) but are far from upstream's Triton speed (docs/ssd.md).
+Kernels with one template for every target (chunk_cumsum(_bwd), state_passing(_bwd), head_sum, chunk_state,
+chunk_scan: the templates in tvm_mamba/compute/ssd/) are laid out by ``Gpu``: blockIdx.x x threadIdx.x of
+``threads``, a thread per task and per lane (dstate element) or per output element of a chunk matmul, scratch in
+registers, CUDA-native exp / log1p. The other chunk-matmul kernels still have CUDA templates of their own (here,
+_ssd_scan.py, _ssd_varlen.py; same parameter lists as the compute builders): one thread per output element, several
+launches inside one PrimFunc where a later one reads what an earlier one wrote (launches run in order on the
+stream: the backward's cross-position sums without atomics). C_l.B_s comes from ssd_bmm_chunk (once per group); no
+shared-memory staging and no tensor cores yet, so they compile cleanly (0 spills) but are far from upstream's
+Triton speed (docs/ssd.md).
 Selected by capability (``"gpu" in target.keys``). Knob: ``threads`` per block (64 / 128 / 256, default 128).
 """
 from __future__ import annotations

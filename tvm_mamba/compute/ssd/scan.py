@@ -1,10 +1,11 @@
 """SSD chunk-scan kernels (forward, dstates, per-chunk backward); see the package docstring for the algorithm.
 
-Every kernel runs one (batch, chunk, head) per parallel iteration and stages the chunk in float32 stack
-buffers (x, B, C, transposes), so each chunk-local matmul is a row update vectorized over its contiguous
-static axis (headdim, dstate or chunk_size): acc[l, :] += a[l, k] * b[k, :].
-Positions past seqlen are staged as zeros (their dt_out is 0 too), so the ragged last chunk needs no
-special case inside the matmuls.
+ssd_chunk_scan is one template for every target (``chunk_scan_template``: its math written once, laid out by
+the strategy's ``causal_matmul``). The CPU loop nests here (bmm_chunk, dstates) run one (batch, chunk, head)
+per parallel iteration and stage the chunk in float32 stack buffers (x, B, C, transposes), so each
+chunk-local matmul is a row update vectorized over its contiguous static axis (headdim, dstate or
+chunk_size): acc[l, :] += a[l, k] * b[k, :]. Positions past seqlen are staged as zeros (their dt_out is 0
+too), so the ragged last chunk needs no special case inside the matmuls.
 """
 from __future__ import annotations
 
@@ -71,9 +72,16 @@ def _pos(c, l, Q, seqlen):
     return tirx.min(c * Q + l, seqlen - 1)
 
 
-def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, b, c, h, l, p, seqlen, v, xv):
+def _row(buf, task, l, head, j, Q, seqlen):
+    """buf[b, c Q + l, head, j] of task (b, c, h) as float32, 0 past seqlen."""
+    b, c, _ = task
+    return ld(buf, (b, _pos(c, l, Q, seqlen), head, j), seqlen, c * Q + l)
+
+
+def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, task, l, p, seqlen, v, xv):
     """e[l] (C_l Sin)[p] + D x[l, p], e[l] = exp(dA_cs[l]), 0 where the carried state belongs to another
     sequence than position l (its id differs from the previous chunk's last id, 0 before position 0)."""
+    b, c, h = task
     Q = d.chunk_size
     e = m.exp(dA_cs[b, h, c, l])
     if d.has_seq_idx:
@@ -84,17 +92,8 @@ def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, b, c, h, l, p, seqlen, v, xv):
     return e * v
 
 
-def _weight(m, d: ScanDims, cb, dA_cs, dt_out, seq_idx, b, c, h, l, s, seqlen):
-    """(C_l.B_s) exp(dA_cs[l] - dA_cs[s]) dt'[s] for s <= l in the same sequence, else 0 (the decay masked
-    before the exp)."""
-    Q = d.chunk_size
-    decay = seg_exp(m, _Row(lambda q: dA_cs[b, h, c, q]), _Row(lambda q: seq_idx[b, _pos(c, q, Q, seqlen)]), l, s,
-                    d.has_seq_idx)
-    return cb[b, c, h // (d.nheads // d.ngroups), l, s] * decay * dt_out[b, h, c, s]
-
-
 class _Row:
-    """A chunk row read where it lies: row[q] = at(q) (seg_exp indexes the staged rows of the CPU loop nests)."""
+    """A chunk row read where it lies, row[q] = at(q) (seg_exp indexes rows the CPU loop nests stage)."""
 
     def __init__(self, at):
         self.at = at
@@ -103,8 +102,20 @@ class _Row:
         return self.at(q)
 
 
-def _put(m, d: ScanDims, y, y_pre, z, idx, v):
-    """y = v silu(z) and y_pre = v with z, else y = v (in x's dtype)."""
+def _weight(m, d: ScanDims, cb, dA_cs, dt_out, seq_idx, task, l, s, seqlen):
+    """(C_l.B_s) exp(dA_cs[l] - dA_cs[s]) dt'[s] for s <= l in the same sequence, else 0 (the decay masked
+    before the exp)."""
+    b, c, h = task
+    Q = d.chunk_size
+    acs = _Row(lambda q: dA_cs[b, h, c, q])
+    sid = _Row(lambda q: seq_idx[b, _pos(c, q, Q, seqlen)])
+    return cb[b, c, h // d.heads_per_group, l, s] * seg_exp(m, acs, sid, l, s, d.has_seq_idx) * dt_out[b, h, c, s]
+
+
+def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
+    """y = v silu(z) and y_pre = v with z, else y = v (in x's dtype), at position l of the task's chunk."""
+    b, c, h = task
+    idx = [b, c * d.chunk_size + l, h, p]
     if d.has_z:
         T.buffer_store(y_pre, v.astype(d.x_dtype), idx)
         T.buffer_store(y, (v * m.silu(z[idx].astype(F32))).astype(d.x_dtype), idx)
@@ -113,10 +124,11 @@ def _put(m, d: ScanDims, y, y_pre, z, idx, v):
 
 
 def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
-    """The ssd_chunk_scan kernel laid out by ``S``: task t = (batch, chunk, head), its Q x P output by the
-    strategy's ``causal_matmul`` (strategy.py): y0[l, p] = e[l] (C_l Sin)[p] + D x[l, p] + sum_{s<=l} w[l, s]
-    x[s, p], w = (C.B^T) exp(segsum) dt'; then the z gate. Positions past seqlen read as 0 and are not stored."""
-    H, G, P, N, Q, m = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, S.math
+    """The ssd_chunk_scan kernel laid out by ``S``: task t = (batch, chunk, head), its chunk_size x headdim
+    output by the strategy's ``causal_matmul`` (strategy.py): y0[l, p] = e[l] (C_l Sin)[p] + D x[l, p]
+    + sum_{s<=l} w[l, s] x[s, p], w = (C.B^T) exp(segsum) dt'; then the z gate. Positions past seqlen read as 0
+    and are not stored."""
+    H, G, P, N, Q, R, m = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, d.heads_per_group, S.math
     run = S.causal_matmul(Q, P, N)
 
     @T.prim_func
@@ -138,14 +150,12 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
         y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if d.has_z else Z4, d.x_dtype)
         run(batch * nchunks * H,
             lambda t: T.min(Q, seqlen - t // H % nchunks * Q),
-            lambda t, l, n: ld(Cm, (t // (nchunks * H), _pos(t // H % nchunks, l, Q, seqlen), t % H // (H // G), n),
-                               seqlen, t // H % nchunks * Q + l),
+            lambda t, l, n: _row(Cm, _task(t, nchunks, H), l, t % H // R, n, Q, seqlen),
             lambda t, n, p: sin[t // (nchunks * H), t // H % nchunks, t % H, p, n].astype(F32),
-            lambda t, l, p, v, xv: _carry(m, d, dA_cs, seq_idx, Dm, *_task(t, nchunks, H), l, p, seqlen, v, xv),
-            lambda t, l, s: _weight(m, d, cb, dA_cs, dt_out, seq_idx, *_task(t, nchunks, H), l, s, seqlen),
-            lambda t, s, p: ld(x, (t // (nchunks * H), _pos(t // H % nchunks, s, Q, seqlen), t % H, p), seqlen,
-                               t // H % nchunks * Q + s),
-            lambda t, l, p, v: _put(m, d, y, y_pre, z, [t // (nchunks * H), t // H % nchunks * Q + l, t % H, p], v))
+            lambda t, l, p, v, xv: _carry(m, d, dA_cs, seq_idx, Dm, _task(t, nchunks, H), l, p, seqlen, v, xv),
+            lambda t, l, s: _weight(m, d, cb, dA_cs, dt_out, seq_idx, _task(t, nchunks, H), l, s, seqlen),
+            lambda t, s, p: _row(x, _task(t, nchunks, H), s, t % H, p, Q, seqlen),
+            lambda t, l, p, v: _put(m, d, y, y_pre, z, _task(t, nchunks, H), l, p, v))
 
     return func
 
