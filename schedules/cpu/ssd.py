@@ -2,9 +2,9 @@
 
 ``Cpu``: a parallel loop over the tasks, each task's lane axis (dstate) vectorized, scratch on the stack, the
 vectorizable polynomial math: serves the kernels with one template for every target (chunk_cumsum(_bwd),
-state_passing(_bwd), head_sum, chunk_state_varlen; bmm_chunk, chunk_state and chunk_scan_bwd_dstates through its
-staged matmuls). ssd_chunk_scan and its backward are CPU loop nests (tvm_mamba/compute/ssd/) rebuilt with the
-knobs below.
+state_passing(_bwd), head_sum, chunk_state_varlen, chunk_scan; bmm_chunk, chunk_state and
+chunk_scan_bwd_dstates through its staged matmuls, chunk_scan through ``causal_matmul``). ssd_chunk_scan_bwd is a
+CPU loop nest (tvm_mamba/compute/ssd/) rebuilt with the knobs below.
 
 Why loop nests: with a symbolic seqlen, s_tir split + vectorize adds a ``t < seqlen`` predicate and LLVM
 emits no vector code; the SSD chunk matmuls have static extents (chunk_size, headdim, dstate) inside a
@@ -30,8 +30,10 @@ from ...compute.ssd.bmm import bmm_template
 from ...compute.ssd.chunk_state import chunk_state_template
 from ...compute.ssd.dstates import dstates_template
 from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
-from ...compute.ssd.mm import COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, matmul, zero
+from ...compute.ssd.mm import (COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, lower_cols, matmul,
+                               vblock, zero)
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
+from ...compute.ssd.scan import chunk_scan_template
 from ...compute.ssd.strategy import Strategy
 from ...compute.ssd.varlen import varlen_template
 from ..rule import Decisions, kernel_attrs, schedule_of
@@ -41,7 +43,7 @@ SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bw
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
           "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
           "ssd_bmm_chunk": bmm_template, "ssd_chunk_scan_bwd_dstates": dstates_template,
-          "ssd_chunk_state_varlen": varlen_template}
+          "ssd_chunk_state_varlen": varlen_template, "ssd_chunk_scan": chunk_scan_template}
 
 
 class Cpu(Strategy):
@@ -100,6 +102,46 @@ class Cpu(Strategy):
                         bt[k, j] = rhs(t, j, k)
                 mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: al[i, k], lambda k, j: bt[k, j], zero,
                    lambda i, j, v: store(t, i, j, v))
+
+        return run
+
+    def causal_matmul(self, M: int, W: int, K: int):
+        """A task per chunk: its lhs rows, rhs (read k-inner: a state read transposed), xs rows (0 past seqlen) and
+        the causal blocks of the weight (``lower_cols``: blocks right of them are never read) staged in float32
+        stack buffers, then two register-blocked matmuls into one accumulator: the carried product (epilogue
+        ``carry``), then from it the lower-triangular one (``tri="le"``: a row never adds 0 * xs of a later
+        position, so a non-finite x stays causal); then ``store`` for the rows the chunk has."""
+        mm = matmul(M, W, self.rows, self.cols, order=self.order)
+        mm_le = matmul(M, W, self.rows, self.cols, order=self.order, tri="le")
+        VB = vblock(M)
+
+        @T.macro
+        def run(extent, rows, lhs, rhs, carry, weight, xs, store):
+            for t in T.parallel(extent):
+                a = T.alloc_buffer((M, K), "float32")
+                bt = T.alloc_buffer((K, W), "float32")
+                xv = T.alloc_buffer((M, W), "float32")
+                w = T.alloc_buffer((M, M), "float32")
+                acc = T.alloc_buffer((M, W), "float32")
+                for i in range(M):
+                    for j in T.vectorized(W):
+                        xv[i, j] = xs(t, i, j)
+                    for k in T.vectorized(K):
+                        a[i, k] = lhs(t, i, k)
+                for i in range(M):
+                    for sb in range(lower_cols(i, M, VB) // VB):
+                        for v in T.vectorized(VB):
+                            w[i, sb * VB + v] = weight(t, i, sb * VB + v)
+                for j in range(W):
+                    for k in range(K):
+                        bt[k, j] = rhs(t, k, j)
+                mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: a[i, k], lambda k, j: bt[k, j], zero,
+                   lambda i, j, v: T.buffer_store(acc, carry(t, i, j, v, xv[i, j]), [i, j]))
+                mm_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda i, s: w[i, s], lambda s, j: xv[s, j],
+                      lambda i, j: acc[i, j], lambda i, j, v: T.buffer_store(acc, v, [i, j]))
+                for i in range(rows(t)):
+                    for j in T.vectorized(W):
+                        store(t, i, j, acc[i, j])
 
         return run
 
