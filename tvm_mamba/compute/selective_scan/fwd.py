@@ -108,7 +108,7 @@ def fwd_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
         h = T.alloc_buffer((L.regs(N), G), ACC, scope=SCOPE)
         yv = T.alloc_buffer((G, L.V), ACC, scope=SCOPE)  # partials of C . h
         s = T.alloc_buffer((4 * G,), ACC, scope=SCOPE)  # dt, dt*u, y of each channel slot
-        if ST:
+        if ST:  # A and a time-invariant B / C of the lane's channels, [n, e] (``_params``)
             ap = T.alloc_buffer((N, G), ACC, scope=SCOPE)
             bp = T.alloc_buffer((1 if VARB else N, G), ACC, scope=SCOPE)
             cp = T.alloc_buffer((1 if VARC else N, G), ACC, scope=SCOPE)
