@@ -209,3 +209,19 @@ def test_bench_lm_rows_keep_bench_schema(scripts_path, monkeypatch, tmp_path):
     lines = list(csv.reader((tmp_path / "o.csv").open()))
     assert tuple(lines[0]) == benchlib.ROW_FIELDS and len(lines) == 3 and lines[1][4] == ""
     assert "-" in benchlib.format_table(rows).splitlines()[2]
+
+
+def test_profile_prefill_names_every_part():
+    """scripts/profile_prefill.py on the tiny Mamba-2 LM: every SSD kernel, the projections and the glue get a
+    line, and the parts inside the mixers add up to no more than the mixers' time (no launch counted twice, also
+    for a second prompt length profiled in the same process)."""
+    out = subprocess.run([sys.executable, str(SCRIPTS / "profile_prefill.py"), "--model", "mamba2-tiny", "--tokens",
+                          "16,32", "--runs", "1", "--cpu"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True).stdout
+    blocks = out.split("mamba2-tiny b=1 prefill ")[1:]
+    assert [b.split(":")[0] for b in blocks] == ["16", "32"]
+    for block in blocks:
+        parts = {ln.split()[0]: float(ln.split()[1]) for ln in block.splitlines()[1:] if ln.strip()}
+        kernels = [f"k:ssd.{k}" for k in ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan")]
+        assert set(kernels + ["k:causal_conv1d.fwd", "m:in_proj", "m:out_proj", "m:lm_head", "glue"]) <= set(parts)
+        assert parts["glue"] >= 0 and sum(parts[k] for k in kernels) < parts["m:mixer"]
