@@ -344,14 +344,24 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=dev)
         check_shape("initial_states", initial_states, (batch, nheads, headdim, dstate))
     if seq_idx is not None:
-        check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
-        check_shape("seq_idx", seq_idx, (batch, seqlen))
-        # upstream documents nondecreasing ids; a decrease (e.g. 0 1 0) gave chunk_size-dependent answers, since
-        # the kernels compare a position's id with its chunk's last id and the previous chunk's last id only.
-        # A data-dependent check: skipped while torch.compile traces (fake tensors have no values)
-        if seqlen > 1 and not torch.compiler.is_compiling() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-            row = int((seq_idx[:, 1:] < seq_idx[:, :-1]).any(1).nonzero()[0, 0])
-            raise ValueError(f"seq_idx: must be nondecreasing along seqlen, row {row} decreases")
+        check_seq_idx(seq_idx, batch, seqlen, dev)
+    return dt_limit_pair(dt_limit)
+
+
+def check_seq_idx(seq_idx: Tensor, batch: int, seqlen: int, dev) -> None:
+    """seq_idx: (batch, seqlen) int32 on ``dev``, nondecreasing along seqlen (also mamba_split's check)."""
+    check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
+    check_shape("seq_idx", seq_idx, (batch, seqlen))
+    # upstream documents nondecreasing ids; a decrease (e.g. 0 1 0) gave chunk_size-dependent answers, since
+    # the kernels compare a position's id with its chunk's last id and the previous chunk's last id only.
+    # A data-dependent check: skipped while torch.compile traces (fake tensors have no values)
+    if seqlen > 1 and not torch.compiler.is_compiling() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        row = int((seq_idx[:, 1:] < seq_idx[:, :-1]).any(1).nonzero()[0, 0])
+        raise ValueError(f"seq_idx: must be nondecreasing along seqlen, row {row} decreases")
+
+
+def dt_limit_pair(dt_limit) -> tuple[float, float]:
+    """dt_limit as (low, high) floats: TypeError for anything but a pair of numbers, ValueError unless low <= high."""
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
