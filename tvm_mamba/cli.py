@@ -273,8 +273,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="target, cache, and one checked kernel call")
-    for name, helps, jobs in (("build-check", "build every kernel for CUDA here (nvcc, ptxas -v)", "nvcc"),
-                              ("sim-check", "run every build-check kernel on the CPU through the CUDA harness", "g++")):
+    checks = (("build-check", "build every kernel for CUDA here (nvcc, ptxas -v)", "nvcc"),
+              ("sim-check", "run every build-check kernel on the CPU through the CUDA harness", "g++"))
+    for name, helps, jobs in checks:  # the same kernel configurations: the same options
         chk = sub.add_parser(name, help=helps)
         chk.add_argument("--target", default="cuda")
         chk.add_argument("--arch", default="sm_90")
