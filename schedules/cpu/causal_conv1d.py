@@ -140,7 +140,7 @@ def _fwd(d: CausalConv1dFwd, V: int):
         init = T.match_buffer(i_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
         out = T.match_buffer(o_h, (B, D, L), x_dtype)
         final = T.match_buffer(f_h, (B, D, W - 1) if return_final else (1, 1, 1), x_dtype)
-        pre_rows(x, weight, bias, seq_idx, init, x, out, final, B, L)
+        pre_rows(x, weight, bias, seq_idx, init, x, out, final, B, L)  # out_value reads no aux: x stands in
 
     return causal_conv1d_fwd
 
