@@ -55,6 +55,18 @@ class Decisions:
         return json.dumps(self.values, sort_keys=True)
 
 
+def apply_by_kernel(table: Mapping[str, Any], func: tvm.tirx.PrimFunc, target, decisions: Decisions,
+                    capability: str):
+    """The ``apply`` of a rule file that has one schedule function per kernel: ``table[kernel](func, static,
+    decisions)`` where the target has ``capability`` (``"gpu"`` / ``"cpu"`` in ``target.keys``); None for a
+    foreign PrimFunc or target (the function itself may return None for a shape it does not take)."""
+    name, static = kernel_attrs(func)
+    schedule = table.get(name)
+    if schedule is None or capability not in target.keys:
+        return None
+    return schedule(func, static, decisions)
+
+
 def kernel_attrs(func: tvm.tirx.PrimFunc) -> tuple[str | None, dict]:
     """(kernel name, static dict) stamped on a compute builder's PrimFunc; (None, {}) if foreign."""
     attrs = func.attrs

@@ -90,13 +90,16 @@ def _configs(ops: list[str]):
 MIN_ARCH = 80  # bf16 arithmetic (cuda_bf16.h's operators, __hgt) needs sm_80; older archs fail in nvcc
 
 
+class _UsageError(Exception):
+    """A bad command-line value: main prints the one-line message on stderr and returns 2."""
+
+
 def _checked_ops_arch(args, cmd: str):
-    """(ops, arch) from --target / --ops / --arch, or None after a one-line error listing the valid values."""
+    """(ops, arch) from --target / --ops / --arch; a _UsageError listing the valid values."""
     from tvm_mamba.runtime.target import CUDA_ARCHS
 
     if args.target != "cuda":
-        print(f"{cmd}: only --target cuda is supported, got {args.target!r}", file=sys.stderr)
-        return None
+        raise _UsageError(f"{cmd}: only --target cuda is supported, got {args.target!r}")
 
     from tvm_mamba.runtime.rules import compute_ops
 
@@ -104,13 +107,11 @@ def _checked_ops_arch(args, cmd: str):
     ops = [o for o in args.ops.split(",") if o] if args.ops else valid
     unknown = [o for o in ops if o not in valid]
     if unknown:
-        print(f"{cmd}: unknown op {', '.join(unknown)}; valid: {', '.join(valid)}", file=sys.stderr)
-        return None
+        raise _UsageError(f"{cmd}: unknown op {', '.join(unknown)}; valid: {', '.join(valid)}")
     arch = args.arch
     if not (arch.startswith("sm_") and arch[3:].isdigit()) or int(arch[3:]) < MIN_ARCH:
-        print(f"{cmd}: unsupported --arch {arch!r}; the minimum is sm_{MIN_ARCH} (bf16); known: "
-              f"{', '.join(CUDA_ARCHS)}", file=sys.stderr)
-        return None
+        raise _UsageError(f"{cmd}: unsupported --arch {arch!r}; the minimum is sm_{MIN_ARCH} (bf16); known: "
+                          f"{', '.join(CUDA_ARCHS)}")
     return ops, arch
 
 
@@ -134,10 +135,7 @@ def cmd_build_check(args) -> int:
     from tvm_mamba.runtime.cache import compile_module
     from tvm_mamba.runtime.nvcc import ptxas_stats
 
-    checked = _checked_ops_arch(args, "build-check")
-    if checked is None:
-        return 2
-    ops, arch = checked
+    ops, arch = _checked_ops_arch(args, "build-check")
     tkey = target_key(cuda_target(arch))
     pending: list = []
     failed = spilling = total = 0
@@ -200,10 +198,7 @@ def cmd_sim_check(args) -> int:
     from tvm_mamba import simcheck
     from tvm_mamba.runtime import KernelKey, build_and_load
 
-    checked = _checked_ops_arch(args, "sim-check")
-    if checked is None:
-        return 2
-    ops, arch = checked
+    ops, arch = _checked_ops_arch(args, "sim-check")
     configs = list(_configs(ops))
     keys = [KernelKey.make(op, d, dt, st, "cudasim-" + arch) for op, d, st, dt in configs]
     print(f"sim-check: compiling {len(keys)} kernels for the harness ({args.jobs} jobs) ...", flush=True)
@@ -252,8 +247,7 @@ def cmd_tune(args) -> int:
             print(f"tune: records in {candidates.commit(args.commit, args.out)}")
         else:
             if not args.out:
-                print("tune: --emit-candidates needs --out DIR", file=sys.stderr)
-                return 2
+                raise _UsageError("tune: --emit-candidates needs --out DIR")
             folder = candidates.emit(ops, args.out, args.emit_candidates, args.target, args.arch, args.preset,
                                      seqlens, batches, metaschedule=args.metaschedule,
                                      directions=_directions(args))
@@ -266,8 +260,7 @@ def cmd_tune(args) -> int:
         print(f"tune: rechecked {checked} winning records, {demoted} no longer faster than the default: demoted")
         return 0
     if args.rpc_tracker and not args.rpc_key:
-        print("tune: --rpc-key is required with --rpc-tracker", file=sys.stderr)
-        return 2
+        raise _UsageError("tune: --rpc-key is required with --rpc-tracker")
     folder = tune.run(ops, preset=args.preset, seqlens=seqlens, batches=batches, trials=args.trials,
                       budget_s=60.0 * args.budget_min, out=args.out, rpc_tracker=args.rpc_tracker,
                       rpc_key=args.rpc_key, directions=_directions(args))
@@ -280,16 +273,14 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="target, cache, and one checked kernel call")
-    bc = sub.add_parser("build-check", help="build every kernel for CUDA here (nvcc, ptxas -v)")
-    bc.add_argument("--target", default="cuda")
-    bc.add_argument("--arch", default="sm_90")
-    bc.add_argument("--ops", default="", help="comma-separated op names (default: all)")
-    bc.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
-    sc = sub.add_parser("sim-check", help="run every build-check kernel on the CPU through the CUDA harness")
-    sc.add_argument("--target", default="cuda")
-    sc.add_argument("--arch", default="sm_90")
-    sc.add_argument("--ops", default="", help="comma-separated op names (default: all)")
-    sc.add_argument("--jobs", type=int, default=2, help="parallel g++ processes")
+    checks = (("build-check", "build every kernel for CUDA here (nvcc, ptxas -v)", "nvcc"),
+              ("sim-check", "run every build-check kernel on the CPU through the CUDA harness", "g++"))
+    for name, helps, jobs in checks:  # the same kernel configurations: the same options
+        chk = sub.add_parser(name, help=helps)
+        chk.add_argument("--target", default="cuda")
+        chk.add_argument("--arch", default="sm_90")
+        chk.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+        chk.add_argument("--jobs", type=int, default=2, help=f"parallel {jobs} processes")
     ca = sub.add_parser("cache", help="list the kernel cache (default), --clear it, or --prune other versions")
     group = ca.add_mutually_exclusive_group()
     group.add_argument("--list", action="store_true", help="sizes per version folder (the default)")
@@ -337,8 +328,12 @@ def main(argv=None) -> int:
         from tvm_mamba import aot
 
         return aot.main(args)
-    return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check, "cache": cmd_cache,
-            "tune": cmd_tune}[args.cmd](args)
+    try:
+        return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check, "cache": cmd_cache,
+                "tune": cmd_tune}[args.cmd](args)
+    except _UsageError as err:
+        print(err, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

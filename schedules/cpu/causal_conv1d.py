@@ -30,75 +30,12 @@ def _act_grad(v, activation):
     return _math.silu_grad(v) if activation == "silu" else tirx.const(1.0, F32)
 
 
-def _fwd(d: CausalConv1dFwd, V: int):
-    D, W = d.dim, d.width
-    # plain names: TVMScript folds these Python values into the kernel's static branches
-    activation, has_bias, has_seq_idx, has_init, return_final = d.activation, d.has_bias, d.has_seq_idx, \
-        d.has_init, d.return_final
-    x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
+class _Taps:
+    """The float32 reads at a (batch b, channel c, position) for dims ``d`` (forward or backward): the window
+    (xx), x in the main loop (xtap), and the backward's g at a later source position, dout and dfinal, each
+    masked as the TE definitions mask them."""
 
-    def xx(x, init, seq_idx, b, c, s, t):
-        return window_value(x, init, seq_idx, W, has_seq_idx, has_init, b, c, s, t)
-
-    def pad0(seq_idx, b, t, v):  # padding positions (seq_idx < 0) output 0
-        return zero_padding(v, seq_idx, has_seq_idx, b, t)
-
-    def tap(x, seq_idx, b, c, s, t):  # main loop: s >= 0 always
-        v = x[b, c, s].astype(F32)
-        return tirx.Select(seq_idx[b, s] == seq_idx[b, t], v, tirx.const(0.0, F32)) if has_seq_idx else v
-
-    @T.prim_func
-    def causal_conv1d_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
-                          o_h: T.handle, f_h: T.handle):
-        T.func_attr({"global_symbol": "causal_conv1d_fwd", "tirx.noalias": True})
-        B = T.int32()
-        L = T.int32()
-        x = T.match_buffer(x_h, (B, D, L), x_dtype)
-        weight = T.match_buffer(w_h, (D, W), weight_dtype)
-        bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
-        seq_idx = T.match_buffer(s_h, (B, L) if has_seq_idx else (1, 1), "int32")
-        init = T.match_buffer(i_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
-        out = T.match_buffer(o_h, (B, D, L), x_dtype)
-        final = T.match_buffer(f_h, (B, D, W - 1) if return_final else (1, 1, 1), x_dtype)
-        for row in T.parallel(B * D):
-            b = T.meta_var(row // D)
-            c = T.meta_var(row % D)
-            wv = T.alloc_buffer((W + 1,), F32)
-            acc = T.alloc_buffer((V,), F32)
-            for k in T.unroll(W):
-                wv[k] = weight[c, k].astype(F32)
-            wv[W] = bias[c].astype(F32) if has_bias else T.float32(0)
-            for t in range(T.min(L, V)):  # head: the window may reach before t = 0
-                acc[0] = wv[W]
-                for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
-                out[b, c, t] = pad0(seq_idx, b, t, _act(acc[0], activation)).astype(x_dtype)
-            for t0 in range(1, L // V):  # main: full vectors, every tap inside the row
-                for i in T.vectorized(V):
-                    acc[i] = wv[W]
-                for k in T.unroll(W):
-                    for i in T.vectorized(V):
-                        acc[i] = acc[i] + wv[k] * tap(x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
-                for i in T.vectorized(V):
-                    out[b, c, t0 * V + i] = pad0(seq_idx, b, t0 * V + i, _act(acc[i], activation)).astype(x_dtype)
-            for t in range(T.max(L // V * V, V), L):  # tail
-                acc[0] = wv[W]
-                for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * tap(x, seq_idx, b, c, t - (W - 1) + k, t)
-                out[b, c, t] = pad0(seq_idx, b, t, _act(acc[0], activation)).astype(x_dtype)
-            if return_final:
-                for j in range(W - 1):
-                    final[b, c, j] = window_value(x, init, seq_idx, W, False, has_init, b, c,
-                                                  L - (W - 1) + j, 0).astype(x_dtype)
-
-    return causal_conv1d_fwd
-
-
-class _BwdTaps:
-    """The backward's float32 reads at a (batch b, channel c, position) for dims ``d``: the window (xx),
-    g at a later source position, dout and dfinal, each masked as the TE backward masks it."""
-
-    def __init__(self, d: CausalConv1dBwd):
+    def __init__(self, d: CausalConv1dFwd | CausalConv1dBwd):
         self.d, self.W, self.zero = d, d.width, tirx.const(0.0, F32)
 
     def xx(self, x, init, seq_idx, b, c, s, t):
@@ -135,13 +72,16 @@ class _BwdTaps:
         return tirx.Select(self.same(seq_idx, b, s, t), v, self.zero) if self.d.has_seq_idx else v
 
 
-def _bwd_grad_pre(d: CausalConv1dBwd, V: int, tp: _BwdTaps):
-    """Phase 1, per row: g = dout * act'(pre), pre recomputed (cheaper than saving it: one row pass);
-    a scalar head (t < V: the window reaches before t=0), full vectors, a scalar tail."""
-    D, W, activation, has_bias = d.dim, d.width, d.activation, d.has_bias
+def _pre_rows(d: CausalConv1dFwd | CausalConv1dBwd, V: int, tp: _Taps, value, final_states: bool = False):
+    """The pass both directions make over every (batch, channel) row: the pre-activation
+    pre[t] = bias + sum_k weight[k] * xx[t - (W-1) + k] (the forward's output; the backward recomputes it,
+    cheaper than saving it: one row pass) in a scalar head (t < V: the window reaches before t = 0), full
+    vectors and a scalar tail. ``dst[b, c, t] = value(aux, seq_idx, b, c, t, pre)``; with ``final_states``
+    the row's last width-1 window values go to ``final`` in the same pass (the forward's final_states)."""
+    D, W, has_bias, x_dtype, has_init = d.dim, d.width, d.has_bias, d.x_dtype, d.has_init
 
     @T.macro
-    def grad_pre(x, weight, bias, seq_idx, init, dout, g, B, L):
+    def pre_rows(x, weight, bias, seq_idx, init, aux, dst, final, B, L):
         for row in T.parallel(B * D):
             b = T.meta_var(row // D)
             c = T.meta_var(row % D)
@@ -154,25 +94,58 @@ def _bwd_grad_pre(d: CausalConv1dBwd, V: int, tp: _BwdTaps):
                 acc[0] = wv[W]
                 for k in T.unroll(W):
                     acc[0] = acc[0] + wv[k] * tp.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
-                g[b, c, t] = tp.dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
-            for t0 in range(1, L // V):
+                dst[b, c, t] = value(aux, seq_idx, b, c, t, acc[0])
+            for t0 in range(1, L // V):  # every tap inside the row
                 for i in T.vectorized(V):
                     acc[i] = wv[W]
                 for k in T.unroll(W):
                     for i in T.vectorized(V):
                         acc[i] = acc[i] + wv[k] * tp.xtap(x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
                 for i in T.vectorized(V):
-                    g[b, c, t0 * V + i] = tp.dout_at(dout, seq_idx, b, c, t0 * V + i) * _act_grad(acc[i], activation)
+                    dst[b, c, t0 * V + i] = value(aux, seq_idx, b, c, t0 * V + i, acc[i])
             for t in range(T.max(L // V * V, V), L):
                 acc[0] = wv[W]
                 for k in T.unroll(W):
                     acc[0] = acc[0] + wv[k] * tp.xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
-                g[b, c, t] = tp.dout_at(dout, seq_idx, b, c, t) * _act_grad(acc[0], activation)
+                dst[b, c, t] = value(aux, seq_idx, b, c, t, acc[0])
+            if final_states:
+                for j in range(W - 1):
+                    final[b, c, j] = window_value(x, init, seq_idx, W, False, has_init, b, c,
+                                                  L - (W - 1) + j, 0).astype(x_dtype)
 
-    return grad_pre
+    return pre_rows
 
 
-def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _BwdTaps):
+def _fwd(d: CausalConv1dFwd, V: int):
+    D, W = d.dim, d.width
+    # plain names: TVMScript folds these Python values into the kernel's static branches
+    has_bias, has_seq_idx, has_init, return_final = d.has_bias, d.has_seq_idx, d.has_init, d.return_final
+    x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
+
+    def out_value(_, seq_idx, b, c, t, pre):  # padding positions (seq_idx < 0) output 0
+        return zero_padding(_act(pre, d.activation), seq_idx, has_seq_idx, b, t).astype(x_dtype)
+
+    pre_rows = _pre_rows(d, V, _Taps(d), out_value, final_states=return_final)
+
+    @T.prim_func
+    def causal_conv1d_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
+                          o_h: T.handle, f_h: T.handle):
+        T.func_attr({"global_symbol": "causal_conv1d_fwd", "tirx.noalias": True})
+        B = T.int32()
+        L = T.int32()
+        x = T.match_buffer(x_h, (B, D, L), x_dtype)
+        weight = T.match_buffer(w_h, (D, W), weight_dtype)
+        bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
+        seq_idx = T.match_buffer(s_h, (B, L) if has_seq_idx else (1, 1), "int32")
+        init = T.match_buffer(i_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
+        out = T.match_buffer(o_h, (B, D, L), x_dtype)
+        final = T.match_buffer(f_h, (B, D, W - 1) if return_final else (1, 1, 1), x_dtype)
+        pre_rows(x, weight, bias, seq_idx, init, x, out, final, B, L)  # out_value reads no aux: x stands in
+
+    return causal_conv1d_fwd
+
+
+def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _Taps):
     """Phase 2, per row: dx, dinit, and the row's partial sums for dweight / dbias (stage 1 of 2)."""
     D, W, x_dtype, has_init = d.dim, d.width, d.x_dtype, d.has_init
 
@@ -242,13 +215,17 @@ def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _BwdTaps):
 
 
 def _bwd(d: CausalConv1dBwd, V: int):
-    """The backward loop nest: phase 1 (_bwd_grad_pre), phase 2 (_bwd_grad_inputs), then stage 2 of the
-    dweight / dbias reduction over batch, in batch order (deterministic)."""
+    """The backward loop nest: phase 1, per row, g = dout * act'(pre) (_pre_rows), phase 2 (_bwd_grad_inputs),
+    then stage 2 of the dweight / dbias reduction over batch, in batch order (deterministic)."""
     D, W = d.dim, d.width
     has_bias, has_seq_idx, has_init, has_dfinal = d.has_bias, d.has_seq_idx, d.has_init, d.has_dfinal
     x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
-    tp = _BwdTaps(d)
-    grad_pre, grad_inputs = _bwd_grad_pre(d, V, tp), _bwd_grad_inputs(d, V, tp)
+    tp = _Taps(d)
+
+    def g_value(dout, seq_idx, b, c, t, pre):
+        return tp.dout_at(dout, seq_idx, b, c, t) * _act_grad(pre, d.activation)
+
+    grad_pre, grad_inputs = _pre_rows(d, V, tp, g_value), _bwd_grad_inputs(d, V, tp)
 
     @T.prim_func
     def causal_conv1d_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
@@ -270,7 +247,7 @@ def _bwd(d: CausalConv1dBwd, V: int):
         dinit = T.match_buffer(di_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
         g = T.match_buffer(g_h, (B, D, L), F32)
         partial = T.match_buffer(p_h, (B, D, W + 1), F32)
-        grad_pre(x, weight, bias, seq_idx, init, dout, g, B, L)
+        grad_pre(x, weight, bias, seq_idx, init, dout, g, g, B, L)  # no final states: g stands in
         grad_inputs(x, weight, seq_idx, init, dfinal, dx, dinit, g, partial, B, L)
         for c in T.parallel(D):  # stage 2: the per-row partials summed over batch, in batch order
             acc = T.alloc_buffer((W + 1,), F32)

@@ -14,8 +14,13 @@ def bind_flat(sch: s_tir.Schedule, block, threads: int):
     output element, consecutive threads on consecutive innermost (time) positions, so loads coalesce.
     Reduction loops stay serial inside the thread. Returns the threadIdx loop."""
     loops = sch.get_loops(block)[: spatial_loop_count(sch, block)]
-    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    bx, tx = sch.split(fused, factors=[None, threads])
+    return threads_over(sch, sch.fuse(*loops) if len(loops) > 1 else loops[0], threads)
+
+
+def threads_over(sch: s_tir.Schedule, loop, threads: int):
+    """Split ``loop`` by ``threads``: blocks on blockIdx.x, ``threads`` per block on threadIdx.x (one thread
+    per iteration). Returns the threadIdx loop."""
+    bx, tx = sch.split(loop, factors=[None, threads])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     return tx

@@ -19,6 +19,36 @@ from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from tvm_mamba.schedules import rule
+from tvm_mamba.schedules.cuda._common import threads_over
+
+
+def _dp4a_shaped(body):
+    """A PrimFunc of the dp4a intrinsic's shape, ``body(A, B, C)`` inside: 4 int8 of A and of B in shared
+    memory (4-byte aligned: one 32-bit load each) and one int32 accumulator C in a register."""
+
+    @T.prim_func(s_tir=True)
+    def intrin(A: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
+               B: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
+               C: T.Buffer((1,), "int32", offset_factor=1, align=4, scope="local")) -> None:
+        with T.sblock("root"):
+            T.reads(C[0], A[0:4], B[0:4])
+            T.writes(C[0])
+            body(A, B, C)
+
+    return intrin
+
+
+@T.macro
+def _dot4(A, B, C):  # what the intrinsic computes: C += sum_i A[i] * B[i] in int32
+    for i in range(0, 4):
+        with T.sblock("update"):
+            vi = T.axis.remap("R", [i])
+            C[0] = C[0] + T.cast(A[vi], "int32") * T.cast(B[vi], "int32")
+
+
+@T.macro
+def _dp4a(A, B, C):  # how: one __dp4a on the two 4-byte words
+    C[0] += T.call_pure_extern("__dp4a", A.vload([0], "int8x4"), B.vload([0], "int8x4"), T.int32(0), dtype="int32")
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,35 +58,15 @@ def _dp4a_s8s8s32() -> str:
     ``tvm.s_tir.tensor_intrin`` for it would register every target's intrinsics first: 48 s on this
     machine (its cuda module alone, the MMA / ldmatrix variants, 34 s), paid by every process that schedules
     one int8 CUDA matmul."""
-
-    @T.prim_func(s_tir=True)
-    def desc(A: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
-             B: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
-             C: T.Buffer((1,), "int32", offset_factor=1, align=4, scope="local")) -> None:
-        with T.sblock("root"):
-            T.reads(C[0], A[0:4], B[0:4])
-            T.writes(C[0])
-            for i in range(0, 4):
-                with T.sblock("update"):
-                    vi = T.axis.remap("R", [i])
-                    C[0] = C[0] + T.cast(A[vi], "int32") * T.cast(B[vi], "int32")
-
-    @T.prim_func(s_tir=True)
-    def impl(A: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
-             B: T.Buffer((4,), "int8", offset_factor=1, align=4, scope="shared"),
-             C: T.Buffer((1,), "int32", offset_factor=1, align=4, scope="local")) -> None:
-        with T.sblock("root"):
-            T.reads(C[0], A[0:4], B[0:4])
-            T.writes(C[0])
-            C[0] += T.call_pure_extern("__dp4a", A.vload([0], "int8x4"), B.vload([0], "int8x4"), T.int32(0),
-                                       dtype="int32")
-
     name = "tvm_mamba.dp4a_s8s8s32"
-    TensorIntrin.register(name, desc, impl, override=True)
+    TensorIntrin.register(name, _dp4a_shaped(_dot4), _dp4a_shaped(_dp4a), override=True)
     return name
 
 
-def _matmul(func, N: int, K: int, decisions):
+def _matmul(func, st: dict, decisions):
+    N, K = st["N"], st["K"]
+    if K % 4:  # the dp4a tensorization needs whole 4-byte groups: the dlight fallback takes it
+        return None
     # One row of a per block (blockIdx.y = m: M is symbolic, and an inexact split of it would put a
     # predicate on the compute block, which the dp4a tensorize cannot match), `tile` columns of b per block
     # (one output per thread), K staged through shared memory `kgroups` 4-byte groups at a time (the knob is
@@ -88,18 +98,19 @@ def _matmul(func, N: int, K: int, decisions):
     return sch
 
 
-def _elementwise(func, name: str, block: str, decisions):
-    threads = decisions.pick("threads", (128, 256, 512), 256)
-    sch = rule.schedule_of(func, name=name)
-    blk = sch.get_sblock(block)
-    fused = sch.fuse(*sch.get_loops(blk))
-    bx, tx = sch.split(fused, [None, threads])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    return sch
+def _elementwise(name: str, block: str):
+    """pack / unpack: one thread per output element of ``block``."""
+
+    def schedule(func, _st, decisions):
+        threads = decisions.pick("threads", (128, 256, 512), 256)
+        sch = rule.schedule_of(func, name=name)
+        threads_over(sch, sch.fuse(*sch.get_loops(sch.get_sblock(block))), threads)
+        return sch
+
+    return schedule
 
 
-def _dgrad(func, N: int, decisions):
+def _dgrad(func, _st, decisions):
     # out[h, m, n]: one block per (h, m) row x `threads` columns of n (threads read consecutive bytes of a
     # codes row: coalesced; g[h, m, k] is a broadcast), the K reduction serial per thread in a register.
     threads = decisions.pick("threads", (64, 128, 256), 128)
@@ -115,39 +126,24 @@ def _dgrad(func, N: int, decisions):
     return sch
 
 
-def _wgrad(func, decisions):
+def _wgrad(func, _st, decisions):
     # Stage 1: one thread per partial[p, h, n, k] (consecutive k across a warp: coalesced g reads and
     # partial writes), the part's rows summed serially in order. Stage 2: one thread per out[h, n, k],
     # parts summed in order in a register, then scaled. Deterministic (no atomics).
     threads = decisions.pick("threads", (64, 128, 256), 256)
     sch = rule.schedule_of(func, name="int8_dot_wgrad")
     part, acc, out = sch.get_sblock("partial"), sch.get_sblock("acc"), sch.get_sblock("out")
-    bx, tx = sch.split(sch.fuse(*sch.get_loops(part)[:4]), [None, threads])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    bx, tx = sch.split(sch.fuse(*sch.get_loops(acc)[:3]), [None, threads])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    sch.reverse_compute_at(out, tx)
+    threads_over(sch, sch.fuse(*sch.get_loops(part)[:4]), threads)
+    sch.reverse_compute_at(out, threads_over(sch, sch.fuse(*sch.get_loops(acc)[:3]), threads))
     sch.set_scope(acc, 0, "local")
     return sch
 
 
+_KERNELS = {"int8_dot_matmul": _matmul, "int8_dot_dgrad": _dgrad, "int8_dot_wgrad": _wgrad,
+            "int8_dot_pack": _elementwise("int8_dot_pack", "packed"),
+            "int8_dot_unpack": _elementwise("int8_dot_unpack", "codes")}
+
+
 def apply(func, target, decisions: rule.Decisions):
     """Schedule an int8_dot kernel for CUDA, or None for a foreign PrimFunc / unsupported shape."""
-    name, st = rule.kernel_attrs(func)
-    if "gpu" not in target.keys:
-        return None
-    if name == "int8_dot_matmul":
-        if st["K"] % 4:
-            return None
-        return _matmul(func, st["N"], st["K"], decisions)
-    if name == "int8_dot_dgrad":
-        return _dgrad(func, st["N"], decisions)
-    if name == "int8_dot_wgrad":
-        return _wgrad(func, decisions)
-    if name == "int8_dot_pack":
-        return _elementwise(func, name, "packed", decisions)
-    if name == "int8_dot_unpack":
-        return _elementwise(func, name, "codes", decisions)
-    return None
+    return rule.apply_by_kernel(_KERNELS, func, target, decisions, "gpu")

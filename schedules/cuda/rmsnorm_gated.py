@@ -14,6 +14,7 @@ Knobs: ``threads`` (threads per row block, forward and backward), ``part_threads
 from __future__ import annotations
 
 from tvm_mamba.schedules import rule
+from tvm_mamba.schedules.cuda._common import threads_over
 
 
 def _cross_thread(sch, block, loop, threads):
@@ -44,13 +45,6 @@ def _fwd(func, st: dict, decisions):
     _, hi = sch.split(h, [None, threads])
     sch.bind(hi, "threadIdx.x")
     return sch
-
-
-def _threads_over(sch, loop, threads):
-    bo, tx = sch.split(loop, [None, threads])
-    sch.bind(bo, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    return tx
 
 
 def _bwd(func, st: dict, decisions):
@@ -87,7 +81,7 @@ def _bwd(func, st: dict, decisions):
                           ("dbias1", w1 and st["has_bias1"])):
         if present:
             acc = sch.get_sblock(name + "_acc")
-            tx = _threads_over(sch, sch.get_loops(acc)[0], pthreads)
+            tx = threads_over(sch, sch.get_loops(acc)[0], pthreads)
             sch.reverse_compute_at(sch.get_sblock(name), tx)
             sch.set_scope(acc, 0, "local")
     return sch
@@ -95,11 +89,5 @@ def _bwd(func, st: dict, decisions):
 
 def apply(func, target, decisions: rule.Decisions):
     """Schedule a gated RMSNorm kernel for CUDA; None for foreign functions."""
-    name, st = rule.kernel_attrs(func)
-    if "gpu" not in target.keys:
-        return None
-    if name == "rmsnorm_gated_fwd":
-        return _fwd(func, st, decisions)
-    if name == "rmsnorm_gated_bwd":
-        return _bwd(func, st, decisions)
-    return None
+    return rule.apply_by_kernel({"rmsnorm_gated_fwd": _fwd, "rmsnorm_gated_bwd": _bwd}, func, target, decisions,
+                                "gpu")

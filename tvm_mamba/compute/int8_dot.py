@@ -87,12 +87,16 @@ def int8_dot_matmul(*dims, **fields) -> tirx.PrimFunc:
     return stamp(te.create_prim_func([a, b, c]), "int8_dot_matmul", d.static())
 
 
+def _packing(dims, fields) -> tuple[int, int, tirx.Var]:
+    """(K, words per packed row ceil(K/4), the symbolic row count) of a pack / unpack builder's dims."""
+    K = Int8DotPacking.of(*dims, **fields).K
+    return K, (K + 3) // 4, te.var("rows")
+
+
 def int8_dot_pack(*dims, **fields) -> tirx.PrimFunc:
     """codes: (rows, K) int8 -> packed: (rows, ceil(K/4)) int32, byte i of word j = codes[:, 4j+i] (0 past K).
     ``dims``: an :class:`Int8DotPacking`, or ``K``."""
-    K = Int8DotPacking.of(*dims, **fields).K
-    W = (K + 3) // 4
-    rows = te.var("rows")
+    K, W, rows = _packing(dims, fields)
     codes = te.placeholder((rows, K), "int8", name="codes")
 
     def word(r, j):
@@ -110,9 +114,7 @@ def int8_dot_pack(*dims, **fields) -> tirx.PrimFunc:
 def int8_dot_unpack(*dims, **fields) -> tirx.PrimFunc:
     """packed: (rows, ceil(K/4)) int32 -> codes: (rows, K) int8; inverse of :func:`int8_dot_pack`.
     ``dims``: an :class:`Int8DotPacking`, or ``K``."""
-    K = Int8DotPacking.of(*dims, **fields).K
-    W = (K + 3) // 4
-    rows = te.var("rows")
+    K, W, rows = _packing(dims, fields)
     packed = te.placeholder((rows, W), "int32", name="packed")
     # shift the wanted byte to the top, then arithmetic-shift it down: sign extension in one step
     codes = te.compute(

@@ -48,6 +48,7 @@ from ..torch_ops.layer_norm import layer_norm_fn
 from ..torch_ops.linear import fp32_gemv, fp32_linear, linear
 from ..torch_ops.rmsnorm_gated import rmsnorm_fn
 from ..torch_ops.selective_scan import selective_state_update
+from ._checks import check_hidden
 from .layer_norm import RMSNorm
 
 _plans: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # key -> _Entry
@@ -447,3 +448,15 @@ def block_plan(m, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor):
         m._check_states(conv_state, ssm_state, batch, hidden_states.device)
         return m.decode_plan(conv_state, ssm_state, batch)
     return cached(m, hidden_states, (tensor_stamp(conv_state), tensor_stamp(ssm_state)), build)
+
+
+def planned_step(m, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor):
+    """The opening Mamba.step and Mamba2.step share: hidden_states checked ((batch, 1, d_model)); the step's
+    result (out, conv_state, ssm_state) from the cached plan where one applies (no autograd / tracing: same
+    ops and bits), else None, once the states are checked for the step's own eager path."""
+    check_hidden("hidden_states", hidden_states, m.d_model, seqlen_one=True)
+    plan = block_plan(m, hidden_states, conv_state, ssm_state)
+    if plan is not None:
+        return plan.step(hidden_states.squeeze(1)).unsqueeze(1), conv_state, ssm_state
+    m._check_states(conv_state, ssm_state, hidden_states.shape[0], hidden_states.device)
+    return None

@@ -142,12 +142,10 @@ class Mamba(nn.Module):
         """One decode token. hidden_states: (batch, 1, d_model); conv_state: (batch', d_inner, d_conv) and
         ssm_state: (batch', d_inner, d_state) float32, batch' >= batch, updated in place (rows :batch)
         -> (out (batch, 1, d_model), conv_state, ssm_state)."""
-        check_hidden("hidden_states", hidden_states, self.d_model, seqlen_one=True)
-        plan = _decode.block_plan(self, hidden_states, conv_state, ssm_state)
-        if plan is not None:  # no autograd / tracing: the cached plan (modules/_decode.py), same ops and bits
-            return plan.step(hidden_states.squeeze(1)).unsqueeze(1), conv_state, ssm_state
+        planned = _decode.planned_step(self, hidden_states, conv_state, ssm_state)
+        if planned is not None:
+            return planned
         batch = hidden_states.shape[0]
-        self._check_states(conv_state, ssm_state, batch, hidden_states.device)
         xz = _decode.project(self.in_proj, hidden_states.squeeze(1))  # (batch, 2*d_inner), as the plan's
         x, z = xz.chunk(2, dim=-1)
         x = causal_conv1d_update(x, conv_state[:batch], self._conv_weight(), self.conv1d.bias, self.activation)

@@ -212,12 +212,10 @@ class Mamba2(nn.Module):
         ssm_state: (batch', nheads, headdim, d_state) float32 (or 16-bit: kept in its dtype, fp32 math), batch' >=
         batch, updated in place (rows :batch)
         -> (out (batch, 1, d_model), conv_state, ssm_state)."""
-        check_hidden("hidden_states", hidden_states, self.d_model, seqlen_one=True)
-        plan = _decode.block_plan(self, hidden_states, conv_state, ssm_state)
-        if plan is not None:  # no autograd / tracing: the cached plan (modules/_decode.py), same ops and bits
-            return plan.step(hidden_states.squeeze(1)).unsqueeze(1), conv_state, ssm_state
+        planned = _decode.planned_step(self, hidden_states, conv_state, ssm_state)
+        if planned is not None:
+            return planned
         batch = hidden_states.shape[0]
-        self._check_states(conv_state, ssm_state, batch, hidden_states.device)
         zxbcdt = _decode.project(self.in_proj, hidden_states.squeeze(1))  # (batch, d_in_proj), as the plan's
         d_mlp, (z0, x0, z, xBC, dt) = self._split(zxbcdt)
         xBC = causal_conv1d_update(xBC, conv_state[:batch], self._conv_weight(), self.conv1d.bias, self.activation)

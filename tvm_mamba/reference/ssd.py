@@ -58,13 +58,19 @@ def ssd_recurrence_ref(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_sta
         dA = torch.exp(dt[:, t] * A.to(x.dtype))  # (batch, nheads)
         h = dA[..., None, None] * h + (dt[:, t, :, None] * x[:, t])[..., None] * Bh[:, t, :, None, :]
         ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))
-    y = torch.stack(ys, dim=1)
+    y = _skip_and_gate(torch.stack(ys, dim=1), x, D, z, x.dtype)
+    return (y, h) if return_final_states else y
+
+
+def _skip_and_gate(y, x, D, z, D_dtype):
+    """y + D x (D: (nheads,) or (nheads, headdim), cast to D_dtype), then times silu(z): both references'
+    output step. y, x, z: (batch, seqlen, nheads, headdim)."""
     if D is not None:
-        Dx = D.to(x.dtype)[:, None] if D.dim() == 1 else D.to(x.dtype)
+        Dx = D.to(D_dtype)[:, None] if D.dim() == 1 else D.to(D_dtype)
         y = y + x * Dx
     if z is not None:
         y = y * F.silu(z)
-    return (y, h) if return_final_states else y
+    return y
 
 
 def segsum(x):
@@ -124,12 +130,7 @@ def ssd_chunked_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, in
     state_decay_out = torch.exp(A_cumsum)
     Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, states, state_decay_out)
     y = (Y_diag + Y_off).reshape(batch, nchunks * chunk_size, nheads, headdim)[:, :seqlen]
-    x = x[:, :seqlen]
-    if D is not None:
-        Dx = D.to(y.dtype)[:, None] if D.dim() == 1 else D.to(y.dtype)
-        y = y + x * Dx
-    if z is not None:
-        y = y * F.silu(z)
+    y = _skip_and_gate(y, x[:, :seqlen], D, z, y.dtype)
     return (y, final_state) if return_final_states else y
 
 

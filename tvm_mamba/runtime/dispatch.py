@@ -86,13 +86,26 @@ def note_key(key: KernelKey, served: Plan | None = None) -> None:
         rec.append((key, served))
 
 
-class record_keys:
-    """``with record_keys() as used: fn(...)`` collects (key, plan) for every kernel the call ran."""
+class collect_into:
+    """``with collect_into(local, name) as items:`` binds ``local.<name>`` (a threading.local) to a fresh list
+    for the block and restores the previous binding after, so blocks nest; whoever records appends to the
+    bound list (record_keys here, torch_ops/_dlpack.py's capture_launches)."""
 
-    def __enter__(self) -> list[KernelKey]:
-        self._prev = getattr(_recording, "keys", None)
-        _recording.keys = []
-        return _recording.keys
+    def __init__(self, local: threading.local, name: str):
+        self._local, self._name = local, name
+
+    def __enter__(self) -> list:
+        self._prev = getattr(self._local, self._name, None)
+        items: list = []
+        setattr(self._local, self._name, items)
+        return items
 
     def __exit__(self, *exc) -> None:
-        _recording.keys = self._prev
+        setattr(self._local, self._name, self._prev)
+
+
+class record_keys(collect_into):
+    """``with record_keys() as used: fn(...)`` collects (key, plan) for every kernel the call ran."""
+
+    def __init__(self):
+        super().__init__(_recording, "keys")

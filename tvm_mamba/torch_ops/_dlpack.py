@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime import KernelKey, build_and_load, shape_bucket
+from ..runtime.dispatch import collect_into
 from ..runtime.target import device_target_key
 
 ALIGN = 64
@@ -99,20 +100,15 @@ class _Recording:
         return out
 
 
-class capture_launches:
+class capture_launches(collect_into):
     """``with capture_launches() as launches: op(...)`` runs the ops as usual and appends a :class:`Launch`
     (kernel, argument tuple) for every kernel they run, in order: what a decode plan replays without the
     ops' validation and allocation (modules/_decode.py; the CPU counterpart of upstream's CUDA-graph capture).
     A replay is only valid while every recorded tensor is still the memory the caller means to use: the
     caller checks that no argument is a copy the op made (see modules/_decode.py)."""
 
-    def __enter__(self) -> list[Launch]:
-        self._prev = getattr(_capture, "launches", None)
-        _capture.launches = []
-        return _capture.launches
-
-    def __exit__(self, *exc) -> None:
-        _capture.launches = self._prev
+    def __init__(self):
+        super().__init__(_capture, "launches")
 
 
 def eager_direct(*tensors) -> bool:

@@ -17,7 +17,6 @@ forward, one SwiGLU).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from torch import Tensor
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
 from ._fused import norm_bwd, norm_fwd
-from .ssd import ssd_bwd, ssd_fwd
+from .ssd import check_seq_idx, dt_limit_pair, ssd_bwd, ssd_fwd
 
 # the tensor arguments, in upstream's order (the autograd node's inputs, by name)
 TENSORS = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "initial_states", "seq_idx",
@@ -260,24 +259,6 @@ def _check_widths(zxbcdt, w, dim, nheads, ngroups):
     return dstate, rest // 2
 
 
-def _check_seq_idx(seq_idx, batch, seqlen, dev) -> None:
-    check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
-    check_shape("seq_idx", seq_idx, (batch, seqlen))
-    # data-dependent: skipped while torch.compile traces (fake tensors have no values)
-    if seqlen > 1 and not torch.compiler.is_compiling() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-        raise ValueError("seq_idx: must be nondecreasing along seqlen")
-
-
-def _dt_limit(dt_limit) -> tuple:
-    try:
-        lo, hi = (float(v) for v in dt_limit)
-    except (TypeError, ValueError):
-        raise TypeError(f"dt_limit: expected a pair of floats (low, high), got {dt_limit!r}") from None
-    if math.isnan(lo) or math.isnan(hi) or lo > hi:
-        raise ValueError(f"dt_limit: expected low <= high, got {dt_limit!r}")
-    return lo, hi
-
-
 def _validate(t: dict, chunk_size, dt_limit, activation, rmsnorm_eps, headdim, ngroups, norm_before_gate):
     zx = t["zxbcdt"]
     check_tensor("zxbcdt", zx, ndim=3, dtypes=FLOATS)
@@ -298,7 +279,7 @@ def _validate(t: dict, chunk_size, dt_limit, activation, rmsnorm_eps, headdim, n
         check_tensor("initial_states", t["initial_states"], ndim=4, dtypes=FLOATS, device=dev)
         check_shape("initial_states", t["initial_states"], (batch, nheads, headdim, dstate))
     if t["seq_idx"] is not None:
-        _check_seq_idx(t["seq_idx"], batch, seqlen, dev)
+        check_seq_idx(t["seq_idx"], batch, seqlen, dev)
     _check_vec("rmsnorm_weight", t["rmsnorm_weight"], dim, (torch.float32, dtype), dev)
     if t["outproj_weight"] is not None:
         check_tensor("outproj_weight", t["outproj_weight"], ndim=2, dtypes=(dtype,), device=dev)
@@ -313,7 +294,7 @@ def _validate(t: dict, chunk_size, dt_limit, activation, rmsnorm_eps, headdim, n
     if not isinstance(rmsnorm_eps, (int, float)) or isinstance(rmsnorm_eps, bool) or not rmsnorm_eps >= 0:
         raise ValueError(f"rmsnorm_eps: expected a non-negative float, got {rmsnorm_eps!r}")
     return SplitDims(nheads, headdim, ngroups, dstate, d_nonssm, _int("chunk_size", chunk_size, 1, 256),
-                     _dt_limit(dt_limit), activation is not None, float(rmsnorm_eps), bool(norm_before_gate))
+                     dt_limit_pair(dt_limit), activation is not None, float(rmsnorm_eps), bool(norm_before_gate))
 
 
 def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,

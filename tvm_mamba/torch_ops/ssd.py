@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..compute._ssd_dims import head_parts
+from ..compute._ssd_dims import (BmmDims, DstatesDims, DtDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims,
+                                 ScanDims, StateDims, VarlenDims, head_parts)
 from ._dlpack import FLOATS, TORCH_TO_TVM, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "ssd"
@@ -62,17 +63,22 @@ class _Call:
         self.has_limit = tuple(float(v) for v in dt_limit) != NO_LIMIT
         self.limit = (torch.tensor([float(v) for v in dt_limit], dtype=F32, device=x.device) if self.has_limit
                       else dummy(x.device, F32, 1))
-        self.dims = dict(nheads=self.nheads, ngroups=self.ngroups, headdim=self.headdim, dstate=self.dstate,
-                         chunk_size=self.Q)
-        self.dt_flags = dict(nheads=self.nheads, chunk_size=self.Q, has_dt_bias=dt_bias is not None,
-                             dt_softplus=bool(dt_softplus), has_dt_limit=self.has_limit)
-        self.state_dims = dict(nheads=self.nheads, headdim=self.headdim, dstate=self.dstate, chunk_size=self.Q)
-        self.dtypes = {"x": tvm_dtype(self.x), "bc": tvm_dtype(self.B)}
         self.has_seq = seq_idx is not None
+        self.dt_dims = DtDims.cached(self.nheads, self.Q, dt_bias is not None, bool(dt_softplus), self.has_limit)
+        # the model dims, seq_idx and dtypes of every kernel over x, B, C; the passing kernels take part of them
+        self.chunk = dict(nheads=self.nheads, ngroups=self.ngroups, headdim=self.headdim, dstate=self.dstate,
+                          chunk_size=self.Q, has_seq_idx=self.has_seq, x_dtype=tvm_dtype(self.x),
+                          bc_dtype=tvm_dtype(self.B))
+        self.passing = dict(nheads=self.nheads, headdim=self.headdim, dstate=self.dstate, chunk_size=self.Q,
+                            has_seq_idx=self.has_seq)
 
-    def kernel(self, direction, static, dtypes=None):
-        return kernel_for(OP, direction, self.dev, self.dtypes if dtypes is None else dtypes, static,
-                          batch=self.batch, seqlen=self.seqlen)
+    def kernel(self, direction, dims):
+        """The compiled kernel of ``direction`` for the typed ``dims`` (compute/_ssd_dims.py)."""
+        return kernel_for(OP, direction, self.dev, dims, batch=self.batch, seqlen=self.seqlen)
+
+    def on_chunks(self, cls, **flags):
+        """``cls`` (StateDims or a subclass) for this call: its model dims and dtypes, plus ``flags``."""
+        return cls.cached(**self.chunk, **flags)
 
     def chunk_shape(self):
         return (self.batch, self.nheads, self.nchunks, self.Q)
@@ -93,27 +99,26 @@ class _Call:
 
     def cumsum(self):
         dt_out, dA_cs = self.new(self.chunk_shape()), self.new(self.chunk_shape())
-        self.kernel("chunk_cumsum", self.dt_flags, {})(
+        self.kernel("chunk_cumsum", self.dt_dims)(
             self.dt, _opt(self.dt_bias, self.x, F32, 1), self.A, self.limit, dt_out, dA_cs)
         return dt_out, dA_cs
 
     def cb(self):
         """C.B^T per (batch, chunk, group): (batch, nchunks, ngroups, chunk, chunk) f32, shared by the heads."""
         cb = self.new((self.batch, self.nchunks, self.ngroups, self.Q, self.Q))
-        self.kernel("bmm_chunk", dict(ngroups=self.ngroups, dstate=self.dstate, chunk_size=self.Q),
-                    {"bc": self.dtypes["bc"]})(self.B, self.C, cb)
+        self.kernel("bmm_chunk", BmmDims.cached(self.ngroups, self.dstate, self.Q, self.chunk["bc_dtype"]))(
+            self.B, self.C, cb)
         return cb
 
     def states(self, dt_out, dA_cs, init, state_dtype=F32):
         """-> states_in (the state entering each chunk, stored in state_dtype), final_states (f32)."""
         states = self.new(self.state_shape())
-        self.kernel("chunk_state", dict(self.dims, has_seq_idx=self.has_seq))(
+        self.kernel("chunk_state", self.on_chunks(StateDims))(
             self.x, self.B, dt_out, dA_cs, self.seq, states)
         states_in = self.new(self.state_shape(), state_dtype)
         final = self.new((self.batch, self.nheads, self.headdim, self.dstate))
-        self.kernel("state_passing", dict(self.state_dims, has_init=init is not None, has_seq_idx=self.has_seq),
-                    _state_key({}, state_dtype))(states, dA_cs, _opt(init, self.x, F32, 4), self.seq, states_in,
-                                                 final)
+        passing = PassingDims.cached(**self.passing, has_init=init is not None, state_dtype=TORCH_TO_TVM[state_dtype])
+        self.kernel("state_passing", passing)(states, dA_cs, _opt(init, self.x, F32, 4), self.seq, states_in, final)
         return states_in, final
 
     def varlen_states(self, dt_out, dA_cs, states_in, cu_seqlens, out_dtype):
@@ -121,16 +126,10 @@ class _Call:
         in out_dtype (ssd_chunk_state_varlen)."""
         out = self.new((cu_seqlens.shape[0] - 1, self.nheads, self.headdim, self.dstate), out_dtype)
         seq = self.seq_idx[0] if self.seq_idx is not None else dummy(self.dev, torch.int32, 1)
-        dtypes = _state_key(dict(self.dtypes, out=tvm_dtype(out)), states_in.dtype)
-        self.kernel("chunk_state_varlen", dict(self.dims, has_seq_idx=self.has_seq), dtypes)(
+        dims = self.on_chunks(VarlenDims, state_dtype=TORCH_TO_TVM[states_in.dtype], out_dtype=tvm_dtype(out))
+        self.kernel("chunk_state_varlen", dims)(
             self.x[0], self.B[0], dt_out[0], dA_cs[0], states_in[0], cu_seqlens, seq, out)
         return out
-
-
-def _state_key(dtypes: dict, state_dtype) -> dict:
-    """Kernel dtypes plus "state" for chunk states stored in another dtype than float32 (the default keeps the
-    keys, and the tuning records, of the float32-state kernels)."""
-    return dict(dtypes, state=TORCH_TO_TVM[state_dtype]) if state_dtype != F32 else dtypes
 
 
 def _call(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, dt_softplus, dt_limit):
@@ -157,9 +156,9 @@ def ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: 
               if cu_seqlens is not None else _empty(final))
     y = torch.empty_like(k.x)
     y_pre = torch.empty_like(k.x) if z is not None else _empty(k.x)
-    static = dict(k.dims, has_D=D is not None, D_has_hdim=D is not None and D.dim() == 2, has_z=z is not None,
-                  has_seq_idx=k.has_seq)
-    k.kernel("chunk_scan", static, _state_key(k.dtypes, sdt))(
+    scan = k.on_chunks(ScanDims, has_D=D is not None, D_has_hdim=D is not None and D.dim() == 2, has_z=z is not None,
+                       state_dtype=TORCH_TO_TVM[sdt])
+    k.kernel("chunk_scan", scan)(
         k.x, _opt(k.z, k.x, k.x.dtype, 4), k.cb(), k.C, dt_out, dA_cs, states_in, k.Dk, k.seq, y,
         y_pre if z is not None else dummy(k.dev, k.x.dtype, 4))
     keep = keep_chunk_states and sdt == F32  # other state dtypes: backward recomputes float32 states
@@ -202,15 +201,15 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
     # 1. dstates from the carried-state term of every chunk (and dz)
     dsl = k.new(k.state_shape())
     dz = torch.empty_like(k.x) if has_z else _empty(k.x)
-    k.kernel("chunk_scan_bwd_dstates", dict(k.dims, has_z=has_z, has_seq_idx=k.has_seq))(
+    k.kernel("chunk_scan_bwd_dstates", k.on_chunks(DstatesDims, has_z=has_z))(
         dy, _opt(k.z, k.x, xdt, 4), _opt(prepare(y_pre) if has_z else None, k.x, xdt, 4), k.C, dA_cs, k.seq,
         dsl, dz if has_z else dummy(k.dev, xdt, 4))
     # 2. reverse state passing
     dso = k.new(k.state_shape())
     dinit = k.new((k.batch, k.nheads, k.headdim, k.dstate)) if init is not None else _empty(dso)
     ddecay = k.new((k.batch, k.nheads, k.nchunks))
-    k.kernel("state_passing_bwd", dict(k.state_dims, has_init=init is not None, has_dfinal=dfinal is not None,
-                                       has_seq_idx=k.has_seq), {})(
+    k.kernel("state_passing_bwd", PassingBwdDims.cached(**k.passing, has_init=init is not None,
+                                                        has_dfinal=dfinal is not None))(
         states_in, dsl, dA_cs, _f32(dfinal) if dfinal is not None else dummy(k.dev, F32, 4), k.seq, dso,
         dinit if init is not None else dummy(k.dev, F32, 4), ddecay)
     # 3. every per-chunk gradient
@@ -221,21 +220,19 @@ def ssd_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tens
     ddt_out, ddA = k.new(k.chunk_shape()), k.new(k.chunk_shape())
     has_D = D is not None
     dD_part = k.new((k.batch, k.nchunks, k.nheads, k.headdim)) if has_D else dummy(k.dev, F32, 4)
-    k.kernel("chunk_scan_bwd", dict(k.dims, has_D=has_D, D_has_hdim=has_D and D.dim() == 2, has_z=has_z,
-                                    has_seq_idx=k.has_seq))(
+    k.kernel("chunk_scan_bwd", k.on_chunks(ScanBwdDims, has_D=has_D, D_has_hdim=has_D and D.dim() == 2, has_z=has_z))(
         k.x, _opt(k.z, k.x, xdt, 4), dy, k.B, k.C, k.cb(), dt_out, dA_cs, states_in, dso, k.Dk, k.seq, dx, dBp,
         dCp, ddt_out, ddA, dD_part, k.new((k.batch, k.nchunks, gparts, k.Q, k.Q)))  # workspace: (g x^T) K dt
     # 4. through the chunk cumsum, softplus and clamp
     ddt = k.new((k.batch, k.seqlen, k.nheads))
     dA_part, dbias_part = k.new((k.batch, k.nheads)), k.new((k.batch, k.nheads))
-    k.kernel("chunk_cumsum_bwd", k.dt_flags, {})(
+    k.kernel("chunk_cumsum_bwd", k.dt_dims)(
         k.dt, _opt(k.dt_bias, k.x, F32, 1), k.A, k.limit, dt_out, ddt_out, ddA, ddecay, ddt, dA_part, dbias_part)
     # fixed-order reductions of the partials (parts of a group's heads, batch, chunks)
     if gparts == k.ngroups and k.B.dtype == F32:
         dB, dC = dBp, dCp
     else:  # the parts' sum, in part order, in B's dtype (C is cast to it)
-        head_sum = k.kernel("head_sum", dict(nheads=gparts, ngroups=k.ngroups, dstate=k.dstate),
-                            {"out": tvm_dtype(k.B)})
+        head_sum = k.kernel("head_sum", HeadSumDims.cached(gparts, k.ngroups, k.dstate, tvm_dtype(k.B)))
         dB, dC = (k.new((k.batch, k.seqlen, k.ngroups, k.dstate), k.B.dtype) for _ in range(2))
         head_sum(dBp, dB)
         head_sum(dCp, dC)
@@ -344,14 +341,24 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=dev)
         check_shape("initial_states", initial_states, (batch, nheads, headdim, dstate))
     if seq_idx is not None:
-        check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
-        check_shape("seq_idx", seq_idx, (batch, seqlen))
-        # upstream documents nondecreasing ids; a decrease (e.g. 0 1 0) gave chunk_size-dependent answers, since
-        # the kernels compare a position's id with its chunk's last id and the previous chunk's last id only.
-        # A data-dependent check: skipped while torch.compile traces (fake tensors have no values)
-        if seqlen > 1 and not torch.compiler.is_compiling() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-            row = int((seq_idx[:, 1:] < seq_idx[:, :-1]).any(1).nonzero()[0, 0])
-            raise ValueError(f"seq_idx: must be nondecreasing along seqlen, row {row} decreases")
+        check_seq_idx(seq_idx, batch, seqlen, dev)
+    return dt_limit_pair(dt_limit)
+
+
+def check_seq_idx(seq_idx: Tensor, batch: int, seqlen: int, dev) -> None:
+    """seq_idx: (batch, seqlen) int32 on ``dev``, nondecreasing along seqlen (also mamba_split's check)."""
+    check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
+    check_shape("seq_idx", seq_idx, (batch, seqlen))
+    # upstream documents nondecreasing ids; a decrease (e.g. 0 1 0) gave chunk_size-dependent answers, since
+    # the kernels compare a position's id with its chunk's last id and the previous chunk's last id only.
+    # A data-dependent check: skipped while torch.compile traces (fake tensors have no values)
+    if seqlen > 1 and not torch.compiler.is_compiling() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        row = int((seq_idx[:, 1:] < seq_idx[:, :-1]).any(1).nonzero()[0, 0])
+        raise ValueError(f"seq_idx: must be nondecreasing along seqlen, row {row} decreases")
+
+
+def dt_limit_pair(dt_limit) -> tuple[float, float]:
+    """dt_limit as (low, high) floats: TypeError for anything but a pair of numbers, ValueError unless low <= high."""
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
