@@ -29,13 +29,15 @@ from ...compute.ssd.chunk_state import chunk_state_template
 from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
 from ...compute.ssd.mm import COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, matmul, zero
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
+from ...compute.ssd.scan_bwd import chunk_scan_bwd_template
 from ...compute.ssd.strategy import Strategy
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 _BLOCKED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
 SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
-          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template}
+          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
+          "ssd_chunk_scan_bwd": chunk_scan_bwd_template}
 
 
 class Cpu(Strategy):

@@ -18,6 +18,7 @@ from ...compute.ssd import DIMS
 from ...compute.ssd.chunk_state import chunk_state_template
 from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
+from ...compute.ssd.scan_bwd import chunk_scan_bwd_template
 from ...compute.ssd.strategy import Strategy
 from ..rule import Decisions, kernel_attrs, schedule_of
 from ._ssd_common import F32, I32, _Ctx
@@ -72,16 +73,17 @@ def _bmm_chunk(s, TH):
 
 
 # the chunk-scan templates (forward, dstates, backward) are in _ssd_scan.py, varlen states in _ssd_varlen.py
-from ._ssd_scan import _chunk_scan, _chunk_scan_bwd, _chunk_scan_bwd_dstates  # noqa: E402
+from ._ssd_scan import _chunk_scan, _chunk_scan_bwd_dstates  # noqa: E402
 from ._ssd_varlen import _chunk_state_varlen  # noqa: E402
 
 # one template for every target (compute/ssd/), laid out by the strategy
 SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
-          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template}
+          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
+          "ssd_chunk_scan_bwd": chunk_scan_bwd_template}
 # CUDA-only templates of the chunk-matmul kernels (static dict, threads)
 TEMPLATES = {"ssd_bmm_chunk": _bmm_chunk, "ssd_chunk_scan": _chunk_scan,
-             "ssd_chunk_scan_bwd_dstates": _chunk_scan_bwd_dstates, "ssd_chunk_scan_bwd": _chunk_scan_bwd,
+             "ssd_chunk_scan_bwd_dstates": _chunk_scan_bwd_dstates,
              "ssd_chunk_state_varlen": _chunk_state_varlen}
 
 
