@@ -2,8 +2,8 @@
 
 ``Cpu``: a parallel loop over the tasks, each task's lane axis (dstate) vectorized, scratch on the stack, the
 vectorizable polynomial math: serves the kernels with one template for every target (chunk_cumsum(_bwd),
-state_passing(_bwd), head_sum). The chunk-matmul kernels are CPU loop nests (tvm_mamba/compute/ssd/) rebuilt
-with the knobs below.
+state_passing(_bwd), head_sum, chunk_state, chunk_scan_bwd: its task-per-chunk form). The other chunk-matmul
+kernels are CPU loop nests (tvm_mamba/compute/ssd/) rebuilt with the knobs below.
 
 Why loop nests: with a symbolic seqlen, s_tir split + vectorize adds a ``t < seqlen`` predicate and LLVM
 emits no vector code; the SSD chunk matmuls have static extents (chunk_size, headdim, dstate) inside a

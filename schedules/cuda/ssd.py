@@ -1,8 +1,9 @@
 """CUDA rule for the SSD kernels, and the CUDA strategy (compute/ssd/strategy.py) it lays templates out with.
 
-Kernels with one template for every target (chunk_cumsum(_bwd), state_passing(_bwd), head_sum, chunk_state: the
-templates in tvm_mamba/compute/ssd/) are laid out by ``Gpu``: blockIdx.x x threadIdx.x of ``threads``, a
-thread per task and per lane (dstate element), scratch in registers, CUDA-native exp / log1p. The chunk-matmul
+Kernels with one template for every target (chunk_cumsum(_bwd), state_passing(_bwd), head_sum, chunk_state,
+chunk_scan_bwd: the templates in tvm_mamba/compute/ssd/) are laid out by ``Gpu``: blockIdx.x x threadIdx.x of
+``threads``, a thread per task and per lane (dstate element), scratch in registers, CUDA-native exp / log1p
+(chunk_scan_bwd: a launch per piece, a thread per output element). The other chunk-matmul
 kernels still have CUDA templates of their own (here, _ssd_scan.py, _ssd_varlen.py; same parameter lists as
 the compute builders): one thread per output element, several launches inside one PrimFunc where a later one
 reads what an earlier one wrote (launches run in order on the stream: the backward's cross-position sums

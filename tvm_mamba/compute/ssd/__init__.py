@@ -37,8 +37,9 @@ vector code on CPU (see the CPU rule). Layout of the package:
     common.py    the shared math (decay step, dt', segment decays and masks, the gate)
     strategy.py  how a template is laid onto the machine (serial here; CPU / CUDA in schedules/<target>/ssd.py)
     dt.py, passing.py          chunk_cumsum(_bwd), state_passing(_bwd), head_sum: one template each
-    chunk_state.py, scan.py, scan_bwd.py, varlen.py, mm.py   the chunk-matmul kernels (CPU loop nests;
-                 schedules/cuda/ssd.py has their CUDA templates, see docs/ssd.md)
+    chunk_state.py, scan.py, scan_bwd.py, varlen.py, mm.py   the chunk-matmul kernels (chunk_state and
+                 scan_bwd (+ scan_bwd_task.py, scan_bwd_launch.py: its two forms) are templates; the others CPU
+                 loop nests, with CUDA templates in schedules/cuda/, see docs/ssd.md)
 
 A builder takes its dims (``ssd_chunk_scan(ScanDims(...))``, or the fields as keywords) and returns the
 PrimFunc the rules reschedule: the templated kernels laid out serially, the others as their CPU loop nests.
