@@ -104,6 +104,15 @@ def _sum(acc, j, lo, hi, term):
         acc[j] = acc[j] + term(k)
 
 
+@T.macro
+def _sum_dots(out, jo, inner, ji, lo, hi, n_in, dot, weigh):
+    """out[jo] += sum over j in [lo, hi) of weigh(j, inner[ji]), inner[ji] = sum over k in [0, n_in) of dot(j, k)
+    (a sum of weighted dot products, both in ascending order; out[jo] holds its start)."""
+    for j in range(lo, hi):
+        _sum(inner, ji, 0, n_in, lambda k: dot(j, k))
+        out[jo] = out[jo] + weigh(j, inner[ji])
+
+
 def _launch(S: Strategy, piece, extent):
     """The macro ``run(o, r)``: ``piece(o, r, i, n)`` for every task i < n = extent(o) (blockIdx x threadIdx on
     CUDA; the piece checks i < n itself, after allocating its scratch in the thread's scope)."""
@@ -160,9 +169,8 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             v.a0[0] = T.float32(0)
             if s <= l:
                 v.ib[0] = h0
-                for h in range(v.ib[0], v.ib[0] + per):
-                    _sum(v.a1, 0, 0, P, lambda p: r.g(b, c, l, h, p) * r.x(b, c, s, h, p))
-                    v.a0[0] = v.a0[0] + v.a1[0] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s]
+                _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: r.g(b, c, l, h, p) * r.x(
+                    b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s])
             o.gsum[b, c, gp, l, s] = v.a0[0]
 
     def part_rows(is_dB: bool):
@@ -197,9 +205,8 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
                 v.it[0] = i // (o.gparts * N) % o.seqlen
                 v.acc[0] = T.float32(0)
                 v.ih[0] = h0
-                for h in range(v.ih[0], v.ih[0] + per):
-                    _sum(v.acc, 1, 0, P, lambda p: head_term(o, r, b, c, t, q, h, p, k))
-                    v.acc[0] = v.acc[0] + scale(o, r, b, c, q, h) * v.acc[1]
+                _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
+                          lambda h, p: head_term(o, r, b, c, t, q, h, p, k), lambda h, hd: scale(o, r, b, c, q, h) * hd)
                 for j in range(lo, hi):
                     v.acc[0] = v.acc[0] + o.gsum[(b, c, gp) + g_at(q, j)] * getattr(o, other)[
                         b, c * Q + j, gp // (o.gparts // G), k].astype(F32)
@@ -231,9 +238,8 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         b, c, h, s = T.meta_var(_bchq(o, i, H, Q))
         if i < n:
             v.acc[0] = T.float32(0)
-            for p in range(P):
-                _sum(v.acc, 1, 0, N, lambda k: r.bc(o.Bm, b, c, s, h, k) * o.dso[b, c, h, p, k])
-                v.acc[0] = v.acc[0] + r.x(b, c, s, h, p) * v.acc[1]
+            _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, k: r.bc(o.Bm, b, c, s, h, k) * o.dso[b, c, h, p, k],
+                      lambda p, bd: r.x(b, c, s, h, p) * bd)
             o.ddt_out[b, h, c, s] = v.acc[0]
 
     @T.macro
@@ -245,9 +251,8 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
             v.acc[0] = T.float32(0)
             if c * Q + q < o.seqlen:  # g is 0 past seqlen
                 v.acc[1] = T.float32(0)
-                for k in range(N):
-                    _sum(v.acc, 2, 0, P, lambda p: r.g(b, c, q, h, p) * o.sin[b, c, h, p, k])
-                    v.acc[1] = v.acc[1] + r.bc(o.Cm, b, c, q, h, k) * v.acc[2]
+                _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda k, p: r.g(b, c, q, h, p) * o.sin[b, c, h, p, k],
+                          lambda k, gs: r.bc(o.Cm, b, c, q, h, k) * gs)
                 v.acc[0] = r.e(b, h, c, q) * v.acc[1]
             o.ddA_step[b, h, c, q] = v.acc[0]
 
@@ -277,9 +282,8 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
                 v.a0[0] = v.a0[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
             for l in range(q, T.min(Q, o.seqlen - c * Q)):  # g is 0 past seqlen
                 v.a1[0] = T.float32(0)  # sum_{k<q} G[l, k]
-                for j in range(q):
-                    _sum(v.a2, 0, 0, P, lambda p: r.gx_in(b, c, l, j, h, p))
-                    v.a1[0] = v.a1[0] + v.a2[0] * o.cbg[b, c, h // R, l, j] * r.seg(b, h, c, l, j) * o.dt_out[b, h, c, j]
+                _sum_dots(v.a1, 0, v.a2, 0, 0, q, P, lambda j, p: r.gx_in(b, c, l, j, h, p),
+                          lambda j, gx: gx * o.cbg[b, c, h // R, l, j] * r.seg(b, h, c, l, j) * o.dt_out[b, h, c, j])
                 v.a0[0] = v.a0[0] + v.a1[0]
             o.ddA_step[b, h, c, q] = v.a0[0]
 
@@ -290,9 +294,9 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
         if i < n:
             v.acc[0] = r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
-            for l in range(q, T.min(Q, o.seqlen - c * Q)):  # g is 0 past seqlen
-                _sum(v.acc, 1, 0, P, lambda p: r.g(b, c, l, h, p) * r.x(b, c, q, h, p))
-                v.acc[0] = v.acc[0] + v.acc[1] * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q)
+            _sum_dots(v.acc, 0, v.acc, 1, q, T.min(Q, o.seqlen - c * Q), P,  # g is 0 past seqlen
+                      lambda l, p: r.g(b, c, l, h, p) * r.x(b, c, q, h, p),
+                      lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
             o.ddt_out[b, h, c, q] = v.acc[0]
 
     @T.macro
