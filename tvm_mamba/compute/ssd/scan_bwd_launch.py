@@ -114,15 +114,16 @@ def _sum_dots(out, jo, inner, ji, lo, hi, n_in, dot, weigh):
 
 
 def _launch(S: Strategy, piece, extent):
-    """The macro ``run(o, r)``: ``piece(o, r, i, n)`` for every task i < n = extent(o) (blockIdx x threadIdx on
-    CUDA; the piece checks i < n itself, after allocating its scratch in the thread's scope)."""
+    """The macro ``run(o, r)``: ``piece(o, r, i)`` for every task i < extent(o) (blockIdx x threadIdx on CUDA;
+    the piece allocates its scratch in the thread's scope)."""
 
     @T.macro
     def run(o, r):
         n = T.meta_var(extent(o))
         for bx in S.outer(n):
             for tx in S.inner():
-                piece(o, r, S.index(bx, tx), n)
+                if S.index(bx, tx) < n:
+                    piece(o, r, S.index(bx, tx))
 
     return run
 
@@ -140,38 +141,36 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
     R = H // G
 
     @T.macro
-    def dx_at(o, r, i, n):
+    def dx_at(o, r, i):
         """dx[s, p] = sum_n B[s, n] dSo[p, n] w[s] dt[s] + D g[s, p] + sum_{l>=s} (C_l.B_s) K dt[s] g[l, p]"""
         v = T.meta_var(S.scratch(acc=(1,), ib=((1,), I32), it=((1,), I32)))
         b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
         h, p = T.meta_var(i // P % H), T.meta_var(i % P)
         c, s = T.meta_var(t // Q), T.meta_var(t % Q)
-        if i < n:
-            v.ib[0] = i // (o.seqlen * H * P)
-            v.it[0] = i // (H * P) % o.seqlen
-            _sum(v.acc, 0, 0, N, lambda k: o.Bm[b, t, h // R, k].astype(F32) * o.dso[b, c, h, p, k])
-            v.acc[0] = v.acc[0] * r.w(b, h, c, s) * o.dt_out[b, h, c, s]
-            if d.has_D:
-                v.acc[0] = v.acc[0] + skip(o.Dm, h, p, r.g(b, c, s, h, p), True, d.D_has_hdim)
-            for l in range(s, T.min(Q, o.seqlen - c * Q)):
-                v.acc[0] = v.acc[0] + o.cbg[b, c, h // R, l, s] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s] * r.g(
-                    b, c, l, h, p)
-            o.dx[b, t, h, p] = v.acc[0].astype(d.x_dtype)
+        v.ib[0] = i // (o.seqlen * H * P)
+        v.it[0] = i // (H * P) % o.seqlen
+        _sum(v.acc, 0, 0, N, lambda k: o.Bm[b, t, h // R, k].astype(F32) * o.dso[b, c, h, p, k])
+        v.acc[0] = v.acc[0] * r.w(b, h, c, s) * o.dt_out[b, h, c, s]
+        if d.has_D:
+            v.acc[0] = v.acc[0] + skip(o.Dm, h, p, r.g(b, c, s, h, p), True, d.D_has_hdim)
+        for l in range(s, T.min(Q, o.seqlen - c * Q)):
+            v.acc[0] = v.acc[0] + o.cbg[b, c, h // R, l, s] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s] * r.g(
+                b, c, l, h, p)
+        o.dx[b, t, h, p] = v.acc[0].astype(d.x_dtype)
 
     @T.macro
-    def gsum_at(o, r, i, n):
+    def gsum_at(o, r, i):
         """gsum[l, s] = sum over the part's heads of (g_l.x_s) K[l, s] dt[s] (s <= l), g x^T once per part"""
         v = T.meta_var(S.scratch(a0=(1,), a1=(1,), ib=((1,), I32)))  # ib: the part's first head
         b, c = T.meta_var(i // (o.nchunks * o.gparts * Q * Q)), T.meta_var(i // (o.gparts * Q * Q) % o.nchunks)
         gp, l, s = T.meta_var(i // (Q * Q) % o.gparts), T.meta_var(i // Q % Q), T.meta_var(i % Q)
         h0, per = T.meta_var(_part_heads(o, gp, G, R))
-        if i < n:
-            v.a0[0] = T.float32(0)
-            if s <= l:
-                v.ib[0] = h0
-                _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: r.g(b, c, l, h, p) * r.x(
-                    b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s])
-            o.gsum[b, c, gp, l, s] = v.a0[0]
+        v.a0[0] = T.float32(0)
+        if s <= l:
+            v.ib[0] = h0
+            _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: r.g(b, c, l, h, p) * r.x(
+                b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s])
+        o.gsum[b, c, gp, l, s] = v.a0[0]
 
     def part_rows(is_dB: bool):
         """dB[s, k] = sum_h w[s] dt[s] (x_s dSo)[k] + sum_{l>=s} gsum[l, s] C[l, k];
@@ -193,24 +192,23 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             return (j, q) if is_dB else (q, j)
 
         @T.macro
-        def at(o, r, i, n):
+        def at(o, r, i):
             v = T.meta_var(S.scratch(acc=(2,), ib=((1,), I32), it=((1,), I32), ih=((1,), I32)))
             b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
             gp, k = T.meta_var(i // N % o.gparts), T.meta_var(i % N)
             c, q = T.meta_var(t // Q), T.meta_var(t % Q)
             h0, per = T.meta_var(_part_heads(o, gp, G, R))
             lo, hi = T.meta_var(k_range(o, c, q))
-            if i < n:
-                v.ib[0] = i // (o.seqlen * o.gparts * N)
-                v.it[0] = i // (o.gparts * N) % o.seqlen
-                v.acc[0] = T.float32(0)
-                v.ih[0] = h0
-                _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
-                          lambda h, p: head_term(o, r, b, c, t, q, h, p, k), lambda h, hd: scale(o, r, b, c, q, h) * hd)
-                for j in range(lo, hi):
-                    v.acc[0] = v.acc[0] + o.gsum[(b, c, gp) + g_at(q, j)] * getattr(o, other)[
-                        b, c * Q + j, gp // (o.gparts // G), k].astype(F32)
-                getattr(o, out)[b, t, gp, k] = v.acc[0]
+            v.ib[0] = i // (o.seqlen * o.gparts * N)
+            v.it[0] = i // (o.gparts * N) % o.seqlen
+            v.acc[0] = T.float32(0)
+            v.ih[0] = h0
+            _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
+                      lambda h, p: head_term(o, r, b, c, t, q, h, p, k), lambda h, hd: scale(o, r, b, c, q, h) * hd)
+            for j in range(lo, hi):
+                v.acc[0] = v.acc[0] + o.gsum[(b, c, gp) + g_at(q, j)] * getattr(o, other)[
+                    b, c * Q + j, gp // (o.gparts // G), k].astype(F32)
+            getattr(o, out)[b, t, gp, k] = v.acc[0]
 
         return at
 
@@ -232,81 +230,75 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     R = H // G
 
     @T.macro
-    def xb_at(o, r, i, n):
+    def xb_at(o, r, i):
         """XB[s] = <x_s, dSo B_s> -> ddt_out (scratch until d dt)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, s = T.meta_var(_bchq(o, i, H, Q))
-        if i < n:
-            v.acc[0] = T.float32(0)
-            _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, k: r.bc(o.Bm, b, c, s, h, k) * o.dso[b, c, h, p, k],
-                      lambda p, bd: r.x(b, c, s, h, p) * bd)
-            o.ddt_out[b, h, c, s] = v.acc[0]
+        v.acc[0] = T.float32(0)
+        _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, k: r.bc(o.Bm, b, c, s, h, k) * o.dso[b, c, h, p, k],
+                  lambda p, bd: r.x(b, c, s, h, p) * bd)
+        o.ddt_out[b, h, c, s] = v.acc[0]
 
     @T.macro
-    def carried_at(o, r, i, n):
+    def carried_at(o, r, i):
         """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step"""
         v = T.meta_var(S.scratch(acc=(3,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        if i < n:
-            v.acc[0] = T.float32(0)
-            if c * Q + q < o.seqlen:  # g is 0 past seqlen
-                v.acc[1] = T.float32(0)
-                _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda k, p: r.g(b, c, q, h, p) * o.sin[b, c, h, p, k],
-                          lambda k, gs: r.bc(o.Cm, b, c, q, h, k) * gs)
-                v.acc[0] = r.e(b, h, c, q) * v.acc[1]
-            o.ddA_step[b, h, c, q] = v.acc[0]
+        v.acc[0] = T.float32(0)
+        if c * Q + q < o.seqlen:  # g is 0 past seqlen
+            v.acc[1] = T.float32(0)
+            _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda k, p: r.g(b, c, q, h, p) * o.sin[b, c, h, p, k],
+                      lambda k, gs: r.bc(o.Cm, b, c, q, h, k) * gs)
+            v.acc[0] = r.e(b, h, c, q) * v.acc[1]
+        o.ddA_step[b, h, c, q] = v.acc[0]
 
     @T.macro
-    def cumsum_at(o, r, i, n):
+    def cumsum_at(o, r, i):
         """its reverse cumsum in place, a task per (batch, chunk, head): d dA_cs[l] reaches the steps q <= l"""
         v = T.meta_var(S.scratch(acc=(1,)))
-        if i < n:
-            v.acc[0] = T.float32(0)
-            for qr in range(Q):
-                v.acc[0] = v.acc[0] + o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr]
-                o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr] = v.acc[0]
+        v.acc[0] = T.float32(0)
+        for qr in range(Q):
+            v.acc[0] = v.acc[0] + o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr]
+            o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr] = v.acc[0]
 
     @T.macro
-    def pairs_at(o, r, i, n):
+    def pairs_at(o, r, i):
         """+ the chunk-state prefix sum_{k<q} w[k] dt[k] XB[k], + the crossing pairs sum_{l>=q>k} G[l, k],
         G = (g_l.x_k)(C_l.B_k) K dt[k] (x_k reaches steps q > k only, g_l steps q <= l only)"""
         # one-element buffers, not one array of 3 (kept in registers)
         v = T.meta_var(S.scratch(a0=(1,), a1=(1,), a2=(1,), ib=((1,), I32), ic=((1,), I32)))
         b, c = T.meta_var(v.ib[0]), T.meta_var(v.ic[0])
         h, q = T.meta_var(i // Q % H), T.meta_var(i % Q)
-        if i < n:
-            v.ib[0] = i // (o.nchunks * H * Q)
-            v.ic[0] = i // (H * Q) % o.nchunks
-            v.a0[0] = o.ddA_step[b, h, c, q]
-            for j in range(q):
-                v.a0[0] = v.a0[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
-            for l in range(q, T.min(Q, o.seqlen - c * Q)):  # g is 0 past seqlen
-                v.a1[0] = T.float32(0)  # sum_{k<q} G[l, k]
-                _sum_dots(v.a1, 0, v.a2, 0, 0, q, P, lambda j, p: r.gx_in(b, c, l, j, h, p),
-                          lambda j, gx: gx * o.cbg[b, c, h // R, l, j] * r.seg(b, h, c, l, j) * o.dt_out[b, h, c, j])
-                v.a0[0] = v.a0[0] + v.a1[0]
-            o.ddA_step[b, h, c, q] = v.a0[0]
+        v.ib[0] = i // (o.nchunks * H * Q)
+        v.ic[0] = i // (H * Q) % o.nchunks
+        v.a0[0] = o.ddA_step[b, h, c, q]
+        for j in range(q):
+            v.a0[0] = v.a0[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
+        for l in range(q, T.min(Q, o.seqlen - c * Q)):  # g is 0 past seqlen
+            v.a1[0] = T.float32(0)  # sum_{k<q} G[l, k]
+            _sum_dots(v.a1, 0, v.a2, 0, 0, q, P, lambda j, p: r.gx_in(b, c, l, j, h, p),
+                      lambda j, gx: gx * o.cbg[b, c, h // R, l, j] * r.seg(b, h, c, l, j) * o.dt_out[b, h, c, j])
+            v.a0[0] = v.a0[0] + v.a1[0]
+        o.ddA_step[b, h, c, q] = v.a0[0]
 
     @T.macro
-    def ddt_at(o, r, i, n):
+    def ddt_at(o, r, i):
         """d dt[q] = exp(dA_cs[Q-1]-dA_cs[q]) XB[q] + sum_{l>=q} (g_l.x_q)(C_l.B_q) K"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        if i < n:
-            v.acc[0] = r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
-            _sum_dots(v.acc, 0, v.acc, 1, q, T.min(Q, o.seqlen - c * Q), P,  # g is 0 past seqlen
-                      lambda l, p: r.g(b, c, l, h, p) * r.x(b, c, q, h, p),
-                      lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
-            o.ddt_out[b, h, c, q] = v.acc[0]
+        v.acc[0] = r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
+        _sum_dots(v.acc, 0, v.acc, 1, q, T.min(Q, o.seqlen - c * Q), P,  # g is 0 past seqlen
+                  lambda l, p: r.g(b, c, l, h, p) * r.x(b, c, q, h, p),
+                  lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
+        o.ddt_out[b, h, c, q] = v.acc[0]
 
     @T.macro
-    def dd_at(o, r, i, n):
+    def dd_at(o, r, i):
         """dD partial[p] = sum_l g[l, p] x[l, p], a task per (batch, chunk, head, p)"""
         v = T.meta_var(S.scratch(acc=(1,)))
         b, c, h, p = T.meta_var(_bchq(o, i, H, P))
-        if i < n:
-            _sum(v.acc, 0, 0, Q, lambda l: r.g(b, c, l, h, p) * r.x(b, c, l, h, p))
-            o.dD_part[b, c, h, p] = v.acc[0]
+        _sum(v.acc, 0, 0, Q, lambda l: r.g(b, c, l, h, p) * r.x(b, c, l, h, p))
+        o.dD_part[b, c, h, p] = v.acc[0]
 
     steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731
     return (_launch(S, xb_at, steps), _launch(S, carried_at, steps),
