@@ -122,8 +122,9 @@ def _launch(S: Strategy, piece, extent):
         n = T.meta_var(extent(o))
         for bx in S.outer(n):
             for tx in S.inner():
-                if S.index(bx, tx) < n:
-                    piece(o, r, S.index(bx, tx))
+                i = T.meta_var(S.index(bx, tx))
+                if i < n:
+                    piece(o, r, i)
 
     return run
 
