@@ -22,7 +22,8 @@ def task_body(d: ScanBwdDims, S: Strategy):
     R = H // G
     W2 = max(P, N)
     stage_group, stage_head = _stage(d, S)
-    rows_pass, dx_piece, dc_db_heads, intra = _pieces(d, S)
+    rows_pass, dx_piece = _head_pieces(d, S)
+    dc_db_heads, intra = _part_pieces(d, S)
 
     @T.macro
     def body(o):
@@ -106,16 +107,16 @@ def _stage(d: ScanBwdDims, S: Strategy):
     return stage_group, stage_head
 
 
-def _pieces(d: ScanBwdDims, S: Strategy):
-    """The per-head pieces and the per-part intra-chunk dB / dC (macros over (o, w[, h]))."""
+def _head_pieces(d: ScanBwdDims, S: Strategy):
+    """Macros ``rows_pass(o, w)`` and ``dx_piece(o, w, h)``: head h's g x^T, masks, gsum, d dt and d dA_step
+    intra-chunk terms; its dx and the chunk-state terms of d dt / d dA_step."""
     P, N, Q, m = d.headdim, d.dstate, d.chunk_size, S.math
     rows, cols, order = S.rows, S.cols, S.order
     VB = vblock(Q)
     mm_qq = matmul(Q, Q, rows, cols, lower=True, order=order)
-    mm_qp, mm_qn = matmul(Q, P, rows, cols, order=order), matmul(Q, N, rows, cols, order=order)
+    mm_qp = matmul(Q, P, rows, cols, order=order)
     # the triangular sums select their range per row (never 0 * a non-finite dy / x / B / C of another position)
     mm_qp_ge = matmul(Q, P, rows, cols, order=order, tri="ge")
-    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t) for t in ("le", "ge"))
 
     @T.macro
     def rows_pass(o, w):
@@ -167,6 +168,17 @@ def _pieces(d: ScanBwdDims, S: Strategy):
                 for p in T.vectorized(P):
                     o.dx[b, c * Q + s, h, p] = (w.t1[s, p] + w.wst[s] * w.dtl[s] * w.t2[s, p]).astype(d.x_dtype)
 
+    return rows_pass, dx_piece
+
+
+def _part_pieces(d: ScanBwdDims, S: Strategy):
+    """Macros ``dc_db_heads(o, w, h)`` (head h's terms of the part's dB / dC, its dD, d dt and d dA_step) and
+    ``intra(o, w)`` (the part's intra-chunk dB / dC, then its rows stored)."""
+    P, N, Q = d.headdim, d.dstate, d.chunk_size
+    rows, cols, order = S.rows, S.cols, S.order
+    mm_qn = matmul(Q, N, rows, cols, order=order)
+    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t) for t in ("le", "ge"))  # (as mm_qp_ge)
+
     @T.macro
     def dc_db_heads(o, w, h):
         """Head h's terms of the part's dC (carried state: e[l] g_l Sin) and dB (chunk state: w[s] dt[s] x_s dSo),
@@ -215,4 +227,4 @@ def _pieces(d: ScanBwdDims, S: Strategy):
                 o.dBp[b, c * Q + l, w.gp, n] = w.dBa[l, n]
                 o.dCp[b, c * Q + l, w.gp, n] = w.dCa[l, n]
 
-    return rows_pass, dx_piece, dc_db_heads, intra
+    return dc_db_heads, intra
