@@ -4,7 +4,8 @@ register-blocked matmuls of mm.py (knobs rows / cols / order of the strategy), a
 in head order; the intra-chunk dB / dC terms run once per part on gsum after the last head.
 
 Every piece is a macro over ``o`` (the kernel's buffers and symbolic sizes, scan_bwd.py) and ``w`` (the task's
-indices and stack scratch, ``_scratch``). Rows past seqlen are staged as zeros and never stored.
+indices and stack scratch: ``Strategy.scratch`` and ``_at_task``). Rows past seqlen are staged as zeros and
+never stored.
 """
 from __future__ import annotations
 
