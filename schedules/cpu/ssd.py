@@ -2,11 +2,11 @@
 
 ``Cpu``: a parallel loop over the tasks, each task's lane axis (dstate) vectorized, scratch on the stack, the
 vectorizable polynomial math: serves the kernels with one template for every target (chunk_cumsum(_bwd),
-state_passing(_bwd), head_sum, chunk_state_varlen, chunk_scan; bmm_chunk, chunk_state and
-chunk_scan_bwd_dstates through its staged matmuls, chunk_scan through ``causal_matmul``). ssd_chunk_scan_bwd is a
-CPU loop nest (tvm_mamba/compute/ssd/) rebuilt with the knobs below.
+state_passing(_bwd), head_sum, chunk_state_varlen; bmm_chunk, chunk_state and chunk_scan_bwd_dstates through
+its staged matmuls, chunk_scan through ``causal_matmul``, chunk_scan_bwd in its task-per-chunk form), with the
+knobs below.
 
-Why loop nests: with a symbolic seqlen, s_tir split + vectorize adds a ``t < seqlen`` predicate and LLVM
+Why staged, register-blocked matmuls: with a symbolic seqlen, s_tir split + vectorize adds a ``t < seqlen`` predicate and LLVM
 emits no vector code; the SSD chunk matmuls have static extents (chunk_size, headdim, dstate) inside a
 chunk, so each is written as register-blocked row updates vectorized over its contiguous static axis
 (tvm_mamba/compute/ssd/mm.py), and the ragged last chunk is handled by staging zeros. One (batch, chunk,
@@ -34,6 +34,7 @@ from ...compute.ssd.mm import (COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, 
                                vblock, zero)
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
 from ...compute.ssd.scan import chunk_scan_template
+from ...compute.ssd.scan_bwd import chunk_scan_bwd_template
 from ...compute.ssd.strategy import Strategy
 from ...compute.ssd.varlen import varlen_template
 from ..rule import Decisions, kernel_attrs, schedule_of
@@ -43,7 +44,8 @@ SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bw
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
           "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
           "ssd_bmm_chunk": bmm_template, "ssd_chunk_scan_bwd_dstates": dstates_template,
-          "ssd_chunk_state_varlen": varlen_template, "ssd_chunk_scan": chunk_scan_template}
+          "ssd_chunk_state_varlen": varlen_template, "ssd_chunk_scan": chunk_scan_template,
+          "ssd_chunk_scan_bwd": chunk_scan_bwd_template}
 
 
 class Cpu(Strategy):
@@ -147,17 +149,13 @@ class Cpu(Strategy):
 
 
 def apply(func, target, decisions: Decisions):
-    """Schedule over the SSD loop nest, or None for a kernel that is not an SSD kernel."""
+    """The CPU layout of an SSD kernel (its template under ``Cpu``), or None for a kernel that is not an SSD kernel."""
     name, static = kernel_attrs(func)
-    if target.kind.name != "llvm" or name is None or not name.startswith("ssd_"):
+    if target.kind.name != "llvm" or name not in SHARED:
         return None
     dims = compute.DIMS[name[len("ssd_"):]](**static)
-    if name not in _BLOCKED:
-        return schedule_of(SHARED[name](dims, Cpu()).with_attrs(dict(func.attrs)) if name in SHARED else func,
-                           name=name)
-    rows = decisions.pick("rows", ROWS, DEFAULT_ROWS)
-    cols = decisions.pick("cols", COLS, DEFAULT_COLS)
-    order = decisions.pick("order", ORDERS, DEFAULT_ORDER)
-    if name in SHARED:
-        return schedule_of(SHARED[name](dims, Cpu(rows, cols, order)).with_attrs(dict(func.attrs)), name=name)
-    return schedule_of(getattr(compute, name)(dims, rows=rows, cols=cols, order=order), name=name)
+    strategy = Cpu()
+    if name in _BLOCKED:
+        strategy = Cpu(decisions.pick("rows", ROWS, DEFAULT_ROWS), decisions.pick("cols", COLS, DEFAULT_COLS),
+                       decisions.pick("order", ORDERS, DEFAULT_ORDER))
+    return schedule_of(SHARED[name](dims, strategy).with_attrs(dict(func.attrs)), name=name)

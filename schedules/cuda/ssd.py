@@ -1,12 +1,11 @@
 """CUDA rule for the SSD kernels, and the CUDA strategy (compute/ssd/strategy.py) it lays templates out with.
 
-Kernels with one template for every target (chunk_cumsum(_bwd), state_passing(_bwd), head_sum, bmm_chunk,
-chunk_state, chunk_scan, chunk_scan_bwd_dstates, chunk_state_varlen: the templates in tvm_mamba/compute/ssd/) are
-laid out by ``Gpu``: blockIdx.x x threadIdx.x of ``threads``, a thread per task and per lane (dstate element; a
-thread per output of a chunk matmul), scratch in registers, CUDA-native exp / log1p. ssd_chunk_scan_bwd still
-has a CUDA template of its own (_ssd_scan.py; same parameter list as the compute builder): one thread per
-output element, several launches inside one PrimFunc where a later one
-reads what an earlier one wrote (launches run in order on the stream: the backward's cross-position sums
+Every SSD kernel has one template for every target (tvm_mamba/compute/ssd/): chunk_cumsum(_bwd),
+state_passing(_bwd), head_sum, bmm_chunk, chunk_state, chunk_scan, chunk_scan_bwd_dstates, chunk_scan_bwd and
+chunk_state_varlen are laid out here by ``Gpu``: blockIdx.x x threadIdx.x of ``threads``, a thread per task and
+per lane (dstate element; a thread per output of a chunk matmul), scratch in registers, CUDA-native exp / log1p.
+ssd_chunk_scan_bwd takes its non-vector form: a launch per piece, several launches inside one PrimFunc where a
+later one reads what an earlier one wrote (launches run in order on the stream: the backward's cross-position sums
 without atomics). C_l.B_s comes from ssd_bmm_chunk (once per group); no shared-memory staging and no tensor
 cores yet, so they compile cleanly (0 spills) but are far from upstream's Triton speed (docs/ssd.md).
 Selected by capability (``"gpu" in target.keys``). Knob: ``threads`` per block (64 / 128 / 256, default 128).
@@ -22,6 +21,7 @@ from ...compute.ssd.dstates import dstates_template
 from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
 from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
 from ...compute.ssd.scan import chunk_scan_template
+from ...compute.ssd.scan_bwd import chunk_scan_bwd_template
 from ...compute.ssd.strategy import Strategy
 from ...compute.ssd.varlen import varlen_template
 from ..rule import Decisions, kernel_attrs, schedule_of
@@ -44,31 +44,25 @@ class Gpu(Strategy):
         return T.thread_binding(self.threads, thread="threadIdx.x")
 
 
-# the chunk-scan backward's CUDA template is in _ssd_scan.py
-from ._ssd_scan import _chunk_scan_bwd  # noqa: E402
-
 # one template for every target (compute/ssd/), laid out by the strategy
 SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
           "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
           "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
           "ssd_bmm_chunk": bmm_template, "ssd_chunk_scan_bwd_dstates": dstates_template,
-          "ssd_chunk_state_varlen": varlen_template, "ssd_chunk_scan": chunk_scan_template}
-# CUDA-only templates of the chunk-matmul kernels (static dict, threads)
-TEMPLATES = {"ssd_chunk_scan_bwd": _chunk_scan_bwd}
+          "ssd_chunk_state_varlen": varlen_template, "ssd_chunk_scan": chunk_scan_template,
+          "ssd_chunk_scan_bwd": chunk_scan_bwd_template}
 
 
 def template(name: str, static: dict, threads: int = 128, serial: bool = False):
     """The CUDA layout of kernel ``name`` (serial=True: thread loops made serial, CUDA's math: for CPU tests)."""
-    if name in SHARED:
-        dims = DIMS[name[len("ssd_"):]](**static)
-        return SHARED[name](dims, Strategy(native_math=True) if serial else Gpu(threads))
-    return TEMPLATES[name](dict(static, _serial=serial), threads)
+    dims = DIMS[name[len("ssd_"):]](**static)
+    return SHARED[name](dims, Strategy(native_math=True) if serial else Gpu(threads))
 
 
 def apply(func, target, decisions: Decisions):
     """The CUDA layout of an SSD kernel (same parameters as the compute builder), or None."""
     name, static = kernel_attrs(func)
-    if "gpu" not in target.keys or (name not in TEMPLATES and name not in SHARED):
+    if "gpu" not in target.keys or name not in SHARED:
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
     prim = template(name, static, threads).with_attrs({"global_symbol": name, "tirx.noalias": True,

@@ -39,12 +39,13 @@ vector code on CPU (see the CPU rule). Layout of the package:
     dt.py, passing.py          chunk_cumsum(_bwd), state_passing(_bwd), head_sum: one template each
     bmm.py, chunk_state.py, dstates.py, varlen.py   bmm_chunk, chunk_state, chunk_scan_bwd_dstates,
                  chunk_state_varlen: one template each (the chunk matmuls through the strategy's)
-    scan.py, scan_bwd.py, mm.py   chunk_scan and its backward (CPU loop nests; schedules/cuda/ssd.py has their
-                 CUDA templates, see docs/ssd.md) and the CPU's register-blocked matmul
+    scan.py      chunk_scan: one template (the strategy's causal_matmul)
+    scan_bwd.py  chunk_scan_bwd: one template in two forms (scan_bwd_task.py: a task per chunk on staged
+                 operands, the CPU's; scan_bwd_launch.py: a launch per piece, a thread per output, CUDA's)
+    mm.py        the CPU's register-blocked matmul
 
 A builder takes its dims (``ssd_chunk_scan(ScanDims(...))``, or the fields as keywords) and returns the
-PrimFunc the rules reschedule: the templated kernels laid out serially (``strategy=``: another layout), the
-others as their CPU loop nests.
+PrimFunc the rules reschedule: the template laid out serially (``strategy=``: another layout).
 """
 from __future__ import annotations
 

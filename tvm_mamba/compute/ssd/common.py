@@ -78,3 +78,29 @@ def gate(m, dy, z, idx, seqlen, t, has_z):
 def with_state_dtype(static: dict, state_dtype: str) -> dict:
     """static plus state_dtype when it is not the default float32 (default stamps stay as before)."""
     return dict(static, state_dtype=state_dtype) if state_dtype != F32 else static
+
+
+def carried_decay(m, a_l, sid_l, seq_idx, b, c, Q, has_seq_idx):
+    """e[l] = exp(dA_cs[l]) (a_l), the decay of the state carried into the chunk; 0 where position l's sequence
+    id (sid_l) is not the previous chunk's last one (id 0 before position 0): the carried state is another's."""
+    v = m.exp(a_l)
+    if not has_seq_idx:
+        return v
+    prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
+    return tirx.Select(sid_l == prev, v, c32(0.0))
+
+
+def state_decay(m, a_last, a_l, sid_l, seq_idx, b, c, Q, seqlen, has_seq_idx):
+    """exp(dA_cs[Q-1] - dA_cs[l]) (a_last - a_l), the decay from position l to the chunk's end; 0 where l's
+    sequence id (sid_l) is not that of the chunk's last position (l's state counts toward its sequence only)."""
+    v = m.exp(a_last - a_l)
+    if not has_seq_idx:
+        return v
+    return tirx.Select(sid_l == seq_idx[b, tirx.min(c * Q + Q, seqlen) - 1], v, c32(0.0))
+
+
+def skip(Dm, h, p, v, has_D, D_has_hdim):
+    """D[h] v (D[h, p] v with D per channel): the skip connection's term; 0 without D."""
+    if not has_D:
+        return c32(0.0)
+    return (Dm[h, p] if D_has_hdim else Dm[h]) * v

@@ -22,15 +22,21 @@ innermost axis: dstate or headdim). The strategy decides:
 * ``causal_matmul(M, W, K)``: a chunk's causal product, row i summing positions s <= i with a per-(i, s) weight,
   on top of a carried M x W x K product (ssd_chunk_scan's y): a task per output element, or on a CPU the staged
   operands and two register-blocked matmuls (the causal one ``tri="le"``: no term of a later position is added).
-* ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers), and ``math`` (``_math.Math``:
-  the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
+* ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers; ``scratch`` allocates it), and
+  ``math`` (``_math.Math``: the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
+* ``vector``: also which form a template with several chunk matmuls takes (ssd_chunk_scan_bwd): a task per
+  chunk running them on staged operands (True: whole lane axes, mm.py's blocked matmuls), or a launch per
+  piece with a task per output element.
 
 Strategies never change the order in which a sum is taken: the same template gives bitwise-equal float32
 results under every strategy that picks the same math.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 from .._math import Math
 
@@ -151,6 +157,18 @@ class Strategy:
                             store(t, r, j, acc[0])
 
         return run
+
+    def scratch(self, **shapes) -> SimpleNamespace:
+        """A task's scratch buffers in ``scope``, each named by its keyword: ``shape`` (float32) or
+        ``(shape, dtype)``. Call inside the task's loop as ``w = T.meta_var(S.scratch(acc=(2,), ...))``, then
+        read ``w.acc``: one table instead of a line per buffer."""
+        def alloc(name, spec):
+            shape, dtype = spec if isinstance(spec[0], tuple) else (spec, "float32")
+            buf = T.alloc_buffer(shape, dtype, scope=self.scope)
+            IRBuilder.name(name, buf)  # as the parser names ``name = T.alloc_buffer(...)``
+            return buf
+
+        return SimpleNamespace(**{name: alloc(name, spec) for name, spec in shapes.items()})
 
 
 def unravel(i, extents):
