@@ -26,26 +26,12 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute import ssd as compute
-from ...compute.ssd.bmm import bmm_template
-from ...compute.ssd.chunk_state import chunk_state_template
-from ...compute.ssd.dstates import dstates_template
-from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
 from ...compute.ssd.mm import (COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, lower_cols, matmul,
                                vblock, zero)
-from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
-from ...compute.ssd.scan import chunk_scan_template
-from ...compute.ssd.scan_bwd import chunk_scan_bwd_template
 from ...compute.ssd.strategy import Strategy
-from ...compute.ssd.varlen import varlen_template
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 _BLOCKED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
-SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
-          "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
-          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
-          "ssd_bmm_chunk": bmm_template, "ssd_chunk_scan_bwd_dstates": dstates_template,
-          "ssd_chunk_state_varlen": varlen_template, "ssd_chunk_scan": chunk_scan_template,
-          "ssd_chunk_scan_bwd": chunk_scan_bwd_template}
 
 
 class Cpu(Strategy):
@@ -151,11 +137,12 @@ class Cpu(Strategy):
 def apply(func, target, decisions: Decisions):
     """The CPU layout of an SSD kernel (its template under ``Cpu``), or None for a kernel that is not an SSD kernel."""
     name, static = kernel_attrs(func)
-    if target.kind.name != "llvm" or name not in SHARED:
+    found = compute.template_of(name)
+    if target.kind.name != "llvm" or found is None:
         return None
-    dims = compute.DIMS[name[len("ssd_"):]](**static)
+    template, dims = found
     strategy = Cpu()
     if name in _BLOCKED:
         strategy = Cpu(decisions.pick("rows", ROWS, DEFAULT_ROWS), decisions.pick("cols", COLS, DEFAULT_COLS),
                        decisions.pick("order", ORDERS, DEFAULT_ORDER))
-    return schedule_of(SHARED[name](dims, strategy).with_attrs(dict(func.attrs)), name=name)
+    return schedule_of(template(dims(**static), strategy).with_attrs(dict(func.attrs)), name=name)

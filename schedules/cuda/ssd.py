@@ -14,16 +14,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...compute.ssd import DIMS
-from ...compute.ssd.bmm import bmm_template
-from ...compute.ssd.chunk_state import chunk_state_template
-from ...compute.ssd.dstates import dstates_template
-from ...compute.ssd.dt import cumsum_bwd_template, cumsum_template
-from ...compute.ssd.passing import head_sum_template, passing_bwd_template, passing_template
-from ...compute.ssd.scan import chunk_scan_template
-from ...compute.ssd.scan_bwd import chunk_scan_bwd_template
+from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy
-from ...compute.ssd.varlen import varlen_template
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 
@@ -44,25 +36,16 @@ class Gpu(Strategy):
         return T.thread_binding(self.threads, thread="threadIdx.x")
 
 
-# one template for every target (compute/ssd/), laid out by the strategy
-SHARED = {"ssd_chunk_cumsum": cumsum_template, "ssd_chunk_cumsum_bwd": cumsum_bwd_template,
-          "ssd_state_passing": passing_template, "ssd_state_passing_bwd": passing_bwd_template,
-          "ssd_head_sum": head_sum_template, "ssd_chunk_state": chunk_state_template,
-          "ssd_bmm_chunk": bmm_template, "ssd_chunk_scan_bwd_dstates": dstates_template,
-          "ssd_chunk_state_varlen": varlen_template, "ssd_chunk_scan": chunk_scan_template,
-          "ssd_chunk_scan_bwd": chunk_scan_bwd_template}
-
-
 def template(name: str, static: dict, threads: int = 128, serial: bool = False):
     """The CUDA layout of kernel ``name`` (serial=True: thread loops made serial, CUDA's math: for CPU tests)."""
-    dims = DIMS[name[len("ssd_"):]](**static)
-    return SHARED[name](dims, Strategy(native_math=True) if serial else Gpu(threads))
+    template, dims = compute.template_of(name)
+    return template(dims(**static), Strategy(native_math=True) if serial else Gpu(threads))
 
 
 def apply(func, target, decisions: Decisions):
     """The CUDA layout of an SSD kernel (same parameters as the compute builder), or None."""
     name, static = kernel_attrs(func)
-    if "gpu" not in target.keys or name not in SHARED:
+    if "gpu" not in target.keys or compute.template_of(name) is None:
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
     prim = template(name, static, threads).with_attrs({"global_symbol": name, "tirx.noalias": True,

@@ -49,24 +49,39 @@ PrimFunc the rules reschedule: the template laid out serially (``strategy=``: an
 """
 from __future__ import annotations
 
-from .chunk_state import ssd_chunk_state
+from .bmm import bmm_template, ssd_bmm_chunk
+from .chunk_state import chunk_state_template, ssd_chunk_state
 from .common import DA_MIN, NEG, dA_passes, dA_step, with_state_dtype  # noqa: F401 (public helpers)
 from .dims import DIMS, check_dims  # noqa: F401
-from .dt import ssd_chunk_cumsum, ssd_chunk_cumsum_bwd
-from .passing import ssd_head_sum, ssd_state_passing, ssd_state_passing_bwd
-from .bmm import ssd_bmm_chunk
-from .dstates import ssd_chunk_scan_bwd_dstates
-from .scan import ssd_chunk_scan
-from .scan_bwd import ssd_chunk_scan_bwd
-from .varlen import ssd_chunk_state_varlen
+from .dstates import dstates_template, ssd_chunk_scan_bwd_dstates
+from .dt import cumsum_bwd_template, cumsum_template, ssd_chunk_cumsum, ssd_chunk_cumsum_bwd
+from .passing import (head_sum_template, passing_bwd_template, passing_template, ssd_head_sum, ssd_state_passing,
+                      ssd_state_passing_bwd)
+from .scan import chunk_scan_template, ssd_chunk_scan
+from .scan_bwd import chunk_scan_bwd_template, ssd_chunk_scan_bwd
+from .varlen import ssd_chunk_state_varlen, varlen_template
 from .._ssd_dims import head_parts
 
 __all__ = ["ssd_chunk_cumsum", "ssd_bmm_chunk", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan",
            "ssd_chunk_scan_bwd_dstates", "ssd_state_passing_bwd", "ssd_chunk_scan_bwd", "ssd_chunk_cumsum_bwd",
-           "ssd_head_sum", "ssd_chunk_state_varlen", "DIMS", "DIRECTIONS", "check_dims", "head_parts"]
+           "ssd_head_sum", "ssd_chunk_state_varlen", "DIMS", "DIRECTIONS", "TEMPLATES", "check_dims", "head_parts"]
 
 DIRECTIONS = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
               "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum", "chunk_state_varlen")
+
+TEMPLATES = {"chunk_cumsum": cumsum_template, "chunk_cumsum_bwd": cumsum_bwd_template, "bmm_chunk": bmm_template,
+             "chunk_state": chunk_state_template, "state_passing": passing_template,
+             "state_passing_bwd": passing_bwd_template, "chunk_scan": chunk_scan_template,
+             "chunk_scan_bwd_dstates": dstates_template, "chunk_scan_bwd": chunk_scan_bwd_template,
+             "head_sum": head_sum_template, "chunk_state_varlen": varlen_template}
+"""direction -> template(dims, strategy): every SSD kernel's one definition; the rules (schedules/<target>/ssd.py)
+lay it out with their strategy."""
+
+
+def template_of(kernel: str | None):
+    """(template, dims class) of kernel ``ssd_<direction>``, or None for a kernel that is not an SSD kernel."""
+    direction = kernel[len("ssd_"):] if kernel and kernel.startswith("ssd_") else None
+    return (TEMPLATES[direction], DIMS[direction]) if direction in TEMPLATES else None
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
