@@ -60,36 +60,28 @@ def conv_kernel(d: CausalConv1dFwd | CausalConv1dBwd | CausalConv1dUpdate, body)
                 final = T.match_buffer(h[6], _opt(d.return_final, (B, D, W - 1)), XT)
                 body(x, weight, bias, seq_idx, init, out, final, B, L)
 
-    if update:
-        @T.prim_func
-        def causal_conv1d_update(x_h: T.handle, s_h: T.handle, w_h: T.handle, b_h: T.handle, i_h: T.handle,
-                                 c_h: T.handle, o_h: T.handle):
-            T.func_attr({"global_symbol": "causal_conv1d_update", "tirx.noalias": True})
-            B = T.int32()
-            L = T.int32()
-            P = T.int32()
-            declare((x_h, s_h, w_h, b_h, i_h, c_h, o_h), B, L, P)
-
-        return causal_conv1d_update
-
+    name = "causal_conv1d_" + ("update" if update else "bwd" if backward else "fwd")
     if backward:
         @T.prim_func
-        def causal_conv1d_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
-                              do_h: T.handle, df_h: T.handle, dx_h: T.handle, dw_h: T.handle, db_h: T.handle,
-                              di_h: T.handle, g_h: T.handle, p_h: T.handle):
-            T.func_attr({"global_symbol": "causal_conv1d_bwd", "tirx.noalias": True})
+        def bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle, do_h: T.handle,
+                df_h: T.handle, dx_h: T.handle, dw_h: T.handle, db_h: T.handle, di_h: T.handle, g_h: T.handle,
+                p_h: T.handle):
+            T.func_attr({"global_symbol": name, "tirx.noalias": True})
             B = T.int32()
             L = T.int32()
             declare((x_h, w_h, b_h, s_h, i_h, do_h, df_h, dx_h, dw_h, db_h, di_h, g_h, p_h), B, L, 0)
 
-        return causal_conv1d_bwd
+        return bwd
 
+    # the forward and the decode step both take 7 buffers: (x, weight, bias, seq_idx, init, out, final) and
+    # (x, conv_state, weight, bias, conv_state_indices, cache_seqlens, out)
     @T.prim_func
-    def causal_conv1d_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
-                          o_h: T.handle, f_h: T.handle):
-        T.func_attr({"global_symbol": "causal_conv1d_fwd", "tirx.noalias": True})
+    def fwd_or_update(h0: T.handle, h1: T.handle, h2: T.handle, h3: T.handle, h4: T.handle, h5: T.handle,
+                      h6: T.handle):
+        T.func_attr({"global_symbol": name, "tirx.noalias": True})
         B = T.int32()
         L = T.int32()
-        declare((x_h, w_h, b_h, s_h, i_h, o_h, f_h), B, L, 0)
+        P = T.int32()  # the decode step's state pool; the forward has none (unused)
+        declare((h0, h1, h2, h3, h4, h5, h6), B, L, P)
 
-    return causal_conv1d_fwd
+    return fwd_or_update
