@@ -7,7 +7,7 @@ the window reaches before t=0: initial states / zeros), a vectorized main loop o
 conditions except the seq_idx mask, a vector select), and a scalar tail.
 
 Knobs (``decisions``): ``vector`` — lanes per main-loop step (8, 16, 32; default 16 = one zmm of fp32).
-The parameter lists match tvm_mamba/compute/causal_conv1d.py exactly.
+The parameter lists (tvm_mamba/compute/_causal_conv1d_signature.py) match tvm_mamba/compute/causal_conv1d.py.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...compute import _math
+from ...compute._causal_conv1d_signature import conv_kernel
 from ...compute._causal_conv1d_update import update_template
 from ...compute.causal_conv1d import DIMS, CausalConv1dBwd, CausalConv1dFwd, window_value, zero_padding
 from ..rule import Decisions, kernel_attrs, schedule_of
@@ -117,32 +118,17 @@ def _pre_rows(d: CausalConv1dFwd | CausalConv1dBwd, V: int, tp: _Taps, value, fi
 
 
 def _fwd(d: CausalConv1dFwd, V: int):
-    D, W = d.dim, d.width
-    # plain names: TVMScript folds these Python values into the kernel's static branches
-    has_bias, has_seq_idx, has_init, return_final = d.has_bias, d.has_seq_idx, d.has_init, d.return_final
-    x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
-
+    """The forward loop nest (its signature: conv_kernel): one _pre_rows pass, act applied, final states."""
     def out_value(_, seq_idx, b, c, t, pre):  # padding positions (seq_idx < 0) output 0
-        return zero_padding(_act(pre, d.activation), seq_idx, has_seq_idx, b, t).astype(x_dtype)
+        return zero_padding(_act(pre, d.activation), seq_idx, d.has_seq_idx, b, t).astype(d.x_dtype)
 
-    pre_rows = _pre_rows(d, V, _Taps(d), out_value, final_states=return_final)
+    pre_rows = _pre_rows(d, V, _Taps(d), out_value, final_states=d.return_final)
 
-    @T.prim_func
-    def causal_conv1d_fwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
-                          o_h: T.handle, f_h: T.handle):
-        T.func_attr({"global_symbol": "causal_conv1d_fwd", "tirx.noalias": True})
-        B = T.int32()
-        L = T.int32()
-        x = T.match_buffer(x_h, (B, D, L), x_dtype)
-        weight = T.match_buffer(w_h, (D, W), weight_dtype)
-        bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
-        seq_idx = T.match_buffer(s_h, (B, L) if has_seq_idx else (1, 1), "int32")
-        init = T.match_buffer(i_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
-        out = T.match_buffer(o_h, (B, D, L), x_dtype)
-        final = T.match_buffer(f_h, (B, D, W - 1) if return_final else (1, 1, 1), x_dtype)
+    @T.macro
+    def body(x, weight, bias, seq_idx, init, out, final, B, L):
         pre_rows(x, weight, bias, seq_idx, init, x, out, final, B, L)  # out_value reads no aux: x stands in
 
-    return causal_conv1d_fwd
+    return conv_kernel(d, body)
 
 
 def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _Taps):
@@ -215,11 +201,11 @@ def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _Taps):
 
 
 def _bwd(d: CausalConv1dBwd, V: int):
-    """The backward loop nest: phase 1, per row, g = dout * act'(pre) (_pre_rows), phase 2 (_bwd_grad_inputs),
-    then stage 2 of the dweight / dbias reduction over batch, in batch order (deterministic)."""
-    D, W = d.dim, d.width
-    has_bias, has_seq_idx, has_init, has_dfinal = d.has_bias, d.has_seq_idx, d.has_init, d.has_dfinal
-    x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
+    """The backward loop nest (its signature: conv_kernel): phase 1, per row, g = dout * act'(pre)
+    (_pre_rows), phase 2 (_bwd_grad_inputs), then stage 2 of the dweight / dbias reduction over batch, in
+    batch order (deterministic)."""
+    # plain names: TVMScript folds these Python values into the kernel's static branches
+    D, W, has_bias, weight_dtype = d.dim, d.width, d.has_bias, d.weight_dtype
     tp = _Taps(d)
 
     def g_value(dout, seq_idx, b, c, t, pre):
@@ -227,26 +213,8 @@ def _bwd(d: CausalConv1dBwd, V: int):
 
     grad_pre, grad_inputs = _pre_rows(d, V, tp, g_value), _bwd_grad_inputs(d, V, tp)
 
-    @T.prim_func
-    def causal_conv1d_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, s_h: T.handle, i_h: T.handle,
-                          do_h: T.handle, df_h: T.handle, dx_h: T.handle, dw_h: T.handle, db_h: T.handle,
-                          di_h: T.handle, g_h: T.handle, p_h: T.handle):
-        T.func_attr({"global_symbol": "causal_conv1d_bwd", "tirx.noalias": True})
-        B = T.int32()
-        L = T.int32()
-        x = T.match_buffer(x_h, (B, D, L), x_dtype)
-        weight = T.match_buffer(w_h, (D, W), weight_dtype)
-        bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
-        seq_idx = T.match_buffer(s_h, (B, L) if has_seq_idx else (1, 1), "int32")
-        init = T.match_buffer(i_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
-        dout = T.match_buffer(do_h, (B, D, L), x_dtype)
-        dfinal = T.match_buffer(df_h, (B, D, W - 1) if has_dfinal else (1, 1, 1), x_dtype)
-        dx = T.match_buffer(dx_h, (B, D, L), x_dtype)
-        dweight = T.match_buffer(dw_h, (D, W), weight_dtype)
-        dbias = T.match_buffer(db_h, (D,) if has_bias else (1,), weight_dtype)
-        dinit = T.match_buffer(di_h, (B, D, W - 1) if has_init else (1, 1, 1), x_dtype)
-        g = T.match_buffer(g_h, (B, D, L), F32)
-        partial = T.match_buffer(p_h, (B, D, W + 1), F32)
+    @T.macro
+    def body(x, weight, bias, seq_idx, init, dout, dfinal, dx, dweight, dbias, dinit, g, partial, B, L):
         grad_pre(x, weight, bias, seq_idx, init, dout, g, g, B, L)  # no final states: g stands in
         grad_inputs(x, weight, seq_idx, init, dfinal, dx, dinit, g, partial, B, L)
         for c in T.parallel(D):  # stage 2: the per-row partials summed over batch, in batch order
@@ -261,7 +229,7 @@ def _bwd(d: CausalConv1dBwd, V: int):
             if has_bias:
                 dbias[c] = acc[W].astype(weight_dtype)
 
-    return causal_conv1d_bwd
+    return conv_kernel(d, body)
 
 
 def _varlen_states(func):

@@ -23,6 +23,7 @@ from tvm.script import tirx as T
 
 from . import _math
 from ._causal_conv1d_dims import CausalConv1dUpdate
+from ._causal_conv1d_signature import conv_kernel
 from ._common import SERIAL_WORK, sigmoid, stamp
 
 F32 = "float32"
@@ -37,11 +38,12 @@ def _lanes(mode: str, threads: int):
 
 
 def update_template(d: CausalConv1dUpdate, mode: str = "generic", threads: int = 128) -> tirx.PrimFunc:
-    """The decode-step loop nest (see the module docstring); ``mode`` picks the loops and the SiLU."""
+    """The decode-step loop nest (see the module docstring; its signature: conv_kernel); ``mode`` picks the
+    loops and the SiLU."""
     D, W, S = d.dim, d.width, d.state_len
     # plain names: TVMScript folds these Python values into the kernel's static branches
     activation, has_bias, has_indices, has_cache_seqlens = d.activation, d.has_bias, d.has_indices, d.has_cache_seqlens
-    x_dtype, weight_dtype, state_dtype = d.x_dtype, d.weight_dtype, d.state_dtype
+    x_dtype, state_dtype = d.x_dtype, d.state_dtype
     OUTER, INNER, TPB = _lanes(mode, threads)
     SCOPE = "local" if mode == "cuda" else "global"
 
@@ -77,21 +79,8 @@ def update_template(d: CausalConv1dUpdate, mode: str = "generic", threads: int =
                     state[slot, c, j] = T.if_then_else(j + L < S, state[slot, c, T.min(j + L, S - 1)],
                                                        x[b, c, T.max(j + L - S, 0)].astype(state_dtype))
 
-
-    @T.prim_func
-    def causal_conv1d_update(x_h: T.handle, s_h: T.handle, w_h: T.handle, b_h: T.handle, i_h: T.handle,
-                             c_h: T.handle, o_h: T.handle):
-        T.func_attr({"global_symbol": "causal_conv1d_update", "tirx.noalias": True})
-        B = T.int32()
-        L = T.int32()
-        P = T.int32()
-        x = T.match_buffer(x_h, (B, D, L), x_dtype)
-        state = T.match_buffer(s_h, (P, D, S), state_dtype)
-        weight = T.match_buffer(w_h, (D, W), weight_dtype)
-        bias = T.match_buffer(b_h, (D,) if has_bias else (1,), weight_dtype)
-        idx = T.match_buffer(i_h, (B,) if has_indices else (1,), "int32")
-        cseq = T.match_buffer(c_h, (B,) if has_cache_seqlens else (1,), "int32")
-        out = T.match_buffer(o_h, (B, D, L), x_dtype)
+    @T.macro
+    def body(x, state, weight, bias, idx, cseq, out, B, L):
         if mode == "cpu":
             if B * D * (L + S) <= SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
                 for row in T.serial(B * D):
@@ -105,7 +94,7 @@ def update_template(d: CausalConv1dUpdate, mode: str = "generic", threads: int =
                     if ro * TPB + ri < B * D:
                         row_step(x, state, weight, bias, idx, cseq, out, L, ro * TPB + ri)
 
-    return causal_conv1d_update
+    return conv_kernel(d, body)
 
 
 def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:
