@@ -32,8 +32,8 @@ def _row(buf, task, l, head, j, Q, seqlen):
 
 
 def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, task, l, p, seqlen, v, xv):
-    """e[l] (C_l Sin)[p] + D x[l, p], e[l] = exp(dA_cs[l]), 0 where the carried state belongs to another
-    sequence than position l (its id differs from the previous chunk's last id, 0 before position 0)."""
+    """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p]), e[l] = exp(dA_cs[l]) masked by
+    common.carried_decay (0 where the carried state belongs to another sequence than position l)."""
     b, c, h = task
     Q = d.chunk_size
     e = carried_decay(m, dA_cs[b, h, c, l], seq_idx[b, _pos(c, l, Q, seqlen)], batch_sids(seq_idx, b), c, Q,
