@@ -7,7 +7,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32, c32
+from .common import F32, I32, batch_sids, c32, last_sid
 from .dims import StateDims, dims_of
 from .strategy import SERIAL, Strategy
 
@@ -17,7 +17,7 @@ def _weight(m, dt_out, dA_cs, seq_idx, b, c, h, l, Q, seqlen, has_seq_idx):
     the sequence of the chunk's last position (its state counts toward that sequence only)."""
     w = dt_out[b, h, c, l] * m.exp(dA_cs[b, h, c, Q - 1] - dA_cs[b, h, c, l])
     if has_seq_idx:
-        w = tirx.Select(seq_idx[b, tirx.min(c * Q + l, seqlen - 1)] == seq_idx[b, tirx.min(c * Q + Q, seqlen) - 1],
+        w = tirx.Select(seq_idx[b, tirx.min(c * Q + l, seqlen - 1)] == last_sid(batch_sids(seq_idx, b), c, Q, seqlen),
                         w, c32(0.0))
     return tirx.Select(c * Q + l < seqlen, w, c32(0.0))
 

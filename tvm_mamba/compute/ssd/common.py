@@ -44,14 +44,40 @@ def dt_stages(m, tmp, raw, dt_bias, h, dt_limit, has_dt_bias, dt_softplus, has_d
             (2, tirx.min(tirx.max(tmp[1], dt_limit[0]), dt_limit[1]) if has_dt_limit else tmp[1]), (3, gs)]
 
 
+class Row:
+    """row[q] -> at(q): a chunk row read where it lies (the helpers below index rows the CPU loop nests stage,
+    and sequence ids as ``sids[t]``: seq_idx[b, t] of a batch row, or a 1-d seq_idx itself)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def __getitem__(self, q):
+        return self.at(q)
+
+
+def batch_sids(seq_idx, b):
+    """Batch row b's sequence ids by position: sids[t] = seq_idx[b, t]."""
+    return Row(lambda t: seq_idx[b, t])
+
+
+def prev_sid(sids, c, Q):
+    """The sequence id of the state entering chunk c: chunk c-1's last position's, 0 for c = 0 (initial_states
+    belong to sequence 0)."""
+    return tirx.if_then_else(c > 0, sids[tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
+
+
+def last_sid(sids, c, Q, seqlen):
+    """The sequence id of chunk c's last position (the ragged last chunk: of position seqlen - 1)."""
+    return sids[tirx.min(c * Q + Q, seqlen) - 1]
+
+
 def chunk_scale(m, seq_idx, dA_cs, b, h, c, Q, seqlen, has_seq_idx):
     """exp(dA_cs[c, Q-1]), zeroed when chunk c's last sequence id differs from chunk c-1's (0 for c = 0)."""
     a = m.exp(dA_cs[b, h, c, Q - 1])
     if not has_seq_idx:
         return a
-    cur = seq_idx[b, tirx.min(c * Q + Q, seqlen) - 1]
-    prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
-    return tirx.Select(cur == prev, a, c32(0.0))
+    sids = batch_sids(seq_idx, b)
+    return tirx.Select(last_sid(sids, c, Q, seqlen) == prev_sid(sids, c, Q), a, c32(0.0))
 
 
 def ld(buf, idx, seqlen, t):
@@ -80,23 +106,22 @@ def with_state_dtype(static: dict, state_dtype: str) -> dict:
     return dict(static, state_dtype=state_dtype) if state_dtype != F32 else static
 
 
-def carried_decay(m, a_l, sid_l, seq_idx, b, c, Q, has_seq_idx):
-    """e[l] = exp(dA_cs[l]) (a_l), the decay of the state carried into the chunk; 0 where position l's sequence
-    id (sid_l) is not the previous chunk's last one (id 0 before position 0): the carried state is another's."""
+def carried_decay(m, a_l, sid_l, sids, c, Q, has_seq_idx):
+    """e[l] = exp(dA_cs[l]) (a_l), the decay of the state carried into chunk c up to position l; 0 where l's
+    sequence id (sid_l) is not that state's (``prev_sid``): the carried state is another sequence's."""
     v = m.exp(a_l)
     if not has_seq_idx:
         return v
-    prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
-    return tirx.Select(sid_l == prev, v, c32(0.0))
+    return tirx.Select(sid_l == prev_sid(sids, c, Q), v, c32(0.0))
 
 
-def state_decay(m, a_last, a_l, sid_l, seq_idx, b, c, Q, seqlen, has_seq_idx):
+def state_decay(m, a_last, a_l, sid_l, sids, c, Q, seqlen, has_seq_idx):
     """exp(dA_cs[Q-1] - dA_cs[l]) (a_last - a_l), the decay from position l to the chunk's end; 0 where l's
     sequence id (sid_l) is not that of the chunk's last position (l's state counts toward its sequence only)."""
     v = m.exp(a_last - a_l)
     if not has_seq_idx:
         return v
-    return tirx.Select(sid_l == seq_idx[b, tirx.min(c * Q + Q, seqlen) - 1], v, c32(0.0))
+    return tirx.Select(sid_l == last_sid(sids, c, Q, seqlen), v, c32(0.0))
 
 
 def skip(Dm, h, p, v, has_D, D_has_hdim):

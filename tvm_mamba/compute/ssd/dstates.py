@@ -9,18 +9,16 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32, Z4, c32, gate
+from .common import F32, I32, Z4, batch_sids, c32, carried_decay, gate
 from .dims import DstatesDims, dims_of
 from .strategy import SERIAL, Strategy, unravel
 
 
-def carried_decay(m, seq_idx, dA_cs, b, h, c, l, Q, seqlen, has_seq_idx):
-    """exp(dA_cs[c, l]): the decay of the state entering chunk c up to position l; 0 past seqlen and, with seq_idx,
-    where position l is not in the sequence of that state (the id of chunk c-1's last position, 0 for c = 0)."""
-    e = m.exp(dA_cs[b, h, c, l])
-    if has_seq_idx:
-        prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
-        e = tirx.Select(seq_idx[b, tirx.min(c * Q + l, seqlen - 1)] == prev, e, c32(0.0))
+def _decay_in(m, seq_idx, dA_cs, b, h, c, l, Q, seqlen, has_seq_idx):
+    """e[l]: common.carried_decay at position l of chunk c (its sequence id read at l clamped into range), 0 past
+    seqlen."""
+    e = carried_decay(m, dA_cs[b, h, c, l], seq_idx[b, tirx.min(c * Q + l, seqlen - 1)], batch_sids(seq_idx, b), c,
+                      Q, has_seq_idx)
     return tirx.Select(c * Q + l < seqlen, e, c32(0.0))
 
 
@@ -58,8 +56,8 @@ def dstates_template(d: DstatesDims, S: Strategy) -> tirx.PrimFunc:
         run(batch * nchunks * H,
             lambda t, p, l: gate(m, dy, z, (t // (nchunks * H), T.min(t // H % nchunks * Q + l, seqlen - 1), t % H, p),
                                  seqlen, t // H % nchunks * Q + l, d.has_z),
-            lambda t, l: carried_decay(m, seq_idx, dA_cs, t // (nchunks * H), t % H, t // H % nchunks, l, Q, seqlen,
-                                       d.has_seq_idx),
+            lambda t, l: _decay_in(m, seq_idx, dA_cs, t // (nchunks * H), t % H, t // H % nchunks, l, Q, seqlen,
+                                   d.has_seq_idx),
             lambda t, l, n: Cm[t // (nchunks * H), T.min(t // H % nchunks * Q + l, seqlen - 1), t % H // R,
                                n].astype(F32),
             lambda t, p, n, v: T.buffer_store(dsl, v, [t // (nchunks * H), t // H % nchunks, t % H, p, n]))

@@ -28,12 +28,15 @@ def _flags(d: DtDims) -> dict:
     return dict(has_dt_bias=d.has_dt_bias, dt_softplus=d.dt_softplus, has_dt_limit=d.has_dt_limit)
 
 
-def _dt_inputs(d: DtDims, handles, batch, seqlen, nchunks):
-    """The first five parameters of both directions, (dt, dt_bias, A, dt_limit, dt_out), declared from their
-    handles (named as in the builders' docstrings); absent optional ones are one-element placeholders."""
+def _dt_inputs(d: DtDims, handles):
+    """The extents (batch, seqlen, nchunks) and the first five parameters of both directions, (dt, dt_bias, A,
+    dt_limit, dt_out), declared from their handles (named as in the builders' docstrings); absent optional ones
+    are one-element placeholders."""
+    batch, seqlen, nchunks = (IRBuilder.name(n, T.int32()) for n in ("batch", "seqlen", "nchunks"))
     shapes = {"dt": (batch, seqlen, d.nheads), "dt_bias": (d.nheads,) if d.has_dt_bias else (1,), "A": (d.nheads,),
               "dt_limit": (2,) if d.has_dt_limit else (1,), "dt_out": (batch, d.nheads, nchunks, d.chunk_size)}
-    return tuple(IRBuilder.name(n, T.match_buffer(h, shape, F32)) for h, (n, shape) in zip(handles, shapes.items()))
+    return (batch, seqlen, nchunks) + tuple(IRBuilder.name(n, T.match_buffer(h, shape, F32))
+                                            for h, (n, shape) in zip(handles, shapes.items()))
 
 
 def cumsum_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
@@ -64,11 +67,8 @@ def cumsum_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
     @T.prim_func
     def func(dt_h: T.handle, bias_h: T.handle, a_h: T.handle, lim_h: T.handle, dto_h: T.handle,
              dac_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunks = T.int32()
-        dt, dt_bias, A, dt_limit, dt_out = T.meta_var(_dt_inputs(d, (dt_h, bias_h, a_h, lim_h, dto_h), batch, seqlen,
-                                                                 nchunks))
+        batch, seqlen, nchunks, dt, dt_bias, A, dt_limit, dt_out = T.meta_var(
+            _dt_inputs(d, (dt_h, bias_h, a_h, lim_h, dto_h)))
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         tasks(batch * H * nchunks, lambda i: chunk(i, dt, dt_bias, A, dt_limit, dt_out, dA_cs, seqlen, nchunks))
 
@@ -114,11 +114,8 @@ def cumsum_bwd_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
     def func(dt_h: T.handle, bias_h: T.handle, a_h: T.handle, lim_h: T.handle, dto_h: T.handle,
              ddto_h: T.handle, ddac_h: T.handle, ddec_h: T.handle, ddt_h: T.handle, da_h: T.handle,
              dbias_h: T.handle):
-        batch = T.int32()
-        seqlen = T.int32()
-        nchunks = T.int32()
-        dt, dt_bias, A, dt_limit, dt_out = T.meta_var(_dt_inputs(d, (dt_h, bias_h, a_h, lim_h, dto_h), batch, seqlen,
-                                                                 nchunks))
+        batch, seqlen, nchunks, dt, dt_bias, A, dt_limit, dt_out = T.meta_var(
+            _dt_inputs(d, (dt_h, bias_h, a_h, lim_h, dto_h)))
         ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
         ddA_step = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
         ddecay = T.match_buffer(ddec_h, (batch, H, nchunks), F32)

@@ -10,7 +10,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32, Z4, c32, ld, seg_exp
+from .common import F32, I32, Z4, Row, batch_sids, carried_decay, ld, seg_exp, skip
 from .dims import ScanDims, dims_of
 from .strategy import SERIAL, Strategy
 
@@ -32,27 +32,15 @@ def _row(buf, task, l, head, j, Q, seqlen):
 
 
 def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, task, l, p, seqlen, v, xv):
-    """e[l] (C_l Sin)[p] + D x[l, p], e[l] = exp(dA_cs[l]), 0 where the carried state belongs to another
-    sequence than position l (its id differs from the previous chunk's last id, 0 before position 0)."""
+    """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p]), e[l] = exp(dA_cs[l]) masked by
+    common.carried_decay (0 where the carried state belongs to another sequence than position l)."""
     b, c, h = task
     Q = d.chunk_size
-    e = m.exp(dA_cs[b, h, c, l])
-    if d.has_seq_idx:
-        prev = tirx.if_then_else(c > 0, seq_idx[b, tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
-        e = tirx.Select(seq_idx[b, _pos(c, l, Q, seqlen)] == prev, e, c32(0.0))
+    e = carried_decay(m, dA_cs[b, h, c, l], seq_idx[b, _pos(c, l, Q, seqlen)], batch_sids(seq_idx, b), c, Q,
+                      d.has_seq_idx)
     if d.has_D:
-        return e * v + (Dm[h, p] if d.D_has_hdim else Dm[h]) * xv
+        return e * v + skip(Dm, h, p, xv, d.has_D, d.D_has_hdim)
     return e * v
-
-
-class _Row:
-    """A chunk row read where it lies, row[q] = at(q) (seg_exp indexes rows the CPU loop nests stage)."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def __getitem__(self, q):
-        return self.at(q)
 
 
 def _weight(m, d: ScanDims, cb, dA_cs, dt_out, seq_idx, task, l, s, seqlen):
@@ -60,8 +48,8 @@ def _weight(m, d: ScanDims, cb, dA_cs, dt_out, seq_idx, task, l, s, seqlen):
     before the exp)."""
     b, c, h = task
     Q = d.chunk_size
-    acs = _Row(lambda q: dA_cs[b, h, c, q])
-    sid = _Row(lambda q: seq_idx[b, _pos(c, q, Q, seqlen)])
+    acs = Row(lambda q: dA_cs[b, h, c, q])
+    sid = Row(lambda q: seq_idx[b, _pos(c, q, Q, seqlen)])
     return cb[b, c, h // d.heads_per_group, l, s] * seg_exp(m, acs, sid, l, s, d.has_seq_idx) * dt_out[b, h, c, s]
 
 

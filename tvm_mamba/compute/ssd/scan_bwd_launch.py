@@ -15,19 +15,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import F32, I32, carried_decay, gate, ld, seg_exp, skip, state_decay
+from .common import F32, I32, Row, batch_sids, carried_decay, gate, ld, seg_exp, skip, state_decay
 from .dims import ScanBwdDims
 from .strategy import Strategy
-
-
-class _Row:
-    """row[i] -> f(i): a global read where common.py's helpers index a staged row."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def __getitem__(self, i):
-        return self.f(i)
 
 
 class _Reads:
@@ -59,17 +49,20 @@ class _Reads:
     def sid(self, b, c, l):
         return self.o.seq_idx[b, self._t(c, l)]
 
+    def sids(self, b):
+        return batch_sids(self.o.seq_idx, b)
+
     def seg(self, b, h, c, l, s):  # K[l, s]
-        return seg_exp(self.m, _Row(lambda i: self.o.dA_cs[b, h, c, i]), _Row(lambda i: self.sid(b, c, i)), l, s,
+        return seg_exp(self.m, Row(lambda i: self.o.dA_cs[b, h, c, i]), Row(lambda i: self.sid(b, c, i)), l, s,
                        self.d.has_seq_idx)
 
     def e(self, b, h, c, l):
-        return carried_decay(self.m, self.o.dA_cs[b, h, c, l], self.sid(b, c, l), self.o.seq_idx, b, c, self.Q,
+        return carried_decay(self.m, self.o.dA_cs[b, h, c, l], self.sid(b, c, l), self.sids(b), c, self.Q,
                              self.d.has_seq_idx)
 
     def w(self, b, h, c, s):
         a = self.o.dA_cs
-        return state_decay(self.m, a[b, h, c, self.Q - 1], a[b, h, c, s], self.sid(b, c, s), self.o.seq_idx, b, c,
+        return state_decay(self.m, a[b, h, c, self.Q - 1], a[b, h, c, s], self.sid(b, c, s), self.sids(b), c,
                            self.Q, self.o.seqlen, self.d.has_seq_idx)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import I32, carried_decay, gate, ld, seg_exp, skip, state_decay
+from .common import I32, batch_sids, carried_decay, gate, ld, seg_exp, skip, state_decay
 from .dims import ScanBwdDims
 from .mm import lower_cols, matmul, vblock, zero
 from .strategy import Strategy
@@ -93,8 +93,9 @@ def _stage(d: ScanBwdDims, S: Strategy):
             t = T.meta_var(T.min(c * Q + l, o.seqlen - 1))
             if d.has_seq_idx:
                 w.sid[l] = o.seq_idx[b, t]
-            w.e[l] = carried_decay(m, w.acs[l], o.seq_idx[b, t], o.seq_idx, b, c, Q, d.has_seq_idx)
-            w.wst[l] = state_decay(m, w.acs[Q - 1], w.acs[l], o.seq_idx[b, t], o.seq_idx, b, c, Q, o.seqlen,
+            sids = T.meta_var(batch_sids(o.seq_idx, b))
+            w.e[l] = carried_decay(m, w.acs[l], o.seq_idx[b, t], sids, c, Q, d.has_seq_idx)
+            w.wst[l] = state_decay(m, w.acs[Q - 1], w.acs[l], o.seq_idx[b, t], sids, c, Q, o.seqlen,
                                    d.has_seq_idx)
             for p in T.vectorized(P):
                 w.xl[l, p] = ld(o.x, (b, t, h, p), o.seqlen, c * Q + l)

@@ -21,7 +21,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32
+from .common import F32, I32, prev_sid
 from .dims import VarlenDims, dims_of
 from .strategy import SERIAL, Strategy, unravel
 
@@ -33,8 +33,7 @@ def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
     ok = tirx.all(le >= 0, s < tirx.max(c * Q, 1))
     if not has_seq_idx:
         return ok
-    prev = tirx.if_then_else(c > 0, seq_idx[tirx.max(c * Q, 1) - 1], tirx.const(0, I32))
-    return tirx.all(ok, seq_idx[tirx.max(e, 1) - 1] == prev)
+    return tirx.all(ok, seq_idx[tirx.max(e, 1) - 1] == prev_sid(seq_idx, c, Q))
 
 
 def varlen_template(d: VarlenDims, S: Strategy) -> tirx.PrimFunc:
