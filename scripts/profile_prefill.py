@@ -43,6 +43,25 @@ class _Timed:
         return out
 
 
+def _time_lm_head(model, clock) -> None:
+    """Time the LM head as ``m:lm_head``: the LM calls it through ``_decode.project`` (the decode plan's
+    projection, so no module hook sees it), which is wrapped here for this model's head."""
+    from tvm_mamba.modules import _decode
+
+    orig = getattr(_decode.project, "untimed", _decode.project)
+    heads = getattr(_decode.project, "heads", set()) | {id(model.lm_head)}
+
+    def project(layer, x):
+        if id(layer) not in heads:
+            return orig(layer, x)
+        t0 = clock()
+        out = orig(layer, x)
+        ACC["m:lm_head"] += clock() - t0
+        return out
+    project.untimed, project.heads = orig, heads
+    _decode.project = project
+
+
 def instrument(model, clock) -> None:
     """Time every kernel the torch_ops modules load (their ``kernel_for``) and the MODULES' forwards."""
     import importlib
@@ -55,9 +74,10 @@ def instrument(model, clock) -> None:
         mod.kernel_for = (lambda orig: lambda op, direction, *a, **k: _Timed(
             orig(op, direction, *a, **k), f"k:{op}.{direction}", clock))(orig)
         mod.kernel_for.timed = True
+    _time_lm_head(model, clock)
     for path, mod in model.named_modules():
         kind = path.rsplit(".", 1)[-1]
-        if kind in MODULES:
+        if kind in MODULES and kind != "lm_head":
             def pre(m, _inp, mixer=kind == "mixer"):
                 m._prof_t0 = clock()
                 IN_MIXER[0] |= mixer
