@@ -97,14 +97,15 @@ class Cpu(Strategy):
         """A task per chunk: its lhs rows, rhs (read k-inner: a state read transposed), xs rows (0 past seqlen) and
         the causal blocks of the weight (``lower_cols``: blocks right of them are never read) staged in float32
         stack buffers, then two register-blocked matmuls into one accumulator: the carried product (epilogue
-        ``carry``), then from it the lower-triangular one (``tri="le"``: a row never adds 0 * xs of a later
-        position, so a non-finite x stays causal); then ``store`` for the rows the chunk has."""
+        ``carry``; where ``carried(t)`` is false, no state enters the chunk: carry of 0, neither operand staged),
+        then from it the lower-triangular one (``tri="le"``: a row never adds 0 * xs of a later position, so a
+        non-finite x stays causal); then ``store`` for the rows the chunk has."""
         mm = matmul(M, W, self.rows, self.cols, order=self.order)
         mm_le = matmul(M, W, self.rows, self.cols, order=self.order, tri="le")
         VB = vblock(M)
 
         @T.macro
-        def run(extent, rows, lhs, rhs, carry, weight, xs, store):
+        def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
             for t in T.parallel(extent):
                 a = T.alloc_buffer((M, K), "float32")
                 bt = T.alloc_buffer((K, W), "float32")
@@ -114,17 +115,23 @@ class Cpu(Strategy):
                 for i in range(M):
                     for j in T.vectorized(W):
                         xv[i, j] = xs(t, i, j)
-                    for k in T.vectorized(K):
-                        a[i, k] = lhs(t, i, k)
                 for i in range(M):
                     for sb in range(lower_cols(i, M, VB) // VB):
                         for v in T.vectorized(VB):
                             w[i, sb * VB + v] = weight(t, i, sb * VB + v)
-                for j in range(W):
-                    for k in range(K):
-                        bt[k, j] = rhs(t, k, j)
-                mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: a[i, k], lambda k, j: bt[k, j], zero,
-                   lambda i, j, v: T.buffer_store(acc, carry(t, i, j, v, xv[i, j]), [i, j]))
+                if carried(t):
+                    for i in range(M):
+                        for k in T.vectorized(K):
+                            a[i, k] = lhs(t, i, k)
+                    for j in range(W):
+                        for k in range(K):
+                            bt[k, j] = rhs(t, k, j)
+                    mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: a[i, k], lambda k, j: bt[k, j], zero,
+                       lambda i, j, v: T.buffer_store(acc, carry(t, i, j, v, xv[i, j]), [i, j]))
+                else:
+                    for i in range(M):
+                        for j in T.vectorized(W):
+                            acc[i, j] = carry(t, i, j, T.float32(0), xv[i, j])
                 mm_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda i, s: w[i, s], lambda s, j: xv[s, j],
                       lambda i, j: acc[i, j], lambda i, j, v: T.buffer_store(acc, v, [i, j]))
                 for i in range(rows(t)):

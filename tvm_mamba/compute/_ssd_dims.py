@@ -99,9 +99,11 @@ class ScanBwdDims(StateDims):
 
 @dataclass(frozen=True)
 class ScanDims(ScanBwdDims):
-    """ssd_chunk_scan: ScanBwdDims' fields and state_dtype, the stored chunk states' dtype (the backward reads
-    float32 ones)."""
+    """ssd_chunk_scan: ScanBwdDims' fields, state_dtype (the stored chunk states' dtype; the backward reads
+    float32 ones) and has_init: whether initial states were given. Without them the state entering chunk 0 is
+    zero and its C . Sin product is skipped (half of the kernel's work when the sequence is one chunk)."""
     state_dtype: str = field(default=F32, metadata=OMIT_DEFAULT)
+    has_init: bool = field(default=False, metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ class Captured:
     on the memory they captured."""
 
     def __init__(self):
-        self.launches = None  # None: not run yet; []: run the op every time
+        self.launches = None  # None: not run yet; []: run the op every time; else the launches, bound
         self.result = None
 
     @staticmethod
@@ -176,7 +176,7 @@ class Captured:
         """fn(*args, **kwargs), with the same tensors on every call (a plan's buffers), or its replay."""
         if self.launches:
             for launch in self.launches:
-                launch.kernel(*launch.args)
+                launch()
             return self.result
         if self.launches is not None:  # into the first result's tensors: later stages replay on those
             fresh = fn(*args, **kwargs)
@@ -188,7 +188,8 @@ class Captured:
         seen = {a.data_ptr() for launch in launches for a in launch.args if isinstance(a, Tensor)}
         used = [a for a in (*args, *kwargs.values(), *self._tensors(result)) if isinstance(a, Tensor) and a.numel()]
         replayable = bool(launches) and all(t.data_ptr() in seen for t in used)
-        self.launches, self.result = (list(launches) if replayable else []), result
+        self.launches = [launch.kernel.bind(*launch.args) for launch in launches] if replayable else []
+        self.result = result
         return result
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import filelock
 import tvm
+import tvm_ffi
 
 from . import cudasim, dispatch, pack, threads
 from .cache_dir import _source_digest, cache_base, cache_root  # noqa: F401  (cache's API)
@@ -49,6 +50,23 @@ class Kernel:
         if self.simulated:
             return cudasim.call(self.module, self.fn, args, label=str(self.key))
         return self.fn(*args)
+
+    def bind(self, *args):
+        """A callable that runs this kernel on ``args`` again, for callers that replay one launch on the same
+        tensors (modules/_decode.py's decode plans). The tensors are converted to TVM tensors once here (a
+        DLPack view: same memory, no copy): converting ~10 torch tensors per call costs ~5-10 us, the kernel
+        launch itself under 1 us, and a decode step replays ~170 launches. The caller keeps the tensors
+        alive and never resizes them (a replay would write the old memory)."""
+        if self.simulated:
+            return lambda: self(*args)
+        fn, key, plan = self.fn, self.key, self.plan
+        views = tuple(tvm_ffi.from_dlpack(a.detach()) if hasattr(a, "__dlpack__") else a for a in args)
+
+        def run():
+            dispatch.note_key(key, plan)
+            return fn(*views)
+
+        return run
 
     def __repr__(self) -> str:
         return f"Kernel({self.key}, {self.plan.source})"
@@ -170,7 +188,11 @@ def _from_pack(key: KernelKey) -> Kernel | None:
 
 FAST_TTL_S = 1.0  # as tuning's stamp TTL: a record written by another process is served within ~1 s
 _ENVS = ("TVM_MAMBA_KERNEL_PACK", "TVM_MAMBA_TUNING_LOGS", "TVM_MAMBA_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
-_fast = threading.local()
+class _Fast(threading.local):
+    memo = None  # per thread; a class default, not a missing attribute (see dispatch._Recording)
+
+
+_fast = _Fast()
 
 
 def build_and_load(key: KernelKey) -> Kernel:

@@ -79,7 +79,11 @@ def kernel_device_type(device) -> str:
 
 
 _keys: dict[tuple, KernelKey] = {}  # call signature -> its KernelKey (building one costs ~5 us per call)
-_capture = threading.local()
+class _Capture(threading.local):
+    launches = None  # per thread; a class default, not a missing attribute (see runtime.dispatch._Recording)
+
+
+_capture = _Capture()
 
 
 class Launch(NamedTuple):

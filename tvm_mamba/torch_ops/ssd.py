@@ -157,7 +157,7 @@ def ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: 
     y = torch.empty_like(k.x)
     y_pre = torch.empty_like(k.x) if z is not None else _empty(k.x)
     scan = k.on_chunks(ScanDims, has_D=D is not None, D_has_hdim=D is not None and D.dim() == 2, has_z=z is not None,
-                       state_dtype=TORCH_TO_TVM[sdt])
+                       state_dtype=TORCH_TO_TVM[sdt], has_init=initial_states is not None)
     k.kernel("chunk_scan", scan)(
         k.x, _opt(k.z, k.x, k.x.dtype, 4), k.cb(), k.C, dt_out, dA_cs, states_in, k.Dk, k.seq, y,
         y_pre if z is not None else dummy(k.dev, k.x.dtype, 4))

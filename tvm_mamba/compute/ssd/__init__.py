@@ -135,7 +135,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                     ("chunk_state", dict(dims, has_seq_idx=on), dts),
                     ("state_passing", dict(sdims, has_init=on, has_seq_idx=on), {}),
                     ("state_passing_bwd", dict(sdims, has_init=on, has_dfinal=on, has_seq_idx=on), {}),
-                    ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts),
+                    ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on,
+                                        **({"has_init": True} if on else {})), dts),  # has_init: omitted when off
                     ("chunk_scan_bwd_dstates", dict(dims, has_z=on, has_seq_idx=on), dts),
                     ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=on, has_seq_idx=on), dts)]
         out.append(("head_sum", dict(nheads=80, ngroups=1, dstate=dstate), {"out": "bfloat16"}))
@@ -146,6 +147,6 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     out += [("chunk_state_varlen", dict(dims, has_seq_idx=True), dict(dts, out="bfloat16")),
             ("chunk_state_varlen", dict(dims, has_seq_idx=False), dict(dts, state="bfloat16", out="bfloat16")),
             ("state_passing", dict(sdims, has_init=True, has_seq_idx=True), {"state": "bfloat16"}),
-            ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True),
+            ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True, has_init=True),
              dict(dts, state="bfloat16"))]
     return out

@@ -91,6 +91,7 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
         y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if d.has_z else Z4, d.x_dtype)
         run(batch * nchunks * H,
             lambda t: T.min(Q, seqlen - t // H % nchunks * Q),
+            lambda t: t // H % nchunks > 0 if not d.has_init else True,  # without initial states Sin[c=0] = 0
             lambda t, l, n: _row(Cm, _task(t, nchunks, H), l, t % H // R, n, Q, seqlen),
             lambda t, n, p: sin[t // (nchunks * H), t // H % nchunks, t % H, p, n].astype(F32),
             lambda t, l, p, v, xv: _carry(m, d, dA_cs, seq_idx, Dm, _task(t, nchunks, H), l, p, seqlen, v, xv),

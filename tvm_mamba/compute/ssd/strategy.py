@@ -126,19 +126,22 @@ class Strategy:
         return run
 
     def causal_matmul(self, M: int, W: int, K: int):
-        """A macro ``run(extent, rows, lhs, rhs, carry, weight, xs, store)``: per task t the M x W chunk product
+        """A macro ``run(extent, rows, carried, lhs, rhs, carry, weight, xs, store)``: per task t the M x W chunk
+        product
 
             out[t, i, j] = carry(t, i, j, sum_k lhs(t, i, k) rhs(t, k, j), xs(t, i, j))
                            + sum_{s <= i} weight(t, i, s) xs(t, s, j)
 
         (k ascending over K, then s ascending from 0: row i of a chunk sees its positions s <= i only; ``carry``
         adds what does not depend on s, e.g. the carried state and D x), then store(t, i, j, v) for the rows
-        i < rows(t) (a ragged last chunk). A task per output element here, the sums in one scalar; the CPU
-        strategy stages the operands and runs the register-blocked matmuls of mm.py in the same order."""
+        i < rows(t) (a ragged last chunk). Where ``carried(t)`` is false the task's rhs is all zeros (no state
+        enters the first chunk): the k sum is skipped and carry gets 0, the same bits as summing 0 * lhs for a
+        finite lhs. A task per output element here, the sums in one scalar; the CPU strategy stages the
+        operands and runs the register-blocked matmuls of mm.py in the same order."""
         S = self
 
         @T.macro
-        def run(extent, rows, lhs, rhs, carry, weight, xs, store):
+        def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
             for bx in S.outer(extent * M * W):
                 for tx in S.inner():
                     acc = T.alloc_buffer((1,), "float32", scope=S.scope)
@@ -149,8 +152,9 @@ class Strategy:
                     if i < extent * M * W:
                         if r < rows(t):
                             acc[0] = T.float32(0)
-                            for k in range(K):
-                                acc[0] = acc[0] + lhs(t, r, k) * rhs(t, k, j)
+                            if carried(t):
+                                for k in range(K):
+                                    acc[0] = acc[0] + lhs(t, r, k) * rhs(t, k, j)
                             acc[0] = carry(t, r, j, acc[0], xs(t, r, j))
                             for s in range(r + 1):
                                 acc[0] = acc[0] + weight(t, r, s) * xs(t, s, j)
