@@ -223,3 +223,23 @@ def test_fast_path_re_resolves_when_plan_hooks_or_tuning_blocks_change(monkeypat
     with tuning.tuning_logs(enabled=False):
         build_and_load(k)
     assert seen == [k, k]
+
+
+def test_bound_launch_replays_on_the_same_tensors_and_is_recorded():
+    """Kernel.bind (decode plans' replays): the tensors are converted once, so a replay computes on their
+    current contents (no copy was taken), writes the same output tensor, and explain()'s recorder sees it."""
+    from tvm_mamba.runtime.dispatch import record_keys
+
+    kern = build_and_load(_key())
+    x, w = torch.randn(2, 20, 50), torch.randn(20, 4)
+    out = torch.empty_like(x)
+    args = (x, w, torch.zeros(1), torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, 1), out,
+            torch.zeros(1, 1, 1))
+    run = kern.bind(*args)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))  # new contents in the same memory
+        with record_keys() as used:
+            run()
+        ref = torch.nn.functional.conv1d(torch.nn.functional.pad(x, (3, 0)), w[:, None, :], groups=20)
+        assert torch.allclose(out, ref, atol=1e-5)
+        assert [k for k, _ in used] == [kern.key]
