@@ -48,8 +48,12 @@ def mamba3_siso_step(dims: StepDims | None = None, /, **kwargs) -> tirx.PrimFunc
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: upstream's
     tuned SISO shape (nheads_qk 1, 32 heads, headdim_qk 128, headdim_v 64) at rope_fraction 0.5 (32 angles)
-    with bf16 activations and a bf16 K / V state (what Mamba3.allocate_inference_cache makes), and fp32 at
-    rope_fraction 1.0 with GQA over 2 Q/K heads."""
+    with bf16 activations: a bf16 K / V state (what Mamba3.allocate_inference_cache makes), the same without Z
+    (``is_outproj_norm``: the gate is applied by the output norm), and fed back the step's own float32 K state;
+    plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
-    return [("siso_step", base, {"qk": "bfloat16", "v": "bfloat16", "kstate": "bfloat16"}),
+    bf16 = {"qk": "bfloat16", "v": "bfloat16"}
+    return [("siso_step", base, dict(bf16, kstate="bfloat16")),
+            ("siso_step", dict(base, has_z=False), dict(bf16, kstate="bfloat16")),
+            ("siso_step", base, bf16),
             ("siso_step", dict(base, nheads_qk=2, headdim_angles=64), {"qk": "float32", "v": "float32"})]
