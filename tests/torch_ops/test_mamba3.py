@@ -127,3 +127,10 @@ def test_float64_needs_every_tensor_float64():
     kw["V"] = kw["V"].double()
     with pytest.raises(TypeError, match="Q"):
         mamba3_siso_step(**kw)
+
+
+def test_empty_batch():
+    inp = make_inputs(batch=1, seqlen=1, dtype=F32)
+    step = {k: (v[:0] if k not in ("Q_bias", "K_bias", "D") else v) for k, v in step_inputs(inp, 0).items()}
+    out, new = mamba3_siso_step(**step, Input_States=[s[:0] for s in inp["Input_States"]])
+    assert out.shape == (0, 2, 4) and new[1].shape == (0, 2, 4, 8)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.mamba3 import StepDims
+from ..compute._mamba3_dims import StepDims
 from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "mamba3"
