@@ -134,3 +134,13 @@ def test_empty_batch():
     step = {k: (v[:0] if k not in ("Q_bias", "K_bias", "D") else v) for k, v in step_inputs(inp, 0).items()}
     out, new = mamba3_siso_step(**step, Input_States=[s[:0] for s in inp["Input_States"]])
     assert out.shape == (0, 2, 4) and new[1].shape == (0, 2, 4, 8)
+
+
+def test_torch_compile_fullgraph():
+    """The public function traces whole (checks in Python, the kernel as the custom op) and gives the eager result."""
+    inp = make_inputs(batch=2, seqlen=1, dtype=F32)
+    step, states = step_inputs(inp, 0), list(inp["Input_States"])
+    compiled = torch.compile(lambda s, st: mamba3_siso_step(**s, Input_States=st), fullgraph=True)
+    out, new = compiled(step, states)
+    ref, ref_new = mamba3_siso_step(**step, Input_States=states)
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(new, ref_new))
