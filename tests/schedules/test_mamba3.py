@@ -22,8 +22,11 @@ def test_rules_take_only_their_target():
 
 
 def test_cpu_rule_parallel_lanes_and_serial_decode_path():
-    sch = cpu_rule.apply(m3.mamba3_siso_step(**STATIC), cpu_target(), Decisions())
+    dec = Decisions()
+    sch = cpu_rule.apply(m3.mamba3_siso_step(**STATIC), cpu_target(), dec)
+    assert dec.used == {"vector": 16}
     script = sch.mod.script()
+    assert "T.vectorized(16)" in script
     assert "T.parallel" in script and f"<= {SERIAL_WORK}:" in script  # the pool above SERIAL_WORK, else serial
     tvm.compile(sch.mod, target=cpu_target())
 

@@ -60,7 +60,7 @@ def mamba3_siso_step_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor
     kern(prepare(Q), prepare(K), prepare(V), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias),
          prepare(K_bias), prepare(Angles), prepare(D) if D is not None else dummy(V.device, acc, 1),
          prepare(Z) if Z is not None else dummy(V.device, V.dtype, 3), prepare(angle_state), prepare(ssm_state),
-         prepare(k_state), prepare(v_state), out, aout, h_out, kout)
+         prepare(k_state), prepare(v_state), out, aout, h_out, kout, torch.empty_like(kout))  # + rotated q
     return out, aout, h_out, kout
 
 
