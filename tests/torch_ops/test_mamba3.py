@@ -26,7 +26,8 @@ def _cast(step: dict, states, dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F64])
-@pytest.mark.parametrize("nheads_qk, nheads, N, P, S", [(1, 4, 8, 4, 2), (2, 4, 16, 8, 8), (3, 3, 6, 2, 1)])
+@pytest.mark.parametrize("nheads_qk, nheads, N, P, S", [(1, 4, 8, 4, 2), (2, 4, 16, 8, 8), (3, 3, 6, 2, 1),
+                                                   (1, 4, 128, 32, 32)])  # 3 x 4 x 32 x 128 > SERIAL_WORK: the pool
 def test_step_matches_reference(dtype, nheads_qk, nheads, N, P, S):
     inp = make_inputs(batch=3, seqlen=2, nheads_qk=nheads_qk, nheads=nheads, N=N, P=P, S=S, seed=N + S)
     args, states = _cast(step_inputs(inp, 1), inp["Input_States"], dtype)
