@@ -19,7 +19,7 @@ from tvm_mamba.runtime import KernelKey, cpu_target, target_key
 from tvm_mamba.runtime.rules import dims_class
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-OPS = ("causal_conv1d", "rmsnorm_gated", "int8_dot")
+OPS = ("causal_conv1d", "rmsnorm_gated", "int8_dot", "mamba3")
 
 
 def _dims_classes(op):
@@ -59,7 +59,13 @@ BAD = [("causal_conv1d", "fwd", dict(dim=8, width=9), "width"),
        ("rmsnorm_gated", "fwd", dict(hidden=64, group_size=24), "group_size"),
        ("rmsnorm_gated", "bwd", dict(hidden=64, group_size=64, dout_dtype="int8"), "dout"),
        ("int8_dot", "wgrad", dict(heads=4, code_heads=2, N=8, K=8), "code_heads"),
-       ("int8_dot", "matmul", dict(N=0, K=8), "N")]
+       ("int8_dot", "matmul", dict(N=0, K=8), "N"),
+       ("mamba3", "siso_step", dict(nheads=4, nheads_qk=3, headdim_qk=8, headdim_v=4, headdim_angles=2), "nheads_qk"),
+       ("mamba3", "siso_step", dict(nheads=4, nheads_qk=1, headdim_qk=7, headdim_v=4, headdim_angles=2), "headdim_qk"),
+       ("mamba3", "siso_step", dict(nheads=4, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=5),
+        "headdim_angles"),
+       ("mamba3", "siso_step", dict(nheads=4, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2,
+                                    qk_dtype="int8"), "qk")]
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -14,6 +14,7 @@ import tvm_mamba.schedules.cpu
 import tvm_mamba.schedules.cuda
 from tvm_mamba.compute.causal_conv1d import causal_conv1d_varlen_states
 from tvm_mamba.compute.int8_dot import int8_dot_pack
+from tvm_mamba.compute.mamba3 import mamba3_siso_step
 from tvm_mamba.compute.rmsnorm_gated import rmsnorm_gated_fwd
 from tvm_mamba.runtime import cpu_target, cuda_target
 from tvm_mamba.schedules.rule import Decisions
@@ -40,6 +41,7 @@ def _plain():
 # one small stamped kernel per op; a rule is offered those of the other ops
 STAMPED = {"causal_conv1d": lambda: causal_conv1d_varlen_states(dim=8, state_len=3),
            "int8_dot": lambda: int8_dot_pack(16),
+           "mamba3": lambda: mamba3_siso_step(nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2),
            "rmsnorm_gated": lambda: rmsnorm_gated_fwd(16, 16)}
 TARGETS = {"cpu": cpu_target, "cuda-sm_90": lambda: cuda_target("sm_90")}
 

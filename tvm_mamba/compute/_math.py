@@ -154,6 +154,9 @@ class Math:
     def silu(self, x):
         return silu(x) if self.poly else x * self.sigmoid(x)
 
+    def tanh(self, x):
+        return tanh(x) if self.poly else tirx.tanh(x)
+
     def silu_grad(self, x):
         if self.poly:
             return silu_grad(x)

@@ -1,0 +1,26 @@
+"""CPU schedule of the Mamba-3 kernels: the compute templates laid out by the selective scan's ``CpuLayout``.
+
+Decode step: both passes' lanes (rotate: one (batch, head, pair) each, scalar cos / sin / tanh; update: one
+(batch, head, headdim_v row) each) are ``T.parallel``, or run on the calling thread up to ``SERIAL_WORK``
+state elements (no thread-pool launch at decode sizes, as the scan's decode step); an update lane visits
+headdim_qk in ``vector``-wide vectors (``T.vectorized``, h' . q as vector partials then one horizontal sum);
+exp, sigmoid, tanh, silu are the vectorizable polynomials of ``compute._math`` (float64 builds: libm).
+Knob: ``vector`` (powers of two dividing headdim_qk, <= 16; default the largest).
+"""
+from __future__ import annotations
+
+from ...compute import mamba3 as compute
+from ...compute._math import Math
+from ..rule import Decisions, kernel_attrs, schedule_of
+from .selective_scan import CpuLayout
+
+
+def apply(func, target, decisions: Decisions):
+    name, static = kernel_attrs(func)
+    direction = name[len("mamba3_"):] if name and name.startswith("mamba3_") else None
+    if "cpu" not in target.keys or direction not in compute.TEMPLATES:
+        return None
+    dims = compute.DIMS[direction](**static)
+    widths = [v for v in (1, 2, 4, 8, 16) if dims.headdim_qk % v == 0]
+    vec = decisions.pick("vector", widths, widths[-1])
+    return schedule_of(compute.build(direction, dims, CpuLayout(Math(dims.acc), vec=vec)), name=name)

@@ -1,0 +1,23 @@
+"""CUDA schedule of the Mamba-3 kernels: the compute templates laid out by the selective scan's ``CudaLayout``.
+
+Decode step: one thread per (batch, head, headdim_v row) lane (``warp=False``: blockIdx x threadIdx, the
+lane's rotary pairs serial in registers; at upstream's shape, batch 1 x 32 heads x 64 rows = 2048 threads),
+CUDA's own expf / tanhf / cosf / sinf. Knob: ``threads`` per block (64, 128, 256; default 128). Serves any
+target with the "gpu" key.
+"""
+from __future__ import annotations
+
+from ...compute import mamba3 as compute
+from ...compute._math import Math
+from ..rule import Decisions, kernel_attrs, schedule_of
+from .selective_scan import CudaLayout
+
+
+def apply(func, target, decisions: Decisions):
+    name, static = kernel_attrs(func)
+    direction = name[len("mamba3_"):] if name and name.startswith("mamba3_") else None
+    if "gpu" not in target.keys or direction not in compute.TEMPLATES:
+        return None
+    threads = decisions.pick("threads", (64, 128, 256), 128)
+    dims = compute.DIMS[direction](**static)
+    return schedule_of(compute.build(direction, dims, CudaLayout(Math(dims.acc, native=True), threads)), name=name)

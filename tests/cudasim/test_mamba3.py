@@ -1,0 +1,71 @@
+"""mamba3_siso_step on its CUDA kernel, run on the CPU by the CUDA execution harness (tvm_mamba.simulate_cuda),
+against the float64 references (mirrors tests/torch_ops/test_mamba3.py). One thread per (batch, head,
+headdim_v row) lane, 128 per block: the shapes below leave the last block partly empty."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tvm_mamba
+from tests.compute.test_mamba3_ref import make_inputs, step_inputs
+from tests.conftest import assert_close_to_ref
+from tvm_mamba import simcheck
+from tvm_mamba.compute import mamba3 as compute
+from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref, mamba3_siso_step_ref
+from tvm_mamba.simcheck import mamba3 as sc
+
+
+@pytest.mark.parametrize("nheads_qk, nheads, N, P, S", [(1, 4, 8, 4, 2), (3, 6, 6, 5, 3)])
+def test_decode_loop_equals_sequence_reference(sim, nheads_qk, nheads, N, P, S):
+    """Six steps chained through the returned states (fp32) == the sequence reference; 3 x 4 x 4 = 48 and
+    3 x 6 x 5 = 90 lanes: one partly filled block each."""
+    inp = make_inputs(batch=3, seqlen=6, nheads_qk=nheads_qk, nheads=nheads, N=N, P=P, S=S, dtype=torch.float32)
+    ref, *ref_final = mamba3_siso_combined_ref(**inp, return_final_states=True)
+    states, outs = list(inp["Input_States"]), []
+    for t in range(6):
+        out, states = tvm_mamba.mamba3_siso_step(**step_inputs(inp, t), Input_States=states)
+        outs.append(out)
+    assert [k.direction for k, _ in sim] == ["siso_step"]
+    assert_close_to_ref(torch.stack(outs, dim=1), ref, atol=1e-4, rtol=1e-4)
+    for got, want in zip(states, ref_final):
+        assert_close_to_ref(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_step_without_D_Z(sim):
+    inp = make_inputs(batch=2, seqlen=1, nheads_qk=1, nheads=2, N=16, P=8, S=4, dtype=torch.float32)
+    step = dict(step_inputs(inp, 0), D=None, Z=None)
+    for k in ("Q", "K", "V"):
+        step[k] = step[k].bfloat16()
+    angle, ssm, kst, vst = inp["Input_States"]
+    states = [angle, ssm, kst.bfloat16(), vst.bfloat16()]
+    out, new = tvm_mamba.mamba3_siso_step(**step, Input_States=states)
+    ref, ref_new = mamba3_siso_step_ref(**step, Input_States=states)
+    low, _ = mamba3_siso_step_ref(**step, Input_States=states, dtype=torch.bfloat16)
+    assert_close_to_ref(out, ref, low, name="out")
+    assert_close_to_ref(new[1], ref_new[1], atol=1e-4, rtol=1e-4, name="ssm_state")
+
+
+def test_simcheck_every_config():
+    """build-check's configurations (upstream's tuned shape: 32 heads, headdim_qk 128, headdim_v 64)."""
+    configs = compute.build_check_configs()
+    assert {c[0] for c in configs} == {"siso_step"} and len(configs) == 4
+    for direction, static, dtypes in configs:
+        simcheck.run_config("mamba3", direction, static, dtypes, "sm_90")
+
+
+def test_simcheck_catches_a_wrong_kernel(monkeypatch):
+    """The check fails when the simulated result is off: a reference with the trapezoid's left term dropped."""
+    from tvm_mamba.reference import mamba3 as ref_module
+
+    true_ref = ref_module.mamba3_siso_step_ref
+
+    def no_left_term(*args, **kw):
+        states = list(kw.pop("Input_States"))
+        states[3] = torch.zeros_like(states[3])
+        return true_ref(*args, Input_States=states, **kw)
+
+    direction, static, dtypes = compute.build_check_configs()[-1]
+    small = dict(static, nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2)
+    monkeypatch.setattr(ref_module, "mamba3_siso_step_ref", no_left_term)
+    with pytest.raises(simcheck.CheckFailed, match="mamba3.siso_step"):
+        sc.check(direction, small, dtypes, "sm_90")

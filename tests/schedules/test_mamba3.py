@@ -1,0 +1,53 @@
+"""Schedule rules for the Mamba-3 decode step: the CPU layout (parallel lanes, serial at decode sizes) and the
+CUDA one (a thread per lane, ``threads`` knob), compiled without a GPU; CUDA through nvcc/ptxas (0 spills)."""
+from __future__ import annotations
+
+import pytest
+import tvm
+
+from tvm_mamba.compute import mamba3 as m3
+from tvm_mamba.runtime.nvcc import nvcc_path, ptxas_stats
+from tvm_mamba.runtime.target import cpu_target, cuda_target
+from tvm_mamba.schedules.cpu import mamba3 as cpu_rule
+from tvm_mamba.schedules.cuda import mamba3 as cuda_rule
+from tvm_mamba.schedules.rule import SERIAL_WORK, Decisions
+
+STATIC = dict(nheads=4, nheads_qk=2, headdim_qk=16, headdim_v=8, headdim_angles=4, has_D=True, has_z=True)
+
+
+def test_rules_take_only_their_target():
+    func = m3.mamba3_siso_step(**STATIC)
+    assert cpu_rule.apply(func, cuda_target("sm_90"), Decisions()) is None
+    assert cuda_rule.apply(func, cpu_target(), Decisions()) is None
+
+
+def test_cpu_rule_parallel_lanes_and_serial_decode_path():
+    dec = Decisions()
+    sch = cpu_rule.apply(m3.mamba3_siso_step(**STATIC), cpu_target(), dec)
+    assert dec.used == {"vector": 16}
+    script = sch.mod.script()
+    assert "T.vectorized(16)" in script
+    assert "T.parallel" in script and f"<= {SERIAL_WORK}:" in script  # the pool above SERIAL_WORK, else serial
+    tvm.compile(sch.mod, target=cpu_target())
+
+
+@pytest.mark.parametrize("threads", [64, 256])
+def test_cuda_rule_threads_knob_and_gpu_capability(threads):
+    dec = Decisions({"threads": threads})
+    sch = cuda_rule.apply(m3.mamba3_siso_step(**STATIC), tvm.target.Target("rocm"), dec)
+    assert dec.used == {"threads": threads}
+    script = sch.mod.script()
+    assert "blockIdx.x" in script and f'T.thread_binding({threads}, thread="threadIdx.x")' in script
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_cuda_step_compiles_without_spills():
+    tgt = cuda_target("sm_90")
+    func = m3.mamba3_siso_step(**STATIC, qk_dtype="bfloat16", v_dtype="bfloat16", kstate_dtype="bfloat16")
+    sch = cuda_rule.apply(func, tgt, Decisions())
+    with tgt:
+        src = tvm.compile(sch.mod, target=tgt).mod.imports[0].inspect_source("cuda")
+    assert "cosf" in src and "tanhf" in src  # CUDA's own math, not the CPU polynomials
+    stats = ptxas_stats(src, "sm_90")
+    assert stats["ok"], stats["error"]
+    assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]

@@ -1,0 +1,66 @@
+"""Typed static dims of the Mamba-3 kernels. Here, not in compute/mamba3/, so the torch op can key its kernels
+without importing TVMScript (a runtime-only machine serving an AOT pack), as compute/_ssd_dims.py."""
+from __future__ import annotations
+
+import dataclasses
+
+from ._common import OMIT_DEFAULT, Dims, check_dtype
+
+IO_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def acc_dtype(v_dtype: str) -> str:
+    """Accumulation dtype (ADT, DT, Trap, biases, Angles, D, the angle / ssm states and every output state):
+    float64 for float64 inputs (gradcheck-style checks), else float32 (as upstream's kernels)."""
+    return "float64" if v_dtype == "float64" else "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDims(Dims):
+    """The SISO decode step's dims (mamba_ssm's ``mamba3_siso_step``).
+
+    nheads / nheads_qk: V heads and Q/K heads (GQA: head h reads Q/K head h // (nheads // nheads_qk));
+    headdim_qk (even: rotary pairs), headdim_v, headdim_angles (rotated pairs, 1 .. headdim_qk // 2;
+    upstream's module always has at least one);
+    has_D / has_z: optional inputs present. Dtypes: ``qk`` of Q and K, ``v`` of V and out; ``z`` (None: v's),
+    ``kstate`` of the input K state (None: acc), ``vstate`` of the input V state (None: v's). Everything else
+    is in the accumulation dtype (the torch op widens those small tensors).
+    """
+
+    nheads: int
+    nheads_qk: int
+    headdim_qk: int
+    headdim_v: int
+    headdim_angles: int
+    has_D: bool = False
+    has_z: bool = False
+    qk_dtype: str = "float32"
+    v_dtype: str = "float32"
+    z_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+    kstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+    vstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+
+    def __post_init__(self):
+        if min(self.nheads, self.nheads_qk, self.headdim_qk, self.headdim_v) < 1 or self.nheads % self.nheads_qk:
+            raise ValueError(f"nheads_qk: must divide nheads={self.nheads}, got {self.nheads_qk}")
+        if self.headdim_qk % 2:
+            raise ValueError(f"headdim_qk: must be even (rotary pairs), got {self.headdim_qk}")
+        if not 1 <= self.headdim_angles <= self.headdim_qk // 2:
+            raise ValueError(f"headdim_angles: must be in [1, headdim_qk // 2 = {self.headdim_qk // 2}], "
+                             f"got {self.headdim_angles}")
+        for name in ("qk", "v", "z", "kstate", "vstate"):
+            dt = getattr(self, f"{name}_dtype")
+            if dt is not None:
+                check_dtype(name, dt, IO_DTYPES)
+        wide = [getattr(self, f"{n}_dtype") == "float64" for n in ("qk", "v", "z", "kstate", "vstate")
+                if getattr(self, f"{n}_dtype") is not None]
+        if any(wide) and not all(wide):
+            raise ValueError("v: a float64 kernel needs every tensor float64")
+
+    @property
+    def acc(self) -> str:
+        return acc_dtype(self.v_dtype)
+
+    @property
+    def heads_per_qk(self) -> int:
+        return self.nheads // self.nheads_qk

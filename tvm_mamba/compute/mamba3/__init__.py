@@ -1,0 +1,59 @@
+"""Mamba-3 (mamba_ssm 2.3.2.post1, docs/mamba3.md): the SISO decode step, a loop-nest template laid out per
+target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules).
+
+    h' = exp(ADT) h + exp(ADT) DT (1 - sigmoid(Trap)) v_state k_state^T + DT sigmoid(Trap) V k^T;
+    out = (h' q + D V) * silu(Z),   q, k = rotary(theta') (Q + Q_bias), rotary(theta') (K + K_bias)
+
+Kernel layouts (the public function's, upstream's): Q, K (batch, nheads_qk, headdim_qk); V, Z, out
+(batch, nheads, headdim_v); ADT, DT, Trap (batch, nheads); Q_bias, K_bias (nheads, headdim_qk); Angles and
+the angle states (batch, nheads, headdim_angles); D (nheads,); ssm states (batch, nheads, headdim_v,
+headdim_qk); K states (batch, nheads, headdim_qk); V state (batch, nheads, headdim_v). Absent D / Z are
+(1,)*ndim placeholders flagged by ``has_D`` / ``has_z``.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+
+from .._common import stamp
+from .._math import Math
+from ..selective_scan._layout import Layout
+from ._dims import IO_DTYPES, StepDims, acc_dtype
+from .step import step_template
+
+__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "StepDims", "acc_dtype", "build", "build_check_configs",
+           "mamba3_siso_step"]
+
+# direction -> typed static dims / template(dims, layout)
+DIMS = {"siso_step": StepDims}
+TEMPLATES = {"siso_step": step_template}
+
+
+def build(direction: str, dims, layout: Layout) -> tirx.PrimFunc:
+    """``direction``'s template laid out by ``layout``, stamped with its kernel name and static dims."""
+    return stamp(TEMPLATES[direction](dims, layout), f"mamba3_{direction}", dims.static())
+
+
+def mamba3_siso_step(dims: StepDims | None = None, /, **kwargs) -> tirx.PrimFunc:
+    """Decode step. Q, K: (batch, nheads_qk, headdim_qk); V, Z: (batch, nheads, headdim_v); ADT, DT, Trap:
+    (batch, nheads); Q_bias, K_bias: (nheads, headdim_qk); Angles, angle_state: (batch, nheads, headdim_angles);
+    D: (nheads,); ssm_state: (batch, nheads, headdim_v, headdim_qk); k_state: (batch, nheads, headdim_qk);
+    v_state: (batch, nheads, headdim_v) -> out: (batch, nheads, headdim_v), new angle, ssm and k states
+    (acc dtype). Formula in the package docstring; ``dims``: a StepDims, or its fields as keywords."""
+    if dims is not None and kwargs:
+        raise TypeError(f"mamba3_siso_step: pass dims or keyword dims, not both ({sorted(kwargs)})")
+    d = dims if dims is not None else StepDims(**kwargs)
+    return build("siso_step", d, Layout(Math(d.acc)))
+
+
+def build_check_configs() -> list[tuple[str, dict, dict]]:
+    """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: upstream's
+    tuned SISO shape (nheads_qk 1, 32 heads, headdim_qk 128, headdim_v 64) at rope_fraction 0.5 (32 angles)
+    with bf16 activations: a bf16 K / V state (what Mamba3.allocate_inference_cache makes), the same without Z
+    (``is_outproj_norm``: the gate is applied by the output norm), and fed back the step's own float32 K state;
+    plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads."""
+    base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
+    bf16 = {"qk": "bfloat16", "v": "bfloat16"}
+    return [("siso_step", base, dict(bf16, kstate="bfloat16")),
+            ("siso_step", dict(base, has_z=False), dict(bf16, kstate="bfloat16")),
+            ("siso_step", base, bf16),
+            ("siso_step", dict(base, nheads_qk=2, headdim_angles=64), {"qk": "float32", "v": "float32"})]

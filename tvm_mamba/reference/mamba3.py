@@ -1,0 +1,158 @@
+"""Mamba-3 SISO (mamba_ssm 2.3.2.post1 ``mamba3_siso_combined`` / ``mamba3_siso_step``), written from the math in
+plain PyTorch (no TVM): a sequential recurrence, float64 by default, differentiable by autograd.
+
+Per (batch, head h; its Q/K head hq = h // (nheads // nheads_qk)), time step t (docs/mamba3.md has the derivation):
+
+    theta_t = (theta_{t-1} + pi tanh(Angles_t) DT_t) mod 2 pi              (angle state, headdim_angles values)
+    q_t = R(theta_t) (Q_t[hq] + Q_bias[h]);  k_t = R(theta_t) (K_t[hq] + K_bias[h])
+    alpha_t = exp(ADT_t);  lam_t = sigmoid(Trap_t);  beta_t = alpha_t DT_t (1 - lam_t);  gamma_t = DT_t lam_t
+    h_t = alpha_t h_{t-1} + beta_t v_{t-1} k_{t-1}^T + gamma_t v_t k_t^T   (h: (headdim_v, headdim_qk))
+    y_t = h_t q_t + D v_t;  out_t = y_t * silu(Z_t)
+
+R(theta) rotates the interleaved pairs (2i, 2i+1), i < headdim_angles, by theta[i]: (x0, x1) ->
+(x0 cos - x1 sin, x0 sin + x1 cos); pairs past headdim_angles pass through. (k_{-1}, v_{-1}) are the input
+K / V states (zeros without input states): the trapezoid's left end of the first step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+TWO_PI = 2.0 * math.pi
+
+
+def rotate_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """x: (..., headdim_qk), theta: (..., headdim_angles), headdim_angles <= headdim_qk // 2 -> x with its
+    pairs (2i, 2i+1), i < headdim_angles, rotated by theta[..., i] (upstream's interleaved rotary)."""
+    S = theta.shape[-1]
+    head, tail = x[..., :2 * S], x[..., 2 * S:]
+    x0, x1 = head[..., 0::2], head[..., 1::2]
+    c, s = torch.cos(theta), torch.sin(theta)
+    rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return torch.cat((rot, tail), dim=-1)
+
+
+def angle_step(theta: torch.Tensor, angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """theta: (..., S) previous angle state; angles: (..., S) raw rates; dt: (...,) ->
+    (theta + pi tanh(angles) dt) mod 2 pi (upstream's angle_dt cumsum, one step)."""
+    return torch.remainder(theta + math.pi * torch.tanh(angles) * dt[..., None], TWO_PI)
+
+
+def _coefficients(adt, dt, trap):
+    """(alpha, beta, gamma) of one step: exp(ADT), exp(ADT) DT (1 - sigmoid(Trap)), DT sigmoid(Trap)."""
+    lam = torch.sigmoid(trap)
+    alpha = torch.exp(adt)
+    return alpha, alpha * dt * (1 - lam), dt * lam
+
+
+def _zero_states(batch, nheads, headdim_qk, headdim_v, headdim_angles, dtype, device):
+    z = lambda *s: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
+    return (z(batch, nheads, headdim_angles), z(batch, nheads, headdim_v, headdim_qk),
+            z(batch, nheads, headdim_qk), z(batch, nheads, headdim_v))
+
+
+def _recurrence(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, states):
+    """The sequential recurrence on one batch of equal-length sequences (all tensors already in the
+    computation dtype; layouts of ``mamba3_siso_combined``) -> (out, (theta, h, k, v) after the last step)."""
+    batch, seqlen, nheads_qk, _ = Q.shape
+    nheads = V.shape[2]
+    rep = nheads // nheads_qk
+    theta, h, k_prev, v_prev = states
+    outs = []
+    for t in range(seqlen):
+        theta = angle_step(theta, Angles[:, t], DT[:, :, t])
+        q = rotate_pairs(Q[:, t].repeat_interleave(rep, dim=1) + Q_bias, theta)  # (batch, nheads, headdim_qk)
+        k = rotate_pairs(K[:, t].repeat_interleave(rep, dim=1) + K_bias, theta)
+        v = V[:, t]  # (batch, nheads, headdim_v)
+        alpha, beta, gamma = _coefficients(ADT[:, :, t], DT[:, :, t], Trap[:, :, t])
+        h = (alpha[..., None, None] * h + beta[..., None, None] * v_prev[..., :, None] * k_prev[..., None, :]
+             + gamma[..., None, None] * v[..., :, None] * k[..., None, :])
+        y = torch.einsum("bhpn,bhn->bhp", h, q)
+        if D is not None:
+            y = y + D[:, None] * v
+        if Z is not None:
+            y = y * F.silu(Z[:, t])
+        outs.append(y)
+        k_prev, v_prev = k, v
+    out = torch.stack(outs, dim=1) if outs else V.new_zeros(V.shape)
+    return out, (theta, h, k_prev, v_prev)
+
+
+def mamba3_siso_combined_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
+                             chunk_size=64, return_final_states=False, cu_seqlens=None, dtype=torch.float64):
+    """Q, K: (batch, seqlen, nheads_qk, headdim_qk); V, Z: (batch, seqlen, nheads, headdim_v);
+    ADT, DT, Trap: (batch, nheads, seqlen); Q_bias, K_bias: (nheads, headdim_qk);
+    Angles: (batch, seqlen, nheads, headdim_angles); D: (nheads,);
+    Input_States: (angle (nseq, nheads, headdim_angles), ssm (nseq, nheads, headdim_v, headdim_qk),
+    k (nseq, nheads, headdim_qk), v (nseq, nheads, headdim_v)); cu_seqlens: (nseq + 1,) with batch == 1
+    -> out: (batch, seqlen, nheads, headdim_v) [, final angle, ssm, k, v states (nseq, ...)].
+
+    The recurrence of the module docstring, step by step in ``dtype``; ``chunk_size`` is accepted for the
+    signature and ignored (a sequential reference has no chunks). Trap is the pre-sigmoid logit, as upstream.
+    Final k / v states are the last step's rotated, biased K and its V. Everything is returned in ``dtype``.
+    """
+    del chunk_size
+    batch, seqlen, nheads_qk, headdim_qk = Q.shape
+    nheads, headdim_v = V.shape[2], V.shape[3]
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    args = [cast(t) for t in (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z)]
+    nseq = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    states = (tuple(cast(s) for s in Input_States) if Input_States is not None else
+              _zero_states(nseq, nheads, headdim_qk, headdim_v, Angles.shape[-1], dtype, Q.device))
+    if cu_seqlens is None:
+        out, final = _recurrence(*args, states)
+    else:
+        if batch != 1:
+            raise ValueError(f"cu_seqlens: needs batch == 1, got batch {batch}")
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        outs, finals = [], []
+        for i in range(nseq):
+            lo, hi = bounds[i], bounds[i + 1]
+            piece = [None if a is None else _time_slice(a, j, lo, hi) for j, a in enumerate(args)]
+            o, f = _recurrence(*piece, tuple(s[i:i + 1] for s in states))
+            outs.append(o)
+            finals.append(f)
+        out = torch.cat(outs, dim=1)
+        final = tuple(torch.cat(parts, dim=0) for parts in zip(*finals))
+    return (out, *final) if return_final_states else out
+
+
+# argument position -> its time axis in mamba3_siso_combined's layouts (None: no time axis)
+_TIME_AXIS = (1, 1, 1, 2, 2, 2, None, None, 1, None, 1)
+
+
+def _time_slice(t, position, lo, hi):
+    axis = _TIME_AXIS[position]
+    return t if axis is None else t.narrow(axis, lo, hi - lo)
+
+
+def mamba3_siso_step_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
+                         dtype=torch.float64):
+    """One decode step. Q, K: (batch, nheads_qk, headdim_qk); V, Z: (batch, nheads, headdim_v);
+    ADT, DT, Trap: (batch, nheads); Q_bias, K_bias: (nheads, headdim_qk); Angles: (batch, nheads, headdim_angles);
+    D: (nheads,); Input_States: (angle (batch, nheads, headdim_angles), ssm (batch, nheads, headdim_v, headdim_qk),
+    k (batch, nheads, headdim_qk), v (batch, nheads, headdim_v))
+    -> (out: (batch, nheads, headdim_v), [angle, ssm, k, v]: the new states; v is V, as upstream).
+
+    theta' = (theta + pi tanh(Angles) DT) mod 2 pi; q, k = R(theta') (Q + Q_bias), R(theta') (K + K_bias);
+    h' = exp(ADT) h + exp(ADT) DT (1 - sigmoid(Trap)) v_state k_state^T + DT sigmoid(Trap) V k^T;
+    out = (h' q + D V) * silu(Z). Computed in ``dtype``; new states returned (inputs untouched).
+    """
+    rep = V.shape[1] // Q.shape[1]
+    c = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    theta0, h0, k0, v0 = (c(s) for s in Input_States)
+    dt, v = c(DT), c(V)
+    theta = angle_step(theta0, c(Angles), dt)
+    q = rotate_pairs(c(Q).repeat_interleave(rep, dim=1) + c(Q_bias), theta)
+    k = rotate_pairs(c(K).repeat_interleave(rep, dim=1) + c(K_bias), theta)
+    alpha, beta, gamma = _coefficients(c(ADT), dt, c(Trap))
+    h = (alpha[..., None, None] * h0 + (beta[..., None] * v0)[..., :, None] * k0[..., None, :]
+         + (gamma[..., None] * v)[..., :, None] * k[..., None, :])
+    y = (h * q[..., None, :]).sum(-1)
+    if D is not None:
+        y = y + c(D)[:, None] * v
+    if Z is not None:
+        y = y * F.silu(c(Z))
+    return y, [theta, h, k, v]
