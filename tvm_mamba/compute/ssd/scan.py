@@ -110,8 +110,9 @@ def ssd_chunk_scan(dims: ScanDims | None = None, strategy: Strategy = SERIAL, **
     -> y: (batch, seqlen, nheads, headdim), y_pre: same (the pre-gate output, written only with z).
 
     y0[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l]-dA_cs[s]) dt_out[s] x[s] + exp(dA_cs[l]) Sin C_l + D x[l];
-    y = y0 * silu(z). One template (``chunk_scan_template``) laid out by ``strategy``; the CPU strategy's knobs
-    rows x cols x order: the register block of its chunk matmuls (mm.py).
+    y = y0 * silu(z). Chunk 0's Sin is read only with ``has_init`` (initial states given): without them it is
+    zero and its C . Sin product is skipped. One template (``chunk_scan_template``) laid out by ``strategy``;
+    the CPU strategy's knobs rows x cols x order: the register block of its chunk matmuls (mm.py).
     """
     d = dims_of(ScanDims, dims, kw)
     return stamp(chunk_scan_template(d, strategy), "ssd_chunk_scan", d.stamp_static())
