@@ -35,6 +35,7 @@ from ..runtime import cudasim
 
 COUNTER = "tvm_mamba_count"
 KINDS = ("load_bytes", "store_bytes", "flops", "exps", "sfu")
+SLOTS = len(KINDS) + 2  # + the launch's block count and threads per block, recorded by the counter call
 MAX_KERNELS = 64
 _EXP = {"exp", "exp2", "exp10", "expm1"}
 _SFU = {"log", "log2", "log10", "log1p", "tanh", "sqrt", "rsqrt", "sin", "cos", "tan", "pow", "erf", "sigmoid"}
@@ -43,11 +44,14 @@ TENSOR_CORE_MARKERS = ("wmma::", "mma.sync", "ldmatrix", "wgmma", "mma_sync", "_
 
 HEADER = f"""
 // ---- tvm_mamba roofline: per-kernel counters of the counting build (tvm_mamba/roofline/count.py) ----
-extern "C" __attribute__((visibility("default"))) unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{len(KINDS)}];
-unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{len(KINDS)}];
+extern "C" __attribute__((visibility("default"))) unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{SLOTS}];
+unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{SLOTS}];
 static inline int {COUNTER}(int k, long long ld, long long st, long long fl, long long ex, long long sf) {{
   unsigned long long* c = tvm_mamba_counts[k];
   c[0] += ld; c[1] += st; c[2] += fl; c[3] += ex; c[4] += sf;
+  unsigned long long blocks = 1ull * gridDim.x * gridDim.y * gridDim.z, threads = 1ull * blockDim.x * blockDim.y * blockDim.z;
+  if (blocks > c[5]) c[5] = blocks;  // the largest launch of this kernel in the call
+  if (threads > c[6]) c[6] = threads;
   return 0;
 }}
 """
@@ -190,12 +194,13 @@ def build(mod: tvm.IRModule, target, label: str = "") -> CountingBuild:
     return CountingBuild(path, names, source, tmp)
 
 
-def run(b: CountingBuild, fn_name: str, args, label: str = "") -> dict[str, Counts]:
+def run(b: CountingBuild, fn_name: str, args, label: str = "") -> dict[str, tuple[Counts, int, int]]:
     """Run host function ``fn_name`` of the counting build once on ``args`` (DLPack tensors and scalars, in
-    guarded copies as cudasim.call does, forward thread order) and return {kernel name: Counts}."""
+    guarded copies as cudasim.call does, forward thread order) and return {kernel name: (Counts, blocks,
+    threads per block)} (blocks: of its largest launch; 0 when the kernel counted nothing)."""
     module = cudasim.load(b.path)
     lib = ctypes.CDLL(b.path)  # the same mapping the module uses: dlopen returns the loaded library
-    table = (ctypes.c_ulonglong * (MAX_KERNELS * len(KINDS))).in_dll(lib, "tvm_mamba_counts")
+    table = (ctypes.c_ulonglong * (MAX_KERNELS * SLOTS)).in_dll(lib, "tvm_mamba_counts")
     ctypes.memset(table, 0, ctypes.sizeof(table))
     tensors = [(i, cudasim._dltensor_of(a)) for i, a in enumerate(args)]
     with cudasim._call_lock:
@@ -204,4 +209,5 @@ def run(b: CountingBuild, fn_name: str, args, label: str = "") -> dict[str, Coun
         for g in guarded:
             g.free()
     n = len(KINDS)
-    return {name: Counts(*table[i * n:(i + 1) * n]) for i, name in enumerate(b.names)}
+    return {name: (Counts(*table[i * SLOTS:i * SLOTS + n]), table[i * SLOTS + n], table[i * SLOTS + n + 1])
+            for i, name in enumerate(b.names)}
