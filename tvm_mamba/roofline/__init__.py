@@ -41,6 +41,6 @@ covers, fp32 as the blocks call them), at the shape named above.
 
 Counting a preset's full shape in the harness takes minutes, so each kernel is counted at three small
 lengths (seqlen a multiple of its chunk and of 128; batch 1 and 2), the counts are fitted exactly as
-`c0 + c1*batch + c2*batch*seqlen` (`c0 + c1*batch` for the decode step), a fourth point must match the fit
-exactly (else the row fails: not affine), and the fit is evaluated at the preset's (batch, seqlen).
+`c0 + c1*batch + c2*batch*seqlen` (`c0 + c1*batch` for the decode step), a fourth point (batch 2, a third length) must
+match the fit exactly (else the row fails: not affine), and the fit is evaluated at the preset's (batch, seqlen).
 """

@@ -37,6 +37,8 @@ COUNTER = "tvm_mamba_count"
 KINDS = ("load_bytes", "store_bytes", "flops", "exps", "sfu")
 SLOTS = len(KINDS) + 2  # + the launch's block count and threads per block, recorded by the counter call
 MAX_KERNELS = 64
+MAX_BUFFERS = 64
+BUFFER_COUNTER = "tvm_mamba_count_buffer"
 _EXP = {"exp", "exp2", "exp10", "expm1"}
 _SFU = {"log", "log2", "log10", "log1p", "tanh", "sqrt", "rsqrt", "sin", "cos", "tan", "pow", "erf", "sigmoid"}
 _FLOAT_BINOPS = {"Add", "Sub", "Mul", "Div", "Min", "Max"}
@@ -52,6 +54,12 @@ static inline int {COUNTER}(int k, long long ld, long long st, long long fl, lon
   unsigned long long blocks = 1ull * gridDim.x * gridDim.y * gridDim.z, threads = 1ull * blockDim.x * blockDim.y * blockDim.z;
   if (blocks > c[5]) c[5] = blocks;  // the largest launch of this kernel in the call
   if (threads > c[6]) c[6] = threads;
+  return 0;
+}}
+extern "C" __attribute__((visibility("default"))) unsigned long long tvm_mamba_buffer_counts[{MAX_KERNELS}][{MAX_BUFFERS}][2];
+unsigned long long tvm_mamba_buffer_counts[{MAX_KERNELS}][{MAX_BUFFERS}][2];
+static inline int {BUFFER_COUNTER}(int k, int b, long long ld, long long st) {{
+  tvm_mamba_buffer_counts[k][b][0] += ld; tvm_mamba_buffer_counts[k][b][1] += st;
   return 0;
 }}
 """
@@ -96,15 +104,19 @@ def _base_name(name: str) -> str:
     return name[:-1] if name.endswith("f") and name[:-1] in _EXP | _SFU else name
 
 
-def expr_counts(expr) -> Counts:
-    """Static counts of one expression: global loads (bytes), float ops, exp-family and other SFU calls."""
+def expr_counts(expr, per_buffer: dict | None = None) -> Counts:
+    """Static counts of one expression: global loads (bytes), float ops, exp-family and other SFU calls;
+    ``per_buffer`` (if given) gets each global buffer's load bytes added to ``[name][0]``."""
     c = Counts()
 
     def visit(v):
         kind = type(v).__name__
         if kind == "TensorLoad":
             if v.source.scope() == "global":
-                c.load_bytes += _lanes_bytes(v.ty.dtype)[1]
+                nbytes = _lanes_bytes(v.ty.dtype)[1]
+                c.load_bytes += nbytes
+                if per_buffer is not None:
+                    per_buffer.setdefault(str(v.source.name), [0, 0])[0] += nbytes
         elif kind in _FLOAT_BINOPS:
             if _is_float(v.ty.dtype):
                 c.flops += _lanes_bytes(v.ty.dtype)[0]
@@ -124,47 +136,62 @@ def expr_counts(expr) -> Counts:
     return c
 
 
-def _stmt_counts(v) -> Counts | None:
+def _stmt_counts(v, per_buffer: dict) -> Counts | None:
     kind = type(v).__name__
     if kind == "BufferStore":
-        c = expr_counts(v.value)
+        c = expr_counts(v.value, per_buffer)
         for i in v.indices:
-            c = c + expr_counts(i)
+            c = c + expr_counts(i, per_buffer)
         if v.buffer.scope() == "global":
-            c.store_bytes += _lanes_bytes(v.value.ty.dtype)[1]
+            nbytes = _lanes_bytes(v.value.ty.dtype)[1]
+            c.store_bytes += nbytes
+            per_buffer.setdefault(str(v.buffer.name), [0, 0])[1] += nbytes
         return c
     if kind == "Bind":
-        return expr_counts(v.value)
+        return expr_counts(v.value, per_buffer)
     if kind == "IfThenElse":
-        return expr_counts(v.condition)
+        return expr_counts(v.condition, per_buffer)
     if kind == "Evaluate":
         call = v.value
-        if type(call).__name__ == "Call" and call.args and str(getattr(call.args[0], "value", "")) == COUNTER:
+        if type(call).__name__ == "Call" and call.args and \
+                str(getattr(call.args[0], "value", "")) in (COUNTER, BUFFER_COUNTER):
             return None
-        return expr_counts(call)
+        return expr_counts(call, per_buffer)
     return None
 
 
-def instrument(func, kernel_id: int):
+def instrument(func, kernel_id: int, buffers: dict[str, int] | None = None):
     """``func`` (a device PrimFunc) with a counter call before every statement that loads, stores or
-    computes (see the module docstring)."""
+    computes (see the module docstring), and one per global buffer it touches; ``buffers`` maps buffer names
+    to counter slots (new names are added)."""
+    buffers = {} if buffers is None else buffers
+
     def visit(v):
-        c = _stmt_counts(v) if isinstance(v, S.Stmt) else None
+        per_buffer: dict = {}
+        c = _stmt_counts(v, per_buffer) if isinstance(v, S.Stmt) else None
         if c is None or not any(c.as_tuple()):
             return v
-        call = tvm.tirx.call_extern("int32", COUNTER, kernel_id, *c.as_tuple())
-        return S.SeqStmt([S.Evaluate(call), v])
+        calls = [tvm.tirx.call_extern("int32", COUNTER, kernel_id, *c.as_tuple())]
+        for name, (ld, st) in sorted(per_buffer.items()):
+            if name not in buffers:
+                if len(buffers) >= MAX_BUFFERS:
+                    raise ValueError(f"roofline: more than {MAX_BUFFERS} global buffers")
+                buffers[name] = len(buffers)
+            calls.append(tvm.tirx.call_extern("int32", BUFFER_COUNTER, kernel_id, buffers[name], ld, st))
+        return S.SeqStmt([S.Evaluate(call) for call in calls] + [v])
 
     return func.with_body(tvm_ffi.structural_map(func.body, visit, order="post"))
 
 
 @dataclasses.dataclass
 class CountingBuild:
-    """A counting build: the harness library with instrumented kernels; ``names[i]`` is kernel id i."""
+    """A counting build: the harness library with instrumented kernels; ``names[i]`` is kernel id i;
+    ``buffers``: global buffer name -> its per-buffer counter slot."""
 
     path: str
     names: tuple
     source: str
+    buffers: dict
     tmp: tempfile.TemporaryDirectory
 
     @property
@@ -182,8 +209,9 @@ def build(mod: tvm.IRModule, target, label: str = "") -> CountingBuild:
         names = tuple(str(gv.name_hint) for gv in device_mod.functions)
         if len(names) > MAX_KERNELS:
             raise ValueError(f"roofline: {label}: {len(names)} kernels, the counters hold {MAX_KERNELS}")
+        buffers: dict[str, int] = {}
         for i, (gv, f) in enumerate(list(device_mod.functions.items())):
-            device_mod[gv] = instrument(f, i)
+            device_mod[gv] = instrument(f, i, buffers)
         source = HEADER + codegen_build(device_mod, target).inspect_source("cuda")
         host = codegen_build(host_mod, target_host)
     kernels = tuple((str(gv.name_hint), tuple(str(t) for t in f.attrs["tirx.kernel_launch_params"]))
@@ -191,23 +219,39 @@ def build(mod: tvm.IRModule, target, label: str = "") -> CountingBuild:
     tmp = tempfile.TemporaryDirectory(prefix="tvm_mamba_roofline_")
     path = f"{tmp.name}/counted.so"
     cudasim.link(cudasim.SimBuild(host, source, kernels, str(target.attrs["arch"]), label), path)
-    return CountingBuild(path, names, source, tmp)
+    return CountingBuild(path, names, source, buffers, tmp)
 
 
-def run(b: CountingBuild, fn_name: str, args, label: str = "") -> dict[str, tuple[Counts, int, int]]:
+@dataclasses.dataclass
+class Launch:
+    """What one device kernel did in one call: its totals, per global buffer (load bytes, store bytes), and
+    the block count of its largest launch and threads per block (0 when it counted nothing)."""
+
+    counts: Counts
+    per_buffer: dict
+    blocks: int
+    threads: int
+
+
+def run(b: CountingBuild, fn_name: str, args, label: str = "") -> dict[str, Launch]:
     """Run host function ``fn_name`` of the counting build once on ``args`` (DLPack tensors and scalars, in
-    guarded copies as cudasim.call does, forward thread order) and return {kernel name: (Counts, blocks,
-    threads per block)} (blocks: of its largest launch; 0 when the kernel counted nothing)."""
+    guarded copies as cudasim.call does, forward thread order) and return {kernel name: Launch}."""
     module = cudasim.load(b.path)
     lib = ctypes.CDLL(b.path)  # the same mapping the module uses: dlopen returns the loaded library
     table = (ctypes.c_ulonglong * (MAX_KERNELS * SLOTS)).in_dll(lib, "tvm_mamba_counts")
+    per_buf = (ctypes.c_ulonglong * (MAX_KERNELS * MAX_BUFFERS * 2)).in_dll(lib, "tvm_mamba_buffer_counts")
     ctypes.memset(table, 0, ctypes.sizeof(table))
+    ctypes.memset(per_buf, 0, ctypes.sizeof(per_buf))
     tensors = [(i, cudasim._dltensor_of(a)) for i, a in enumerate(args)]
     with cudasim._call_lock:
         guarded = cudasim._run_once(module, module[fn_name], args, tensors, False, 0, cudasim.ORDERS["forward"],
                                     label or fn_name)
         for g in guarded:
             g.free()
-    n = len(KINDS)
-    return {name: (Counts(*table[i * SLOTS:i * SLOTS + n]), table[i * SLOTS + n], table[i * SLOTS + n + 1])
-            for i, name in enumerate(b.names)}
+    n, out = len(KINDS), {}
+    for i, name in enumerate(b.names):
+        bufs = {buf: (per_buf[(i * MAX_BUFFERS + j) * 2], per_buf[(i * MAX_BUFFERS + j) * 2 + 1])
+                for buf, j in b.buffers.items()}
+        out[name] = Launch(Counts(*table[i * SLOTS:i * SLOTS + n]), {k: v for k, v in bufs.items() if any(v)},
+                           table[i * SLOTS + n], table[i * SLOTS + n + 1])
+    return out

@@ -5,7 +5,7 @@ model dims every count is affine in the launch's work: ``c0 + c1*batch + c2*batc
 batch and seqlen (per-batch terms: final states, per-sequence setup), ``c0 + c1*batch`` for a decode step,
 ``c0 + c1*rows`` for a token-row kernel. The counts are taken at three small points (seqlen a multiple of the
 kernel's chunk, so no partial tile changes the pattern), the coefficients solved exactly (fractions), and a
-fourth point must agree exactly, else :class:`NonAffineError`. The fit is then evaluated at the preset's
+fourth point at a new length must agree exactly, else :class:`NonAffineError`. The fit is then evaluated at the preset's
 (batch, seqlen).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _unit(static: dict) -> int:
 def fit_points(names: list[str], unit: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """(the points that determine the fit, the check point) as (batch, seqlen)."""
     if "seqlen" in names:
-        return [(1, unit), (1, 2 * unit), (2, unit)], (2, 2 * unit)
+        return [(1, unit), (1, 2 * unit), (2, unit)], (2, 3 * unit)  # a new length: catches seqlen^2 terms
     if names == ["batch"]:
         return [(1, 1), (2, 1)], (3, 1)
     return [(1, unit), (1, 2 * unit)], (1, 3 * unit)
@@ -87,12 +87,34 @@ def _bucket(key: KernelKey, names, batch: int, seqlen: int) -> dict:
 
 @dataclasses.dataclass
 class KernelCounts:
-    """One device kernel's counts at the preset's shape (fitted), with its launch shape."""
+    """One device kernel's counts at the preset's shape (fitted), with its launch shape and per global buffer
+    {name: (load bytes, store bytes)}."""
 
     name: str
     counts: count.Counts
     blocks: int | None  # None: the block count is not affine in the work (ceil of a tile division)
     threads: int
+    per_buffer: dict
+
+
+def _fit_at(series, feats) -> int:
+    """The fitted value at ``feats`` of [(features, value)...]: all but the last determine, the last checks."""
+    return evaluate(fit_affine(series[:-1], series[-1]), feats)
+
+
+def _fit_kernel(kname: str, results, names, at) -> KernelCounts:
+    launches = [((b, L), r[kname]) for (b, L), r in results]
+    feats = [features(names, b, L) for (b, L), _ in launches]
+    vals = [_fit_at(list(zip(feats, [l.counts.as_tuple()[k] for _, l in launches])), at)
+            for k in range(len(count.KINDS))]
+    try:
+        blocks = _fit_at(list(zip(feats, [l.blocks for _, l in launches])), at)
+    except NonAffineError:
+        blocks = None
+    bufs = sorted({n for _, l in launches for n in l.per_buffer})
+    per_buffer = {n: tuple(_fit_at(list(zip(feats, [l.per_buffer.get(n, (0, 0))[k] for _, l in launches])), at)
+                           for k in (0, 1)) for n in bufs}
+    return KernelCounts(kname, count.Counts(*vals), blocks, max(l.threads for _, l in launches), per_buffer)
 
 
 def counted(key: KernelKey, batch: int, seqlen: int) -> tuple[list[KernelCounts], bool]:
@@ -106,29 +128,31 @@ def counted(key: KernelKey, batch: int, seqlen: int) -> tuple[list[KernelCounts]
     for b, L in pts + [check]:
         at = KernelKey.make(key.op, key.direction, key.dtype, key.static, key.target, _bucket(key, names, b, L))
         results.append(((b, L), count.run(built, f"{key.op}_{key.direction}", tune.make_args(at, tvm.cpu(0)))))
-    out = []
-    for kname in built.names:
-        per_kind = []
-        for k in range(len(count.KINDS) + 1):  # + the block count
-            series = [(features(names, b, L), (c.as_tuple() + (blocks,))[k]) for (b, L), r in results
-                      for c, blocks, _ in [r[kname]]]
-            per_kind.append(series)
-        vals = [evaluate(fit_affine(s[:-1], s[-1]), features(names, batch, seqlen)) for s in per_kind[:-1]]
-        try:
-            blocks = evaluate(fit_affine(per_kind[-1][:-1], per_kind[-1][-1]), features(names, batch, seqlen))
-        except NonAffineError:
-            blocks = None
-        out.append(KernelCounts(kname, count.Counts(*vals), blocks, max(r[kname][2] for _, r in results)))
-    return out, built.tensor_cores
+    at = features(names, batch, seqlen)
+    return [_fit_kernel(k, results, names, at) for k in built.names], built.tensor_cores
 
 
-def param_bytes(key: KernelKey, batch: int, seqlen: int) -> dict[str, int]:
-    """{parameter: bytes} at (batch, seqlen), partial-count dims at their minimum (minimum.reduced_dims)."""
+def footprint(kernels: list[KernelCounts], sizes: dict[str, int]) -> int:
+    """Bytes with a perfect cache: each buffer's loads and stores capped at its size (a buffer read twice by
+    one kernel costs its size once); a buffer whose size is unknown (a device-side name that is no
+    parameter's) at its requested bytes. Summed over the key's kernels."""
+    total = 0
+    for k in kernels:
+        for name, (ld, st) in k.per_buffer.items():
+            size = sizes.get(name)
+            total += (min(ld, size) + min(st, size)) if size is not None else ld + st
+    return total
+
+
+def param_bytes(key: KernelKey, batch: int, seqlen: int, reduced: bool = True) -> dict[str, int]:
+    """{parameter: bytes} at (batch, seqlen); ``reduced``: partial-count dims at their minimum
+    (minimum.reduced_dims)."""
     func = dispatch.build_func(key)
     names = _dims(key)
     bucket = _bucket(key, names, batch, seqlen)
     bucket.update(tune._derived(key, bucket))
-    bucket.update({k: v for k, v in minimum.reduced_dims(dict(key.static)).items() if k in bucket})
+    if reduced:
+        bucket.update({k: v for k, v in minimum.reduced_dims(dict(key.static)).items() if k in bucket})
     analyzer = tune.bucket_analyzer(func, bucket)
     out = {}
     for p in func.params:

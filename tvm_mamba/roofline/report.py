@@ -18,7 +18,8 @@ class Row:
     launch: str  # "grid x block" of the kernel moving the most bytes
     regs: int | None
     occupancy: float | None
-    bytes_actual: int
+    bytes_actual: int  # requested by the threads
+    bytes_once: int  # the same with each buffer's traffic capped at its size (a perfect cache)
     bytes_min: int
     flops: int
     exps: int  # exp-family + other SFU calls
@@ -68,12 +69,13 @@ def row(preset: str, key: KernelKey, batch: int, seqlen: int, arch: str) -> Row:
     peak = hardware.H200.tc_bf16_flops if bf16 else hardware.H200.tc_tf32_flops
     low, low_unit = hardware.time_bound(mn.bytes, mn.flops, mn.exps + mn.sfu, mn.mm, peak)
     st = stats.get(top.name)
+    once = measure.footprint(kernels, measure.param_bytes(key, batch, seqlen, reduced=False))
     return Row(preset, _label(key), _dtype(key), f"{top.blocks if top.blocks is not None else '?'} x {top.threads}",
                max((s["registers"] for s in stats.values()), default=None), measure.occupancy_of(st, top.threads),
-               total.bytes, mn.bytes, total.flops, total.exps + total.sfu, tc, bound, unit, low, low_unit)
+               total.bytes, once, mn.bytes, total.flops, total.exps + total.sfu, tc, bound, unit, low, low_unit)
 
 
-HEAD = ("kernel", "dtype", "grid x block", "regs", "occ", "bytes actual / min (ratio)", "GFLOP", "exps",
+HEAD = ("kernel", "dtype", "grid x block", "regs", "occ", "bytes actual / min (ratio)", "cached", "GFLOP", "exps",
         "TC", "bound us", "roofline-min us", "ratio")
 
 
@@ -81,6 +83,7 @@ def cells(r: Row) -> tuple[str, ...]:
     occ = f"{r.occupancy:.0%}" if r.occupancy is not None else "?"
     return (r.label, r.dtype, r.launch, str(r.regs if r.regs is not None else "?"), occ,
             f"{r.bytes_actual / 1e6:.1f} MB / {r.bytes_min / 1e6:.1f} MB ({r.bytes_actual / r.bytes_min:.2f}x)",
+            f"{r.bytes_once / r.bytes_min:.2f}x",
             f"{r.flops / 1e9:.2f}", f"{r.exps / 1e6:.1f}M", "yes" if r.tensor_cores else "no",
             f"{r.bound_s * 1e6:.1f} ({r.bound_unit})", f"{r.min_s * 1e6:.1f} ({r.min_unit})", f"{r.ratio:.2f}x")
 
