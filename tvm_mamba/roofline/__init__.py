@@ -20,6 +20,9 @@ covers, fp32 as the blocks call them), at the shape named above.
   functions, in a separate counting build). These are *requests*: a GPU serves repeated requests from L1/L2,
   so DRAM traffic lies between the minimum and this figure. A ratio well above 1 means the kernel re-reads
   global memory (no shared-memory staging) or writes scratch (checkpoints, per-block partial sums).
+* **cached**: the counted traffic with each buffer's loads and stores capped at the buffer's size, over the
+  minimum: what a perfect cache would leave. Between *cached* and the actual ratio lie re-reads a cache can
+  absorb; *cached* above 1 is extra traffic no cache removes (scratch buffers, checkpoints, partial sums).
 * **min**: every input read once, every output written once (tvm_mamba/roofline/minimum.py; scratch buffers
   excluded, partial sums at one part per group, in-place state twice).
 * **GFLOP / exps**: counted float `+ - * /`, min/max (an FMA is two) and exp-family plus other SFU calls
