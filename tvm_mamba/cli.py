@@ -245,6 +245,8 @@ def cmd_roofline(args) -> int:
     rows, failed = [], 0
     for preset in dict.fromkeys(chosen):
         for key in report.preset_keys(preset, ops, arch):
+            if _directions(args) and key.direction not in _directions(args):
+                continue
             try:
                 rows.append(report.row(preset, key, args.batch, args.seqlen, arch))
                 print(f"[{preset}] " + "  ".join(report.cells(rows[-1])), flush=True)
@@ -320,6 +322,7 @@ def main(argv=None) -> int:
     rl.add_argument("--preset", action="append", default=None,
                     help="preset or group (repeatable, comma-separated; default: default)")
     rl.add_argument("--ops", default="", help="comma-separated op names (default: all with preset kernels)")
+    rl.add_argument("--directions", default="", help="comma-separated kernel directions (default: all)")
     rl.add_argument("--batch", type=int, default=4)
     rl.add_argument("--seqlen", type=int, default=2048)
     rl.add_argument("--out", default=None, help="write the report as markdown here (e.g. docs/roofline.md)")

@@ -117,6 +117,17 @@ def _fit_kernel(kname: str, results, names, at) -> KernelCounts:
     return KernelCounts(kname, count.Counts(*vals), blocks, max(l.threads for _, l in launches), per_buffer)
 
 
+PART_DIMS = ("gparts", "nparts")
+
+
+def part_dims(serve: KernelKey) -> dict[str, int]:
+    """The partial-sum counts (``gparts``: ssd_chunk_scan_bwd's dB / dC parts, compute.ssd.head_parts) the op
+    derives for the preset's shape ``serve``. They grow as batch x nchunks shrinks (to keep the GPU busy), so
+    the small fit points would count a different partition; they run with the preset's instead."""
+    bucket = dict(serve.shape_bucket)
+    return {k: v for k, v in tune._derived(serve, bucket).items() if k in PART_DIMS}
+
+
 def counted(key: KernelKey, batch: int, seqlen: int) -> tuple[list[KernelCounts], bool]:
     """([per device kernel counts at (batch, seqlen)], tensor cores used) for the cudasim ``key``."""
     names = _dims(key)
@@ -124,10 +135,12 @@ def counted(key: KernelKey, batch: int, seqlen: int) -> tuple[list[KernelCounts]
                            _bucket(key, names, batch, seqlen))  # the kernel that serves the preset's shape
     built = count.build(dispatch.schedule(serve), dispatch.target_from_key(key.target), str(serve))
     pts, check = fit_points(names, _unit(dict(key.static)))
+    fixed = part_dims(serve)
     results = []
     for b, L in pts + [check]:
         at = KernelKey.make(key.op, key.direction, key.dtype, key.static, key.target, _bucket(key, names, b, L))
-        results.append(((b, L), count.run(built, f"{key.op}_{key.direction}", tune.make_args(at, tvm.cpu(0)))))
+        args = tune.make_args(at, tvm.cpu(0), fixed=fixed)
+        results.append(((b, L), count.run(built, f"{key.op}_{key.direction}", args)))
     at = features(names, batch, seqlen)
     return [_fit_kernel(k, results, names, at) for k in built.names], built.tensor_cores
 

@@ -84,7 +84,7 @@ def cells(r: Row) -> tuple[str, ...]:
     return (r.label, r.dtype, r.launch, str(r.regs if r.regs is not None else "?"), occ,
             f"{r.bytes_actual / 1e6:.1f} MB / {r.bytes_min / 1e6:.1f} MB ({r.bytes_actual / r.bytes_min:.2f}x)",
             f"{r.bytes_once / r.bytes_min:.2f}x",
-            f"{r.flops / 1e9:.2f}", f"{r.exps / 1e6:.1f}M", "yes" if r.tensor_cores else "no",
+            f"{r.flops / 1e9:.2f}", f"{r.exps / 1e6:.1f}M" if r.exps >= 1e5 else f"{r.exps / 1e6:.2g}M", "yes" if r.tensor_cores else "no",
             f"{r.bound_s * 1e6:.1f} ({r.bound_unit})", f"{r.min_s * 1e6:.1f} ({r.min_unit})", f"{r.ratio:.2f}x")
 
 
