@@ -179,10 +179,11 @@ print(sorted(set(attempts)), "torch" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("layer", ["tvm_mamba.compute", "tvm_mamba.runtime"])
+@pytest.mark.parametrize("layer", ["tvm_mamba.compute", "tvm_mamba.runtime", "tvm_mamba.roofline"])
 def test_torch_free_layers_import_no_torch(layer):
     """compute/ and runtime/ (every module) import without torch, and none of them tries to import it at
-    import time (CONVENTIONS: only torch_ops/ imports torch and TVM together)."""
+    import time (CONVENTIONS: only torch_ops/ imports torch and TVM together); the roofline tool neither
+    (it runs kernels on TVM tensors through the CUDA harness)."""
     out = subprocess.run([sys.executable, "-c", _NO_TORCH, layer], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert out.returncode == 0, f"import {layer} without torch failed:\n{out.stderr[-2000:]}"

@@ -1,4 +1,4 @@
-"""``python -m tvm_mamba <command>``: info, build-check, sim-check, cache, tune, aot.
+"""``python -m tvm_mamba <command>``: info, build-check, sim-check, roofline, cache, tune, aot.
 
 info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
              against the float64 reference).
@@ -13,6 +13,10 @@ sim-check    runs every configuration build-check builds (same flags) on the CPU
 tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
              through a TVM RPC tracker) and appends the best to the user tuning folder (tvm_mamba/tune.py).
 cache        lists the kernel cache per version folder; --clear removes it, --prune other versions' folders.
+roofline     each CUDA kernel at a preset's shapes: global bytes / flops / exps counted through the CUDA harness
+             against the algorithm's minimum, occupancy from ptxas, the H200 roofline bound; ends with exactly
+             one line ``roofline: N kernels, K above 2x of their bound, T on tensor cores (cuda sm_XY)``;
+             --out writes docs/roofline.md (tvm_mamba/roofline/).
 aot          builds a kernel pack for a machine with only the TVM runtime (tvm_mamba/aot.py, runtime/pack.py).
 """
 from __future__ import annotations
@@ -227,6 +231,37 @@ def _try(fn, *args) -> str | None:
         return f"{type(err).__name__}: {str(err).strip()}"
 
 
+def cmd_roofline(args) -> int:
+    """Count, fit and bound every preset kernel; print the table and the summary line; --out: markdown."""
+    from tvm_mamba.compute._presets import presets
+    from tvm_mamba.roofline import METHOD, report
+
+    ops, arch = _checked_ops_arch(args, "roofline")
+    names = [n for p in args.preset for n in p.split(",") if n]
+    try:
+        chosen = [name for p in names for name, _ in presets(p)]
+    except ValueError as err:
+        raise _UsageError(f"roofline: {err}") from None
+    rows, failed = [], 0
+    for preset in dict.fromkeys(chosen):
+        for key in report.preset_keys(preset, ops, arch):
+            if _directions(args) and key.direction not in _directions(args):
+                continue
+            try:
+                rows.append(report.row(preset, key, args.batch, args.seqlen, arch))
+                print(f"[{preset}] " + "  ".join(report.cells(rows[-1])), flush=True)
+            except Exception as err:  # noqa: BLE001 - one kernel's failure must not stop the rest
+                failed += 1
+                print(f"FAIL  [{preset}] {key}: {type(err).__name__}: {str(err).strip()[:300]}", flush=True)
+    print(report.text_table(rows))
+    if args.out:
+        cmd = "python -m tvm_mamba roofline " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["roofline"] else [])
+        with open(args.out, "w") as f:
+            f.write(report.markdown(rows, arch, args.batch, args.seqlen, cmd.strip(), METHOD))
+    print(report.summary(rows, arch))
+    return 1 if failed else 0
+
+
 def _directions(args):
     return tuple(d for d in args.directions.split(",") if d) or None
 
@@ -281,6 +316,16 @@ def main(argv=None) -> int:
         chk.add_argument("--arch", default="sm_90")
         chk.add_argument("--ops", default="", help="comma-separated op names (default: all)")
         chk.add_argument("--jobs", type=int, default=2, help=f"parallel {jobs} processes")
+    rl = sub.add_parser("roofline", help="each CUDA kernel at a preset's shapes against the H200 roofline")
+    rl.add_argument("--target", default="cuda")
+    rl.add_argument("--arch", default="sm_90")
+    rl.add_argument("--preset", action="append", default=None,
+                    help="preset or group (repeatable, comma-separated; default: default)")
+    rl.add_argument("--ops", default="", help="comma-separated op names (default: all with preset kernels)")
+    rl.add_argument("--directions", default="", help="comma-separated kernel directions (default: all)")
+    rl.add_argument("--batch", type=int, default=4)
+    rl.add_argument("--seqlen", type=int, default=2048)
+    rl.add_argument("--out", default=None, help="write the report as markdown here (e.g. docs/roofline.md)")
     ca = sub.add_parser("cache", help="list the kernel cache (default), --clear it, or --prune other versions")
     group = ca.add_mutually_exclusive_group()
     group.add_argument("--list", action="store_true", help="sizes per version folder (the default)")
@@ -324,12 +369,15 @@ def main(argv=None) -> int:
     ao.add_argument("--seqlens", default="512,2048")
     ao.add_argument("--batches", default="1,4")
     args = ap.parse_args(argv)
+    if args.cmd == "roofline" and not args.preset:
+        args.preset = ["default"]
     if args.cmd == "aot":
         from tvm_mamba import aot
 
         return aot.main(args)
     try:
         return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check, "cache": cmd_cache,
+                "roofline": cmd_roofline,
                 "tune": cmd_tune}[args.cmd](args)
     except _UsageError as err:
         print(err, file=sys.stderr)

@@ -136,13 +136,15 @@ def bucket_analyzer(func, bucket: dict):
     return analyzer
 
 
-def make_args(key: KernelKey, dev, seed: int = 0) -> list:
+def make_args(key: KernelKey, dev, seed: int = 0, fixed: dict | None = None) -> list:
     """Inputs of the bucket's shape: random floats in [-1, 1), zeros for integer tensors; the state matrix
     ``A`` of the scans in (-1, -0.5], its model domain (mamba_ssm's A = -exp(A_log)): a positive A makes the
-    recurrences grow to ~1e14 and the sums cancel, which is no shape a model runs."""
+    recurrences grow to ~1e14 and the sums cancel, which is no shape a model runs. ``fixed``: derived dims
+    to take as given instead (the roofline counts small lengths with a large shape's part counts)."""
     func = dispatch.build_func(key)
     bucket = dict(key.shape_bucket)
     bucket.update(_derived(key, bucket))
+    bucket.update({k: v for k, v in (fixed or {}).items() if k in bucket})
     analyzer = bucket_analyzer(func, bucket)
     rng = np.random.default_rng(seed)
     args = []

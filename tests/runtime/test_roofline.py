@@ -1,0 +1,113 @@
+"""The roofline tool (tvm_mamba/roofline/): the counting build counts a hand-made kernel exactly, the fit
+refuses counts that are not affine, the minimum model matches a hand computation, and the CLI prints its
+summary line."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm.script import tirx as T
+
+from tvm_mamba import cli
+from tvm_mamba.roofline import count, hardware, measure, minimum
+from tvm_mamba.runtime import cuda_target
+
+
+@T.prim_func
+def vadd_exp(a_h: T.handle, b_h: T.handle, c_h: T.handle):
+    """c = a + exp(b), one thread per element, guarded tail: 3 x 4 x n bytes, n flops, n exps."""
+    T.func_attr({"global_symbol": "vadd_exp", "tirx.noalias": True})
+    n = T.int32()
+    a = T.match_buffer(a_h, (n,), "float32")
+    b = T.match_buffer(b_h, (n,), "float32")
+    c = T.match_buffer(c_h, (n,), "float32")
+    for bx in T.thread_binding((n + 63) // 64, thread="blockIdx.x"):
+        for tx in T.thread_binding(64, thread="threadIdx.x"):
+            s = T.alloc_buffer((64,), "float32", scope="shared")  # shared traffic is not global: not counted
+            s[tx] = T.if_then_else(bx * 64 + tx < n, b[bx * 64 + tx], T.float32(0))
+            if bx * 64 + tx < n:
+                c[bx * 64 + tx] = a[bx * 64 + tx] + T.exp(s[tx])
+
+
+@pytest.fixture(scope="module")
+def vadd_build():
+    return count.build(tvm.IRModule({"vadd_exp": vadd_exp}), cuda_target("sm_90"), "vadd_exp")
+
+
+@pytest.mark.parametrize("n", [1000, 64])
+def test_counting_build_counts_a_vector_add_exactly(vadd_build, n):
+    args = [tvm.runtime.tensor(np.ones(n, "float32"), tvm.cpu(0)) for _ in range(3)]
+    (name, launch), = count.run(vadd_build, "vadd_exp", args).items()
+    # both arms of the guarded select count (the tail block's guarded b loads): b is read by every thread
+    blocks = -(-n // 64)
+    assert launch.counts == count.Counts(load_bytes=4 * n + 4 * 64 * blocks, store_bytes=4 * n, flops=n, exps=n)
+    assert (launch.blocks, launch.threads) == (blocks, 64)
+    assert launch.per_buffer == {"a": (4 * n, 0), "b": (4 * 64 * blocks, 0), "c": (0, 4 * n)}
+    assert not vadd_build.tensor_cores and "tvm_mamba_count(" in vadd_build.source
+
+
+def test_expr_counts_vector_lanes_and_call_families():
+    x = tvm.tirx.Var("x", "float32x4")
+    e = tvm.tirx.call_pure_extern("float32x4", "__expf", x * x + x) + tvm.tirx.call_pure_extern("float32x4", "log1pf", x)
+    c = count.expr_counts(e)
+    assert (c.flops, c.exps, c.sfu, c.load_bytes) == (12, 4, 4, 0)
+
+
+def test_fit_is_exact_and_refuses_a_non_affine_count():
+    names = ["batch", "seqlen"]
+    pts, check = measure.fit_points(names, 256)
+
+    def f(b, L):
+        return 7 + 3 * b + 5 * b * L
+
+    coef = measure.fit_affine([(measure.features(names, b, L), f(b, L)) for b, L in pts],
+                              (measure.features(names, *check), f(*check)))
+    assert measure.evaluate(coef, measure.features(names, 4, 2048)) == f(4, 2048)
+    with pytest.raises(measure.NonAffineError):
+        measure.fit_affine([(measure.features(names, b, L), b * L * L) for b, L in pts],
+                           (measure.features(names, *check), check[0] * check[1] ** 2))
+
+
+def test_minimum_of_conv_forward_is_the_hand_count():
+    B, D, L, W = 2, 1536, 2048, 4
+    static = dict(dim=D, width=W, activation="silu", has_bias=True)
+    pbytes = {"x": 4 * B * D * L, "weight": 4 * D * W, "bias": 4 * D, "out": 4 * B * D * L}
+    m = minimum.minimum("causal_conv1d", "fwd", static, B, L, pbytes)
+    assert m.bytes == 4 * (2 * B * D * L + D * W + D)
+    assert (m.mm, m.flops, m.exps) == (0, B * D * L * (2 * W + 1 + 3), B * D * L)
+    ck = dict(pbytes, ck=123)  # scratch (checkpoints) is not part of the scan's minimum; state in place twice
+    assert minimum.min_bytes("selective_scan", "fwd", ck) == sum(pbytes.values())
+    assert minimum.min_bytes("selective_scan", "update", {"state": 10, "x": 1}) == 21
+
+
+def test_footprint_caps_each_buffer_at_its_size():
+    k = measure.KernelCounts("k", count.Counts(), 1, 32, {"x": (400, 0), "y": (0, 40), "tmp": (8, 8)})
+    assert measure.footprint([k], {"x": 100, "y": 100}) == 100 + 40 + 16
+
+
+def test_occupancy_and_bound():
+    assert hardware.occupancy(32, 0, 256) == 1.0  # 8 blocks x 8 warps
+    assert hardware.occupancy(128, 0, 256) == 0.25  # 65536 / (128 * 256) = 2 blocks
+    assert hardware.occupancy(32, 100 * 1024, 128) == 2 * 4 / 64  # shared memory: 2 blocks
+    t, unit = hardware.time_bound(4.8e12, 0, 0)
+    assert (t, unit) == (1.0, "memory")
+
+
+def test_cli_prints_rows_and_the_summary_line(capsys, tmp_path):
+    out = tmp_path / "roofline.md"
+    rc = cli.main(["roofline", "--preset", "mamba-130m", "--ops", "causal_conv1d", "--batch", "1",
+                   "--seqlen", "512", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert re.fullmatch(r"roofline: 2 kernels, [0-2] above 2x of their bound, [0-2] on tensor cores \(cuda sm_90\)",
+                        text.strip().splitlines()[-1])
+    assert "causal_conv1d.fwd" in text and "causal_conv1d.bwd" in text
+    md = out.read_text()
+    assert "| causal_conv1d.fwd |" in md and "at commit `" in md
+
+
+def test_cli_rejects_an_unknown_preset(capsys):
+    assert cli.main(["roofline", "--preset", "mamba-9b"]) == 2
+    assert "unknown 'mamba-9b'" in capsys.readouterr().err

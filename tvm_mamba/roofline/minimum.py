@@ -1,0 +1,108 @@
+"""The algorithm's minimum global traffic and arithmetic per kernel, in one place.
+
+Bytes: every input read once and every output written once, at the kernel's dtypes: the sum of its
+parameters' sizes at (batch, seqlen), except
+
+* scratch: buffers the schedule chose to keep (checkpoints saved for the backward, per-block partial sums)
+  rather than ones the math needs — listed per kernel in ``SCRATCH``;
+* partial outputs whose parts the caller adds (``gparts`` partial dB / dC of the SSD backward, ``nparts``
+  partial weight gradients): counted at one part per group (``reduced_dims``), what a fused reduction writes;
+* state updated in place (the decode step's ``state``): read and written, so counted twice (``INOUT``).
+
+Arithmetic: the leading terms of the math, per kernel below (matrix products exactly; element-wise work within
+a few flops per element). ``mm`` flops are matrix products, the work a tensor core can do; ``flops`` the rest
+(fp32 CUDA cores); ``exps`` exp-family evaluations; ``sfu`` other transcendental ones (log1p of softplus).
+Notation: B batch, L seqlen, D channels, N dstate, H heads, P headdim, G groups, Q chunk length,
+T = B * nchunks * H * Q(Q+1)/2 the causal (t >= s) pairs of the SSD chunks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+SCRATCH = {
+    ("selective_scan", "fwd"): {"ck"},  # state checkpoints saved for the backward (a schedule choice)
+    ("selective_scan", "bwd"): {"ck", "wsA", "wsB", "wsC", "wsS"},  # the minimum recomputes the states
+    ("ssd", "chunk_scan_bwd"): set(),
+}
+INOUT = {("selective_scan", "update"): {"state"}}
+
+
+def reduced_dims(static: dict) -> dict[str, int]:
+    """Symbolic partial-count dims at their minimum: one part per group."""
+    return {"gparts": int(static.get("ngroups", 1)), "nparts": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Minimum:
+    bytes: int
+    mm: int  # matrix-product flops (tensor-core eligible)
+    flops: int  # other flops (CUDA cores)
+    exps: int
+    sfu: int = 0
+
+
+def min_bytes(op: str, direction: str, param_bytes: dict[str, int]) -> int:
+    """Each parameter once (twice if updated in place), scratch excluded; ``param_bytes`` at reduced dims."""
+    scratch = SCRATCH.get((op, direction), set())
+    inout = INOUT.get((op, direction), set())
+    return sum(n * (2 if p in inout else 1) for p, n in param_bytes.items() if p not in scratch)
+
+
+def _conv(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
+    n, W = B * s["dim"] * L, s["width"]
+    act = 1 if s.get("activation") in ("silu", "swish") else 0
+    if d == "fwd":  # W MACs, bias, silu (x / (1 + exp(-x)): add, div, mul)
+        return 0, n * (2 * W + 1 + 3 * act), n * act, 0
+    # recompute the pre-activation, silu's derivative (~6), dx and dweight (W MACs each), dbias
+    return 0, n * (2 * W + 1 + 6 * act + 4 * W + 1), n * act, 0
+
+
+def _scan(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
+    n, N = B * s["dim"] * L, s["dstate"]
+    if d == "fwd":  # per state: exp(delta A), h = dA h + (delta u) B, y += C h; softplus, D u, silu(z) gate
+        return 0, n * (6 * N + 9), n * (N + 2), n
+    # recompute h (4 per state), reverse recurrence and the dB, dC, ddelta, dA contributions (~15 per state)
+    return 0, n * (19 * N + 15), n * (N + 2), n
+
+
+def _update(s: dict, B: int) -> tuple[int, int, int, int]:
+    H, P, N = s["nheads"], s["headdim"], s["dstate"]
+    n = B * H * P
+    if s.get("tie_hdim"):  # dA = exp(dt A) once per head; softplus once per head
+        return 0, n * (5 * N + 6) + 3 * B * H, n + 2 * B * H, B * H
+    return 0, n * (6 * N + 9), n * (N + 2), n
+
+
+def _ssd(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
+    Q, N = s["chunk_size"], s["dstate"]
+    c = -(-L // Q)
+    if d == "bmm_chunk":  # C_l . B_s over dstate, every (l, s) of each chunk (the full Q x Q output)
+        return 2 * B * c * s["ngroups"] * Q * Q * N, 0, 0, 0
+    H, P = s["nheads"], s["headdim"]
+    tok, pairs = B * L * H, B * c * H * Q * (Q + 1) // 2
+    if d == "chunk_state":  # states = sum_t x_t B_t exp(dA_last - dA_t) dt_t
+        return 2 * tok * P * N, 3 * tok, 0, tok
+    if d == "chunk_scan":  # C . states, causal (cb * decay * dt) . x, D x, silu(z) gate
+        return 2 * tok * P * N + 2 * pairs * P, 3 * pairs + 8 * tok * P, pairs + tok + tok * P, 0
+    if d == "chunk_scan_bwd_dstates":  # dstates = sum_t C_t exp(dA_t) dy'_t, z gate backward
+        return 2 * tok * P * N, 8 * tok * P + tok, tok * P + tok, 0
+    if d == "chunk_scan_bwd":  # dx (states and causal part), dB, dC, d(cb), ddt / ddA
+        return 6 * tok * P * N + 4 * pairs * P, 6 * pairs + 6 * tok * P, pairs + 2 * tok, 0
+    raise KeyError(d)
+
+
+def minimum(op: str, direction: str, static: dict, batch: int, seqlen: int,
+            param_bytes: dict[str, int]) -> Minimum:
+    """The minimum of kernel (op, direction) with model dims ``static`` at (batch, seqlen). KeyError for a
+    kernel without a model."""
+    if op == "causal_conv1d" and direction in ("fwd", "bwd"):
+        mm, fl, ex, sf = _conv(direction, static, batch, seqlen)
+    elif op == "selective_scan" and direction in ("fwd", "bwd"):
+        mm, fl, ex, sf = _scan(direction, static, batch, seqlen)
+    elif op == "selective_scan" and direction == "update":
+        mm, fl, ex, sf = _update(static, batch)
+    elif op == "ssd":
+        mm, fl, ex, sf = _ssd(direction, static, batch, seqlen)
+    else:
+        raise KeyError(f"{op}.{direction}")
+    return Minimum(min_bytes(op, direction, param_bytes), mm, fl, ex, sf)
