@@ -67,6 +67,18 @@ def apply_by_kernel(table: Mapping[str, Any], func: tvm.tirx.PrimFunc, target, d
     return schedule(func, static, decisions)
 
 
+def vector_floats(target) -> int:
+    """float32 lanes of a CPU target's vector registers, for register-blocking defaults: 16 with AVX-512
+    (zmm), else 8 (AVX2's ymm; also the default for other CPUs). A register block sized for zmm is twice
+    as many ymm and runs out of AVX2's 16 registers (the SSD matmuls' 4 x 32 block: 16 accumulators)."""
+    from tvm.target import codegen
+
+    try:
+        return 16 if codegen.target_has_features("avx512f", target) else 8
+    except Exception:  # a target LLVM cannot query (another architecture's triple): the narrower default
+        return 8
+
+
 def kernel_attrs(func: tvm.tirx.PrimFunc) -> tuple[str | None, dict]:
     """(kernel name, static dict) stamped on a compute builder's PrimFunc; (None, {}) if foreign."""
     attrs = func.attrs

@@ -80,3 +80,20 @@ def test_cpu_register_blocks_agree_bitwise(rows, cols, order, cs, monkeypatch):
     assert set(served) == set(blocked)
     for i, (u, v) in enumerate(zip(base, out)):
         assert torch.equal(u, v), f"output {i} differs with rows={rows}, cols={cols}, order={order}"
+
+
+@pytest.mark.parametrize("mcpu, lanes", [("znver1", 8), ("haswell", 8), ("znver4", 16), ("rocketlake", 16)])
+def test_default_register_block_follows_the_vector_width(mcpu, lanes):
+    """The default chunk-matmul block is 4 rows x 2 vector registers: cols 32 where the target has AVX-512, 16
+    with AVX2 (whose 16 ymm registers a 4 x 32 block fills with accumulators); tuning records still override."""
+    from tvm_mamba.schedules.rule import vector_floats
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "mtriple": "x86_64-linux-gnu"})
+    assert vector_floats(target) == lanes
+    func = ssd.ssd_chunk_state(nheads=2, ngroups=1, headdim=4, dstate=4, chunk_size=4)
+    decisions = Decisions()
+    assert cpu_rule.apply(func, target, decisions) is not None
+    assert decisions.used["cols"] == 2 * lanes and decisions.used["rows"] == 4
+    tuned = Decisions({"cols": 64})
+    cpu_rule.apply(func, target, tuned)
+    assert tuned.used["cols"] == 64
