@@ -16,10 +16,11 @@ Knobs (a template: the kernel is rebuilt with them), for the five kernels with c
 (bmm_chunk, chunk_state, chunk_scan, chunk_scan_bwd_dstates, chunk_scan_bwd): ``rows`` (1, 2, 4, 8) and ``cols``
 (16, 32, 64, 128 floats; the whole width where it does not divide it): the accumulator block of every
 matmul of the kernel. Default 4 rows x 2 vector registers, 8 accumulators: 4 x 32 with AVX-512, 4 x 16 with
-AVX2 (``rule.vector_floats``). ``rows=1, cols=128`` is close to the earlier unblocked kernels (a whole 64- or 128-wide row per step). ``order`` (0, 1): row blocks outer (default, the
-earlier loop order) or column blocks outer, where a K x cols tile of the right operand is reused by every
-row block (L1 reuse when it fits; at the Mamba-2 130M shape 1.04-1.07x for chunk_state / chunk_scan_bwd, 0.9x for
-chunk_scan). The whole space is 32 points; every point gives bitwise-equal results.
+AVX2 (``rule.vector_floats``). ``rows=1, cols=128`` is close to the earlier unblocked kernels (a whole 64- or
+128-wide row per step). ``order`` (0, 1): row blocks outer (default, the earlier loop order) or column blocks
+outer, where a K x cols tile of the right operand is reused by every row block (L1 reuse when it fits; at the
+Mamba-2 130M shape 1.04-1.07x for chunk_state / chunk_scan_bwd, 0.9x for chunk_scan). The whole space is 32
+points; every point gives bitwise-equal results.
 """
 from __future__ import annotations
 
@@ -75,21 +76,14 @@ class Cpu(Strategy):
     def matmul_rows(self, M: int, W: int, K: int):
         """A task per matmul: lhs rows staged as they are (vectorized along k), rhs rows transposed into a
         K x W operand, then the register-blocked matmul (mm.py); no scale pass."""
-        mm = matmul(M, W, self.rows, self.cols, order=self.order)
+        staged = _staged(matmul(M, W, self.rows, self.cols, order=self.order), M, W, K)
 
         @T.macro
         def run(extent, lhs, rhs, store):
             for t in T.parallel(extent):
                 al = T.alloc_buffer((M, K), "float32")
                 bt = T.alloc_buffer((K, W), "float32")
-                for i in range(M):
-                    for k in T.vectorized(K):
-                        al[i, k] = lhs(t, i, k)
-                for j in range(W):
-                    for k in range(K):
-                        bt[k, j] = rhs(t, j, k)
-                mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: al[i, k], lambda k, j: bt[k, j], zero,
-                   lambda i, j, v: store(t, i, j, v))
+                staged(al, bt, lambda i, k: lhs(t, i, k), lambda k, j: rhs(t, j, k), lambda i, j, v: store(t, i, j, v))
 
         return run
 
@@ -100,7 +94,7 @@ class Cpu(Strategy):
         ``carry``; where ``carried(t)`` is false, no state enters the chunk: carry of 0, neither operand staged),
         then from it the lower-triangular one (``tri="le"``: a row never adds 0 * xs of a later position, so a
         non-finite x stays causal); then ``store`` for the rows the chunk has."""
-        mm = matmul(M, W, self.rows, self.cols, order=self.order)
+        staged = _staged(matmul(M, W, self.rows, self.cols, order=self.order), M, W, K)
         mm_le = matmul(M, W, self.rows, self.cols, order=self.order, tri="le")
         VB = vblock(M)
 
@@ -120,14 +114,8 @@ class Cpu(Strategy):
                         for v in T.vectorized(VB):
                             w[i, sb * VB + v] = weight(t, i, sb * VB + v)
                 if carried(t):
-                    for i in range(M):
-                        for k in T.vectorized(K):
-                            a[i, k] = lhs(t, i, k)
-                    for j in range(W):
-                        for k in range(K):
-                            bt[k, j] = rhs(t, k, j)
-                    mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: a[i, k], lambda k, j: bt[k, j], zero,
-                       lambda i, j, v: T.buffer_store(acc, carry(t, i, j, v, xv[i, j]), [i, j]))
+                    staged(a, bt, lambda i, k: lhs(t, i, k), lambda k, j: rhs(t, k, j),
+                           lambda i, j, v: T.buffer_store(acc, carry(t, i, j, v, xv[i, j]), [i, j]))
                 else:
                     for i in range(M):
                         for j in T.vectorized(W):
@@ -139,6 +127,24 @@ class Cpu(Strategy):
                         store(t, i, j, acc[i, j])
 
         return run
+
+
+def _staged(mm, M: int, W: int, K: int):
+    """A macro ``run(a, b, lhs, rhs, store)``: lhs(i, k) staged row by row into ``a`` (M x K, vectorized along
+    k), rhs(k, j) into ``b`` (K x W, read k-inner), then the register-blocked ``mm`` of them with epilogue
+    store(i, j, v)."""
+
+    @T.macro
+    def run(a, b, lhs, rhs, store):
+        for i in range(M):
+            for k in T.vectorized(K):
+                a[i, k] = lhs(i, k)
+        for j in range(W):
+            for k in range(K):
+                b[k, j] = rhs(k, j)
+        mm(lambda lo, hi: 0, lambda lo, hi: K, lambda i, k: a[i, k], lambda k, j: b[k, j], zero, store)
+
+    return run
 
 
 def apply(func, target, decisions: Decisions):
