@@ -25,3 +25,10 @@ def test_wheel_contains_schedules_and_tuning_logs(tmp_path):
     assert "tvm_mamba/compute/causal_conv1d.py" in names
     assert "tvm_mamba/runtime/cudasim_include/tvm_mamba_cudasim.h" in names  # the CUDA execution harness
     assert "tvm_mamba/runtime/cudasim_include/cuda/std/cstdint" in names
+    # every module of the source tree ships: pyproject lists the packages one by one, and a new subpackage
+    # missing from that list is absent from the wheel while an editable install still finds it
+    sources = [f"tvm_mamba/{f.relative_to(ROOT / 'tvm_mamba').as_posix()}" for f in (ROOT / "tvm_mamba").rglob("*.py")]
+    sources += [f"tvm_mamba/schedules/{f.relative_to(ROOT / 'schedules').as_posix()}"
+                for f in (ROOT / "schedules").rglob("*.py")]
+    missing = [f for f in sources if "__pycache__" not in f and f not in names]
+    assert not missing, missing
