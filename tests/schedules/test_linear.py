@@ -64,10 +64,13 @@ def test_cpu_fwd_knobs_against_float64(knobs, wdt):
         assert torch.equal(rows[M], rows[8][:M]), M
 
 
-def test_cpu_fwd_is_avx512():
-    sch = cpu_rule.apply(linear_fwd(LinearDims(768, 64, weight_dtype="bfloat16")), cpu_target(), Decisions())
-    asm = tvm.compile(sch.mod, target=cpu_target()).mod.inspect_source("asm")
-    assert "zmm" in asm and "vfmadd" in asm
+@pytest.mark.parametrize("mcpu,reg", [("skylake-avx512", "zmm"), ("haswell", "ymm")])
+def test_cpu_fwd_uses_the_targets_vectors(mcpu, reg):
+    """Compiled for a named x86 CPU (any host can cross-compile): fused multiply-adds on its widest registers."""
+    target = cpu_target(mcpu)
+    sch = cpu_rule.apply(linear_fwd(LinearDims(768, 64, weight_dtype="bfloat16")), target, Decisions())
+    asm = tvm.compile(sch.mod, target=target).mod.inspect_source("asm")
+    assert reg in asm and "vfmadd" in asm
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
