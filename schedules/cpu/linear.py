@@ -1,28 +1,31 @@
-"""CPU rule for linear (compute/linear.py): AVX-512 loop nests for the weight-streaming GEMV / small GEMM.
+"""CPU rule for linear (compute/linear.py): vector loop nests for the weight-streaming GEMV and the GEMM.
 
 fwd: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]). At decode (1..8 rows) the step is bound by
 reading w once, so the loop nest streams each weight row exactly once per call and keeps x (rows x K floats,
 <= 48 KiB at K = 1536, 8 rows) in L1/L2:
-- parallel over tasks of ``task`` consecutive output features (each task reads task x K contiguous weights);
-- inside a task, tiles of ``rows`` rows of x (the M % rows left over: one tile of that many rows) against
-  ``features`` output features (fewer where rows x features x unroll would pass ACC accumulators): one register
-  accumulator per (row, feature, unrolled k vector), features x unroll weight vectors loaded and widened to
-  float32 per k step (bf16: the 16 bits shifted into the top of a float32 lane; int8: sign-extend + convert),
-  each used by every row of the tile. A row tile reads the task's weights (task x K) once; a further row
-  tile rereads them from L2. Default one feature per tile: the weights are then read as one sequential
-  stream (see ``apply``);
+- parallel over tasks of (a block of ``row_block`` rows, ``task`` consecutive output features): each task
+  reads task x K contiguous weights; a block's rows of x stay in L2 across its tasks (prefill-size calls; a
+  decode call is one block);
+- inside a task, tiles of ``rows`` rows of x (the block's rows % rows left over: one tile of that many rows)
+  against ``features`` output features (fewer where rows x features x unroll would pass the accumulators,
+  half the vector registers): one register accumulator per (row, feature, unrolled k vector), features x
+  unroll weight vectors loaded and widened to float32 per k step (bf16: the 16 bits shifted into the top of
+  a float32 lane; int8: sign-extend + convert), each used by every row of the tile. A row tile reads the
+  task's weights (task x K) once; a further row tile rereads them from L2. Default one feature per tile: the
+  weights are then read as one sequential stream (see ``apply``);
 - lanes and unrolled accumulators summed at the end, K % vector columns in scalar code, then scale, bias and
   the cast to x's dtype.
 Summation order: lane-strided partial sums (k = i mod vector*unroll), the unrolled ones folded, then the
 lanes as a tree: a function of ``vector`` and ``unroll`` only (the same bits at any thread count, and for
-a row whatever tile it falls in: at any number of rows). Calls of at most SERIAL_WORK multiply-adds run on
-the calling thread.
+a row whatever tile or block it falls in: at any number of rows). Calls of at most SERIAL_WORK multiply-adds
+run on the calling thread.
 
 bwd: dx[m, k] = sum_n dy[m, n] * scale[n] * w[n, k]: parallel over blocks of ``vector`` x ``k_vectors``
 columns of k; per row, the n loop streams the weight block (contiguous along k) with register accumulators.
 It serves autograd of the frozen-weight inference op (correctness first; training keeps fp32 nn.Linear).
 
-Knobs: fwd ``task``, ``features``, ``rows``, ``vector``, ``unroll``; bwd ``vector``, ``k_vectors``.
+Knobs: fwd ``task``, ``row_block``, ``features``, ``rows``, ``vector`` (default: the target's float lanes),
+``unroll``; bwd ``vector``, ``k_vectors``.
 """
 from __future__ import annotations
 
@@ -32,9 +35,12 @@ from tvm_mamba.compute.linear import LinearDims
 from tvm_mamba.schedules import rule
 
 
-# register accumulators a tile may use (of 32 zmm registers; the rest hold the weight and x vectors): a tile of
-# R rows holds at most ACC // (R * unroll) features
-ACC = 16
+
+def _accumulators(lanes: int) -> int:
+    """Register accumulators a tile may use: half the vector registers (the rest hold the weight and x
+    vectors), 16 of AVX-512's 32 zmm, 8 of AVX2's 16 ymm; a tile of R rows holds at most that // (R * unroll)
+    features."""
+    return 16 if lanes == 16 else 8
 
 
 def _widen(buf, bits, row, k0, V: int, dtype: str):
@@ -48,7 +54,7 @@ def _widen(buf, bits, row, k0, V: int, dtype: str):
     return T.Cast(f"float32x{V}", buf[row, T.ramp(k0, 1, V)])
 
 
-def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int):
+def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int, MR: int, ACC: int):
     K, N = d.in_features, d.out_features
     KU = K // (V * U)  # k steps of U vectors
     K1 = (K - KU * V * U) // V  # leftover whole vectors
@@ -106,24 +112,25 @@ def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int):
             tile(x, xb, w, wb, scale, bias, y, acc, tot, R, 1, m0, n0 + count - count % fb(R) + jr)
 
     @T.macro
-    def task(x, xb, w, wb, scale, bias, y, M, t):
+    def task(x, xb, w, wb, scale, bias, y, m0, rows, t):
+        # rows m0 .. m0 + rows of x against the task's features t * TN ..
         acc = T.alloc_buffer((A * V,), "float32")
         tot = T.alloc_buffer((1,), "float32")
         n0 = T.meta_var(t * TN)
         count = T.meta_var(T.min(TN, N - t * TN))
-        for mt in range(M // MB):
-            row_tile(x, xb, w, wb, scale, bias, y, acc, tot, MB, mt * MB, n0, count)
-        # the last M % MB rows as one tile of that many rows, never a loop of 1-row tiles: LLVM unrolls the
+        for mt in range(rows // MB):
+            row_tile(x, xb, w, wb, scale, bias, y, acc, tot, MB, m0 + mt * MB, n0, count)
+        # the last rows % MB rows as one tile of that many rows, never a loop of 1-row tiles: LLVM unrolls the
         # whole k loop and hoists the weight row out of such a loop (at 1 row: spilled to the stack, reloaded)
         if MB > 1:
-            if M % MB == 1:
-                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 1, M - 1, n0, count)
+            if rows % MB == 1:
+                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 1, m0 + rows - 1, n0, count)
         if MB > 2:
-            if M % MB == 2:
-                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 2, M - 2, n0, count)
+            if rows % MB == 2:
+                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 2, m0 + rows - 2, n0, count)
         if MB > 3:
-            if M % MB == 3:
-                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 3, M - 3, n0, count)
+            if rows % MB == 3:
+                row_tile(x, xb, w, wb, scale, bias, y, acc, tot, 3, m0 + rows - 3, n0, count)
 
     serial_rows = rule.SERIAL_WORK // (N * K)  # (rows * N * K overflows int32 for the LM head)
 
@@ -131,10 +138,10 @@ def _fwd(d: LinearDims, TN: int, NB: int, MB: int, V: int, U: int):
     def body(x, xb, w, wb, scale, bias, y, M):
         if M <= serial_rows:  # decode-size: on the calling thread, no thread-pool launch
             for t in T.serial(NT):
-                task(x, xb, w, wb, scale, bias, y, M, t)
-        else:
-            for t in T.parallel(NT):
-                task(x, xb, w, wb, scale, bias, y, M, t)
+                task(x, xb, w, wb, scale, bias, y, 0, M, t)
+        else:  # a task per (block of MR rows, TN features): the block's rows of x stay in L2 across its tasks
+            for i in T.parallel((M + MR - 1) // MR * NT):
+                task(x, xb, w, wb, scale, bias, y, i // NT * MR, T.min(MR, M - i // NT * MR), i % NT)
 
     NS, NBIAS = (N if d.has_scale else 1), (N if d.has_bias else 1)  # absent: (1,), never read
 
@@ -209,7 +216,9 @@ def apply(func, target, decisions: rule.Decisions):
         return None
     d = LinearDims(**st)
     if name == "linear_fwd":
-        V = decisions.pick("vector", (8, 16), 16)
+        lanes = rule.vector_floats(target)
+        # the target's vector width: 16-float vectors on AVX2 (two ymm each) ran 10-30% slower at 4-256 rows
+        V = decisions.pick("vector", (8, 16), lanes)
         U = decisions.pick("unroll", (1, 2, 4), 2)
         # one feature per tile: its weight row is one sequential stream, which the hardware prefetcher
         # follows (fp32 at 1 row: ~15-19 GB/s on one thread, the core's streaming read); 2 or 4 weight rows
@@ -220,7 +229,10 @@ def apply(func, target, decisions: rule.Decisions):
         MB = decisions.pick("rows", (1, 2, 4), 4)
         # 16 features per task: 48 tasks at N = 768 (2 cores stay balanced), 16 x 3 KiB weight rows each
         TN = decisions.pick("task", (8, 16, 32, 64), 16)
-        return rule.schedule_of(_fwd(d, TN, NB, MB, V, U), name=name)
+        # rows per block (prefill-size calls): a block's rows of x (MR x in_features) stay in L2 while the
+        # block's tasks stream their weights; at decode (<= MR rows) one block, the plain GEMV
+        MR = decisions.pick("row_block", (32, 64, 128, 256), 64)
+        return rule.schedule_of(_fwd(d, TN, NB, MB, V, U, MR, _accumulators(lanes)), name=name)
     V = decisions.pick("vector", (8, 16), 16)
     KB = decisions.pick("k_vectors", (1, 2, 4), 2)
     return rule.schedule_of(_bwd(d, V, KB), name=name)

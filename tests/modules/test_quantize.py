@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import tvm_mamba
+from tvm_mamba.modules.linear import Linear
 from tvm_mamba.modules.lm import InferenceParams, MambaConfig, MambaLMHeadModel
 from tvm_mamba.modules.quantize import QuantizedLinear, quantize_weights
 from tvm_mamba.reference.linear import dequantize_ref
@@ -73,13 +74,13 @@ def test_swapped_layers():
     for name in ("in_proj", "x_proj", "out_proj"):
         assert isinstance(getattr(mixer, name), QuantizedLinear)
         assert getattr(mixer, name).qweight.dtype == torch.int8
-    assert type(mixer.dt_proj) is nn.Linear  # float32: see modules/quantize.py
+    assert type(mixer.dt_proj) is Linear  # float32 (the blocks' nn.Linear subclass): see modules/quantize.py
     assert isinstance(m1.lm_head, QuantizedLinear) and m1.lm_head.qweight.shape == (56, 32)
     assert m1.backbone.embedding.weight.dtype == torch.float32  # the tied embedding is not touched
     m2 = quantize_weights(_model(M2), "bfloat16", lm_head=False)
     mixer = m2.backbone.layers[1].mixer
     assert isinstance(mixer.in_proj, QuantizedLinear) and mixer.in_proj.qweight.dtype == torch.bfloat16
-    assert mixer.in_proj.scale is None and type(m2.lm_head) is nn.Linear
+    assert mixer.in_proj.scale is None and type(m2.lm_head) is Linear
     block = quantize_weights(tvm_mamba.Mamba(16, d_state=8), "int8")  # a bare block works too
     assert isinstance(block.out_proj, QuantizedLinear)
 

@@ -64,6 +64,25 @@ def test_cpu_fwd_knobs_against_float64(knobs, wdt):
         assert torch.equal(rows[M], rows[8][:M]), M
 
 
+def test_cpu_fwd_row_blocks():
+    """Prefill-size calls run a task per (block of row_block rows, features): full and ragged blocks, every
+    rows % 4 remainder in the last one, each row the same bits as in a 1-row call and close to float64."""
+    d = LinearDims(200, 37, True, "float32", "float32")
+    sch = cpu_rule.apply(linear_fwd(d), cpu_target(), Decisions(dict(row_block=32, rows=4)))
+    fn = tvm.compile(sch.mod, target=cpu_target())["linear_fwd"]
+    g = torch.Generator().manual_seed(4)
+    w, b, x = torch.randn(37, 200, generator=g), torch.randn(37, generator=g), torch.randn(99, 200, generator=g)
+    one = torch.empty(1, 37)
+    for M in (64, 97, 98, 99):
+        y = torch.full((M, 37), float("nan"))
+        fn(x[:M], w, torch.zeros(1), b, y)
+        ref = linear_ref(x[:M], w, b)
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), M
+        for m in (0, 31, 32, M - 1):
+            fn(x[m:m + 1], w, torch.zeros(1), b, one)
+            assert torch.equal(one[0], y[m]), (M, m)
+
+
 @pytest.mark.parametrize("mcpu,reg", [("skylake-avx512", "zmm"), ("haswell", "ymm")])
 def test_cpu_fwd_uses_the_targets_vectors(mcpu, reg):
     """Compiled for a named x86 CPU (any host can cross-compile): fused multiply-adds on its widest registers."""

@@ -9,7 +9,9 @@ import torch
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.reference.linear import (dequantize_ref, linear_grad_input_ref, linear_ref,
                                         quantize_weight_ref)
-from tvm_mamba.torch_ops.linear import GEMV_ROWS, fp32_gemv, fp32_linear, linear, quantize_weight
+from tvm_mamba.modules.linear import Linear
+from tvm_mamba.torch_ops import linear as linear_mod
+from tvm_mamba.torch_ops.linear import GEMV_ROWS, fp32_linear, fp32_on_kernel, linear, quantize_weight
 
 WDT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
@@ -135,24 +137,31 @@ def test_bad_input():
         quantize_weight(torch.full((2, 2), float("nan")))
 
 
-def test_fp32_linear_takes_the_gemv_kernel_at_inference_only():
-    """fp32_linear: the linear op for fp32 inference of 1..GEMV_ROWS rows (close to float64, a row's bits the
-    same at any row count), F.linear's own result under autograd, for other dtypes and for more rows."""
+@pytest.mark.parametrize("avx512", [True, False])
+def test_fp32_linear_takes_the_kernel_at_inference_only(monkeypatch, avx512):
+    """fp32_linear: the linear op for fp32 inference of 1..GEMV_ROWS rows, and of more rows where the host has
+    AVX-512 (close to float64, a row's bits the same at any row count); F.linear's own result under autograd,
+    for other dtypes and for more rows on other hosts."""
+    monkeypatch.setattr(linear_mod, "host_has_avx512", lambda: avx512)
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
-    x = torch.randn(GEMV_ROWS + 1, 24, generator=g)
-    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(GEMV_ROWS + 3, 24, generator=g)
+    layer = Linear(24, 40)
     with torch.no_grad():
         layer.weight.copy_(w)
         layer.bias.copy_(b)
-        assert fp32_gemv(x[:1], layer.weight, layer.bias) and fp32_gemv(x[:GEMV_ROWS], w, b)
-        y = fp32_linear(x[:GEMV_ROWS], layer.weight, layer.bias)
+        assert fp32_on_kernel(x[:1], layer.weight, layer.bias) and fp32_on_kernel(x[:GEMV_ROWS], w, b)
+        y = layer(x[:GEMV_ROWS])
         assert torch.equal(y, linear(x[:GEMV_ROWS], w, b))
         assert torch.equal(fp32_linear(x[:1], w, b), y[:1])  # same bits per row at any row count
         assert (y.double() - linear_ref(x[:GEMV_ROWS], w, b)).abs().max().item() < 1e-5
-        assert not fp32_gemv(x, w, b) and torch.equal(fp32_linear(x, w, b), torch.nn.functional.linear(x, w, b))
-        assert not fp32_gemv(x[:1].bfloat16(), w.bfloat16())
-        assert not fp32_gemv(x[:0], w)
-    assert not fp32_gemv(x[:1], layer.weight, layer.bias)  # grad mode, parameters that need gradients
-    out = fp32_linear(x[:1], layer.weight, layer.bias)
+        assert fp32_on_kernel(x, w, b) == avx512
+        big = layer(x)
+        assert torch.equal(big, linear(x, w, b) if avx512 else torch.nn.functional.linear(x, w, b))
+        if avx512:
+            assert torch.equal(big[:GEMV_ROWS], y)
+        assert not fp32_on_kernel(x[:1].bfloat16(), w.bfloat16())
+        assert not fp32_on_kernel(x[:0], w)
+    assert not fp32_on_kernel(x[:1], layer.weight, layer.bias)  # grad mode, parameters that need gradients
+    out = layer(x[:1])
     assert out.requires_grad and torch.equal(out, torch.nn.functional.linear(x[:1], w, b))

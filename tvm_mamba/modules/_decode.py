@@ -45,7 +45,7 @@ from ..runtime.target import device_target_key
 from ..torch_ops._dlpack import ALIGN, capture_launches, eager_direct
 from ..torch_ops.causal_conv1d import causal_conv1d_update
 from ..torch_ops.layer_norm import layer_norm_fn
-from ..torch_ops.linear import fp32_gemv, fp32_linear, linear
+from ..torch_ops.linear import fp32_on_kernel, fp32_linear, linear
 from ..torch_ops.rmsnorm_gated import rmsnorm_fn
 from ..torch_ops.selective_scan import selective_state_update
 from ._checks import check_hidden
@@ -222,7 +222,7 @@ class _without_bias(NamedTuple):
 
 class Dense:
     """y = layer(x) for x: (batch, in_features), as :func:`project` computes it: through the linear op (a
-    ``QuantizedLinear``'s bf16 / int8 weights, or an fp32 ``nn.Linear`` where :func:`fp32_gemv` holds, decided
+    ``QuantizedLinear``'s bf16 / int8 weights, or an fp32 ``nn.Linear`` where :func:`fp32_on_kernel` holds, decided
     on the first call: the plan's batch and dtype are fixed), its launch captured once and replayed; otherwise
     one matmul (into ``out`` when given, same bits as F.linear). ``external``: x is the caller's tensor (a new
     one each step), copied into a buffer the replayed launch reads; else x is a plan buffer, the same tensor
@@ -238,7 +238,7 @@ class Dense:
     def reused(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """layer(x); on the linear op, the replayed launch's result: the same tensor every step."""
         if self.op is None:
-            self.op = fp32_gemv(x, *self.args)
+            self.op = fp32_on_kernel(x, *self.args)
         if not self.op:
             return linear_into(x, *self.args, out)
         if self.external:

@@ -28,6 +28,7 @@ from ..torch_ops.layer_norm import layer_norm_fn
 from . import _decode, checkpoint
 from .generation import GenerationMixin, InferenceParams  # noqa: F401  (InferenceParams: re-exported)
 from .layer_norm import RMSNorm
+from .linear import Linear
 from .mamba import Mamba
 from .mamba2 import Mamba2
 from .mlp import GatedMLP
@@ -200,7 +201,7 @@ class MambaLMHeadModel(nn.Module, GenerationMixin):
                                    attn_cfg=config.attn_cfg, rms_norm=config.rms_norm,
                                    initializer_cfg=initializer_cfg, fused_add_norm=config.fused_add_norm,
                                    residual_in_fp32=config.residual_in_fp32, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(config.d_model, vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = Linear(config.d_model, vocab_size, bias=False, device=device, dtype=dtype)
         self.apply(lambda m: _init_weights(m, config.n_layer, **(initializer_cfg or {})))
         self.tie_weights()
 

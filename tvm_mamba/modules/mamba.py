@@ -31,6 +31,7 @@ from ..torch_ops.mamba_inner import mamba_inner_fn
 from ..torch_ops.selective_scan import selective_scan_fn, selective_state_update
 from . import _decode
 from ._checks import FLOAT_STATES, check_hidden, check_state, states_from_cache
+from .linear import Linear
 
 
 class Mamba(nn.Module):
@@ -55,12 +56,12 @@ class Mamba(nn.Module):
         self.layer_idx = layer_idx
         self.activation = "silu"
 
-        self.in_proj = nn.Linear(self.d_model, self.d_inner * 2, bias=bias, **factory_kwargs)
+        self.in_proj = Linear(self.d_model, self.d_inner * 2, bias=bias, **factory_kwargs)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, bias=conv_bias, kernel_size=d_conv,
                                 groups=self.d_inner, padding=d_conv - 1, **factory_kwargs)
         self.act = nn.SiLU()
-        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + self.d_state * 2, bias=False, **factory_kwargs)
-        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **factory_kwargs)
+        self.x_proj = Linear(self.d_inner, self.dt_rank + self.d_state * 2, bias=False, **factory_kwargs)
+        self.dt_proj = Linear(self.dt_rank, self.d_inner, bias=True, **factory_kwargs)
 
         # Initialize special dt projection to preserve variance at initialization (upstream's init)
         dt_init_std = self.dt_rank ** -0.5 * dt_scale
@@ -84,7 +85,7 @@ class Mamba(nn.Module):
         self.A_log._no_weight_decay = True
         self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
         self.D._no_weight_decay = True
-        self.out_proj = nn.Linear(self.d_inner, self.d_model, bias=bias, **factory_kwargs)
+        self.out_proj = Linear(self.d_inner, self.d_model, bias=bias, **factory_kwargs)
 
     # ------------------------------------------------------------------------------------------------
     def _conv_weight(self):
@@ -118,7 +119,7 @@ class Mamba(nn.Module):
         x = causal_conv1d_fn(x, self._conv_weight(), self.conv1d.bias, activation=self.activation)
         x_dbl = self.x_proj(x.transpose(1, 2))  # (batch, seqlen, dt_rank + 2*d_state)
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (batch, d_inner, seqlen), bias in the scan
+        dt = fp32_linear(dt, self.dt_proj.weight).transpose(1, 2)  # (batch, d_inner, seqlen), bias in the scan
         y = selective_scan_fn(x, dt, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), z=z,
                               delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
                               return_last_state=want_states)

@@ -35,6 +35,7 @@ from ..torch_ops.selective_scan import selective_state_update
 from ..torch_ops.ssd import mamba_chunk_scan_combined
 from . import _decode
 from ._checks import FLOAT_STATES, check_cu_seqlens, check_hidden, check_state, states_from_cache
+from .linear import Linear
 from .rmsnorm_gated import RMSNormGated
 
 NO_LIMIT = (0.0, float("inf"))
@@ -81,7 +82,7 @@ class Mamba2(nn.Module):
         self.world_size = 1
 
         d_in_proj = 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
-        self.in_proj = nn.Linear(self.d_model, d_in_proj, bias=bias, **factory_kwargs)
+        self.in_proj = Linear(self.d_model, d_in_proj, bias=bias, **factory_kwargs)
         conv_dim = self.d_ssm + 2 * self.ngroups * self.d_state
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, bias=conv_bias, kernel_size=d_conv, groups=conv_dim,
                                 padding=d_conv - 1, **factory_kwargs)
@@ -106,7 +107,7 @@ class Mamba2(nn.Module):
         if self.rmsnorm:
             self.norm = RMSNormGated(self.d_ssm, eps=1e-5, norm_before_gate=self.norm_before_gate,
                                      group_size=self.d_ssm // ngroups, **factory_kwargs)
-        self.out_proj = nn.Linear(self.d_inner, self.d_model, bias=bias, **factory_kwargs)
+        self.out_proj = Linear(self.d_inner, self.d_model, bias=bias, **factory_kwargs)
 
     # ------------------------------------------------------------------------------------------------
     def _conv_weight(self):

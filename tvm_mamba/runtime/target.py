@@ -38,6 +38,15 @@ def host_cpu() -> str:
     return name if name and name != "native" else "generic"
 
 
+@functools.lru_cache(maxsize=None)
+def host_has_avx512() -> bool:
+    """Whether the host CPU target has AVX-512 (16 float32 lanes a vector register)."""
+    try:
+        return bool(tvm.target.codegen.target_has_features("avx512f", cpu_target()))
+    except Exception:  # a CPU LLVM cannot query (another architecture): no
+        return False
+
+
 def num_cores() -> int:
     return int(os.environ.get("TVM_NUM_THREADS") or usable_cpus())
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..compute.linear import LinearDims
+from ..runtime.target import host_has_avx512
 from ._dlpack import (TORCH_TO_TVM, check_shape, check_size, check_tensor, dummy, eager_direct, kernel_for,
                       kernel_device_type, prepare, run_op)
 
@@ -95,7 +96,7 @@ def _check_args(x, weight, bias, scale) -> None:
     check_tensor("x", x, dtypes=X_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=WEIGHT_DTYPES, device=x.device)
     if x.dim() < 1:
-        raise ValueError(f"x: expected (..., in_features), got a 0-dim tensor")
+        raise ValueError("x: expected (..., in_features), got a 0-dim tensor")
     N, K = weight.shape
     if K == 0 or N == 0:
         raise ValueError(f"weight: expected (out_features, in_features) with both >= 1, got {tuple(weight.shape)}")
@@ -139,30 +140,37 @@ def linear(x, weight, bias=None, scale=None):
 GEMV_ROWS = 8  # fp32 inference calls of up to this many rows (decode: one per sequence) take the GEMV kernel
 
 
-def fp32_gemv(x, weight, bias=None) -> bool:
-    """Whether :func:`fp32_linear` runs ``F.linear(x, weight, bias)`` on the linear op: float32 x (1 to GEMV_ROWS
-    rows of in_features), weight and bias on a CPU device served by the CPU kernels (not ``simulate_cuda``),
-    eager mode and no gradient needed. There the GEMV kernel reads the weight at the core's streaming speed,
-    faster than torch's batch-1 GEMV (docs/linear.md), and gives a row the same bits at any row count;
-    autograd, tracing and larger matmuls (prefill) keep F.linear."""
+def fp32_on_kernel(x, weight, bias=None) -> bool:
+    """Whether :func:`fp32_linear` runs ``F.linear(x, weight, bias)`` on the linear op: float32 x (rows of
+    in_features), weight and bias on a CPU device served by the CPU kernels (not ``simulate_cuda``), eager mode,
+    no gradient needed, and either at most GEMV_ROWS rows (decode: the GEMV kernel reads the weight at the
+    core's streaming speed, faster than torch's batch-1 GEMV) or a host with AVX-512 (prefill: the kernel's
+    16-lane row tiles ran torch's fp32 GEMM 1.3-1.8x on one Zen 5 core, docs/linear.md; on AVX2 they only
+    matched it, so larger matmuls keep F.linear there). A row gets the same bits at any row count, so a
+    prompt's projections equal its decode steps'. Autograd and tracing keep F.linear."""
     if not (x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)):
+        return False
+    if not eager_direct(x):  # first: tracing (torch.compile) must not reach the host query below
         return False
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.device != weight.device:
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    if not (1 <= rows <= GEMV_ROWS and x.device.type == "cpu" and kernel_device_type(x.device) == "cpu"):
+    if not (rows >= 1 and x.device.type == "cpu" and kernel_device_type(x.device) == "cpu"):
+        return False
+    if rows > GEMV_ROWS and not host_has_avx512():
         return False
     params = [t for t in (weight, bias) if t is not None]  # nn.Parameter or plain tensors
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in params):
         return False
-    return eager_direct(x) and not (torch.is_grad_enabled() and any(t.requires_grad for t in params))
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in params))
 
 
 def fp32_linear(x, weight, bias=None):
-    """F.linear(x, weight, bias) for an fp32 layer at inference, on the GEMV kernel where :func:`fp32_gemv` says
-    so (the decode plans and the blocks' step paths call this one function, so both give the same bits).
-    x: (..., in_features), weight: (out_features, in_features), bias: (out_features,) -> (..., out_features)."""
-    if fp32_gemv(x, weight, bias):
+    """F.linear(x, weight, bias) for an fp32 layer at inference, on the linear op where :func:`fp32_on_kernel`
+    says so (the modules' projections, the decode plans and the blocks' step paths call this one function, so
+    all give the same bits). x: (..., in_features), weight: (out_features, in_features), bias: (out_features,)
+    -> (..., out_features)."""
+    if fp32_on_kernel(x, weight, bias):
         return linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
+from .linear import fp32_linear
 from ._fused import norm_bwd, norm_fwd
 from ._selective_scan_complex import _bc_kernel as complex_bc_kernel
 from ._selective_scan_complex import selective_scan_complex_bwd, selective_scan_complex_fwd
@@ -154,7 +155,7 @@ class _MambaInner(torch.autograd.Function):
         t = dict(zip(TENSORS, tensors))
         batch = t["xz"].shape[0]
         conv_out = _conv(t, dims)  # (batch, d_inner, seqlen)
-        x_dbl = F.linear(conv_out.transpose(1, 2).reshape(-1, dims.dim), t["x_proj_weight"])  # (tokens, K)
+        x_dbl = fp32_linear(conv_out.transpose(1, 2).reshape(-1, dims.dim), t["x_proj_weight"])  # (tokens, K)
         delta, _, _ = _delta(dims, t, x_dbl, batch)
         B, _, _ = _bc(dims, t, x_dbl, batch, "B")
         C, _, _ = _bc(dims, t, x_dbl, batch, "C")
@@ -167,7 +168,7 @@ class _MambaInner(torch.autograd.Function):
         ctx.names = tuple(keep)
         ctx.save_for_backward(*keep.values())
         ctx.dims = dims
-        return F.linear(out_z.transpose(1, 2), t["out_proj_weight"], t["out_proj_bias"])
+        return fp32_linear(out_z.transpose(1, 2), t["out_proj_weight"], t["out_proj_bias"])  # as the module's
 
     @staticmethod
     def backward(ctx, dout):

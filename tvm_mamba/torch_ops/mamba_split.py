@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
+from .linear import fp32_linear
 from ._fused import norm_bwd, norm_fwd
 from .ssd import check_seq_idx, dt_limit_pair, ssd_bwd, ssd_fwd
 
@@ -142,7 +143,7 @@ class _MambaSplit(torch.autograd.Function):
         if dims.d_nonssm:
             out = torch.cat([_swiglu(torch.split(t["zxbcdt"], dims.splits, dim=-1)[0]), out], dim=-1)
         if t["outproj_weight"] is not None:
-            out = F.linear(out, t["outproj_weight"], t["outproj_bias"])
+            out = fp32_linear(out, t["outproj_weight"], t["outproj_bias"])  # as the module's out_proj
         ctx.names = tuple(keep)
         ctx.save_for_backward(*keep.values())
         ctx.dims = dims
