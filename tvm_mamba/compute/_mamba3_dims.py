@@ -64,3 +64,40 @@ class StepDims(Dims):
     @property
     def heads_per_qk(self) -> int:
         return self.nheads // self.nheads_qk
+
+
+@dataclasses.dataclass(frozen=True)
+class PreDims(Dims):
+    """The SISO chunked forward's preprocess (the kernel before the SSD pieces, docs/mamba3.md).
+
+    nheads / nheads_qk / headdim_qk / headdim_v / headdim_angles as StepDims; chunk_size: the SSD pieces'
+    chunk length (1 .. 256); has_D: D given (folded into the per-position skip); has_init: input states given
+    (the angle cumsum starts from the angle state, the initial ssm state gets the K / V states' trapezoid
+    term). Dtypes: ``qk`` of Q and K, ``vstate`` of the input V state, ``kstate`` of the input K state (None:
+    float32). The SSD pieces accumulate in float32, so there is no float64 form.
+    """
+
+    nheads: int
+    nheads_qk: int
+    headdim_qk: int
+    headdim_v: int
+    headdim_angles: int
+    chunk_size: int
+    has_D: bool = False
+    has_init: bool = False
+    qk_dtype: str = "float32"
+    vstate_dtype: str = "float32"
+    kstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+
+    def __post_init__(self):
+        StepDims(self.nheads, self.nheads_qk, self.headdim_qk, self.headdim_v, self.headdim_angles)  # same checks
+        if not (isinstance(self.chunk_size, int) and 1 <= self.chunk_size <= 256):
+            raise ValueError(f"chunk_size: must be an int in 1..256, got {self.chunk_size!r}")
+        for name in ("qk", "vstate", "kstate"):
+            dt = getattr(self, f"{name}_dtype")
+            if dt is not None:
+                check_dtype(name, dt, IO_DTYPES[:3])
+
+    @property
+    def heads_per_qk(self) -> int:
+        return self.nheads // self.nheads_qk

@@ -1,5 +1,8 @@
 """Mamba-3 (mamba_ssm 2.3.2.post1, docs/mamba3.md): the SISO decode step, a loop-nest template laid out per
-target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules).
+target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules), and
+the SISO chunked forward's preprocess (preprocess.py), laid out by the SSD strategies: the chunked forward is
+that preprocess, then the SSD pieces of compute/ssd/ (bmm_chunk, chunk_state, state_passing, chunk_scan with
+``diag_skip``), chained by torch_ops/mamba3.py.
 
     h' = exp(ADT) h + exp(ADT) DT (1 - sigmoid(Trap)) v_state k_state^T + DT sigmoid(Trap) V k^T;
     out = (h' q + D V) * silu(Z),   q, k = rotary(theta') (Q + Q_bias), rotary(theta') (K + K_bias)
@@ -17,15 +20,18 @@ from tvm import tirx
 from .._common import stamp
 from .._math import Math
 from ..selective_scan._layout import Layout
-from ._dims import IO_DTYPES, StepDims, acc_dtype
+from ..ssd.strategy import SERIAL
+from ._dims import IO_DTYPES, PreDims, StepDims, acc_dtype
+from .preprocess import preprocess_template
 from .step import step_template
 
-__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "StepDims", "acc_dtype", "build", "build_check_configs",
-           "mamba3_siso_step"]
+__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "PreDims", "StepDims", "acc_dtype", "build", "build_check_configs",
+           "mamba3_siso_step", "mamba3_siso_preprocess"]
 
-# direction -> typed static dims / template(dims, layout)
-DIMS = {"siso_step": StepDims}
-TEMPLATES = {"siso_step": step_template}
+# direction -> typed static dims / template(dims, layout): the step takes a selective-scan Layout, the
+# preprocess an SSD Strategy (the rules pick each direction's)
+DIMS = {"siso_step": StepDims, "siso_preprocess": PreDims}
+TEMPLATES = {"siso_step": step_template, "siso_preprocess": preprocess_template}
 
 
 def build(direction: str, dims, layout: Layout) -> tirx.PrimFunc:
@@ -43,6 +49,20 @@ def mamba3_siso_step(dims: StepDims | None = None, /, **kwargs) -> tirx.PrimFunc
         raise TypeError(f"mamba3_siso_step: pass dims or keyword dims, not both ({sorted(kwargs)})")
     d = dims if dims is not None else StepDims(**kwargs)
     return build("siso_step", d, Layout(Math(d.acc)))
+
+
+def mamba3_siso_preprocess(dims: PreDims | None = None, /, **kwargs) -> tirx.PrimFunc:
+    """The chunked forward's preprocess. Q, K: (batch, seqlen, nheads_qk, headdim_qk); ADT, DT, Trap:
+    (batch, nheads, seqlen) f32; Q_bias, K_bias: (nheads, headdim_qk) f32; Angles: (batch, seqlen, nheads,
+    headdim_angles) f32; D: (nheads,) f32; angle_state (batch, nheads, headdim_angles) f32, ssm_state (batch,
+    nheads, headdim_v, headdim_qk) f32, k_state (batch, nheads, headdim_qk), v_state (batch, nheads, headdim_v)
+    -> q, k: (batch, seqlen, nheads, headdim_qk) f32 (rotated, biased); dA_cs, scale, skip: (batch, nheads,
+    nchunks, chunk_size) f32; angle_out: (batch, nheads, headdim_angles) f32; init: (batch, nheads, headdim_v,
+    headdim_qk) f32 (with has_init). Formulas in preprocess.py; ``dims``: a PreDims, or its fields as keywords."""
+    if dims is not None and kwargs:
+        raise TypeError(f"mamba3_siso_preprocess: pass dims or keyword dims, not both ({sorted(kwargs)})")
+    d = dims if dims is not None else PreDims(**kwargs)
+    return build("siso_preprocess", d, SERIAL)
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
