@@ -70,10 +70,17 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     tuned SISO shape (nheads_qk 1, 32 heads, headdim_qk 128, headdim_v 64) at rope_fraction 0.5 (32 angles)
     with bf16 activations: a bf16 K / V state (what Mamba3.allocate_inference_cache makes), the same without Z
     (``is_outproj_norm``: the gate is applied by the output norm), and fed back the step's own float32 K state;
-    plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads."""
+    plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads. The chunked forward's preprocess at the same
+    shape, chunk 64: bf16 with D and input states (a float32 K state, what the forward itself returns), and
+    fp32 without (GQA, full rotary); its SSD pieces are compute/ssd's (the chunk scan with ``diag_skip`` in
+    that list)."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
     bf16 = {"qk": "bfloat16", "v": "bfloat16"}
+    pre = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
     return [("siso_step", base, dict(bf16, kstate="bfloat16")),
             ("siso_step", dict(base, has_z=False), dict(bf16, kstate="bfloat16")),
             ("siso_step", base, bf16),
-            ("siso_step", dict(base, nheads_qk=2, headdim_angles=64), {"qk": "float32", "v": "float32"})]
+            ("siso_step", dict(base, nheads_qk=2, headdim_angles=64), {"qk": "float32", "v": "float32"}),
+            ("siso_preprocess", dict(pre, has_D=True, has_init=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
+            ("siso_preprocess", dict(pre, nheads_qk=2, headdim_angles=64, has_D=False, has_init=False),
+             {"qk": "float32", "vstate": "float32"})]
