@@ -74,19 +74,24 @@ def test_simcheck_every_config():
         simcheck.run_config("mamba3", direction, static, dtypes, "sm_90")
 
 
-def test_simcheck_catches_a_wrong_kernel(monkeypatch):
-    """The check fails when the simulated result is off: a reference with the trapezoid's left term dropped."""
+@pytest.mark.parametrize("direction, ref_name", [("siso_step", "mamba3_siso_step_ref"),
+                                                 ("siso_preprocess", "mamba3_siso_combined_ref")])
+def test_simcheck_catches_a_wrong_kernel(monkeypatch, direction, ref_name):
+    """The check fails when the simulated result is off: a reference with the trapezoid's left term of the
+    first step (the input V state) dropped."""
     from tvm_mamba.reference import mamba3 as ref_module
 
-    true_ref = ref_module.mamba3_siso_step_ref
+    true_ref = getattr(ref_module, ref_name)
 
     def no_left_term(*args, **kw):
         states = list(kw.pop("Input_States"))
         states[3] = torch.zeros_like(states[3])
         return true_ref(*args, Input_States=states, **kw)
 
-    direction, static, dtypes = compute.build_check_configs()[-1]
+    static, dtypes = [(st, dt) for d, st, dt in compute.build_check_configs() if d == direction][0]
     small = dict(static, nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2)
-    monkeypatch.setattr(ref_module, "mamba3_siso_step_ref", no_left_term)
-    with pytest.raises(simcheck.CheckFailed, match="mamba3.siso_step"):
+    if direction == "siso_preprocess":
+        small["chunk_size"] = 4
+    monkeypatch.setattr(ref_module, ref_name, no_left_term)
+    with pytest.raises(simcheck.CheckFailed, match=f"mamba3.{direction}"):
         sc.check(direction, small, dtypes, "sm_90")
