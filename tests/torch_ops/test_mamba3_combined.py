@@ -131,10 +131,23 @@ def _bad(**change):
           DT=torch.randn(2, 2, 0), Trap=torch.randn(2, 2, 0), Angles=torch.randn(2, 0, 2, 2), Z=None), ValueError,
      "seqlen"),
     (dict(cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32)), NotImplementedError, "cu_seqlens"),
+    (dict(V=torch.randn(2, 5, 2, 258), Z=None, state3=torch.randn(2, 2, 258), state1=torch.randn(2, 2, 258, 8)),
+     ValueError, "headdim_v"),  # the SSD pieces' headdim <= 256
 ])
 def test_bad_input_names_the_argument(change, err, name):
     kw = _bad(**change)
     with pytest.raises(err, match=name):
+        mamba3_siso_combined(**kw)
+
+
+def test_workspace_past_32_bit_indexing_is_refused():
+    """Expanded views (no memory), each input within 32-bit indexing: the per-head q / k workspace (2^32
+    elements: 64 heads x headdim_qk 256 from one Q/K head) is refused before anything is allocated."""
+    B, L, H, N = 1 << 6, 1 << 12, 64, 256
+    big = lambda *shape: torch.zeros((1,) * len(shape)).expand(*shape)  # noqa: E731
+    kw = dict(Q=big(B, L, 1, N), K=big(B, L, 1, N), V=big(B, L, H, 2), ADT=big(B, H, L), DT=big(B, H, L),
+              Trap=big(B, H, L), Q_bias=big(H, N), K_bias=big(H, N), Angles=big(B, L, H, 1))
+    with pytest.raises(ValueError, match="q / k workspace"):
         mamba3_siso_combined(**kw)
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..compute._mamba3_dims import PreDims, StepDims
 from ..compute._ssd_dims import BmmDims, PassingDims, ScanDims, StateDims
-from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
+from ._dlpack import FLOATS, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "mamba3"
 
@@ -208,6 +208,20 @@ def _(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_sta
     return _fwd_outputs(V, Q, Angles)
 
 
+def _check_chunked(V: Tensor, N: int, chunk_size: int) -> None:
+    """What the SSD pieces add to the argument checks: seqlen >= 1, headdim_qk (their dstate) and headdim_v
+    (their headdim) up to 256, and every workspace within 32-bit indexing."""
+    (batch, seqlen, nheads, P), nchunks = V.shape, -(-V.shape[1] // chunk_size)
+    if seqlen == 0:
+        raise ValueError("V: seqlen must be at least 1")
+    for name, what, v in (("Q", "headdim_qk", N), ("V", "headdim_v", P)):
+        if v > 256:
+            raise ValueError(f"{name}: {what}={v}; the chunked forward supports up to 256")
+    check_size("q / k workspace (batch x seqlen x nheads x headdim_qk)", batch * seqlen * nheads * N)
+    check_size("chunk states (batch x nchunks x nheads x headdim_v x headdim_qk)", batch * nchunks * nheads * P * N)
+    check_size("q . k per chunk (batch x nchunks x nheads x chunk_size^2)", batch * nchunks * nheads * chunk_size ** 2)
+
+
 def _grad_needed(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
@@ -232,8 +246,7 @@ def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= 256:
         raise ValueError(f"chunk_size: must be an int in 1..256, got {chunk_size!r}")
     _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, Input_States, seq=True)
-    if V.shape[1] == 0:
-        raise ValueError("V: seqlen must be at least 1")
+    _check_chunked(V, Q.shape[-1], chunk_size)
     states = tuple(Input_States) if Input_States is not None else (None,) * 4
     if _grad_needed(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, *states):
         raise NotImplementedError("mamba3_siso_combined: the backward is not implemented yet; call it with inputs "
