@@ -4,7 +4,8 @@ laid out by the SSD strategies (compute/ssd/strategy.py: serial; schedules/<targ
 CUDA blockIdx x threadIdx). Three passes (three parallel loops on a CPU, three launches on CUDA; none reads
 what another writes):
 
-1. rotate, a task per (batch b, head h, rotary pair i < headdim_qk / 2), serial over time t:
+1. rotate, a task per (batch b, head h, block of rotary pairs i < headdim_qk / 2: every pair as one vector
+   loop on a CPU, one pair per CUDA thread), time t outer (each step reads / writes contiguous rows):
        theta_t = (theta_{t-1} + pi tanh(Angles_t[i]) DT_t) mod 2 pi     (pairs i < headdim_angles, theta_{-1}
                                                                          = the angle state or 0; others: 0)
        q_t, k_t = R(theta_t) (Q_t[hq] + Q_bias[h]), R(theta_t) (K_t[hq] + K_bias[h])  (hq = h // (H / H_qk))
@@ -37,38 +38,49 @@ from ._dims import PreDims
 
 
 def _rotate_macro(d: PreDims, S: Strategy):
-    """Pass 1, task (b, h, pair i): the angle cumsum over time and the rotated q / k pairs."""
+    """Pass 1, task (b, h, block of ``S.lanes`` rotary pairs: all of them on a CPU, one on CUDA): the angle
+    cumsum over time and the rotated q / k pairs, time outer so each step reads and writes contiguous rows.
+    Pairs past headdim_angles keep theta = 0 (cos 1, sin 0: q, k = Q + Q_bias, K + K_bias) without a branch,
+    so the CPU's pair loop stays one vector loop."""
     H, HPQ, NP, A, m = d.nheads, d.heads_per_qk, d.headdim_qk // 2, d.headdim_angles, S.math
+    V = S.lanes(NP)
     PI, TWO_PI = m.const(math.pi), m.const(2.0 * math.pi)
 
-    @T.macro
-    def pair(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seqlen):
-        r = T.alloc_buffer((7,), F32, scope=S.scope)  # cos, sin, theta, q pair, k pair
-        b, h, p = T.meta_var(unravel(i, (None, H, NP)))
-        r[2] = m.zero
-        if d.has_init:
-            if p < A:
-                r[2] = ast[b, h, p]
-        r[0] = m.one
-        r[1] = m.zero
-        for t in range(seqlen):
-            if p < A:
-                r[2] = r[2] + m.tanh(Ang[b, t, h, p]) * PI * DT[b, h, t]
-                r[2] = r[2] - TWO_PI * T.floor(r[2] / TWO_PI)
-                r[0] = T.cos(r[2])
-                r[1] = T.sin(r[2])
-            r[3] = m.cast(Qm[b, t, h // HPQ, 2 * p]) + Qb[h, 2 * p]
-            r[4] = m.cast(Qm[b, t, h // HPQ, 2 * p + 1]) + Qb[h, 2 * p + 1]
-            r[5] = m.cast(Km[b, t, h // HPQ, 2 * p]) + Kb[h, 2 * p]
-            r[6] = m.cast(Km[b, t, h // HPQ, 2 * p + 1]) + Kb[h, 2 * p + 1]
-            q[b, t, h, 2 * p] = r[3] * r[0] - r[4] * r[1]
-            q[b, t, h, 2 * p + 1] = r[3] * r[1] + r[4] * r[0]
-            k[b, t, h, 2 * p] = r[5] * r[0] - r[6] * r[1]
-            k[b, t, h, 2 * p + 1] = r[5] * r[1] + r[6] * r[0]
-        if p < A:
-            aout[b, h, p] = r[2]
+    def wrap(x):  # x mod 2 pi, in [0, 2 pi)
+        return x - TWO_PI * T.floor(x / TWO_PI)
 
-    return pair
+    @T.macro
+    def pairs(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seqlen):
+        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,)))
+        b, h, pb = T.meta_var(unravel(i, (None, H, NP // V)))
+        hq = T.meta_var(h // HPQ)
+        for v in S.lane_loop(V):
+            w.th[v] = m.zero
+        if d.has_init:
+            for v in range(V):
+                if pb * V + v < A:
+                    w.th[v] = ast[b, h, pb * V + v]
+        for t in range(seqlen):
+            for v in S.lane_loop(V):
+                w.th[v] = T.Select(pb * V + v < A, wrap(
+                    w.th[v] + m.tanh(Ang[b, t, h, T.min(pb * V + v, A - 1)]) * PI * DT[b, h, t]), m.zero)
+                w.cs[v] = T.cos(w.th[v])
+                w.sn[v] = T.sin(w.th[v])
+                _rotate(q, Qm, Qb, w, b, t, h, hq, pb * V + v, v, m)
+                _rotate(k, Km, Kb, w, b, t, h, hq, pb * V + v, v, m)
+        for v in range(V):
+            if pb * V + v < A:
+                aout[b, h, pb * V + v] = w.th[v]
+
+    return pairs
+
+
+def _rotate(out, X, Xb, w, b, t, h, hq, p, v, m):
+    """out[b, t, h, pair p] = R(theta) (X[b, t, hq, pair p] + Xb[h, pair p]), cos / sin in w.cs / w.sn[v]."""
+    x0 = m.cast(X[b, t, hq, 2 * p]) + Xb[h, 2 * p]
+    x1 = m.cast(X[b, t, hq, 2 * p + 1]) + Xb[h, 2 * p + 1]
+    T.buffer_store(out, x0 * w.cs[v] - x1 * w.sn[v], [b, t, h, 2 * p])
+    T.buffer_store(out, x0 * w.sn[v] + x1 * w.cs[v], [b, t, h, 2 * p + 1])
 
 
 def _chunk_macro(d: PreDims, S: Strategy):
@@ -155,7 +167,8 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
         skip = T.match_buffer(sk_h, (batch, H, nchunks, Q), F32)
         aout = T.match_buffer(aout_h, (batch, H, A), F32)
         init = T.match_buffer(init_h, (batch, H, P, N) if d.has_init else Z4, F32)
-        tasks(batch * H * (N // 2), lambda i: pair(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seqlen))
+        tasks(batch * H * (N // 2 // S.lanes(N // 2)),
+              lambda i: pair(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seqlen))
         tasks(batch * H * nchunks, lambda i: chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seqlen,
                                                    nchunks))
         if d.has_init:
