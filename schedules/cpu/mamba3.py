@@ -6,6 +6,10 @@ state elements (no thread-pool launch at decode sizes, as the scan's decode step
 headdim_qk in ``vector``-wide vectors (``T.vectorized``, h' . q as vector partials then one horizontal sum);
 exp, sigmoid, tanh, silu are the vectorizable polynomials of ``compute._math`` (float64 builds: libm).
 Knob: ``vector`` (powers of two dividing headdim_qk, <= 16; default the largest).
+
+Chunked forward's preprocess: the SSD CPU strategy (schedules/cpu/ssd.py ``Cpu``): each pass's tasks a parallel
+loop (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch, head,
+headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from ...compute import mamba3 as compute
 from ...compute._math import Math
 from ..rule import Decisions, kernel_attrs, schedule_of
 from .selective_scan import CpuLayout
+from .ssd import Cpu
 
 
 def apply(func, target, decisions: Decisions):
@@ -21,6 +26,8 @@ def apply(func, target, decisions: Decisions):
     if "cpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
     dims = compute.DIMS[direction](**static)
+    if direction == "siso_preprocess":
+        return schedule_of(compute.build(direction, dims, Cpu()), name=name)
     widths = [v for v in (1, 2, 4, 8, 16) if dims.headdim_qk % v == 0]
     vec = decisions.pick("vector", widths, widths[-1])
     return schedule_of(compute.build(direction, dims, CpuLayout(Math(dims.acc), vec=vec)), name=name)

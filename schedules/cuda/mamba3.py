@@ -4,6 +4,10 @@ Decode step: one thread per (batch, head, headdim_v row) lane (``warp=False``: b
 lane's rotary pairs serial in registers; at upstream's shape, batch 1 x 32 heads x 64 rows = 2048 threads),
 CUDA's own expf / tanhf / cosf / sinf. Knob: ``threads`` per block (64, 128, 256; default 128). Serves any
 target with the "gpu" key.
+
+Chunked forward's preprocess: the SSD CUDA strategy (schedules/cuda/ssd.py ``Gpu``): a launch per pass, a thread
+per task (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch,
+head, headdim_v row, headdim_qk element)); knob ``threads`` as above.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from ...compute import mamba3 as compute
 from ...compute._math import Math
 from ..rule import Decisions, kernel_attrs, schedule_of
 from .selective_scan import CudaLayout
+from .ssd import Gpu
 
 
 def apply(func, target, decisions: Decisions):
@@ -20,4 +25,5 @@ def apply(func, target, decisions: Decisions):
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
     dims = compute.DIMS[direction](**static)
-    return schedule_of(compute.build(direction, dims, CudaLayout(Math(dims.acc, native=True), threads)), name=name)
+    layout = Gpu(threads) if direction == "siso_preprocess" else CudaLayout(Math(dims.acc, native=True), threads)
+    return schedule_of(compute.build(direction, dims, layout), name=name)

@@ -36,6 +36,18 @@ def make_inputs(batch=2, seqlen=7, nheads_qk=1, nheads=2, N=8, P=4, S=2, seed=0,
     return inp
 
 
+def with_changes(kw: dict, change: dict) -> dict:
+    """A copy of call arguments ``kw`` with ``change`` applied: key ``state<i>`` replaces Input_States[i], any
+    other key the argument of that name (the bad-input tests' one-argument changes)."""
+    kw = dict(kw, Input_States=list(kw["Input_States"]))
+    for key, value in change.items():
+        if key.startswith("state"):
+            kw["Input_States"][int(key[-1])] = value
+        else:
+            kw[key] = value
+    return kw
+
+
 def step_inputs(inp, t):
     """Time step t of combined-layout inputs in the decode step's layout."""
     return dict(Q=inp["Q"][:, t], K=inp["K"][:, t], V=inp["V"][:, t], ADT=inp["ADT"][:, :, t], DT=inp["DT"][:, :, t],

@@ -64,6 +64,10 @@ def test_dims_keep_the_keys():
     assert "state" not in plain.key_parts()[1] and "state_dtype" not in plain.stamp_static()
     with pytest.raises(ValueError, match="states"):
         ssd.DIMS["chunk_scan"](nheads=2, ngroups=1, headdim=4, dstate=8, chunk_size=8, state_dtype="int8")
+    scan = dict(nheads=2, ngroups=1, headdim=4, dstate=8, chunk_size=8)  # diag_skip (Mamba-3): off = no key field
+    assert "diag_skip" not in ssd.DIMS["chunk_scan"](**scan).key_parts()[0]
+    with pytest.raises(ValueError, match="diag_skip"):
+        ssd.DIMS["chunk_scan"](**scan, diag_skip=True)  # needs has_D: D is the per-position skip
 
 
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])

@@ -1,6 +1,7 @@
-"""mamba3_siso_step on its CUDA kernel, run on the CPU by the CUDA execution harness (tvm_mamba.simulate_cuda),
-against the float64 references (mirrors tests/torch_ops/test_mamba3.py). One thread per (batch, head,
-headdim_v row) lane, 128 per block: the shapes below leave the last block partly empty."""
+"""mamba3_siso_step and mamba3_siso_combined on their CUDA kernels, run on the CPU by the CUDA execution harness
+(tvm_mamba.simulate_cuda), against the float64 references (mirrors tests/torch_ops/test_mamba3*.py). The step:
+one thread per (batch, head, headdim_v row) lane, 128 per block: the shapes below leave the last block partly
+empty. The chunked forward: the preprocess (three launches) and the four SSD pieces, a thread per task."""
 from __future__ import annotations
 
 import pytest
@@ -45,27 +46,52 @@ def test_bf16_step_without_D_Z(sim):
     assert_close_to_ref(new[1], ref_new[1], atol=1e-4, rtol=1e-4, name="ssm_state")
 
 
+@pytest.mark.parametrize("dtype, states, HQ, S", [(torch.float32, True, 1, 2), (torch.bfloat16, False, 2, 4)])
+def test_combined_matches_reference(sim, dtype, states, HQ, S):
+    """Two chunks of 4 and a ragged third, GQA 4:1 with partial rotary and input states (fp32); bf16 without D /
+    Z or states, full rotary over 2 Q/K heads (mamba_ssm's 2 * err(bf16 reference) + atol)."""
+    inp = make_inputs(batch=2, seqlen=10, nheads_qk=HQ, nheads=4, N=8, P=4, S=S, states=states, dtype=torch.float32)
+    if dtype == torch.bfloat16:
+        inp.update({k: inp[k].to(dtype) for k in ("Q", "K", "V")}, D=None, Z=None)
+    out, *final = tvm_mamba.mamba3_siso_combined(**inp, chunk_size=4, return_final_states=True)
+    assert [k.direction for k, _ in sim] == ["siso_preprocess", "bmm_chunk", "chunk_state", "state_passing",
+                                             "chunk_scan"]
+    ref, *ref_final = mamba3_siso_combined_ref(**inp, return_final_states=True)
+    if dtype == torch.bfloat16:
+        low = mamba3_siso_combined_ref(**inp, dtype=dtype)
+        assert_close_to_ref(out, ref, low, name="out")
+    else:
+        assert_close_to_ref(out, ref, atol=1e-4, rtol=1e-4, name="out")
+    for name, got, want in zip(("angle", "ssm", "k"), final, ref_final):
+        assert_close_to_ref(got, want, atol=1e-4, rtol=1e-4, name=name)
+
+
 def test_simcheck_every_config():
     """build-check's configurations (upstream's tuned shape: 32 heads, headdim_qk 128, headdim_v 64)."""
     configs = compute.build_check_configs()
-    assert {c[0] for c in configs} == {"siso_step"} and len(configs) == 4
+    assert [c[0] for c in configs] == ["siso_step"] * 4 + ["siso_preprocess"] * 2
     for direction, static, dtypes in configs:
         simcheck.run_config("mamba3", direction, static, dtypes, "sm_90")
 
 
-def test_simcheck_catches_a_wrong_kernel(monkeypatch):
-    """The check fails when the simulated result is off: a reference with the trapezoid's left term dropped."""
+@pytest.mark.parametrize("direction, ref_name", [("siso_step", "mamba3_siso_step_ref"),
+                                                 ("siso_preprocess", "mamba3_siso_combined_ref")])
+def test_simcheck_catches_a_wrong_kernel(monkeypatch, direction, ref_name):
+    """The check fails when the simulated result is off: a reference with the trapezoid's left term of the
+    first step (the input V state) dropped."""
     from tvm_mamba.reference import mamba3 as ref_module
 
-    true_ref = ref_module.mamba3_siso_step_ref
+    true_ref = getattr(ref_module, ref_name)
 
     def no_left_term(*args, **kw):
         states = list(kw.pop("Input_States"))
         states[3] = torch.zeros_like(states[3])
         return true_ref(*args, Input_States=states, **kw)
 
-    direction, static, dtypes = compute.build_check_configs()[-1]
+    static, dtypes = [(st, dt) for d, st, dt in compute.build_check_configs() if d == direction][0]
     small = dict(static, nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2)
-    monkeypatch.setattr(ref_module, "mamba3_siso_step_ref", no_left_term)
-    with pytest.raises(simcheck.CheckFailed, match="mamba3.siso_step"):
+    if direction == "siso_preprocess":
+        small["chunk_size"] = 4
+    monkeypatch.setattr(ref_module, ref_name, no_left_term)
+    with pytest.raises(simcheck.CheckFailed, match=f"mamba3.{direction}"):
         sc.check(direction, small, dtypes, "sm_90")

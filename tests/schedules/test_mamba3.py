@@ -1,5 +1,7 @@
 """Schedule rules for the Mamba-3 decode step: the CPU layout (parallel lanes, serial at decode sizes) and the
-CUDA one (a thread per lane, ``threads`` knob), compiled without a GPU; CUDA through nvcc/ptxas (0 spills)."""
+CUDA one (a thread per lane, ``threads`` knob), compiled without a GPU; CUDA through nvcc/ptxas (0 spills). The
+chunked forward's preprocess: the SSD strategies (CPU parallel tasks, CUDA a launch per pass), and the chunk
+scan's ``diag_skip`` form on both (the CPU's strict triangle ``tri="lt"``)."""
 from __future__ import annotations
 
 import pytest
@@ -51,3 +53,43 @@ def test_cuda_step_compiles_without_spills():
     stats = ptxas_stats(src, "sm_90")
     assert stats["ok"], stats["error"]
     assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]
+
+
+PRE = dict(nheads=4, nheads_qk=2, headdim_qk=16, headdim_v=8, headdim_angles=4, chunk_size=8, has_D=True,
+           has_init=True)
+
+
+def test_preprocess_rules():
+    func = m3.mamba3_siso_preprocess(**PRE, qk_dtype="bfloat16")
+    cpu = cpu_rule.apply(func, cpu_target(), Decisions()).mod.script()
+    assert cpu.count("T.parallel") == 3 and "T.vectorized(16)" in cpu  # three passes; init's headdim_qk lanes
+    tvm.compile(cpu_rule.apply(func, cpu_target(), Decisions()).mod, target=cpu_target())
+    dec = Decisions({"threads": 64})
+    script = cuda_rule.apply(func, tvm.target.Target("rocm"), dec).mod.script()
+    assert dec.used == {"threads": 64} and script.count('thread="blockIdx.x"') == 3
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_preprocess_and_strict_scan_compile_without_spills():
+    from tvm_mamba.compute import ssd
+    from tvm_mamba.schedules.cuda import ssd as cuda_ssd
+
+    tgt = cuda_target("sm_80")
+    scan = ssd.ssd_chunk_scan(nheads=4, ngroups=4, headdim=8, dstate=16, chunk_size=8, has_D=True, has_z=True,
+                              diag_skip=True, x_dtype="bfloat16")
+    assert "T.vectorized" in cpu_ssd_script(scan)
+    for rule, func in ((cuda_rule, m3.mamba3_siso_preprocess(**PRE, qk_dtype="bfloat16")), (cuda_ssd, scan)):
+        with tgt:
+            src = tvm.compile(rule.apply(func, tgt, Decisions()).mod, target=tgt).mod.imports[0].inspect_source("cuda")
+        stats = ptxas_stats(src, "sm_80")
+        assert stats["ok"], stats["error"]
+        assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]
+
+
+def cpu_ssd_script(func) -> str:
+    """The CPU rule's chunk scan, compiled: its strict causal matmul (mm.py's ``tri="lt"``) builds."""
+    from tvm_mamba.schedules.cpu import ssd as cpu_ssd
+
+    sch = cpu_ssd.apply(func, cpu_target(), Decisions())
+    tvm.compile(sch.mod, target=cpu_target())
+    return sch.mod.script()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tvm_mamba
-from tests.compute.test_mamba3_ref import make_inputs, step_inputs
+from tests.compute.test_mamba3_ref import make_inputs, step_inputs, with_changes
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref, mamba3_siso_step_ref
 from tvm_mamba.runtime.dispatch import record_keys
@@ -94,13 +94,7 @@ def test_fake_and_schema():
 
 def _bad(**change):
     inp = make_inputs(batch=2, seqlen=1, nheads_qk=1, nheads=2, N=8, P=4, S=2, dtype=F32)
-    kw = dict(step_inputs(inp, 0), Input_States=list(inp["Input_States"]))
-    for key, value in change.items():
-        if key.startswith("state"):
-            kw["Input_States"][int(key[-1])] = value
-        else:
-            kw[key] = value
-    return kw
+    return with_changes(dict(step_inputs(inp, 0), Input_States=inp["Input_States"]), change)
 
 
 @pytest.mark.parametrize("change, err, name", [

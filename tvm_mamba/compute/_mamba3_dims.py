@@ -16,29 +16,16 @@ def acc_dtype(v_dtype: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepDims(Dims):
-    """The SISO decode step's dims (mamba_ssm's ``mamba3_siso_step``).
-
-    nheads / nheads_qk: V heads and Q/K heads (GQA: head h reads Q/K head h // (nheads // nheads_qk));
-    headdim_qk (even: rotary pairs), headdim_v, headdim_angles (rotated pairs, 1 .. headdim_qk // 2;
-    upstream's module always has at least one);
-    has_D / has_z: optional inputs present. Dtypes: ``qk`` of Q and K, ``v`` of V and out; ``z`` (None: v's),
-    ``kstate`` of the input K state (None: acc), ``vstate`` of the input V state (None: v's). Everything else
-    is in the accumulation dtype (the torch op widens those small tensors).
-    """
+class HeadDims(Dims):
+    """The model dims every Mamba-3 SISO kernel is keyed by. nheads / nheads_qk: V heads and Q/K heads (GQA:
+    head h reads Q/K head h // (nheads // nheads_qk)); headdim_qk (even: rotary pairs), headdim_v,
+    headdim_angles (rotated pairs, 1 .. headdim_qk // 2; upstream's module always has at least one)."""
 
     nheads: int
     nheads_qk: int
     headdim_qk: int
     headdim_v: int
     headdim_angles: int
-    has_D: bool = False
-    has_z: bool = False
-    qk_dtype: str = "float32"
-    v_dtype: str = "float32"
-    z_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
-    kstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
-    vstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
 
     def __post_init__(self):
         if min(self.nheads, self.nheads_qk, self.headdim_qk, self.headdim_v) < 1 or self.nheads % self.nheads_qk:
@@ -48,12 +35,40 @@ class StepDims(Dims):
         if not 1 <= self.headdim_angles <= self.headdim_qk // 2:
             raise ValueError(f"headdim_angles: must be in [1, headdim_qk // 2 = {self.headdim_qk // 2}], "
                              f"got {self.headdim_angles}")
-        for name in ("qk", "v", "z", "kstate", "vstate"):
+
+    def check_dtypes(self, names: tuple, allowed: tuple) -> None:
+        """ValueError naming the tensor whose ``<name>_dtype`` field (None: a default) is not in ``allowed``."""
+        for name in names:
             dt = getattr(self, f"{name}_dtype")
             if dt is not None:
-                check_dtype(name, dt, IO_DTYPES)
-        wide = [getattr(self, f"{n}_dtype") == "float64" for n in ("qk", "v", "z", "kstate", "vstate")
-                if getattr(self, f"{n}_dtype") is not None]
+                check_dtype(name, dt, allowed)
+
+    @property
+    def heads_per_qk(self) -> int:
+        return self.nheads // self.nheads_qk
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDims(HeadDims):
+    """The SISO decode step's dims (mamba_ssm's ``mamba3_siso_step``): HeadDims' model dims;
+    has_D / has_z: optional inputs present. Dtypes: ``qk`` of Q and K, ``v`` of V and out; ``z`` (None: v's),
+    ``kstate`` of the input K state (None: acc), ``vstate`` of the input V state (None: v's). Everything else
+    is in the accumulation dtype (the torch op widens those small tensors).
+    """
+
+    has_D: bool = False
+    has_z: bool = False
+    qk_dtype: str = "float32"
+    v_dtype: str = "float32"
+    z_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+    kstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+    vstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+
+    def __post_init__(self):
+        super().__post_init__()
+        names = ("qk", "v", "z", "kstate", "vstate")
+        self.check_dtypes(names, IO_DTYPES)
+        wide = [getattr(self, f"{n}_dtype") == "float64" for n in names if getattr(self, f"{n}_dtype") is not None]
         if any(wide) and not all(wide):
             raise ValueError("v: a float64 kernel needs every tensor float64")
 
@@ -61,6 +76,26 @@ class StepDims(Dims):
     def acc(self) -> str:
         return acc_dtype(self.v_dtype)
 
-    @property
-    def heads_per_qk(self) -> int:
-        return self.nheads // self.nheads_qk
+
+@dataclasses.dataclass(frozen=True)
+class PreDims(HeadDims):
+    """The SISO chunked forward's preprocess (the kernel before the SSD pieces, docs/mamba3.md): HeadDims'
+    model dims; chunk_size: the SSD pieces' chunk length (1 .. 256); has_D: D given (folded into the
+    per-position skip); has_init: input states given (the angle cumsum starts from the angle state, the
+    initial ssm state gets the K / V states' trapezoid term). Dtypes: ``qk`` of Q and K, ``vstate`` of the
+    input V state, ``kstate`` of the input K state (None: float32). The SSD pieces accumulate in float32, so
+    there is no float64 form.
+    """
+
+    chunk_size: int
+    has_D: bool = False
+    has_init: bool = False
+    qk_dtype: str = "float32"
+    vstate_dtype: str = "float32"
+    kstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.chunk_size, int) and 1 <= self.chunk_size <= 256):
+            raise ValueError(f"chunk_size: must be an int in 1..256, got {self.chunk_size!r}")
+        self.check_dtypes(("qk", "vstate", "kstate"), IO_DTYPES[:3])

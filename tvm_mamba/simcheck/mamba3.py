@@ -1,5 +1,9 @@
-"""sim-check of Mamba-3: ``siso_step`` through ``mamba3_siso_step`` on the CUDA execution harness against the
-float64 reference (tvm_mamba/reference/mamba3.py), two decode steps chained through the returned states."""
+"""sim-check of Mamba-3 on the CUDA execution harness against the float64 reference (tvm_mamba/reference/mamba3.py):
+``siso_step`` through ``mamba3_siso_step``, two decode steps chained through the returned states;
+``siso_preprocess`` through ``mamba3_siso_combined`` (the preprocess and the four SSD pieces it feeds, each
+checked to have run): batch 2, seqlen chunk_size + 3 (two chunks, the second ragged), out and final states.
+The SSD configuration ``chunk_scan`` with ``diag_skip`` (compute/ssd's build-check list) is checked here too
+(``check_scan``, from simcheck/ssd.py): only the Mamba-3 forward calls it."""
 from __future__ import annotations
 
 import math
@@ -53,12 +57,79 @@ def step_results(static: dict, dtypes: dict, arch: str, batch: int = 2, steps: i
     return res, keys
 
 
-def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
-    """Run one build-check configuration of Mamba-3 in the harness (module docstring)."""
-    if direction != "siso_step":
-        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step)")
-    res, keys = step_results(static, dtypes, arch)
-    ran(keys, OP, direction, static, dtypes)
+def combined_inputs(static: dict, dtypes: dict, batch: int, seqlen: int, has_z: bool, seed: int = 0) -> dict:
+    """mamba3_siso_combined keyword arguments for preprocess dims ``static`` (PreDims' fields): Q / K in ``qk``,
+    V and Z in ``vstate`` (V's dtype is the V state's), the K state in ``kstate`` (default float32), the rest
+    float32; Trap as logits, ADT = A DT < 0, input states with ``has_init``."""
+    g = torch.Generator().manual_seed(seed)
+    H, HQ, N, P, S = (static[k] for k in ("nheads", "nheads_qk", "headdim_qk", "headdim_v", "headdim_angles"))
+    qk, v, ks = (_DTYPES[dtypes.get(k, "float32")] for k in ("qk", "vstate", "kstate"))
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    dt = torch.nn.functional.softplus(r(batch, H, seqlen)) * 0.5
+    args = dict(Q=r(batch, seqlen, HQ, N).to(qk), K=r(batch, seqlen, HQ, N).to(qk), V=r(batch, seqlen, H, P).to(v),
+                ADT=-(torch.rand(H, 1, generator=g) + 0.1) * dt, DT=dt, Trap=r(batch, H, seqlen),
+                Q_bias=0.3 * r(H, N), K_bias=0.3 * r(H, N), Angles=2 * r(batch, seqlen, H, S),
+                D=r(H) if static.get("has_D") else None, Z=r(batch, seqlen, H, P).to(v) if has_z else None)
+    if static.get("has_init"):
+        args["Input_States"] = (torch.rand(batch, H, S, generator=g) * 2 * math.pi, 0.5 * r(batch, H, P, N),
+                                r(batch, H, N).to(ks), r(batch, H, P).to(v))
+    return args
+
+
+def combined_results(static: dict, dtypes: dict, arch: str, has_z: bool = True, batch: int = 2) -> tuple[dict, list]:
+    """One mamba3_siso_combined call in the harness at preprocess dims ``static``: {name: (simulated, float64
+    reference)} for out and the final angle, ssm and k states, and the keys run."""
+    import tvm_mamba
+    from ..reference.mamba3 import mamba3_siso_combined_ref
+
+    Q = static["chunk_size"]
+    args = combined_inputs(static, dtypes, batch, Q + 3, has_z)
+    with recording() as keys:
+        with tvm_mamba.simulate_cuda(arch):
+            got = tvm_mamba.mamba3_siso_combined(**args, chunk_size=Q, return_final_states=True)
+    want = mamba3_siso_combined_ref(**args, return_final_states=True)
+    return dict(zip(("out", "angle_state", "ssm_state", "k_state"), zip(got, want))), keys
+
+
+def scan_of(static: dict, dtypes: dict, has_z: bool) -> tuple[dict, dict]:
+    """The ssd_chunk_scan configuration (static, dtypes) a mamba3_siso_combined call at preprocess dims
+    ``static`` / ``dtypes`` runs (as torch_ops/mamba3.py keys it)."""
+    scan = dict(nheads=static["nheads"], ngroups=static["nheads"], headdim=static["headdim_v"],
+                dstate=static["headdim_qk"], chunk_size=static["chunk_size"], has_seq_idx=False, has_D=True,
+                D_has_hdim=False, has_z=has_z, has_init=static.get("has_init", False), diag_skip=True)
+    if not scan["has_init"]:
+        del scan["has_init"]  # OMIT_DEFAULT: left out of the key at its default
+    return scan, {"x": dtypes.get("vstate", "float32"), "bc": "float32"}
+
+
+def check_scan(static: dict, dtypes: dict, arch: str) -> None:
+    """The ssd_chunk_scan configuration with ``diag_skip`` (simcheck/ssd.py hands it here): a
+    mamba3_siso_combined call whose chunk scan is that configuration (1 Q/K head, headdim_angles
+    dstate // 4), compared with the float64 reference."""
+    pre = dict(nheads=static["nheads"], nheads_qk=1, headdim_qk=static["dstate"], headdim_v=static["headdim"],
+               headdim_angles=max(static["dstate"] // 4, 1), chunk_size=static["chunk_size"], has_D=True,
+               has_init=static.get("has_init", False))
+    res, keys = combined_results(pre, {"qk": dtypes["x"], "vstate": dtypes["x"]}, arch, has_z=static["has_z"])
+    ran(keys, "ssd", "chunk_scan", static, dtypes)
+    _compare_all(res, "ssd.chunk_scan", arch)
+
+
+def _compare_all(res: dict, what: str, arch: str) -> None:
     for name, (got, want) in res.items():
         rtol, atol = tolerance(got.dtype)
-        compare(f"{OP}.{direction} {arch}: {name}", got, want, rtol, atol * max(1.0, want.abs().max().item()))
+        compare(f"{what} {arch}: {name}", got, want, rtol, atol * max(1.0, want.abs().max().item()))
+
+
+def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
+    """Run one build-check configuration of Mamba-3 in the harness (module docstring)."""
+    if direction == "siso_preprocess":
+        res, keys = combined_results(static, dtypes, arch)
+        ran(keys, OP, direction, static, dtypes)
+        ran(keys, "ssd", "chunk_scan", *scan_of(static, dtypes, True))
+        _compare_all(res, f"{OP}.{direction}", arch)
+        return
+    if direction != "siso_step":
+        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, siso_preprocess)")
+    res, keys = step_results(static, dtypes, arch)
+    ran(keys, OP, direction, static, dtypes)
+    _compare_all(res, f"{OP}.{direction}", arch)

@@ -1,5 +1,8 @@
 """Mamba-3 (mamba_ssm 2.3.2.post1, docs/mamba3.md): the SISO decode step, a loop-nest template laid out per
-target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules).
+target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules), and
+the SISO chunked forward's preprocess (preprocess.py), laid out by the SSD strategies: the chunked forward is
+that preprocess, then the SSD pieces of compute/ssd/ (bmm_chunk, chunk_state, state_passing, chunk_scan with
+``diag_skip``), chained by torch_ops/mamba3.py.
 
     h' = exp(ADT) h + exp(ADT) DT (1 - sigmoid(Trap)) v_state k_state^T + DT sigmoid(Trap) V k^T;
     out = (h' q + D V) * silu(Z),   q, k = rotary(theta') (Q + Q_bias), rotary(theta') (K + K_bias)
@@ -17,15 +20,18 @@ from tvm import tirx
 from .._common import stamp
 from .._math import Math
 from ..selective_scan._layout import Layout
-from ._dims import IO_DTYPES, StepDims, acc_dtype
+from ..ssd.strategy import SERIAL
+from ._dims import IO_DTYPES, PreDims, StepDims, acc_dtype
+from .preprocess import preprocess_template
 from .step import step_template
 
-__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "StepDims", "acc_dtype", "build", "build_check_configs",
-           "mamba3_siso_step"]
+__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "PreDims", "StepDims", "acc_dtype", "build", "build_check_configs",
+           "mamba3_siso_step", "mamba3_siso_preprocess"]
 
-# direction -> typed static dims / template(dims, layout)
-DIMS = {"siso_step": StepDims}
-TEMPLATES = {"siso_step": step_template}
+# direction -> typed static dims / template(dims, layout): the step takes a selective-scan Layout, the
+# preprocess an SSD Strategy (the rules pick each direction's)
+DIMS = {"siso_step": StepDims, "siso_preprocess": PreDims}
+TEMPLATES = {"siso_step": step_template, "siso_preprocess": preprocess_template}
 
 
 def build(direction: str, dims, layout: Layout) -> tirx.PrimFunc:
@@ -45,15 +51,36 @@ def mamba3_siso_step(dims: StepDims | None = None, /, **kwargs) -> tirx.PrimFunc
     return build("siso_step", d, Layout(Math(d.acc)))
 
 
+def mamba3_siso_preprocess(dims: PreDims | None = None, /, **kwargs) -> tirx.PrimFunc:
+    """The chunked forward's preprocess. Q, K: (batch, seqlen, nheads_qk, headdim_qk); ADT, DT, Trap:
+    (batch, nheads, seqlen) f32; Q_bias, K_bias: (nheads, headdim_qk) f32; Angles: (batch, seqlen, nheads,
+    headdim_angles) f32; D: (nheads,) f32; angle_state (batch, nheads, headdim_angles) f32, ssm_state (batch,
+    nheads, headdim_v, headdim_qk) f32, k_state (batch, nheads, headdim_qk), v_state (batch, nheads, headdim_v)
+    -> q, k: (batch, seqlen, nheads, headdim_qk) f32 (rotated, biased); dA_cs, scale, skip: (batch, nheads,
+    nchunks, chunk_size) f32; angle_out: (batch, nheads, headdim_angles) f32; init: (batch, nheads, headdim_v,
+    headdim_qk) f32 (with has_init). Formulas in preprocess.py; ``dims``: a PreDims, or its fields as keywords."""
+    if dims is not None and kwargs:
+        raise TypeError(f"mamba3_siso_preprocess: pass dims or keyword dims, not both ({sorted(kwargs)})")
+    d = dims if dims is not None else PreDims(**kwargs)
+    return build("siso_preprocess", d, SERIAL)
+
+
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: upstream's
     tuned SISO shape (nheads_qk 1, 32 heads, headdim_qk 128, headdim_v 64) at rope_fraction 0.5 (32 angles)
     with bf16 activations: a bf16 K / V state (what Mamba3.allocate_inference_cache makes), the same without Z
     (``is_outproj_norm``: the gate is applied by the output norm), and fed back the step's own float32 K state;
-    plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads."""
+    plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads. The chunked forward's preprocess at the same
+    shape, chunk 64: bf16 with D and input states (a float32 K state, what the forward itself returns), and
+    fp32 without (GQA, full rotary); its SSD pieces are compute/ssd's (the chunk scan with ``diag_skip`` in
+    that list)."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
     bf16 = {"qk": "bfloat16", "v": "bfloat16"}
+    pre = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
     return [("siso_step", base, dict(bf16, kstate="bfloat16")),
             ("siso_step", dict(base, has_z=False), dict(bf16, kstate="bfloat16")),
             ("siso_step", base, bf16),
-            ("siso_step", dict(base, nheads_qk=2, headdim_angles=64), {"qk": "float32", "v": "float32"})]
+            ("siso_step", dict(base, nheads_qk=2, headdim_angles=64), {"qk": "float32", "v": "float32"}),
+            ("siso_preprocess", dict(pre, has_D=True, has_init=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
+            ("siso_preprocess", dict(pre, nheads_qk=2, headdim_angles=64, has_D=False, has_init=False),
+             {"qk": "float32", "vstate": "float32"})]

@@ -123,7 +123,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     2.7B shape (nheads 80, ngroups 1, headdim 64, dstate 128, chunk 256) and the same with dstate 256, bf16
     activations, with every optional input on (D per head, z, dt_bias, softplus, dt_limit, initial and
     final states, seq_idx) and, for the 2.7B shape, the plain variant too; then the varlen-states kernel
-    (with seq_idx; without, from bf16 chunk states) and the kernels that store / read bf16 chunk states."""
+    (with seq_idx; without, from bf16 chunk states), the kernels that store / read bf16 chunk states, and
+    Mamba-3's chunk scan (``diag_skip``; sim-check runs it through mamba3_siso_combined)."""
     out = []
     dts = {"x": "bfloat16", "bc": "bfloat16"}
     for dstate, flag_sets in ((128, (False, True)), (256, (True,))):
@@ -149,4 +150,9 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             ("state_passing", dict(sdims, has_init=True, has_seq_idx=True), {"state": "bfloat16"}),
             ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True, has_init=True),
              dict(dts, state="bfloat16"))]
+    # Mamba-3's chunked forward (torch_ops/mamba3.py) at upstream's tuned SISO shape (32 heads, headdim_v 64,
+    # headdim_qk 128 as dstate, chunk 64): the chunk scan with the strict causal sum and per-position skip
+    m3 = dict(nheads=32, ngroups=32, headdim=64, dstate=128, chunk_size=64, has_D=True, D_has_hdim=False,
+              has_z=True, has_seq_idx=False, diag_skip=True)
+    out.append(("chunk_scan", dict(m3, has_init=True), {"x": "bfloat16", "bc": "float32"}))
     return out

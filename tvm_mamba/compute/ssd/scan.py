@@ -38,6 +38,8 @@ def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, task, l, p, seqlen, v, xv):
     Q = d.chunk_size
     e = carried_decay(m, dA_cs[b, h, c, l], seq_idx[b, _pos(c, l, Q, seqlen)], batch_sids(seq_idx, b), c, Q,
                       d.has_seq_idx)
+    if d.diag_skip:
+        return e * v + Dm[b, h, c, l] * xv
     if d.has_D:
         return e * v + skip(Dm, h, p, xv, d.has_D, d.D_has_hdim)
     return e * v
@@ -64,13 +66,20 @@ def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
         T.buffer_store(y, v.astype(d.x_dtype), idx)
 
 
+def _d_shape(d: ScanDims, batch, nchunks):
+    """D's shape: per head, per (head, headdim), per position with diag_skip, or a (1,) placeholder."""
+    if d.diag_skip:
+        return (batch, d.nheads, nchunks, d.chunk_size)
+    return ((d.nheads, d.headdim) if d.D_has_hdim else (d.nheads,)) if d.has_D else (1,)
+
+
 def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
     """The ssd_chunk_scan kernel laid out by ``S``: task t = (batch, chunk, head), its chunk_size x headdim
     output by the strategy's ``causal_matmul`` (strategy.py): y0[l, p] = e[l] (C_l Sin)[p] + D x[l, p]
     + sum_{s<=l} w[l, s] x[s, p], w = (C.B^T) exp(segsum) dt'; then the z gate. Positions past seqlen read as 0
     and are not stored."""
     H, G, P, N, Q, R, m = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, d.heads_per_group, S.math
-    run = S.causal_matmul(Q, P, N)
+    run = S.causal_matmul(Q, P, N, strict=d.diag_skip)
 
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, cb_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
@@ -85,7 +94,7 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
         dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), d.state_dtype)
-        Dm = T.match_buffer(d_h, ((H, P) if d.D_has_hdim else (H,)) if d.has_D else (1,), F32)
+        Dm = T.match_buffer(d_h, _d_shape(d, batch, nchunks), F32)
         seq_idx = T.match_buffer(s_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
         y = T.match_buffer(y_h, (batch, seqlen, H, P), d.x_dtype)
         y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if d.has_z else Z4, d.x_dtype)
@@ -110,7 +119,9 @@ def ssd_chunk_scan(dims: ScanDims | None = None, strategy: Strategy = SERIAL, **
     -> y: (batch, seqlen, nheads, headdim), y_pre: same (the pre-gate output, written only with z).
 
     y0[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l]-dA_cs[s]) dt_out[s] x[s] + exp(dA_cs[l]) Sin C_l + D x[l];
-    y = y0 * silu(z). Chunk 0's Sin is read only with ``has_init`` (initial states given): without them it is
+    y = y0 * silu(z). With ``diag_skip`` (Mamba-3): the sum runs over s < l and D is (batch, nheads, nchunks,
+    chunk_size), a per-position skip: y0[l] gets D[l] x[l] in place of the diagonal term. Chunk 0's Sin is read
+    only with ``has_init`` (initial states given): without them it is
     zero and its C . Sin product is skipped. One template (``chunk_scan_template``) laid out by ``strategy``;
     the CPU strategy's knobs rows x cols x order: the register block of its chunk matmuls (mm.py).
     """

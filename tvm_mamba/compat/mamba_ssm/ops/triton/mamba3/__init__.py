@@ -1,1 +1,1 @@
-"""mamba_ssm.ops.triton.mamba3 on tvm_mamba (see tvm_mamba.compat): the SISO decode step so far."""
+"""mamba_ssm.ops.triton.mamba3 on tvm_mamba (see tvm_mamba.compat): the SISO decode step and chunked forward so far."""
