@@ -30,7 +30,7 @@ from ._common import bind_flat, schedule_acc_chain
 
 # Inputs a tile reads through its window or per output, staged once per block. seq_idx is not staged: an
 # initial state carries position 0's id, so its read region spans the row's whole prefix (documented cost).
-STAGED = ("x",)
+STAGED = ("x", "weight", "bias", "initial_states", "dout", "dfinal", "g")
 
 
 def _stage(sch: s_tir.Schedule, block, at, threads: int, window: int, names=STAGED) -> None:
