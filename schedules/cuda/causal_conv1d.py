@@ -28,9 +28,10 @@ from ...compute._causal_conv1d_update import update_template
 from ...compute.causal_conv1d import CausalConv1dUpdate
 from ._common import bind_flat, schedule_acc_chain
 
-# Inputs a tile reads through its window or per output, staged once per block. seq_idx is not staged: an
-# initial state carries position 0's id, so its read region spans the row's whole prefix (documented cost).
-STAGED = ("x", "weight", "bias", "initial_states", "dout", "dfinal", "g")
+# Inputs a tile reads through its window or per output, staged once per block. Not staged: seq_idx (an
+# initial state carries position 0's id, so its read region spans the row's whole prefix) and dfinal (read
+# at a clamped index TVM cannot bound: the copy would be sized 2^31 - 1); both are read per tap / output.
+STAGED = ("x", "weight", "bias", "initial_states", "dout", "g")
 
 
 def _stage(sch: s_tir.Schedule, block, at, threads: int, window: int, names=STAGED) -> None:
@@ -38,8 +39,9 @@ def _stage(sch: s_tir.Schedule, block, at, threads: int, window: int, names=STAG
     block's tile), loaded cooperatively: the copy's loops fused, split over ``threads`` on threadIdx.x.
     compute_at clips each copy to the tile's window and the buffer's extent (a predicate, no OOB reads).
 
-    A buffer with a symbolic time axis is stored as a ring of ``window`` (a power of two >= the tile and its
-    halos) indexed by time mod ``window``: injective over one tile's window, and a static shared size.
+    Every copy is one row: indexed by its last axis only (the block's batch / channel are fixed), and a
+    symbolic time axis as a ring of ``window`` (a power of two >= the tile and its halos) indexed by time mod
+    ``window``: injective over one tile's window, and a static shared size.
     (TVM 0.27's CompactBufferAllocation cannot size a stage clipped against a symbolic seqlen: it fails with
     "Literal value 2147483648 exceeds range of int32".)"""
     i = 0
@@ -48,9 +50,10 @@ def _stage(sch: s_tir.Schedule, block, at, threads: int, window: int, names=STAG
         if buf.scope() == "global" and buf.name in names:
             cache = sch.cache_read(block, i, "shared", consumer_blocks=[block])
             sch.compute_at(cache, at)
-            if not isinstance(buf.shape[-1], tvm.tirx.IntImm):
-                sch.transform_layout(cache, ("write", 0), lambda *idx: (tvm.tirx.floormod(idx[-1], window),),
-                                     assume_injective_transform=True)
+            ring = not isinstance(buf.shape[-1], tvm.tirx.IntImm)
+            sch.transform_layout(cache, ("write", 0),
+                                 lambda *idx: (tvm.tirx.floormod(idx[-1], window) if ring else idx[-1],),
+                                 assume_injective_transform=True)
             loops = sch.get_loops(cache)
             depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
             loops = loops[depth + 1 :]
@@ -96,6 +99,48 @@ def _fwd(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None
     bind_flat(sch, sch.get_sblock("final_states"), threads)
 
 
+def _partial(sch: s_tir.Schedule, width: int, threads: int) -> None:
+    """Stage 1 of dweight / dbias: one block per (batch, channel) row; the block walks the row in tiles of
+    ``threads`` steps (g and x staged in shared memory once per tile, x with its width-1 halo), each thread
+    accumulating its own (width+1) sums over the tiles in a shared slot (rfactor), then a cross-thread
+    reduction in a fixed tree order: deterministic, no atomics."""
+    blk = sch.get_sblock("partial")
+    _, _, _, t = sch.get_loops(blk)
+    _, tx = sch.split(t, factors=[None, threads])
+    rf = sch.rfactor(tx, factor_axis=2)  # loops (batch, channel, kk, tile, thread); keeps the t < seqlen guard
+    b, c, kk, to, tx = sch.get_loops(rf)
+    row = sch.fuse(b, c)
+    sch.reorder(to, tx, kk)
+    sch.bind(row, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.set_scope(rf, 0, "shared")
+    sch.decompose_reduction(rf, to)  # every slot zeroed before the tiles (a slot past a short row's end too)
+    sch.reverse_compute_at(blk, row)  # (compute_at of rf under blk would rebuild rf's loops without the guard)
+    # the cross-thread sum over the thread slots, in a fixed tree order (loops: thread slot, kk)
+    tx, kk = sorted(sch.get_loops(blk)[1:], key=lambda lp: -int(sch.get(lp).extent))
+    sch.reorder(kk, tx)
+    sch.bind(tx, "threadIdx.x")
+    _stage(sch, rf, to, threads, 1 << (threads + width - 2).bit_length())
+
+
+def _small(sch: s_tir.Schedule, threads: int) -> None:
+    """dinit, dweight, dbias (and their register accumulators): one thread per element."""
+    for name in ("dinit", "dweight", "dbias"):
+        blk = sch.get_sblock(name)
+        tx = bind_flat(sch, blk, threads)
+        for producer in sch.get_producers(blk):
+            if sch.get(producer).name_hint.endswith("_acc"):
+                sch.compute_at(producer, tx)
+                sch.set_scope(producer, 0, "local")
+
+
+def _bwd(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None:
+    staged_conv(sch, "pre_acc", "g", threads, per_thread, width)
+    staged_conv(sch, "dx_acc", "dx", threads, per_thread, width)
+    _partial(sch, width, threads)
+    _small(sch, threads)
+
+
 def apply(func, target, decisions: Decisions):
     kernel, static = kernel_attrs(func)
     if "gpu" not in target.keys or kernel is None or not kernel.startswith("causal_conv1d_"):
@@ -105,8 +150,9 @@ def apply(func, target, decisions: Decisions):
         loop = update_template(CausalConv1dUpdate(**static), mode="cuda", threads=threads)
         return schedule_of(loop.with_attrs(dict(func.attrs)), name=kernel)
     sch = schedule_of(func, name=kernel)
-    if kernel == "causal_conv1d_fwd":
-        _fwd(sch, static["width"], threads, decisions.pick("per_thread", (1, 2, 4, 8), 4))
+    if kernel in ("causal_conv1d_fwd", "causal_conv1d_bwd"):
+        layout = _fwd if kernel == "causal_conv1d_fwd" else _bwd
+        layout(sch, static["width"], threads, decisions.pick("per_thread", (1, 2, 4, 8), 4))
     else:
         schedule_acc_chain(sch, threads)
     return sch
