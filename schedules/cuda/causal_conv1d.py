@@ -68,6 +68,11 @@ def threads_inner(sch: s_tir.Schedule, loop, threads: int) -> None:
     sch.bind(tx, "threadIdx.x")
 
 
+def _window(tile: int, width: int) -> int:
+    """Ring size of a staged time axis: the smallest power of two >= the tile and both width-1 halos."""
+    return 1 << (tile + 2 * (width - 1) - 1).bit_length()
+
+
 def tile_rows(sch: s_tir.Schedule, block, threads: int, per_thread: int):
     """Lay ``block`` (loops batch, channel, time) out as blockIdx.x = (batch, channel) row, blockIdx.y = tile
     of threads * per_thread steps, threadIdx.x within it (a thread's steps ``threads`` apart).
@@ -88,7 +93,7 @@ def staged_conv(sch: s_tir.Schedule, acc_name: str, out_name: str, threads: int,
     tile, tx = tile_rows(sch, out, threads, per_thread)
     sch.compute_at(acc, tx)
     sch.set_scope(acc, 0, "local")
-    window = 1 << (threads * per_thread + 2 * (width - 1) - 1).bit_length()
+    window = _window(threads * per_thread, width)
     _stage(sch, acc, tile, threads, window)
     _stage(sch, out, tile, threads, window)
     return tile, tx
@@ -99,18 +104,18 @@ def _fwd(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None
     bind_flat(sch, sch.get_sblock("final_states"), threads)
 
 
-def _partial(sch: s_tir.Schedule, width: int, threads: int) -> None:
+def _partial(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None:
     """Stage 1 of dweight / dbias: one block per (batch, channel) row; the block walks the row in tiles of
-    ``threads`` steps (g and x staged in shared memory once per tile, x with its width-1 halo), each thread
-    accumulating its own (width+1) sums over the tiles in a shared slot (rfactor), then a cross-thread
-    reduction in a fixed tree order: deterministic, no atomics."""
+    ``threads * per_thread`` steps (g and x staged in shared memory once per tile, x with its width-1 halo),
+    each thread accumulating its own (width+1) sums over the tiles in a shared slot (rfactor), then a
+    cross-thread sum of the slots in a fixed tree order: deterministic, no atomics."""
     blk = sch.get_sblock("partial")
     _, _, _, t = sch.get_loops(blk)
-    _, tx = sch.split(t, factors=[None, threads])
-    rf = sch.rfactor(tx, factor_axis=2)  # loops (batch, channel, kk, tile, thread); keeps the t < seqlen guard
-    b, c, kk, to, tx = sch.get_loops(rf)
+    _, _, tx = sch.split(t, factors=[None, per_thread, threads])
+    rf = sch.rfactor(tx, factor_axis=2)  # loops (batch, channel, kk, tile, step, thread); keeps t < seqlen
+    b, c, kk, to, v, tx = sch.get_loops(rf)
     row = sch.fuse(b, c)
-    sch.reorder(to, tx, kk)
+    sch.reorder(to, v, tx, kk)
     sch.bind(row, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     sch.set_scope(rf, 0, "shared")
@@ -120,7 +125,7 @@ def _partial(sch: s_tir.Schedule, width: int, threads: int) -> None:
     tx, kk = sorted(sch.get_loops(blk)[1:], key=lambda lp: -int(sch.get(lp).extent))
     sch.reorder(kk, tx)
     sch.bind(tx, "threadIdx.x")
-    _stage(sch, rf, to, threads, 1 << (threads + width - 2).bit_length())
+    _stage(sch, rf, to, threads, _window(threads * per_thread, width))
 
 
 def _small(sch: s_tir.Schedule, threads: int) -> None:
@@ -137,7 +142,7 @@ def _small(sch: s_tir.Schedule, threads: int) -> None:
 def _bwd(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None:
     staged_conv(sch, "pre_acc", "g", threads, per_thread, width)
     staged_conv(sch, "dx_acc", "dx", threads, per_thread, width)
-    _partial(sch, width, threads)
+    _partial(sch, width, threads, per_thread)
     _small(sch, threads)
 
 
@@ -152,7 +157,9 @@ def apply(func, target, decisions: Decisions):
     sch = schedule_of(func, name=kernel)
     if kernel in ("causal_conv1d_fwd", "causal_conv1d_bwd"):
         layout = _fwd if kernel == "causal_conv1d_fwd" else _bwd
-        layout(sch, static["width"], threads, decisions.pick("per_thread", (1, 2, 4, 8), 4))
+        # a tile of at most 2048 steps: the backward's g kernel stages x and dout rings of 4096 (32 KB fp32)
+        per_thread = decisions.pick("per_thread", tuple(p for p in (1, 2, 4, 8) if threads * p <= 2048), 4)
+        layout(sch, static["width"], threads, per_thread)
     else:
         schedule_acc_chain(sch, threads)
     return sch
