@@ -1,15 +1,15 @@
 """CUDA schedule for the causal_conv1d kernels (TE compute from tvm_mamba/compute/causal_conv1d.py).
 
-Forward, and the backward's g and dx kernels: one block per (batch, channel) row and tile of
-``threads * per_thread`` time steps (blockIdx.x = row, blockIdx.y = tile). The block first stages in shared
-memory what its outputs read from global memory: the tile's window of x (or dout, or g) with its width-1
-halo (the left neighbour's last inputs, or the initial states / zeros before t = 0), the row's weights, bias
-and initial states. Each global input is then requested once, plus (width-1) / (threads * per_thread) for the
-halo, instead of width times (every tap re-loading x: 5.5x the forward's minimum bytes before). The copies
-are cooperative (consecutive threads on consecutive time steps: a warp's requests fill whole 128-byte
-lines); a thread then computes ``per_thread`` outputs ``threads`` apart (conflict-free shared reads,
-coalesced stores), its conv accumulator in a register. A staged time axis is a ring indexed by time mod a
-power of two, so its shared size is static with a symbolic seqlen (see _stage).
+Forward, and the backward's g and dx kernels: one block per (batch, channel) row and tile of ``tile`` time
+steps (blockIdx.x = row, blockIdx.y = tile). The block first stages in shared memory what its outputs read
+from global memory: the tile's window of x (or dout, or g) with its width-1 halo (the left neighbour's last
+inputs, or the initial states / zeros before t = 0), the row's weights, bias and initial states. Each global
+input is then requested once, plus (width-1) / tile for the halo, instead of width times (every tap
+re-loading x: 5.5x the forward's minimum bytes before). The copies are cooperative (consecutive threads on
+consecutive time steps: a warp's requests fill whole 128-byte lines); a thread then computes tile / threads
+outputs ``threads`` apart (conflict-free shared reads, coalesced stores), its accumulator in a register.
+A staged time axis is a ring indexed by time mod a power of two, so its shared size is static with a
+symbolic seqlen (see _stage).
 
 Backward: g = dout * act'(pre) (pre recomputed from the staged x; g is the TE definition's workspace), dx
 from g staged with its forward halo, and dweight / dbias in two deterministic stages: per row, a block walks
@@ -19,8 +19,9 @@ by a fixed shuffle tree; then over batch in order. No atomics.
 The decode step (causal_conv1d_update) is the loop-nest template of compute/_causal_conv1d_update.py laid
 out as one thread per (batch, channel) row, as upstream's kernel.
 
-Knobs: ``threads`` per block (64, 128, 256, 512; default 256); ``per_thread`` outputs per thread of a tile
-(1, 2, 4, 8 with tiles <= 2048 steps; default 4: a 1024-step tile, whose halo adds 0.3% at width 4).
+Knobs: ``threads`` per block (64, 128, 256, 512; default 256); ``tile`` time steps per tile (512, 1024;
+default 1024, whose halo adds 0.3% at width 4). Both are MetaSchedule-samplable: the split factors take
+the samples, and the rings are sized for the largest tile when the knobs are samples.
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ from ._common import bind_flat, schedule_acc_chain
 # initial state carries position 0's id, so its read region spans the row's whole prefix) and dfinal (read
 # at a clamped index TVM cannot bound: the copy would be sized 2^31 - 1); both are read per tap / output.
 STAGED = ("x", "weight", "bias", "initial_states", "dout", "g")
+THREADS = (64, 128, 256, 512)
+# time steps per tile (a multiple of every threads value); 2048 would need rings of 4096: the backward's
+# partial kernel (x, g rings and a (width+1) x threads slot array) would pass 48 KB of shared memory
+TILES = (512, 1024)
 
 
 def _stage(sch: s_tir.Schedule, block, at, threads: int, window: int, names=STAGED) -> None:
@@ -77,25 +82,31 @@ def _window(tile: int, width: int) -> int:
     return 1 << (tile + 2 * (width - 1) - 1).bit_length()
 
 
-def tile_rows(sch: s_tir.Schedule, block, threads: int, per_thread: int):
+def split_tile(sch: s_tir.Schedule, loop, tile, threads):
+    """``loop`` (time) split into (tile, step, thread): ``tile`` steps a tile, a thread's steps ``threads``
+    apart (tile / threads of them). Knob values may be MetaSchedule samples (ExprRV)."""
+    to, rest = sch.split(loop, factors=[None, tile])
+    v, tx = sch.split(rest, factors=[None, threads])
+    return to, v, tx
+
+
+def tile_rows(sch: s_tir.Schedule, block, threads, tile):
     """Lay ``block`` (loops batch, channel, time) out as blockIdx.x = (batch, channel) row, blockIdx.y = tile
-    of threads * per_thread steps, threadIdx.x within it (a thread's steps ``threads`` apart).
-    Returns (tile loop, thread loop)."""
+    of ``tile`` steps, threadIdx.x within it. Returns (tile loop, thread loop)."""
     b, c, t = sch.get_loops(block)
     row = sch.fuse(b, c)
-    tile, _, tx = sch.split(t, factors=[None, per_thread, threads])
+    tile, _, tx = split_tile(sch, t, tile, threads)
     sch.bind(row, "blockIdx.x")
     sch.bind(tile, "blockIdx.y")
     sch.bind(tx, "threadIdx.x")
     return tile, tx
 
 
-def staged_conv(sch: s_tir.Schedule, acc_name: str, out_name: str, threads: int, per_thread: int, width: int):
+def staged_conv(sch: s_tir.Schedule, acc_name: str, out_name: str, threads, tile, window: int):
     """The conv accumulator ``acc_name`` in a register inside the thread of its elementwise consumer
     ``out_name``, both blocks' global inputs staged per tile. Returns (tile loop, thread loop)."""
     out = sch.get_sblock(out_name)
-    tile, tx = tile_rows(sch, out, threads, per_thread)
-    window = _window(threads * per_thread, width)
+    tile, tx = tile_rows(sch, out, threads, tile)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     if acc_name in names:  # (the backward without SiLU has no pre-activation: g = dout)
         acc = sch.get_sblock(acc_name)
@@ -106,19 +117,19 @@ def staged_conv(sch: s_tir.Schedule, acc_name: str, out_name: str, threads: int,
     return tile, tx
 
 
-def _fwd(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None:
-    staged_conv(sch, "conv_acc", "out", threads, per_thread, width)
+def _fwd(sch: s_tir.Schedule, threads, tile, window: int) -> None:
+    staged_conv(sch, "conv_acc", "out", threads, tile, window)
     bind_flat(sch, sch.get_sblock("final_states"), threads)
 
 
-def _partial(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None:
+def _partial(sch: s_tir.Schedule, threads, tile, window: int) -> None:
     """Stage 1 of dweight / dbias: one block per (batch, channel) row; the block walks the row in tiles of
-    ``threads * per_thread`` steps (g and x staged in shared memory once per tile, x with its width-1 halo),
+    ``tile`` steps (g and x staged in shared memory once per tile, x with its width-1 halo),
     each thread accumulating its own (width+1) sums over the tiles in a shared slot (rfactor), then a
     cross-thread sum of the slots in a fixed tree order: deterministic, no atomics."""
     blk = sch.get_sblock("partial")
     _, _, _, t = sch.get_loops(blk)
-    _, _, tx = sch.split(t, factors=[None, per_thread, threads])
+    _, _, tx = split_tile(sch, t, tile, threads)
     rf = sch.rfactor(tx, factor_axis=2)  # loops (batch, channel, kk, tile, step, thread); keeps t < seqlen
     b, c, kk, to, v, tx = sch.get_loops(rf)
     row = sch.fuse(b, c)
@@ -132,7 +143,7 @@ def _partial(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> 
     tx, kk = sorted(sch.get_loops(blk)[1:], key=lambda lp: -int(sch.get(lp).extent))
     sch.reorder(kk, tx)
     sch.bind(tx, "threadIdx.x")
-    _stage(sch, rf, to, threads, _window(threads * per_thread, width))
+    _stage(sch, rf, to, threads, window)
 
 
 def _small(sch: s_tir.Schedule, threads: int) -> None:
@@ -146,10 +157,10 @@ def _small(sch: s_tir.Schedule, threads: int) -> None:
                 sch.set_scope(producer, 0, "local")
 
 
-def _bwd(sch: s_tir.Schedule, width: int, threads: int, per_thread: int) -> None:
-    staged_conv(sch, "pre_acc", "g", threads, per_thread, width)
-    staged_conv(sch, "dx_acc", "dx", threads, per_thread, width)
-    _partial(sch, width, threads, per_thread)
+def _bwd(sch: s_tir.Schedule, threads, tile, window: int) -> None:
+    staged_conv(sch, "pre_acc", "g", threads, tile, window)
+    staged_conv(sch, "dx_acc", "dx", threads, tile, window)
+    _partial(sch, threads, tile, window)
     _small(sch, threads)
 
 
@@ -157,16 +168,17 @@ def apply(func, target, decisions: Decisions):
     kernel, static = kernel_attrs(func)
     if "gpu" not in target.keys or kernel is None or not kernel.startswith("causal_conv1d_"):
         return None
-    threads = decisions.pick("threads", (64, 128, 256, 512), 256)
+    threads = decisions.pick("threads", THREADS, 256)
     if kernel == "causal_conv1d_update":  # a loop-nest template: one thread per (batch, channel) row
         loop = update_template(CausalConv1dUpdate(**static), mode="cuda", threads=threads)
         return schedule_of(loop.with_attrs(dict(func.attrs)), name=kernel)
     sch = schedule_of(func, name=kernel)
     if kernel in ("causal_conv1d_fwd", "causal_conv1d_bwd"):
         layout = _fwd if kernel == "causal_conv1d_fwd" else _bwd
-        # a tile of at most 2048 steps: the backward's g kernel stages x and dout rings of 4096 (32 KB fp32)
-        per_thread = decisions.pick("per_thread", tuple(p for p in (1, 2, 4, 8) if threads * p <= 2048), 4)
-        layout(sch, static["width"], threads, per_thread)
+        tile = decisions.pick("tile", TILES, 1024)
+        # the ring holds the tile and its halos; a MetaSchedule sample (ExprRV) may replay with any tile
+        window = _window(tile if isinstance(tile, int) else max(TILES), static["width"])
+        layout(sch, threads, tile, window)
     else:
         schedule_acc_chain(sch, threads)
     return sch

@@ -96,12 +96,12 @@ def _kernels(src):
 
 
 def test_cuda_forward_stages_the_window_once_per_tile():
-    """The design: a block per (row, tile of threads * per_thread steps) stages x (with its width-1 halo) in a
+    """The design: a block per (row, tile of 1024 steps) stages x (with its width-1 halo) in a
     shared ring of 2048 (time mod 2048, tile 1024 + 2 halos), weight and bias too; x is read from global
     memory in that one copy statement only, never per tap (5.5x the minimum bytes before)."""
     d = Decisions()
     src = _cuda_source(causal_conv1d_fwd(**STATIC, return_final=False), d)
-    assert d.used == {"threads": 256, "per_thread": 4} and d.space["per_thread"] == (1, 2, 4, 8)
+    assert d.used == {"threads": 256, "tile": 1024} and d.space["tile"] == (512, 1024)
     (body,) = [b for b in _kernels(src) if "out_ptr[" in b]
     assert "__shared__ alignas(64) float x_shared_ptr[2048]" in body and "& 2047)]" in body
     assert "weight_shared_ptr" in body and "bias_shared_ptr" in body
@@ -118,22 +118,17 @@ def test_cuda_backward_is_deterministic_and_staged():
     assert "__shfl_down_sync" in src
 
 
-def test_cuda_per_thread_knob_limits_the_tile():
-    d = Decisions({"threads": 512, "per_thread": 8})  # a 4096-step tile: out of the candidates for 512 threads
-    cuda_rule.apply(causal_conv1d_bwd(**STATIC, has_dfinal=False), cuda_target("sm_90"), d)
-    assert d.space["per_thread"] == (1, 2, 4) and d.used["per_thread"] == 4
-
-
 def test_cuda_small_tiles_in_the_harness():
-    """threads 64 x per_thread 2 = 128-step tiles: seqlen 300 crosses two tile edges and ends in a ragged
-    tile, so the staged halos, the ring indices and the tail predicates all run in the CUDA harness."""
+    """512-step tiles of 64 threads: seqlen 1100 crosses two tile edges (the second one a wrap of the
+    1024-slot ring) and ends in a ragged tile, so the staged halos, the ring indices and the tail predicates
+    all run in the CUDA harness."""
     import tempfile
 
     from tvm_mamba.runtime import cudasim
 
     dims = dict(STATIC, has_init=True)
-    x, w, b, init = torch.randn(2, 8, 300), torch.randn(8, 4), torch.randn(8), torch.randn(2, 8, 3)
-    dout = torch.randn(2, 8, 300)
+    x, w, b, init = torch.randn(2, 8, 1100), torch.randn(8, 4), torch.randn(8), torch.randn(2, 8, 3)
+    dout = torch.randn(2, 8, 1100)
     leaves = [t.double().requires_grad_() for t in (x, w, b, init)]
     ref = causal_conv1d_ref(leaves[0], leaves[1], leaves[2], initial_states=leaves[3], activation="silu")
     (ref * dout.double()).sum().backward()
@@ -142,11 +137,11 @@ def test_cuda_small_tiles_in_the_harness():
     runs = (("causal_conv1d_fwd", causal_conv1d_fwd(**dims, return_final=False),
              (x, w, b, seq, init, out, torch.zeros(1, 1, 1))),
             ("causal_conv1d_bwd", causal_conv1d_bwd(**dims, has_dfinal=False),
-             (x, w, b, seq, init, dout, torch.zeros(1, 1, 1), dx, dw, db, dinit, torch.empty(2, 8, 300),
+             (x, w, b, seq, init, dout, torch.zeros(1, 1, 1), dx, dw, db, dinit, torch.empty(2, 8, 1100),
               torch.empty(2, 8, 5))))
     target = cuda_target("sm_90")
     for name, func, args in runs:
-        sch = cuda_rule.apply(func, target, Decisions({"threads": 64, "per_thread": 2}))
+        sch = cuda_rule.apply(func, target, Decisions({"threads": 64, "tile": 512}))
         with tempfile.TemporaryDirectory() as tmp:
             cudasim.link(cudasim.build(sch.mod, target, label=name), f"{tmp}/k.so")
             module = cudasim.load(f"{tmp}/k.so")
