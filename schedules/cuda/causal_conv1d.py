@@ -124,9 +124,9 @@ def _fwd(sch: s_tir.Schedule, threads, tile, window: int) -> None:
 
 def _partial(sch: s_tir.Schedule, threads, tile, window: int) -> None:
     """Stage 1 of dweight / dbias: one block per (batch, channel) row; the block walks the row in tiles of
-    ``tile`` steps (g and x staged in shared memory once per tile, x with its width-1 halo),
-    each thread accumulating its own (width+1) sums over the tiles in a shared slot (rfactor), then a
-    cross-thread sum of the slots in a fixed tree order: deterministic, no atomics."""
+    ``tile`` steps (g and x staged in shared memory once per tile, x with its width-1 halo), each thread
+    accumulating its own (width+1) sums over the tiles in registers (rfactor), then a cross-thread sum of
+    the slots in a fixed tree order (warp shuffles): deterministic, no atomics."""
     blk = sch.get_sblock("partial")
     _, _, _, t = sch.get_loops(blk)
     _, _, tx = split_tile(sch, t, tile, threads)
@@ -136,8 +136,10 @@ def _partial(sch: s_tir.Schedule, threads, tile, window: int) -> None:
     sch.reorder(to, v, tx, kk)
     sch.bind(row, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
-    sch.set_scope(rf, 0, "shared")
-    sch.decompose_reduction(rf, to)  # every slot zeroed before the tiles (a slot past a short row's end too)
+    sch.set_scope(rf, 0, "local")  # a thread reads back only its own slots (the tree shuffles them)
+    sch.unroll(kk)  # the slots stay in registers: every index into them a constant
+    init = sch.decompose_reduction(rf, to)  # every slot zeroed before the tiles (one past a short row too)
+    sch.unroll(sch.get_loops(init)[-1])
     sch.reverse_compute_at(blk, row)  # (compute_at of rf under blk would rebuild rf's loops without the guard)
     # the cross-thread sum over the thread slots, in a fixed tree order (loops: thread slot, kk)
     tx, kk = sorted(sch.get_loops(blk)[1:], key=lambda lp: -int(sch.get(lp).extent))
