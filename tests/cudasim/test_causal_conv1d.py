@@ -2,8 +2,10 @@
 (tvm_mamba.simulate_cuda), against the float64 reference written from the math. Mirrors
 tests/torch_ops/test_causal_conv1d.py at small model dims (every distinct static-dim set is one ~1 s compile).
 
-The CUDA schedule is one thread per output element, 256 threads a block over (batch, dim, seqlen) fused:
-DIM = 24 and the ragged seqlens below put block edges in the middle of a channel's time axis.
+The CUDA schedule runs a block per (batch, channel) row and tile of 1024 time steps (x and the other window
+inputs staged in shared memory): seqlen 1100 crosses a tile edge (the staged halo, the ring's wrap) and the
+other seqlens end in a ragged tile. Smaller tiles (more edges) run in
+tests/schedules/test_causal_conv1d.py::test_cuda_small_tiles_in_the_harness.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def _assert_fwd_bwd(leaves, refs, activation="silu"):
         assert_close_to_ref(gk, gr, atol=2e-4, name=name)
 
 
-@pytest.mark.parametrize("seqlen", [1, 5, 37, 200])
+@pytest.mark.parametrize("seqlen", [1, 5, 37, 200, 1100])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_forward_backward_fp32(seqlen, activation):
     x, w, b = _inputs(seqlen=seqlen)

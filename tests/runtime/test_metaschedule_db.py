@@ -22,19 +22,19 @@ def test_gpu_round_commit_writes_a_metaschedule_database(tmp_path):
     key = KernelKey.make("causal_conv1d", d, dt, st, target_key(cuda_target("sm_90")), {"batch": 1, "seqlen": 512})
     assert msd.block_scheduled(key)
     times = {256: 3e-5, 128: 2e-5, 64: 4e-5}  # as `tune --measure` would write them on the GPU
-    results = [{"key": key.to_json(), "decisions": {"threads": t}, "default": t == 256, "time_s": s}
+    results = [{"key": key.to_json(), "decisions": {"threads": t, "tile": 1024}, "default": t == 256, "time_s": s}
                for t, s in times.items()]
     timings = tmp_path / "timings.json"
     timings.write_text(json.dumps({"target": "cuda-sm_90", "device": "nvidia-h200-sm90", "results": results}))
     folder = candidates.commit(str(timings), str(tmp_path / "logs"))
     (rec,) = [json.loads(l) for l in (folder / "causal_conv1d" / tuning.RECORDS).read_text().splitlines()]
-    assert rec["source"] == "metaschedule" and rec["decisions"] == {"threads": 128}
+    assert rec["source"] == "metaschedule" and rec["decisions"] == {"threads": 128, "tile": 1024}
     assert rec["time_s"] == 2e-5 and rec["default_time_s"] == 3e-5
     db = msd.database(folder / "causal_conv1d")
     assert len(db) == 3
     mod, best = msd.replay(key, folder / "causal_conv1d")
     assert [float(s) for s in best.run_secs] == [2e-5]
-    assert msd.knobs_of(key, best.trace) == {"threads": 128}
+    assert msd.knobs_of(key, best.trace) == {"threads": 128, "tile": 1024}
     target = cuda_target("sm_90")
     with target:
         ex = tvm.compile(mod, target=target)
@@ -50,7 +50,8 @@ def test_gpu_round_commit_writes_a_metaschedule_database(tmp_path):
     said = " ".join(str(w.message) for w in caught)
     assert msd.TRIALS in said and msd.WORKLOADS in said
     assert len(db) == 2
-    msd.commit_trials(key, folder / "causal_conv1d", [({"threads": 512}, 5e-5)])  # appendable after the repair
+    # appendable after the repair
+    msd.commit_trials(key, folder / "causal_conv1d", [({"threads": 512, "tile": 1024}, 5e-5)])
     assert len(msd.database(folder / "causal_conv1d")) == 3
 
 

@@ -23,9 +23,9 @@ def test_static_func_binds_the_bucket(key):
 
 def test_design_space_samples_the_rule_knobs_and_candidates_build(key):
     cands = msd.sample_candidates(key, 3)
-    assert cands[0] == {"threads": 256}  # the hand default is the initial decision
-    assert len(cands) >= 2 and all(c["threads"] in (64, 128, 256, 512) for c in cands)
-    assert len({c["threads"] for c in cands}) == len(cands)
+    assert cands[0] == {"threads": 256, "tile": 1024}  # the hand defaults are the initial decisions
+    assert len(cands) >= 2 and all(c["threads"] in (64, 128, 256, 512) and c["tile"] in (512, 1024) for c in cands)
+    assert len({(c["threads"], c["tile"]) for c in cands}) == len(cands)
     target = cuda_target("sm_90")
     with target:
         ex = tvm.compile(dispatch.schedule(key, Decisions(cands[-1])), target=target)
