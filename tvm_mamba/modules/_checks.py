@@ -1,4 +1,4 @@
-"""Argument checks shared by the Mamba / Mamba2 blocks: errors name the argument and say what was expected."""
+"""Argument checks shared by the Mamba / Mamba2 / Mamba3 blocks: errors name the argument and say what was expected."""
 from __future__ import annotations
 
 import torch
