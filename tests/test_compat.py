@@ -14,7 +14,7 @@ from tvm_mamba import compat
 
 # upstream path -> names a user imports from it (each must be tvm_mamba's object)
 PATHS = {
-    "mamba_ssm": ["Mamba", "Mamba2", "MambaLMHeadModel", "selective_scan_fn"],
+    "mamba_ssm": ["Mamba", "Mamba2", "Mamba3", "MambaLMHeadModel", "selective_scan_fn"],
     "mamba_ssm.ops.selective_scan_interface": ["selective_scan_fn", "selective_scan_ref", "mamba_inner_fn",
                                                "mamba_inner_ref"],
     "mamba_ssm.ops.triton.ssd_combined": ["mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined",
@@ -26,6 +26,7 @@ PATHS = {
     "mamba_ssm.ops.triton.layer_norm": ["RMSNorm", "layer_norm_fn", "rms_norm_fn", "layer_norm_ref", "rms_norm_ref"],
     "mamba_ssm.modules.mamba_simple": ["Mamba"],
     "mamba_ssm.modules.mamba2": ["Mamba2"],
+    "mamba_ssm.modules.mamba3": ["Mamba3"],
     "mamba_ssm.modules.block": ["Block"],
     "mamba_ssm.modules.mlp": ["GatedMLP"],
     "mamba_ssm.models.mixer_seq_simple": ["MambaLMHeadModel", "MixerModel", "create_block"],
@@ -38,7 +39,7 @@ PATHS = {
 }
 SAME_AS_TOP = {"selective_scan_fn", "mamba_chunk_scan_combined", "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
                "selective_state_update", "mamba3_siso_step", "mamba3_siso_combined", "rmsnorm_fn", "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "causal_conv1d_fn", "causal_conv1d_update",
-               "causal_conv1d_varlen_states", "Mamba", "Mamba2", "MambaLMHeadModel"}
+               "causal_conv1d_varlen_states", "Mamba", "Mamba2", "Mamba3", "MambaLMHeadModel"}
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ _PUBLIC = {
     ".torch_ops.rmsnorm_gated": ("rmsnorm_fn", "layernorm_fn"),
     ".torch_ops.int8_dot": ("quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
                             "int8_lowrank_projection", "int8_decoder_tail"),
-    ".modules": ("Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel", "RMSNormGated"),
+    ".modules": ("Mamba", "Mamba2", "Mamba3", "MambaConfig", "MambaLMHeadModel", "RMSNormGated"),
     ".explain": ("explain",),
     ".runtime.tuning": ("tuning_logs",),
     ".torch_ops.mamba_inner": ("mamba_inner_fn",),  # the fused layer paths
@@ -59,7 +59,7 @@ _WHERE = {name: (module, name) for module, names in _PUBLIC.items() for name in 
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen_states", "mamba_chunk_scan_combined",
            "selective_scan_fn", "selective_state_update", "mamba3_siso_step", "mamba3_siso_combined", "rmsnorm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
-           "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "MambaConfig", "MambaLMHeadModel",
+           "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "Mamba3", "MambaConfig", "MambaLMHeadModel",
            "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__",
            "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
            "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated",

@@ -145,7 +145,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="conv_state: allocated for batch 1, but the input has batch 2"):
         m(_ids(), inference_params=params)
     with pytest.raises(ValueError, match="ssm_cfg"):
-        _model(dict(layer="Mamba3"))
+        _model(dict(layer="Mamba4"))
     with pytest.raises(ValueError, match="attn_layer_idx"):
         MambaLMHeadModel(MambaConfig(d_model=32, n_layer=2, vocab_size=8, attn_layer_idx=[1]))
 

@@ -1,4 +1,4 @@
-"""Argument checks shared by the Mamba / Mamba2 blocks: errors name the argument and say what was expected."""
+"""Argument checks shared by the Mamba / Mamba2 / Mamba3 blocks: errors name the argument and say what was expected."""
 from __future__ import annotations
 
 import torch
@@ -61,16 +61,17 @@ def check_cu_seqlens(cu_seqlens, batch: int, seqlen: int, seq_idx=None) -> Tenso
     return seq_idx
 
 
-def states_from_cache(block, inference_params, batch_size: int, initialize_states: bool = False):
-    """(conv_state, ssm_state) of ``block`` (a Mamba or Mamba2 with ``layer_idx``) in the inference cache,
-    allocated by the block's ``allocate_inference_cache`` on first use; zeroed in place when
-    ``initialize_states`` (mamba_ssm's ``_get_states_from_cache``, shared by both blocks)."""
+def states_from_cache(block, inference_params, batch_size: int, initialize_states: bool = False) -> tuple:
+    """The decode states of ``block`` (a Mamba / Mamba2: (conv_state, ssm_state); a Mamba3: (angle, ssm, k,
+    v states); the block needs ``layer_idx``) in the inference cache, allocated by the block's
+    ``allocate_inference_cache`` on first use; zeroed in place when ``initialize_states`` (mamba_ssm's
+    ``_get_states_from_cache``, shared by the blocks)."""
     assert block.layer_idx is not None, "layer_idx: must be set to use inference_params"
     cache = inference_params.key_value_memory_dict
     if block.layer_idx not in cache:
         cache[block.layer_idx] = block.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-    conv_state, ssm_state = cache[block.layer_idx]
+    states = tuple(cache[block.layer_idx])
     if initialize_states:
-        conv_state.zero_()
-        ssm_state.zero_()
-    return conv_state, ssm_state
+        for state in states:
+            state.zero_()
+    return states

@@ -415,11 +415,12 @@ class LMStep:
 
 def lm_plan(model, input_ids: Tensor, inference_params) -> Optional[LMStep]:
     """The model's decode plan for this step, or None where it does not apply (then the blocks' path runs):
-    blocks with an MLP or without fused_add_norm, a (batch, seqlen > 1) input, a layer without a cache entry
-    yet, autograd or tracing (:func:`eager`), untrackable parameters."""
+    blocks with an MLP or without fused_add_norm, a mixer without a decode plan (Mamba3), a (batch, seqlen > 1)
+    input, a layer without a cache entry yet, autograd or tracing (:func:`eager`), untrackable parameters."""
     bb = model.backbone
     if input_ids.dim() != 2 or input_ids.shape[1] != 1 or not bb.fused_add_norm or \
-            any(layer.mlp is not None for layer in bb.layers) or bb.embedding.max_norm is not None:
+            any(layer.mlp is not None or not hasattr(layer.mixer, "decode_plan") for layer in bb.layers) or \
+            bb.embedding.max_norm is not None:
         return None
     if not eager(input_ids, model):
         return None

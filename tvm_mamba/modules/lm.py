@@ -31,6 +31,7 @@ from .layer_norm import RMSNorm
 from .linear import Linear
 from .mamba import Mamba
 from .mamba2 import Mamba2
+from .mamba3 import Mamba3
 from .mlp import GatedMLP
 
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
@@ -38,8 +39,9 @@ CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
 
 @dataclass
 class MambaConfig:
-    """mamba_ssm's MambaConfig fields. ssm_cfg["layer"] picks "Mamba1" (default) or "Mamba2"; the other
-    ssm_cfg entries go to the block's constructor."""
+    """mamba_ssm's MambaConfig fields. ssm_cfg["layer"] picks "Mamba1" (default), "Mamba2" or "Mamba3" (SISO,
+    inference only; an extension: upstream's create_block has no Mamba3); the other ssm_cfg entries go to the
+    block's constructor."""
     d_model: int = 2560
     d_intermediate: int = 0
     n_layer: int = 64
@@ -100,10 +102,13 @@ class Block(nn.Module):
         return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
 
 
+MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}  # ssm_cfg["layer"] -> the mixer class
+
+
 def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, attn_cfg=None, norm_epsilon=1e-5,
                  rms_norm=True, residual_in_fp32=False, fused_add_norm=False, layer_idx=None, device=None,
                  dtype=None):
-    """upstream's create_block without attention layers: a Mamba1/Mamba2 mixer (ssm_cfg["layer"]), a GatedMLP
+    """upstream's create_block without attention layers: a Mamba1/Mamba2/Mamba3 mixer (ssm_cfg["layer"]), a GatedMLP
     of d_intermediate hidden features when d_intermediate > 0, RMSNorm (rms_norm) or torch's LayerNorm, as
     upstream (both run on layer_norm_fn)."""
     if attn_layer_idx:
@@ -111,9 +116,9 @@ def create_block(d_model, d_intermediate=0, ssm_cfg=None, attn_layer_idx=None, a
     fk = {"device": device, "dtype": dtype}
     cfg = copy.deepcopy(ssm_cfg or {})
     layer = cfg.pop("layer", "Mamba1")
-    if layer not in ("Mamba1", "Mamba2"):
-        raise ValueError(f"ssm_cfg: 'layer' must be 'Mamba1' or 'Mamba2', got {layer!r}")
-    mixer_cls = partial(Mamba if layer == "Mamba1" else Mamba2, layer_idx=layer_idx, **cfg, **fk)
+    if layer not in MIXERS:
+        raise ValueError(f"ssm_cfg: 'layer' must be one of {sorted(MIXERS)}, got {layer!r}")
+    mixer_cls = partial(MIXERS[layer], layer_idx=layer_idx, **cfg, **fk)
     norm_cls = partial(RMSNorm if rms_norm else nn.LayerNorm, eps=norm_epsilon, **fk)
     mlp_cls = (nn.Identity if not d_intermediate
                else partial(GatedMLP, hidden_features=d_intermediate, out_features=d_model, **fk))

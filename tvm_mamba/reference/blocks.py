@@ -1,4 +1,4 @@
-"""Mamba / Mamba-2 blocks and the small LM composed from the PyTorch references (no TVM).
+"""Mamba / Mamba-2 / Mamba-3 (SISO) blocks and the small LM composed from the PyTorch references (no TVM).
 
 Functional forms over a parameter dict keyed by mamba_ssm's state_dict names, so tests can run them in
 float64 on a copy of a module's parameters and compare outputs and every parameter gradient; the benchmark
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+from .mamba3 import mamba3_siso_combined_ref
 from .rmsnorm_gated import rmsnorm_gated_ref
 from .selective_scan import selective_scan_ref, selective_state_update_ref
 from .ssd import ssd_chunked_ref, ssd_recurrence_ref
@@ -102,6 +103,44 @@ def mamba2_ref(p, u, *, headdim, d_state, ngroups=1, rmsnorm=True, norm_before_g
         y = torch.cat([F.silu(z0) * x0, y], dim=-1)
     out = _linear(y, p, "out_proj")
     return (out, conv_state, last) if return_final_states else out
+
+
+def mamba3_ref(p, u, *, headdim, d_state, ngroups=1, num_rope_angles, A_floor=1e-4, is_outproj_norm=False,
+               eps=1e-5, states=None, return_final_states=False):
+    """p: Mamba3 (SISO) parameters (in_proj.weight (d_in_proj, d_model), dt_bias, D (nheads,), B_bias, C_bias
+    (nheads, 1, d_state), B_norm.weight, C_norm.weight (d_state,), norm.weight (d_inner,) with
+    is_outproj_norm, out_proj.weight (d_model, d_inner)); u: (batch, seqlen, d_model); states: None or (angle
+    (batch, nheads, num_rope_angles), ssm (batch, nheads, headdim, d_state), k (batch, nheads, d_state), v
+    (batch, nheads, headdim)) to continue from -> out (batch, seqlen, d_model) [, the final states, same layouts].
+
+    Columns of in_proj(u): [z | x | B | C | dd_dt | dd_A | trap | angles]; A = min(-softplus(dd_A), -A_floor),
+    DT = softplus(dd_dt + dt_bias); B, C RMS-normed over each group's d_state; the recurrence of
+    mamba3_siso_combined_ref with Q = C, K = B, V = x, ADT = A DT, Trap = trap (logit), biases C_bias /
+    B_bias, the angles shared by every head; then the gated RMSNorm (group headdim, norm before gate) with
+    is_outproj_norm, else the silu(z) gate inside; out_proj. Computed in u's dtype (float64 in the tests).
+    """
+    batch, seqlen, _ = u.shape
+    nheads = p["D"].shape[0]
+    d_inner = nheads * headdim
+    gn = ngroups * d_state
+    cols = F.linear(u, p["in_proj.weight"])
+    edges = torch.tensor([0, d_inner, d_inner, gn, gn, nheads, nheads, nheads, num_rope_angles]).cumsum(0).tolist()
+    z, x, B, C, dd_dt, dd_A, trap, ang = (cols[..., lo:hi] for lo, hi in zip(edges[:-1], edges[1:]))
+    DT = F.softplus(dd_dt + p["dt_bias"].to(u.dtype))
+    A = torch.minimum(-F.softplus(dd_A), torch.full_like(dd_A, -A_floor))
+    B = rmsnorm_ref(B.unflatten(-1, (ngroups, d_state)), p["B_norm.weight"].to(u.dtype), eps)
+    C = rmsnorm_ref(C.unflatten(-1, (ngroups, d_state)), p["C_norm.weight"].to(u.dtype), eps)
+    heads = lambda t: t.unflatten(-1, (nheads, headdim))  # noqa: E731
+    res = mamba3_siso_combined_ref(
+        C, B, heads(x), (A * DT).transpose(1, 2), DT.transpose(1, 2), trap.transpose(1, 2), p["C_bias"][:, 0],
+        p["B_bias"][:, 0], ang[:, :, None, :].expand(batch, seqlen, nheads, num_rope_angles), D=p["D"],
+        Z=None if is_outproj_norm else heads(z), Input_States=states, return_final_states=True, dtype=u.dtype)
+    y = res[0].flatten(-2)
+    if is_outproj_norm:
+        y = rmsnorm_gated_ref(y, p["norm.weight"].to(u.dtype), z=z, eps=eps, group_size=headdim,
+                              norm_before_gate=True)
+    out = F.linear(y, p["out_proj.weight"])
+    return (out, tuple(res[1:])) if return_final_states else out
 
 
 def rmsnorm_ref(x, weight, eps=1e-5):

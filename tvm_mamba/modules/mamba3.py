@@ -1,0 +1,225 @@
+"""Mamba3: mamba_ssm 2.3.2.post1's ``modules/mamba3.Mamba3`` block (SISO, inference) on the TVM kernels.
+
+Same constructor, parameter names, shapes and initialisation as upstream, so a mamba_ssm Mamba3 state_dict
+(SISO) loads with strict=True (nheads = expand*d_model/headdim, S = num_rope_angles = floor(d_state *
+rope_fraction) rounded down to even, halved; d_in_proj = 2*d_inner + 2*ngroups*d_state + 3*nheads + S):
+
+=================  ==============================================
+dt_bias            (nheads,) float32            B_bias, C_bias (nheads, 1, d_state) float32, ones
+D                  (nheads,) float32, ones      in_proj.weight (d_in_proj, d_model), no bias
+B_norm.weight      (d_state,)                   C_norm.weight (d_state,)
+norm.weight        (d_inner,) (is_outproj_norm) out_proj.weight (d_model, d_inner), no bias
+=================  ==============================================
+
+Forward (upstream's, docs/mamba3.md): in_proj -> [z, x, B, C, dd_dt, dd_A, trap, angles];
+A = clamp(-softplus(dd_A), max=-A_floor), DT = softplus(dd_dt + dt_bias), ADT = A DT; B, C = RMSNorm(B),
+RMSNorm(C) over d_state per group; y = mamba3_siso_combined(Q=C, K=B, V=x, ADT, DT, Trap=trap (a logit),
+Q_bias=C_bias, K_bias=B_bias, Angles=angles broadcast to every head, D, Z=z) (or Z=None and y =
+RMSNormGated(y, z) (group headdim, norm before gate) with is_outproj_norm); out = out_proj(y).
+Decoding: ``step`` on mamba3_siso_step with upstream's cache layout (angle, ssm, k (batch, 1, nheads, d_state),
+v states). Not yet: MIMO (is_mimo), the backward (training), seq_idx / cu_seqlens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..torch_ops.mamba3 import mamba3_siso_combined, mamba3_siso_step
+from ._checks import FLOAT_STATES, check_hidden, check_state, states_from_cache
+from .linear import Linear
+from .rmsnorm_gated import RMSNormGated
+
+NO_BACKWARD = ("Mamba3 backward is not implemented yet; use torch.no_grad() / inference_mode for inference "
+               "(parameters or the input require grad with grad mode on)")
+
+
+def rope_angles(d_state: int, rope_fraction: float) -> int:
+    """Upstream's num_rope_angles: floor(d_state * rope_fraction), rounded down to even, halved (rotary pairs)."""
+    split = int(d_state * rope_fraction)
+    return (split - split % 2) // 2
+
+
+def _check_config(d_model, d_state, expand, headdim, ngroups, rope_fraction, chunk_size, is_mimo, kwargs):
+    """NotImplementedError for MIMO; TypeError for an unknown keyword; ValueError naming the argument for a
+    configuration the SISO kernels cannot run -> (d_inner, nheads)."""
+    if is_mimo:
+        raise NotImplementedError("is_mimo: the Mamba-3 MIMO kernels are not implemented yet (use is_mimo=False)")
+    if kwargs:
+        raise TypeError(f"Mamba3: unexpected keyword argument(s) {sorted(kwargs)}")
+    if rope_fraction not in (0.5, 1.0):
+        raise ValueError(f"rope_fraction: must be 0.5 or 1.0, got {rope_fraction!r}")
+    if not isinstance(d_state, int) or d_state < 2 or d_state % 2 or d_state > 256:
+        raise ValueError(f"d_state: must be an even int in 2..256 (rotary pairs; the kernels' limit), got {d_state!r}")
+    if rope_angles(d_state, rope_fraction) < 1:
+        raise ValueError(f"d_state: d_state={d_state} with rope_fraction={rope_fraction} leaves no rotary angle")
+    d_inner = int(expand * d_model)
+    if d_inner < 1:
+        raise ValueError(f"expand: expand * d_model must be at least 1, got {expand} * {d_model}")
+    if not isinstance(headdim, int) or headdim < 1 or d_inner % headdim or headdim > 256:
+        raise ValueError(f"headdim: must divide d_inner={d_inner} and be at most 256, got {headdim!r}")
+    nheads = d_inner // headdim
+    if not isinstance(ngroups, int) or ngroups < 1 or nheads % ngroups:
+        raise ValueError(f"ngroups: must divide nheads={nheads}, got {ngroups!r}")
+    if not isinstance(chunk_size, int) or not 1 <= chunk_size <= 256:
+        raise ValueError(f"chunk_size: must be an int in 1..256, got {chunk_size!r}")
+    return d_inner, nheads
+
+
+class Mamba3(nn.Module):
+    """Mamba-3 block (SISO). forward(u: (batch, seqlen, d_model)) -> (batch, seqlen, d_model).
+
+    Per head h (Q/K group g = h // (nheads / ngroups)): theta_t = theta_{t-1} + pi tanh(angles_t) DT_t;
+    q_t, k_t = R(theta_t)(C_t + C_bias_h), R(theta_t)(B_t + B_bias_h); h_t = exp(ADT_t) h_{t-1}
+    + exp(ADT_t) DT_t (1 - sigmoid(trap_t)) x_{t-1} k_{t-1}^T + DT_t sigmoid(trap_t) x_t k_t^T;
+    y_t = (h_t q_t + D_h x_t) silu(z_t); out = out_proj(y). Inference only (the kernels have no backward yet).
+    """
+
+    def __init__(self, d_model, d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=0.001,
+                 dt_max=0.1, dt_init_floor=1e-4, A_floor=1e-4, is_outproj_norm=False, is_mimo=False, mimo_rank=4,
+                 chunk_size=64, dropout=0.0, layer_idx=None, n_layer=None, device=None, dtype=None, **kwargs):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.d_inner, self.nheads = _check_config(d_model, d_state, expand, headdim, ngroups, rope_fraction,
+                                                  chunk_size, is_mimo, kwargs)
+        del dropout, n_layer  # absorbed, as upstream
+        self.d_model, self.d_state, self.expand, self.headdim = d_model, d_state, expand, headdim
+        self.chunk_size, self.layer_idx, self.A_floor = chunk_size, layer_idx, A_floor
+        self.is_outproj_norm, self.is_mimo, self.mimo_rank = is_outproj_norm, False, 1
+        self.num_bc_heads = ngroups
+        self.rotary_dim_divisor = int(2 / rope_fraction)
+        self.num_rope_angles = rope_angles(d_state, rope_fraction)
+        self.split_tensor_size = 2 * self.num_rope_angles
+        # order: [z, x, B, C, dd_dt, dd_A, trap, angles]
+        d_in_proj = 2 * self.d_inner + 2 * d_state * ngroups + 3 * self.nheads + self.num_rope_angles
+        self.in_proj = Linear(d_model, d_in_proj, bias=False, **factory_kwargs)
+        # dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max] (upstream's init, float32)
+        dt = torch.exp(torch.rand(self.nheads, device=device, dtype=torch.float32)
+                       * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = torch.clamp(dt, min=dt_init_floor)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias._no_weight_decay = True
+        self.B_bias = nn.Parameter(torch.ones(self.nheads, 1, d_state, dtype=torch.float32, device=device))
+        self.C_bias = nn.Parameter(torch.ones(self.nheads, 1, d_state, dtype=torch.float32, device=device))
+        self.B_norm = RMSNormGated(d_state, eps=1e-5, **factory_kwargs)
+        self.C_norm = RMSNormGated(d_state, eps=1e-5, **factory_kwargs)
+        self.D = nn.Parameter(torch.ones(self.nheads, device=device))
+        self.D._no_weight_decay = True
+        if is_outproj_norm:
+            self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=True, group_size=headdim,
+                                     **factory_kwargs)
+        self.out_proj = Linear(self.d_inner, d_model, bias=False, **factory_kwargs)
+
+    # ------------------------------------------------------------------------------------------------
+    def _refuse_grad(self, u: Tensor) -> None:
+        """NotImplementedError before any kernel runs when autograd would need the missing backward."""
+        if torch.is_grad_enabled() and (u.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise NotImplementedError(NO_BACKWARD)
+
+    def _project(self, u: Tensor):
+        """u: (..., d_model) -> in_proj's parts, upstream's order and preprocessing: z, x (..., nheads,
+        headdim); B, C (..., ngroups, d_state) normed; DT, ADT (..., nheads) float32; trap (..., nheads)
+        (the logit); angles (..., nheads, num_rope_angles) float32 (one set broadcast to every head)."""
+        lead = u.shape[:-1]
+        G, N = self.num_bc_heads, self.d_state
+        z, x, B, C, dd_dt, dd_A, trap, angles = torch.split(
+            self.in_proj(u), [self.d_inner, self.d_inner, G * N, G * N, self.nheads, self.nheads, self.nheads,
+                              self.num_rope_angles], dim=-1)
+        A = torch.clamp(-F.softplus(dd_A.to(torch.float32)), max=-self.A_floor)
+        DT = F.softplus(dd_dt + self.dt_bias)
+        hp = (*lead, self.nheads, self.headdim)
+        angles = angles.to(torch.float32).unsqueeze(-2).expand(*lead, self.nheads, self.num_rope_angles)
+        return (z.reshape(hp), x.reshape(hp), self.B_norm(B.reshape(*lead, G, N)),
+                self.C_norm(C.reshape(*lead, G, N)), DT, A * DT, trap, angles)
+
+    def _finish(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
+        """y: (..., nheads, headdim) -> out_proj(y) (after the gated norm with is_outproj_norm)."""
+        y = y.reshape(*y.shape[:-2], self.d_inner)
+        if self.is_outproj_norm:
+            y = self.norm(y, z.reshape(y.shape))
+        return self.out_proj(y.to(dtype))
+
+    def forward(self, u, seq_idx=None, cu_seqlens=None, inference_params=None):
+        """u: (batch, seqlen, d_model) -> (batch, seqlen, d_model).
+
+        ``inference_params`` as mamba_ssm: at seqlen_offset == 0 (prefill) the chunked forward also writes
+        the final (angle, ssm, k, v) states into the layer's cache (rows :batch); later, one :meth:`step`.
+        seq_idx / cu_seqlens (packed sequences) are not implemented yet (NotImplementedError)."""
+        check_hidden("u", u, self.d_model)
+        if seq_idx is not None:
+            raise NotImplementedError("seq_idx: packed sequences are not implemented yet for Mamba3")
+        if cu_seqlens is not None:
+            raise NotImplementedError("cu_seqlens: variable-length Mamba3 is not implemented yet")
+        self._refuse_grad(u)
+        batch = u.shape[0]
+        states = None
+        if inference_params is not None:
+            states = self._get_states_from_cache(inference_params, batch)
+            self._check_states(states, batch, u.device)
+            if inference_params.seqlen_offset > 0:
+                return self.step(u, *states)[0]
+        z, x, B, C, DT, ADT, trap, angles = self._project(u)
+        y = mamba3_siso_combined(
+            C, B, x, ADT.transpose(1, 2), DT.transpose(1, 2), trap.transpose(1, 2), self.C_bias[:, 0],
+            self.B_bias[:, 0], angles, D=self.D, Z=None if self.is_outproj_norm else z,
+            chunk_size=self.chunk_size, return_final_states=states is not None)
+        if states is not None:
+            y, *final = y
+            self._store(states, batch, *final)
+        return self._finish(y, z, x.dtype)
+
+    @staticmethod
+    def _store(states, batch: int, angle: Tensor, ssm: Tensor, k: Tensor, v: Tensor) -> None:
+        """Copy new (angle, ssm, k (batch, nheads, d_state), v) states into the cache's rows :batch."""
+        angle_state, ssm_state, k_state, v_state = states
+        angle_state[:batch].copy_(angle)
+        ssm_state[:batch].copy_(ssm)
+        k_state[:batch, 0].copy_(k)
+        v_state[:batch].copy_(v)
+
+    def _check_states(self, states, batch: int, device) -> None:
+        """The four cache tensors: (>= batch, ...) upstream's shapes, float dtypes, on u's device."""
+        if not isinstance(states, (tuple, list)) or len(states) != 4:
+            raise TypeError("states: expected (angle_state, ssm_state, k_state, v_state)")
+        H, P, N = self.nheads, self.headdim, self.d_state
+        tails = ((H, self.num_rope_angles), (H, P, N), (1, H, N), (H, P))
+        for name, state, tail in zip(("angle_state", "ssm_state", "k_state", "v_state"), states, tails):
+            check_state(name, state, batch, tail, FLOAT_STATES, device)
+
+    def step(self, u, angle_state, ssm_state, k_state, v_state, **kwargs):
+        """One decode token. u: (batch, 1, d_model) (or upstream's (batch, d_model)); states as
+        :meth:`allocate_inference_cache` makes them, batch' >= batch, updated in place (rows :batch)
+        -> (out shaped like u, angle_state, ssm_state, k_state, v_state). ``kwargs`` ignored, as upstream."""
+        if isinstance(u, Tensor) and u.dim() == 2:
+            return (self.step(u[:, None], angle_state, ssm_state, k_state, v_state)[0][:, 0],
+                    angle_state, ssm_state, k_state, v_state)
+        check_hidden("u", u, self.d_model, seqlen_one=True)
+        self._refuse_grad(u)
+        batch = u.shape[0]
+        states = (angle_state, ssm_state, k_state, v_state)
+        self._check_states(states, batch, u.device)
+        z, x, B, C, DT, ADT, trap, angles = self._project(u[:, 0])
+        y, new = mamba3_siso_step(
+            C, B, x, ADT, DT, trap, self.C_bias[:, 0], self.B_bias[:, 0], angles, D=self.D,
+            Z=None if self.is_outproj_norm else z,
+            Input_States=(angle_state[:batch], ssm_state[:batch], k_state[:batch, 0], v_state[:batch]))
+        self._store(states, batch, *new)
+        return self._finish(y, z, x.dtype)[:, None], angle_state, ssm_state, k_state, v_state
+
+    def allocate_inference_cache(self, batch_size, max_seqlen, device=None, dtype=None, inplace_state=None,
+                                 **kwargs):
+        """-> (angle_state (batch_size, nheads, num_rope_angles) float32, ssm_state (batch_size, nheads,
+        headdim, d_state) float32, k_state (batch_size, 1, nheads, d_state) and v_state (batch_size, nheads,
+        headdim) in dtype (default in_proj.weight's)): upstream's layout."""
+        device = self.in_proj.weight.device if device is None else device
+        dtype = self.in_proj.weight.dtype if dtype is None else dtype
+        H, P, N, f32 = self.nheads, self.headdim, self.d_state, torch.float32
+        return (torch.zeros(batch_size, H, self.num_rope_angles, device=device, dtype=f32),
+                torch.zeros(batch_size, H, P, N, device=device, dtype=f32),
+                torch.zeros(batch_size, 1, H, N, device=device, dtype=dtype),
+                torch.zeros(batch_size, H, P, device=device, dtype=dtype))
+
+    def _get_states_from_cache(self, inference_params, batch_size, initialize_states=False):
+        return states_from_cache(self, inference_params, batch_size, initialize_states)
