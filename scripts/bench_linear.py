@@ -1,5 +1,6 @@
 """linear (projection GEMV) at the 130M Mamba's shapes: GB/s of weight read, torch F.linear with fp32 weights
-against tvm_mamba's linear with fp32 / bf16 / int8 weight-only weights, 1 and 8 rows (decode).
+against tvm_mamba's linear with fp32 / bf16 / int8 weight-only weights, 1 and 8 rows (decode), and fp32 at
+PREFILL_ROWS rows (a prompt's projections: GFLOP/s in the note).
 
 A decode step is bound by reading the weights once, so the figure of merit is weight bytes / time. A decode
 step's weights (~0.5 GB at fp32 for 130M) do not stay in cache, so each side cycles through enough copies of its
@@ -29,6 +30,7 @@ from benchlib import Row, median_ms
 
 SHAPES = ((768, 3072, "in_proj"), (1536, 768, "out_proj"), (768, 50280, "lm_head"))
 ROUNDS = 3
+PREFILL_ROWS = 256
 COLD_BYTES = 128 << 20  # weight bytes cycled through per side
 TIMER = [median_ms]  # median_ms, or _cpu_ms with --cpu-time
 
@@ -80,6 +82,8 @@ def _case(K: int, N: int, M: int, wdt: str, rounds: int) -> Row:
 
     note = (f"weights {gbs(t)} GB/s (rounds {gbs(max(ours))}-{gbs(min(ours))}); torch fp32 {ref_gbs(r)} GB/s "
             f"({ref_gbs(max(ref))}-{ref_gbs(min(ref))}); max|y - fp32| {err:.1e}")
+    if M > 8:
+        note += f"; {2 * M * K * N / t / 1e6:.0f} vs torch {2 * M * K * N / r / 1e6:.0f} GFLOP/s"
     return Row("linear", f"fwd {wdt} weights", f"rows={M}, {K}->{N}", t, r, copy, "F.linear fp32", note)
 
 
@@ -90,6 +94,8 @@ def run(quick: bool) -> list[Row]:
         for M in ((1,) if quick else (1, 8)):
             for wdt in ("float32", "bfloat16", "int8"):
                 rows.append(_case(K, N, M, wdt, 1 if quick else ROUNDS))
+    if not quick:  # prefill: the fp32 layers' route on AVX-512 hosts (torch_ops/linear.fp32_on_kernel)
+        rows += [_case(K, N, PREFILL_ROWS, "float32", ROUNDS) for K, N, _ in SHAPES[:2]]
     return rows
 
 

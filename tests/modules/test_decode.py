@@ -202,18 +202,23 @@ def test_projection_parts_match_one_linear(batch):
 
 
 LM_SSM = {"mamba": dict(layer="Mamba1", d_state=8),
-          "mamba2": dict(layer="Mamba2", d_state=16, headdim=16, ngroups=2, D_has_hdim=True)}
+          "mamba2": dict(layer="Mamba2", d_state=16, headdim=16, ngroups=2, D_has_hdim=True),
+          "mamba2_dtlimit": dict(layer="Mamba2", d_state=16, headdim=16, dt_limit=(0.01, 0.5))}
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("layer", list(LM_SSM))
 def test_lm_decode_plan_matches_blocks_path(layer, batch):
+    """Every planned step's logits equal the blocks' path, bit for bit: the plan's first step (ops run and
+    captured), its second (replayed, recorded as a Tape) and the later ones (the Tape's flat list replayed),
+    which dt_limit's per-step softplus leaves unrecorded (then every step runs the plan's Python)."""
     torch.manual_seed(0)
     model = MambaLMHeadModel(MambaConfig(d_model=D_MODEL, n_layer=2, vocab_size=64, ssm_cfg=LM_SSM[layer]))
     ids = torch.randint(0, 64, (batch, 5))
-    planned = model.generate(ids, max_length=9, return_dict_in_generate=True, output_scores=True)
+    planned = model.generate(ids, max_length=11, return_dict_in_generate=True, output_scores=True)
     plan = _decode.plan_of(model)
     assert isinstance(plan, _decode.LMStep) and all(s.launches for s, *_ in plan.layers)
+    assert (plan.program is None) == ("dt_limit" in LM_SSM[layer])
 
     def unplanned(step_ids, params):
         with _no_plans():
@@ -242,9 +247,10 @@ def test_quantized_lm_decode_plan_runs_the_linear_op(layer, dtype):
     model = MambaLMHeadModel(MambaConfig(d_model=D_MODEL, n_layer=2, vocab_size=64, ssm_cfg=LM_SSM[layer]))
     quantize_weights(model, dtype)
     ids = torch.randint(0, 64, (2, 5))
-    planned = model.generate(ids, max_length=8, return_dict_in_generate=True, output_scores=True)
+    planned = model.generate(ids, max_length=10, return_dict_in_generate=True, output_scores=True)
     plan = _decode.plan_of(model)
     assert isinstance(plan, _decode.LMStep) and plan.lm_head.quantized and plan.lm_head.call.launches
+    assert (plan.program is None) == ("dt_limit" in LM_SSM[layer])  # else the later steps replayed the Tape
     assert all(mixer.out_proj.quantized and mixer.in_proj.dense.quantized for _, _, mixer, _ in plan.layers)
     params = InferenceParams(max_seqlen=8, max_batch_size=2)
     sequences = planned.sequences.clone()
