@@ -158,8 +158,8 @@ class Tape:
     between plan buffers, recorded while the step runs (:class:`LMStep`). Valid only when every action of the
     step was recordable (``ok``): an op run afresh, or torch glue that makes a new tensor each step (the
     MLP half's cat, dt_limit's softplus), leaves values a replay of the list would not recompute. Replaying
-    the list skips the Python between the launches (per layer: views, parts, flag checks): about a tenth of a
-    130M model's decode step."""
+    the list skips the Python between the launches (per layer: views, parts, flag checks), which at batch 1
+    costs a small model's step about as much as one of its projections (docs/performance.md)."""
 
     def __init__(self):
         self.actions: list[Callable[[], object]] = []

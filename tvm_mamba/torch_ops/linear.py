@@ -145,8 +145,8 @@ def fp32_on_kernel(x, weight, bias=None) -> bool:
     in_features), weight and bias on a CPU device served by the CPU kernels (not ``simulate_cuda``), eager mode,
     no gradient needed, and either at most GEMV_ROWS rows (decode: the GEMV kernel reads the weight at the
     core's streaming speed, faster than torch's batch-1 GEMV) or a host with AVX-512 (prefill: the kernel's
-    16-lane row tiles ran torch's fp32 GEMM 1.3-1.8x on one Zen 5 core, docs/linear.md; on AVX2 they only
-    matched it, so larger matmuls keep F.linear there). A row gets the same bits at any row count, so a
+    16-lane row tiles outran torch's fp32 GEMM there; on AVX2 they only matched it, so larger matmuls keep
+    F.linear; docs/linear.md). A row gets the same bits at any row count, so a
     prompt's projections equal its decode steps'. Autograd and tracing keep F.linear."""
     if not (x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)):
         return False
