@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tvm_mamba.reference.mamba3 import (TWO_PI, mamba3_siso_combined_ref, mamba3_siso_step_ref, rotate_pairs)
+from tvm_mamba.reference.mamba3 import (TWO_PI, mamba3_siso_chunked_ref, mamba3_siso_combined_ref, mamba3_siso_step_ref,
+                                       rotate_pairs)
 from tvm_mamba.reference.ssd import ssd_recurrence_ref
 
 F64 = torch.float64
@@ -215,3 +216,14 @@ def test_step_matches_upstream_pure_torch_references():
     torch.testing.assert_close(kr[:, 0], k, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(h_up, h, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out_up, out, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("states", [True, False])
+def test_chunked_form_equals_the_recurrence(states):
+    """mamba3_siso_chunked_ref (the benchmarks' torch composition) == the recurrence: output and final states,
+    a ragged last chunk, GQA, input states in."""
+    inp = make_inputs(batch=2, seqlen=11, nheads_qk=1, nheads=2, S=3, states=states)
+    want = mamba3_siso_combined_ref(**inp, return_final_states=True)
+    got = mamba3_siso_chunked_ref(**inp, chunk_size=4, return_final_states=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)

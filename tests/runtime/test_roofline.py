@@ -11,7 +11,7 @@ import tvm
 from tvm.script import tirx as T
 
 from tvm_mamba import cli
-from tvm_mamba.roofline import count, hardware, measure, minimum
+from tvm_mamba.roofline import count, hardware, measure, minimum, report
 from tvm_mamba.runtime import cuda_target
 
 
@@ -80,6 +80,24 @@ def test_minimum_of_conv_forward_is_the_hand_count():
     ck = dict(pbytes, ck=123)  # scratch (checkpoints) is not part of the scan's minimum; state in place twice
     assert minimum.min_bytes("selective_scan", "fwd", ck) == sum(pbytes.values())
     assert minimum.min_bytes("selective_scan", "update", {"state": 10, "x": 1}) == 21
+
+
+def test_mamba3_preset_kernels_and_their_minimum_bytes():
+    """The Mamba-3 preset runs the step and the preprocess (no conv, no Mamba-2 kernels); other presets run no
+    Mamba-3 kernel. Their minimum bytes are the hand count (the step's q workspace is scratch) and the
+    preprocess's per-chunk outputs are sized by nchunks = seqlen / chunk (derived, not a free dim)."""
+    ops = ["causal_conv1d", "selective_scan", "ssd", "mamba3"]
+    step, pre = report.preset_keys("mamba3-130m", ops, "sm_90")
+    assert (step.direction, pre.direction) == ("siso_step", "siso_preprocess")
+    assert not [k for k in report.preset_keys("mamba2-130m", ops, "sm_90") if k.op == "mamba3"]
+    B, L, H, P, N, S = 2, 256, 24, 64, 128, 32
+    f4 = 4 * (2 * B * N + 3 * B * H * P + 3 * B * H + 2 * H * N + 3 * B * H * S + H + 2 * B * H * P * N
+              + 2 * B * H * N + B * H * P)  # Q K | V Z out | ADT DT Trap | biases | Angles, angle in / out | D
+    assert minimum.minimum("mamba3", "siso_step", step.static, B, 1, measure.param_bytes(step, B, 1)).bytes == f4
+    pb = measure.param_bytes(pre, B, L)
+    assert pb["dA_cs"] == pb["scale"] == pb["skip"] == 4 * B * H * L and pb["q"] == 4 * B * L * H * N
+    m = minimum.minimum("mamba3", "siso_preprocess", pre.static, B, L, pb)
+    assert (m.mm, m.exps, m.sfu) == (0, B * L * H, 3 * S * B * L * H)
 
 
 def test_footprint_caps_each_buffer_at_its_size():

@@ -243,7 +243,7 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     from ._presets import presets
 
     out = []
-    for _, dims in presets(preset):
+    for _, dims in presets(preset, families=("mamba", "mamba2")):
         base = dict(dim=dims.get("conv_dim", dims["d_inner"]), width=dims["d_conv"], activation="silu",
                     has_bias=True)
         out += [("fwd", *CausalConv1dFwd(**base).key_parts()), ("bwd", *CausalConv1dBwd(**base).key_parts())]

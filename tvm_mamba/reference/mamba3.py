@@ -156,3 +156,55 @@ def mamba3_siso_step_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
     if Z is not None:
         y = y * F.silu(c(Z))
     return y, [theta, h, k, v]
+
+
+def _chunks(t: torch.Tensor, axis: int, chunk: int) -> torch.Tensor:
+    """t with its time axis zero-padded to whole chunks and split into (nchunks, chunk) there."""
+    axis %= t.dim()
+    pad = -t.shape[axis] % chunk
+    t = F.pad(t, (0, 0) * (t.dim() - 1 - axis) + (0, pad))
+    return t.unflatten(axis, (-1, chunk))
+
+
+def mamba3_siso_chunked_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
+                            chunk_size=64, return_final_states=False):
+    """``mamba3_siso_combined_ref``'s arguments and results (no cu_seqlens), computed chunk by chunk in the
+    inputs' dtype: the PyTorch composition the benchmarks time (vectorised over batch, heads and positions; a
+    loop over chunks only for the state passing), and an independent formulation tested against the recurrence.
+
+    theta is a cumsum (then mod 2 pi); v_s k_s^T enters with gamma_s at s and DT_{s+1} (1 - lam_{s+1}) at s + 1,
+    so with scale_s = gamma_s + DT_{s+1} (1 - lam_{s+1}) (0 past the end) and cs the chunk-local cumsum of ADT:
+    out_l = sum_{s<l} e^{cs_l - cs_s} scale_s (q_l . k_s) v_s + gamma_l (q_l . k_l) v_l + e^{cs_l} q_l . h_in
+    (+ D v_l, * silu(Z_l)); a chunk's state S_c = sum_s e^{cs_last - cs_s} scale_s v_s k_s^T, h_in of the next
+    chunk = e^{cs_last} h_in + S_c, starting from h_{-1} + DT_0 (1 - lam_0) v_{-1} k_{-1}^T (the input states).
+    """
+    (b, L, hq, N), (H, P), S, Qc = Q.shape, V.shape[2:], Angles.shape[-1], chunk_size
+    theta0, h0, k0, v0 = Input_States if Input_States is not None else _zero_states(b, H, N, P, S, V.dtype, V.device)
+    theta = torch.remainder(theta0[:, None] + torch.cumsum(math.pi * torch.tanh(Angles) * DT.transpose(1, 2)[..., None],
+                                                           dim=1), TWO_PI)  # (b, L, H, S)
+    q = rotate_pairs(Q.repeat_interleave(H // hq, dim=2) + Q_bias, theta)  # (b, L, H, N)
+    k = rotate_pairs(K.repeat_interleave(H // hq, dim=2) + K_bias, theta)
+    lam = torch.sigmoid(Trap)
+    gamma, left = DT * lam, DT * (1 - lam)  # (b, H, L): the weights of a step's right and left ends
+    scale = gamma + F.pad(left[..., 1:], (0, 1))
+    h = h0 + left[..., 0, None, None] * v0[..., :, None] * k0[..., None, :]  # (b, H, P, N)
+    qc, kc, vc = _chunks(q, 1, Qc), _chunks(k, 1, Qc), _chunks(V, 1, Qc)  # (b, nc, Qc, H, .)
+    cs = torch.cumsum(_chunks(ADT, -1, Qc), dim=-1)  # (b, H, nc, Qc)
+    sc, gc = _chunks(scale, -1, Qc), _chunks(gamma, -1, Qc)
+    below = torch.ones(Qc, Qc, dtype=torch.bool, device=V.device).tril(-1)
+    decay = torch.exp(torch.where(below, cs[..., :, None] - cs[..., None, :], -math.inf))  # (b, H, nc, l, s)
+    w = decay * sc[..., None, :] + torch.diag_embed(gc)
+    scores = torch.einsum("bclhn,bcshn->bhcls", qc, kc) * w
+    y = torch.einsum("bhcls,bcshp->bclhp", scores, vc)
+    states = torch.einsum("bhcs,bcshp,bcshn->bchpn", torch.exp(cs[..., -1:] - cs) * sc, vc, kc)
+    h_in = []
+    for c in range(cs.shape[2]):
+        h_in.append(h)
+        h = torch.exp(cs[:, :, c, -1])[..., None, None] * h + states[:, c]
+    y = y + torch.einsum("bclhn,bchpn->bclhp", qc, torch.stack(h_in, 1)) * torch.exp(cs).permute(0, 2, 3, 1)[..., None]
+    y = y.flatten(1, 2)[:, :L]
+    if D is not None:
+        y = y + D[:, None] * V
+    if Z is not None:
+        y = y * F.silu(Z)
+    return (y, theta[:, -1], h, k[:, -1], V[:, -1]) if return_final_states else y

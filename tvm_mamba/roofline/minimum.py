@@ -13,7 +13,8 @@ Arithmetic: the leading terms of the math, per kernel below (matrix products exa
 a few flops per element). ``mm`` flops are matrix products, the work a tensor core can do; ``flops`` the rest
 (fp32 CUDA cores); ``exps`` exp-family evaluations; ``sfu`` other transcendental ones (log1p of softplus).
 Notation: B batch, L seqlen, D channels, N dstate, H heads, P headdim, G groups, Q chunk length,
-T = B * nchunks * H * Q(Q+1)/2 the causal (t >= s) pairs of the SSD chunks.
+T = B * nchunks * H * Q(Q+1)/2 the causal (t >= s) pairs of the SSD chunks; Mamba-3: N headdim_qk, P headdim_v,
+S rotary angles (pairs).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ SCRATCH = {
     ("selective_scan", "fwd"): {"ck"},  # state checkpoints saved for the backward (a schedule choice)
     ("selective_scan", "bwd"): {"ck", "wsA", "wsB", "wsC", "wsS"},  # the minimum recomputes the states
     ("ssd", "chunk_scan_bwd"): set(),
+    ("mamba3", "siso_step"): {"qrot"},  # the rotated q, written by the rotate pass for the update pass
 }
 INOUT = {("selective_scan", "update"): {"state"}}
 
@@ -91,6 +93,19 @@ def _ssd(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
     raise KeyError(d)
 
 
+def _mamba3(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
+    H, P, N, S = s["nheads"], s["headdim_v"], s["headdim_qk"], s["headdim_angles"]
+    rot = 2 * N + 17 * S  # biases on q and k; per angle tanh-rate step and mod 2 pi (5), two rotated pairs (12)
+    if d == "siso_step":  # per (b, h): rot, alpha, sigmoid, beta, gamma; per state 5 (the update) + 2 (h' q);
+        n = B * H * P  # per row D V, silu(Z) gate, the row's beta v_state and gamma V
+        return 0, n * (7 * N + 8) + B * H * (rot + 6), n + 2 * B * H, 3 * S * B * H
+    if d == "siso_preprocess":  # per (b, t, h): rot, the diagonal dot (2N), cumsum, sigmoid, scale, skip;
+        tok = B * L * H  # input states: init = ssm + DT_0 (1 - lam_0) v k^T (3 per state)
+        init = (3 * B * H * P * N + 4 * B * H, B * H) if s.get("has_init") else (0, 0)
+        return 0, tok * (rot + 2 * N + 10) + init[0], tok + init[1], 3 * S * tok
+    raise KeyError(d)
+
+
 def minimum(op: str, direction: str, static: dict, batch: int, seqlen: int,
             param_bytes: dict[str, int]) -> Minimum:
     """The minimum of kernel (op, direction) with model dims ``static`` at (batch, seqlen). KeyError for a
@@ -103,6 +118,8 @@ def minimum(op: str, direction: str, static: dict, batch: int, seqlen: int,
         mm, fl, ex, sf = _update(static, batch)
     elif op == "ssd":
         mm, fl, ex, sf = _ssd(direction, static, batch, seqlen)
+    elif op == "mamba3":
+        mm, fl, ex, sf = _mamba3(direction, static, batch, seqlen)
     else:
         raise KeyError(f"{op}.{direction}")
     return Minimum(min_bytes(op, direction, param_bytes), mm, fl, ex, sf)

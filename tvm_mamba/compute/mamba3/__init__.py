@@ -26,7 +26,7 @@ from .preprocess import preprocess_template
 from .step import step_template
 
 __all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "PreDims", "StepDims", "acc_dtype", "build", "build_check_configs",
-           "mamba3_siso_step", "mamba3_siso_preprocess"]
+           "tuning_configs", "derived_dims", "mamba3_siso_step", "mamba3_siso_preprocess"]
 
 # direction -> typed static dims / template(dims, layout): the step takes a selective-scan Layout, the
 # preprocess an SSD Strategy (the rules pick each direction's)
@@ -84,3 +84,28 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             ("siso_preprocess", dict(pre, has_D=True, has_init=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
             ("siso_preprocess", dict(pre, nheads_qk=2, headdim_angles=64, has_D=False, has_init=False),
              {"qk": "float32", "vstate": "float32"})]
+
+
+def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
+    """Tuning (and roofline) workloads: each Mamba-3 preset's two Mamba-3 kernels as ``Mamba3`` (SISO, fp32)
+    calls them: the decode step (D, Z; the cache's float32 K / V states) and the chunked forward's
+    preprocess (D, no input states: a plain forward or a prefill). The forward's SSD pieces are SSD kernels
+    (compute/ssd), not listed here."""
+    from .._presets import presets
+
+    out = []
+    for _, d in presets(preset, families=("mamba3",)):
+        model = dict(nheads=d["nheads"], nheads_qk=d["ngroups"], headdim_qk=d["d_state"], headdim_v=d["headdim"],
+                     headdim_angles=d["num_rope_angles"])
+        step = StepDims(**model, has_D=True, has_z=True)
+        pre = PreDims(**model, chunk_size=d["chunk_size"], has_D=True, has_init=False)
+        out += [("siso_step", *step.key_parts()), ("siso_preprocess", *pre.key_parts())]
+    return out
+
+
+def derived_dims(direction: str, dims: dict, static: dict) -> dict:
+    """Dynamic dims that follow from the others (for tuning and roofline inputs): the preprocess's
+    nchunks = ceil(seqlen / chunk_size), as torch_ops/mamba3.py allocates its per-chunk outputs."""
+    if direction != "siso_preprocess" or "seqlen" not in dims:
+        return {}
+    return {"nchunks": -(-dims["seqlen"] // static["chunk_size"])}

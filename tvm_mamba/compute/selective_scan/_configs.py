@@ -46,7 +46,7 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
 
     out = []
     f32 = {"u": "float32", "B": "float32", "C": "float32"}
-    for _, dims in presets(preset):
+    for _, dims in presets(preset, families=("mamba", "mamba2")):
         if "headdim" in dims:
             step = dict(nheads=dims["nheads"], headdim=dims["headdim"], dstate=dims["d_state"],
                         ngroups=dims["ngroups"], has_D=True, has_z=True, has_dt_bias=True, dt_softplus=True)

@@ -92,7 +92,7 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
 
     out = []
     f32 = {"x": "float32", "bc": "float32"}
-    for _, d in presets(preset):
+    for _, d in presets(preset, families=("mamba2",)):
         if "headdim" not in d:
             continue
         dims = dict(nheads=d["nheads"], ngroups=d["ngroups"], headdim=d["headdim"], dstate=d["d_state"],
