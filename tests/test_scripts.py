@@ -1,7 +1,8 @@
 """scripts/: bench.py refuses unknown ops, writes --json / --csv in its documented schema, compares forward+backward
 rows with a forward+backward copy; bench_lm.py --quick times the tiny LMs in fresh processes (with and without
 transformers, against llama.cpp when installed) and refuses to time a model whose logits disagree; train_tiny.py
-plots only where asked, labelled with matplotlib, sketched without it."""
+plots only where asked, labelled with matplotlib, sketched without it; bench_mamba3.py --quick runs its rows and
+refuses a baseline that disagrees."""
 from __future__ import annotations
 
 import csv
@@ -86,6 +87,22 @@ def test_bench_quick_json_csv(scripts_path, monkeypatch, tmp_path, capsys):
         assert r["tvm_s"] > 0 and r["ref_s"] > 0 and r["copy_s"] > 0
     assert len(list(csv.reader((tmp_path / "b.csv").open()))) == 3
     assert "fwd+bwd (b=2, d=256" in capsys.readouterr().out
+
+
+def test_bench_mamba3_quick_rows_and_refusal(scripts_path, monkeypatch, tmp_path):
+    """bench_mamba3 --quick: the chunked forward, three decode steps (fp32 batch 1 and 8, bf16) and the module
+    forward, each against its torch baseline; a baseline that disagrees is refused before any timing."""
+    bench, m3 = _load("bench", monkeypatch), _load("bench_mamba3", monkeypatch)
+    assert bench.main(["--quick", "--ops", "mamba3", "--json", str(tmp_path / "m.json")]) == 0
+    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == (["fwd (mamba3_siso_combined)"] + ["decode step (mamba3_siso_step)"] * 3
+                                         + ["Mamba3 forward (inference)"])
+    assert [r["shape"][-4:] for r in rows] == ["fp32", "fp32", "fp32", "bf16", "fp32"]
+    assert all(r["op"] == "mamba3" and r["tvm_s"] > 0 and r["ref_s"] > 0 for r in rows)
+    import torch
+
+    with pytest.raises(RuntimeError, match="disagrees with its baseline"):
+        m3._agree(torch.ones(4), torch.full((4,), 1.01), "x")
 
 
 def test_plot_labelled_with_matplotlib_sketched_without(monkeypatch, tmp_path, capsys):

@@ -6,11 +6,13 @@ runs them in float32 as the "same block written with the PyTorch references".
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
-from .mamba3 import mamba3_siso_combined_ref
+from .mamba3 import mamba3_siso_chunked_ref, mamba3_siso_combined_ref
 from .rmsnorm_gated import rmsnorm_gated_ref
 from .selective_scan import selective_scan_ref, selective_state_update_ref
 from .ssd import ssd_chunked_ref, ssd_recurrence_ref
@@ -106,7 +108,7 @@ def mamba2_ref(p, u, *, headdim, d_state, ngroups=1, rmsnorm=True, norm_before_g
 
 
 def mamba3_ref(p, u, *, headdim, d_state, ngroups=1, num_rope_angles, A_floor=1e-4, is_outproj_norm=False,
-               eps=1e-5, states=None, return_final_states=False):
+               eps=1e-5, states=None, return_final_states=False, chunk_size=None):
     """p: Mamba3 (SISO) parameters (in_proj.weight (d_in_proj, d_model), dt_bias, D (nheads,), B_bias, C_bias
     (nheads, 1, d_state), B_norm.weight, C_norm.weight (d_state,), norm.weight (d_inner,) with
     is_outproj_norm, out_proj.weight (d_model, d_inner)); u: (batch, seqlen, d_model); states: None or (angle
@@ -118,6 +120,8 @@ def mamba3_ref(p, u, *, headdim, d_state, ngroups=1, num_rope_angles, A_floor=1e
     mamba3_siso_combined_ref with Q = C, K = B, V = x, ADT = A DT, Trap = trap (logit), biases C_bias /
     B_bias, the angles shared by every head; then the gated RMSNorm (group headdim, norm before gate) with
     is_outproj_norm, else the silu(z) gate inside; out_proj. Computed in u's dtype (float64 in the tests).
+    chunk_size: None runs the recurrence (mamba3_siso_combined_ref), an int the chunked form
+    (mamba3_siso_chunked_ref, the benchmarks' float32 baseline).
     """
     batch, seqlen, _ = u.shape
     nheads = p["D"].shape[0]
@@ -131,7 +135,8 @@ def mamba3_ref(p, u, *, headdim, d_state, ngroups=1, num_rope_angles, A_floor=1e
     B = rmsnorm_ref(B.unflatten(-1, (ngroups, d_state)), p["B_norm.weight"].to(u.dtype), eps)
     C = rmsnorm_ref(C.unflatten(-1, (ngroups, d_state)), p["C_norm.weight"].to(u.dtype), eps)
     heads = lambda t: t.unflatten(-1, (nheads, headdim))  # noqa: E731
-    res = mamba3_siso_combined_ref(
+    siso = mamba3_siso_combined_ref if chunk_size is None else partial(mamba3_siso_chunked_ref, chunk_size=chunk_size)
+    res = siso(
         C, B, heads(x), (A * DT).transpose(1, 2), DT.transpose(1, 2), trap.transpose(1, 2), p["C_bias"][:, 0],
         p["B_bias"][:, 0], ang[:, :, None, :].expand(batch, seqlen, nheads, num_rope_angles), D=p["D"],
         Z=None if is_outproj_norm else heads(z), Input_States=states, return_final_states=True, dtype=u.dtype)

@@ -167,9 +167,9 @@ def _chunks(t: torch.Tensor, axis: int, chunk: int) -> torch.Tensor:
 
 
 def mamba3_siso_chunked_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
-                            chunk_size=64, return_final_states=False):
-    """``mamba3_siso_combined_ref``'s arguments and results (no cu_seqlens), computed chunk by chunk in the
-    inputs' dtype: the PyTorch composition the benchmarks time (vectorised over batch, heads and positions; a
+                            chunk_size=64, return_final_states=False, dtype=None):
+    """``mamba3_siso_combined_ref``'s arguments and results (no cu_seqlens), computed chunk by chunk in ``dtype``
+    (None: V's): the PyTorch composition the benchmarks time (vectorised over batch, heads and positions; a
     loop over chunks only for the state passing), and an independent formulation tested against the recurrence.
 
     theta is a cumsum (then mod 2 pi); v_s k_s^T enters with gamma_s at s and DT_{s+1} (1 - lam_{s+1}) at s + 1,
@@ -178,8 +178,12 @@ def mamba3_siso_chunked_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=No
     (+ D v_l, * silu(Z_l)); a chunk's state S_c = sum_s e^{cs_last - cs_s} scale_s v_s k_s^T, h_in of the next
     chunk = e^{cs_last} h_in + S_c, starting from h_{-1} + DT_0 (1 - lam_0) v_{-1} k_{-1}^T (the input states).
     """
+    c = lambda t: None if t is None else t.to(dtype or V.dtype)  # noqa: E731
+    Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z = (c(t) for t in (Q, K, V, ADT, DT, Trap, Q_bias, K_bias,
+                                                                          Angles, D, Z))
     (b, L, hq, N), (H, P), S, Qc = Q.shape, V.shape[2:], Angles.shape[-1], chunk_size
-    theta0, h0, k0, v0 = Input_States if Input_States is not None else _zero_states(b, H, N, P, S, V.dtype, V.device)
+    theta0, h0, k0, v0 = (tuple(c(t) for t in Input_States) if Input_States is not None else
+                          _zero_states(b, H, N, P, S, V.dtype, V.device))
     theta = torch.remainder(theta0[:, None] + torch.cumsum(math.pi * torch.tanh(Angles) * DT.transpose(1, 2)[..., None],
                                                            dim=1), TWO_PI)  # (b, L, H, S)
     q = rotate_pairs(Q.repeat_interleave(H // hq, dim=2) + Q_bias, theta)  # (b, L, H, N)

@@ -1,0 +1,122 @@
+"""Mamba-3 (SISO) on the CPU against the PyTorch composition of the same math, in one run:
+
+* ``mamba3_siso_combined`` (the chunked forward: preprocess + the SSD pieces) at a 130m-like shape (batch 1,
+  seqlen 1024 and 2048, 24 heads, 1 Q/K head, headdim_qk 128, headdim_v 64, 32 rotary angles, chunk 64, D
+  and Z), fp32, and bf16 activations at seqlen 2048 (not with --quick); the baseline is
+  ``tvm_mamba.reference.mamba3.mamba3_siso_chunked_ref`` in float32 (vectorised einsums per chunk, a loop over
+  chunks for the state passing; the bf16 rows' baseline upcasts and computes in float32, as our kernels do);
+* ``mamba3_siso_step`` (the decode step) at batch 1 and 8, fp32, and bf16 activations with a bf16 K / V state
+  (what Mamba3's bf16 cache holds) at batch 8; the baseline is ``mamba3_siso_step_ref`` in float32 (one
+  vectorised step);
+* the ``Mamba3`` module's forward (inference, d_model 768, upstream's defaults: 24 heads, d_state 128, chunk
+  64), batch 1, fp32; the baseline is ``reference.blocks.mamba3_ref`` in float32 on the module's parameters
+  (F.linear projections, the chunked composition).
+
+Before timing, each fp32 case's output is compared with its baseline's (relative max error below 1e-3), so a
+row never times two functions that disagree. Forward+backward is not benchmarked: the chunked forward has no
+backward yet (it refuses inputs that require grad, docs/mamba3.md), so neither has the module.
+"""
+from __future__ import annotations
+
+import torch
+from benchlib import Row, median_ms
+
+import tvm_mamba
+from tvm_mamba.reference.blocks import mamba3_ref
+from tvm_mamba.reference.mamba3 import mamba3_siso_chunked_ref, mamba3_siso_step_ref
+from tvm_mamba.simcheck.mamba3 import combined_inputs, step_inputs
+
+OP = "mamba3"
+FULL = dict(nheads=24, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
+QUICK = dict(nheads=4, nheads_qk=1, headdim_qk=32, headdim_v=16, headdim_angles=8, chunk_size=16)
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """RuntimeError unless got matches want within 1e-3 of want's largest magnitude (float32 on both sides)."""
+    err = (got.float() - want.float()).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    if not err < 1e-3:
+        raise RuntimeError(f"bench_mamba3: {what} disagrees with its baseline (relative max error {err:.3g})")
+
+
+def _shape(dims: dict, batch: int, seqlen: int | None, dtype: str) -> str:
+    L = f", L={seqlen}" if seqlen is not None else ""
+    return (f"b={batch}{L}, h={dims['nheads']}, hqk={dims['nheads_qk']}, n={dims['headdim_qk']}, "
+            f"p={dims['headdim_v']}, S={dims['headdim_angles']}" + (f", chunk={dims['chunk_size']}" if L else "")
+            + f", D, Z, {dtype}")
+
+
+def _combined_rows(dims: dict, seqlens, quick: bool) -> list[Row]:
+    rows, cs = [], dims["chunk_size"]
+    bf16 = [] if quick else [(seqlens[-1], "bfloat16")]  # quick: fp32 only (5 kernels fewer to build)
+    for seqlen, dtype in [(L, "float32") for L in seqlens] + bf16:
+        args = combined_inputs(dict(dims, has_D=True), {"qk": dtype, "vstate": dtype}, 1, seqlen, has_z=True)
+
+        def ours():
+            return tvm_mamba.mamba3_siso_combined(**args, chunk_size=cs)
+
+        def ref():
+            return mamba3_siso_chunked_ref(**args, chunk_size=cs, dtype=torch.float32)
+        with torch.no_grad():
+            if dtype == "float32":
+                _agree(ours(), ref(), f"mamba3_siso_combined at seqlen {seqlen}")
+            iters = 3 if quick else 5
+            t, r = (median_ms(f, warmup=1, iters=iters, min_time_s=0) for f in (ours, ref))
+        tok = seqlen / t * 1e3
+        rows.append(Row(OP, "fwd (mamba3_siso_combined)", _shape(dims, 1, seqlen, dtype.replace("float", "fp")
+                                                                 .replace("bfp16", "bf16")), t, r,
+                        None, "torch chunked einsum (fp32)",
+                        f"{tok:,.0f} tokens/s"))
+    return rows
+
+
+def _step_rows(dims: dict, quick: bool) -> list[Row]:
+    rows = []
+    static = {k: v for k, v in dims.items() if k != "chunk_size"} | dict(has_D=True, has_z=True)
+    for batch, dtype in ((1, "float32"), (8, "float32"), (8, "bfloat16")):
+        dtypes = {"qk": dtype, "v": dtype} | ({"kstate": dtype} if dtype != "float32" else {})
+        args, states = step_inputs(static, dtypes, batch)
+
+        def ours():
+            return tvm_mamba.mamba3_siso_step(**args, Input_States=states)
+
+        def ref():
+            return mamba3_siso_step_ref(**args, Input_States=states, dtype=torch.float32)
+        if dtype == "float32":
+            _agree(ours()[0], ref()[0], f"mamba3_siso_step at batch {batch}")
+        t, r = (median_ms(f, iters=20 if quick else 200, min_time_s=0 if quick else 0.2) for f in (ours, ref))
+        name = dtype.replace("float", "fp").replace("bfp16", "bf16")
+        rows.append(Row(OP, "decode step (mamba3_siso_step)", _shape(dims, batch, None, name), t, r,
+                        median_ms(lambda: states[1].clone()), "torch step (fp32)",
+                        f"{t * 1e3:.0f} us per step; copy = the ssm state"))
+    return rows
+
+
+def _module_rows(quick: bool) -> list[Row]:
+    dims, seqlen = (QUICK, 64) if quick else (FULL, 2048)  # quick: the combined rows' kernels again
+    d_model = dims["nheads"] * dims["headdim_v"] // 2
+    torch.manual_seed(0)
+    m = tvm_mamba.Mamba3(d_model, d_state=dims["headdim_qk"], headdim=dims["headdim_v"],
+                         chunk_size=dims["chunk_size"]).eval()
+    p = {k: v.detach() for k, v in m.state_dict().items()}
+    u = torch.randn(1, seqlen, d_model)
+    kw = dict(headdim=m.headdim, d_state=m.d_state, ngroups=m.num_bc_heads, num_rope_angles=m.num_rope_angles,
+              chunk_size=m.chunk_size)
+    with torch.no_grad():
+        _agree(m(u), mamba3_ref(p, u, **kw), "Mamba3 forward")
+        iters = 3 if quick else 5
+        t, r = (median_ms(f, warmup=1, iters=iters, min_time_s=0) for f in (lambda: m(u), lambda: mamba3_ref(p, u, **kw)))
+    shape = f"b=1, L={seqlen}, d_model={d_model}, heads={m.nheads}, d_state={m.d_state}, chunk={m.chunk_size}, fp32"
+    return [Row(OP, "Mamba3 forward (inference)", shape, t, r, None, "mamba3_ref (F.linear + chunked einsum)",
+                f"{seqlen / t * 1e3:,.0f} tokens/s")]
+
+
+def run(quick: bool = False) -> list[Row]:
+    dims = QUICK if quick else FULL
+    seqlens = (64,) if quick else (1024, 2048)
+    return _combined_rows(dims, seqlens, quick) + _step_rows(dims, quick) + _module_rows(quick)
+
+
+if __name__ == "__main__":
+    from benchlib import format_table
+
+    print(format_table(run()))
