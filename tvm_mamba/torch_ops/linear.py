@@ -175,6 +175,12 @@ def fp32_linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+def fp32_linear_if(infer: bool):
+    """:func:`fp32_linear` for a call that needs no gradient, else ``F.linear``: for code inside an autograd
+    Function's forward, where grad mode is off either way and the caller decided ``infer`` beforehand."""
+    return fp32_linear if infer else F.linear
+
+
 def quantize_weight(weight, dtype: str = "int8"):
     """weight: (out_features, in_features) float -> (stored weight, scale or None), for :func:`linear`.
 

@@ -18,7 +18,7 @@ Both levels run the same kernels in the same order: their gradients are bitwise 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
-from .linear import fp32_linear
+from .linear import fp32_linear_if
 from ._fused import norm_bwd, norm_fwd
 from ._selective_scan_complex import _bc_kernel as complex_bc_kernel
 from ._selective_scan_complex import selective_scan_complex_bwd, selective_scan_complex_fwd
@@ -51,6 +51,10 @@ class InnerDims:
     checkpoint_lvl: int
     eps: float
     complex_A: bool = False
+
+    # no gradient needed (the caller's grad mode and tensors, decided before the Function: its forward runs with
+    # grad mode off either way): the projections take fp32_linear (the modules' inference route), else F.linear
+    infer: bool = False
 
     @property
     def bc_cols(self) -> int:
@@ -155,7 +159,7 @@ class _MambaInner(torch.autograd.Function):
         t = dict(zip(TENSORS, tensors))
         batch = t["xz"].shape[0]
         conv_out = _conv(t, dims)  # (batch, d_inner, seqlen)
-        x_dbl = fp32_linear(conv_out.transpose(1, 2).reshape(-1, dims.dim), t["x_proj_weight"])  # (tokens, K)
+        x_dbl = fp32_linear_if(dims.infer)(conv_out.transpose(1, 2).reshape(-1, dims.dim), t["x_proj_weight"])  # (tokens, K)
         delta, _, _ = _delta(dims, t, x_dbl, batch)
         B, _, _ = _bc(dims, t, x_dbl, batch, "B")
         C, _, _ = _bc(dims, t, x_dbl, batch, "C")
@@ -168,7 +172,7 @@ class _MambaInner(torch.autograd.Function):
         ctx.names = tuple(keep)
         ctx.save_for_backward(*keep.values())
         ctx.dims = dims
-        return fp32_linear(out_z.transpose(1, 2), t["out_proj_weight"], t["out_proj_bias"])  # as the module's
+        return fp32_linear_if(dims.infer)(out_z.transpose(1, 2), t["out_proj_weight"], t["out_proj_bias"])
 
     @staticmethod
     def backward(ctx, dout):
@@ -372,4 +376,6 @@ def mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_wei
         _autocast(xz, t)
     dims = _validate(t, delta_softplus, checkpoint_lvl, b_c_dt_rms_eps)
     with torch.autocast(xz.device.type, enabled=False):
+        dims = replace(dims, infer=not (torch.is_grad_enabled() and any(
+            isinstance(v, Tensor) and v.requires_grad for v in t.values())))
         return _MambaInner.apply(dims, *(t[n] for n in TENSORS))

@@ -17,7 +17,7 @@ forward, one SwiGLU).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .causal_conv1d import causal_conv1d_bwd, causal_conv1d_fwd
-from .linear import fp32_linear
+from .linear import fp32_linear_if
 from ._fused import norm_bwd, norm_fwd
 from .ssd import check_seq_idx, dt_limit_pair, ssd_bwd, ssd_fwd
 
@@ -47,6 +47,10 @@ class SplitDims:
     silu: bool
     eps: float
     norm_before_gate: bool
+
+    # no gradient needed (the caller's grad mode and tensors, decided before the Function: its forward runs with
+    # grad mode off either way): the projections take fp32_linear (the modules' inference route), else F.linear
+    infer: bool = False
 
     @property
     def dim(self) -> int:
@@ -143,7 +147,7 @@ class _MambaSplit(torch.autograd.Function):
         if dims.d_nonssm:
             out = torch.cat([_swiglu(torch.split(t["zxbcdt"], dims.splits, dim=-1)[0]), out], dim=-1)
         if t["outproj_weight"] is not None:
-            out = fp32_linear(out, t["outproj_weight"], t["outproj_bias"])  # as the module's out_proj
+            out = fp32_linear_if(dims.infer)(out, t["outproj_weight"], t["outproj_bias"])
         ctx.names = tuple(keep)
         ctx.save_for_backward(*keep.values())
         ctx.dims = dims
@@ -330,5 +334,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                 t[name] = t[name].to(zxbcdt.dtype)
     dims = _validate(t, chunk_size, dt_limit, activation, rmsnorm_eps, headdim, ngroups, norm_before_gate)
     with torch.autocast(zxbcdt.device.type, enabled=False):
+        dims = replace(dims, infer=not (torch.is_grad_enabled() and any(
+            isinstance(v, Tensor) and v.requires_grad for v in t.values())))
         out, final = _MambaSplit.apply(dims, *(t[n] for n in TENSORS))
     return (out, final) if return_final_states else out
