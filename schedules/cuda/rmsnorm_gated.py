@@ -13,6 +13,8 @@ Knobs: ``threads`` (threads per row block, forward and backward), ``part_threads
 """
 from __future__ import annotations
 
+import tvm
+
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
 
@@ -26,24 +28,87 @@ def _cross_thread(sch, block, loop, threads):
     sch.set_scope(block, 0, "local")
 
 
+ROWS_PER_BLOCK = (1, 2, 4, 8)
+# static shared memory a block may stage (48 KB is the static limit; a little left for the reductions)
+SHARED_BUDGET = 46 * 1024
+
+
+def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, hidden: int) -> None:
+    """cache_read into shared memory every global input the ``consumers`` read: (rows, hidden) inputs (x, z,
+    residual, x1, dout, ...) and per-row scalars (rstd, rowscale, seeds) at ``row_loop`` (each element
+    requested once per row, then read from shared memory by both passes over the row), the (hidden,)
+    parameters (weight, bias, ...) at ``outer_loop`` (once per block of rows) while the block's stages fit
+    :data:`SHARED_BUDGET`, else read per row from global memory. A copy is cooperative: its loops fused and
+    split over ``threads`` (consecutive threads on consecutive features: whole 128-byte lines per warp)."""
+    bufs = {}
+    for blk in consumers:
+        for rg in sch.get(blk).reads:
+            buf = rg.source
+            if buf.scope() == "global" and buf.name not in bufs and any(int(n) > 1 for n in buf.shape
+                                                                        if isinstance(n, tvm.tirx.IntImm)):
+                bufs[buf.name] = buf
+            elif buf.scope() == "global" and buf.name not in bufs and not isinstance(buf.shape[0], tvm.tirx.IntImm):
+                bufs[buf.name] = buf  # a per-row scalar: (rows,) or (rows, ngroups)
+    row_bytes = sum(hidden * buf.dtype.bits // 8 for buf in bufs.values() if len(buf.shape) == 2)
+    for name, buf in bufs.items():
+        per_row = not isinstance(buf.shape[0], tvm.tirx.IntImm)
+        if not per_row:
+            row_bytes += hidden * buf.dtype.bits // 8
+            if row_bytes > SHARED_BUDGET:
+                continue
+        readers = [b for b in consumers if any(rg.source.same_as(buf) for rg in sch.get(b).reads)]
+        idx = next(i for i, rg in enumerate(sch.get(readers[0]).reads) if rg.source.same_as(buf))
+        cache = sch.cache_read(readers[0], idx, "shared", consumer_blocks=readers)
+        at = row_loop if per_row else outer_loop
+        sch.compute_at(cache, at)
+        loops = sch.get_loops(cache)
+        depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
+        loops = loops[depth + 1:]
+        if loops:
+            _, tx = sch.split(sch.fuse(*loops) if len(loops) > 1 else loops[0], [None, threads])
+            sch.bind(tx, "threadIdx.x")
+
+
+def _row_blocks(sch, loop, per_block: int):
+    """Split the row ``loop``: blocks of ``per_block`` rows on blockIdx.x, the rows of a block serial.
+    Returns (block loop, row loop)."""
+    bx, r = sch.split(loop, [None, per_block])
+    sch.bind(bx, "blockIdx.x")
+    return bx, r
+
+
 def _fwd(func, st: dict, decisions):
     gs = st["group_size"]
     cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
+    per_block = decisions.pick("rows_per_block", ROWS_PER_BLOCK, 4)
     sch = rule.schedule_of(func, name="rmsnorm_gated_fwd")
     rms = st["is_rms_norm"]
-    # rstd (and mean) are outputs (no compute_at into the out loop): kernel 1 = the statistics (one block per
-    # row, the group reductions as cross-thread reductions; LayerNorm's mean first, then the centred squares),
-    # kernel 2 = out (and residual_out, the dropout mask: same loop nest), one block per row, reading the statistics back.
-    r1, g = sch.get_loops(sch.get_sblock("rstd" if rms else "stats_v0"))
-    sch.bind(r1, "blockIdx.x")
-    for name in ("sumsq",) if rms else ("sumsq", "sum"):  # consumers first: sum feeds sumsq and the mean
-        _cross_thread(sch, sch.get_sblock(name), g, threads)
-    multi = st["store_residual"] or st["store_dropout_mask"] or st["has_weight1"]
-    r, h = sch.get_loops(sch.get_sblock("out_v0" if multi else "out"))
-    sch.bind(r, "blockIdx.x")
-    _, hi = sch.split(h, [None, threads])
-    sch.bind(hi, "threadIdx.x")
+    # one kernel: a block walks its rows; per row the statistics (the group reductions as cross-thread
+    # reductions, warp shuffles + shared memory; LayerNorm's mean first, then the centred squares), then out
+    # (and residual_out, the masks, out1: one loop nest) in the same pass, all reading the row from shared
+    # memory. rstd (and mean) are outputs: s_tir refuses compute_at of an output block, so out is moved
+    # under the statistics' row loop instead (reverse_compute_at), and reads them from a shared copy.
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    stats = [sch.get_sblock(n) for n in (["rstd"] if rms else ["stats_v0", "stats_v1"])]
+    outs = [sch.get_sblock(n) for n in names if n == "out" or n.startswith("out_v")]
+    r1, g = sch.get_loops(stats[0])
+    bx, r = _row_blocks(sch, r1, per_block)
+    reds = [sch.get_sblock(n) for n in (("sumsq",) if rms else ("sumsq", "sum"))]
+    for blk in reds:  # consumers first: sum feeds sumsq and the mean
+        _cross_thread(sch, blk, g, threads)
+    copies = [sch.cache_write(blk, 0, "shared", consumer_blocks=outs) for blk in stats]
+    for blk in copies + outs:  # rstd (and mean) to shared memory, read from there by out; copied out
+        sch.reverse_compute_at(blk, r)
+    for blk in copies:  # one thread per group writes the statistic (ngroups 1: the group loop was elided)
+        inner = sch.get_loops(blk)[-1]
+        g = inner if not sch.get(inner).same_as(sch.get(r)) else sch.add_unit_loop(blk)
+        _, tx = sch.split(g, [None, threads])
+        sch.bind(tx, "threadIdx.x")
+    for blk in outs:
+        _, hi = sch.split(sch.get_loops(blk)[-1], [None, threads])
+        sch.bind(hi, "threadIdx.x")
+    _stage(sch, reds + outs, r, bx, threads, st["hidden"])
     return sch
 
 
