@@ -92,22 +92,23 @@ def _fwd(func, st: dict, decisions):
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     stats = [sch.get_sblock(n) for n in (["rstd"] if rms else ["stats_v0", "stats_v1"])]
     outs = [sch.get_sblock(n) for n in names if n == "out" or n.startswith("out_v")]
-    r1, g = sch.get_loops(stats[0])
-    bx, r = _row_blocks(sch, r1, per_block)
-    reds = [sch.get_sblock(n) for n in (("sumsq",) if rms else ("sumsq", "sum"))]
-    for blk in reds:  # consumers first: sum feeds sumsq and the mean
+    reds = [sch.get_sblock(n) for n in (("sum", "sumsq") if not rms else ("sumsq",))]
+    # the reductions', statistics' and outputs' row loops merged into one (merge, not reverse_compute_at:
+    # residual_out and the masks do not read the statistics, so a reverse_compute_at would keep all rows)
+    r = sch.merge(*[sch.get_loops(blk)[0] for blk in reds + stats[:1] + outs[:1]])
+    bx, r = _row_blocks(sch, r, per_block)
+    g = sch.get_loops(stats[0])[-1]
+    for blk in reversed(reds):  # consumers first: sum feeds sumsq and the mean
         _cross_thread(sch, blk, g, threads)
     copies = [sch.cache_write(blk, 0, "shared", consumer_blocks=outs) for blk in stats]
-    for blk in copies + outs:  # rstd (and mean) to shared memory, read from there by out; copied out
-        sch.reverse_compute_at(blk, r)
     for blk in copies:  # one thread per group writes the statistic (ngroups 1: the group loop was elided)
+        sch.reverse_compute_at(blk, r)
         inner = sch.get_loops(blk)[-1]
         g = inner if not sch.get(inner).same_as(sch.get(r)) else sch.add_unit_loop(blk)
         _, tx = sch.split(g, [None, threads])
         sch.bind(tx, "threadIdx.x")
-    for blk in outs:
-        _, hi = sch.split(sch.get_loops(blk)[-1], [None, threads])
-        sch.bind(hi, "threadIdx.x")
+    _, hi = sch.split(sch.get_loops(outs[0])[-1], [None, threads])
+    sch.bind(hi, "threadIdx.x")
     _stage(sch, reds + outs, r, bx, threads, st["hidden"])
     return sch
 
@@ -117,20 +118,25 @@ def _bwd(func, st: dict, decisions):
     cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
     pthreads = decisions.pick("part_threads", (64, 128, 256), 128)
+    per_block = decisions.pick("rows_per_block", ROWS_PER_BLOCK, 4)
     sch = rule.schedule_of(func, name="rmsnorm_gated_bwd")
-    # kernel 1: one block per row; the row's per-group dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are
+    # kernel 1: a block walks rows_per_block rows, each staged once in shared memory (x, z, dout, ...; the
+    # weights once per block); per row the per-group dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are
     # cross-thread reductions (warp shuffles + shared memory) kept in registers, then each thread writes its
-    # dx (and dz, dresidual_in) elements.
-    multi = st["has_z"] or st["store_dresidual"] or (st["has_x1"] and st["dropout_p"] > 0)
-    r, h = sch.get_loops(sch.get_sblock("dxdz_v0" if multi else "dx"))
-    sch.bind(r, "blockIdx.x")
+    # dx (and dz, dresidual_in) elements from the staged row.
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+    outs = [sch.get_sblock(n) for n in names if n == "dx" or n.startswith("dxdz_v")]
+    r, h = sch.get_loops(outs[0])
+    bx, r = _row_blocks(sch, r, per_block)
     # threads divides group_size: each group is gs/threads consecutive chunks, so the group's reductions are
     # computed under the group loop and held in registers (a per-row array of G dots indexed by a runtime
     # loop variable went to local memory: 4 spill stores on sm_90)
     grp, _, hi = sch.split(h, [hidden // gs, None, threads])
     sch.bind(hi, "threadIdx.x")
-    for name in ("dot",) if st["is_rms_norm"] else ("dot", "dysum"):
-        _cross_thread(sch, sch.get_sblock(name), grp, threads)
+    reds = [sch.get_sblock(n) for n in (("dot",) if st["is_rms_norm"] else ("dot", "dysum"))]
+    for blk in reds:
+        _cross_thread(sch, blk, grp, threads)
+    _stage(sch, reds + outs, r, bx, threads, hidden)
     # kernel 2 (stage 1 of dweight/dbias): one block per (row part, `pthreads` features); each thread sums
     # dy*xhat and dy over the part's rows in order (coalesced across the features of a row).
     part = sch.get_sblock("partial")
