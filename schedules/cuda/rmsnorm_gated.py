@@ -64,9 +64,15 @@ def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, hidden: int
         loops = sch.get_loops(cache)
         depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
         loops = loops[depth + 1:]
-        if loops:
-            _, tx = sch.split(sch.fuse(*loops) if len(loops) > 1 else loops[0], [None, threads])
-            sch.bind(tx, "threadIdx.x")
+        _threads_over(sch, cache, loops, threads)
+
+
+def _threads_over(sch, blk, loops: list, threads: int) -> None:
+    """Fuse ``loops`` (the block's loops under its compute_at point) and split them over ``threads`` on
+    threadIdx.x; a block without loops there (one per-row scalar) gets a unit loop: thread 0 alone."""
+    lp = sch.fuse(*loops) if len(loops) > 1 else loops[0] if loops else sch.add_unit_loop(blk)
+    _, tx = sch.split(lp, [None, threads])
+    sch.bind(tx, "threadIdx.x")
 
 
 def _row_blocks(sch, loop, per_block: int):
@@ -104,9 +110,7 @@ def _fwd(func, st: dict, decisions):
     for blk in copies:  # one thread per group writes the statistic (ngroups 1: the group loop was elided)
         sch.reverse_compute_at(blk, r)
         inner = sch.get_loops(blk)[-1]
-        g = inner if not sch.get(inner).same_as(sch.get(r)) else sch.add_unit_loop(blk)
-        _, tx = sch.split(g, [None, threads])
-        sch.bind(tx, "threadIdx.x")
+        _threads_over(sch, blk, [] if sch.get(inner).same_as(sch.get(r)) else [inner], threads)
     _, hi = sch.split(sch.get_loops(outs[0])[-1], [None, threads])
     sch.bind(hi, "threadIdx.x")
     _stage(sch, reds + outs, r, bx, threads, st["hidden"])
@@ -137,15 +141,31 @@ def _bwd(func, st: dict, decisions):
     for blk in reds:
         _cross_thread(sch, blk, grp, threads)
     _stage(sch, reds + outs, r, bx, threads, hidden)
-    # kernel 2 (stage 1 of dweight/dbias): one block per (row part, `pthreads` features); each thread sums
-    # dy*xhat and dy over the part's rows in order (coalesced across the features of a row).
+    # kernel 2 (stage 1 of dweight/dbias): one block per (row part, `pthreads` features); each thread walks
+    # the part's rows in order (coalesced across the features of a row), loads its element of each input
+    # once per row into registers and adds every term (dy*xhat, dy, ...) to its own register accumulator
+    # (the term loop unrolled innermost), written to the partial buffer once at the end.
     part = sch.get_sblock("partial")
-    p, s, hh, _ = sch.get_loops(part)
-    sch.reorder(p, hh, s)
+    p, s, hh, j = sch.get_loops(part)
     ho, hi2 = sch.split(hh, [None, pthreads])
+    sch.reorder(p, ho, hi2, j, s)
     sch.bind(p, "blockIdx.y")
     sch.bind(ho, "blockIdx.x")
     sch.bind(hi2, "threadIdx.x")
+    acc = sch.cache_write(part, 0, "local")
+    sch.reverse_compute_at(acc, hi2)
+    sch.decompose_reduction(part, j)
+    i = 0
+    while i < len(sch.get(part).reads):
+        if sch.get(part).reads[i].source.scope() == "global":
+            cache = sch.cache_read(part, i, "local", consumer_blocks=[part])
+            sch.compute_at(cache, j)
+            # one element a row; its row index is clamped (min(p*chunk + j, rows-1)), which TVM cannot bound
+            # (the register array was sized 2^31 - 1): a one-element layout
+            sch.transform_layout(cache, ("write", 0), lambda *idx: (tvm.tirx.const(0, "int32"),),
+                                 assume_injective_transform=True)
+        i += 1
+    sch.unroll(s)
     # kernel 3 (stage 2): one thread per feature, parts added in order in a register, then cast.
     w1 = st["has_weight1"]
     for name, present in (("dweight", True), ("dbias", st["has_bias"]), ("dweight1", w1),
