@@ -13,6 +13,8 @@ Knobs: ``threads`` (threads per row block, forward and backward), ``part_threads
 """
 from __future__ import annotations
 
+import math
+
 import tvm
 
 from tvm_mamba.schedules import rule
@@ -40,22 +42,20 @@ def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, hidden: int
     parameters (weight, bias, ...) at ``outer_loop`` (once per block of rows) while the block's stages fit
     :data:`SHARED_BUDGET`, else read per row from global memory. A copy is cooperative: its loops fused and
     split over ``threads`` (consecutive threads on consecutive features: whole 128-byte lines per warp)."""
-    bufs = {}
+    bufs = {}  # every global input the consumers read (absent inputs are placeholders nobody reads)
     for blk in consumers:
-        for rg in sch.get(blk).reads:
-            buf = rg.source
-            if buf.scope() == "global" and buf.name not in bufs and any(int(n) > 1 for n in buf.shape
-                                                                        if isinstance(n, tvm.tirx.IntImm)):
-                bufs[buf.name] = buf
-            elif buf.scope() == "global" and buf.name not in bufs and not isinstance(buf.shape[0], tvm.tirx.IntImm):
-                bufs[buf.name] = buf  # a per-row scalar: (rows,) or (rows, ngroups)
-    row_bytes = sum(hidden * buf.dtype.bits // 8 for buf in bufs.values() if len(buf.shape) == 2)
-    for name, buf in bufs.items():
+        bufs.update({rg.source.name: rg.source for rg in sch.get(blk).reads if rg.source.scope() == "global"})
+
+    def size(buf):  # bytes a block stages: the static dims (a row of a (rows, hidden) input)
+        return math.prod(int(n) for n in buf.shape if isinstance(n, tvm.tirx.IntImm)) * buf.dtype.bits // 8
+
+    staged = sum(size(buf) for buf in bufs.values() if not isinstance(buf.shape[0], tvm.tirx.IntImm))
+    for buf in bufs.values():
         per_row = not isinstance(buf.shape[0], tvm.tirx.IntImm)
         if not per_row:
-            row_bytes += hidden * buf.dtype.bits // 8
-            if row_bytes > SHARED_BUDGET:
+            if staged + size(buf) > SHARED_BUDGET:
                 continue
+            staged += size(buf)
         readers = [b for b in consumers if any(rg.source.same_as(buf) for rg in sch.get(b).reads)]
         idx = next(i for i, rg in enumerate(sch.get(readers[0]).reads) if rg.source.same_as(buf))
         cache = sch.cache_read(readers[0], idx, "shared", consumer_blocks=readers)
