@@ -12,6 +12,7 @@ from tvm_mamba.runtime.nvcc import ptxas_stats
 from tvm_mamba.schedules.cpu import rmsnorm_gated as cpu_rule
 from tvm_mamba.schedules.cuda import rmsnorm_gated as cuda_rule
 from tvm_mamba.schedules.rule import Decisions
+from tests.schedules._cuda_source import cuda_source, kernels
 
 
 def test_rules_return_none_on_foreign_funcs():
@@ -65,16 +66,7 @@ def test_cuda_backward_is_hand_scheduled(has_z, nbg):
 
 
 def _cuda_source(func, decisions):
-    target = cuda_target("sm_90")
-    with target:
-        return tvm.compile(cuda_rule.apply(func, target, decisions).mod, target=target).mod.imports[0] \
-            .inspect_source("cuda")
-
-
-def _kernels(src):
-    """The kernel definitions (not the declarations) of the generated CUDA source."""
-    parts = src.split('extern "C" __global__ void ')[1:]
-    return [p for p in parts if p.split("\n")[0].rstrip().endswith("{")]
+    return cuda_source(cuda_rule, func, decisions)
 
 
 MAMBA2 = dict(eps=1e-5, has_z=True, norm_before_gate=False)  # Mamba-2's gated norm (one group here)
@@ -88,7 +80,7 @@ def test_cuda_forward_is_one_staged_pass():
     d = Decisions()
     src = _cuda_source(C.rmsnorm_gated_fwd(1024, 1024, **MAMBA2), d)
     assert d.used == {"threads": 256, "rows_per_block": 4} and d.space["rows_per_block"] == (1, 2, 4, 8)
-    (body,) = _kernels(src)
+    (body,) = kernels(src)
     for name in ("x", "z", "weight"):
         assert f"__shared__ alignas(64) float {name}_shared_ptr[1024]" in body and body.count(f"{name}_ptr[") == 1
     assert "for (int r_m_1 = 0; r_m_1 < 4; ++r_m_1)" in body and "weight_ptr[" in body.split("r_m_1 = 0")[0]
@@ -101,10 +93,10 @@ def test_cuda_backward_stages_rows_and_sums_weight_parts_in_registers():
     dy with a bias) accumulated in registers and written once; stage 2 adds the parts in order. No atomics."""
     src = _cuda_source(C.rmsnorm_gated_bwd(1024, 1024, has_bias=True, **MAMBA2), Decisions())
     assert "atomic" not in src
-    kernels = _kernels(src)
-    assert len(kernels) == 4  # rows; stage 1; stage 2 of dweight and of dbias
-    rows = max(kernels, key=lambda b: b.count("_shared_ptr"))
-    (part,) = [b for b in kernels if "partial_local_ptr" in b]
+    ks = kernels(src)
+    assert len(ks) == 4  # rows; stage 1; stage 2 of dweight and of dbias
+    rows = max(ks, key=lambda b: b.count("_shared_ptr"))
+    (part,) = [b for b in ks if "partial_local_ptr" in b]
     for name in ("x", "z", "dout"):
         assert f"{name}_shared_ptr[1024]" in rows and rows.count(f"{name}_ptr[") == 1
         assert part.count(f"{name}_ptr[") == 1 and f"{name}_local_ptr[1]" in part
