@@ -64,14 +64,24 @@ def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, hidden: int
         loops = sch.get_loops(cache)
         depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
         loops = loops[depth + 1:]
-        _threads_over(sch, cache, loops, threads)
+        _threads_over(sch, cache, loops, threads, size(buf) * 8 // buf.dtype.bits, buf.dtype.bits)
 
 
-def _threads_over(sch, blk, loops: list, threads: int) -> None:
-    """Fuse ``loops`` (the block's loops under its compute_at point) and split them over ``threads`` on
-    threadIdx.x; a block without loops there (one per-row scalar) gets a unit loop: thread 0 alone."""
+def _threads_over(sch, blk, loops: list, threads, elems: int = 1, bits: int = 32) -> None:
+    """Fuse ``loops`` (the block's loops under its compute_at point, ``elems`` iterations of ``bits``-bit
+    elements) and split them over ``threads`` on threadIdx.x, each thread moving up to 128 bits at a time
+    (a vectorized inner loop) where threads x lanes divides ``elems`` (a ragged vector would need a predicate,
+    which TVM's vectorizer refuses); a block without loops there (one per-row scalar) gets a unit loop:
+    thread 0 alone."""
     lp = sch.fuse(*loops) if len(loops) > 1 else loops[0] if loops else sch.add_unit_loop(blk)
-    _, tx = sch.split(lp, [None, threads])
+    lanes = max(128 // bits, 1) if isinstance(threads, int) else 1  # (a MetaSchedule sample: scalar)
+    while lanes > 1 and elems % (threads * lanes):
+        lanes //= 2
+    if lanes > 1:
+        _, tx, vec = sch.split(lp, [None, threads, lanes])
+        sch.vectorize(vec)
+    else:
+        _, tx = sch.split(lp, [None, threads])
     sch.bind(tx, "threadIdx.x")
 
 
