@@ -1,15 +1,19 @@
-"""CUDA rule for the norm kernels (gated RMSNorm / LayerNorm, fused residual-add norm).
+"""CUDA rule for the norm kernels (gated RMSNorm / LayerNorm, fused residual-add norm); design and figures in
+docs/rmsnorm_gated.md ("CUDA kernels"). Memory-bound kernels: each global element is requested once.
 
-Forward: two launches, both one block per row with ``threads`` threads across hidden: the statistics (rstd,
-and LayerNorm's mean: the per-group sums as cross-thread reductions, warp shuffles + shared memory, kept in
-registers), then out and residual_out (read the statistics back; they are outputs, and s_tir refuses
-compute_at of an output block into a consumer).
-Backward: three launches. (1) one block per row: the per-group dot(dxhat, xhat) as a cross-thread reduction
-kept in registers, computed once under the row loop for both dx and dz (the TE computes dx and dz as one
-two-output op so they share that loop), then dx, dz per thread; (2) stage 1 of dweight/dbias: one block per
-(row part, ``part_threads`` features), each thread sums its feature over the part's rows in order; (3)
-stage 2: one thread per feature adds the parts in order. Deterministic, no atomics.
-Knobs: ``threads`` (threads per row block, forward and backward), ``part_threads`` (stage 1 / 2).
+Forward: one kernel. A block walks ``rows_per_block`` rows; per row it stages the row's inputs in shared
+memory (one cooperative copy each, up to 128 bits a thread), computes the per-group statistics as
+cross-thread reductions over the staged row (a fixed shuffle tree: warp shuffles, then shared memory), and
+writes out (and residual_out, the masks, out1) from the staged row in the same pass; the weights are
+staged once per block. The statistics are outputs, which s_tir cannot compute_at into a consumer: the
+reductions', statistics' and outputs' row loops are merged into one instead, rstd (and mean) go through a
+shared copy.
+Backward: three launches. (1) The same row walk for dx (and dz, dresidual_in, dx1): the per-group
+dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) as cross-thread reductions in registers. (2) Stage 1 of
+dweight/dbias: one block per (row part, ``part_threads`` features), each thread walking the part's rows in
+order, loading its element of each input once per row into a register and adding every term to its own
+register accumulator. (3) Stage 2: one thread per feature adds the parts in order. Deterministic, no atomics.
+Knobs: ``threads`` (threads per row block), ``rows_per_block``, ``part_threads`` (stage 1 / 2).
 """
 from __future__ import annotations
 
@@ -103,8 +107,8 @@ def _fwd(func, st: dict, decisions):
     # one kernel: a block walks its rows; per row the statistics (the group reductions as cross-thread
     # reductions, warp shuffles + shared memory; LayerNorm's mean first, then the centred squares), then out
     # (and residual_out, the masks, out1: one loop nest) in the same pass, all reading the row from shared
-    # memory. rstd (and mean) are outputs: s_tir refuses compute_at of an output block, so out is moved
-    # under the statistics' row loop instead (reverse_compute_at), and reads them from a shared copy.
+    # memory. rstd (and mean) are outputs: s_tir refuses compute_at of an output block into its consumer, so
+    # the row loops are merged instead, and out reads the statistics from a shared copy.
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     stats = [sch.get_sblock(n) for n in (["rstd"] if rms else ["stats_v0", "stats_v1"])]
     outs = [sch.get_sblock(n) for n in names if n == "out" or n.startswith("out_v")]
