@@ -37,6 +37,7 @@ def _cross_thread(sch, block, loop, threads):
 ROWS_PER_BLOCK = (1, 2, 4, 8)
 # static shared memory a block may stage (48 KB is the static limit; a little left for the reductions)
 SHARED_BUDGET = 46 * 1024
+WEIGHTS = ("weight", "bias", "weight1", "bias1")  # (hidden,) inputs, staged once per block of rows
 
 
 def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, hidden: int) -> None:
@@ -46,38 +47,43 @@ def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, hidden: int
     parameters (weight, bias, ...) at ``outer_loop`` (once per block of rows) while the block's stages fit
     :data:`SHARED_BUDGET`, else read per row from global memory. A copy is cooperative: its loops fused and
     split over ``threads`` (consecutive threads on consecutive features: whole 128-byte lines per warp)."""
+    for blk in consumers:  # MetaSchedule's trace simplifier drops a block RV used only as a cache's consumer
+        sch.annotate(blk, "tvm_mamba.staged_row", 1)  # (dxdz_v1, out_v1): an annotation keeps it (no effect)
     bufs = {}  # every global input the consumers read (absent inputs are placeholders nobody reads)
     for blk in consumers:
         bufs.update({rg.source.name: rg.source for rg in sch.get(blk).reads if rg.source.scope() == "global"})
 
-    def size(buf):  # bytes a block stages: the static dims (a row of a (rows, hidden) input)
-        return math.prod(int(n) for n in buf.shape if isinstance(n, tvm.tirx.IntImm)) * buf.dtype.bits // 8
+    def per_row(buf):  # all but the weight vectors are per row (rows may be static: MetaSchedule's buckets)
+        return buf.name not in WEIGHTS
 
-    staged = sum(size(buf) for buf in bufs.values() if not isinstance(buf.shape[0], tvm.tirx.IntImm))
+    def size(buf):  # bytes a block stages: a row of a per-row input, a whole weight vector
+        dims = buf.shape[1:] if per_row(buf) else buf.shape
+        return math.prod(int(n) for n in dims) * buf.dtype.bits // 8
+
+    staged = sum(size(buf) for buf in bufs.values() if per_row(buf))
     for buf in bufs.values():
-        per_row = not isinstance(buf.shape[0], tvm.tirx.IntImm)
-        if not per_row:
+        if not per_row(buf):
             if staged + size(buf) > SHARED_BUDGET:
                 continue
             staged += size(buf)
         readers = [b for b in consumers if any(rg.source.same_as(buf) for rg in sch.get(b).reads)]
         idx = next(i for i, rg in enumerate(sch.get(readers[0]).reads) if rg.source.same_as(buf))
         cache = sch.cache_read(readers[0], idx, "shared", consumer_blocks=readers)
-        at = row_loop if per_row else outer_loop
-        sch.compute_at(cache, at)
+        at = row_loop if per_row(buf) else outer_loop
+        sch.compute_at(cache, at, preserve_unit_loops=True)
         loops = sch.get_loops(cache)
         depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
         loops = loops[depth + 1:]
-        _threads_over(sch, cache, loops, threads, size(buf) * 8 // buf.dtype.bits, buf.dtype.bits)
+        _threads_over(sch, loops, threads, size(buf) * 8 // buf.dtype.bits, buf.dtype.bits)
 
 
-def _threads_over(sch, blk, loops: list, threads, elems: int = 1, bits: int = 32) -> None:
+def _threads_over(sch, loops: list, threads, elems: int = 1, bits: int = 32) -> None:
     """Fuse ``loops`` (the block's loops under its compute_at point, ``elems`` iterations of ``bits``-bit
     elements) and split them over ``threads`` on threadIdx.x, each thread moving up to 128 bits at a time
     (a vectorized inner loop) where threads x lanes divides ``elems`` (a ragged vector would need a predicate,
-    which TVM's vectorizer refuses); a block without loops there (one per-row scalar) gets a unit loop:
+    which TVM's vectorizer refuses). A unit loop (one per-row scalar; kept by preserve_unit_loops) is
     thread 0 alone."""
-    lp = sch.fuse(*loops) if len(loops) > 1 else loops[0] if loops else sch.add_unit_loop(blk)
+    lp = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     lanes = max(128 // bits, 1) if isinstance(threads, int) else 1  # (a MetaSchedule sample: scalar)
     while lanes > 1 and elems % (threads * lanes):
         lanes //= 2
@@ -121,10 +127,9 @@ def _fwd(func, st: dict, decisions):
     for blk in reversed(reds):  # consumers first: sum feeds sumsq and the mean
         _cross_thread(sch, blk, g, threads)
     copies = [sch.cache_write(blk, 0, "shared", consumer_blocks=outs) for blk in stats]
-    for blk in copies:  # one thread per group writes the statistic (ngroups 1: the group loop was elided)
-        sch.reverse_compute_at(blk, r)
-        inner = sch.get_loops(blk)[-1]
-        _threads_over(sch, blk, [] if sch.get(inner).same_as(sch.get(r)) else [inner], threads)
+    for blk in copies:  # one thread per group writes the statistic
+        sch.reverse_compute_at(blk, r, preserve_unit_loops=True)
+        _threads_over(sch, sch.get_loops(blk)[-1:], threads)
     _, hi = sch.split(sch.get_loops(outs[0])[-1], [None, threads])
     sch.bind(hi, "threadIdx.x")
     _stage(sch, reds + outs, r, bx, threads, st["hidden"])
