@@ -141,3 +141,24 @@ def test_cuda_knobs_in_the_harness():
         assert (out - ref.detach()).abs().max() < 1e-4, per_block
         for got, leaf in ((dx, leaves[0]), (dz, leaves[2]), (dw, leaves[1])):
             assert (got - leaf.grad).abs().max() < 1e-4 * max(1.0, leaf.grad.abs().max().item()), per_block
+
+
+def test_cuda_rule_replays_as_a_metaschedule_design_space():
+    """The backward (the Mamba-2 tuning workload: dx and dz in one loop nest, so dz's block is used only as a
+    staged copy's consumer) replays from its simplified trace, as MetaSchedule's search does (the simplifier
+    once dropped that block's RV), with the knobs sampled in order, and the replay stages the rows."""
+    from tvm import s_tir
+
+    from tvm_mamba import metaschedule as msd
+
+    direction, static, dtypes = C.tuning_configs()[1]
+    key = KernelKey.make("rmsnorm_gated", direction, dtypes, static, "cuda-sm_90", {"rows": 256})
+    mod = tvm.IRModule({"main": msd.static_func(key)})
+    sch = s_tir.Schedule(mod)
+    d = msd.SampledDecisions(sch)
+    with msd.on_schedule(sch):
+        cuda_rule.apply(sch.mod["main"], cuda_target("sm_90"), d)
+    assert direction == "bwd" and d.order == ["threads", "part_threads", "rows_per_block"]
+    replay = s_tir.Schedule(mod)
+    sch.trace.simplified(remove_postproc=True).apply_to_schedule(replay, remove_postproc=False)
+    assert "x_shared" in replay.mod.script() and "dout_shared" in replay.mod.script()
