@@ -100,6 +100,16 @@ def test_mamba3_preset_kernels_and_their_minimum_bytes():
     assert (m.mm, m.exps, m.sfu) == (0, B * L * H, 3 * S * B * L * H)
 
 
+def test_minimum_of_gated_norm_is_the_hand_count_over_token_rows():
+    """rows = batch * seqlen; the forward gates before the norm (silu(z): an exp a row element)."""
+    static = dict(hidden=1536, group_size=1536, has_z=True, norm_before_gate=False)
+    n = 2 * 2048 * 1536
+    fwd = minimum.minimum("rmsnorm_gated", "fwd", static, 2, 2048, {"x": 4 * n, "z": 4 * n, "out": 4 * n})
+    assert (fwd.bytes, fwd.mm, fwd.flops, fwd.exps) == (12 * n, 0, 7 * n, n)
+    bwd = minimum.minimum("rmsnorm_gated", "bwd", dict(static, has_bias=True), 2, 2048, {})
+    assert (bwd.flops, bwd.exps) == (20 * n, n)
+
+
 def test_footprint_caps_each_buffer_at_its_size():
     k = measure.KernelCounts("k", count.Counts(), 1, 32, {"x": (400, 0), "y": (0, 40), "tmp": (8, 8)})
     assert measure.footprint([k], {"x": 100, "y": 100}) == 100 + 40 + 16

@@ -14,6 +14,7 @@ from tvm_mamba.runtime import cpu_target, cuda_target
 from tvm_mamba.schedules.cpu import causal_conv1d as cpu_rule
 from tvm_mamba.schedules.cuda import causal_conv1d as cuda_rule
 from tvm_mamba.schedules.rule import SERIAL_WORK, Decisions
+from tests.schedules._cuda_source import cuda_source, kernels
 
 STATIC = dict(dim=8, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False)
 
@@ -83,16 +84,7 @@ def test_cuda_schedule_binds_threads_and_generates_source(threads):
 
 
 def _cuda_source(func, decisions):
-    target = cuda_target("sm_90")
-    with target:
-        return tvm.compile(cuda_rule.apply(func, target, decisions).mod, target=target).mod.imports[0] \
-            .inspect_source("cuda")
-
-
-def _kernels(src):
-    """The kernel definitions (not the declarations) of the generated CUDA source."""
-    parts = src.split('extern "C" __global__ void ')[1:]
-    return [p for p in parts if p.split("\n")[0].rstrip().endswith("{")]
+    return cuda_source(cuda_rule, func, decisions)
 
 
 def test_cuda_forward_stages_the_window_once_per_tile():
@@ -102,7 +94,7 @@ def test_cuda_forward_stages_the_window_once_per_tile():
     d = Decisions()
     src = _cuda_source(causal_conv1d_fwd(**STATIC, return_final=False), d)
     assert d.used == {"threads": 256, "tile": 1024} and d.space["tile"] == (512, 1024)
-    (body,) = [b for b in _kernels(src) if "out_ptr[" in b]
+    (body,) = [b for b in kernels(src) if "out_ptr[" in b]
     assert "__shared__ alignas(64) float x_shared_ptr[2048]" in body and "& 2047)]" in body
     assert "weight_shared_ptr" in body and "bias_shared_ptr" in body
     assert body.count("x_ptr[") == 1 and "weight_ptr[" in body.split("__syncthreads")[0]

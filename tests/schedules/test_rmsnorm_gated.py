@@ -12,6 +12,7 @@ from tvm_mamba.runtime.nvcc import ptxas_stats
 from tvm_mamba.schedules.cpu import rmsnorm_gated as cpu_rule
 from tvm_mamba.schedules.cuda import rmsnorm_gated as cuda_rule
 from tvm_mamba.schedules.rule import Decisions
+from tests.schedules._cuda_source import cuda_source, kernels
 
 
 def test_rules_return_none_on_foreign_funcs():
@@ -62,3 +63,102 @@ def test_cuda_backward_is_hand_scheduled(has_z, nbg):
     assert "__shfl_down_sync" in src and "blockIdx.y" in src  # row reduction; stage-1 parts on y
     stats = ptxas_stats(src, "sm_90")
     assert stats["ok"] and all(k["spill_stores"] == 0 for k in stats["kernels"])
+
+
+def _cuda_source(func, decisions):
+    return cuda_source(cuda_rule, func, decisions)
+
+
+MAMBA2 = dict(eps=1e-5, has_z=True, norm_before_gate=False)  # Mamba-2's gated norm (one group here)
+
+
+def test_cuda_forward_is_one_staged_pass():
+    """The design: one kernel; a block walks rows_per_block (4) rows, each row's x and z requested from global
+    memory once (one 128-bit copy statement each) into shared memory, the weight once per block; the sum of squares
+    (shuffle tree) and out read the staged row, rstd goes through shared memory (4.0x -> 1.08x the minimum
+    bytes at Mamba-2 130M)."""
+    d = Decisions()
+    src = _cuda_source(C.rmsnorm_gated_fwd(1024, 1024, **MAMBA2), d)
+    assert d.used == {"threads": 256, "rows_per_block": 4} and d.space["rows_per_block"] == (1, 2, 4, 8)
+    (body,) = kernels(src)
+    for name in ("x", "z", "weight"):
+        assert f"__shared__ alignas(64) float {name}_shared_ptr[1024]" in body
+        assert body.count(f"(float4*)({name}_ptr + ") == 1 and f"{name}_ptr[" not in body  # one 128-bit copy
+    assert "for (int r_m_1 = 0; r_m_1 < 4; ++r_m_1)" in body and "(float4*)(weight_ptr + " in body.split("r_m_1 = 0")[0]
+    assert "__shfl_down_sync" in body and "rstd_shared_ptr" in body and "atomic" not in src
+
+
+def test_cuda_backward_stages_rows_and_sums_weight_parts_in_registers():
+    """dx / dz kernel: rows staged in shared memory (x, z, dout once each), the row's dot by a shuffle tree;
+    stage 1 of dweight: each input element loaded once per row into a register, both terms (dy*xhat and
+    dy with a bias) accumulated in registers and written once; stage 2 adds the parts in order. No atomics."""
+    src = _cuda_source(C.rmsnorm_gated_bwd(1024, 1024, has_bias=True, **MAMBA2), Decisions())
+    assert "atomic" not in src
+    ks = kernels(src)
+    assert len(ks) == 4  # rows; stage 1; stage 2 of dweight and of dbias
+    rows = max(ks, key=lambda b: b.count("_shared_ptr"))
+    (part,) = [b for b in ks if "partial_local_ptr" in b]
+    for name in ("x", "z", "dout"):
+        assert f"{name}_shared_ptr[1024]" in rows and rows.count(f"(float4*)({name}_ptr + ") == 1
+        assert part.count(f"{name}_ptr[") == 1 and f"{name}_local_ptr[1]" in part
+    assert "float partial_local_ptr[2]" in part and part.count("partial_ptr[") == 1
+
+
+def test_cuda_knobs_in_the_harness():
+    """rows_per_block 8 and 1 with 64 threads on 13 rows (a ragged last block of rows) and two groups:
+    forward and backward through the CUDA harness against the float64 reference."""
+    import tempfile
+
+    import torch
+
+    from tvm_mamba.reference.rmsnorm_gated import rmsnorm_gated_ref
+    from tvm_mamba.runtime import cudasim
+
+    torch.manual_seed(0)
+    rows, hidden, gs = 13, 128, 64
+    x, z, w, dout = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.randn(hidden), torch.randn(rows, hidden)
+    leaves = [t.double().requires_grad_() for t in (x, w, z)]
+    ref = rmsnorm_gated_ref(leaves[0], leaves[1], None, leaves[2], 1e-5, gs, False)
+    (ref * dout.double()).sum().backward()
+    e = torch.empty
+    target = cuda_target("sm_90")
+    for per_block in (8, 1):
+        out, rstd, dx, dz, dw, partial = e(rows, hidden), e(rows, 2), e(rows, hidden), e(rows, hidden), e(hidden), e(4, 2, hidden)
+        one, i1 = e(1), torch.zeros(1, dtype=torch.int32)
+        runs = (("rmsnorm_gated_fwd", C.rmsnorm_gated_fwd(hidden, gs, **MAMBA2),
+                 (x, w, one, z, e(1, 1), one, i1, e(1, 1), one, one, i1, out, e(1, 1),
+                  torch.zeros(1, 1, dtype=torch.uint8), e(1, 1), torch.zeros(1, 1, dtype=torch.uint8), e(1, 1), rstd)),
+                ("rmsnorm_gated_bwd", C.rmsnorm_gated_bwd(hidden, gs, **MAMBA2),
+                 (x, w, one, z, dout, e(1, 1), rstd, e(1, 1), one, i1, one, e(1, 1), i1, dx, dz, dw, one, e(1, 1),
+                  e(1, 1), one, one, partial)))
+        for name, func, args in runs:
+            sch = cuda_rule.apply(func, target, Decisions({"threads": 64, "rows_per_block": per_block,
+                                                           "part_threads": 64}))
+            with tempfile.TemporaryDirectory() as tmp:
+                cudasim.link(cudasim.build(sch.mod, target, label=name), f"{tmp}/k.so")
+                module = cudasim.load(f"{tmp}/k.so")
+                cudasim.call(module, module[name], args, label=name)
+        assert (out - ref.detach()).abs().max() < 1e-4, per_block
+        for got, leaf in ((dx, leaves[0]), (dz, leaves[2]), (dw, leaves[1])):
+            assert (got - leaf.grad).abs().max() < 1e-4 * max(1.0, leaf.grad.abs().max().item()), per_block
+
+
+def test_cuda_rule_replays_as_a_metaschedule_design_space():
+    """The backward (the Mamba-2 tuning workload: dx and dz in one loop nest, so dz's block is used only as a
+    staged copy's consumer) replays from its simplified trace, as MetaSchedule's search does (the simplifier
+    once dropped that block's RV), with the knobs sampled in order, and the replay stages the rows."""
+    from tvm import s_tir
+
+    from tvm_mamba import metaschedule as msd
+
+    direction, static, dtypes = C.tuning_configs()[1]
+    key = KernelKey.make("rmsnorm_gated", direction, dtypes, static, "cuda-sm_90", {"rows": 256})
+    mod = tvm.IRModule({"main": msd.static_func(key)})
+    sch = s_tir.Schedule(mod)
+    d = msd.SampledDecisions(sch)
+    with msd.on_schedule(sch):
+        cuda_rule.apply(sch.mod["main"], cuda_target("sm_90"), d)
+    assert direction == "bwd" and d.order == ["threads", "part_threads", "rows_per_block"]
+    replay = s_tir.Schedule(mod)
+    sch.trace.simplified(remove_postproc=True).apply_to_schedule(replay, remove_postproc=False)
+    assert "x_shared" in replay.mod.script() and "dout_shared" in replay.mod.script()

@@ -462,3 +462,18 @@ def derived_dims(direction: str, dims: dict, static: dict) -> dict:
     """Dynamic dims that follow from the others (for tuning-time inputs): the backward's stage-1 part
     count, min(rows, 64) as torch_ops/rmsnorm_gated.py allocates it."""
     return {"nparts": min(dims["rows"], 64)} if direction == "bwd" and "rows" in dims else {}
+
+
+def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
+    """Tuning / roofline workloads: the gated norm of each preset's Mamba-2 mixer (RMSNormGated over d_ssm =
+    d_inner features in groups of d_inner / ngroups, eps 1e-5, gated by z before the norm,
+    norm_before_gate=False, no bias), forward and backward, fp32; rows = batch * seqlen. Mamba-1 presets
+    have no gated norm; Mamba-3's (B / C norms, the out_proj norm) are not covered yet."""
+    from ._presets import presets
+
+    out = []
+    for _, dims in presets(preset, families=("mamba2",)):
+        base = dict(hidden=dims["d_inner"], group_size=dims["d_inner"] // dims["ngroups"], eps=1e-5, has_z=True,
+                    norm_before_gate=False)
+        out += [(direction, *cls(**base).key_parts()) for direction, cls in DIMS.items()]
+    return out

@@ -14,7 +14,7 @@ a few flops per element). ``mm`` flops are matrix products, the work a tensor co
 (fp32 CUDA cores); ``exps`` exp-family evaluations; ``sfu`` other transcendental ones (log1p of softplus).
 Notation: B batch, L seqlen, D channels, N dstate, H heads, P headdim, G groups, Q chunk length,
 T = B * nchunks * H * Q(Q+1)/2 the causal (t >= s) pairs of the SSD chunks; Mamba-3: N headdim_qk, P headdim_v,
-S rotary angles (pairs).
+S rotary angles (pairs); a norm's rows = B * L.
 """
 from __future__ import annotations
 
@@ -106,6 +106,15 @@ def _mamba3(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
     raise KeyError(d)
 
 
+def _norm(d: str, s: dict, rows: int) -> tuple[int, int, int, int]:
+    n, gate = rows * s["hidden"], 1 if s.get("has_z") else 0
+    if d == "fwd":  # silu(z) gate (3), the square and sum (2), scale by rstd and weight (2), bias
+        return 0, n * (4 + 3 * gate + (1 if s.get("has_bias") else 0)), n * gate, 0
+    # recompute u and xhat (1 + 3 gate), dy * w (1), the dot (2), du (3), ds (gate 1), dz (gate ~6),
+    # dweight (2), dbias
+    return 0, n * (9 + 10 * gate + (1 if s.get("has_bias") else 0)), n * gate, 0
+
+
 def minimum(op: str, direction: str, static: dict, batch: int, seqlen: int,
             param_bytes: dict[str, int]) -> Minimum:
     """The minimum of kernel (op, direction) with model dims ``static`` at (batch, seqlen). KeyError for a
@@ -116,6 +125,8 @@ def minimum(op: str, direction: str, static: dict, batch: int, seqlen: int,
         mm, fl, ex, sf = _scan(direction, static, batch, seqlen)
     elif op == "selective_scan" and direction == "update":
         mm, fl, ex, sf = _update(static, batch)
+    elif op == "rmsnorm_gated":
+        mm, fl, ex, sf = _norm(direction, static, batch * seqlen)
     elif op == "ssd":
         mm, fl, ex, sf = _ssd(direction, static, batch, seqlen)
     elif op == "mamba3":
