@@ -10,11 +10,14 @@
   vectorised step);
 * the ``Mamba3`` module's forward (inference, d_model 768, upstream's defaults: 24 heads, d_state 128, chunk
   64), batch 1, fp32; the baseline is ``reference.blocks.mamba3_ref`` in float32 on the module's parameters
-  (F.linear projections, the chunked composition).
+  (F.linear projections, the chunked composition);
+* forward + backward (training): ``mamba3_siso_combined`` at the combined rows' longest seqlen, fp32, every
+  tensor argument requiring grad, against autograd through ``mamba3_siso_chunked_ref`` (float32); and the
+  ``Mamba3`` module's forward + backward against autograd through ``mamba3_ref`` (float32).
 
 Before timing, each case's output is compared with its baseline's (relative max error below 1e-3; 1e-2 for a
-bf16 output), so a row never times two functions that disagree. Forward+backward is not benchmarked: the chunked forward has no
-backward yet (it refuses inputs that require grad, docs/mamba3.md), so neither has the module.
+bf16 output; for forward + backward, each input's gradient too), so a row never times two functions that
+disagree.
 """
 from __future__ import annotations
 
@@ -107,10 +110,56 @@ def _module_rows(quick: bool) -> list[Row]:
                 f"{seqlen / t * 1e3:,.0f} tokens/s")]
 
 
+def _fwd_bwd(fn, leaves: dict, grad_out: torch.Tensor):
+    """Run fn(**leaves) and its backward for grad_out -> {name: gradient} (the leaves' .grad reset first)."""
+    for t in leaves.values():
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+    fn(**leaves).backward(grad_out)
+    return {k: t.grad for k, t in leaves.items() if isinstance(t, torch.Tensor)}
+
+
+def _combined_train_row(dims: dict, seqlen: int, quick: bool) -> Row:
+    cs = dims["chunk_size"]
+    args = combined_inputs(dict(dims, has_D=True), {"qk": "float32", "vstate": "float32"}, 1, seqlen, has_z=True)
+    args.pop("Input_States", None)
+    leaves = {k: v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    g = torch.randn(args["V"].shape, generator=torch.Generator().manual_seed(0))
+    ours = lambda: _fwd_bwd(lambda **kw: tvm_mamba.mamba3_siso_combined(**kw, chunk_size=cs), leaves, g)  # noqa
+    ref = lambda: _fwd_bwd(lambda **kw: mamba3_siso_chunked_ref(**kw, chunk_size=cs, dtype=torch.float32),  # noqa
+                           leaves, g)
+    want = {k: v.clone() for k, v in ref().items()}
+    for name, got in ours().items():
+        _agree(got, want[name], f"d{name} of mamba3_siso_combined at seqlen {seqlen}")
+    t, r = (median_ms(f, warmup=1, iters=3 if quick else 5, min_time_s=0) for f in (ours, ref))
+    return Row(OP, "fwd+bwd (mamba3_siso_combined)", _shape(dims, 1, seqlen, "float32"), t, r, None,
+               "autograd of torch chunked einsum (fp32)", f"{seqlen / t * 1e3:,.0f} tokens/s")
+
+
+def _module_train_row(quick: bool) -> Row:
+    dims, seqlen = (QUICK, 64) if quick else (FULL, 2048)
+    d_model = dims["nheads"] * dims["headdim_v"] // 2
+    torch.manual_seed(0)
+    m = tvm_mamba.Mamba3(d_model, d_state=dims["headdim_qk"], headdim=dims["headdim_v"], chunk_size=dims["chunk_size"])
+    p = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+    kw = dict(headdim=m.headdim, d_state=m.d_state, ngroups=m.num_bc_heads, num_rope_angles=m.num_rope_angles,
+              chunk_size=m.chunk_size)
+    u = torch.randn(1, seqlen, d_model)
+    g = torch.randn(u.shape, generator=torch.Generator().manual_seed(1))
+    ours = lambda: _fwd_bwd(lambda **a: m(**a), {"u": u.clone().requires_grad_()}, g)  # noqa: E731
+    ref = lambda: _fwd_bwd(lambda **a: mamba3_ref(p, **a, **kw), {"u": u.clone().requires_grad_()}, g)  # noqa: E731
+    _agree(ours()["u"], ref()["u"], "du of Mamba3 forward + backward")
+    t, r = (median_ms(f, warmup=1, iters=3 if quick else 5, min_time_s=0) for f in (ours, ref))
+    shape = f"b=1, L={seqlen}, d_model={d_model}, heads={m.nheads}, d_state={m.d_state}, chunk={m.chunk_size}, fp32"
+    return Row(OP, "Mamba3 forward + backward (training)", shape, t, r, None, "autograd of mamba3_ref (fp32)",
+               f"{seqlen / t * 1e3:,.0f} tokens/s")
+
+
 def run(quick: bool = False) -> list[Row]:
     dims = QUICK if quick else FULL
     seqlens = (64,) if quick else (1024, 2048)
-    return _combined_rows(dims, seqlens, quick) + _step_rows(dims, quick) + _module_rows(quick)
+    return (_combined_rows(dims, seqlens, quick) + [_combined_train_row(dims, seqlens[-1], quick)]
+            + _step_rows(dims, quick) + _module_rows(quick) + [_module_train_row(quick)])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Mamba3 (SISO, inference) on the TVM kernels against the block composed from the float64 references
+"""Mamba3 (SISO) on the TVM kernels against the block composed from the float64 references
 (tvm_mamba.reference.blocks.mamba3_ref): names / shapes / init, forward in fp32 and bf16, prefill + decode ==
-forward, state_dict round trip, the LM and generate with a Mamba3 layer, bad arguments, the training error; with
+forward, state_dict round trip, the LM and generate with a Mamba3 layer, bad arguments, training (every parameter's
+and the input's gradient against autograd of the reference) and the decode step's no-grad error; with
 $TVM_MAMBA_UPSTREAM_DIR, upstream's own modules/mamba3.py (its kernel imports on tvm_mamba's, MIMO's stubbed)
 has the same parameters and, loaded with the same weights, the same forward."""
 from __future__ import annotations
@@ -169,14 +170,31 @@ def test_bad_arguments(kw, err, match):
         Mamba3(D_MODEL, **{**CFG, **kw})
 
 
-def test_bad_inputs_and_training_error():
+@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["siso", "gqa_norm"])
+def test_training_gradients_match_reference(cfg):
+    """forward + backward in fp32: the input's and every parameter's gradient == autograd of the float64
+    block reference (the chunked scan's backward kernels, the norms', the projections')."""
+    m = _block(cfg=cfg)
+    u = _input().requires_grad_()
+    g = torch.randn(u.shape, generator=torch.Generator().manual_seed(3))
+    m(u).backward(g)
+    p64 = {k: v.detach().double().requires_grad_() for k, v in m.named_parameters()}
+    u64 = u.detach().double().requires_grad_()
+    ref = mamba3_ref(p64, u64, headdim=m.headdim, d_state=m.d_state, ngroups=m.num_bc_heads,
+                     num_rope_angles=m.num_rope_angles, A_floor=m.A_floor, is_outproj_norm=m.is_outproj_norm)
+    ref.backward(g.double())
+    assert_close_to_ref(u.grad, u64.grad, atol=1e-4, rtol=1e-3, name="du")
+    for name, p in m.named_parameters():
+        want = p64[name].grad
+        assert_close_to_ref(p.grad, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-3, name=name)
+
+
+def test_bad_inputs_and_step_needs_no_grad():
     m = _block(layer_idx=0)
     u = _input()
-    with pytest.raises(NotImplementedError, match=r"Mamba3 backward is not implemented yet; use torch.no_grad"):
-        m(u)  # parameters require grad, grad mode on: refused, never silently detached
     states = m.allocate_inference_cache(BATCH, SEQLEN)
-    with pytest.raises(NotImplementedError, match="backward is not implemented"):
-        m.step(u[:, :1], *states)
+    with pytest.raises(NotImplementedError, match=r"Mamba3.step: the decode step has no backward"):
+        m.step(u[:, :1], *states)  # parameters require grad, grad mode on: refused, never silently detached
     with torch.no_grad():
         with pytest.raises(ValueError, match="u: expected"):
             m(u[..., :16])
@@ -191,7 +209,7 @@ def test_bad_inputs_and_training_error():
         with pytest.raises(ValueError, match="step"):
             m.step(u[:, :2], *states)
     m.requires_grad_(False)
-    assert m(u).shape == u.shape  # frozen parameters in grad mode: nothing to differentiate
+    assert m.step(u[:, :1], *states)[0].shape == (BATCH, 1, D_MODEL)  # frozen parameters: nothing to differentiate
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Mamba3: mamba_ssm 2.3.2.post1's ``modules/mamba3.Mamba3`` block (SISO, inference) on the TVM kernels.
+"""Mamba3: mamba_ssm 2.3.2.post1's ``modules/mamba3.Mamba3`` block (SISO) on the TVM kernels.
 
 Same constructor, parameter names, shapes and initialisation as upstream, so a mamba_ssm Mamba3 state_dict
 (SISO) loads with strict=True (nheads = expand*d_model/headdim, S = num_rope_angles = floor(d_state *
@@ -17,7 +17,8 @@ RMSNorm(C) over d_state per group; y = mamba3_siso_combined(Q=C, K=B, V=x, ADT, 
 Q_bias=C_bias, K_bias=B_bias, Angles=angles broadcast to every head, D, Z=z) (or Z=None and y =
 RMSNormGated(y, z) (group headdim, norm before gate) with is_outproj_norm); out = out_proj(y).
 Decoding: ``step`` on mamba3_siso_step with upstream's cache layout (angle, ssm, k (batch, 1, nheads, d_state),
-v states). Not yet: MIMO (is_mimo), the backward (training), seq_idx / cu_seqlens.
+v states). Training: the forward is differentiable (the chunked scan's backward kernels); the decode step is
+not (upstream's step kernel has no backward either). Not yet: MIMO (is_mimo), seq_idx / cu_seqlens.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from ._checks import FLOAT_STATES, check_hidden, check_state, states_from_cache
 from .linear import Linear
 from .rmsnorm_gated import RMSNormGated
 
-NO_BACKWARD = ("Mamba3 backward is not implemented yet; use torch.no_grad() / inference_mode for inference "
-               "(parameters or the input require grad with grad mode on)")
+NO_BACKWARD = ("Mamba3.step: the decode step has no backward (as upstream's step kernel); run decoding under "
+               "torch.no_grad() / inference_mode (parameters or the input require grad with grad mode on)")
 
 
 def rope_angles(d_state: int, rope_fraction: float) -> int:
@@ -74,7 +75,7 @@ class Mamba3(nn.Module):
     Per head h (Q/K group g = h // (nheads / ngroups)): theta_t = theta_{t-1} + pi tanh(angles_t) DT_t;
     q_t, k_t = R(theta_t)(C_t + C_bias_h), R(theta_t)(B_t + B_bias_h); h_t = exp(ADT_t) h_{t-1}
     + exp(ADT_t) DT_t (1 - sigmoid(trap_t)) x_{t-1} k_{t-1}^T + DT_t sigmoid(trap_t) x_t k_t^T;
-    y_t = (h_t q_t + D_h x_t) silu(z_t); out = out_proj(y). Inference only (the kernels have no backward yet).
+    y_t = (h_t q_t + D_h x_t) silu(z_t); out = out_proj(y). forward is differentiable; step (decoding) is not.
     """
 
     def __init__(self, d_model, d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=0.001,
@@ -114,7 +115,7 @@ class Mamba3(nn.Module):
 
     # ------------------------------------------------------------------------------------------------
     def _refuse_grad(self, u: Tensor) -> None:
-        """NotImplementedError before any kernel runs when autograd would need the missing backward."""
+        """NotImplementedError before the decode step runs when autograd would need its (missing) backward."""
         if torch.is_grad_enabled() and (u.requires_grad or any(p.requires_grad for p in self.parameters())):
             raise NotImplementedError(NO_BACKWARD)
 
@@ -152,7 +153,6 @@ class Mamba3(nn.Module):
             raise NotImplementedError("seq_idx: packed sequences are not implemented yet for Mamba3")
         if cu_seqlens is not None:
             raise NotImplementedError("cu_seqlens: variable-length Mamba3 is not implemented yet")
-        self._refuse_grad(u)
         batch = u.shape[0]
         states = None
         if inference_params is not None:

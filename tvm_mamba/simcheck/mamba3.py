@@ -1,7 +1,9 @@
 """sim-check of Mamba-3 on the CUDA execution harness against the float64 reference (tvm_mamba/reference/mamba3.py):
 ``siso_step`` through ``mamba3_siso_step``, two decode steps chained through the returned states;
 ``siso_preprocess`` through ``mamba3_siso_combined`` (the preprocess and the four SSD pieces it feeds, each
-checked to have run): batch 2, seqlen chunk_size + 3 (two chunks, the second ragged), out and final states.
+checked to have run): batch 2, seqlen chunk_size + 3 (two chunks, the second ragged), out and final states;
+``siso_preprocess_bwd`` through the same call's backward (the forward's pieces again, the SSD pieces' backward
+and the preprocess backward), every gradient against autograd of the reference.
 The SSD configuration ``chunk_scan`` with ``diag_skip`` (compute/ssd's build-check list) is checked here too
 (``check_scan``, from simcheck/ssd.py): only the Mamba-3 forward calls it."""
 from __future__ import annotations
@@ -91,6 +93,40 @@ def combined_results(static: dict, dtypes: dict, arch: str, has_z: bool = True, 
     return dict(zip(("out", "angle_state", "ssm_state", "k_state"), zip(got, want))), keys
 
 
+def backward_results(static: dict, dtypes: dict, arch: str, batch: int = 2) -> tuple[dict, list]:
+    """One mamba3_siso_combined forward + backward in the harness at preprocess dims ``static`` (Z given),
+    for a random output gradient and random final-state gradients: {d<name>: (simulated, float64 reference
+    gradient)} for every tensor argument and input state, and the keys run."""
+    import tvm_mamba
+    from ..reference.mamba3 import mamba3_siso_combined_ref
+
+    Q = static["chunk_size"]
+    args = combined_inputs(static, dtypes, batch, Q + 3, has_z=True, seed=1)
+    g = torch.Generator().manual_seed(2)
+
+    def grads(fn, dtype):
+        leaves = {k: v.detach().to(dtype if dtype == torch.float64 else v.dtype).requires_grad_()
+                  if isinstance(v, torch.Tensor) else v for k, v in args.items() if k != "Input_States"}
+        names = [k for k, v in leaves.items() if isinstance(v, torch.Tensor)]
+        if "Input_States" in args:
+            leaves["Input_States"] = tuple(t.detach().to(dtype if dtype == torch.float64 else t.dtype)
+                                           .requires_grad_() for t in args["Input_States"])
+        outs = fn(**leaves, chunk_size=Q, return_final_states=True)
+        loss = sum((o.double() * c).sum() for o, c in zip(outs, cot))
+        tensors = [leaves[n] for n in names] + list(leaves.get("Input_States", ()))
+        names += [f"{n}_state" for n in ("angle", "ssm", "k", "v")][:len(leaves.get("Input_States", ()))]
+        return dict(zip(names, torch.autograd.grad(loss, tensors)))
+
+    with torch.no_grad():
+        shapes = [o.shape for o in mamba3_siso_combined_ref(**args, return_final_states=True)]
+    cot = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    with recording() as keys:
+        with tvm_mamba.simulate_cuda(arch):
+            got = grads(tvm_mamba.mamba3_siso_combined, None)
+    want = grads(mamba3_siso_combined_ref, torch.float64)
+    return {f"d{k}": (got[k], want[k]) for k in got}, keys
+
+
 def scan_of(static: dict, dtypes: dict, has_z: bool) -> tuple[dict, dict]:
     """The ssd_chunk_scan configuration (static, dtypes) a mamba3_siso_combined call at preprocess dims
     ``static`` / ``dtypes`` runs (as torch_ops/mamba3.py keys it)."""
@@ -128,8 +164,14 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
         ran(keys, "ssd", "chunk_scan", *scan_of(static, dtypes, True))
         _compare_all(res, f"{OP}.{direction}", arch)
         return
+    if direction == "siso_preprocess_bwd":
+        res, keys = backward_results(static, dtypes, arch)
+        ran(keys, OP, direction, static, dtypes)
+        _compare_all(res, f"{OP}.{direction}", arch)
+        return
     if direction != "siso_step":
-        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, siso_preprocess)")
+        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, siso_preprocess, "
+                          "siso_preprocess_bwd)")
     res, keys = step_results(static, dtypes, arch)
     ran(keys, OP, direction, static, dtypes)
     _compare_all(res, f"{OP}.{direction}", arch)

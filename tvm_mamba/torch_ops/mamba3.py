@@ -1,12 +1,15 @@
-"""mamba3_siso_step and mamba3_siso_combined (forward): mamba_ssm 2.3.2.post1's Mamba-3 SISO decode step
+"""mamba3_siso_step and mamba3_siso_combined (forward and backward): mamba_ssm 2.3.2.post1's Mamba-3 SISO decode step
 (ops/triton/mamba3/mamba3_siso_step.py) and chunked forward (mamba3_siso_combined.py) on the TVM kernels of
 compute/mamba3 and compute/ssd (docs/mamba3.md).
 
 Ops (namespace ``tvm_mamba``), each with a fake (meta) implementation: ``mamba3_siso_step`` -> (out, new angle
 state, new ssm state, new k state); no autograd: upstream's step kernel has none either (it serves decoding).
-``mamba3_siso_fwd`` -> (out, final angle, ssm and k states): the preprocess kernel, then the SSD pieces
-bmm_chunk (q . k per head), chunk_state (scale as dt'), state_passing and chunk_scan (``diag_skip``). Its
-backward is not implemented yet: the public function refuses inputs that require grad.
+``mamba3_siso_fwd`` -> (out, final angle, ssm and k states, y_pre): the preprocess kernel, then the SSD pieces
+bmm_chunk (q . k per head), chunk_state (scale as dt'), state_passing and chunk_scan (``diag_skip``); its
+autograd formula is ``mamba3_siso_bwd``: the forward's pieces before the chunk scan recomputed (nothing but
+y_pre is kept), the SSD pieces' backward (chunk_scan_bwd_dstates, state_passing_bwd, chunk_scan_bwd with
+``diag_skip``), then the preprocess's backward kernel; per-head q / k gradients summed over each Q/K group
+by ssd_head_sum, batch / chunk partials by fixed-order torch sums.
 
 Dtypes: Q and K one float dtype, V (and out) a float dtype, Z, the K state and the V state any float
 (read in their dtypes). ADT, DT, Trap, Q_bias, K_bias, Angles, D and the angle / ssm states are widened
@@ -16,16 +19,19 @@ float64 kernel and needs every tensor float64.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..compute._mamba3_dims import PreDims, StepDims
-from ..compute._ssd_dims import BmmDims, PassingDims, ScanDims, StateDims
+from ..compute._ssd_dims import (BmmDims, DstatesDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims, ScanDims,
+                                 StateDims)
 from ._dlpack import FLOATS, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "mamba3"
+F32 = torch.float32
 
 
 def _acc(V: Tensor) -> torch.dtype:
@@ -152,60 +158,206 @@ def mamba3_siso_step(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=N
     return out, [aout, h_out, kout, V]
 
 
-# --- the SISO chunked forward (mamba3_siso_combined) --------------------------------------------------------
+# --- the SISO chunked forward (mamba3_siso_combined) and its backward ----------------------------------------
 
-def _fwd_outputs(V: Tensor, Q: Tensor, Angles: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Uninitialised (out, final angle, ssm, k states) of the chunked forward (also the fake's results)."""
+class _Chunked:
+    """One chunked call's dims and the forward pieces both directions run: the preprocess (rotated per-head q, k;
+    dA_cs, scale, skip; the initial state), q . k per chunk, the chunk states and the states entering each
+    chunk. The SSD pieces see x = V, B = k, C = q with one "group" per head (the biases make q, k per head)."""
+
+    def __init__(self, Q, V, Angles, D, angle_state, k_state, v_state, chunk_size):
+        (self.batch, self.seqlen, self.H, self.P), self.N, self.Qc = V.shape, Q.shape[3], chunk_size
+        self.nchunks, self.dev, self.has_init = -(-self.seqlen // chunk_size), V.device, angle_state is not None
+        self.pre = PreDims.cached(
+            nheads=self.H, nheads_qk=Q.shape[2], headdim_qk=self.N, headdim_v=self.P, headdim_angles=Angles.shape[3],
+            chunk_size=chunk_size, has_D=D is not None, has_init=self.has_init, qk_dtype=tvm_dtype(Q),
+            vstate_dtype=tvm_dtype(v_state) if self.has_init else "float32",
+            kstate_dtype=tvm_dtype(k_state) if self.has_init and k_state.dtype != F32 else None)
+        self.chunk = dict(nheads=self.H, ngroups=self.H, headdim=self.P, dstate=self.N, chunk_size=chunk_size,
+                          x_dtype=tvm_dtype(V), bc_dtype="float32")
+        self.seq = dummy(self.dev, torch.int32, 2)
+
+    def kernel(self, direction, dims, op="ssd"):
+        return kernel_for(op, direction, self.dev, dims, batch=self.batch, seqlen=self.seqlen)
+
+    def new(self, *shape, dtype=F32):
+        return torch.empty(shape, device=self.dev, dtype=dtype)
+
+    def opt(self, t, ndim, dtype=F32):
+        return prepare(t) if t is not None else dummy(self.dev, dtype, ndim)
+
+    def passing(self, **flags):
+        return dict(nheads=self.H, headdim=self.P, dstate=self.N, chunk_size=self.Qc, has_init=self.has_init, **flags)
+
+    def forward_pieces(self, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
+                       v_state, aout, final):
+        """The pieces before the chunk scan; writes the final angle (aout) and ssm (final) states -> p with
+        q, k (batch, seqlen, nheads, headdim_qk), dA_cs / scale / skip (batch, nheads, nchunks, chunk), cb,
+        states_in (batch, nchunks, nheads, headdim_v, headdim_qk), all float32."""
+        b, L, H, N, Qc, nc = self.batch, self.seqlen, self.H, self.N, self.Qc, self.nchunks
+        p = SimpleNamespace(q=self.new(b, L, H, N), k=self.new(b, L, H, N), dA_cs=self.new(b, H, nc, Qc),
+                            scale=self.new(b, H, nc, Qc), skip=self.new(b, H, nc, Qc))
+        init = self.new(b, H, self.P, N) if self.has_init else dummy(self.dev, F32, 4)
+        self.kernel("siso_preprocess", self.pre, OP)(
+            prepare(Q), prepare(K), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias), prepare(K_bias),
+            prepare(Angles), self.opt(D, 1), self.opt(angle_state, 3), self.opt(ssm_state, 4), self.opt(k_state, 3),
+            self.opt(v_state, 3), p.q, p.k, p.dA_cs, p.scale, p.skip, aout, init)
+        p.cb = self.new(b, nc, H, Qc, Qc)
+        self.kernel("bmm_chunk", BmmDims.cached(H, N, Qc, "float32"))(p.k, p.q, p.cb)
+        states, p.states_in = self.new(b, nc, H, self.P, N), self.new(b, nc, H, self.P, N)
+        self.kernel("chunk_state", StateDims.cached(**self.chunk))(prepare(V), p.k, p.scale, p.dA_cs, self.seq, states)
+        self.kernel("state_passing", PassingDims.cached(**self.passing()))(states, p.dA_cs, init, self.seq,
+                                                                            p.states_in, final)
+        return p
+
+
+def _fwd_outputs(V: Tensor, Q: Tensor, Angles: Tensor, Z) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Uninitialised (out, final angle, ssm, k states, y_pre) of the chunked forward (also the fake's results);
+    y_pre (the output before the gate, for dZ) is V-shaped with Z, else (0,)."""
     (batch, _, nheads, P), N, S = V.shape, Q.shape[3], Angles.shape[3]
-    f32 = torch.float32
-    return (V.new_empty(V.shape), V.new_empty((batch, nheads, S), dtype=f32),
-            V.new_empty((batch, nheads, P, N), dtype=f32), V.new_empty((batch, nheads, N), dtype=f32))
+    return (V.new_empty(V.shape), V.new_empty((batch, nheads, S), dtype=F32),
+            V.new_empty((batch, nheads, P, N), dtype=F32), V.new_empty((batch, nheads, N), dtype=F32),
+            V.new_empty(V.shape) if Z is not None else V.new_empty((0,)))
 
 
 @torch.library.custom_op("tvm_mamba::mamba3_siso_fwd", mutates_args=())
 def mamba3_siso_fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor, Q_bias: Tensor,
                        K_bias: Tensor, Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
                        angle_state: Optional[Tensor], ssm_state: Optional[Tensor], k_state: Optional[Tensor],
-                       v_state: Optional[Tensor], chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       v_state: Optional[Tensor], chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Layouts as the public function's; ADT .. Angles, D, angle_state and ssm_state float32, Z in V's dtype,
-    seqlen >= 1 -> (out (batch, seqlen, nheads, headdim_v) in V's dtype, final angle, ssm, k states f32)."""
-    out, aout, final, kfin = _fwd_outputs(V, Q, Angles)
+    seqlen >= 1 -> (out (batch, seqlen, nheads, headdim_v) in V's dtype, final angle, ssm, k states f32, y_pre)."""
+    out, aout, final, kfin, y_pre = _fwd_outputs(V, Q, Angles, Z)
     if V.shape[0] == 0:
-        return out, aout, final, kfin
-    (batch, seqlen, H, P), N, Qc = V.shape, Q.shape[3], chunk_size
-    nchunks, dev, f32, has_init = -(-seqlen // Qc), V.device, torch.float32, angle_state is not None
-    pre = PreDims.cached(nheads=H, nheads_qk=Q.shape[2], headdim_qk=N, headdim_v=P, headdim_angles=Angles.shape[3],
-                         chunk_size=Qc, has_D=D is not None, has_init=has_init, qk_dtype=tvm_dtype(Q),
-                         vstate_dtype=tvm_dtype(v_state) if has_init else "float32",
-                         kstate_dtype=tvm_dtype(k_state) if has_init and k_state.dtype != f32 else None)
-    kern = lambda direction, dims, op="ssd": kernel_for(op, direction, dev, dims, batch=batch, seqlen=seqlen)  # noqa
-    q, k = (V.new_empty((batch, seqlen, H, N), dtype=f32) for _ in range(2))
-    dA_cs, scale, skip = (V.new_empty((batch, H, nchunks, Qc), dtype=f32) for _ in range(3))
-    init = V.new_empty((batch, H, P, N), dtype=f32) if has_init else dummy(dev, f32, 4)
-    opt = lambda t, dtype, ndim: prepare(t) if t is not None else dummy(dev, dtype, ndim)  # noqa: E731
-    kern("siso_preprocess", pre, OP)(
-        prepare(Q), prepare(K), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias), prepare(K_bias),
-        prepare(Angles), opt(D, f32, 1), opt(angle_state, f32, 3), opt(ssm_state, f32, 4), opt(k_state, f32, 3),
-        opt(v_state, f32, 3), q, k, dA_cs, scale, skip, aout, init)
-    chunk = dict(nheads=H, ngroups=H, headdim=P, dstate=N, chunk_size=Qc, x_dtype=tvm_dtype(V), bc_dtype="float32")
-    cb = V.new_empty((batch, nchunks, H, Qc, Qc), dtype=f32)
-    kern("bmm_chunk", BmmDims.cached(H, N, Qc, "float32"))(k, q, cb)
-    states, states_in = (V.new_empty((batch, nchunks, H, P, N), dtype=f32) for _ in range(2))
-    seq = dummy(dev, torch.int32, 2)
-    Vc = prepare(V)
-    kern("chunk_state", StateDims.cached(**chunk))(Vc, k, scale, dA_cs, seq, states)
-    kern("state_passing", PassingDims.cached(nheads=H, headdim=P, dstate=N, chunk_size=Qc, has_init=has_init))(
-        states, dA_cs, init, seq, states_in, final)
-    y_pre = torch.empty_like(out) if Z is not None else dummy(dev, V.dtype, 4)
-    scan = ScanDims.cached(**chunk, has_D=True, has_z=Z is not None, has_init=has_init, diag_skip=True)
-    kern("chunk_scan", scan)(Vc, opt(Z, V.dtype, 4), cb, q, scale, dA_cs, states_in, skip, seq, out, y_pre)
-    kfin.copy_(k[:, seqlen - 1])
-    return out, aout, final, kfin
+        return out, aout, final, kfin, y_pre
+    c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size)
+    p = c.forward_pieces(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
+                         v_state, aout, final)
+    scan = ScanDims.cached(**c.chunk, has_D=True, has_z=Z is not None, has_init=c.has_init, diag_skip=True)
+    c.kernel("chunk_scan", scan)(prepare(V), c.opt(Z, 4, V.dtype), p.cb, p.q, p.scale, p.dA_cs, p.states_in, p.skip,
+                                 c.seq, out, y_pre if Z is not None else dummy(c.dev, V.dtype, 4))
+    kfin.copy_(p.k[:, c.seqlen - 1])
+    return out, aout, final, kfin, y_pre
 
 
 @mamba3_siso_fwd_op.register_fake
 def _(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state, chunk_size):
-    return _fwd_outputs(V, Q, Angles)
+    return _fwd_outputs(V, Q, Angles, Z)
+
+
+def _ssd_bwd(c: _Chunked, p, dout, V, Z, y_pre, dfinal):
+    """The SSD pieces' backward at x = V, B = k, C = q (diag_skip) -> g with dV, dZ (or None), dq, dk
+    (per head), dscale, ddA_step, dskip, ddecay and dinit (or None)."""
+    b, H, P, N, Qc, nc, xd = c.batch, c.H, c.P, c.N, c.Qc, c.nchunks, V.dtype
+    has_z, g = Z is not None, SimpleNamespace()
+    dy, Vc, z = prepare(dout.to(xd)), prepare(V), c.opt(Z, 4, xd)
+    dsl = c.new(b, nc, H, P, N)
+    g.dZ = torch.empty_like(Vc) if has_z else None
+    c.kernel("chunk_scan_bwd_dstates", DstatesDims.cached(**c.chunk, has_z=has_z))(
+        dy, z, prepare(y_pre) if has_z else dummy(c.dev, xd, 4), p.q, p.dA_cs, c.seq, dsl,
+        g.dZ if has_z else dummy(c.dev, xd, 4))
+    dso, g.ddecay = c.new(b, nc, H, P, N), c.new(b, H, nc)
+    g.dinit = c.new(b, H, P, N) if c.has_init else None
+    c.kernel("state_passing_bwd", PassingBwdDims.cached(**c.passing(has_dfinal=dfinal is not None)))(
+        p.states_in, dsl, p.dA_cs, c.opt(dfinal, 4), c.seq, dso, c.opt(g.dinit, 4), g.ddecay)
+    g.dV = torch.empty_like(Vc)
+    g.dq, g.dk = c.new(b, c.seqlen, H, N), c.new(b, c.seqlen, H, N)
+    g.dscale, g.ddA, g.dskip = (c.new(b, H, nc, Qc) for _ in range(3))
+    dims = ScanBwdDims.cached(**c.chunk, has_D=True, has_z=has_z, diag_skip=True)
+    c.kernel("chunk_scan_bwd", dims)(
+        Vc, z, dy, p.k, p.q, p.cb, p.scale, p.dA_cs, p.states_in, dso, p.skip, c.seq, g.dV, g.dk, g.dq, g.dscale,
+        g.ddA, g.dskip, c.new(b, nc, H, Qc, Qc))  # workspace: (g x^T) K scale, one "group" per head
+    return g
+
+
+def _group_sum(c: _Chunked, per_head: Tensor, like: Tensor) -> Tensor:
+    """(batch, seqlen, nheads, headdim_qk) f32 per-head gradients -> summed over each Q/K group's heads in head
+    order, in ``like``'s dtype (Q / K)."""
+    HQ = like.shape[2]
+    if HQ == c.H and like.dtype == F32:
+        return per_head
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    c.kernel("head_sum", HeadSumDims.cached(c.H, HQ, c.N, tvm_dtype(like)))(per_head, out)
+    return out
+
+
+_GRADS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z", "angle_state", "ssm_state",
+          "k_state", "v_state")
+
+
+@torch.library.custom_op("tvm_mamba::mamba3_siso_bwd", mutates_args=())
+def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[Tensor], dkfin: Optional[Tensor],
+                       Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor, Q_bias: Tensor,
+                       K_bias: Tensor, Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
+                       angle_state: Optional[Tensor], ssm_state: Optional[Tensor], k_state: Optional[Tensor],
+                       v_state: Optional[Tensor], y_pre: Optional[Tensor], chunk_size: int) -> list[Tensor]:
+    """Gradients of mamba3_siso_fwd for dout and the final angle / ssm / k states' gradients (None: zero), in
+    ``_GRADS`` order, each in its input's dtype ((0,) for an absent input). Recomputes the forward's pieces
+    before the chunk scan, runs the SSD pieces' backward (chunk_scan_bwd with diag_skip), then the
+    preprocess's backward (the rotation, angle cumsum, trapezoid and skip gradients)."""
+    if V.shape[0] == 0:
+        return _bwd_outputs(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state,
+                            v_state, zero=True)
+    c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size)
+    b, H, S = c.batch, c.H, Angles.shape[3]
+    p = c.forward_pieces(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
+                         v_state, c.new(b, H, S), c.new(b, H, c.P, c.N))
+    g = _ssd_bwd(c, p, dout, V, Z, y_pre, dfinal)
+    if dkfin is not None:
+        g.dk[:, c.seqlen - 1] += dkfin
+    r = SimpleNamespace(dQh=torch.empty_like(g.dq), dKh=torch.empty_like(g.dk), dAngles=torch.empty_like(Angles),
+                        dQb=c.new(b, H, c.N), dKb=c.new(b, H, c.N))
+    r.dADT, r.dDT, r.dTrap = (torch.empty_like(ADT) for _ in range(3))
+    r.dangle, r.dkst, r.dvst = ((c.new(b, H, S), c.new(b, H, c.N), c.new(b, H, c.P)) if c.has_init
+                                else (None, None, None))
+    c.kernel("siso_preprocess_bwd", c.pre, OP)(
+        prepare(Q), prepare(K), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias), prepare(K_bias),
+        prepare(Angles), c.opt(angle_state, 3), c.opt(k_state, 3), c.opt(v_state, 3), g.dq, g.dk, g.dscale, g.ddA,
+        g.dskip, g.ddecay, prepare(daout) if daout is not None else torch.zeros(b, H, S, device=c.dev),
+        c.opt(g.dinit, 4), r.dQh, r.dKh, r.dADT, r.dDT, r.dTrap, r.dQb, r.dKb, r.dAngles, c.opt(r.dangle, 3),
+        c.opt(r.dkst, 3), c.opt(r.dvst, 3), c.new(b, c.seqlen, H, S), c.new(b, H))  # workspaces: gdt, c0
+    e = V.new_empty((0,))
+    cast = lambda t, like: t.to(like.dtype) if like is not None else e  # noqa: E731
+    return [_group_sum(c, r.dQh, Q), _group_sum(c, r.dKh, K), g.dV, r.dADT, r.dDT, r.dTrap, r.dQb.sum(0),
+            r.dKb.sum(0), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e,
+            r.dangle if c.has_init else e, g.dinit if c.has_init else e, cast(r.dkst, k_state) if c.has_init else e,
+            cast(r.dvst, v_state) if c.has_init else e]
+
+
+def _bwd_outputs(*inputs, zero: bool = False) -> list[Tensor]:
+    """Gradients shaped and typed like ``inputs`` (``_GRADS`` order; (0,) for None), empty or zero."""
+    make = torch.zeros_like if zero else torch.empty_like
+    return [make(t, memory_format=torch.contiguous_format) if t is not None else inputs[2].new_empty((0,))
+            for t in inputs]
+
+
+@mamba3_siso_bwd_op.register_fake
+def _(dout, daout, dfinal, dkfin, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state,
+      k_state, v_state, y_pre, chunk_size):
+    return _bwd_outputs(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state,
+                        v_state)
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, chunk_size = inputs
+    y_pre = output[4]
+    ctx.mark_non_differentiable(y_pre)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*tensors, y_pre if tensors[10] is not None else None)
+    ctx.chunk_size = chunk_size
+
+
+def _backward(ctx, dout, daout, dfinal, dkfin, _dy_pre):
+    *tensors, y_pre = ctx.saved_tensors
+    if dout is None and daout is None and dfinal is None and dkfin is None:
+        return (None,) * 16
+    V = tensors[2]
+    dout = torch.zeros_like(V) if dout is None else dout
+    grads = torch.ops.tvm_mamba.mamba3_siso_bwd(dout, daout, dfinal, dkfin, *tensors, y_pre, ctx.chunk_size)
+    return (*(gr if t is not None else None for gr, t in zip(grads, tensors)), None)
+
+
+mamba3_siso_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_chunked(V: Tensor, N: int, chunk_size: int) -> None:
@@ -222,13 +374,10 @@ def _check_chunked(V: Tensor, N: int, chunk_size: int) -> None:
     check_size("q . k per chunk (batch x nchunks x nheads x chunk_size^2)", batch * nchunks * nheads * chunk_size ** 2)
 
 
-def _grad_needed(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
-
-
 def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
                          chunk_size=64, return_final_states=False, cu_seqlens=None):
-    """Mamba-3 SISO chunked forward (mamba_ssm.ops.triton.mamba3.mamba3_siso_combined, 2.3.2.post1's signature).
+    """Mamba-3 SISO chunked scan (mamba_ssm.ops.triton.mamba3.mamba3_siso_combined, 2.3.2.post1's signature),
+    differentiable in every tensor argument (the backward: ``mamba3_siso_bwd``).
 
     Q, K: (batch, seqlen, nheads_qk, headdim_qk); V, Z: (batch, seqlen, nheads, headdim_v); ADT, DT, Trap:
     (batch, nheads, seqlen) (Trap a logit); Q_bias, K_bias: (nheads, headdim_qk); Angles: (batch, seqlen,
@@ -239,7 +388,7 @@ def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
     k states (float32) and v state (V's last position, V's dtype) too: (out, angle, ssm, k, v).
 
     The recurrence of tvm_mamba.reference.mamba3 (docs/mamba3.md), computed chunk by chunk. Not yet:
-    cu_seqlens (NotImplementedError) and the backward (inputs requiring grad: NotImplementedError).
+    cu_seqlens (NotImplementedError).
     """
     if cu_seqlens is not None:
         raise NotImplementedError("cu_seqlens: variable-length mamba3_siso_combined is not implemented yet")
@@ -248,13 +397,10 @@ def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
     _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, Input_States, seq=True)
     _check_chunked(V, Q.shape[-1], chunk_size)
     states = tuple(Input_States) if Input_States is not None else (None,) * 4
-    if _grad_needed(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, *states):
-        raise NotImplementedError("mamba3_siso_combined: the backward is not implemented yet; call it with inputs "
-                                  "that do not require grad (or under torch.no_grad())")
     w = lambda t: None if t is None else t.to(torch.float32)  # noqa: E731
     angle, ssm, kst, vst = states
     kst = kst.to(torch.float32) if kst is not None and kst.dtype == torch.float64 else kst
-    out, aout, final, kfin = run_op(mamba3_siso_fwd_op, Q, K, V, w(ADT), w(DT), w(Trap), w(Q_bias), w(K_bias),
+    out, aout, final, kfin, _ = run_op(mamba3_siso_fwd_op, Q, K, V, w(ADT), w(DT), w(Trap), w(Q_bias), w(K_bias),
                                     w(Angles), w(D), None if Z is None else Z.to(V.dtype), w(angle), w(ssm), kst,
                                     vst, chunk_size)
     if not return_final_states:
