@@ -3,7 +3,7 @@ prefill and decode tokens/s, tvm_mamba against transformers' implementation and 
 
     python scripts/bench_lm.py [--models mamba1-130m,mamba2-130m,mamba1-370m,mamba2-370m] [--prefill 256,1024]
         [--decode 128] [--batch 1,8] [--procs 3] [--weights fp32,bf16,int8] [--no-hf]
-        [--llamacpp f32,q8_0 | --no-llamacpp] [--quick] [--json out.json]
+        [--llamacpp f32,q8_0 | --no-llamacpp] [--per-step] [--quick] [--json out.json]
 
 Models (mamba_ssm's state-spaces configs, weights drawn locally with mamba_ssm's init, nothing downloaded):
 ``mamba{1,2}-130m`` d_model 768, 24 layers; ``mamba{1,2}-370m`` d_model 1024, 48 layers; vocab 50280; Mamba-1
@@ -13,7 +13,9 @@ layers d_state 16, expand 2, d_conv 4; Mamba-2 layers d_state 128, headdim 64, n
 Phases. prefill L: one forward over a (batch, L) prompt filling the decode states (tokens/s = batch * L / time).
 decode N: after an 8-token prompt (prefilled, untimed), N greedy steps, each one forward of (batch, 1) tokens
 through the model's own decode path (ours: ``inference_params`` with ``seqlen_offset``; transformers': its
-``cache``), the argmax fed back (tokens/s = batch * N / time).
+``cache``), the argmax fed back (tokens/s = batch * N / time). With --per-step each step is timed on its own
+and a process's figure is its median step time times N (case "decode N tok (median step)"): a step that a
+busy machine's scheduler delays moves a whole run's time but not the median step.
 
 Every measurement (model, implementation, batch, phase) runs in a fresh process (``--child``), ``--procs`` of
 them per cell, interleaved between the implementations; inside one, one untimed warm-up run (kernel builds /
@@ -148,10 +150,14 @@ class Runner:
         state.seqlen_offset += 1
         return logits
 
-    def decode(self, logits, state, n: int):
-        """n greedy steps from logits (b, vocab) (each step's argmax is the next input) -> the last logits."""
+    def decode(self, logits, state, n: int, steps: list | None = None):
+        """n greedy steps from logits (b, vocab) (each step's argmax is the next input) -> the last logits;
+        ``steps``: a list each step's seconds are appended to (argmax included)."""
         for _ in range(n):
+            t0 = time.perf_counter()
             logits = self.step(logits.argmax(dim=-1, keepdim=True), state)
+            if steps is not None:
+                steps.append(time.perf_counter() - t0)
         return logits
 
 
@@ -179,12 +185,15 @@ class LlamaRunner(Runner):
 
         return torch.from_numpy(self.model.forward(tok.numpy()))
 
-    def decode(self, logits, state, n: int):
+    def decode(self, logits, state, n: int, steps: list | None = None):
         import torch
 
         logits = logits.numpy()
         for _ in range(n):
+            t0 = time.perf_counter()
             logits = self.model.forward(logits.argmax(axis=-1)[:, None])
+            if steps is not None:
+                steps.append(time.perf_counter() - t0)
         return torch.from_numpy(logits)
 
 
@@ -194,9 +203,11 @@ def _ids(batch: int, length: int, vocab: int, seed: int):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def time_phase(runner: Runner, phase: str, batch: int, tokens: int, vocab: int, iters: int) -> list[float]:
+def time_phase(runner: Runner, phase: str, batch: int, tokens: int, vocab: int, iters: int,
+               steps: list | None = None) -> list[float]:
     """Seconds of each timed run of the phase, after one untimed warm-up (a decode warm-up takes WARMUP_STEPS
-    steps): `iters` runs, fewer (at least one) once the timed runs add up to CHILD_BUDGET_S."""
+    steps): `iters` runs, fewer (at least one) once the timed runs add up to CHILD_BUDGET_S. ``steps``: a list
+    every timed decode step's seconds are appended to."""
     import torch
 
     times: list[float] = []
@@ -211,7 +222,7 @@ def time_phase(runner: Runner, phase: str, batch: int, tokens: int, vocab: int, 
             else:
                 logits, state = runner.prefill(_ids(batch, DECODE_PROMPT, vocab, seed=i))
                 t0 = time.perf_counter()
-                runner.decode(logits, state, tokens if i else min(tokens, WARMUP_STEPS))
+                runner.decode(logits, state, tokens if i else min(tokens, WARMUP_STEPS), steps if i else None)
             if i:
                 times.append(time.perf_counter() - t0)
     return times
@@ -307,9 +318,12 @@ def child(spec: dict) -> dict:
         ours, ref = build_models(spec["model"], hf=spec["impl"] == "hf", weights=spec.get("weights", "fp32"))
         runner = Runner(ref if spec["impl"] == "hf" else ours, spec["impl"])
         del ours, ref  # the runner's model only (transformers' runs do not hold our copy of the weights)
+    steps: list[float] = []
     times = time_phase(runner, spec["phase"], spec["batch"], spec["tokens"], MODELS[spec["model"]][3],
-                       spec["iters"])
-    return dict(seconds=statistics.median(times), runs=times,
+                       spec["iters"], steps)
+    per_step = spec.get("per_step") and spec["phase"] == "decode"
+    return dict(seconds=statistics.median(steps) * spec["tokens"] if per_step else statistics.median(times),
+                runs=times,
                 software=software(hf=spec["impl"] == "hf", llamacpp=spec["impl"].startswith(LLAMA_IMPL)))
 
 
@@ -356,25 +370,26 @@ def ref_name(impl: str) -> str:
 
 
 def measure(model: str, phase: str, tokens: int, batch: int, impls: list[str], procs: int, iters: int,
-            gguf_dir: str | None = None, weights: str = "fp32") -> list[LMRow]:
+            gguf_dir: str | None = None, weights: str = "fp32", per_step: bool = False) -> list[LMRow]:
     """procs fresh processes per implementation (interleaved) -> one row of medians per reference
-    implementation (tvm_mamba's figures in each), or one row without a reference. ``weights``: ours'."""
+    implementation (tvm_mamba's figures in each), or one row without a reference. ``weights``: ours';
+    ``per_step``: a decode cell's process figure is its median step time x the steps (see --per-step)."""
     runs = {impl: [] for impl in impls}
     for _ in range(procs):
         for impl in impls:
             spec = dict(model=model, impl=impl, phase=phase, batch=batch, tokens=tokens, iters=iters, dir=gguf_dir,
-                        weights=weights)
+                        weights=weights, per_step=per_step)
             result = run_child(spec)
             runs[impl].append(result["seconds"])
             SOFTWARE.update(result["software"])
     tvm_ms = 1e3 * statistics.median(runs["tvm"])
     n = batch * tokens
     shape = f"{model} b={batch}" + ("" if weights == "fp32" else f" {weights}")
-    rows = []
+    rows, case = [], f"{phase} {tokens} tok" + (" (median step)" if per_step and phase == "decode" else "")
     for ref in [impl for impl in impls if impl != "tvm"] or [None]:
         ref_ms = 1e3 * statistics.median(runs[ref]) if ref else None
         note = f"{n / tvm_ms * 1e3:,.1f} tok/s" + (f" vs {n / ref_ms * 1e3:,.1f} tok/s" if ref_ms else "")
-        rows.append(LMRow("lm", f"{phase} {tokens} tok", shape, tvm_ms, ref_ms,
+        rows.append(LMRow("lm", case, shape, tvm_ms, ref_ms,
                           ref_name=ref_name(ref) if ref else "", note=note, tokens=n, tvm_runs=runs["tvm"],
                           ref_runs=runs[ref] if ref else []))
     return rows
@@ -399,6 +414,8 @@ def parse(argv=None):
     ap.add_argument("--procs", type=int, help=f"fresh processes per cell (default {DEFAULTS['procs']})")
     ap.add_argument("--weights", help=f"ours' weights, comma-separated of {', '.join(WEIGHTS)} (default fp32)")
     ap.add_argument("--no-hf", action="store_true", help="no transformers comparison")
+    ap.add_argument("--per-step", action="store_true",
+                    help="decode: each process's figure is its median step time x the steps, not the median run")
     ap.add_argument("--llamacpp", help="llama.cpp weight types, of f32, q8_0 (default "
                     f"{DEFAULTS['llamacpp']}; --quick: {QUICK['llamacpp']}) when llama-cpp-python is installed")
     ap.add_argument("--no-llamacpp", action="store_true", help="no llama.cpp comparison")
@@ -465,7 +482,8 @@ def run_all(args) -> tuple[list[LMRow], dict]:
                     _report_check(model, LLAMA_NAME.format(qtype), check, gate=qtype == "f32")
             for w, (phase, tokens) in ((w, p) for w in weights for p in phases):
                 for batch in batches:
-                    rows += measure(model, phase, tokens, batch, impls, args.procs, iters, gguf_dir, w)
+                    rows += measure(model, phase, tokens, batch, impls, args.procs, iters, gguf_dir, w,
+                                    args.per_step)
                     for row in rows[-(len(impls) - 1 or 1):]:
                         print(f"  {row.case} ({row.shape}) vs {row.ref_name or '-'}: {row.note}", flush=True)
     return rows, dict(checks=checks, impls=impls)

@@ -156,11 +156,12 @@ def test_bench_lm_quick_with_transformers(tmp_path):
 
 
 def test_bench_lm_quick_without_transformers(tmp_path):
+    """Also --per-step: the decode figure is the median step time x the steps."""
     doc, out = _bench_lm(tmp_path, "--models", "mamba1-tiny", "--no-hf", "--no-llamacpp", "--prefill", "0",
-                         "--batch", "2")
+                         "--batch", "2", "--per-step")
     assert doc["checks"] == {} and "logits check" not in out
     (row,) = doc["rows"]
-    assert (row["case"], row["shape"], row["ref_name"]) == ("decode 8 tok", "mamba1-tiny b=2", "")
+    assert (row["case"], row["shape"], row["ref_name"]) == ("decode 8 tok (median step)", "mamba1-tiny b=2", "")
     assert row["tvm_tok_s"] > 0 and row["ref_s"] is None and row["ref_over_tvm"] is None and row["ref_tok_s"] is None
 
 
