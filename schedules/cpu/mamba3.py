@@ -26,7 +26,7 @@ def apply(func, target, decisions: Decisions):
     if "cpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
     dims = compute.DIMS[direction](**static)
-    if direction == "siso_preprocess":
+    if direction in compute.PREPROCESS:
         return schedule_of(compute.build(direction, dims, Cpu()), name=name)
     widths = [v for v in (1, 2, 4, 8, 16) if dims.headdim_qk % v == 0]
     vec = decisions.pick("vector", widths, widths[-1])

@@ -25,5 +25,5 @@ def apply(func, target, decisions: Decisions):
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
     dims = compute.DIMS[direction](**static)
-    layout = Gpu(threads) if direction == "siso_preprocess" else CudaLayout(Math(dims.acc, native=True), threads)
+    layout = Gpu(threads) if direction in compute.PREPROCESS else CudaLayout(Math(dims.acc, native=True), threads)
     return schedule_of(compute.build(direction, dims, layout), name=name)

@@ -113,8 +113,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
                 r[2] = m.zero
                 if c * Q + l + 1 < seqlen:
                     r[2] = DT[b, h, c * Q + l + 1] * (m.one - m.sigmoid(Trap[b, h, c * Q + l + 1]))
-                dot(r, 3, lambda n: (m.cast(Qm[b, c * Q + l, h // HPQ, n]) + Qb[h, n]) * (
-                    m.cast(Km[b, c * Q + l, h // HPQ, n]) + Kb[h, n]))
+                dot(r, 3, qk_dot_term(Qm, Km, Qb, Kb, b, c * Q + l, h // HPQ, h, m))
                 scale[b, h, c, l] = r[1] + r[2]
                 skip[b, h, c, l] = (Dv[h] if d.has_D else m.zero) + r[1] * r[3]
             else:
@@ -123,6 +122,12 @@ def _chunk_macro(d: PreDims, S: Strategy):
             dA_cs[b, h, c, l] = r[0]
 
     return chunk
+
+
+def qk_dot_term(Qm, Km, Qb, Kb, b, s, hq, h, m):
+    """n -> (Q[b, s, hq, n] + Q_bias[h, n]) (K[b, s, hq, n] + K_bias[h, n]): the terms of the unrotated diagonal
+    dot X_s . Y_s (for ``dot_macro``)."""
+    return lambda n: (m.cast(Qm[b, s, hq, n]) + Qb[h, n]) * (m.cast(Km[b, s, hq, n]) + Kb[h, n])
 
 
 def dot_macro(N: int, S: Strategy):
