@@ -95,7 +95,7 @@ def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
     """Pass 2 over ``V`` pairs p0 .. p0 + V - 1 of (b, h): rotary pairs (``turn``: all below headdim_angles) or
     pass-through ones (theta = 0). Rotary: the forward's theta_t into gdt, then time reversed the pair
     gradients, G, dAngles and gdt; both: the bias sums and, rotary with input states, dangle_state."""
-    H, HPQ, Q, m = d.nheads, d.heads_per_qk, d.chunk_size, S.math
+    HPQ, Q, m = d.heads_per_qk, d.chunk_size, S.math
     PI = m.const(math.pi)
 
     @T.macro
