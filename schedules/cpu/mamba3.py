@@ -9,7 +9,9 @@ Knob: ``vector`` (powers of two dividing headdim_qk, <= 16; default the largest)
 
 Chunked forward's preprocess: the SSD CPU strategy (schedules/cpu/ssd.py ``Cpu``): each pass's tasks a parallel
 loop (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch, head,
-headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs.
+headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs. Its backward (``siso_preprocess_bwd``)
+the same way: init a task per (batch, head) with headdim_qk vectorized, rotate a task per (batch, head) with a
+vector sweep over the rotary pairs and one over the pass-through pairs, chunk a task per (batch, head, chunk).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules), and
 the SISO chunked forward's preprocess (preprocess.py), laid out by the SSD strategies: the chunked forward is
 that preprocess, then the SSD pieces of compute/ssd/ (bmm_chunk, chunk_state, state_passing, chunk_scan with
-``diag_skip``), chained by torch_ops/mamba3.py.
+``diag_skip``), chained by torch_ops/mamba3.py; and that preprocess's backward (preprocess_bwd.py), on the same
+strategies.
 
     h' = exp(ADT) h + exp(ADT) DT (1 - sigmoid(Trap)) v_state k_state^T + DT sigmoid(Trap) V k^T;
     out = (h' q + D V) * silu(Z),   q, k = rotary(theta') (Q + Q_bias), rotary(theta') (K + K_bias)
