@@ -9,7 +9,7 @@ previous ones wrote (three parallel loops on a CPU, three launches on CUDA):
        c0 = sum_{p,n} dinit[p, n] v_state[p] k_state[n]         (d init / d nu_0, workspace c0[b, h])
        dk_state[n] = nu_0 sum_p dinit[p, n] v_state[p];  dv_state[p] = nu_0 sum_n dinit[p, n] k_state[n]
 2. rotate, a task per (b, h, block of rotary pairs: all of them on a CPU, one per CUDA thread): first the
-   forward's theta_t again (same expression, so the same bits), stored in the workspace gdt (the shape of
+   forward's theta_t again (the forward's own expression, step for step), stored in the workspace gdt (the shape of
    theta: (batch, seqlen, nheads, headdim_angles)); then time reversed, pair i:
        g_t = dq1 q0 - dq0 q1 + dk1 k0 - dk0 k1        (d/dtheta of the rotated pair; q, k = R(theta_t) X, Y again)
        G_t = daout + sum_{t' >= t} g_t'                (wrap(x) = x mod 2 pi has derivative 1)
@@ -25,7 +25,7 @@ previous ones wrote (three parallel loops on a CPU, three launches on CUDA):
 
 Why theta is stored rather than run backwards (theta_{t-1} = theta_t - pi tanh(Angles_t) DT_t): the reverse
 recurrence drifts from the forward's angles by a rounding per step and its wrap can land on the other side of
-2 pi; the stored angles are the forward's bits, at no memory cost (gdt is needed anyway, same shape). The
+2 pi; the stored angles are the forward's own sequence, at no memory cost (gdt is needed anyway, same shape). The
 extra forward sweep reads Angles / DT once more (a tanh per pair and step).
 """
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _pair_grads(io, w, b, t, h, hq, p, v, m, turn: bool):
     w.acc[0..3, v]; where ``turn``, g (d/dtheta) added to w.G[v]."""
     x0, x1 = biased_pair(io.Qm, io.Qb, b, t, h, hq, p, m)
     y0, y1 = biased_pair(io.Km, io.Kb, b, t, h, hq, p, m)
-    dq0, dq1, dk0, dk1 = io.dq[b, t, h, 2 * p], io.dq[b, t, h, 2 * p + 1], io.dk[b, t, h, 2 * p], io.dk[b, t, h, 2 * p + 1]
-    grads = (dq0, dq1, dk0, dk1)
+    grads = dq0, dq1, dk0, dk1 = (io.dq[b, t, h, 2 * p], io.dq[b, t, h, 2 * p + 1], io.dk[b, t, h, 2 * p],
+                                  io.dk[b, t, h, 2 * p + 1])
     if turn:
         q0, q1 = rotated(x0, x1, w.cs[v], w.sn[v])
         k0, k1 = rotated(y0, y1, w.cs[v], w.sn[v])
@@ -230,7 +230,8 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
             Qm=(Q_h, (batch, seqlen, HQ, N), d.qk_dtype), Km=(K_h, (batch, seqlen, HQ, N), d.qk_dtype),
             ADT=(ADT_h, (batch, H, seqlen)), DT=(DT_h, (batch, H, seqlen)), Trap=(Trap_h, (batch, H, seqlen)),
             Qb=(Qb_h, (H, N)), Kb=(Kb_h, (H, N)), Ang=(Ang_h, (batch, seqlen, H, A)),
-            ast=(ast_h, st(batch, H, A)), kst=(kst_h, st(batch, H, N), KT), vst=(vst_h, st(batch, H, P), d.vstate_dtype),
+            ast=(ast_h, st(batch, H, A)), kst=(kst_h, st(batch, H, N), KT),
+            vst=(vst_h, st(batch, H, P), d.vstate_dtype),
             dq=(dq_h, (batch, seqlen, H, N)), dk=(dk_h, (batch, seqlen, H, N)), dscale=(dsc_h, (batch, H, nchunks, Q)),
             ddA=(dda_h, (batch, H, nchunks, Q)), dskip=(dsk_h, (batch, H, nchunks, Q)),
             ddecay=(ddec_h, (batch, H, nchunks)), daout=(daout_h, (batch, H, A)),
