@@ -113,6 +113,20 @@ def test_simcheck_catches_a_wrong_kernel(monkeypatch, direction, ref_name):
         sc.check(direction, small, dtypes, "sm_90")
 
 
+def test_simcheck_catches_a_wrong_backward(monkeypatch):
+    """The backward's check fails when the reference differs: Trap's logits halved inside it (every gradient
+    through lam changes; Trap still reaches the graph, so autograd has a gradient to give)."""
+    from tvm_mamba.reference import mamba3 as ref_module
+
+    true_ref = ref_module.mamba3_siso_preprocess_ref
+    monkeypatch.setattr(ref_module, "mamba3_siso_preprocess_ref",
+                        lambda *args, **kw: true_ref(*args, **dict(kw, Trap=kw["Trap"] * 0.5)))
+    static, dtypes = [(st, dt) for d, st, dt in compute.build_check_configs() if d == "siso_preprocess_bwd"][0]
+    small = dict(static, nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2, chunk_size=4)
+    with pytest.raises(simcheck.CheckFailed, match="mamba3.siso_preprocess_bwd"):
+        sc.check("siso_preprocess_bwd", small, dtypes, "sm_90")
+
+
 @torch.no_grad()
 def test_mamba3_module_prefill_then_steps(sim):
     """The Mamba3 block (GQA, full rotary, the gated norm) on the CUDA kernels: a 9-token prefill through
