@@ -9,7 +9,9 @@ Knob: ``vector`` (powers of two dividing headdim_qk, <= 16; default the largest)
 
 Chunked forward's preprocess: the SSD CPU strategy (schedules/cpu/ssd.py ``Cpu``): each pass's tasks a parallel
 loop (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch, head,
-headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs.
+headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs. Its backward (``siso_preprocess_bwd``)
+the same way: init a task per (batch, head) with headdim_qk vectorized, rotate a task per (batch, head) with a
+vector sweep over the rotary pairs and one over the pass-through pairs, chunk a task per (batch, head, chunk).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def apply(func, target, decisions: Decisions):
     if "cpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
     dims = compute.DIMS[direction](**static)
-    if direction == "siso_preprocess":
+    if direction in compute.PREPROCESS:
         return schedule_of(compute.build(direction, dims, Cpu()), name=name)
     widths = [v for v in (1, 2, 4, 8, 16) if dims.headdim_qk % v == 0]
     vec = decisions.pick("vector", widths, widths[-1])

@@ -7,7 +7,8 @@ target with the "gpu" key.
 
 Chunked forward's preprocess: the SSD CUDA strategy (schedules/cuda/ssd.py ``Gpu``): a launch per pass, a thread
 per task (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch,
-head, headdim_v row, headdim_qk element)); knob ``threads`` as above.
+head, headdim_v row, headdim_qk element)); knob ``threads`` as above. Its backward (``siso_preprocess_bwd``)
+likewise: a launch per pass, a thread per (batch, head) / (batch, head, pair) / (batch, head, chunk).
 """
 from __future__ import annotations
 
@@ -25,5 +26,5 @@ def apply(func, target, decisions: Decisions):
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
     dims = compute.DIMS[direction](**static)
-    layout = Gpu(threads) if direction == "siso_preprocess" else CudaLayout(Math(dims.acc, native=True), threads)
+    layout = Gpu(threads) if direction in compute.PREPROCESS else CudaLayout(Math(dims.acc, native=True), threads)
     return schedule_of(compute.build(direction, dims, layout), name=name)

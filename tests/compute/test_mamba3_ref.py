@@ -227,3 +227,20 @@ def test_chunked_form_equals_the_recurrence(states):
     got = mamba3_siso_chunked_ref(**inp, chunk_size=4, return_final_states=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_preprocess_ref_agrees_with_the_recurrence():
+    """mamba3_siso_preprocess_ref's final angle and last rotated k are the sequence reference's final angle / K
+    states; its clamp is the SSD pieces' DA_MIN; dA_cs slots past seqlen repeat the chunk's last cumsum."""
+    from tvm_mamba.compute.ssd.common import DA_MIN
+    from tvm_mamba.reference.mamba3 import DA_MIN as REF_DA_MIN, mamba3_siso_preprocess_ref
+
+    assert REF_DA_MIN == DA_MIN
+    inp = make_inputs(seqlen=7, nheads_qk=1, nheads=2, S=3)
+    _, angle, _, k_last, _ = mamba3_siso_combined_ref(**inp, return_final_states=True)
+    pre = {k: v for k, v in inp.items() if k not in ("V", "Z")}
+    q, k, dA_cs, scale, skip, aout, init = mamba3_siso_preprocess_ref(**pre, chunk_size=4)
+    torch.testing.assert_close(aout, angle, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k[:, -1], k_last, rtol=1e-12, atol=1e-12)
+    assert (dA_cs[:, :, 1, 3] == dA_cs[:, :, 1, 2]).all() and (scale[:, :, 1, 3] == 0).all()
+    assert init.shape == inp["Input_States"][1].shape

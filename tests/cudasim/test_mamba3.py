@@ -1,7 +1,8 @@
 """mamba3_siso_step and mamba3_siso_combined on their CUDA kernels, run on the CPU by the CUDA execution harness
 (tvm_mamba.simulate_cuda), against the float64 references (mirrors tests/torch_ops/test_mamba3*.py). The step:
 one thread per (batch, head, headdim_v row) lane, 128 per block: the shapes below leave the last block partly
-empty. The chunked forward: the preprocess (three launches) and the four SSD pieces, a thread per task."""
+empty. The chunked forward: the preprocess (three launches) and the four SSD pieces, a thread per task; the
+preprocess backward against autograd of its float64 reference."""
 from __future__ import annotations
 
 import pytest
@@ -66,10 +67,25 @@ def test_combined_matches_reference(sim, dtype, states, HQ, S):
         assert_close_to_ref(got, want, atol=1e-4, rtol=1e-4, name=name)
 
 
+@pytest.mark.parametrize("static, dtypes", [
+    (dict(nheads_qk=2, headdim_angles=3, has_D=True, has_init=True), {"qk": "float32", "vstate": "float32"}),
+    (dict(nheads_qk=4, headdim_angles=4, has_D=False, has_init=False), {"qk": "bfloat16", "vstate": "bfloat16"})])
+def test_preprocess_bwd_matches_autograd(sim, static, dtypes):
+    """The preprocess backward's three launches (a thread per (batch, head), per rotary pair, per chunk):
+    every gradient against torch.autograd of the float64 preprocess reference (GQA, partial rotary, input
+    states; bf16 Q / K with full rotary, no states), two chunks of 4 and a ragged third."""
+    static = dict(static, nheads=4, headdim_qk=8, headdim_v=4, chunk_size=4)
+    res = sc.preprocess_bwd_results(static, dtypes, batch=2, seqlen=10)
+    assert [k.direction for k, _ in sim] == ["siso_preprocess_bwd"]
+    assert len(res) == (11 if static["has_init"] else 8)
+    for name, (got, want) in res.items():
+        assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
+
+
 def test_simcheck_every_config():
     """build-check's configurations (upstream's tuned shape: 32 heads, headdim_qk 128, headdim_v 64)."""
     configs = compute.build_check_configs()
-    assert [c[0] for c in configs] == ["siso_step"] * 4 + ["siso_preprocess"] * 2
+    assert [c[0] for c in configs] == ["siso_step"] * 4 + ["siso_preprocess"] * 2 + ["siso_preprocess_bwd"] * 2
     for direction, static, dtypes in configs:
         simcheck.run_config("mamba3", direction, static, dtypes, "sm_90")
 
@@ -95,6 +111,20 @@ def test_simcheck_catches_a_wrong_kernel(monkeypatch, direction, ref_name):
     monkeypatch.setattr(ref_module, ref_name, no_left_term)
     with pytest.raises(simcheck.CheckFailed, match=f"mamba3.{direction}"):
         sc.check(direction, small, dtypes, "sm_90")
+
+
+def test_simcheck_catches_a_wrong_backward(monkeypatch):
+    """The backward's check fails when the reference differs: Trap's logits halved inside it (every gradient
+    through lam changes; Trap still reaches the graph, so autograd has a gradient to give)."""
+    from tvm_mamba.reference import mamba3 as ref_module
+
+    true_ref = ref_module.mamba3_siso_preprocess_ref
+    monkeypatch.setattr(ref_module, "mamba3_siso_preprocess_ref",
+                        lambda *args, **kw: true_ref(*args, **dict(kw, Trap=kw["Trap"] * 0.5)))
+    static, dtypes = [(st, dt) for d, st, dt in compute.build_check_configs() if d == "siso_preprocess_bwd"][0]
+    small = dict(static, nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2, chunk_size=4)
+    with pytest.raises(simcheck.CheckFailed, match="mamba3.siso_preprocess_bwd"):
+        sc.check("siso_preprocess_bwd", small, dtypes, "sm_90")
 
 
 @torch.no_grad()

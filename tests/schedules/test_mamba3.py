@@ -1,7 +1,7 @@
 """Schedule rules for the Mamba-3 decode step: the CPU layout (parallel lanes, serial at decode sizes) and the
 CUDA one (a thread per lane, ``threads`` knob), compiled without a GPU; CUDA through nvcc/ptxas (0 spills). The
 chunked forward's preprocess: the SSD strategies (CPU parallel tasks, CUDA a launch per pass), and the chunk
-scan's ``diag_skip`` form on both (the CPU's strict triangle ``tri="lt"``)."""
+scan's ``diag_skip`` form on both (the CPU's strict triangle ``tri="lt"``); the preprocess backward likewise."""
 from __future__ import annotations
 
 import pytest
@@ -69,6 +69,20 @@ def test_preprocess_rules():
     assert dec.used == {"threads": 64} and script.count('thread="blockIdx.x"') == 3
 
 
+def test_preprocess_bwd_rules():
+    """The backward's three passes: three parallel loops on a CPU (init's headdim_qk lanes, the rotary pairs'
+    and the pass-through pairs' vector sweeps), three launches on CUDA."""
+    func = m3.mamba3_siso_preprocess_bwd(**dict(PRE, headdim_angles=3), qk_dtype="bfloat16")
+    sch = cpu_rule.apply(func, cpu_target(), Decisions())
+    cpu = sch.mod.script()
+    assert cpu.count("T.parallel") == 3
+    assert "T.vectorized(16)" in cpu and "T.vectorized(3)" in cpu and "T.vectorized(5)" in cpu
+    tvm.compile(sch.mod, target=cpu_target())
+    dec = Decisions({"threads": 256})
+    script = cuda_rule.apply(func, tvm.target.Target("rocm"), dec).mod.script()
+    assert dec.used == {"threads": 256} and script.count('thread="blockIdx.x"') == 3
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_preprocess_and_strict_scan_compile_without_spills():
     from tvm_mamba.compute import ssd
@@ -78,7 +92,8 @@ def test_preprocess_and_strict_scan_compile_without_spills():
     scan = ssd.ssd_chunk_scan(nheads=4, ngroups=4, headdim=8, dstate=16, chunk_size=8, has_D=True, has_z=True,
                               diag_skip=True, x_dtype="bfloat16")
     assert "T.vectorized" in cpu_ssd_script(scan)
-    for rule, func in ((cuda_rule, m3.mamba3_siso_preprocess(**PRE, qk_dtype="bfloat16")), (cuda_ssd, scan)):
+    for rule, func in ((cuda_rule, m3.mamba3_siso_preprocess(**PRE, qk_dtype="bfloat16")), (cuda_ssd, scan),
+                       (cuda_rule, m3.mamba3_siso_preprocess_bwd(**PRE, qk_dtype="bfloat16"))):
         with tgt:
             src = tvm.compile(rule.apply(func, tgt, Decisions()).mod, target=tgt).mod.imports[0].inspect_source("cuda")
         stats = ptxas_stats(src, "sm_80")

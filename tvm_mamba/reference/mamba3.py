@@ -212,3 +212,41 @@ def mamba3_siso_chunked_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=No
     if Z is not None:
         y = y * F.silu(Z)
     return (y, theta[:, -1], h, k[:, -1], V[:, -1]) if return_final_states else y
+
+
+DA_MIN = -110.0  # the SSD pieces' lowest decay step (compute/ssd/common.py DA_MIN), the preprocess's clamp
+
+
+def mamba3_siso_preprocess_ref(Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Input_States=None,
+                               chunk_size=64, dtype=torch.float64):
+    """The chunked forward's preprocess (compute/mamba3/preprocess.py) from the math, differentiable.
+    Q, K: (batch, seqlen, nheads_qk, headdim_qk); ADT, DT, Trap: (batch, nheads, seqlen); Q_bias, K_bias:
+    (nheads, headdim_qk); Angles: (batch, seqlen, nheads, headdim_angles); D: (nheads,); Input_States: (angle
+    (batch, nheads, headdim_angles), ssm (batch, nheads, headdim_v, headdim_qk), k (batch, nheads, headdim_qk),
+    v (batch, nheads, headdim_v)) -> (q, k: (batch, seqlen, nheads, headdim_qk); dA_cs, scale, skip: (batch,
+    nheads, nchunks, chunk_size); angle_out: (batch, nheads, headdim_angles); init: (batch, nheads, headdim_v,
+    headdim_qk), or None without input states), all in ``dtype``.
+
+    X, Y = Q + Q_bias, K + K_bias per head; theta a cumsum of pi tanh(Angles) DT (mod 2 pi) from the angle
+    state; q, k = R(theta) X, R(theta) Y; lam = sigmoid(Trap), gamma = DT lam, nu = DT (1 - lam);
+    dA_cs = chunk-local cumsum of clamp(ADT, DA_MIN) (slots past seqlen repeat the chunk's last value);
+    scale_s = gamma_s + nu_{s+1} (nu_seqlen = 0), skip_s = D + gamma_s X_s . Y_s (both 0 past seqlen);
+    init = ssm + nu_0 v_state k_state^T."""
+    c = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D = (c(t) for t in (Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D))
+    (batch, L, hq, _), H = Q.shape, ADT.shape[1]
+    theta0 = c(Input_States[0]) if Input_States is not None else Angles.new_zeros(batch, H, Angles.shape[-1])
+    theta = torch.remainder(theta0[:, None] + torch.cumsum(math.pi * torch.tanh(Angles) * DT.transpose(1, 2)[..., None],
+                                                           dim=1), TWO_PI)  # (batch, seqlen, nheads, headdim_angles)
+    X, Y = Q.repeat_interleave(H // hq, dim=2) + Q_bias, K.repeat_interleave(H // hq, dim=2) + K_bias
+    lam = torch.sigmoid(Trap)
+    gamma, nu = DT * lam, DT * (1 - lam)
+    scale = gamma + F.pad(nu[..., 1:], (0, 1))
+    skip = gamma * torch.einsum("blhn,blhn->bhl", X, Y) + (D[:, None] if D is not None else 0)
+    cs = torch.cumsum(_chunks(ADT.clamp(min=DA_MIN), -1, chunk_size), dim=-1)
+    init = None
+    if Input_States is not None:
+        ssm, kst, vst = (c(t) for t in Input_States[1:])
+        init = ssm + nu[..., 0, None, None] * vst[..., :, None] * kst[..., None, :]
+    return (rotate_pairs(X, theta), rotate_pairs(Y, theta), cs, _chunks(scale, -1, chunk_size),
+            _chunks(skip, -1, chunk_size), theta[:, -1] if L else theta0, init)

@@ -2,8 +2,9 @@
 ``siso_step`` through ``mamba3_siso_step``, two decode steps chained through the returned states;
 ``siso_preprocess`` through ``mamba3_siso_combined`` (the preprocess and the four SSD pieces it feeds, each
 checked to have run): batch 2, seqlen chunk_size + 3 (two chunks, the second ragged), out and final states;
-``siso_preprocess_bwd`` through the same call's backward (the forward's pieces again, the SSD pieces' backward
-and the preprocess backward), every gradient against autograd of the reference.
+``siso_preprocess_bwd``, the kernel itself against torch.autograd of ``mamba3_siso_preprocess_ref`` at the
+same sizes (every gradient it returns); ``backward_results`` runs a whole mamba3_siso_combined forward +
+backward in the harness (tests/cudasim/test_mamba3.py, at small sizes).
 The SSD configuration ``chunk_scan`` with ``diag_skip`` (compute/ssd's build-check list) is checked here too
 (``check_scan``, from simcheck/ssd.py): only the Mamba-3 forward calls it."""
 from __future__ import annotations
@@ -150,6 +151,75 @@ def check_scan(static: dict, dtypes: dict, arch: str) -> None:
     _compare_all(res, "ssd.chunk_scan", arch)
 
 
+PRE_BWD_OUTPUTS = ("dQh", "dKh", "dADT", "dDT", "dTrap", "dQb_part", "dKb_part", "dAngles", "dangle_state",
+                   "dk_state", "dv_state")
+
+
+def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int = 0) -> tuple[dict, dict]:
+    """A preprocess backward call at PreDims fields ``static`` / dtypes (qk, vstate, kstate): (kernel
+    arguments by name, in the kernel's order, gradient outputs and workspaces allocated, {output name: its
+    float64 autograd reference}). Inputs as ``combined_inputs`` (ADT of position 1 below DA_MIN: a clamped
+    step), random upstream gradients for every forward output; the dA_cs gradient G enters the kernel as
+    ddA_step + ddecay = the within-chunk reverse cumsum of G (ddecay random). The reference is
+    ``mamba3_siso_preprocess_ref`` on Q, K repeated per head (so its Q / K gradients are the kernel's per-head
+    dQh / dKh) with the batch-summed bias gradients (the kernel's dQb_part / dKb_part summed over batch)."""
+    from ..reference.mamba3 import mamba3_siso_preprocess_ref
+
+    g = torch.Generator().manual_seed(seed + 1)
+    H, HQ, N, P, A, Qc = (static[k] for k in ("nheads", "nheads_qk", "headdim_qk", "headdim_v", "headdim_angles",
+                                               "chunk_size"))
+    inp = combined_inputs(dict(static, has_D=True), dtypes, batch, seqlen, has_z=False, seed=seed)
+    inp["ADT"][..., min(1, seqlen - 1)] = -200.0
+    has_init, nc = static.get("has_init", False), -(-seqlen // Qc)
+    f32 = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    grads = dict(dq=f32(batch, seqlen, H, N), dk=f32(batch, seqlen, H, N), dscale=f32(batch, H, nc, Qc),
+                 dskip=f32(batch, H, nc, Qc), daout=f32(batch, H, A), dinit=f32(batch, H, P, N))
+    gda, ddecay = f32(batch, H, nc, Qc), f32(batch, H, nc)
+    ddA = gda.flip(-1).cumsum(-1).flip(-1) - ddecay[..., None]
+    leaves = {k: inp[k].double().requires_grad_() for k in ("ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles")}
+    Qh, Kh = (inp[k].double().repeat_interleave(H // HQ, dim=2).requires_grad_() for k in ("Q", "K"))
+    states = [s.double().requires_grad_() for s in inp["Input_States"]] if has_init else None
+    outs = mamba3_siso_preprocess_ref(Qh, Kh, **leaves, D=inp["D"], Input_States=states, chunk_size=Qc)
+    pairs = [(o, gr) for o, gr in zip(outs, (grads["dq"], grads["dk"], gda, grads["dscale"], grads["dskip"],
+                                             grads["daout"], grads["dinit"])) if o is not None]
+    wrt = [Qh, Kh, *leaves.values()] + ([states[0], states[2], states[3]] if has_init else [])
+    got = torch.autograd.grad([o for o, _ in pairs], wrt, [gr.double() for _, gr in pairs])
+    ref = dict(zip(PRE_BWD_OUTPUTS, got))
+    one = inp["Input_States"] if has_init else [None] * 4
+    placeholder = lambda t, ndim, dtype=torch.float32: t if has_init else torch.zeros((1,) * ndim, dtype=dtype)  # noqa
+    new = lambda *shape: torch.empty(*shape)  # noqa: E731
+    args = dict(Q=inp["Q"], K=inp["K"], ADT=inp["ADT"], DT=inp["DT"], Trap=inp["Trap"], Q_bias=inp["Q_bias"],
+                K_bias=inp["K_bias"], Angles=inp["Angles"], angle_state=placeholder(one[0], 3),
+                k_state=placeholder(one[2], 3, _DTYPES[dtypes.get("kstate", "float32")]),
+                v_state=placeholder(one[3], 3, _DTYPES[dtypes.get("vstate", "float32")]), dq=grads["dq"],
+                dk=grads["dk"], dscale=grads["dscale"], ddA_step=ddA, dskip=grads["dskip"], ddecay=ddecay,
+                daout=grads["daout"], dinit=placeholder(grads["dinit"], 4), dQh=new(batch, seqlen, H, N),
+                dKh=new(batch, seqlen, H, N), dADT=new(batch, H, seqlen), dDT=new(batch, H, seqlen),
+                dTrap=new(batch, H, seqlen), dQb_part=new(batch, H, N), dKb_part=new(batch, H, N),
+                dAngles=new(batch, seqlen, H, A), dangle_state=placeholder(new(batch, H, A), 3),
+                dk_state=placeholder(new(batch, H, N), 3), dv_state=placeholder(new(batch, H, P), 3),
+                gdt=new(batch, seqlen, H, A), c0=new(batch, H))
+    if not has_init:
+        ref = {k: v for k, v in ref.items() if k not in ("dangle_state", "dk_state", "dv_state")}
+    return args, ref
+
+
+def preprocess_bwd_results(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int = 0) -> dict:
+    """The preprocess backward kernel run on ``preprocess_bwd_case``'s arguments (on the CPU, or in the CUDA
+    harness inside ``tvm_mamba.simulate_cuda``): {output name: (kernel result, float64 reference)}, the bias
+    parts summed over batch."""
+    from ..compute._mamba3_dims import PreDims
+    from ..torch_ops._dlpack import kernel_for
+
+    args, ref = preprocess_bwd_case(static, dtypes, batch, seqlen, seed)
+    dims = PreDims(**static, **{f"{k}_dtype": v for k, v in dtypes.items()})
+    kernel_for(OP, "siso_preprocess_bwd", torch.device("cpu"), dims, batch=batch, seqlen=seqlen)(*args.values())
+    got = {k: args[k] for k in ref}
+    for k in ("dQb_part", "dKb_part"):
+        got[k] = got[k].sum(0)
+    return {k: (got[k], ref[k]) for k in ref}
+
+
 def _compare_all(res: dict, what: str, arch: str) -> None:
     for name, (got, want) in res.items():
         rtol, atol = tolerance(got.dtype)
@@ -158,6 +228,8 @@ def _compare_all(res: dict, what: str, arch: str) -> None:
 
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of Mamba-3 in the harness (module docstring)."""
+    import tvm_mamba
+
     if direction == "siso_preprocess":
         res, keys = combined_results(static, dtypes, arch)
         ran(keys, OP, direction, static, dtypes)
@@ -165,7 +237,9 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
         _compare_all(res, f"{OP}.{direction}", arch)
         return
     if direction == "siso_preprocess_bwd":
-        res, keys = backward_results(static, dtypes, arch)
+        with recording() as keys:
+            with tvm_mamba.simulate_cuda(arch):
+                res = preprocess_bwd_results(static, dtypes, 2, static["chunk_size"] + 3)
         ran(keys, OP, direction, static, dtypes)
         _compare_all(res, f"{OP}.{direction}", arch)
         return

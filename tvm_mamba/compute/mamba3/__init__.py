@@ -2,7 +2,8 @@
 target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules), and
 the SISO chunked forward's preprocess (preprocess.py), laid out by the SSD strategies: the chunked forward is
 that preprocess, then the SSD pieces of compute/ssd/ (bmm_chunk, chunk_state, state_passing, chunk_scan with
-``diag_skip``), chained by torch_ops/mamba3.py.
+``diag_skip``), chained by torch_ops/mamba3.py; and that preprocess's backward (preprocess_bwd.py), on the same
+strategies.
 
     h' = exp(ADT) h + exp(ADT) DT (1 - sigmoid(Trap)) v_state k_state^T + DT sigmoid(Trap) V k^T;
     out = (h' q + D V) * silu(Z),   q, k = rotary(theta') (Q + Q_bias), rotary(theta') (K + K_bias)
@@ -23,15 +24,19 @@ from ..selective_scan._layout import Layout
 from ..ssd.strategy import SERIAL
 from ._dims import IO_DTYPES, PreDims, StepDims, acc_dtype
 from .preprocess import preprocess_template
+from .preprocess_bwd import preprocess_bwd_template
 from .step import step_template
 
 __all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "PreDims", "StepDims", "acc_dtype", "build", "build_check_configs",
-           "tuning_configs", "derived_dims", "mamba3_siso_step", "mamba3_siso_preprocess"]
+           "tuning_configs", "derived_dims", "mamba3_siso_step", "mamba3_siso_preprocess",
+           "mamba3_siso_preprocess_bwd", "PREPROCESS"]
 
 # direction -> typed static dims / template(dims, layout): the step takes a selective-scan Layout, the
 # preprocess an SSD Strategy (the rules pick each direction's)
-DIMS = {"siso_step": StepDims, "siso_preprocess": PreDims}
-TEMPLATES = {"siso_step": step_template, "siso_preprocess": preprocess_template}
+DIMS = {"siso_step": StepDims, "siso_preprocess": PreDims, "siso_preprocess_bwd": PreDims}
+TEMPLATES = {"siso_step": step_template, "siso_preprocess": preprocess_template,
+             "siso_preprocess_bwd": preprocess_bwd_template}
+PREPROCESS = ("siso_preprocess", "siso_preprocess_bwd")  # the directions laid out by the SSD strategies
 
 
 def build(direction: str, dims, layout: Layout) -> tirx.PrimFunc:
@@ -65,6 +70,23 @@ def mamba3_siso_preprocess(dims: PreDims | None = None, /, **kwargs) -> tirx.Pri
     return build("siso_preprocess", d, SERIAL)
 
 
+def mamba3_siso_preprocess_bwd(dims: PreDims | None = None, /, **kwargs) -> tirx.PrimFunc:
+    """The preprocess's backward (preprocess_bwd.py has the math). Inputs as the forward's, less D and the ssm
+    state: Q, K (batch, seqlen, nheads_qk, headdim_qk); ADT, DT, Trap (batch, nheads, seqlen) f32; Q_bias, K_bias
+    (nheads, headdim_qk) f32; Angles (batch, seqlen, nheads, headdim_angles) f32; angle_state, k_state,
+    v_state; gradients of the forward's outputs dq, dk (batch, seqlen, nheads, headdim_qk), dscale, ddA_step,
+    dskip (batch, nheads, nchunks, chunk_size), ddecay (batch, nheads, nchunks), daout (batch, nheads,
+    headdim_angles), dinit (batch, nheads, headdim_v, headdim_qk) -> dQh, dKh (batch, seqlen, nheads,
+    headdim_qk) per head; dADT, dDT, dTrap (batch, nheads, seqlen); dQb_part, dKb_part (batch, nheads,
+    headdim_qk); dAngles (batch, seqlen, nheads, headdim_angles); dangle_state, dk_state, dv_state; workspaces
+    gdt (batch, seqlen, nheads, headdim_angles), c0 (batch, nheads); all float32 (states and their gradients:
+    placeholders without has_init). ``dims``: a PreDims, or its fields as keywords."""
+    if dims is not None and kwargs:
+        raise TypeError(f"mamba3_siso_preprocess_bwd: pass dims or keyword dims, not both ({sorted(kwargs)})")
+    d = dims if dims is not None else PreDims(**kwargs)
+    return build("siso_preprocess_bwd", d, SERIAL)
+
+
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: upstream's
     tuned SISO shape (nheads_qk 1, 32 heads, headdim_qk 128, headdim_v 64) at rope_fraction 0.5 (32 angles)
@@ -73,7 +95,7 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads. The chunked forward's preprocess at the same
     shape, chunk 64: bf16 with D and input states (a float32 K state, what the forward itself returns), and
     fp32 without (GQA, full rotary); its SSD pieces are compute/ssd's (the chunk scan with ``diag_skip`` in
-    that list)."""
+    that list). The preprocess's backward at the forward's two configurations."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
     bf16 = {"qk": "bfloat16", "v": "bfloat16"}
     pre = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
@@ -83,6 +105,9 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             ("siso_step", dict(base, nheads_qk=2, headdim_angles=64), {"qk": "float32", "v": "float32"}),
             ("siso_preprocess", dict(pre, has_D=True, has_init=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
             ("siso_preprocess", dict(pre, nheads_qk=2, headdim_angles=64, has_D=False, has_init=False),
+             {"qk": "float32", "vstate": "float32"}),
+            ("siso_preprocess_bwd", dict(pre, has_D=True, has_init=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
+            ("siso_preprocess_bwd", dict(pre, nheads_qk=2, headdim_angles=64, has_D=False, has_init=False),
              {"qk": "float32", "vstate": "float32"})]
 
 
@@ -105,7 +130,8 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
 
 def derived_dims(direction: str, dims: dict, static: dict) -> dict:
     """Dynamic dims that follow from the others (for tuning and roofline inputs): the preprocess's
-    nchunks = ceil(seqlen / chunk_size), as torch_ops/mamba3.py allocates its per-chunk outputs."""
-    if direction != "siso_preprocess" or "seqlen" not in dims:
+    nchunks = ceil(seqlen / chunk_size) (forward and backward), as torch_ops/mamba3.py allocates its per-chunk
+    tensors."""
+    if direction not in PREPROCESS or "seqlen" not in dims:
         return {}
     return {"nchunks": -(-dims["seqlen"] // static["chunk_size"])}

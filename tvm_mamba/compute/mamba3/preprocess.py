@@ -44,10 +44,6 @@ def _rotate_macro(d: PreDims, S: Strategy):
     so the CPU's pair loop stays one vector loop."""
     H, HPQ, NP, A, m = d.nheads, d.heads_per_qk, d.headdim_qk // 2, d.headdim_angles, S.math
     V = S.lanes(NP)
-    PI, TWO_PI = m.const(math.pi), m.const(2.0 * math.pi)
-
-    def wrap(x):  # x mod 2 pi, in [0, 2 pi)
-        return x - TWO_PI * T.floor(x / TWO_PI)
 
     @T.macro
     def pairs(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seqlen):
@@ -62,8 +58,8 @@ def _rotate_macro(d: PreDims, S: Strategy):
                     w.th[v] = ast[b, h, pb * V + v]
         for t in range(seqlen):
             for v in S.lane_loop(V):
-                w.th[v] = T.Select(pb * V + v < A, wrap(
-                    w.th[v] + m.tanh(Ang[b, t, h, T.min(pb * V + v, A - 1)]) * PI * DT[b, h, t]), m.zero)
+                w.th[v] = T.Select(pb * V + v < A, angle_step(
+                    w.th[v], m.tanh(Ang[b, t, h, T.min(pb * V + v, A - 1)]), DT[b, h, t], m), m.zero)
                 w.cs[v] = T.cos(w.th[v])
                 w.sn[v] = T.sin(w.th[v])
                 _rotate(q, Qm, Qb, w, b, t, h, hq, pb * V + v, v, m)
@@ -75,18 +71,35 @@ def _rotate_macro(d: PreDims, S: Strategy):
     return pairs
 
 
+def angle_step(theta, tanh_angle, dt, m):
+    """(theta + pi tanh(Angles) DT) mod 2 pi, in [0, 2 pi): one step of the angle cumsum (``tanh_angle``: the
+    rate's tanh, already taken; the backward needs it again)."""
+    TWO_PI = m.const(2.0 * math.pi)
+    x = theta + tanh_angle * m.const(math.pi) * dt
+    return x - TWO_PI * T.floor(x / TWO_PI)
+
+
+def biased_pair(X, Xb, b, t, h, hq, p, m):
+    """(x0, x1): rotary pair p of X[b, t, hq] + Xb[h] in float32 (the per-head biased Q or K, unrotated)."""
+    return (m.cast(X[b, t, hq, 2 * p]) + Xb[h, 2 * p], m.cast(X[b, t, hq, 2 * p + 1]) + Xb[h, 2 * p + 1])
+
+
+def rotated(x0, x1, cs, sn):
+    """R(theta) (x0, x1) with cos / sin of theta (pass -sin for R(theta)^T)."""
+    return x0 * cs - x1 * sn, x0 * sn + x1 * cs
+
+
 def _rotate(out, X, Xb, w, b, t, h, hq, p, v, m):
     """out[b, t, h, pair p] = R(theta) (X[b, t, hq, pair p] + Xb[h, pair p]), cos / sin in w.cs / w.sn[v]."""
-    x0 = m.cast(X[b, t, hq, 2 * p]) + Xb[h, 2 * p]
-    x1 = m.cast(X[b, t, hq, 2 * p + 1]) + Xb[h, 2 * p + 1]
-    T.buffer_store(out, x0 * w.cs[v] - x1 * w.sn[v], [b, t, h, 2 * p])
-    T.buffer_store(out, x0 * w.sn[v] + x1 * w.cs[v], [b, t, h, 2 * p + 1])
+    r0, r1 = rotated(*biased_pair(X, Xb, b, t, h, hq, p, m), w.cs[v], w.sn[v])
+    T.buffer_store(out, r0, [b, t, h, 2 * p])
+    T.buffer_store(out, r1, [b, t, h, 2 * p + 1])
 
 
 def _chunk_macro(d: PreDims, S: Strategy):
     """Pass 2, task (b, h, c): dA_cs, scale and skip of the chunk's positions."""
     H, HPQ, N, Q, m = d.nheads, d.heads_per_qk, d.headdim_qk, d.chunk_size, S.math
-    dot = _dot_macro(N, S)
+    dot = dot_macro(N, S)
 
     @T.macro
     def chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seqlen, nchunks):
@@ -100,8 +113,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
                 r[2] = m.zero
                 if c * Q + l + 1 < seqlen:
                     r[2] = DT[b, h, c * Q + l + 1] * (m.one - m.sigmoid(Trap[b, h, c * Q + l + 1]))
-                dot(r, 3, lambda n: (m.cast(Qm[b, c * Q + l, h // HPQ, n]) + Qb[h, n]) * (
-                    m.cast(Km[b, c * Q + l, h // HPQ, n]) + Kb[h, n]))
+                dot(r, 3, qk_dot_term(Qm, Km, Qb, Kb, b, c * Q + l, h // HPQ, h, m))
                 scale[b, h, c, l] = r[1] + r[2]
                 skip[b, h, c, l] = (Dv[h] if d.has_D else m.zero) + r[1] * r[3]
             else:
@@ -112,7 +124,13 @@ def _chunk_macro(d: PreDims, S: Strategy):
     return chunk
 
 
-def _dot_macro(N: int, S: Strategy):
+def qk_dot_term(Qm, Km, Qb, Kb, b, s, hq, h, m):
+    """n -> (Q[b, s, hq, n] + Q_bias[h, n]) (K[b, s, hq, n] + K_bias[h, n]): the terms of the unrotated diagonal
+    dot X_s . Y_s (for ``dot_macro``)."""
+    return lambda n: (m.cast(Qm[b, s, hq, n]) + Qb[h, n]) * (m.cast(Km[b, s, hq, n]) + Kb[h, n])
+
+
+def dot_macro(N: int, S: Strategy):
     """A macro ``dot(r, slot, term)``: r[slot] = sum_n term(n) over n < N. A thread's serial sum where the
     strategy has no vector lanes (CUDA); on a CPU ``VW`` vector partial sums (lane vi sums n = vi mod VW, an
     explicit per-lane accumulator), then their sum: the serial scalar chain cost 40 of the kernel's 110 ms at
