@@ -19,6 +19,7 @@ float64 kernel and needs every tensor float64.
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Optional
 
@@ -310,7 +311,7 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
     r.dADT, r.dDT, r.dTrap = (torch.empty_like(ADT) for _ in range(3))
     r.dangle, r.dkst, r.dvst = ((c.new(b, H, S), c.new(b, H, c.N), c.new(b, H, c.P)) if c.has_init
                                 else (None, None, None))
-    c.kernel("siso_preprocess_bwd", c.pre, OP)(
+    c.kernel("siso_preprocess_bwd", dataclasses.replace(c.pre, has_D=False), OP)(  # D is not read: one kernel
         prepare(Q), prepare(K), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias), prepare(K_bias),
         prepare(Angles), c.opt(angle_state, 3), c.opt(k_state, 3), c.opt(v_state, 3), g.dq, g.dk, g.dscale, g.ddA,
         g.dskip, g.ddecay, prepare(daout) if daout is not None else torch.zeros(b, H, S, device=c.dev),
