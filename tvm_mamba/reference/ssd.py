@@ -180,7 +180,6 @@ def ssd_chunk_scan_strict_ref(x, B, C, dt, dA_step, D, states_in, z=None):
     Computed in x's dtype; differentiable by autograd (run it in float64 for the kernels' gradients).
     """
     batch, seqlen, nheads, headdim = x.shape
-    ngroups = B.shape[2]
     nchunks, Q = dt.shape[2], dt.shape[3]
     pad = nchunks * Q - seqlen
 
