@@ -294,24 +294,25 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
                   lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
         o.ddt_out[b, h, c, q] = v.acc[0]
 
+    J, K = (Q, P) if d.diag_skip else (P, Q)  # dD per position: a task per l summing over p; else the reverse
+
+    def dd_term(r, b, c, h, j, k):  # g[l, p] x[l, p] of task j, term k
+        l, p = (j, k) if d.diag_skip else (k, j)
+        return r.g(b, c, l, h, p) * r.x(b, c, l, h, p)
+
+    def dd_index(b, c, h, j):  # D's layout per position, else (batch, chunk, head, p)
+        return (b, h, c, j) if d.diag_skip else (b, c, h, j)
+
     @T.macro
     def dd_at(o, r, i):
-        """dD partial[p] = sum_l g[l, p] x[l, p], a task per (batch, chunk, head, p)"""
+        """dD partial[p] = sum_l g[l, p] x[l, p], a task per (batch, chunk, head, p); with diag_skip (D per
+        position) dD[l] = sum_p g[l, p] x[l, p], a task per (batch, chunk, head, l), stored in D's layout"""
         v = T.meta_var(S.scratch(acc=(1,)))
-        b, c, h, p = T.meta_var(_bchq(o, i, H, P))
-        _sum(v.acc, 0, 0, Q, lambda l: r.g(b, c, l, h, p) * r.x(b, c, l, h, p))
-        o.dD_part[b, c, h, p] = v.acc[0]
-
-    @T.macro
-    def dd_pos_at(o, r, i):
-        """diag_skip: dD[l] = sum_p g[l, p] x[l, p] (D per position), a task per (batch, chunk, head, l)"""
-        v = T.meta_var(S.scratch(acc=(1,)))
-        b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        _sum(v.acc, 0, 0, P, lambda p: r.g(b, c, q, h, p) * r.x(b, c, q, h, p))
-        o.dD_part[b, h, c, q] = v.acc[0]
+        b, c, h, j = T.meta_var(_bchq(o, i, H, J))
+        _sum(v.acc, 0, 0, K, lambda k: dd_term(r, b, c, h, j, k))
+        o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
 
     steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731
-    dd = _launch(S, dd_pos_at, steps) if d.diag_skip else _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * P)
     return (_launch(S, xb_at, steps), _launch(S, carried_at, steps),
             _launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), _launch(S, pairs_at, steps),
-            _launch(S, ddt_at, steps), dd)
+            _launch(S, ddt_at, steps), _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * J))
