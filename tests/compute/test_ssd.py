@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from tvm_mamba.compute import ssd
+from tests.conftest import assert_close_to_ref
+from tvm_mamba.compute import _ssd_dims, ssd
 from tvm_mamba.reference.ssd import process_dt, ssd_recurrence_ref
 from tvm_mamba.runtime import KernelKey, build_and_load, target_for_device, target_key
 
@@ -66,8 +67,12 @@ def test_dims_keep_the_keys():
         ssd.DIMS["chunk_scan"](nheads=2, ngroups=1, headdim=4, dstate=8, chunk_size=8, state_dtype="int8")
     scan = dict(nheads=2, ngroups=1, headdim=4, dstate=8, chunk_size=8)  # diag_skip (Mamba-3): off = no key field
     assert "diag_skip" not in ssd.DIMS["chunk_scan"](**scan).key_parts()[0]
-    with pytest.raises(ValueError, match="diag_skip"):
-        ssd.DIMS["chunk_scan"](**scan, diag_skip=True)  # needs has_D: D is the per-position skip
+    for direction in ("chunk_scan", "chunk_scan_bwd"):  # the backward shares the flag and its check
+        assert "diag_skip" not in ssd.DIMS[direction](**scan).key_parts()[0]
+        with pytest.raises(ValueError, match="diag_skip"):
+            ssd.DIMS[direction](**scan, diag_skip=True)  # needs has_D: D is the per-position skip
+        with pytest.raises(ValueError, match="diag_skip"):
+            ssd.DIMS[direction](**scan, has_D=True, D_has_hdim=True, diag_skip=True)
 
 
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
@@ -145,3 +150,31 @@ def test_chunk_state_and_state_passing_give_the_recurrence_states():
                                          initial_states=d[4], return_final_states=True)
         got = states_in[:, c] if c < nc else final
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=f"chunk {c}")
+
+
+@pytest.mark.parametrize("x_dtype, has_z, ngroups", [("float32", True, H), ("bfloat16", True, H), ("float32", False, 1)])
+def test_chunk_scan_bwd_diag_skip(x_dtype, has_z, ngroups, monkeypatch):
+    """ssd_chunk_scan_bwd with diag_skip (Mamba-3): strict causal sums, D and dD per position. Every gradient
+    (dx, dB, dC, d dt, d dA_step, dD) against autograd of the float64 strict chunk scan (reference/ssd.py) on
+    L = <dy, y> + <dSo, S_out>: batch 2, 21 positions in 3 chunks of 8 (the last ragged). ngroups 1 < nheads:
+    the dB / dC sums over 2 parts of one head and over 1 part of both heads (head_parts' task target 64 / 1).
+    bf16 x: dx within mamba_ssm's rule (2 x the bf16 reference's drift + atol), the f32 outputs as fp32 (the
+    inputs are exact in both)."""
+    from tvm_mamba.compute._ssd_dims import ScanBwdDims
+    from tvm_mamba.simcheck import ssd as sc
+
+    dims = ScanBwdDims(nheads=H, ngroups=ngroups, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=has_z,
+                       diag_skip=True, x_dtype=x_dtype)
+    t = sc.scan_bwd_inputs(dims, 2, 21)
+    ref = sc.scan_bwd_reference(t)
+    low = sc.scan_bwd_reference(t, torch.bfloat16)["dx"] if x_dtype == "bfloat16" else None
+    for tasks in ((64, 1) if ngroups < H else (64,)):
+        monkeypatch.setattr(_ssd_dims, "HEAD_PART_TASKS", tasks)
+        got = sc.scan_bwd_run(dims, t)
+        assert got["dx"].dtype == getattr(torch, x_dtype) and got["dD"].shape == t["D"].shape
+        for name, r in ref.items():
+            scale = max(r.abs().max().item(), 1.0)
+            if name == "dx" and low is not None:
+                assert_close_to_ref(got[name], r, low, name=name)
+            else:
+                assert_close_to_ref(got[name], r, atol=2e-5 * scale, rtol=1e-4, name=f"{name} (tasks {tasks})")

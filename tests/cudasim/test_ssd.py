@@ -219,6 +219,28 @@ def test_simcheck_small_config():
     simcheck.check("chunk_scan", static, {"x": "float32", "bc": "float32"}, "sm_90")
 
 
+def test_chunk_scan_bwd_diag_skip(sim, monkeypatch):
+    """Mamba-3's chunk-scan backward (diag_skip: strict causal sums, D / dD per position), the CUDA kernel
+    called directly: fp32, batch 2, 37 positions (3 chunks, the last ragged), 2 heads per group summed in one
+    dB / dC part and in two; every gradient against autograd of the float64 strict chunk scan."""
+    dims = _ssd_dims.ScanBwdDims(nheads=4, ngroups=2, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=True,
+                                 diag_skip=True)
+    t = simcheck.scan_bwd_inputs(dims, BATCH, SEQLEN)
+    ref = simcheck.scan_bwd_reference(t)
+    for tasks in (64, 1):
+        monkeypatch.setattr(_ssd_dims, "HEAD_PART_TASKS", tasks)
+        _assert_fp32(simcheck.scan_bwd_run(dims, t), ref)
+    assert _directions(sim) == {"chunk_scan_bwd"}
+
+
+def test_simcheck_chunk_scan_bwd_diag_skip_config():
+    """simcheck.ssd.check on a small diag_skip backward configuration (bf16 x, f32 B / C): its kernel ran in
+    the harness, every gradient within tolerance."""
+    static = dict(nheads=4, ngroups=4, headdim=P, dstate=N, chunk_size=Q, has_D=True, D_has_hdim=False,
+                  has_z=False, has_seq_idx=False, diag_skip=True)
+    simcheck.check("chunk_scan_bwd", static, {"x": "bfloat16", "bc": "float32"}, "sm_90")
+
+
 # varlen states (cu_seqlens + return_varlen_states, batch 1) and state_dtype: 3 chunks of 16 over 37 positions;
 # sequence 0 ends in chunk 0 (holds initial_states), 1 spans chunks 0-1, 2 is empty, 3 starts inside chunk 1 and
 # ends at its last position, 4 starts at a chunk start (ragged)

@@ -91,22 +91,13 @@ class DstatesDims(StateDims):
 
 @dataclass(frozen=True)
 class ScanBwdDims(StateDims):
-    """ssd_chunk_scan_bwd: the skip (D) and gate (z) flags."""
+    """ssd_chunk_scan_bwd: the skip (D) and gate (z) flags. diag_skip (Mamba-3's chunked forward, and its
+    backward): the causal sum runs strictly below the diagonal (s < l) and D is a per-position skip coefficient
+    in dt_out's layout (batch, nheads, nchunks, chunk_size): the diagonal term (gamma_l q_l . k_l) and D folded
+    into one, y_l gets skip_l x_l. Left out of the key at its default (keys of the other kernels unchanged)."""
     has_D: bool = False
     D_has_hdim: bool = False
     has_z: bool = False
-
-
-@dataclass(frozen=True)
-class ScanDims(ScanBwdDims):
-    """ssd_chunk_scan: ScanBwdDims' fields, state_dtype (the stored chunk states' dtype; the backward reads
-    float32 ones) and has_init: whether initial states were given. Without them the state entering chunk 0 is
-    zero and its C . Sin product is skipped (half of the kernel's work when the sequence is one chunk).
-    diag_skip (Mamba-3's chunked forward): the causal sum runs strictly below the diagonal (s < l) and D is a
-    per-position skip coefficient in dt_out's layout (batch, nheads, nchunks, chunk_size): the diagonal term
-    (gamma_l q_l . k_l) and D folded into one, y_l gets skip_l x_l."""
-    state_dtype: str = field(default=F32, metadata=OMIT_DEFAULT)
-    has_init: bool = field(default=False, metadata=OMIT_DEFAULT)
     diag_skip: bool = field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self):
@@ -114,6 +105,16 @@ class ScanDims(ScanBwdDims):
         if self.diag_skip and not (self.has_D and not self.D_has_hdim):
             raise ValueError("diag_skip: needs has_D (D is the (batch, nheads, nchunks, chunk_size) per-position "
                              "skip) and not D_has_hdim")
+
+
+@dataclass(frozen=True)
+class ScanDims(ScanBwdDims):
+    """ssd_chunk_scan: ScanBwdDims' fields (diag_skip among them), state_dtype (the stored chunk states' dtype;
+    the backward reads float32 ones) and has_init: whether initial states were given. Without them the state
+    entering chunk 0 is zero and its C . Sin product is skipped (half of the kernel's work when the sequence is
+    one chunk)."""
+    state_dtype: str = field(default=F32, metadata=OMIT_DEFAULT)
+    has_init: bool = field(default=False, metadata=OMIT_DEFAULT)
 
 
 @dataclass(frozen=True)

@@ -163,3 +163,41 @@ def ssd_varlen_states_ref(x, dt, A, B, C, chunk_size, cu_seqlens, dt_bias=None, 
             _, h = ssd_recurrence_ref(x[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], **kw)
         out[i] = h[0]
     return out
+
+
+def ssd_chunk_scan_strict_ref(x, B, C, dt, dA_step, D, states_in, z=None):
+    """Mamba-3's chunk scan (ssd_chunk_scan / ssd_chunk_scan_bwd with ``diag_skip``) from the math, chunk by
+    chunk, in the kernels' chunk layout: x, z: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups,
+    dstate); dt, dA_step, D: (batch, nheads, nchunks, chunk_size) (dt', the decay steps dt' A and the
+    per-position skip; dt' and the steps are 0 past seqlen); states_in: (batch, nchunks, nheads, headdim,
+    dstate) (the state entering each chunk)
+    -> y: (batch, seqlen, nheads, headdim); states: (batch, nchunks, nheads, headdim, dstate) (each chunk's own
+    state at its end, ssd_chunk_state's S_c).
+
+    With cs the cumsum of the steps within the chunk (cs[l] = sum_{s<=l} dA_step[s]):
+    y0[l] = sum_{s<l} (C_l.B_s) exp(cs[l]-cs[s]) dt[s] x[s] + exp(cs[l]) C_l Sin + D[l] x[l],  y = y0 silu(z);
+    S_c = sum_s exp(cs[Q-1]-cs[s]) dt[s] x_s B_s^T. The sum is strict (s < l): the diagonal is D's.
+    Computed in x's dtype; differentiable by autograd (run it in float64 for the kernels' gradients).
+    """
+    batch, seqlen, nheads, headdim = x.shape
+    nchunks, Q = dt.shape[2], dt.shape[3]
+    pad = nchunks * Q - seqlen
+
+    def chunks(t):  # (b, seqlen, g, n) -> (b, c, l, h, n) per head, zero past seqlen
+        t = F.pad(t.repeat_interleave(nheads // t.shape[2], dim=2), (0, 0, 0, 0, 0, pad))
+        return t.reshape(batch, nchunks, Q, nheads, t.shape[-1])
+
+    xc, Bc, Cc = chunks(x), chunks(B.to(x.dtype)), chunks(C.to(x.dtype))
+    cs = torch.cumsum(dA_step, dim=-1)  # (b, h, c, l)
+    strict = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril(-1)  # [l, s]: s < l
+    seg = (cs[..., :, None] - cs[..., None, :]).masked_fill(~strict, -math.inf)
+    w = torch.exp(seg) * dt[..., None, :]  # (b, h, c, l, s)
+    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, w, xc)
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, states_in.to(x.dtype), torch.exp(cs))
+    y = y + D.permute(0, 2, 3, 1)[..., None] * xc
+    y = y.reshape(batch, nchunks * Q, nheads, headdim)[:, :seqlen]
+    if z is not None:
+        y = y * F.silu(z)
+    decay = torch.exp(cs[..., -1:] - cs) * dt  # (b, h, c, s)
+    states = torch.einsum("bhcs,bcshp,bcshn->bchpn", decay, xc, Bc)
+    return y, states

@@ -193,7 +193,10 @@ def run_simulated(case: Case, t: dict, arch: str) -> tuple[dict, list]:
 
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of ssd through the harness (see the module docstring); the chunk scan
-    with ``diag_skip`` runs through Mamba-3's chunked forward (simcheck/mamba3.py), its only caller."""
+    with ``diag_skip`` runs through Mamba-3's chunked forward (simcheck/mamba3.py), its only caller, and its
+    backward kernel is called directly (:func:`check_scan_bwd`)."""
+    if static.get("diag_skip") and direction == "chunk_scan_bwd":
+        return check_scan_bwd(static, dtypes, arch)
     if static.get("diag_skip"):
         from .mamba3 import check_scan
 
@@ -203,3 +206,82 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     got, keys = run_simulated(case, t, arch)
     ran(keys, OP, direction, static, dtypes)
     compare_all(got, reference(case, t), case.state_dtype)
+
+
+# Mamba-3's chunk-scan backward (ssd_chunk_scan_bwd with diag_skip), its kernel called directly as
+# torch_ops/ssd.py's ssd_bwd calls the Mamba-2 one, against autograd of the float64 strict chunk scan
+# (reference/ssd.py ssd_chunk_scan_strict_ref). Also the CPU kernel's test (tests/compute/test_ssd.py).
+SCAN_BWD_GRADS = ("x", "B", "C", "dt", "dA_step", "D")  # the leaves whose gradients the kernel computes
+
+
+def scan_bwd_inputs(dims, batch: int, seqlen: int, seed: int = 0) -> dict:
+    """Inputs of ssd_chunk_scan_bwd with diag_skip at ScanBwdDims ``dims``: x, z, dy (batch, seqlen, nheads,
+    headdim) in x_dtype (z None without has_z); B, C (batch, seqlen, ngroups, dstate) in bc_dtype; dt, dA_step
+    (dt' times an A in [-1.5, -0.5)), D: (batch, nheads, nchunks, chunk_size) f32, dt and the steps 0 past
+    seqlen; Sin, dSo (the state entering each chunk and the gradient of the one leaving it): (batch, nchunks,
+    nheads, headdim, dstate) f32."""
+    g = torch.Generator().manual_seed(seed)
+    H, G, P, N, Q = dims.nheads, dims.ngroups, dims.headdim, dims.dstate, dims.chunk_size
+    nc = -(-seqlen // Q)
+    xd, bcd = DTYPES[dims.x_dtype], DTYPES[dims.bc_dtype]
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    live = (torch.arange(nc * Q) < seqlen).float().view(nc, Q)
+    dt = torch.nn.functional.softplus(r(batch, H, nc, Q)) * 0.5 * live
+    A = -(torch.rand(H, generator=g) + 0.5)
+    return dict(x=r(batch, seqlen, H, P).to(xd), z=r(batch, seqlen, H, P).to(xd) if dims.has_z else None,
+                dy=r(batch, seqlen, H, P).to(xd), B=(0.5 * r(batch, seqlen, G, N)).to(bcd),
+                C=(0.5 * r(batch, seqlen, G, N)).to(bcd), dt=dt, dA_step=dt * A[:, None, None], D=r(batch, H, nc, Q),
+                Sin=0.5 * r(batch, nc, H, P, N), dSo=0.5 * r(batch, nc, H, P, N))
+
+
+def scan_bwd_run(dims, t: dict) -> dict:
+    """ssd_chunk_scan_bwd on ``t`` (the CPU kernel, or the CUDA one inside simulate_cuda) -> {"dx", "dB", "dC",
+    "ddt", "ddA_step", "dD"}: dB / dC its per-part partials summed over each group's parts, dD per position."""
+    from ..compute._ssd_dims import head_parts
+    from ..torch_ops._dlpack import dummy, kernel_for, prepare
+
+    x, B, C = t["x"], t["B"], t["C"]
+    b, L, H, P = x.shape
+    G, N, nc, Q = B.shape[2], B.shape[3], t["dt"].shape[2], t["dt"].shape[3]
+    Bp, Cp = (torch.nn.functional.pad(v.double(), (0, 0, 0, 0, 0, nc * Q - L)).view(b, nc, Q, G, N) for v in (B, C))
+    cb = torch.einsum("bclgn,bcsgn->bcgls", Cp, Bp).float()  # ssd_bmm_chunk's C_l . B_s
+    dA_cs = torch.cumsum(t["dA_step"].double(), -1).float()
+    parts = head_parts(b, nc, H, G)
+    dx = torch.empty_like(x)
+    dBp, dCp = (torch.empty(b, L, G * parts, N) for _ in range(2))
+    ddt, ddA, dD = (torch.empty(b, H, nc, Q) for _ in range(3))
+    z = prepare(t["z"]) if t["z"] is not None else dummy(x.device, x.dtype, 4)
+    kern = kernel_for("ssd", "chunk_scan_bwd", x.device, dims, batch=b, seqlen=L)
+    kern(prepare(x), z, prepare(t["dy"]), prepare(B), prepare(C), cb, t["dt"], dA_cs, t["Sin"], t["dSo"], t["D"],
+         dummy(x.device, torch.int32, 2), dx, dBp, dCp, ddt, ddA, dD, torch.empty(b, nc, G * parts, Q, Q))
+    return dict(dx=dx, dB=dBp.view(b, L, G, parts, N).sum(3), dC=dCp.view(b, L, G, parts, N).sum(3), ddt=ddt,
+                ddA_step=ddA, dD=dD)
+
+
+def scan_bwd_reference(t: dict, dtype=torch.float64) -> dict:
+    """The gradients :func:`scan_bwd_run` returns, by autograd of L = <dy, y> + <dSo, S> through
+    ssd_chunk_scan_strict_ref run in ``dtype`` (float64: the oracle; bf16: its drift, mamba_ssm's rule)."""
+    from ..reference.ssd import ssd_chunk_scan_strict_ref
+
+    leaves = {k: t[k].detach().to(dtype).requires_grad_() for k in SCAN_BWD_GRADS}
+    z = t["z"].to(dtype) if t["z"] is not None else None
+    y, states = ssd_chunk_scan_strict_ref(**leaves, states_in=t["Sin"].to(dtype), z=z)
+    loss = (y.double() * t["dy"].double()).sum() + (states.double() * t["dSo"].double()).sum()
+    loss.backward()
+    g = {k: v.grad for k, v in leaves.items()}
+    return dict(dx=g["x"], dB=g["B"], dC=g["C"], ddt=g["dt"], ddA_step=g["dA_step"], dD=g["D"])
+
+
+def check_scan_bwd(static: dict, dtypes: dict, arch: str) -> None:
+    """The ssd_chunk_scan_bwd configuration with diag_skip: batch 1, two chunks (the second ragged, 3 long)."""
+    from ..compute._ssd_dims import ScanBwdDims
+    import tvm_mamba
+
+    dims = ScanBwdDims.from_key(static, dtypes)
+    t = scan_bwd_inputs(dims, 1, dims.chunk_size + 3)
+    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+        got = scan_bwd_run(dims, t)
+    ran(keys, OP, "chunk_scan_bwd", static, dtypes)
+    for name, r in scan_bwd_reference(t).items():
+        rtol, atol = tolerance(got[name].dtype)
+        compare(f"ssd.chunk_scan_bwd {arch}: {name}", got[name], r, rtol, atol * max(1.0, r.abs().max().item()))

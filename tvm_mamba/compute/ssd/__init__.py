@@ -124,7 +124,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     activations, with every optional input on (D per head, z, dt_bias, softplus, dt_limit, initial and
     final states, seq_idx) and, for the 2.7B shape, the plain variant too; then the varlen-states kernel
     (with seq_idx; without, from bf16 chunk states), the kernels that store / read bf16 chunk states, and
-    Mamba-3's chunk scan (``diag_skip``; sim-check runs it through mamba3_siso_combined)."""
+    Mamba-3's chunk scan (``diag_skip``; sim-check runs it through mamba3_siso_combined) and its backward
+    (sim-check calls the kernel directly, simcheck/ssd.py ``check_scan_bwd``)."""
     out = []
     dts = {"x": "bfloat16", "bc": "bfloat16"}
     for dstate, flag_sets in ((128, (False, True)), (256, (True,))):
@@ -155,4 +156,7 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     m3 = dict(nheads=32, ngroups=32, headdim=64, dstate=128, chunk_size=64, has_D=True, D_has_hdim=False,
               has_z=True, has_seq_idx=False, diag_skip=True)
     out.append(("chunk_scan", dict(m3, has_init=True), {"x": "bfloat16", "bc": "float32"}))
+    # and its backward (the strict causal sums, per-position dD): bf16 V with z, fp32 without
+    out += [("chunk_scan_bwd", m3, {"x": "bfloat16", "bc": "float32"}),
+            ("chunk_scan_bwd", dict(m3, has_z=False), {"x": "float32", "bc": "float32"})]
     return out

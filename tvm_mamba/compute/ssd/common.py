@@ -129,3 +129,26 @@ def skip(Dm, h, p, v, has_D, D_has_hdim):
     if not has_D:
         return c32(0.0)
     return (Dm[h, p] if D_has_hdim else Dm[h]) * v
+
+
+def d_shape(d, batch, nchunks):
+    """D's buffer shape (chunk_scan and its backward): (nheads,) per head, (nheads, headdim) per channel,
+    (batch, nheads, nchunks, chunk_size) per position with ``diag_skip`` (dt_out's layout), or a (1,)
+    placeholder without D."""
+    if d.diag_skip:
+        return (batch, d.nheads, nchunks, d.chunk_size)
+    return ((d.nheads, d.headdim) if d.D_has_hdim else (d.nheads,)) if d.has_D else (1,)
+
+
+def skip_at(d, Dm, b, h, c, l, p, v):
+    """The skip term of value v at chunk position l (batch b, head h, chunk c, channel p): D[b, h, c, l] v with
+    ``diag_skip`` (per position), else ``skip`` (per head or channel; 0 without D)."""
+    if d.diag_skip:
+        return Dm[b, h, c, l] * v
+    return skip(Dm, h, p, v, d.has_D, d.D_has_hdim)
+
+
+def causal(d, l, s):
+    """Whether pair (l, s) of a chunk is in the intra-chunk causal sum: s <= l, s < l with ``diag_skip`` (the
+    diagonal term is the per-position skip)."""
+    return s < l if d.diag_skip else s <= l

@@ -48,7 +48,7 @@ def lower_cols(l, width: int, vb: int):
     return T.min((l // vb + 1) * vb, width)
 
 
-TRI = (None, "le", "lt", "ge")  # no mask; row i sums k <= i (klo .. hi); k < i (klo .. hi); k >= i (lo .. khi)
+TRI = (None, "le", "lt", "ge", "gt")  # no mask; row i sums k <= i, k < i (klo .. hi); k >= i, k > i (lo .. khi)
 
 
 def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, lower: bool = False,
@@ -62,8 +62,8 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
     ``order`` 0: row blocks outer (each row block streams all of b); 1: column blocks outer (a K x cols
     tile of b is reused by every row block: it stays in L1 when K * cols * 4 bytes fits).
     ``tri`` "le": row i sums k in [klo, i] (khi must be the block end hi): k < lo unmasked, k in [lo, hi)
-    selected per row; "lt": the same for k in [klo, i); "ge": row i sums k in [i, khi) (klo must be lo): k in [lo, hi) selected per row, then
-    k >= hi unmasked. The masked part is rows iterations per row block (of up to M).
+    selected per row; "lt": the same for k in [klo, i); "ge": row i sums k in [i, khi) (klo must be lo): k in
+    [lo, hi) selected per row, then k >= hi unmasked; "gt": the same for k in (i, khi). The masked part is rows iterations per row block (of up to M).
     """
     RB, SV = block(M, W, rows, cols)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
@@ -116,7 +116,7 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
                 fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _le if tri == "le" else _lt)
         else:
             for kd in range(RB):
-                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _ge)
+                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _ge if tri == "ge" else _gt)
             for k in range(i0 * RB + RB, khi(i0 * RB, i0 * RB + RB)):
                 fma(a, b, acc0, acc1, i0, j0, k)
         for r in T.unroll(RH):
@@ -151,6 +151,10 @@ def _lt(i, k):
 
 def _ge(i, k):
     return k >= i
+
+
+def _gt(i, k):
+    return k > i
 
 
 def zero(i, j):

@@ -10,7 +10,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32, Z4, Row, batch_sids, carried_decay, ld, seg_exp, skip
+from .common import F32, I32, Z4, Row, batch_sids, carried_decay, d_shape, ld, seg_exp, skip_at
 from .dims import ScanDims, dims_of
 from .strategy import SERIAL, Strategy
 
@@ -38,11 +38,7 @@ def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, task, l, p, seqlen, v, xv):
     Q = d.chunk_size
     e = carried_decay(m, dA_cs[b, h, c, l], seq_idx[b, _pos(c, l, Q, seqlen)], batch_sids(seq_idx, b), c, Q,
                       d.has_seq_idx)
-    if d.diag_skip:
-        return e * v + Dm[b, h, c, l] * xv
-    if d.has_D:
-        return e * v + skip(Dm, h, p, xv, d.has_D, d.D_has_hdim)
-    return e * v
+    return e * v + skip_at(d, Dm, b, h, c, l, p, xv) if d.has_D else e * v
 
 
 def _weight(m, d: ScanDims, cb, dA_cs, dt_out, seq_idx, task, l, s, seqlen):
@@ -66,13 +62,6 @@ def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
         T.buffer_store(y, v.astype(d.x_dtype), idx)
 
 
-def _d_shape(d: ScanDims, batch, nchunks):
-    """D's shape: per head, per (head, headdim), per position with diag_skip, or a (1,) placeholder."""
-    if d.diag_skip:
-        return (batch, d.nheads, nchunks, d.chunk_size)
-    return ((d.nheads, d.headdim) if d.D_has_hdim else (d.nheads,)) if d.has_D else (1,)
-
-
 def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
     """The ssd_chunk_scan kernel laid out by ``S``: task t = (batch, chunk, head), its chunk_size x headdim
     output by the strategy's ``causal_matmul`` (strategy.py): y0[l, p] = e[l] (C_l Sin)[p] + D x[l, p]
@@ -94,7 +83,7 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
         dt_out = T.match_buffer(dto_h, (batch, H, nchunks, Q), F32)
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), d.state_dtype)
-        Dm = T.match_buffer(d_h, _d_shape(d, batch, nchunks), F32)
+        Dm = T.match_buffer(d_h, d_shape(d, batch, nchunks), F32)
         seq_idx = T.match_buffer(s_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
         y = T.match_buffer(y_h, (batch, seqlen, H, P), d.x_dtype)
         y_pre = T.match_buffer(yp_h, (batch, seqlen, H, P) if d.has_z else Z4, d.x_dtype)

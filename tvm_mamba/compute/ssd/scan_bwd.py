@@ -30,6 +30,11 @@ order), or a task per output element, one launch per piece, a later launch readi
 finished (scan_bwd_launch.py: CUDA's threads, serial for tests). The pieces (dx, gsum, dB, dC, d dt,
 d dA_step, dD) share their operands and masks (common.py); dB, dC and dD take their sums in the same order
 in both layouts.
+
+``diag_skip`` (Mamba-3, the forward's ScanDims.diag_skip): every intra-chunk causal sum above runs strictly
+(s < l, l > s: dx, gsum and so dB / dC, d dt), D is per position, D[b, h, c, s] (dt_out's layout), so
+dx[s] gets D[b, h, c, s] g[s], and dD is per position too: dD[b, h, c, l] = sum_p g[l, p] x[l, p]. d dA_step's
+crossing pairs (k < s <= l) never hold the diagonal (k < l); the carried- and chunk-state terms do not change.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32, Z4
+from .common import F32, I32, Z4, d_shape
 from .dims import ScanBwdDims, dims_of
 from .strategy import SERIAL, Strategy
 
@@ -74,14 +79,14 @@ def chunk_scan_bwd_template(d: ScanBwdDims, S: Strategy) -> tirx.PrimFunc:
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         sin = T.match_buffer(sin_h, (batch, nchunks, H, P, N), F32)
         dso = T.match_buffer(dso_h, (batch, nchunks, H, P, N), F32)
-        Dm = T.match_buffer(d_h, ((H, P) if d.D_has_hdim else (H,)) if d.has_D else (1,), F32)
+        Dm = T.match_buffer(d_h, d_shape(d, batch, nchunks), F32)
         seq_idx = T.match_buffer(s_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
         dx = T.match_buffer(dx_h, (batch, seqlen, H, P), xd)
         dBp = T.match_buffer(db_h, (batch, seqlen, gparts, N), F32)
         dCp = T.match_buffer(dc_h, (batch, seqlen, gparts, N), F32)
         ddt_out = T.match_buffer(ddto_h, (batch, H, nchunks, Q), F32)
         ddA_step = T.match_buffer(ddac_h, (batch, H, nchunks, Q), F32)
-        dD_part = T.match_buffer(dd_h, (batch, nchunks, H, P) if d.has_D else Z4, F32)
+        dD_part = T.match_buffer(dd_h, _dd_shape(d, batch, nchunks), F32)
         gsum = T.match_buffer(ws_h, (batch, nchunks, gparts, Q, Q), F32)  # workspace: sum over a part of gx K dt
         o = T.meta_var(SimpleNamespace(
             batch=batch, seqlen=seqlen, nchunks=nchunks, gparts=gparts, x=x, z=z, dy=dy, Bm=Bm, Cm=Cm, cbg=cbg,
@@ -92,14 +97,27 @@ def chunk_scan_bwd_template(d: ScanBwdDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
+def _dd_shape(d: ScanBwdDims, batch, nchunks):
+    """dD_part's shape: per (batch, chunk) partials of D's gradient per (head, headdim) (summed by the torch op),
+    per position with diag_skip (D's own layout), or a placeholder without D."""
+    if d.diag_skip:
+        return (batch, d.nheads, nchunks, d.chunk_size)
+    return (batch, nchunks, d.nheads, d.headdim) if d.has_D else Z4
+
+
 def ssd_chunk_scan_bwd(dims: ScanBwdDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
     """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); cb: (batch, nchunks,
     ngroups, chunk_size, chunk_size) f32 (C.B^T, ssd_bmm_chunk); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,
-    dstate) f32; D: (nheads,) / (nheads, headdim); seq_idx: (batch, seqlen)
+    dstate) f32; D: (nheads,) / (nheads, headdim), with diag_skip (batch, nheads, nchunks, chunk_size) f32;
+    seq_idx: (batch, seqlen)
     -> dx: (batch, seqlen, nheads, headdim); dB_parts, dC_parts: (batch, seqlen, gparts, dstate) f32;
-    ddt_out, ddA_step: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim);
-    gsum (workspace, written then read): (batch, nchunks, gparts, chunk_size, chunk_size) f32.
+    ddt_out, ddA_step: (batch, nheads, nchunks, chunk_size) f32; dD_part: (batch, nchunks, nheads, headdim)
+    (summed over batch and chunks, and over headdim for D per head, by the caller), with diag_skip
+    (batch, nheads, nchunks, chunk_size): dD_part[b, h, c, l] = sum_p g[l, p] x[l, p] (0 past seqlen), D's own
+    gradient; gsum (workspace, written then read): (batch, nchunks, gparts, chunk_size, chunk_size) f32.
+
+    diag_skip (Mamba-3; dims.ScanBwdDims): every intra-chunk causal term runs over s < l (module docstring).
 
     gparts = ngroups * hparts (module docstring): hparts = 1 gives the group's dB / dC themselves. The CPU
     strategy's knobs rows x cols x order: the register block of the chunk matmuls (mm.py).

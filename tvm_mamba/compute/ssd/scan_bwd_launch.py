@@ -6,7 +6,7 @@ Launch order: dx (per position); gsum = the part's sum of (g x^T) K dt (per (l, 
 layout); dB and dC (per position and part, from gsum); XB[s] = <x_s, dSo B_s> into ddt_out as scratch; d dA_step
 in three launches (the carried-state term per position, its reverse cumsum by one task per (batch, chunk, head),
 then per position the crossing pairs and the chunk-state prefix, which read every XB of the chunk); d dt
-(overwrites its own scratch entry); the dD partials.
+(overwrites its own scratch entry); the dD partials (per position with diag_skip).
 
 Symbolic floordiv / mod of the flat index is computed once into an int32 scratch slot where a launch uses it
 in its loops (recomputed per use it spilled on sm_80).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import F32, I32, Row, batch_sids, carried_decay, gate, ld, seg_exp, skip, state_decay
+from .common import F32, I32, Row, batch_sids, carried_decay, causal, gate, ld, seg_exp, skip_at, state_decay
 from .dims import ScanBwdDims
 from .strategy import Strategy
 
@@ -40,8 +40,8 @@ class _Reads:
                     self.d.has_z)
 
     def gx_in(self, b, c, l, j, h, p):
-        """g_l[p] x_j[p], l and j inside the sequence: no bound checks (with them, the crossing-pairs launch
-        spilled 12-16 B on sm_80 / sm_90)."""
+        """g_l[p] x_j[p], l and j inside the sequence: no bound checks (with them, the crossing-pairs and d dt
+        launches spilled 8-16 B on sm_80 / sm_90)."""
         o, Q = self.o, self.Q
         v = o.dy[b, c * Q + l, h, p].astype(F32) * o.x[b, c * Q + j, h, p].astype(F32)
         return v * self.m.silu(o.z[b, c * Q + l, h, p].astype(F32)) if self.d.has_z else v
@@ -130,13 +130,16 @@ def _part_heads(o, gp, G: int, R: int):
 
 def _position_pieces(d: ScanBwdDims, S: Strategy):
     """dx (a task per (batch, position, head, p)), gsum (per (batch, chunk, part, l, s)), dB and dC (per
-    (batch, position, part, n)): macros ``run(o, r)``."""
+    (batch, position, part, n)): macros ``run(o, r)``. With diag_skip the sums over l >= s / s <= l start one
+    past the diagonal (strict)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
+    off = 1 if d.diag_skip else 0  # the first off-diagonal step of a causal sum
 
     @T.macro
     def dx_at(o, r, i):
-        """dx[s, p] = sum_n B[s, n] dSo[p, n] w[s] dt[s] + D g[s, p] + sum_{l>=s} (C_l.B_s) K dt[s] g[l, p]"""
+        """dx[s, p] = sum_n B[s, n] dSo[p, n] w[s] dt[s] + D g[s, p] + sum_{l>=s} (C_l.B_s) K dt[s] g[l, p]
+        (D[b, h, c, s] and l > s with diag_skip)"""
         v = T.meta_var(S.scratch(acc=(1,), ib=((1,), I32), it=((1,), I32)))
         b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
         h, p = T.meta_var(i // P % H), T.meta_var(i % P)
@@ -146,21 +149,22 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         _sum(v.acc, 0, 0, N, lambda k: o.Bm[b, t, h // R, k].astype(F32) * o.dso[b, c, h, p, k])
         v.acc[0] = v.acc[0] * r.w(b, h, c, s) * o.dt_out[b, h, c, s]
         if d.has_D:
-            v.acc[0] = v.acc[0] + skip(o.Dm, h, p, r.g(b, c, s, h, p), True, d.D_has_hdim)
-        for l in range(s, T.min(Q, o.seqlen - c * Q)):
+            v.acc[0] = v.acc[0] + skip_at(d, o.Dm, b, h, c, s, p, r.g(b, c, s, h, p))
+        for l in range(s + off, T.min(Q, o.seqlen - c * Q)):
             v.acc[0] = v.acc[0] + o.cbg[b, c, h // R, l, s] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s] * r.g(
                 b, c, l, h, p)
         o.dx[b, t, h, p] = v.acc[0].astype(d.x_dtype)
 
     @T.macro
     def gsum_at(o, r, i):
-        """gsum[l, s] = sum over the part's heads of (g_l.x_s) K[l, s] dt[s] (s <= l), g x^T once per part"""
+        """gsum[l, s] = sum over the part's heads of (g_l.x_s) K[l, s] dt[s] (s <= l; s < l with diag_skip), g x^T
+        once per part"""
         v = T.meta_var(S.scratch(a0=(1,), a1=(1,), ib=((1,), I32)))  # ib: the part's first head
         b, c = T.meta_var(i // (o.nchunks * o.gparts * Q * Q)), T.meta_var(i // (o.gparts * Q * Q) % o.nchunks)
         gp, l, s = T.meta_var(i // (Q * Q) % o.gparts), T.meta_var(i // Q % Q), T.meta_var(i % Q)
         h0, per = T.meta_var(_part_heads(o, gp, G, R))
         v.a0[0] = T.float32(0)
-        if s <= l:
+        if causal(d, l, s):
             v.ib[0] = h0
             _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: r.g(b, c, l, h, p) * r.x(
                 b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s])
@@ -179,8 +183,8 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         def scale(o, r, b, c, q, h):  # w[s] dt[s]  /  e[l]
             return r.w(b, h, c, q) * o.dt_out[b, h, c, q] if is_dB else r.e(b, h, c, q)
 
-        def k_range(o, c, q):  # l >= s inside the sequence  /  s <= l
-            return (q, T.min(Q, o.seqlen - c * Q)) if is_dB else (0, q + 1)
+        def k_range(o, c, q):  # l >= s inside the sequence  /  s <= l (strict with diag_skip)
+            return (q + off, T.min(Q, o.seqlen - c * Q)) if is_dB else (0, q + 1 - off)
 
         def g_at(q, j):  # gsum[l, s] at (q, j)
             return (j, q) if is_dB else (q, j)
@@ -219,9 +223,11 @@ def _bchq(o, i, H: int, Q: int):
 
 def _step_pieces(d: ScanBwdDims, S: Strategy):
     """The per-step gradients, a task per (batch, chunk, head, position) (the reverse cumsum: per (batch, chunk,
-    head)): macros ``run(o, r)``. d dA_step never subtracts sums (crossing-pairs form, scan_bwd.py)."""
+    head)): macros ``run(o, r)``. d dA_step never subtracts sums (crossing-pairs form, scan_bwd.py); its pairs
+    k < q <= l never hold the diagonal, so diag_skip changes only d dt's sum (l > q) and dD (per position)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
+    off = 1 if d.diag_skip else 0  # the first off-diagonal step of d dt's sum
 
     @T.macro
     def xb_at(o, r, i):
@@ -277,24 +283,36 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
 
     @T.macro
     def ddt_at(o, r, i):
-        """d dt[q] = exp(dA_cs[Q-1]-dA_cs[q]) XB[q] + sum_{l>=q} (g_l.x_q)(C_l.B_q) K"""
+        """d dt[q] = exp(dA_cs[Q-1]-dA_cs[q]) XB[q] + sum_{l>=q} (g_l.x_q)(C_l.B_q) K (l > q with diag_skip)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
         v.acc[0] = r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
-        _sum_dots(v.acc, 0, v.acc, 1, q, T.min(Q, o.seqlen - c * Q), P,  # g is 0 past seqlen
-                  lambda l, p: r.g(b, c, l, h, p) * r.x(b, c, q, h, p),
+        # l and q < l inside the sequence (g is 0 past it): gx_in, no bound checks (with them, Mamba-3's bf16 + z
+        # configuration spilled 8 B on sm_90, 12 B on sm_80)
+        _sum_dots(v.acc, 0, v.acc, 1, q + off, T.min(Q, o.seqlen - c * Q), P,
+                  lambda l, p: r.gx_in(b, c, l, q, h, p),
                   lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
         o.ddt_out[b, h, c, q] = v.acc[0]
 
+    J, K = (Q, P) if d.diag_skip else (P, Q)  # dD per position: a task per l summing over p; else the reverse
+
+    def dd_term(r, b, c, h, j, k):  # g[l, p] x[l, p] of task j, term k
+        l, p = (j, k) if d.diag_skip else (k, j)
+        return r.g(b, c, l, h, p) * r.x(b, c, l, h, p)
+
+    def dd_index(b, c, h, j):  # D's layout per position, else (batch, chunk, head, p)
+        return (b, h, c, j) if d.diag_skip else (b, c, h, j)
+
     @T.macro
     def dd_at(o, r, i):
-        """dD partial[p] = sum_l g[l, p] x[l, p], a task per (batch, chunk, head, p)"""
+        """dD partial[p] = sum_l g[l, p] x[l, p], a task per (batch, chunk, head, p); with diag_skip (D per
+        position) dD[l] = sum_p g[l, p] x[l, p], a task per (batch, chunk, head, l), stored in D's layout"""
         v = T.meta_var(S.scratch(acc=(1,)))
-        b, c, h, p = T.meta_var(_bchq(o, i, H, P))
-        _sum(v.acc, 0, 0, Q, lambda l: r.g(b, c, l, h, p) * r.x(b, c, l, h, p))
-        o.dD_part[b, c, h, p] = v.acc[0]
+        b, c, h, j = T.meta_var(_bchq(o, i, H, J))
+        _sum(v.acc, 0, 0, K, lambda k: dd_term(r, b, c, h, j, k))
+        o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
 
     steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731
     return (_launch(S, xb_at, steps), _launch(S, carried_at, steps),
             _launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), _launch(S, pairs_at, steps),
-            _launch(S, ddt_at, steps), _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * P))
+            _launch(S, ddt_at, steps), _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * J))

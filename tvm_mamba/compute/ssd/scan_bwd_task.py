@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import I32, batch_sids, carried_decay, gate, ld, seg_exp, skip, state_decay
+from .common import I32, batch_sids, carried_decay, causal, gate, ld, seg_exp, skip_at, state_decay
 from .dims import ScanBwdDims
 from .mm import lower_cols, matmul, vblock, zero
 from .strategy import Strategy
@@ -118,7 +118,7 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
     mm_qq = matmul(Q, Q, rows, cols, lower=True, order=order)
     mm_qp = matmul(Q, P, rows, cols, order=order)
     # the triangular sums select their range per row (never 0 * a non-finite dy / x / B / C of another position)
-    mm_qp_ge = matmul(Q, P, rows, cols, order=order, tri="ge")
+    mm_qp_ge = matmul(Q, P, rows, cols, order=order, tri="gt" if d.diag_skip else "ge")
 
     @T.macro
     def rows_pass(o, w):
@@ -135,12 +135,13 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
                     s = T.meta_var(sb * VB + v)
                     w.kk[s] = seg_exp(m, w.acs, w.sid, l, s, d.has_seq_idx)
                     # selected, not multiplied by kk = 0: gx[l, s > l] = g_l . x_s may be NaN / Inf
-                    w.gr[s] = T.Select(s <= l, w.gx[l, s] * o.cbg[b, c, w.g, l, s] * w.kk[s], T.float32(0))
+                    w.gr[s] = T.Select(causal(d, l, s), w.gx[l, s] * o.cbg[b, c, w.g, l, s] * w.kk[s],
+                                       T.float32(0))
                     w.dd[s] = w.dd[s] + w.gr[s]
                     w.cb[l, s] = o.cbg[b, c, w.g, l, s] * w.kk[s] * w.dtl[s]
                     o.gsum[b, c, w.gp, l, s] = o.gsum[b, c, w.gp, l, s] + T.Select(
-                        s <= l, w.gx[l, s] * w.kk[s] * w.dtl[s], T.float32(0))
-                    w.rsuf[s] = w.rsuf[s] + w.gr[s] * w.dtl[s]  # G[l, s] (0 for s > l)
+                        causal(d, l, s), w.gx[l, s] * w.kk[s] * w.dtl[s], T.float32(0))
+                    w.rsuf[s] = w.rsuf[s] + w.gr[s] * w.dtl[s]  # G[l, s] (0 for s > l, and s = l with diag_skip)
             # crossing pairs of step l: d dA_step[l] += sum_{k<l} sum_{l'>=l} G[l', k] (never a difference of
             # sums: G[l', k] reaches the steps k < l <= l' only)
             w.sc[0] = T.float32(0)
@@ -151,10 +152,11 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
     @T.macro
     def dx_piece(o, w, h):
         """dx, and the chunk-state terms of d dt / d dA_step (prefix over k < s):
-        t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l];  t2[s] = B_s dSo^T;  dx[s] = t1[s] + w[s] dt[s] t2[s]."""
+        t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l] (l > s with diag_skip);  t2[s] = B_s dSo^T;
+        dx[s] = t1[s] + w[s] dt[s] t2[s]."""
         b, c = T.meta_var(w.b), T.meta_var(w.c)
         mm_qp_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: w.cb[l, s], lambda l, p: w.gl[l, p],
-                 lambda s, p: skip(o.Dm, h, p, w.gl[s, p], d.has_D, d.D_has_hdim),
+                 lambda s, p: skip_at(d, o.Dm, b, h, c, s, p, w.gl[s, p]),
                  lambda s, p, v: T.buffer_store(w.t1, v, [s, p]))
         mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda s, n: w.bl[s, n], lambda n, p: w.dsot[n, p], zero,
               lambda s, p, v: T.buffer_store(w.t2, v, [s, p]))
@@ -179,7 +181,8 @@ def _part_pieces(d: ScanBwdDims, S: Strategy):
     P, N, Q = d.headdim, d.dstate, d.chunk_size
     rows, cols, order = S.rows, S.cols, S.order
     mm_qn = matmul(Q, N, rows, cols, order=order)
-    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t) for t in ("le", "ge"))  # (as mm_qp_ge)
+    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t)  # (as mm_qp_ge)
+                          for t in (("lt", "gt") if d.diag_skip else ("le", "ge")))
 
     @T.macro
     def dc_db_heads(o, w, h):
@@ -201,7 +204,13 @@ def _part_pieces(d: ScanBwdDims, S: Strategy):
         for s in range(T.min(Q, o.seqlen - c * Q)):
             for n in T.vectorized(N):
                 w.dBa[s, n] = w.dBa[s, n] + w.wst[s] * w.dtl[s] * w.t2[s, n]
-        if d.has_D:
+        if d.diag_skip:  # per position: sum_p g[l, p] x[l, p], p ascending (as the launch form)
+            for l in range(Q):
+                w.sc[0] = T.float32(0)
+                for p in range(P):
+                    w.sc[0] = w.sc[0] + w.gl[l, p] * w.xl[l, p]
+                o.dD_part[b, h, c, l] = w.sc[0]
+        elif d.has_D:
             for p in T.vectorized(P):
                 w.rp[p] = T.float32(0)
             for l in range(Q):
@@ -218,7 +227,7 @@ def _part_pieces(d: ScanBwdDims, S: Strategy):
     @T.macro
     def intra(o, w):
         """The intra-chunk dB / dC once per part (B, C are the group's): dC[l] += sum_{s<=l} gsum[l, s] B_s,
-        dB[s] += sum_{l>=s} gsum[l, s] C_l; then the part's rows are stored."""
+        dB[s] += sum_{l>=s} gsum[l, s] C_l (s < l, l > s with diag_skip); then the part's rows are stored."""
         b, c = T.meta_var(w.b), T.meta_var(w.c)
         mm_qn_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: o.gsum[b, c, w.gp, l, s],
                  lambda s, n: w.bl[s, n], lambda l, n: w.dCa[l, n], lambda l, n, v: T.buffer_store(w.dCa, v, [l, n]))
