@@ -82,6 +82,22 @@ def test_preprocess_bwd_matches_autograd(sim, static, dtypes):
         assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
 
 
+def test_combined_backward_matches_autograd_of_reference():
+    """mamba3_siso_combined's whole backward on the CUDA kernels (the forward's pieces, chunk_scan_bwd_dstates,
+    state_passing_bwd, chunk_scan_bwd with diag_skip, the preprocess backward, head_sum): every gradient
+    (GQA 2:1, partial rotary, input states, D and Z; random gradients of out and every final state) against
+    torch.autograd of the float64 recurrence. Two chunks of 4 and a ragged third."""
+    static = dict(nheads=4, nheads_qk=2, headdim_qk=8, headdim_v=4, headdim_angles=3, chunk_size=4, has_D=True,
+                  has_init=True)
+    res, keys = sc.backward_results(static, {"qk": "float32", "vstate": "float32"}, "sm_90")
+    directions = {k.direction for k, _ in keys}
+    assert {"siso_preprocess_bwd", "chunk_scan_bwd", "state_passing_bwd", "chunk_scan_bwd_dstates",
+            "head_sum"} <= directions and all(k.target.startswith("cuda") for k, _ in keys)
+    assert len(res) == 15
+    for name, (got, want) in res.items():
+        assert_close_to_ref(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
+
+
 def test_simcheck_every_config():
     """build-check's configurations (upstream's tuned shape: 32 heads, headdim_qk 128, headdim_v 64)."""
     configs = compute.build_check_configs()

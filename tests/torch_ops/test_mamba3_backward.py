@@ -51,8 +51,8 @@ def _grads(fn, inp: dict, cot: list) -> dict:
     return {n: g for (n, _), g in zip(named, grads)}
 
 
-def _kernel(**kw):
-    return mamba3_siso_combined(**kw, chunk_size=kw.pop("chunk_size"), return_final_states=True)
+def _kernel(chunk_size, **kw):
+    return mamba3_siso_combined(**kw, chunk_size=chunk_size, return_final_states=True)
 
 
 def _reference(dtype):
@@ -68,13 +68,14 @@ def _cotangents(inp: dict, seed: int, final_grads: bool) -> list:
     return [torch.randn(*s, generator=g, dtype=F64) if i == 0 or final_grads else None for i, s in enumerate(shapes)]
 
 
-# (nheads_qk, nheads, headdim_qk, headdim_v, headdim_angles, seqlen, chunk, input states, final-state grads)
+# (nheads_qk, nheads, headdim_qk, headdim_v, headdim_angles, seqlen, chunk, input states, final-state grads);
+# the other tests reuse the first case's dims (its kernels: each new set of dims builds about ten)
 CASES = [(1, 4, 8, 4, 2, 11, 4, True, True),      # GQA 4:1, partial rotary, ragged last chunk, states both ways
          (2, 2, 16, 8, 8, 16, 8, False, False)]   # full rotary, whole chunks, no states, out's gradient only
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("HQ, H, N, P, S, L, chunk, states, final_grads", CASES)
+@pytest.mark.parametrize("dtype, HQ, H, N, P, S, L, chunk, states, final_grads",
+                         [(F32, *CASES[0]), (BF16, *CASES[0]), (F32, *CASES[1])])
 def test_gradients_match_reference(dtype, HQ, H, N, P, S, L, chunk, states, final_grads):
     base = make_inputs(batch=2, seqlen=L, nheads_qk=HQ, nheads=H, N=N, P=P, S=S, seed=L, states=states, dtype=F64)
     cot = _cotangents(base, L + 1, final_grads)
@@ -109,7 +110,7 @@ def test_directional_derivative_of_the_kernels():
     """The backward against the forward kernels themselves: <grad, v> == (f(x + eps v) - f(x - eps v)) / 2 eps
     for a random direction v over every input at once (fp32, central differences; the gradcheck of a
     float32-only op). Catches a backward consistent with the reference but not with the forward."""
-    base = make_inputs(batch=2, seqlen=7, nheads_qk=1, nheads=2, N=8, P=4, S=2, seed=5, dtype=F64)
+    base = make_inputs(batch=2, seqlen=7, nheads_qk=1, nheads=4, N=8, P=4, S=2, seed=5, dtype=F64)
     cot = _cotangents(base, 6, final_grads=True)
     inp = _leaves(base, F32)
     g = _grads(lambda **kw: _kernel(**kw, chunk_size=4), inp, cot)
@@ -131,7 +132,7 @@ def test_directional_derivative_of_the_kernels():
 
 
 def test_bwd_op_schema_fake_and_autograd_registration():
-    base = make_inputs(batch=2, seqlen=6, nheads_qk=1, nheads=2, N=8, P=4, S=2, seed=2, dtype=F32)
+    base = make_inputs(batch=2, seqlen=6, nheads_qk=1, nheads=4, N=8, P=4, S=2, seed=2, dtype=F32)
     a, ssm, k, v = base["Input_States"]
     args = (base["Q"], base["K"], base["V"], base["ADT"], base["DT"], base["Trap"], base["Q_bias"], base["K_bias"],
             base["Angles"], base["D"], base["Z"], a, ssm, k, v, 4)
@@ -145,7 +146,7 @@ def test_bwd_op_schema_fake_and_autograd_registration():
 
 def test_only_some_inputs_require_grad():
     """V alone requiring grad: its gradient equals the one from the all-inputs call; the others stay None."""
-    base = make_inputs(batch=1, seqlen=6, nheads=2, S=2, seed=9, dtype=F32)
+    base = make_inputs(batch=1, seqlen=6, nheads_qk=1, nheads=4, N=8, P=4, S=2, seed=9, dtype=F32)
     v = base["V"].clone().requires_grad_()
     out = mamba3_siso_combined(**dict(base, V=v), chunk_size=4)
     out.backward(torch.ones_like(out))

@@ -306,9 +306,9 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
     g = _ssd_bwd(c, p, dout, V, Z, y_pre, dfinal)
     if dkfin is not None:
         g.dk[:, c.seqlen - 1] += dkfin
-    r = SimpleNamespace(dQh=torch.empty_like(g.dq), dKh=torch.empty_like(g.dk), dAngles=torch.empty_like(Angles),
+    r = SimpleNamespace(dQh=torch.empty_like(g.dq), dKh=torch.empty_like(g.dk), dAngles=c.new(*Angles.shape),
                         dQb=c.new(b, H, c.N), dKb=c.new(b, H, c.N))
-    r.dADT, r.dDT, r.dTrap = (torch.empty_like(ADT) for _ in range(3))
+    r.dADT, r.dDT, r.dTrap = (c.new(*ADT.shape) for _ in range(3))  # ADT may be a (transposed) view
     r.dangle, r.dkst, r.dvst = ((c.new(b, H, S), c.new(b, H, c.N), c.new(b, H, c.P)) if c.has_init
                                 else (None, None, None))
     c.kernel("siso_preprocess_bwd", dataclasses.replace(c.pre, has_D=False), OP)(  # D is not read: one kernel
@@ -317,12 +317,12 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
         g.dskip, g.ddecay, prepare(daout) if daout is not None else torch.zeros(b, H, S, device=c.dev),
         c.opt(g.dinit, 4), r.dQh, r.dKh, r.dADT, r.dDT, r.dTrap, r.dQb, r.dKb, r.dAngles, c.opt(r.dangle, 3),
         c.opt(r.dkst, 3), c.opt(r.dvst, 3), c.new(b, c.seqlen, H, S), c.new(b, H))  # workspaces: gdt, c0
-    e = V.new_empty((0,))
-    cast = lambda t, like: t.to(like.dtype) if like is not None else e  # noqa: E731
+    e = lambda: V.new_empty((0,))  # noqa: E731  (one per absent input: outputs may not alias)
+    cast = lambda t, like: t.to(like.dtype) if like is not None else e()  # noqa: E731
     return [_group_sum(c, r.dQh, Q), _group_sum(c, r.dKh, K), g.dV, r.dADT, r.dDT, r.dTrap, r.dQb.sum(0),
-            r.dKb.sum(0), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e,
-            r.dangle if c.has_init else e, g.dinit if c.has_init else e, cast(r.dkst, k_state) if c.has_init else e,
-            cast(r.dvst, v_state) if c.has_init else e]
+            r.dKb.sum(0), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e(),
+            r.dangle if c.has_init else e(), g.dinit if c.has_init else e(),
+            cast(r.dkst, k_state) if c.has_init else e(), cast(r.dvst, v_state) if c.has_init else e()]
 
 
 def _bwd_outputs(*inputs, zero: bool = False) -> list[Tensor]:
