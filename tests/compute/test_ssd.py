@@ -152,7 +152,8 @@ def test_chunk_state_and_state_passing_give_the_recurrence_states():
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=f"chunk {c}")
 
 
-@pytest.mark.parametrize("x_dtype, has_z, ngroups", [("float32", True, H), ("bfloat16", True, H), ("float32", False, 1)])
+@pytest.mark.parametrize("x_dtype, has_z, ngroups",
+                         [("float32", True, H), ("bfloat16", True, H), ("float32", False, 1)])
 def test_chunk_scan_bwd_diag_skip(x_dtype, has_z, ngroups, monkeypatch):
     """ssd_chunk_scan_bwd with diag_skip (Mamba-3): strict causal sums, D and dD per position. Every gradient
     (dx, dB, dC, d dt, d dA_step, dD) against autograd of the float64 strict chunk scan (reference/ssd.py) on

@@ -63,7 +63,8 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
     tile of b is reused by every row block: it stays in L1 when K * cols * 4 bytes fits).
     ``tri`` "le": row i sums k in [klo, i] (khi must be the block end hi): k < lo unmasked, k in [lo, hi)
     selected per row; "lt": the same for k in [klo, i); "ge": row i sums k in [i, khi) (klo must be lo): k in
-    [lo, hi) selected per row, then k >= hi unmasked; "gt": the same for k in (i, khi). The masked part is rows iterations per row block (of up to M).
+    [lo, hi) selected per row, then k >= hi unmasked; "gt": the same for k in (i, khi). The masked part is rows
+    iterations per row block (of up to M).
     """
     RB, SV = block(M, W, rows, cols)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)

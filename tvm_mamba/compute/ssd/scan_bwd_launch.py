@@ -287,8 +287,8 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
         v.acc[0] = r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
-        # l and q < l inside the sequence (g is 0 past it): gx_in, no bound checks (with them, Mamba-3's bf16 + z
-        # configuration spilled 8 B on sm_90, 12 B on sm_80)
+        # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
+        # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
         _sum_dots(v.acc, 0, v.acc, 1, q + off, T.min(Q, o.seqlen - c * Q), P,
                   lambda l, p: r.gx_in(b, c, l, q, h, p),
                   lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
