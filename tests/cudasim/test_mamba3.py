@@ -90,9 +90,9 @@ def test_combined_backward_matches_autograd_of_reference():
     static = dict(nheads=4, nheads_qk=2, headdim_qk=8, headdim_v=4, headdim_angles=3, chunk_size=4, has_D=True,
                   has_init=True)
     res, keys = sc.backward_results(static, {"qk": "float32", "vstate": "float32"}, "sm_90")
-    directions = {k.direction for k, _ in keys}
+    directions = {k.direction for k in keys}
     assert {"siso_preprocess_bwd", "chunk_scan_bwd", "state_passing_bwd", "chunk_scan_bwd_dstates",
-            "head_sum"} <= directions and all(k.target.startswith("cuda") for k, _ in keys)
+            "head_sum"} <= directions and all(k.target.startswith("cuda") for k in keys)
     assert len(res) == 15
     for name, (got, want) in res.items():
         assert_close_to_ref(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
