@@ -198,8 +198,8 @@ def test_bad_inputs_and_step_needs_no_grad():
     with torch.no_grad():
         with pytest.raises(ValueError, match="u: expected"):
             m(u[..., :16])
-        with pytest.raises(NotImplementedError, match="cu_seqlens"):
-            m(u[:1], cu_seqlens=torch.tensor([0, 5, SEQLEN], dtype=torch.int32))
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            m(u[:1], cu_seqlens=torch.tensor([0, 5, SEQLEN - 1], dtype=torch.int32))
         with pytest.raises(NotImplementedError, match="seq_idx"):
             m(u, seq_idx=torch.zeros(BATCH, SEQLEN, dtype=torch.int32))
         with pytest.raises(ValueError, match="ssm_state"):
@@ -210,6 +210,37 @@ def test_bad_inputs_and_step_needs_no_grad():
             m.step(u[:, :2], *states)
     m.requires_grad_(False)
     assert m.step(u[:, :1], *states)[0].shape == (BATCH, 1, D_MODEL)  # frozen parameters: nothing to differentiate
+
+
+def test_packed_sequences_equal_separate_calls():
+    """cu_seqlens: two sequences (5 and 7 tokens) packed in one row == each run alone, out and the prefill's
+    cache states (rows :2 of a 3-row cache; the third untouched); and gradients flow (training on packed
+    sequences) equal to the separate calls'."""
+    m = _block(layer_idx=0)
+    u = _input(batch=1).requires_grad_()
+    cu = torch.tensor([0, 5, SEQLEN], dtype=torch.int32)
+    out = m(u, cu_seqlens=cu)
+    parts = torch.cat([m(u[:, :5]), m(u[:, 5:])], dim=1)
+    assert_close_to_ref(out, parts.detach(), atol=1e-5, rtol=1e-5, name="packed out")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (du,) = torch.autograd.grad(out, u, g)
+    (du_parts,) = torch.autograd.grad(parts, u, g)
+    assert_close_to_ref(du, du_parts, atol=1e-5, rtol=1e-5, name="packed du")
+    with torch.no_grad():
+        cache = m.allocate_inference_cache(3, SEQLEN)
+        m(u, cu_seqlens=cu, inference_params=_params(m, cache, batch=2))
+        for i, (lo, hi) in enumerate(((0, 5), (5, SEQLEN))):
+            alone = m.allocate_inference_cache(1, SEQLEN)
+            m(u[:, lo:hi], inference_params=_params(m, alone, batch=1))
+            for name, got, want in zip(("angle", "ssm", "k", "v"), cache, alone):
+                assert_close_to_ref(got[i:i + 1], want, atol=1e-5, rtol=1e-5, name=f"{name} state {i}")
+        assert all(not c[2].any() for c in cache)
+
+
+def _params(m, cache, batch):
+    params = InferenceParams(max_seqlen=SEQLEN, max_batch_size=batch)
+    params.key_value_memory_dict[m.layer_idx] = cache
+    return params
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ Q_bias=C_bias, K_bias=B_bias, Angles=angles broadcast to every head, D, Z=z) (or
 RMSNormGated(y, z) (group headdim, norm before gate) with is_outproj_norm); out = out_proj(y).
 Decoding: ``step`` on mamba3_siso_step with upstream's cache layout (angle, ssm, k (batch, 1, nheads, d_state),
 v states). Training: the forward is differentiable (the chunked scan's backward kernels); the decode step is
-not (upstream's step kernel has no backward either). Not yet: MIMO (is_mimo), seq_idx / cu_seqlens.
+not (upstream's step kernel has no backward either). Packed sequences: cu_seqlens. Not yet: MIMO (is_mimo).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..torch_ops.mamba3 import mamba3_siso_combined, mamba3_siso_step
+from ..torch_ops.ssd import validate_cu_seqlens
 from ._checks import FLOAT_STATES, check_hidden, check_state, states_from_cache
 from .linear import Linear
 from .rmsnorm_gated import RMSNormGated
@@ -146,14 +147,17 @@ class Mamba3(nn.Module):
         """u: (batch, seqlen, d_model) -> (batch, seqlen, d_model).
 
         ``inference_params`` as mamba_ssm: at seqlen_offset == 0 (prefill) the chunked forward also writes
-        the final (angle, ssm, k, v) states into the layer's cache (rows :batch); later, one :meth:`step`.
-        seq_idx / cu_seqlens (packed sequences) are not implemented yet (NotImplementedError)."""
+        the final (angle, ssm, k, v) states into the layer's cache (rows :batch, or :nseq with cu_seqlens);
+        later, one :meth:`step`. cu_seqlens (nseq + 1,) with batch 1: packed sequences, each from zero states
+        (seq_idx may come with it and must agree; alone it is refused: upstream ignores it, which would mix
+        the sequences)."""
         check_hidden("u", u, self.d_model)
-        if seq_idx is not None:
-            raise NotImplementedError("seq_idx: packed sequences are not implemented yet for Mamba3")
         if cu_seqlens is not None:
-            raise NotImplementedError("cu_seqlens: variable-length Mamba3 is not implemented yet")
-        batch = u.shape[0]
+            cu_seqlens = validate_cu_seqlens(cu_seqlens, seq_idx, u)
+        elif seq_idx is not None:
+            raise NotImplementedError("seq_idx: Mamba3 takes packed sequences as cu_seqlens (seq_idx alone is "
+                                      "not implemented)")
+        batch = u.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1  # rows of the states
         states = None
         if inference_params is not None:
             states = self._get_states_from_cache(inference_params, batch)
@@ -164,7 +168,7 @@ class Mamba3(nn.Module):
         y = mamba3_siso_combined(
             C, B, x, ADT.transpose(1, 2), DT.transpose(1, 2), trap.transpose(1, 2), self.C_bias[:, 0],
             self.B_bias[:, 0], angles, D=self.D, Z=None if self.is_outproj_norm else z,
-            chunk_size=self.chunk_size, return_final_states=states is not None)
+            chunk_size=self.chunk_size, return_final_states=states is not None, cu_seqlens=cu_seqlens)
         if states is not None:
             y, *final = y
             self._store(states, batch, *final)

@@ -28,8 +28,9 @@ from torch import Tensor
 
 from ..compute._mamba3_dims import PreDims, StepDims
 from ..compute._ssd_dims import (BmmDims, DstatesDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims, ScanDims,
-                                 StateDims)
+                                 StateDims, VarlenDims)
 from ._dlpack import FLOATS, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
+from .ssd import seq_idx_of, validate_cu_seqlens
 
 OP = "mamba3"
 F32 = torch.float32
@@ -164,19 +165,24 @@ def mamba3_siso_step(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=N
 class _Chunked:
     """One chunked call's dims and the forward pieces both directions run: the preprocess (rotated per-head q, k;
     dA_cs, scale, skip; the initial state), q . k per chunk, the chunk states and the states entering each
-    chunk. The SSD pieces see x = V, B = k, C = q with one "group" per head (the biases make q, k per head)."""
+    chunk. The SSD pieces see x = V, B = k, C = q with one "group" per head (the biases make q, k per head).
+    Packed sequences (seq_idx (1, seqlen) int32 and cu_seqlens (nseq + 1,) int32 given): every kernel masks
+    across sequences with seq_idx, and the final states are per sequence (nseq rows)."""
 
-    def __init__(self, Q, V, Angles, D, angle_state, k_state, v_state, chunk_size):
+    def __init__(self, Q, V, Angles, D, angle_state, k_state, v_state, chunk_size, seq_idx=None, cu_seqlens=None):
         (self.batch, self.seqlen, self.H, self.P), self.N, self.Qc = V.shape, Q.shape[3], chunk_size
         self.nchunks, self.dev, self.has_init = -(-self.seqlen // chunk_size), V.device, angle_state is not None
+        self.has_seq, self.cu = seq_idx is not None, cu_seqlens
+        self.nseq = cu_seqlens.shape[0] - 1 if self.has_seq else self.batch
         self.pre = PreDims.cached(
             nheads=self.H, nheads_qk=Q.shape[2], headdim_qk=self.N, headdim_v=self.P, headdim_angles=Angles.shape[3],
             chunk_size=chunk_size, has_D=D is not None, has_init=self.has_init, qk_dtype=tvm_dtype(Q),
             vstate_dtype=tvm_dtype(v_state) if self.has_init else "float32",
-            kstate_dtype=tvm_dtype(k_state) if self.has_init and k_state.dtype != F32 else None)
+            kstate_dtype=tvm_dtype(k_state) if self.has_init and k_state.dtype != F32 else None,
+            has_seq_idx=self.has_seq)
         self.chunk = dict(nheads=self.H, ngroups=self.H, headdim=self.P, dstate=self.N, chunk_size=chunk_size,
-                          x_dtype=tvm_dtype(V), bc_dtype="float32")
-        self.seq = dummy(self.dev, torch.int32, 2)
+                          has_seq_idx=self.has_seq, x_dtype=tvm_dtype(V), bc_dtype="float32")
+        self.seq = prepare(seq_idx) if self.has_seq else dummy(self.dev, torch.int32, 2)
 
     def kernel(self, direction, dims, op="ssd"):
         return kernel_for(op, direction, self.dev, dims, batch=self.batch, seqlen=self.seqlen)
@@ -188,13 +194,20 @@ class _Chunked:
         return prepare(t) if t is not None else dummy(self.dev, dtype, ndim)
 
     def passing(self, **flags):
-        return dict(nheads=self.H, headdim=self.P, dstate=self.N, chunk_size=self.Qc, has_init=self.has_init, **flags)
+        return dict(nheads=self.H, headdim=self.P, dstate=self.N, chunk_size=self.Qc, has_init=self.has_init,
+                    has_seq_idx=self.has_seq, **flags)
+
+    def last_rows(self):
+        """Packed sequences: (each sequence's last position (nseq,) int64, 1 / 0 per sequence: non-empty)."""
+        ends = self.cu[1:].long()
+        return (ends - 1).clamp(min=0), (ends > self.cu[:-1].long())
 
     def forward_pieces(self, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
-                       v_state, aout, final):
-        """The pieces before the chunk scan; writes the final angle (aout) and ssm (final) states -> p with
-        q, k (batch, seqlen, nheads, headdim_qk), dA_cs / scale / skip (batch, nheads, nchunks, chunk), cb,
-        states_in (batch, nchunks, nheads, headdim_v, headdim_qk), all float32."""
+                       v_state, aout, final=None):
+        """The pieces before the chunk scan; writes the final angle states into ``aout`` (nseq, nheads,
+        headdim_angles) and, when ``final`` is given, the final ssm states into it (nseq, nheads, headdim_v,
+        headdim_qk) -> p with q, k (batch, seqlen, nheads, headdim_qk), dA_cs / scale / skip (batch, nheads,
+        nchunks, chunk), cb, states_in (batch, nchunks, nheads, headdim_v, headdim_qk), all float32."""
         b, L, H, N, Qc, nc = self.batch, self.seqlen, self.H, self.N, self.Qc, self.nchunks
         p = SimpleNamespace(q=self.new(b, L, H, N), k=self.new(b, L, H, N), dA_cs=self.new(b, H, nc, Qc),
                             scale=self.new(b, H, nc, Qc), skip=self.new(b, H, nc, Qc))
@@ -202,22 +215,28 @@ class _Chunked:
         self.kernel("siso_preprocess", self.pre, OP)(
             prepare(Q), prepare(K), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias), prepare(K_bias),
             prepare(Angles), self.opt(D, 1), self.opt(angle_state, 3), self.opt(ssm_state, 4), self.opt(k_state, 3),
-            self.opt(v_state, 3), p.q, p.k, p.dA_cs, p.scale, p.skip, aout, init)
+            self.opt(v_state, 3), p.q, p.k, p.dA_cs, p.scale, p.skip, aout, init, self.seq)
         p.cb = self.new(b, nc, H, Qc, Qc)
         self.kernel("bmm_chunk", BmmDims.cached(H, N, Qc, "float32"))(p.k, p.q, p.cb)
         states, p.states_in = self.new(b, nc, H, self.P, N), self.new(b, nc, H, self.P, N)
         self.kernel("chunk_state", StateDims.cached(**self.chunk))(prepare(V), p.k, p.scale, p.dA_cs, self.seq, states)
+        last = final if final is not None and not self.has_seq else self.new(b, H, self.P, N)
         self.kernel("state_passing", PassingDims.cached(**self.passing()))(states, p.dA_cs, init, self.seq,
-                                                                            p.states_in, final)
+                                                                            p.states_in, last)
+        if final is not None and self.has_seq:  # each packed sequence's final state (ssd_chunk_state_varlen)
+            self.kernel("chunk_state_varlen", VarlenDims.cached(**self.chunk))(
+                prepare(V)[0], p.k[0], p.scale[0], p.dA_cs[0], p.states_in[0], self.cu, self.seq[0], final)
         return p
 
 
-def _fwd_outputs(V: Tensor, Q: Tensor, Angles: Tensor, Z) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Uninitialised (out, final angle, ssm, k states, y_pre) of the chunked forward (also the fake's results);
-    y_pre (the output before the gate, for dZ) is V-shaped with Z, else (0,)."""
+def _fwd_outputs(V: Tensor, Q: Tensor, Angles: Tensor, Z, cu_seqlens) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Uninitialised (out, final angle, ssm, k states (a row per sequence: batch, or nseq with cu_seqlens; the
+    angle states zeroed), y_pre) of the chunked forward (also the fake's results); y_pre (the output before
+    the gate, for dZ) is V-shaped with Z, else (0,)."""
     (batch, _, nheads, P), N, S = V.shape, Q.shape[3], Angles.shape[3]
-    return (V.new_empty(V.shape), V.new_empty((batch, nheads, S), dtype=F32),
-            V.new_empty((batch, nheads, P, N), dtype=F32), V.new_empty((batch, nheads, N), dtype=F32),
+    nseq = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (V.new_empty(V.shape), V.new_zeros((nseq, nheads, S), dtype=F32),
+            V.new_empty((nseq, nheads, P, N), dtype=F32), V.new_empty((nseq, nheads, N), dtype=F32),
             V.new_empty(V.shape) if Z is not None else V.new_empty((0,)))
 
 
@@ -225,25 +244,33 @@ def _fwd_outputs(V: Tensor, Q: Tensor, Angles: Tensor, Z) -> tuple[Tensor, Tenso
 def mamba3_siso_fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor, Q_bias: Tensor,
                        K_bias: Tensor, Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
                        angle_state: Optional[Tensor], ssm_state: Optional[Tensor], k_state: Optional[Tensor],
-                       v_state: Optional[Tensor], chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       v_state: Optional[Tensor], chunk_size: int, seq_idx: Optional[Tensor] = None,
+                       cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Layouts as the public function's; ADT .. Angles, D, angle_state and ssm_state float32, Z in V's dtype,
-    seqlen >= 1 -> (out (batch, seqlen, nheads, headdim_v) in V's dtype, final angle, ssm, k states f32, y_pre)."""
-    out, aout, final, kfin, y_pre = _fwd_outputs(V, Q, Angles, Z)
+    seqlen >= 1; packed sequences: seq_idx (1, seqlen) and cu_seqlens (nseq + 1,) int32, no input states
+    -> (out (batch, seqlen, nheads, headdim_v) in V's dtype, final angle, ssm, k states f32 (per batch row, or
+    per sequence), y_pre)."""
+    out, aout, final, kfin, y_pre = _fwd_outputs(V, Q, Angles, Z, cu_seqlens)
     if V.shape[0] == 0:
         return out, aout, final, kfin, y_pre
-    c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size)
+    c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size, seq_idx, cu_seqlens)
     p = c.forward_pieces(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
                          v_state, aout, final)
     scan = ScanDims.cached(**c.chunk, has_D=True, has_z=Z is not None, has_init=c.has_init, diag_skip=True)
     c.kernel("chunk_scan", scan)(prepare(V), c.opt(Z, 4, V.dtype), p.cb, p.q, p.scale, p.dA_cs, p.states_in, p.skip,
                                  c.seq, out, y_pre if Z is not None else dummy(c.dev, V.dtype, 4))
-    kfin.copy_(p.k[:, c.seqlen - 1])
+    if c.has_seq:
+        last, filled = c.last_rows()
+        torch.mul(p.k[0].index_select(0, last), filled[:, None, None], out=kfin)
+    else:
+        kfin.copy_(p.k[:, c.seqlen - 1])
     return out, aout, final, kfin, y_pre
 
 
 @mamba3_siso_fwd_op.register_fake
-def _(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state, chunk_size):
-    return _fwd_outputs(V, Q, Angles, Z)
+def _(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state, chunk_size,
+      seq_idx=None, cu_seqlens=None):
+    return _fwd_outputs(V, Q, Angles, Z, cu_seqlens)
 
 
 def _ssd_bwd(c: _Chunked, p, dout, V, Z, y_pre, dfinal):
@@ -291,20 +318,28 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
                        Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor, Q_bias: Tensor,
                        K_bias: Tensor, Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
                        angle_state: Optional[Tensor], ssm_state: Optional[Tensor], k_state: Optional[Tensor],
-                       v_state: Optional[Tensor], y_pre: Optional[Tensor], chunk_size: int) -> list[Tensor]:
+                       v_state: Optional[Tensor], y_pre: Optional[Tensor], chunk_size: int,
+                       seq_idx: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None) -> list[Tensor]:
     """Gradients of mamba3_siso_fwd for dout and the final angle / ssm / k states' gradients (None: zero), in
     ``_GRADS`` order, each in its input's dtype ((0,) for an absent input). Recomputes the forward's pieces
     before the chunk scan, runs the SSD pieces' backward (chunk_scan_bwd with diag_skip), then the
-    preprocess's backward (the rotation, angle cumsum, trapezoid and skip gradients)."""
+    preprocess's backward (the rotation, angle cumsum, trapezoid and skip gradients). Packed sequences: no
+    gradient through the final ssm states (NotImplementedError, as the SSD op's varlen states)."""
     if V.shape[0] == 0:
         return _bwd_outputs(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state,
                             v_state, zero=True)
-    c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size)
+    c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size, seq_idx, cu_seqlens)
+    if c.has_seq and dfinal is not None:
+        raise NotImplementedError("mamba3_siso_combined with cu_seqlens: no gradient flows through the final ssm "
+                                  "states (out and the final angle, k and v states do have gradients)")
     b, H, S = c.batch, c.H, Angles.shape[3]
     p = c.forward_pieces(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
-                         v_state, c.new(b, H, S), c.new(b, H, c.P, c.N))
+                         v_state, c.new(c.nseq, H, S), None if c.has_seq else c.new(b, H, c.P, c.N))
     g = _ssd_bwd(c, p, dout, V, Z, y_pre, dfinal)
-    if dkfin is not None:
+    if dkfin is not None and c.has_seq:
+        last, filled = c.last_rows()
+        g.dk[0].index_add_(0, last, dkfin * filled[:, None, None])
+    elif dkfin is not None:
         g.dk[:, c.seqlen - 1] += dkfin
     r = SimpleNamespace(dQh=torch.empty_like(g.dq), dKh=torch.empty_like(g.dk), dAngles=c.new(*Angles.shape),
                         dQb=c.new(b, H, c.N), dKb=c.new(b, H, c.N))
@@ -314,9 +349,9 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
     c.kernel("siso_preprocess_bwd", dataclasses.replace(c.pre, has_D=False), OP)(  # D is not read: one kernel
         prepare(Q), prepare(K), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias), prepare(K_bias),
         prepare(Angles), c.opt(angle_state, 3), c.opt(k_state, 3), c.opt(v_state, 3), g.dq, g.dk, g.dscale, g.ddA,
-        g.dskip, g.ddecay, prepare(daout) if daout is not None else torch.zeros(b, H, S, device=c.dev),
+        g.dskip, g.ddecay, prepare(daout) if daout is not None else torch.zeros(c.nseq, H, S, device=c.dev),
         c.opt(g.dinit, 4), r.dQh, r.dKh, r.dADT, r.dDT, r.dTrap, r.dQb, r.dKb, r.dAngles, c.opt(r.dangle, 3),
-        c.opt(r.dkst, 3), c.opt(r.dvst, 3), c.new(b, c.seqlen, H, S), c.new(b, H))  # workspaces: gdt, c0
+        c.opt(r.dkst, 3), c.opt(r.dvst, 3), c.new(b, c.seqlen, H, S), c.new(b, H), c.seq)  # workspaces: gdt, c0
     e = lambda: V.new_empty((0,))  # noqa: E731  (one per absent input: outputs may not alias)
     cast = lambda t, like: t.to(like.dtype) if like is not None else e()  # noqa: E731
     return [_group_sum(c, r.dQh, Q), _group_sum(c, r.dKh, K), g.dV, r.dADT, r.dDT, r.dTrap, r.dQb.sum(0),
@@ -334,28 +369,29 @@ def _bwd_outputs(*inputs, zero: bool = False) -> list[Tensor]:
 
 @mamba3_siso_bwd_op.register_fake
 def _(dout, daout, dfinal, dkfin, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state,
-      k_state, v_state, y_pre, chunk_size):
+      k_state, v_state, y_pre, chunk_size, seq_idx=None, cu_seqlens=None):
     return _bwd_outputs(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state,
                         v_state)
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, chunk_size = inputs
+    *tensors, chunk_size, seq_idx, cu_seqlens = inputs
     y_pre = output[4]
     ctx.mark_non_differentiable(y_pre)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*tensors, y_pre if tensors[10] is not None else None)
+    ctx.save_for_backward(*tensors, y_pre if tensors[10] is not None else None, seq_idx, cu_seqlens)
     ctx.chunk_size = chunk_size
 
 
 def _backward(ctx, dout, daout, dfinal, dkfin, _dy_pre):
-    *tensors, y_pre = ctx.saved_tensors
+    *tensors, y_pre, seq_idx, cu_seqlens = ctx.saved_tensors
     if dout is None and daout is None and dfinal is None and dkfin is None:
-        return (None,) * 16
+        return (None,) * 18
     V = tensors[2]
     dout = torch.zeros_like(V) if dout is None else dout
-    grads = torch.ops.tvm_mamba.mamba3_siso_bwd(dout, daout, dfinal, dkfin, *tensors, y_pre, ctx.chunk_size)
-    return (*(gr if t is not None else None for gr, t in zip(grads, tensors)), None)
+    grads = torch.ops.tvm_mamba.mamba3_siso_bwd(dout, daout, dfinal, dkfin, *tensors, y_pre, ctx.chunk_size,
+                                                seq_idx, cu_seqlens)
+    return (*(gr if t is not None else None for gr, t in zip(grads, tensors)), None, None, None)
 
 
 mamba3_siso_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -388,22 +424,34 @@ def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
     -> out (batch, seqlen, nheads, headdim_v) in V's dtype, and with return_final_states the final angle, ssm,
     k states (float32) and v state (V's last position, V's dtype) too: (out, angle, ssm, k, v).
 
-    The recurrence of tvm_mamba.reference.mamba3 (docs/mamba3.md), computed chunk by chunk. Not yet:
-    cu_seqlens (NotImplementedError).
+    cu_seqlens: (nseq + 1,) int32 / int64 with batch 1: the sequences packed end to end along seqlen, each
+    from zero states (Input_States with cu_seqlens: NotImplementedError); the final states are then per
+    sequence (nseq, ...); no gradient flows through the final ssm states (NotImplementedError in backward).
+
+    The recurrence of tvm_mamba.reference.mamba3 (docs/mamba3.md), computed chunk by chunk.
     """
-    if cu_seqlens is not None:
-        raise NotImplementedError("cu_seqlens: variable-length mamba3_siso_combined is not implemented yet")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= 256:
         raise ValueError(f"chunk_size: must be an int in 1..256, got {chunk_size!r}")
     _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, Input_States, seq=True)
     _check_chunked(V, Q.shape[-1], chunk_size)
+    seq_idx = None
+    if cu_seqlens is not None:
+        if Input_States is not None:
+            raise NotImplementedError("Input_States: packed sequences (cu_seqlens) start from zero states here; "
+                                      "input states per sequence are not implemented yet")
+        cu_seqlens = validate_cu_seqlens(cu_seqlens, None, V)
+        seq_idx = seq_idx_of(cu_seqlens, V.shape[1])
     states = tuple(Input_States) if Input_States is not None else (None,) * 4
     w = lambda t: None if t is None else t.to(torch.float32)  # noqa: E731
     angle, ssm, kst, vst = states
     kst = kst.to(torch.float32) if kst is not None and kst.dtype == torch.float64 else kst
     out, aout, final, kfin, _ = run_op(mamba3_siso_fwd_op, Q, K, V, w(ADT), w(DT), w(Trap), w(Q_bias), w(K_bias),
-                                    w(Angles), w(D), None if Z is None else Z.to(V.dtype), w(angle), w(ssm), kst,
-                                    vst, chunk_size)
+                                       w(Angles), w(D), None if Z is None else Z.to(V.dtype), w(angle), w(ssm),
+                                       kst, vst, chunk_size, seq_idx, cu_seqlens)
     if not return_final_states:
         return out
-    return out, aout, final, kfin, V[:, -1].clone(memory_format=torch.contiguous_format)
+    if cu_seqlens is None:
+        return out, aout, final, kfin, V[:, -1].clone(memory_format=torch.contiguous_format)
+    ends = cu_seqlens[1:].long()  # each sequence's last V row (zeros for an empty sequence)
+    v_last = V[0].index_select(0, (ends - 1).clamp(min=0)) * (ends > cu_seqlens[:-1].long()).to(V.dtype)[:, None, None]
+    return out, aout, final, kfin, v_last

@@ -368,7 +368,7 @@ def dt_limit_pair(dt_limit) -> tuple[float, float]:
     return lo, hi
 
 
-def _validate_cu_seqlens(cu_seqlens, seq_idx, x):
+def validate_cu_seqlens(cu_seqlens, seq_idx, x):
     """cu_seqlens: (num_seqs + 1,) int32 / int64 on x's device, batch 1, 0 = cu[0] <= ... <= cu[-1] = seqlen,
     and where seq_idx is given too, seq_idx changes exactly at the starts of the (non-empty) sequences.
     -> cu_seqlens as int32. The value checks are skipped while torch.compile traces (fake tensors)."""
@@ -399,6 +399,13 @@ def _validate_cu_seqlens(cu_seqlens, seq_idx, x):
                 raise ValueError(f"cu_seqlens: inconsistent with seq_idx at position {t} (seq_idx must change "
                                  f"exactly where a packed sequence starts)")
     return cu_seqlens.to(torch.int32)
+
+
+def seq_idx_of(cu_seqlens: Tensor, seqlen: int) -> Tensor:
+    """(1, seqlen) int32 sequence index of each position of packed sequences (validated cu_seqlens): the
+    number of sequences ending at or before it, so an empty sequence takes an index no position has."""
+    t = torch.arange(seqlen, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True).to(torch.int32)[None]
 
 
 def _check_state_dtype(state_dtype):
@@ -433,7 +440,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     """
     lo, hi = _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
     _check_state_dtype(state_dtype)
-    cu = _validate_cu_seqlens(cu_seqlens, seq_idx, x) if return_varlen_states else None
+    cu = validate_cu_seqlens(cu_seqlens, seq_idx, x) if return_varlen_states else None
     y, final, *_, varlen = run_op(ssd_fwd, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                   bool(dt_softplus), [lo, hi], bool(keep_chunk_states), cu, state_dtype)
     out = (y, final) if return_final_states else (y,)
