@@ -25,6 +25,7 @@ SCRATCH = {
     ("selective_scan", "bwd"): {"ck", "wsA", "wsB", "wsC", "wsS"},  # the minimum recomputes the states
     ("ssd", "chunk_scan_bwd"): set(),
     ("mamba3", "siso_step"): {"qrot"},  # the rotated q, written by the rotate pass for the update pass
+    ("mamba3", "siso_preprocess_bwd"): {"gdt", "c0"},  # the angles' DT terms / the init term, between passes
 }
 INOUT = {("selective_scan", "update"): {"state"}}
 
@@ -103,6 +104,12 @@ def _mamba3(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
         tok = B * L * H  # input states: init = ssm + DT_0 (1 - lam_0) v k^T (3 per state)
         init = (3 * B * H * P * N + 4 * B * H, B * H) if s.get("has_init") else (0, 0)
         return 0, tok * (rot + 2 * N + 10) + init[0], tok + init[1], 3 * S * tok
+    if d == "siso_preprocess_bwd":  # per (b, t, h): rot again, R^T dq and R^T dk (6N), the skip's dX / dY (4N),
+        tok = B * L * H  # the bias sums (2N), the diagonal dot (2N); per angle the d theta (8), reverse cumsum,
+        #                  dAngles and its DT term (9); dgamma, dnu, dDT, dTrap, dADT (~15); input states: c0,
+        #                  dk_state, dv_state (6 per state)
+        init = 6 * B * H * P * N if s.get("has_init") else 0
+        return 0, tok * (rot + 14 * N + 17 * S + 15) + init, tok, 3 * S * tok
     raise KeyError(d)
 
 

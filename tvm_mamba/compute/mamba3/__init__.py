@@ -112,9 +112,10 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
-    """Tuning (and roofline) workloads: each Mamba-3 preset's two Mamba-3 kernels as ``Mamba3`` (SISO, fp32)
-    calls them: the decode step (D, Z; the cache's float32 K / V states) and the chunked forward's
-    preprocess (D, no input states: a plain forward or a prefill). The forward's SSD pieces are SSD kernels
+    """Tuning (and roofline) workloads: each Mamba-3 preset's three Mamba-3 kernels as ``Mamba3`` (SISO, fp32)
+    calls them: the decode step (D, Z; the cache's float32 K / V states), the chunked forward's preprocess
+    (D, no input states: a plain forward or a prefill) and its backward (training: keyed without D, which it
+    does not read, as the torch op keys it). The SSD pieces of the forward and backward are SSD kernels
     (compute/ssd), not listed here."""
     from .._presets import presets
 
@@ -124,7 +125,9 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
                      headdim_angles=d["num_rope_angles"])
         step = StepDims(**model, has_D=True, has_z=True)
         pre = PreDims(**model, chunk_size=d["chunk_size"], has_D=True, has_init=False)
-        out += [("siso_step", *step.key_parts()), ("siso_preprocess", *pre.key_parts())]
+        bwd = PreDims(**model, chunk_size=d["chunk_size"], has_D=False, has_init=False)
+        out += [("siso_step", *step.key_parts()), ("siso_preprocess", *pre.key_parts()),
+                ("siso_preprocess_bwd", *bwd.key_parts())]
     return out
 
 
