@@ -3,8 +3,10 @@
 ``siso_preprocess`` through ``mamba3_siso_combined`` (the preprocess and the four SSD pieces it feeds, each
 checked to have run): batch 2, seqlen chunk_size + 3 (two chunks, the second ragged), out and final states;
 ``siso_preprocess_bwd``, the kernel itself against torch.autograd of ``mamba3_siso_preprocess_ref`` at the
-same sizes (every gradient it returns); ``backward_results`` runs a whole mamba3_siso_combined forward +
-backward in the harness (tests/cudasim/test_mamba3.py, at small sizes).
+same sizes (every gradient it returns); packed-sequence (``has_seq_idx``) preprocess configurations, forward
+and backward, as the kernel alone (batch 1, three sequences) against the reference; ``backward_results``
+runs a whole mamba3_siso_combined forward + backward in the harness (tests/cudasim/test_mamba3.py, at small
+sizes).
 The SSD configuration ``chunk_scan`` with ``diag_skip`` (compute/ssd's build-check list) is checked here too
 (``check_scan``, from simcheck/ssd.py): only the Mamba-3 forward calls it."""
 from __future__ import annotations
@@ -262,10 +264,34 @@ def _compare_all(res: dict, what: str, arch: str) -> None:
         compare(f"{what} {arch}: {name}", got, want, rtol, atol * max(1.0, want.abs().max().item()))
 
 
+def packed_seq_idx(chunk_size: int) -> torch.Tensor:
+    """seq_idx (1, chunk_size + 3) int32 of three packed sequences, lengths 3, chunk_size - 3, 3: one boundary
+    inside chunk 0, one on chunk 1's edge."""
+    lens = torch.tensor([3, chunk_size - 3, 3])
+    return torch.repeat_interleave(torch.arange(3, dtype=torch.int32), lens)[None]
+
+
+def _check_packed(direction: str, static: dict, dtypes: dict, arch: str) -> None:
+    """A has_seq_idx preprocess configuration: the kernel alone in the harness (batch 1, three packed
+    sequences) against the float64 reference (forward) or its autograd (backward)."""
+    import tvm_mamba
+
+    Q = static["chunk_size"]
+    run = preprocess_results if direction == "siso_preprocess" else preprocess_bwd_results
+    with recording() as keys:
+        with tvm_mamba.simulate_cuda(arch):
+            res = run(static, dtypes, 1, Q + 3, seq_idx=packed_seq_idx(Q))
+    ran(keys, OP, direction, static, dtypes)
+    _compare_all(res, f"{OP}.{direction}", arch)
+
+
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of Mamba-3 in the harness (module docstring)."""
     import tvm_mamba
 
+    if direction in ("siso_preprocess", "siso_preprocess_bwd") and static.get("has_seq_idx"):
+        _check_packed(direction, static, dtypes, arch)
+        return
     if direction == "siso_preprocess":
         res, keys = combined_results(static, dtypes, arch)
         ran(keys, OP, direction, static, dtypes)

@@ -95,7 +95,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads. The chunked forward's preprocess at the same
     shape, chunk 64: bf16 with D and input states (a float32 K state, what the forward itself returns), and
     fp32 without (GQA, full rotary); its SSD pieces are compute/ssd's (the chunk scan with ``diag_skip`` in
-    that list). The preprocess's backward at the forward's two configurations."""
+    that list). The preprocess's backward at the forward's two configurations. Packed sequences
+    (has_seq_idx, bf16, no input states) for both directions."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
     bf16 = {"qk": "bfloat16", "v": "bfloat16"}
     pre = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
@@ -108,7 +109,9 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
              {"qk": "float32", "vstate": "float32"}),
             ("siso_preprocess_bwd", dict(pre, has_D=True, has_init=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
             ("siso_preprocess_bwd", dict(pre, nheads_qk=2, headdim_angles=64, has_D=False, has_init=False),
-             {"qk": "float32", "vstate": "float32"})]
+             {"qk": "float32", "vstate": "float32"}),
+            ("siso_preprocess", dict(pre, has_D=True, has_seq_idx=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
+            ("siso_preprocess_bwd", dict(pre, has_D=False, has_seq_idx=True), {"qk": "bfloat16", "vstate": "bfloat16"})]
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
