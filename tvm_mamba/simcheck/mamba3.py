@@ -174,9 +174,10 @@ def preprocess_results(static: dict, dtypes: dict, batch: int, seqlen: int, seq_
     outs = [torch.empty(batch, seqlen, H, N), torch.empty(batch, seqlen, H, N)]
     outs += [torch.empty(batch, H, nc, Qc) for _ in range(3)] + [torch.zeros(nseq, H, A)]
     outs += [torch.empty(batch, H, P, N) if static.get("has_init") else torch.zeros(1, 1, 1, 1)]
-    one = lambda n: torch.ones((1,) * n)  # noqa: E731
+    one = lambda n, dt="float32": torch.ones((1,) * n, dtype=_DTYPES[dt])  # noqa: E731
     opt = [inp["D"] if static.get("has_D") else one(1)]
-    opt += list(inp["Input_States"]) if static.get("has_init") else [one(3), one(4), one(3), one(3)]
+    opt += list(inp["Input_States"]) if static.get("has_init") else [
+        one(3), one(4), one(3, dtypes.get("kstate", "float32")), one(3, dtypes.get("vstate", "float32"))]
     dims = PreDims(**static, **{f"{k}_dtype": v for k, v in dtypes.items()})
     kernel_for(OP, "siso_preprocess", torch.device("cpu"), dims, batch=batch, seqlen=seqlen)(
         *(inp[k] for k in ("Q", "K", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles")), *opt, *outs,

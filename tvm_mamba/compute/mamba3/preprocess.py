@@ -22,6 +22,10 @@ what another writes):
    the state entering ssd_state_passing: the input K / V states' trapezoid term (its exp(ADT_0) comes from
    chunk 0's dA_cs).
 
+Packed sequences (``has_seq_idx``; seq_idx (batch, seqlen) int32, batch 1): theta restarts at 0 at each
+sequence's first position, angle_out is (nseq, H, A), row seq_idx[t] written at each sequence's last position
+t (batch row 0), and scale's DT_{s+1} term is 0 where s + 1 starts another sequence.
+
 The diagonal uses the unrotated dot, as upstream (rotation preserves it). ADT is clamped below at the SSD
 pieces' DA_MIN, so ADT = -inf gives a decay of 0 rather than NaN differences (issue #16's rule).
 """

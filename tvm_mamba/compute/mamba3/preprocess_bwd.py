@@ -23,6 +23,10 @@ previous ones wrote (three parallel loops on a CPU, three launches on CUDA):
        dDT = dgamma lam + dnu (1 - lam) + sum_i gdt_s,i;  dTrap = DT (dgamma - dnu) lam (1 - lam)
        dADT = ddA_step_s + ddecay_c where ADT_s >= DA_MIN, else 0 (the forward's clamp passes no gradient)
 
+Packed sequences (``has_seq_idx``, no input states): theta restarts as the forward's, G restarts at each
+sequence's last position t from daout[seq_idx[t]] (daout (nseq, H, A)), and dnu is 0 at a sequence's first
+position.
+
 Why theta is stored rather than run backwards (theta_{t-1} = theta_t - pi tanh(Angles_t) DT_t): the reverse
 recurrence drifts from the forward's angles by a rounding per step and its wrap can land on the other side of
 2 pi; the stored angles are the forward's own sequence, at no memory cost (gdt is needed anyway, same shape). The
