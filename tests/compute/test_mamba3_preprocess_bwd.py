@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_close_to_ref
+from tvm_mamba.compute._mamba3_dims import PreDims
 from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref, mamba3_siso_preprocess_ref
 from tvm_mamba.simcheck.mamba3 import combined_inputs, preprocess_bwd_results, preprocess_results
 
@@ -81,3 +82,12 @@ def test_packed_kernels_match_reference(direction):
     else:
         res = preprocess_bwd_results(SEQ, {}, batch=1, seqlen=sum(LENS), seq_idx=SEQ_IDX)
         _check(res, {"dQh", "dKh", "dADT", "dDT", "dTrap", "dQb_part", "dKb_part", "dAngles"})
+
+
+def test_packed_refuses_input_states():
+    """Packed sequences start from zero states: PreDims and the reference refuse the pair."""
+    with pytest.raises(ValueError, match="has_seq_idx"):
+        PreDims(**dict(SEQ, has_init=True))
+    inp = combined_inputs(dict(SEQ, has_init=True), {}, batch=1, seqlen=sum(LENS), has_z=False)
+    with pytest.raises(ValueError, match="seq_idx"):
+        mamba3_siso_preprocess_ref(**{k: v for k, v in inp.items() if k not in ("V", "Z")}, seq_idx=SEQ_IDX)
