@@ -10,9 +10,8 @@ import torch
 
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.compute._mamba3_dims import PreDims
-from tvm_mamba.reference.mamba3 import mamba3_siso_preprocess_ref
-from tvm_mamba.simcheck.mamba3 import combined_inputs, preprocess_bwd_results
-from tvm_mamba.torch_ops._dlpack import kernel_for
+from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref, mamba3_siso_preprocess_ref
+from tvm_mamba.simcheck.mamba3 import combined_inputs, preprocess_bwd_results, preprocess_results
 
 BASE = dict(nheads=4, headdim_qk=8, headdim_v=4, chunk_size=4)
 
@@ -44,15 +43,51 @@ def test_reference_matches_the_forward_kernel():
     """The reference's outputs (q, k, dA_cs with its padded slots, scale, skip, final angle, init) == the
     forward preprocess kernel's in fp32: the backward differentiates the function the forward computes."""
     static = dict(BASE, nheads_qk=2, headdim_angles=3, has_D=True, has_init=True)
-    inp = combined_inputs(static, {}, batch=2, seqlen=10, has_z=False)
-    inp["ADT"][..., 1] = -200.0
-    (b, L, _, N), H, P, A, Qc = inp["Q"].shape, 4, 4, 3, 4
-    nc = -(-L // Qc)
-    outs = [torch.empty(b, L, H, N), torch.empty(b, L, H, N)] + [torch.empty(b, H, nc, Qc) for _ in range(3)]
-    outs += [torch.empty(b, H, A), torch.empty(b, H, P, N)]
-    kern = kernel_for("mamba3", "siso_preprocess", torch.device("cpu"), PreDims(**static), batch=b, seqlen=L)
-    kern(*(inp[k] for k in ("Q", "K", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D")),
-         *inp["Input_States"], *outs)
-    ref = mamba3_siso_preprocess_ref(**{k: v for k, v in inp.items() if k not in ("V", "Z")}, chunk_size=Qc)
-    for name, got, want in zip(("q", "k", "dA_cs", "scale", "skip", "angle_out", "init"), outs, ref):
-        assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-5, name=name)
+    res = preprocess_results(static, {}, batch=2, seqlen=10)
+    _check(res, {"q", "k", "dA_cs", "scale", "skip", "angle_out", "init"})
+
+
+# packed sequences of lengths 3, 5, 3 in seqlen 11, chunk 4: a boundary inside chunk 0, one on chunk 2's edge
+LENS = (3, 5, 3)
+SEQ = dict(BASE, nheads_qk=2, headdim_angles=3, has_D=True, has_seq_idx=True)
+SEQ_IDX = torch.repeat_interleave(torch.arange(len(LENS), dtype=torch.int32), torch.tensor(LENS))[None]
+
+
+def test_packed_reference_is_per_sequence():
+    """The packed reference == each sequence run alone: its q, k and scale rows those of the slice through
+    the reference, its per-sequence angles mamba3_siso_combined_ref(cu_seqlens)'s final angle states."""
+    inp = combined_inputs(SEQ, {}, batch=1, seqlen=sum(LENS), has_z=False)
+    pre = {k: v for k, v in inp.items() if k not in ("V", "Z")}
+    q, k, _, scale, _, aout, init = mamba3_siso_preprocess_ref(**pre, chunk_size=4, seq_idx=SEQ_IDX)
+    assert init is None and aout.shape == (len(LENS), 4, 3)
+    cu = torch.tensor([0, 3, 8, 11], dtype=torch.int32)
+    final = mamba3_siso_combined_ref(**inp, chunk_size=4, cu_seqlens=cu, return_final_states=True)[1]
+    torch.testing.assert_close(aout, final, rtol=0, atol=1e-12)
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        axis = {"Q": 1, "K": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
+        part = {n: v.narrow(axis[n], lo, hi - lo) if n in axis else v for n, v in pre.items()}
+        sq, sk, _, ss, *_ = mamba3_siso_preprocess_ref(**part, chunk_size=4)
+        torch.testing.assert_close(q[:, lo:hi], sq, rtol=0, atol=1e-12)
+        torch.testing.assert_close(k[:, lo:hi], sk, rtol=0, atol=1e-12)
+        torch.testing.assert_close(scale.flatten(-2)[..., lo:hi], ss.flatten(-2)[..., :hi - lo], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_packed_kernels_match_reference(direction):
+    """has_seq_idx: the forward's outputs (per-sequence angle_out) against the packed reference, every backward
+    output against its autograd (no input states: zero initial states per sequence)."""
+    if direction == "forward":
+        res = preprocess_results(SEQ, {}, batch=1, seqlen=sum(LENS), seq_idx=SEQ_IDX)
+        _check(res, {"q", "k", "dA_cs", "scale", "skip", "angle_out"})
+    else:
+        res = preprocess_bwd_results(SEQ, {}, batch=1, seqlen=sum(LENS), seq_idx=SEQ_IDX)
+        _check(res, {"dQh", "dKh", "dADT", "dDT", "dTrap", "dQb_part", "dKb_part", "dAngles"})
+
+
+def test_packed_refuses_input_states():
+    """Packed sequences start from zero states: PreDims and the reference refuse the pair."""
+    with pytest.raises(ValueError, match="has_seq_idx"):
+        PreDims(**dict(SEQ, has_init=True))
+    inp = combined_inputs(dict(SEQ, has_init=True), {}, batch=1, seqlen=sum(LENS), has_z=False)
+    with pytest.raises(ValueError, match="seq_idx"):
+        mamba3_siso_preprocess_ref(**{k: v for k, v in inp.items() if k not in ("V", "Z")}, seq_idx=SEQ_IDX)

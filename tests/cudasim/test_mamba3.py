@@ -82,6 +82,21 @@ def test_preprocess_bwd_matches_autograd(sim, static, dtypes):
         assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
 
 
+def test_packed_preprocess_matches_reference(sim):
+    """has_seq_idx (three packed sequences, lengths 3, 1, 3 in seqlen 7, chunk 4: a boundary inside chunk 0,
+    one on chunk 1's edge): the forward's launches (per-sequence angle_out) against the float64 reference, the
+    backward's against its autograd."""
+    static = dict(nheads=4, nheads_qk=2, headdim_qk=8, headdim_v=4, headdim_angles=3, chunk_size=4, has_D=True,
+                  has_seq_idx=True)
+    seq_idx = sc.packed_seq_idx(4)
+    res = sc.preprocess_results(static, {}, 1, 7, seq_idx=seq_idx)
+    res.update(sc.preprocess_bwd_results(static, {}, 1, 7, seq_idx=seq_idx))
+    assert [k.direction for k, _ in sim] == ["siso_preprocess", "siso_preprocess_bwd"]
+    assert len(res) == 6 + 8 and res["angle_out"][0].shape == (3, 4, 3)
+    for name, (got, want) in res.items():
+        assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
+
+
 def test_combined_backward_matches_autograd_of_reference():
     """mamba3_siso_combined's whole backward on the CUDA kernels (the forward's pieces, chunk_scan_bwd_dstates,
     state_passing_bwd, chunk_scan_bwd with diag_skip, the preprocess backward, head_sum): every gradient
@@ -101,7 +116,8 @@ def test_combined_backward_matches_autograd_of_reference():
 def test_simcheck_every_config():
     """build-check's configurations (upstream's tuned shape: 32 heads, headdim_qk 128, headdim_v 64)."""
     configs = compute.build_check_configs()
-    assert [c[0] for c in configs] == ["siso_step"] * 4 + ["siso_preprocess"] * 2 + ["siso_preprocess_bwd"] * 2
+    assert [c[0] for c in configs] == (["siso_step"] * 4 + ["siso_preprocess"] * 2 + ["siso_preprocess_bwd"] * 2
+                                       + ["siso_preprocess", "siso_preprocess_bwd"])
     for direction, static, dtypes in configs:
         simcheck.run_config("mamba3", direction, static, dtypes, "sm_90")
 

@@ -82,7 +82,9 @@ class PreDims(HeadDims):
     """The SISO chunked forward's preprocess (the kernel before the SSD pieces, docs/mamba3.md): HeadDims'
     model dims; chunk_size: the SSD pieces' chunk length (1 .. 256); has_D: D given (folded into the
     per-position skip); has_init: input states given (the angle cumsum starts from the angle state, the
-    initial ssm state gets the K / V states' trapezoid term). Dtypes: ``qk`` of Q and K, ``vstate`` of the
+    initial ssm state gets the K / V states' trapezoid term); has_seq_idx: packed sequences (batch 1, a seq_idx
+    (batch, seqlen) int32 input: the angle cumsum restarts at each sequence, the trapezoid's left term does not
+    cross a boundary, the final angles are per sequence (nseq rows); not with has_init). Dtypes: ``qk`` of Q and K, ``vstate`` of the
     input V state, ``kstate`` of the input K state (None: float32). The SSD pieces accumulate in float32, so
     there is no float64 form.
     """
@@ -93,9 +95,12 @@ class PreDims(HeadDims):
     qk_dtype: str = "float32"
     vstate_dtype: str = "float32"
     kstate_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+    has_seq_idx: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.has_seq_idx and self.has_init:
+            raise ValueError("has_seq_idx: packed sequences start from zero states, not with has_init")
         if not (isinstance(self.chunk_size, int) and 1 <= self.chunk_size <= 256):
             raise ValueError(f"chunk_size: must be an int in 1..256, got {self.chunk_size!r}")
         self.check_dtypes(("qk", "vstate", "kstate"), IO_DTYPES[:3])

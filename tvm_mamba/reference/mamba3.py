@@ -217,8 +217,29 @@ def mamba3_siso_chunked_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=No
 DA_MIN = -110.0  # the SSD pieces' lowest decay step (compute/ssd/common.py DA_MIN), the preprocess's clamp
 
 
+def _segment_cumsum(x: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
+    """x: (batch, seqlen, ...) -> its cumsum over seqlen restarting where seq_idx (batch, seqlen) changes."""
+    cs = torch.cumsum(x, dim=1)
+    pos = torch.arange(x.shape[1], device=x.device).expand(seq_idx.shape)
+    new = torch.ones_like(seq_idx, dtype=torch.bool)
+    new[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    start = torch.cummax(torch.where(new, pos, torch.zeros_like(pos)), dim=1).values  # each position's first
+    before = F.pad(cs, (0, 0) * (x.dim() - 2) + (1, 0))  # before[:, t] = sum of positions < t
+    idx = start.reshape(*start.shape, *(1,) * (x.dim() - 2)).expand_as(x)
+    return cs - torch.gather(before, 1, idx)
+
+
+def _per_sequence_last(theta: torch.Tensor, seq_idx: torch.Tensor, nseq: int) -> torch.Tensor:
+    """theta (1, seqlen, ...) -> (nseq, ...): row i = theta at sequence i's last position (0 if it has none)."""
+    sid = seq_idx[0].long()
+    out = theta.new_zeros(nseq, *theta.shape[2:])
+    last = torch.ones_like(sid, dtype=torch.bool)
+    last[:-1] = sid[1:] != sid[:-1]
+    return out.index_put((sid[last],), theta[0, last])
+
+
 def mamba3_siso_preprocess_ref(Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Input_States=None,
-                               chunk_size=64, dtype=torch.float64):
+                               chunk_size=64, dtype=torch.float64, seq_idx=None, nseq=None):
     """The chunked forward's preprocess (compute/mamba3/preprocess.py) from the math, differentiable.
     Q, K: (batch, seqlen, nheads_qk, headdim_qk); ADT, DT, Trap: (batch, nheads, seqlen); Q_bias, K_bias:
     (nheads, headdim_qk); Angles: (batch, seqlen, nheads, headdim_angles); D: (nheads,); Input_States: (angle
@@ -231,22 +252,35 @@ def mamba3_siso_preprocess_ref(Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D=No
     state; q, k = R(theta) X, R(theta) Y; lam = sigmoid(Trap), gamma = DT lam, nu = DT (1 - lam);
     dA_cs = chunk-local cumsum of clamp(ADT, DA_MIN) (slots past seqlen repeat the chunk's last value);
     scale_s = gamma_s + nu_{s+1} (nu_seqlen = 0), skip_s = D + gamma_s X_s . Y_s (both 0 past seqlen);
-    init = ssm + nu_0 v_state k_state^T."""
+    init = ssm + nu_0 v_state k_state^T.
+
+    Packed sequences: seq_idx (1, seqlen) int (non-decreasing sequence ids), no Input_States: theta's cumsum
+    restarts at each sequence's first position, nu_{s+1} enters scale_s only within s's sequence, and
+    angle_out is (nseq, nheads, headdim_angles) (nseq: default max id + 1): each sequence's theta at its last
+    position, rows of sequences without positions 0."""
+    if seq_idx is not None and (Input_States is not None or Q.shape[0] != 1):
+        raise ValueError("seq_idx: packed sequences need batch 1 and no Input_States")
     c = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D = (c(t) for t in (Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D))
     (batch, L, hq, _), H = Q.shape, ADT.shape[1]
     theta0 = c(Input_States[0]) if Input_States is not None else Angles.new_zeros(batch, H, Angles.shape[-1])
-    theta = torch.remainder(theta0[:, None] + torch.cumsum(math.pi * torch.tanh(Angles) * DT.transpose(1, 2)[..., None],
-                                                           dim=1), TWO_PI)  # (batch, seqlen, nheads, headdim_angles)
+    rate = math.pi * torch.tanh(Angles) * DT.transpose(1, 2)[..., None]
+    cum = torch.cumsum(rate, dim=1) if seq_idx is None else _segment_cumsum(rate, seq_idx)
+    theta = torch.remainder(theta0[:, None] + cum, TWO_PI)  # (batch, seqlen, nheads, headdim_angles)
     X, Y = Q.repeat_interleave(H // hq, dim=2) + Q_bias, K.repeat_interleave(H // hq, dim=2) + K_bias
     lam = torch.sigmoid(Trap)
     gamma, nu = DT * lam, DT * (1 - lam)
-    scale = gamma + F.pad(nu[..., 1:], (0, 1))
+    nxt = F.pad(nu[..., 1:], (0, 1))
+    if seq_idx is not None:  # the next step's left term only within the sequence
+        nxt = nxt * F.pad((seq_idx[:, 1:] == seq_idx[:, :-1]).to(nxt.dtype), (0, 1))[:, None]
+    scale = gamma + nxt
     skip = gamma * torch.einsum("blhn,blhn->bhl", X, Y) + (D[:, None] if D is not None else 0)
     cs = torch.cumsum(_chunks(ADT.clamp(min=DA_MIN), -1, chunk_size), dim=-1)
     init = None
     if Input_States is not None:
         ssm, kst, vst = (c(t) for t in Input_States[1:])
         init = ssm + nu[..., 0, None, None] * vst[..., :, None] * kst[..., None, :]
+    aout = ((theta[:, -1] if L else theta0) if seq_idx is None else
+            _per_sequence_last(theta, seq_idx, nseq or int(seq_idx.max()) + 1))
     return (rotate_pairs(X, theta), rotate_pairs(Y, theta), cs, _chunks(scale, -1, chunk_size),
-            _chunks(skip, -1, chunk_size), theta[:, -1] if L else theta0, init)
+            _chunks(skip, -1, chunk_size), aout, init)

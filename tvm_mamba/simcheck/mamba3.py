@@ -3,8 +3,10 @@
 ``siso_preprocess`` through ``mamba3_siso_combined`` (the preprocess and the four SSD pieces it feeds, each
 checked to have run): batch 2, seqlen chunk_size + 3 (two chunks, the second ragged), out and final states;
 ``siso_preprocess_bwd``, the kernel itself against torch.autograd of ``mamba3_siso_preprocess_ref`` at the
-same sizes (every gradient it returns); ``backward_results`` runs a whole mamba3_siso_combined forward +
-backward in the harness (tests/cudasim/test_mamba3.py, at small sizes).
+same sizes (every gradient it returns); packed-sequence (``has_seq_idx``) preprocess configurations, forward
+and backward, as the kernel alone (batch 1, three sequences) against the reference; ``backward_results``
+runs a whole mamba3_siso_combined forward + backward in the harness (tests/cudasim/test_mamba3.py, at small
+sizes).
 The SSD configuration ``chunk_scan`` with ``diag_skip`` (compute/ssd's build-check list) is checked here too
 (``check_scan``, from simcheck/ssd.py): only the Mamba-3 forward calls it."""
 from __future__ import annotations
@@ -155,14 +157,47 @@ PRE_BWD_OUTPUTS = ("dQh", "dKh", "dADT", "dDT", "dTrap", "dQb_part", "dKb_part",
                    "dk_state", "dv_state")
 
 
-def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int = 0) -> tuple[dict, dict]:
+def preprocess_results(static: dict, dtypes: dict, batch: int, seqlen: int, seq_idx=None) -> dict:
+    """The forward preprocess kernel alone (on the CPU, or in the CUDA harness inside
+    ``tvm_mamba.simulate_cuda``) on ``combined_inputs`` (ADT of position 1 below DA_MIN: a clamped step), with
+    packed sequences where ``seq_idx`` (1, seqlen) int32 is given (angle_out then per sequence, zero-filled):
+    {output name: (kernel result, float64 ``mamba3_siso_preprocess_ref``)} for q, k, dA_cs (with its padded
+    slots), scale, skip, angle_out and, with has_init, init."""
+    from ..compute._mamba3_dims import PreDims
+    from ..reference.mamba3 import mamba3_siso_preprocess_ref
+    from ..torch_ops._dlpack import kernel_for
+
+    inp = combined_inputs(static, dtypes, batch, seqlen, has_z=False)
+    inp["ADT"][..., min(1, seqlen - 1)] = -200.0
+    H, N, P, A, Qc = (static[k] for k in ("nheads", "headdim_qk", "headdim_v", "headdim_angles", "chunk_size"))
+    nc, nseq = -(-seqlen // Qc), batch if seq_idx is None else int(seq_idx.max()) + 1
+    outs = [torch.empty(batch, seqlen, H, N), torch.empty(batch, seqlen, H, N)]
+    outs += [torch.empty(batch, H, nc, Qc) for _ in range(3)] + [torch.zeros(nseq, H, A)]
+    outs += [torch.empty(batch, H, P, N) if static.get("has_init") else torch.zeros(1, 1, 1, 1)]
+    one = lambda n, dt="float32": torch.ones((1,) * n, dtype=_DTYPES[dt])  # noqa: E731
+    opt = [inp["D"] if static.get("has_D") else one(1)]
+    opt += list(inp["Input_States"]) if static.get("has_init") else [
+        one(3), one(4), one(3, dtypes.get("kstate", "float32")), one(3, dtypes.get("vstate", "float32"))]
+    dims = PreDims(**static, **{f"{k}_dtype": v for k, v in dtypes.items()})
+    kernel_for(OP, "siso_preprocess", torch.device("cpu"), dims, batch=batch, seqlen=seqlen)(
+        *(inp[k] for k in ("Q", "K", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles")), *opt, *outs,
+        seq_idx if seq_idx is not None else torch.zeros(1, 1, dtype=torch.int32))
+    ref = mamba3_siso_preprocess_ref(**{k: v for k, v in inp.items() if k not in ("V", "Z")}, chunk_size=Qc,
+                                     seq_idx=seq_idx)
+    names = ("q", "k", "dA_cs", "scale", "skip", "angle_out", "init")
+    return {n: (got, want) for n, got, want in zip(names, outs, ref) if want is not None}
+
+
+def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int = 0,
+                        seq_idx=None) -> tuple[dict, dict]:
     """A preprocess backward call at PreDims fields ``static`` / dtypes (qk, vstate, kstate): (kernel
     arguments by name, in the kernel's order, gradient outputs and workspaces allocated, {output name: its
     float64 autograd reference}). Inputs as ``combined_inputs`` (ADT of position 1 below DA_MIN: a clamped
     step), random upstream gradients for every forward output; the dA_cs gradient G enters the kernel as
     ddA_step + ddecay = the within-chunk reverse cumsum of G (ddecay random). The reference is
     ``mamba3_siso_preprocess_ref`` on Q, K repeated per head (so its Q / K gradients are the kernel's per-head
-    dQh / dKh) with the batch-summed bias gradients (the kernel's dQb_part / dKb_part summed over batch)."""
+    dQh / dKh) with the batch-summed bias gradients (the kernel's dQb_part / dKb_part summed over batch).
+    ``seq_idx`` (1, seqlen) int32: packed sequences (has_seq_idx; daout then one row per sequence)."""
     from ..reference.mamba3 import mamba3_siso_preprocess_ref
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -172,14 +207,16 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
     inp["ADT"][..., min(1, seqlen - 1)] = -200.0
     has_init, nc = static.get("has_init", False), -(-seqlen // Qc)
     f32 = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    nseq = batch if seq_idx is None else int(seq_idx.max()) + 1
     grads = dict(dq=f32(batch, seqlen, H, N), dk=f32(batch, seqlen, H, N), dscale=f32(batch, H, nc, Qc),
-                 dskip=f32(batch, H, nc, Qc), daout=f32(batch, H, A), dinit=f32(batch, H, P, N))
+                 dskip=f32(batch, H, nc, Qc), daout=f32(nseq, H, A), dinit=f32(batch, H, P, N))
     gda, ddecay = f32(batch, H, nc, Qc), f32(batch, H, nc)
     ddA = gda.flip(-1).cumsum(-1).flip(-1) - ddecay[..., None]
     leaves = {k: inp[k].double().requires_grad_() for k in ("ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles")}
     Qh, Kh = (inp[k].double().repeat_interleave(H // HQ, dim=2).requires_grad_() for k in ("Q", "K"))
     states = [s.double().requires_grad_() for s in inp["Input_States"]] if has_init else None
-    outs = mamba3_siso_preprocess_ref(Qh, Kh, **leaves, D=inp["D"], Input_States=states, chunk_size=Qc)
+    outs = mamba3_siso_preprocess_ref(Qh, Kh, **leaves, D=inp["D"], Input_States=states, chunk_size=Qc,
+                                      seq_idx=seq_idx)
     pairs = [(o, gr) for o, gr in zip(outs, (grads["dq"], grads["dk"], gda, grads["dscale"], grads["dskip"],
                                              grads["daout"], grads["dinit"])) if o is not None]
     wrt = [Qh, Kh, *leaves.values()] + ([states[0], states[2], states[3]] if has_init else [])
@@ -198,20 +235,22 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
                 dTrap=new(batch, H, seqlen), dQb_part=new(batch, H, N), dKb_part=new(batch, H, N),
                 dAngles=new(batch, seqlen, H, A), dangle_state=placeholder(new(batch, H, A), 3),
                 dk_state=placeholder(new(batch, H, N), 3), dv_state=placeholder(new(batch, H, P), 3),
-                gdt=new(batch, seqlen, H, A), c0=new(batch, H))
+                gdt=new(batch, seqlen, H, A), c0=new(batch, H),
+                seq_idx=seq_idx if seq_idx is not None else torch.zeros(1, 1, dtype=torch.int32))
     if not has_init:
         ref = {k: v for k, v in ref.items() if k not in ("dangle_state", "dk_state", "dv_state")}
     return args, ref
 
 
-def preprocess_bwd_results(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int = 0) -> dict:
+def preprocess_bwd_results(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int = 0,
+                           seq_idx=None) -> dict:
     """The preprocess backward kernel run on ``preprocess_bwd_case``'s arguments (on the CPU, or in the CUDA
     harness inside ``tvm_mamba.simulate_cuda``): {output name: (kernel result, float64 reference)}, the bias
     parts summed over batch."""
     from ..compute._mamba3_dims import PreDims
     from ..torch_ops._dlpack import kernel_for
 
-    args, ref = preprocess_bwd_case(static, dtypes, batch, seqlen, seed)
+    args, ref = preprocess_bwd_case(static, dtypes, batch, seqlen, seed, seq_idx)
     dims = PreDims(**static, **{f"{k}_dtype": v for k, v in dtypes.items()})
     kernel_for(OP, "siso_preprocess_bwd", torch.device("cpu"), dims, batch=batch, seqlen=seqlen)(*args.values())
     got = {k: args[k] for k in ref}
@@ -226,10 +265,34 @@ def _compare_all(res: dict, what: str, arch: str) -> None:
         compare(f"{what} {arch}: {name}", got, want, rtol, atol * max(1.0, want.abs().max().item()))
 
 
+def packed_seq_idx(chunk_size: int) -> torch.Tensor:
+    """seq_idx (1, chunk_size + 3) int32 of three packed sequences, lengths 3, chunk_size - 3, 3: one boundary
+    inside chunk 0, one on chunk 1's edge."""
+    lens = torch.tensor([3, chunk_size - 3, 3])
+    return torch.repeat_interleave(torch.arange(3, dtype=torch.int32), lens)[None]
+
+
+def _check_packed(direction: str, static: dict, dtypes: dict, arch: str) -> None:
+    """A has_seq_idx preprocess configuration: the kernel alone in the harness (batch 1, three packed
+    sequences) against the float64 reference (forward) or its autograd (backward)."""
+    import tvm_mamba
+
+    Q = static["chunk_size"]
+    run = preprocess_results if direction == "siso_preprocess" else preprocess_bwd_results
+    with recording() as keys:
+        with tvm_mamba.simulate_cuda(arch):
+            res = run(static, dtypes, 1, Q + 3, seq_idx=packed_seq_idx(Q))
+    ran(keys, OP, direction, static, dtypes)
+    _compare_all(res, f"{OP}.{direction}", arch)
+
+
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of Mamba-3 in the harness (module docstring)."""
     import tvm_mamba
 
+    if direction in ("siso_preprocess", "siso_preprocess_bwd") and static.get("has_seq_idx"):
+        _check_packed(direction, static, dtypes, arch)
+        return
     if direction == "siso_preprocess":
         res, keys = combined_results(static, dtypes, arch)
         ran(keys, OP, direction, static, dtypes)

@@ -63,7 +63,9 @@ def mamba3_siso_preprocess(dims: PreDims | None = None, /, **kwargs) -> tirx.Pri
     nheads, headdim_v, headdim_qk) f32, k_state (batch, nheads, headdim_qk), v_state (batch, nheads, headdim_v)
     -> q, k: (batch, seqlen, nheads, headdim_qk) f32 (rotated, biased); dA_cs, scale, skip: (batch, nheads,
     nchunks, chunk_size) f32; angle_out: (batch, nheads, headdim_angles) f32; init: (batch, nheads, headdim_v,
-    headdim_qk) f32 (with has_init). Formulas in preprocess.py; ``dims``: a PreDims, or its fields as keywords."""
+    headdim_qk) f32 (with has_init); last seq_idx (batch, seqlen) int32 (with has_seq_idx: packed sequences,
+    angle_out then (nseq, nheads, headdim_angles), a row per sequence; else a (1, 1) placeholder). Formulas in
+    preprocess.py; ``dims``: a PreDims, or its fields as keywords."""
     if dims is not None and kwargs:
         raise TypeError(f"mamba3_siso_preprocess: pass dims or keyword dims, not both ({sorted(kwargs)})")
     d = dims if dims is not None else PreDims(**kwargs)
@@ -80,7 +82,8 @@ def mamba3_siso_preprocess_bwd(dims: PreDims | None = None, /, **kwargs) -> tirx
     headdim_qk) per head; dADT, dDT, dTrap (batch, nheads, seqlen); dQb_part, dKb_part (batch, nheads,
     headdim_qk); dAngles (batch, seqlen, nheads, headdim_angles); dangle_state, dk_state, dv_state; workspaces
     gdt (batch, seqlen, nheads, headdim_angles), c0 (batch, nheads); all float32 (states and their gradients:
-    placeholders without has_init). ``dims``: a PreDims, or its fields as keywords."""
+    placeholders without has_init); last seq_idx (batch, seqlen) int32 (with has_seq_idx: packed sequences,
+    daout then (nseq, nheads, headdim_angles); else a (1, 1) placeholder). ``dims``: a PreDims, or its fields as keywords."""
     if dims is not None and kwargs:
         raise TypeError(f"mamba3_siso_preprocess_bwd: pass dims or keyword dims, not both ({sorted(kwargs)})")
     d = dims if dims is not None else PreDims(**kwargs)
@@ -95,7 +98,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     plus fp32 at rope_fraction 1.0 with GQA over 2 Q/K heads. The chunked forward's preprocess at the same
     shape, chunk 64: bf16 with D and input states (a float32 K state, what the forward itself returns), and
     fp32 without (GQA, full rotary); its SSD pieces are compute/ssd's (the chunk scan with ``diag_skip`` in
-    that list). The preprocess's backward at the forward's two configurations."""
+    that list). The preprocess's backward at the forward's two configurations. Packed sequences
+    (has_seq_idx, bf16, no input states) for both directions."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
     bf16 = {"qk": "bfloat16", "v": "bfloat16"}
     pre = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
@@ -108,7 +112,11 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
              {"qk": "float32", "vstate": "float32"}),
             ("siso_preprocess_bwd", dict(pre, has_D=True, has_init=True), {"qk": "bfloat16", "vstate": "bfloat16"}),
             ("siso_preprocess_bwd", dict(pre, nheads_qk=2, headdim_angles=64, has_D=False, has_init=False),
-             {"qk": "float32", "vstate": "float32"})]
+             {"qk": "float32", "vstate": "float32"}),
+            ("siso_preprocess", dict(pre, has_D=True, has_init=False, has_seq_idx=True),
+             {"qk": "bfloat16", "vstate": "bfloat16"}),
+            ("siso_preprocess_bwd", dict(pre, has_D=False, has_init=False, has_seq_idx=True),
+             {"qk": "bfloat16", "vstate": "bfloat16"})]
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:

@@ -22,6 +22,10 @@ what another writes):
    the state entering ssd_state_passing: the input K / V states' trapezoid term (its exp(ADT_0) comes from
    chunk 0's dA_cs).
 
+Packed sequences (``has_seq_idx``; seq_idx (batch, seqlen) int32, batch 1): theta restarts at 0 at each
+sequence's first position, angle_out is (nseq, H, A), row seq_idx[t] written at each sequence's last position
+t (batch row 0), and scale's DT_{s+1} term is 0 where s + 1 starts another sequence.
+
 The diagonal uses the unrotated dot, as upstream (rotation preserves it). ADT is clamped below at the SSD
 pieces' DA_MIN, so ADT = -inf gives a decay of 0 rather than NaN differences (issue #16's rule).
 """
@@ -32,7 +36,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..ssd.common import DA_MIN, F32, Z4
+from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
 
@@ -46,7 +50,7 @@ def _rotate_macro(d: PreDims, S: Strategy):
     V = S.lanes(NP)
 
     @T.macro
-    def pairs(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seqlen):
+    def pairs(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seq, seqlen):
         w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,)))
         b, h, pb = T.meta_var(unravel(i, (None, H, NP // V)))
         hq = T.meta_var(h // HPQ)
@@ -59,16 +63,38 @@ def _rotate_macro(d: PreDims, S: Strategy):
         for t in range(seqlen):
             for v in S.lane_loop(V):
                 w.th[v] = T.Select(pb * V + v < A, angle_step(
-                    w.th[v], m.tanh(Ang[b, t, h, T.min(pb * V + v, A - 1)]), DT[b, h, t], m), m.zero)
+                    carried(w.th[v], seq, b, t, d.has_seq_idx, m), m.tanh(Ang[b, t, h, T.min(pb * V + v, A - 1)]),
+                    DT[b, h, t], m), m.zero)
                 w.cs[v] = T.cos(w.th[v])
                 w.sn[v] = T.sin(w.th[v])
                 _rotate(q, Qm, Qb, w, b, t, h, hq, pb * V + v, v, m)
                 _rotate(k, Km, Kb, w, b, t, h, hq, pb * V + v, v, m)
-        for v in range(V):
-            if pb * V + v < A:
-                aout[b, h, pb * V + v] = w.th[v]
+            if d.has_seq_idx:
+                if b == 0 and seq_ends(seq, b, t, seqlen):
+                    for v in range(V):
+                        if pb * V + v < A:
+                            aout[seq[b, t], h, pb * V + v] = w.th[v]
+        if not d.has_seq_idx:
+            for v in range(V):
+                if pb * V + v < A:
+                    aout[b, h, pb * V + v] = w.th[v]
 
     return pairs
+
+
+def seq_continues(seq, b, t):
+    """Position t > 0 is in the same packed sequence as t - 1 (seq: the (batch, seqlen) sequence ids)."""
+    return tirx.all(t > 0, seq[b, tirx.max(t - 1, 0)] == seq[b, t])
+
+
+def seq_ends(seq, b, t, seqlen):
+    """Position t is its packed sequence's last one (the last position, or the next one's id differs)."""
+    return tirx.any(t + 1 >= seqlen, seq[b, tirx.min(t + 1, seqlen - 1)] != seq[b, t])
+
+
+def carried(theta, seq, b, t, has_seq_idx: bool, m):
+    """The angle a step starts from: theta_{t-1}, or with packed sequences 0 at a sequence's first position."""
+    return tirx.Select(seq_continues(seq, b, t), theta, m.zero) if has_seq_idx else theta
 
 
 def angle_step(theta, tanh_angle, dt, m):
@@ -102,7 +128,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
     dot = dot_macro(N, S)
 
     @T.macro
-    def chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seqlen, nchunks):
+    def chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seq, seqlen, nchunks):
         r = T.alloc_buffer((4,), F32, scope=S.scope)  # cumsum, gamma, next step's left weight, q . k
         b, h, c = T.meta_var(unravel(i, (None, H, nchunks)))
         r[0] = m.zero
@@ -113,6 +139,9 @@ def _chunk_macro(d: PreDims, S: Strategy):
                 r[2] = m.zero
                 if c * Q + l + 1 < seqlen:
                     r[2] = DT[b, h, c * Q + l + 1] * (m.one - m.sigmoid(Trap[b, h, c * Q + l + 1]))
+                    if d.has_seq_idx:
+                        if seq[b, c * Q + l + 1] != seq[b, c * Q + l]:
+                            r[2] = m.zero
                 dot(r, 3, qk_dot_term(Qm, Km, Qb, Kb, b, c * Q + l, h // HPQ, h, m))
                 scale[b, h, c, l] = r[1] + r[2]
                 skip[b, h, c, l] = (Dv[h] if d.has_D else m.zero) + r[1] * r[3]
@@ -172,7 +201,10 @@ def _init_macro(d: PreDims, S: Strategy):
 def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     """The preprocess's three passes laid out by ``S`` (module docstring). Parameters in order: Q, K, ADT, DT,
     Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state, v_state (absent ones: placeholders of
-    ones), then the outputs q, k, dA_cs, scale, skip, angle_out, init."""
+    ones), then the outputs q, k, dA_cs, scale, skip, angle_out, init, and last seq_idx (batch, seqlen) int32
+    (a (1, 1) placeholder without has_seq_idx). With has_seq_idx angle_out is (nseq, H, A): row sid written
+    at sequence sid's last position from batch row 0 only (packed sequences have batch 1); rows of sequences
+    without positions are left as they are (the caller zero-fills)."""
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
     KT = d.kstate_dtype or F32
     pair, chunk, row, tasks = _rotate_macro(d, S), _chunk_macro(d, S), _init_macro(d, S), S.tasks()
@@ -182,10 +214,11 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     def func(Q_h: T.handle, K_h: T.handle, ADT_h: T.handle, DT_h: T.handle, Trap_h: T.handle, Qb_h: T.handle,
              Kb_h: T.handle, Ang_h: T.handle, D_h: T.handle, ast_h: T.handle, ssm_h: T.handle, kst_h: T.handle,
              vst_h: T.handle, q_h: T.handle, k_h: T.handle, dac_h: T.handle, sc_h: T.handle, sk_h: T.handle,
-             aout_h: T.handle, init_h: T.handle):
+             aout_h: T.handle, init_h: T.handle, seq_h: T.handle):
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
+        nseq = T.int32()
         Qm = T.match_buffer(Q_h, (batch, seqlen, HQ, N), d.qk_dtype)
         Km = T.match_buffer(K_h, (batch, seqlen, HQ, N), d.qk_dtype)
         ADT = T.match_buffer(ADT_h, (batch, H, seqlen), F32)
@@ -204,12 +237,13 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         scale = T.match_buffer(sc_h, (batch, H, nchunks, Q), F32)
         skip = T.match_buffer(sk_h, (batch, H, nchunks, Q), F32)
-        aout = T.match_buffer(aout_h, (batch, H, A), F32)
+        aout = T.match_buffer(aout_h, (nseq if d.has_seq_idx else batch, H, A), F32)
         init = T.match_buffer(init_h, (batch, H, P, N) if d.has_init else Z4, F32)
+        seq = T.match_buffer(seq_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
         tasks(batch * H * (N // 2 // S.lanes(N // 2)),
-              lambda i: pair(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seqlen))
-        tasks(batch * H * nchunks, lambda i: chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seqlen,
-                                                   nchunks))
+              lambda i: pair(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seq, seqlen))
+        tasks(batch * H * nchunks, lambda i: chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seq,
+                                                   seqlen, nchunks))
         if d.has_init:
             tasks(batch * H * P * (N // S.lanes(N)), lambda i: row(i, DT, Trap, ssm, kst, vst, init))
 

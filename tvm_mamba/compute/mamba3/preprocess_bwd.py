@@ -23,6 +23,10 @@ previous ones wrote (three parallel loops on a CPU, three launches on CUDA):
        dDT = dgamma lam + dnu (1 - lam) + sum_i gdt_s,i;  dTrap = DT (dgamma - dnu) lam (1 - lam)
        dADT = ddA_step_s + ddecay_c where ADT_s >= DA_MIN, else 0 (the forward's clamp passes no gradient)
 
+Packed sequences (``has_seq_idx``, no input states): theta restarts as the forward's, G restarts at each
+sequence's last position t from daout[seq_idx[t]] (daout (nseq, H, A)), and dnu is 0 at a sequence's first
+position.
+
 Why theta is stored rather than run backwards (theta_{t-1} = theta_t - pi tanh(Angles_t) DT_t): the reverse
 recurrence drifts from the forward's angles by a rounding per step and its wrap can land on the other side of
 2 pi; the stored angles are the forward's own sequence, at no memory cost (gdt is needed anyway, same shape). The
@@ -37,10 +41,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from ..ssd.common import DA_MIN, F32, Z4
+from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
-from .preprocess import angle_step, biased_pair, dot_macro, qk_dot_term, rotated
+from .preprocess import angle_step, biased_pair, carried, dot_macro, qk_dot_term, rotated, seq_ends
 
 
 def _init_macro(d: PreDims, S: Strategy):
@@ -105,10 +109,11 @@ def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
         if turn:
             for v in S.lane_loop(V):
                 w.th[v] = io.ast[b, h, p0 + v] if d.has_init else m.zero
-                w.G[v] = io.daout[b, h, p0 + v]
+                w.G[v] = m.zero if d.has_seq_idx else io.daout[b, h, p0 + v]  # (packed: set at each end)
             for t in range(io.seqlen):
                 for v in S.lane_loop(V):
-                    w.th[v] = angle_step(w.th[v], m.tanh(io.Ang[b, t, h, p0 + v]), io.DT[b, h, t], m)
+                    w.th[v] = angle_step(carried(w.th[v], io.seq, b, t, d.has_seq_idx, m),
+                                         m.tanh(io.Ang[b, t, h, p0 + v]), io.DT[b, h, t], m)
                     io.gdt[b, t, h, p0 + v] = w.th[v]
         for j in range(4):
             for v in S.lane_loop(V):
@@ -118,6 +123,9 @@ def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
             w.sg[0] = io.dskip[b, h, t // Q, t % Q] * (io.DT[b, h, t] * m.sigmoid(io.Trap[b, h, t]))
             for v in S.lane_loop(V):
                 if turn:
+                    if d.has_seq_idx:  # a sequence's last step: G restarts from that sequence's daout row
+                        w.G[v] = T.Select(seq_ends(io.seq, b, t, io.seqlen), io.daout[io.seq[b, t], h, p0 + v],
+                                          w.G[v])
                     w.cs[v] = T.cos(io.gdt[b, t, h, p0 + v])
                     w.sn[v] = T.sin(io.gdt[b, t, h, p0 + v])
                 _pair_grads(io, w, b, t, h, hq, p0 + v, v, m, turn)
@@ -181,6 +189,9 @@ def _chunk_macro(d: PreDims, S: Strategy):
                 w.r[4] = m.zero
                 if c * Q + l >= 1:
                     w.r[4] = io.dscale[b, h, (c * Q + l - 1) // Q, (c * Q + l - 1) % Q]
+                    if d.has_seq_idx:
+                        if io.seq[b, c * Q + l - 1] != io.seq[b, c * Q + l]:
+                            w.r[4] = m.zero
                 if d.has_init:
                     if c * Q + l == 0:
                         w.r[4] = io.c0[b, h]
@@ -209,7 +220,9 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     """The preprocess backward's three passes laid out by ``S`` (module docstring). Parameters in order: inputs
     Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, k_state, v_state; gradients dq, dk, dscale,
     ddA_step, dskip, ddecay, daout, dinit; outputs dQh, dKh, dADT, dDT, dTrap, dQb_part, dKb_part, dAngles,
-    dangle_state, dk_state, dv_state; workspaces gdt, c0 (absent states / their gradients: placeholders)."""
+    dangle_state, dk_state, dv_state; workspaces gdt, c0 (absent states / their gradients: placeholders); last
+    seq_idx (batch, seqlen) int32 (a (1, 1) placeholder without has_seq_idx; with it daout is (nseq, H, A),
+    one row per packed sequence, read at each sequence's last position)."""
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
     KT, NP = d.kstate_dtype or F32, N // 2
     init, pairs, chunk, tasks = _init_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S), S.tasks()
@@ -221,10 +234,12 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
              dk_h: T.handle, dsc_h: T.handle, dda_h: T.handle, dsk_h: T.handle, ddec_h: T.handle,
              daout_h: T.handle, dinit_h: T.handle, dQh_h: T.handle, dKh_h: T.handle, dADT_h: T.handle,
              dDT_h: T.handle, dTrap_h: T.handle, dQb_h: T.handle, dKb_h: T.handle, dAng_h: T.handle,
-             dast_h: T.handle, dkst_h: T.handle, dvst_h: T.handle, gdt_h: T.handle, c0_h: T.handle):
+             dast_h: T.handle, dkst_h: T.handle, dvst_h: T.handle, gdt_h: T.handle, c0_h: T.handle,
+             seq_h: T.handle):
         batch = T.int32()
         seqlen = T.int32()
         nchunks = T.int32()
+        nseq = T.int32()
         io = T.meta_var(_bind(
             seqlen=seqlen, nchunks=nchunks,
             Qm=(Q_h, (batch, seqlen, HQ, N), d.qk_dtype), Km=(K_h, (batch, seqlen, HQ, N), d.qk_dtype),
@@ -234,13 +249,13 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
             vst=(vst_h, st(batch, H, P), d.vstate_dtype),
             dq=(dq_h, (batch, seqlen, H, N)), dk=(dk_h, (batch, seqlen, H, N)), dscale=(dsc_h, (batch, H, nchunks, Q)),
             ddA=(dda_h, (batch, H, nchunks, Q)), dskip=(dsk_h, (batch, H, nchunks, Q)),
-            ddecay=(ddec_h, (batch, H, nchunks)), daout=(daout_h, (batch, H, A)),
+            ddecay=(ddec_h, (batch, H, nchunks)), daout=(daout_h, (nseq if d.has_seq_idx else batch, H, A)),
             dinit=(dinit_h, (batch, H, P, N) if d.has_init else Z4),
             dQh=(dQh_h, (batch, seqlen, H, N)), dKh=(dKh_h, (batch, seqlen, H, N)), dADT=(dADT_h, (batch, H, seqlen)),
             dDT=(dDT_h, (batch, H, seqlen)), dTrap=(dTrap_h, (batch, H, seqlen)), dQb=(dQb_h, (batch, H, N)),
             dKb=(dKb_h, (batch, H, N)), dAng=(dAng_h, (batch, seqlen, H, A)), dast=(dast_h, st(batch, H, A)),
             dkst=(dkst_h, st(batch, H, N)), dvst=(dvst_h, st(batch, H, P)), gdt=(gdt_h, (batch, seqlen, H, A)),
-            c0=(c0_h, (batch, H))))
+            c0=(c0_h, (batch, H)), seq=(seq_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)))
         if d.has_init:
             tasks(batch * H, lambda i: init(i, io))
         tasks(batch * H * (NP // S.lanes(NP)), lambda i: pairs(i, io))
