@@ -83,12 +83,13 @@ def test_minimum_of_conv_forward_is_the_hand_count():
 
 
 def test_mamba3_preset_kernels_and_their_minimum_bytes():
-    """The Mamba-3 preset runs the step and the preprocess (no conv, no Mamba-2 kernels); other presets run no
-    Mamba-3 kernel. Their minimum bytes are the hand count (the step's q workspace is scratch) and the
-    preprocess's per-chunk outputs are sized by nchunks = seqlen / chunk (derived, not a free dim)."""
+    """The Mamba-3 preset runs the step, the preprocess and its backward (no conv, no Mamba-2 kernels); other
+    presets run no Mamba-3 kernel. Their minimum bytes are the hand count (the step's q workspace is scratch,
+    as are the backward's angle-term and init-term workspaces) and the preprocess's per-chunk tensors are sized
+    by nchunks = seqlen / chunk (derived, not a free dim)."""
     ops = ["causal_conv1d", "selective_scan", "ssd", "mamba3"]
-    step, pre = report.preset_keys("mamba3-130m", ops, "sm_90")
-    assert (step.direction, pre.direction) == ("siso_step", "siso_preprocess")
+    step, pre, bwd = report.preset_keys("mamba3-130m", ops, "sm_90")
+    assert (step.direction, pre.direction, bwd.direction) == ("siso_step", "siso_preprocess", "siso_preprocess_bwd")
     assert not [k for k in report.preset_keys("mamba2-130m", ops, "sm_90") if k.op == "mamba3"]
     B, L, H, P, N, S = 2, 256, 24, 64, 128, 32
     f4 = 4 * (2 * B * N + 3 * B * H * P + 3 * B * H + 2 * H * N + 3 * B * H * S + H + 2 * B * H * P * N
@@ -98,6 +99,10 @@ def test_mamba3_preset_kernels_and_their_minimum_bytes():
     assert pb["dA_cs"] == pb["scale"] == pb["skip"] == 4 * B * H * L and pb["q"] == 4 * B * L * H * N
     m = minimum.minimum("mamba3", "siso_preprocess", pre.static, B, L, pb)
     assert (m.mm, m.exps, m.sfu) == (0, B * L * H, 3 * S * B * L * H)
+    pb = measure.param_bytes(bwd, B, L)
+    assert pb["dq"] == pb["dQh"] == 4 * B * L * H * N and pb["dscale"] == 4 * B * H * L and pb["gdt"] == 4 * B * L * H * S
+    m = minimum.minimum("mamba3", "siso_preprocess_bwd", bwd.static, B, L, pb)
+    assert m.bytes == sum(pb.values()) - pb["gdt"] - pb["c0"] and (m.mm, m.exps) == (0, B * L * H)
 
 
 def test_minimum_of_gated_norm_is_the_hand_count_over_token_rows():

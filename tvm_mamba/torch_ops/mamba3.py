@@ -432,13 +432,13 @@ def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= 256:
         raise ValueError(f"chunk_size: must be an int in 1..256, got {chunk_size!r}")
+    if cu_seqlens is not None and Input_States is not None:
+        raise NotImplementedError("Input_States: packed sequences (cu_seqlens) start from zero states here; "
+                                  "input states per sequence are not implemented yet")
     _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, Input_States, seq=True)
     _check_chunked(V, Q.shape[-1], chunk_size)
     seq_idx = None
     if cu_seqlens is not None:
-        if Input_States is not None:
-            raise NotImplementedError("Input_States: packed sequences (cu_seqlens) start from zero states here; "
-                                      "input states per sequence are not implemented yet")
         cu_seqlens = validate_cu_seqlens(cu_seqlens, None, V)
         seq_idx = seq_idx_of(cu_seqlens, V.shape[1])
     states = tuple(Input_States) if Input_States is not None else (None,) * 4
