@@ -22,6 +22,7 @@ PATHS = {
     "mamba_ssm.ops.triton.selective_state_update": ["selective_state_update", "selective_state_update_ref"],
     "mamba_ssm.ops.triton.mamba3.mamba3_siso_step": ["mamba3_siso_step", "mamba3_siso_step_ref"],
     "mamba_ssm.ops.triton.mamba3.mamba3_siso_combined": ["mamba3_siso_combined", "mamba3_siso_combined_ref"],
+    "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo": ["mamba3_mimo"],
     "mamba_ssm.ops.triton.layernorm_gated": ["RMSNorm", "LayerNorm", "rmsnorm_fn", "layernorm_fn", "rms_norm_ref"],
     "mamba_ssm.ops.triton.layer_norm": ["RMSNorm", "layer_norm_fn", "rms_norm_fn", "layer_norm_ref", "rms_norm_ref"],
     "mamba_ssm.modules.mamba_simple": ["Mamba"],
@@ -38,7 +39,7 @@ PATHS = {
     "causal_conv1d.causal_conv1d_varlen": ["causal_conv1d_varlen_states", "causal_conv1d_varlen_states_ref"],
 }
 SAME_AS_TOP = {"selective_scan_fn", "mamba_chunk_scan_combined", "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
-               "selective_state_update", "mamba3_siso_step", "mamba3_siso_combined", "rmsnorm_fn", "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "causal_conv1d_fn", "causal_conv1d_update",
+               "selective_state_update", "mamba3_siso_step", "mamba3_siso_combined", "mamba3_mimo", "rmsnorm_fn", "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "causal_conv1d_fn", "causal_conv1d_update",
                "causal_conv1d_varlen_states", "Mamba", "Mamba2", "Mamba3", "MambaLMHeadModel"}
 
 

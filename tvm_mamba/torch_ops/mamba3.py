@@ -450,8 +450,13 @@ def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
                                        kst, vst, chunk_size, seq_idx, cu_seqlens)
     if not return_final_states:
         return out
+    return out, aout, final, kfin, last_v_rows(V, cu_seqlens)
+
+
+def last_v_rows(V: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
+    """The final V state: V[:, -1] (a copy), or with packed sequences each sequence's last row (nseq, nheads,
+    headdim_v), zeros for an empty sequence."""
     if cu_seqlens is None:
-        return out, aout, final, kfin, V[:, -1].clone(memory_format=torch.contiguous_format)
-    ends = cu_seqlens[1:].long()  # each sequence's last V row (zeros for an empty sequence)
-    v_last = V[0].index_select(0, (ends - 1).clamp(min=0)) * (ends > cu_seqlens[:-1].long()).to(V.dtype)[:, None, None]
-    return out, aout, final, kfin, v_last
+        return V[:, -1].clone(memory_format=torch.contiguous_format)
+    ends = cu_seqlens[1:].long()
+    return V[0].index_select(0, (ends - 1).clamp(min=0)) * (ends > cu_seqlens[:-1].long()).to(V.dtype)[:, None, None]

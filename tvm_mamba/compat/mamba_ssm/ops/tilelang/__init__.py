@@ -1,0 +1,1 @@
+"""mamba_ssm.ops.tilelang on tvm_mamba (see tvm_mamba.compat)."""
