@@ -83,7 +83,7 @@ def test_reference_against_the_attention_form_and_siso():
     torch.testing.assert_close(mamba3_mimo_ref(**kw), siso, rtol=1e-12, atol=1e-12)
 
 
-CASES = [dict(), dict(R=4, div=2, nheads_qk=2), dict(R=1), dict(R=3, out=False, seqlen=9),
+CASES = [dict(), dict(R=4, div=2, nheads_qk=2), dict(R=1, N=6), dict(R=3, out=False, seqlen=9),
          dict(D=False, Z=False, R=2, nheads=2), dict(seqlen=1)]
 
 
@@ -184,7 +184,7 @@ BAD = [
     (dict(rotary_dim_divisor=3), ValueError, "rotary_dim_divisor"),
     (dict(chunk_size=0), ValueError, "chunk_size"),
     (dict(Q=torch.zeros(2, 7, 2, 3, 8)), ValueError, "Q"),  # nheads_qk 3 does not divide 4
-    (dict(Q=torch.zeros(2, 7, 2, 1, 6), K=torch.zeros(2, 7, 2, 1, 6)), ValueError, "Q"),  # headdim_qk % 4
+    (dict(Q=torch.zeros(2, 7, 2, 1, 7), K=torch.zeros(2, 7, 2, 1, 7)), ValueError, "Q"),  # odd headdim_qk
     (dict(K=torch.zeros(2, 7, 3, 1, 8)), ValueError, "K"),
     (dict(K=torch.zeros(2, 7, 2, 1, 8, dtype=BF16)), TypeError, "K"),
     (dict(ADT=torch.zeros(2, 7, 4)), ValueError, "ADT"),

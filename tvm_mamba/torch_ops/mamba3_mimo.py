@@ -56,8 +56,8 @@ def _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Ang
         raise ValueError(f"Q: expected batch, seqlen {(batch, L)} (V's), got shape {tuple(Q.shape)}")
     if R < 1 or Hqk < 1 or H % Hqk:
         raise ValueError(f"Q: nheads_qk={Hqk} must divide nheads={H} (V's heads) and mimo_rank={R} be >= 1")
-    if N % 4 or N < 4:
-        raise ValueError(f"Q: headdim_qk={N} must be a multiple of 4 (halved rotary pairs, rotary_dim_divisor 4)")
+    if N % 2 or N < 2:
+        raise ValueError(f"Q: headdim_qk={N} must be even (halved rotary pairs)")
     check_tensor("K", K, dtypes=(Q.dtype,), device=dev)
     check_shape("K", K, Q.shape)
     for name, t in (("ADT", ADT), ("DT", DT), ("Trap", Trap)):
@@ -124,7 +124,7 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
     """Mamba-3 MIMO chunked scan (mamba_ssm.ops.tilelang.mamba3.mamba3_mimo.mamba3_mimo, 2.3.2.post1's
     signature), differentiable in every tensor argument.
 
-    Q, K: (batch, seqlen, R, nheads_qk, headdim_qk), headdim_qk % 4 == 0; V, Z: (batch, seqlen, nheads,
+    Q, K: (batch, seqlen, R, nheads_qk, headdim_qk), headdim_qk even; V, Z: (batch, seqlen, nheads,
     headdim_v); ADT, DT, Trap: (batch, nheads, seqlen) (Trap a logit); Q_bias, K_bias: (nheads, R, headdim_qk);
     MIMO_V, MIMO_Z, MIMO_Out: (nheads, R, headdim_v) (MIMO_Z may be None without Z; MIMO_Out None: no down
     projection); Angles: (batch, seqlen, nheads, headdim_qk // rotary_dim_divisor); D: (nheads,);
