@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from .mamba3 import mamba3_siso_chunked_ref, mamba3_siso_combined_ref
+from .mamba3_mimo import mamba3_mimo_ref
 from .rmsnorm_gated import rmsnorm_gated_ref
 from .selective_scan import selective_scan_ref, selective_state_update_ref
 from .ssd import ssd_chunked_ref, ssd_recurrence_ref
@@ -109,42 +110,59 @@ def mamba2_ref(p, u, *, headdim, d_state, ngroups=1, rmsnorm=True, norm_before_g
 
 def mamba3_ref(p, u, *, headdim, d_state, ngroups=1, num_rope_angles, A_floor=1e-4, is_outproj_norm=False,
                eps=1e-5, states=None, return_final_states=False, chunk_size=None):
-    """p: Mamba3 (SISO) parameters (in_proj.weight (d_in_proj, d_model), dt_bias, D (nheads,), B_bias, C_bias
-    (nheads, 1, d_state), B_norm.weight, C_norm.weight (d_state,), norm.weight (d_inner,) with
-    is_outproj_norm, out_proj.weight (d_model, d_inner)); u: (batch, seqlen, d_model); states: None or (angle
+    """p: Mamba3 parameters (in_proj.weight (d_in_proj, d_model), dt_bias, D (nheads,), B_bias, C_bias
+    (nheads, R, d_state), B_norm.weight, C_norm.weight (d_state,), mimo_x, mimo_z, mimo_o (nheads, R, headdim)
+    for MIMO (R = mimo_rank; without them SISO, R = 1), norm.weight (d_inner,) with is_outproj_norm,
+    out_proj.weight (d_model, d_inner)); u: (batch, seqlen, d_model); states (SISO only): None or (angle
     (batch, nheads, num_rope_angles), ssm (batch, nheads, headdim, d_state), k (batch, nheads, d_state), v
-    (batch, nheads, headdim)) to continue from -> out (batch, seqlen, d_model) [, the final states, same layouts].
+    (batch, nheads, headdim)) to continue from -> out (batch, seqlen, d_model) [, the final states (MIMO: k
+    (batch, R, nheads, d_state))].
 
     Columns of in_proj(u): [z | x | B | C | dd_dt | dd_A | trap | angles]; A = min(-softplus(dd_A), -A_floor),
-    DT = softplus(dd_dt + dt_bias); B, C RMS-normed over each group's d_state; the recurrence of
-    mamba3_siso_combined_ref with Q = C, K = B, V = x, ADT = A DT, Trap = trap (logit), biases C_bias /
-    B_bias, the angles shared by every head; then the gated RMSNorm (group headdim, norm before gate) with
-    is_outproj_norm, else the silu(z) gate inside; out_proj. Computed in u's dtype (float64 in the tests).
-    chunk_size: None runs the recurrence (mamba3_siso_combined_ref), an int the chunked form
-    (mamba3_siso_chunked_ref, the benchmarks' float32 baseline).
+    DT = softplus(dd_dt + dt_bias); B, C RMS-normed over each (rank, group)'s d_state; the recurrence of
+    mamba3_siso_combined_ref (or mamba3_mimo_ref) with Q = C, K = B, V = x, ADT = A DT, Trap = trap (logit),
+    biases C_bias / B_bias, the angles shared by every head; then the gated RMSNorm (group headdim, norm before
+    gate) with is_outproj_norm (MIMO: per rank against z * mimo_z, then summed with mimo_o), else the silu(z)
+    gate inside; out_proj. Computed in u's dtype (float64 in the tests). chunk_size (SISO): None runs the
+    recurrence, an int the chunked form (mamba3_siso_chunked_ref, the benchmarks' float32 baseline).
     """
     batch, seqlen, _ = u.shape
     nheads = p["D"].shape[0]
-    d_inner = nheads * headdim
-    gn = ngroups * d_state
+    mimo = "mimo_x" in p
+    d_inner, R = nheads * headdim, p["mimo_x"].shape[1] if mimo else 1
+    gn = ngroups * d_state * R
     cols = F.linear(u, p["in_proj.weight"])
     edges = torch.tensor([0, d_inner, d_inner, gn, gn, nheads, nheads, nheads, num_rope_angles]).cumsum(0).tolist()
     z, x, B, C, dd_dt, dd_A, trap, ang = (cols[..., lo:hi] for lo, hi in zip(edges[:-1], edges[1:]))
     DT = F.softplus(dd_dt + p["dt_bias"].to(u.dtype))
     A = torch.minimum(-F.softplus(dd_A), torch.full_like(dd_A, -A_floor))
-    B = rmsnorm_ref(B.unflatten(-1, (ngroups, d_state)), p["B_norm.weight"].to(u.dtype), eps)
-    C = rmsnorm_ref(C.unflatten(-1, (ngroups, d_state)), p["C_norm.weight"].to(u.dtype), eps)
+    B = rmsnorm_ref(B.unflatten(-1, (R, ngroups, d_state)), p["B_norm.weight"].to(u.dtype), eps)
+    C = rmsnorm_ref(C.unflatten(-1, (R, ngroups, d_state)), p["C_norm.weight"].to(u.dtype), eps)
     heads = lambda t: t.unflatten(-1, (nheads, headdim))  # noqa: E731
-    siso = mamba3_siso_combined_ref if chunk_size is None else partial(mamba3_siso_chunked_ref, chunk_size=chunk_size)
-    res = siso(
-        C, B, heads(x), (A * DT).transpose(1, 2), DT.transpose(1, 2), trap.transpose(1, 2), p["C_bias"][:, 0],
-        p["B_bias"][:, 0], ang[:, :, None, :].expand(batch, seqlen, nheads, num_rope_angles), D=p["D"],
-        Z=None if is_outproj_norm else heads(z), Input_States=states, return_final_states=True, dtype=u.dtype)
-    y = res[0].flatten(-2)
-    if is_outproj_norm:
-        y = rmsnorm_gated_ref(y, p["norm.weight"].to(u.dtype), z=z, eps=eps, group_size=headdim,
+    scan = ((A * DT).transpose(1, 2), DT.transpose(1, 2), trap.transpose(1, 2))
+    angles = ang[:, :, None, :].expand(batch, seqlen, nheads, num_rope_angles)
+    if mimo:
+        if states is not None:
+            raise ValueError("states: the MIMO reference starts from zero states")
+        mimo_o = None if is_outproj_norm else p["mimo_o"]
+        res = mamba3_mimo_ref(C, B, heads(x), *scan, p["C_bias"], p["B_bias"], p["mimo_x"], p["mimo_z"], mimo_o,
+                              angles, p["D"], None if is_outproj_norm else heads(z), return_state=True, dtype=u.dtype)
+    else:
+        siso = mamba3_siso_combined_ref if chunk_size is None else partial(mamba3_siso_chunked_ref,
+                                                                           chunk_size=chunk_size)
+        res = siso(C[:, :, 0], B[:, :, 0], heads(x), *scan, p["C_bias"][:, 0], p["B_bias"][:, 0], angles, D=p["D"],
+                   Z=None if is_outproj_norm else heads(z), Input_States=states, return_final_states=True,
+                   dtype=u.dtype)
+    y = res[0]
+    if is_outproj_norm and mimo:
+        zr = torch.einsum("blhp,hrp->blrhp", heads(z), p["mimo_z"].to(u.dtype)).flatten(-2)
+        y = rmsnorm_gated_ref(y.flatten(-2), p["norm.weight"].to(u.dtype), z=zr, eps=eps, group_size=headdim,
+                              norm_before_gate=True).unflatten(-1, (nheads, headdim))
+        y = torch.einsum("blrhp,hrp->blhp", y, p["mimo_o"].to(u.dtype)).flatten(-2)
+    elif is_outproj_norm:
+        y = rmsnorm_gated_ref(y.flatten(-2), p["norm.weight"].to(u.dtype), z=z, eps=eps, group_size=headdim,
                               norm_before_gate=True)
-    out = F.linear(y, p["out_proj.weight"])
+    out = F.linear(y.flatten(-2) if y.dim() == 4 else y, p["out_proj.weight"])
     return (out, tuple(res[1:])) if return_final_states else out
 
 
