@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref
-from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_ref, rotate_halves
+from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_chunked_ref, mamba3_mimo_ref, rotate_halves
 from tvm_mamba.torch_ops.mamba3_mimo import mamba3_mimo, pair_order
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
@@ -71,8 +71,12 @@ def _attention_form(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO
 
 
 def test_reference_against_the_attention_form_and_siso():
+    """The recurrence == the masked attention form == the chunked torch composition; R = 1 with unit projections
+    == the SISO reference on the pair-permuted headdim_qk."""
     kw, _ = make(nheads_qk=2, R=3, seqlen=6)
     torch.testing.assert_close(mamba3_mimo_ref(**kw), _attention_form(**kw), rtol=1e-10, atol=1e-10)
+    chunked = mamba3_mimo_chunked_ref(**kw, chunk_size=4, dtype=F64)  # the benchmarks' torch composition
+    torch.testing.assert_close(chunked, mamba3_mimo_ref(**kw), rtol=1e-10, atol=1e-10)
     kw, _ = make(R=1, nheads_qk=2, div=2)  # R = 1, unit projections: SISO on the pair-permuted headdim_qk
     one = torch.ones_like(kw["MIMO_V"])
     kw.update(MIMO_V=one, MIMO_Z=one, MIMO_Out=one)

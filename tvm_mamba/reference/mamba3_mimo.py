@@ -122,3 +122,46 @@ def mamba3_mimo_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO
     if not return_state:
         return out
     return (out, *(torch.cat(parts, dim=0) for parts in zip(*finals)))
+
+
+def mamba3_mimo_chunked_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D=None, Z=None,
+                            chunk_size=16, dtype=torch.float32):
+    """The same math chunk by chunk in vectorised torch (the benchmarks' PyTorch composition; zero input states,
+    no cu_seqlens; layouts of ``mamba3_mimo_ref``) -> out. Per chunk, with cs the chunk-local cumsum of ADT and
+    scale_s = gamma_s + DT_{s+1} (1 - lam_{s+1}) (0 past the end): out_{t,r} = sum_{s<t in chunk} exp(cs_t -
+    cs_s) scale_s sum_r' (q_tr . k_sr') x_sr' + gamma_t sum_r' (q_tr . k_tr') x_tr' + exp(cs_t) q_tr h, then
+    h <- exp(cs_last) h + sum_s exp(cs_last - cs_s) scale_s sum_r' x_sr' k_sr'^T (the carried state already
+    holds each last step's trapezoid term of the next step)."""
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z = (
+        cast(t) for t in (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z))
+    (batch, L, _, Hqk, N), (H, P) = Q.shape, V.shape[2:]
+    theta = torch.cumsum(torch.pi * torch.tanh(Angles) * DT.transpose(1, 2)[..., None], dim=1)  # (b, L, H, S)
+    heads = lambda t, bias: t.repeat_interleave(H // Hqk, dim=3) + bias.transpose(0, 1)  # noqa: E731
+    q = rotate_halves(heads(Q, Q_bias), theta[:, :, None])  # (b, L, R, H, N)
+    k = rotate_halves(heads(K, K_bias), theta[:, :, None])
+    x = V[:, :, None] * MIMO_V.transpose(0, 1)  # (b, L, R, H, P)
+    lam = torch.sigmoid(Trap)
+    gamma = DT * lam  # (b, H, L)
+    scale = gamma + F.pad(DT[..., 1:] * (1 - lam[..., 1:]), (0, 1))
+    h = V.new_zeros(batch, H, P, N)
+    ys = []
+    for c0 in range(0, L, chunk_size):
+        sl = slice(c0, min(c0 + chunk_size, L))
+        cs = torch.cumsum(ADT[..., sl], dim=-1)  # (b, H, Qc)
+        qc, kc, xc, n = q[:, sl], k[:, sl], x[:, sl], cs.shape[-1]
+        below = torch.ones(n, n, dtype=torch.bool, device=V.device).tril(-1)
+        w = torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~below, -torch.inf)) * scale[..., None, sl]
+        w = w + torch.diag_embed(gamma[..., sl])  # (b, H, t, s)
+        a = w[:, :, :, None, :, None] * torch.einsum("btrhn,bsuhn->bhtrsu", qc, kc)
+        y = torch.einsum("bhtrsu,bsuhp->btrhp", a, xc)
+        y = y + torch.exp(cs).permute(0, 2, 1)[:, :, None, :, None] * torch.einsum("bhpn,btrhn->btrhp", h, qc)
+        into = torch.exp(cs[..., -1:] - cs) * scale[..., sl]  # (b, H, s)
+        h = torch.exp(cs[..., -1])[..., None, None] * h + torch.einsum("bhs,bsuhp,bsuhn->bhpn", into, xc, kc)
+        ys.append(y)
+    y = torch.cat(ys, dim=1)
+    if D is not None:
+        y = y + D[:, None] * x
+    if Z is not None:
+        y = y * F.silu(Z[:, :, None] * MIMO_Z.transpose(0, 1))
+    return torch.einsum("btrhp,hrp->bthp", y, MIMO_Out) if MIMO_Out is not None else y
