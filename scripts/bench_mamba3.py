@@ -13,7 +13,11 @@
   (F.linear projections, the chunked composition);
 * forward + backward (training): ``mamba3_siso_combined`` at the combined rows' longest seqlen, fp32, every
   tensor argument requiring grad, against autograd through ``mamba3_siso_chunked_ref`` (float32); and the
-  ``Mamba3`` module's forward + backward against autograd through ``mamba3_ref`` (float32).
+  ``Mamba3`` module's forward + backward against autograd through ``mamba3_ref`` (float32);
+* MIMO: ``mamba3_mimo`` forward and forward + backward (batch 1, seqlen 1024, 8 heads, 1 Q/K head,
+  headdim_qk 128, headdim_v 64, rank 4, chunk 16 = upstream's 64 / R, half rotary, D, Z, MIMO_Out; fp32)
+  against ``tvm_mamba.reference.mamba3_mimo.mamba3_mimo_chunked_ref`` (vectorised einsums per chunk) and
+  autograd through it.
 
 Before timing, each case's output is compared with its baseline's (relative max error below 1e-3; 1e-2 for a
 bf16 output; for forward + backward, each input's gradient too), so a row never times two functions that
@@ -27,6 +31,7 @@ from benchlib import Row, median_ms
 import tvm_mamba
 from tvm_mamba.reference.blocks import mamba3_ref
 from tvm_mamba.reference.mamba3 import mamba3_siso_chunked_ref, mamba3_siso_step_ref
+from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_chunked_ref
 from tvm_mamba.simcheck.mamba3 import combined_inputs, step_inputs
 
 OP = "mamba3"
@@ -155,11 +160,47 @@ def _module_train_row(quick: bool) -> Row:
                f"{seqlen / t * 1e3:,.0f} tokens/s")
 
 
+def _mimo_inputs(quick: bool) -> tuple[dict, dict]:
+    """(shape dims, mamba3_mimo's tensor arguments): random, fp32, small decays and rates."""
+    d = dict(L=64, H=4, N=32, P=16, R=2, chunk=8) if quick else dict(L=1024, H=8, N=128, P=64, R=4, chunk=16)
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
+    L, H, N, P, R = d["L"], d["H"], d["N"], d["P"], d["R"]
+    args = dict(Q=r(1, L, R, 1, N, scale=0.1), K=r(1, L, R, 1, N, scale=0.1), V=r(1, L, H, P),
+                ADT=-torch.rand(1, H, L, generator=g) * 0.1, DT=torch.rand(1, H, L, generator=g) * 0.1,
+                Trap=r(1, H, L), Q_bias=r(H, R, N, scale=0.1), K_bias=r(H, R, N, scale=0.1), MIMO_V=r(H, R, P),
+                MIMO_Z=r(H, R, P), MIMO_Out=r(H, R, P), Angles=r(1, L, H, N // 4), D=r(H), Z=r(1, L, H, P))
+    return d, args
+
+
+def _mimo_rows(quick: bool) -> list[Row]:
+    d, args = _mimo_inputs(quick)
+    cs = d["chunk"]
+    ours_fn = lambda **kw: tvm_mamba.mamba3_mimo(**kw, chunk_size=cs, rotary_dim_divisor=4, dtype=torch.float32)  # noqa
+    ref_fn = lambda **kw: mamba3_mimo_chunked_ref(**kw, chunk_size=cs)  # noqa: E731
+    shape = f"b=1, L={d['L']}, h={d['H']}, hqk=1, n={d['N']}, p={d['P']}, R={d['R']}, chunk={cs}, D, Z, fp32"
+    iters = 3 if quick else 5
+    with torch.no_grad():
+        _agree(ours_fn(**args), ref_fn(**args), "mamba3_mimo")
+        t, r = (median_ms(lambda f=f: f(**args), warmup=1, iters=iters, min_time_s=0) for f in (ours_fn, ref_fn))
+    rows = [Row(OP, "MIMO fwd (mamba3_mimo)", shape, t, r, None, "torch chunked einsum (fp32)",
+                f"{d['L'] / t * 1e3:,.0f} tokens/s")]
+    leaves = {k: v.clone().requires_grad_() for k, v in args.items()}
+    g = torch.randn(args["V"].shape, generator=torch.Generator().manual_seed(1))
+    ours, ref = (lambda f=f: _fwd_bwd(f, leaves, g) for f in (ours_fn, ref_fn))
+    want = {k: v.clone() for k, v in ref().items()}
+    for name, got in ours().items():
+        _agree(got, want[name], f"d{name} of mamba3_mimo")
+    t, r = (median_ms(f, warmup=1, iters=iters, min_time_s=0) for f in (ours, ref))
+    return rows + [Row(OP, "MIMO fwd+bwd (mamba3_mimo)", shape, t, r, None, "autograd of torch chunked einsum",
+                       f"{d['L'] / t * 1e3:,.0f} tokens/s")]
+
+
 def run(quick: bool = False) -> list[Row]:
     dims = QUICK if quick else FULL
     seqlens = (64,) if quick else (1024, 2048)
     return (_combined_rows(dims, seqlens, quick) + [_combined_train_row(dims, seqlens[-1], quick)]
-            + _step_rows(dims, quick) + _module_rows(quick) + [_module_train_row(quick)])
+            + _step_rows(dims, quick) + _module_rows(quick) + [_module_train_row(quick)] + _mimo_rows(quick))
 
 
 if __name__ == "__main__":
