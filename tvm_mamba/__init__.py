@@ -41,6 +41,7 @@ _PUBLIC = {
     ".torch_ops.selective_scan": ("selective_scan_fn", "selective_state_update"),
     ".torch_ops.mamba3": ("mamba3_siso_step", "mamba3_siso_combined"),
     ".torch_ops.mamba3_mimo": ("mamba3_mimo",),
+    ".torch_ops.mamba3_mimo_step": ("mamba3_mimo_step",),
     ".torch_ops.rmsnorm_gated": ("rmsnorm_fn", "layernorm_fn"),
     ".torch_ops.int8_dot": ("quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
                             "int8_lowrank_projection", "int8_decoder_tail"),
@@ -63,6 +64,7 @@ __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen_sta
            "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "Mamba3", "MambaConfig", "MambaLMHeadModel",
            "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__",
            "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
+           "mamba3_mimo_step",
            "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated",
            "linear", "quantize_weight", "QuantizedLinear", "quantize_weights"]
 

@@ -76,6 +76,35 @@ class StepDims(HeadDims):
     def acc(self) -> str:
         return acc_dtype(self.v_dtype)
 
+    # the step template's MIMO generalisation (MimoStepDims): SISO is rank 1, interleaved rotary pairs, no
+    # MIMO projections
+    mimo = False
+    rank = 1
+    has_outproj = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MimoStepDims(StepDims):
+    """The MIMO decode step's dims (mamba_ssm's MIMO ``Mamba3.step``: ``apply_rotary_qk_inference_fwd`` then
+    CuTe ``mamba3_step_fn``): StepDims' fields plus mimo_rank R (the Q / K / K-state rank axis, R outputs
+    per head) and has_outproj (MIMO_Out given: the R outputs summed into one; else out is (batch, R, nheads,
+    headdim_v)). Rotary pairs are the halved (i, i + headdim_qk / 2) of upstream's MIMO layout; MIMO_V,
+    MIMO_Z, MIMO_Out are in the accumulation dtype. The same template as SISO (compute/mamba3/step.py)."""
+
+    mimo_rank: int = 4  # upstream Mamba3's default
+    has_outproj: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.mimo_rank, int) and 1 <= self.mimo_rank <= 16):
+            raise ValueError(f"mimo_rank: must be an int in 1..16, got {self.mimo_rank!r}")
+
+    mimo = True
+
+    @property
+    def rank(self) -> int:
+        return self.mimo_rank
+
 
 @dataclasses.dataclass(frozen=True)
 class PreDims(HeadDims):

@@ -1,5 +1,6 @@
-"""Mamba-3 (mamba_ssm 2.3.2.post1, docs/mamba3.md): the SISO decode step, a loop-nest template laid out per
-target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA layouts in the rules), and
+"""Mamba-3 (mamba_ssm 2.3.2.post1, docs/mamba3.md): the SISO and MIMO decode steps, one loop-nest template
+(step.py) laid out per target by the selective scan's ``Layout`` strategy objects (serial here; CPU / CUDA
+layouts in the rules), and
 the SISO chunked forward's preprocess (preprocess.py), laid out by the SSD strategies: the chunked forward is
 that preprocess, then the SSD pieces of compute/ssd/ (bmm_chunk, chunk_state, state_passing, chunk_scan with
 ``diag_skip``), chained by torch_ops/mamba3.py; and that preprocess's backward (preprocess_bwd.py), on the same
@@ -12,7 +13,9 @@ Kernel layouts (the public function's, upstream's): Q, K (batch, nheads_qk, head
 (batch, nheads, headdim_v); ADT, DT, Trap (batch, nheads); Q_bias, K_bias (nheads, headdim_qk); Angles and
 the angle states (batch, nheads, headdim_angles); D (nheads,); ssm states (batch, nheads, headdim_v,
 headdim_qk); K states (batch, nheads, headdim_qk); V state (batch, nheads, headdim_v). Absent D / Z are
-(1,)*ndim placeholders flagged by ``has_D`` / ``has_z``.
+(1,)*ndim placeholders flagged by ``has_D`` / ``has_z``. The MIMO step (``mimo_step``, MimoStepDims) adds a
+rank axis R: Q, K, the K states (batch, R, nheads(_qk), headdim_qk), Q_bias, K_bias (nheads, R, headdim_qk),
+MIMO_V / MIMO_Z / MIMO_Out (nheads, R, headdim_v), out (batch, R, nheads, headdim_v) without MIMO_Out.
 """
 from __future__ import annotations
 
@@ -22,19 +25,21 @@ from .._common import stamp
 from .._math import Math
 from ..selective_scan._layout import Layout
 from ..ssd.strategy import SERIAL
-from ._dims import IO_DTYPES, PreDims, StepDims, acc_dtype
+from ._dims import IO_DTYPES, MimoStepDims, PreDims, StepDims, acc_dtype
 from .preprocess import preprocess_template
 from .preprocess_bwd import preprocess_bwd_template
 from .step import step_template
 
-__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "PreDims", "StepDims", "acc_dtype", "build", "build_check_configs",
-           "tuning_configs", "derived_dims", "mamba3_siso_step", "mamba3_siso_preprocess",
+__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "MimoStepDims", "PreDims", "StepDims", "acc_dtype", "build",
+           "build_check_configs", "tuning_configs", "derived_dims", "mamba3_siso_step", "mamba3_mimo_step",
+           "mamba3_siso_preprocess",
            "mamba3_siso_preprocess_bwd", "PREPROCESS"]
 
 # direction -> typed static dims / template(dims, layout): the step takes a selective-scan Layout, the
 # preprocess an SSD Strategy (the rules pick each direction's)
-DIMS = {"siso_step": StepDims, "siso_preprocess": PreDims, "siso_preprocess_bwd": PreDims}
-TEMPLATES = {"siso_step": step_template, "siso_preprocess": preprocess_template,
+DIMS = {"siso_step": StepDims, "mimo_step": MimoStepDims, "siso_preprocess": PreDims,
+        "siso_preprocess_bwd": PreDims}
+TEMPLATES = {"siso_step": step_template, "mimo_step": step_template, "siso_preprocess": preprocess_template,
              "siso_preprocess_bwd": preprocess_bwd_template}
 PREPROCESS = ("siso_preprocess", "siso_preprocess_bwd")  # the directions laid out by the SSD strategies
 
@@ -54,6 +59,21 @@ def mamba3_siso_step(dims: StepDims | None = None, /, **kwargs) -> tirx.PrimFunc
         raise TypeError(f"mamba3_siso_step: pass dims or keyword dims, not both ({sorted(kwargs)})")
     d = dims if dims is not None else StepDims(**kwargs)
     return build("siso_step", d, Layout(Math(d.acc)))
+
+
+def mamba3_mimo_step(dims: MimoStepDims | None = None, /, **kwargs) -> tirx.PrimFunc:
+    """MIMO decode step (the SISO step's template at rank R, halved rotary pairs). Q, K: (batch, R, nheads_qk,
+    headdim_qk); V, Z: (batch, nheads, headdim_v); ADT, DT, Trap: (batch, nheads); Q_bias, K_bias: (nheads, R,
+    headdim_qk); MIMO_V, MIMO_Z, MIMO_Out: (nheads, R, headdim_v) (MIMO_Z without has_z and MIMO_Out without
+    has_outproj: (1, 1, 1)); Angles, angle_state: (batch, nheads, headdim_angles); D: (nheads,); ssm_state:
+    (batch, nheads, headdim_v, headdim_qk); k_state: (batch, R, nheads, headdim_qk); v_state: (batch, nheads,
+    headdim_v) -> out: (batch, nheads, headdim_v) (without has_outproj (batch, R, nheads, headdim_v)), new
+    angle, ssm and k states (acc dtype); qrot: a k-state-shaped workspace. Formula in
+    reference/mamba3_mimo.py; ``dims``: a MimoStepDims, or its fields as keywords."""
+    if dims is not None and kwargs:
+        raise TypeError(f"mamba3_mimo_step: pass dims or keyword dims, not both ({sorted(kwargs)})")
+    d = dims if dims is not None else MimoStepDims(**kwargs)
+    return build("mimo_step", d, Layout(Math(d.acc)))
 
 
 def mamba3_siso_preprocess(dims: PreDims | None = None, /, **kwargs) -> tirx.PrimFunc:

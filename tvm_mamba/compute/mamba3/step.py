@@ -1,21 +1,27 @@
-"""The Mamba-3 SISO decode step (mamba_ssm's ``mamba3_siso_step``) as one template laid out by the selective
+"""The Mamba-3 decode step, SISO (mamba_ssm's ``mamba3_siso_step``) and MIMO (``Mamba3.step`` with ``is_mimo``:
+``apply_rotary_qk_inference_fwd`` then CuTe ``mamba3_step_fn``), as one template laid out by the selective
 scan's one-thread-per-lane ``Layout`` (serial, CPU parallel lanes with dstate vectors, a CUDA thread per lane).
+SISO is the template at rank R = 1 with interleaved rotary pairs and no MIMO projections (StepDims); MIMO
+(MimoStepDims) has R ranks r of Q / K / biases / K states, halved pairs and MIMO_V / MIMO_Z / MIMO_Out.
 
 Two passes (two parallel loops on a CPU, two kernel launches on CUDA: the second reads what the first wrote):
 
-1. rotate, a lane per (batch b, head h, rotary pair i < headdim_qk / 2):
+1. rotate, a lane per (batch b, rank r, head h, rotary pair i < headdim_qk / 2):
        theta_i = (theta_i + pi tanh(Angles_i) DT) mod 2 pi          (pairs i < headdim_angles; others: theta = 0)
-       q, k = R(theta) (Q[hq] + Q_bias[h]), R(theta) (K[hq] + K_bias[h])   (hq = h // (nheads / nheads_qk))
-   the new angle state, k (the new K state, an output) and q (a workspace) written once per (b, h);
-2. update, a lane per (batch, head, headdim_v row p), its headdim_qk states in the layout's dstate vectors:
-       h'[p, n] = exp(ADT) h[p, n] + exp(ADT) DT (1 - sigmoid(Trap)) v_state[p] k_state[n]
-                  + DT sigmoid(Trap) V[p] k[n]
-       out[p] = (sum_n h'[p, n] q[n] + D V[p]) * silu(Z[p])
+       q_r, k_r = R(theta) (Q_r[hq] + Q_bias[h, r]), R(theta) (K_r[hq] + K_bias[h, r])   (hq = h // (nheads /
+   nheads_qk); pair i is (2i, 2i+1) for SISO, (i, i + headdim_qk / 2) for MIMO), the new angle state (by rank
+   0), k_r (the new K state, an output) and q_r (a workspace) written once per (b, r, h);
+2. update, a lane per (batch, head, headdim_v row p), its headdim_qk states in the layout's dstate vectors,
+   the R rank terms summed into each state and the R outputs accumulated side by side (x_r = V MIMO_V[r]):
+       h'[p, n] = exp(ADT) h[p, n] + exp(ADT) DT (1 - sigmoid(Trap)) sum_r v_state[p] MIMO_V[r, p] k_state_r[n]
+                  + DT sigmoid(Trap) sum_r x_r[p] k_r[n]
+       y_r[p] = (sum_n h'[p, n] q_r[n] + D x_r[p]) * silu(Z[p] MIMO_Z[r, p]);  out[p] = sum_r MIMO_Out[r, p] y_r[p]
+   (SISO, or MIMO without MIMO_Out: out_r = y_r).
 
 (One pass that rotated q / k in every lane repeated each cos / sin / tanh headdim_v times: 11 ms per step on
 the CPU at upstream's shape, batch 1.) The new states go to separate outputs, as upstream's. Math in the
-accumulation dtype; rotated q / k are not rounded to the input dtype (upstream's Triton kernel rounds them to
-bf16 and takes h' q as a bf16 dot: this kernel is closer to the float64 reference).
+accumulation dtype; rotated q / k are not rounded to the input dtype (upstream's Triton kernels round them to
+bf16 and take h' q as a bf16 dot: this kernel is closer to the float64 reference).
 """
 from __future__ import annotations
 
@@ -27,61 +33,117 @@ from tvm.script import tirx as T
 from ._dims import StepDims
 
 
+class _Ix:
+    """Where the template's per-rank values live: the SISO layouts (no rank axis, interleaved rotary pairs) or
+    the MIMO ones (rank axis r, halved pairs (i, i + headdim_qk / 2)); Python-level, so each kernel indexes its
+    own tensors directly. ``mv`` / ``mz`` scale V / Z by MIMO_V / MIMO_Z (SISO: unscaled)."""
+
+    def __init__(self, dims: StepDims):
+        self.mimo, self.half, self.split = dims.mimo, dims.headdim_qk // 2, dims.mimo and not dims.has_outproj
+
+    def qk(self, b, r, hq, n):  # Q, K: (batch, R, nheads_qk, N) | (batch, nheads_qk, N)
+        return (b, r, hq, n) if self.mimo else (b, hq, n)
+
+    def bias(self, h, r, n):  # Q_bias, K_bias: (nheads, R, N) | (nheads, N)
+        return (h, r, n) if self.mimo else (h, n)
+
+    def kr(self, b, r, h, n):  # K states, rotated q: (batch, R, nheads, N) | (batch, nheads, N)
+        return (b, r, h, n) if self.mimo else (b, h, n)
+
+    def out(self, b, r, h, p):  # out: (batch, R, nheads, P) without MIMO_Out | (batch, nheads, P)
+        return (b, r, h, p) if self.split else (b, h, p)
+
+    def lo(self, i):  # rotary pair i's first and second element
+        return i if self.mimo else 2 * i
+
+    def hi(self, i):
+        return i + self.half if self.mimo else 2 * i + 1
+
+    def mv(self, MV, x, h, r, p):
+        return x * MV[h, r, p] if self.mimo else x
+
+    def mz(self, MZ, z, h, r, p):
+        return z * MZ[h, r, p] if self.mimo else z
+
+
 def _rotate_macro(dims: StepDims, L):
-    """Pass 1, one rotary pair i of (b, h): the new angle, the rotated q pair (workspace) and k pair (output)."""
-    HPQ, S, ACC, m, SCOPE = dims.heads_per_qk, dims.headdim_angles, dims.acc, L.math, L.scope
+    """Pass 1, one rotary pair i of (b, rank r, h): the new angle (written by rank 0), the rotated q pair
+    (workspace) and k pair (output)."""
+    HPQ, S, ACC, m, SCOPE, ix = dims.heads_per_qk, dims.headdim_angles, dims.acc, L.math, L.scope, _Ix(dims)
     PI, TWO_PI = m.const(math.pi), m.const(2.0 * math.pi)
+    first = (lambda r: True) if dims.rank == 1 else (lambda r: r == 0)  # noqa: E731
 
     @T.macro
-    def pair(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, b, hh, i):
-        r = T.alloc_buffer((7,), ACC, scope=SCOPE)  # cos, sin, theta, q pair, k pair
+    def pair(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, b, r, hh, i):
+        t = T.alloc_buffer((7,), ACC, scope=SCOPE)  # cos, sin, theta, q pair, k pair
         if i < S:
-            r[2] = m.tanh(Ang[b, hh, i]) * PI * DT[b, hh] + ast[b, hh, i]
-            r[2] = r[2] - TWO_PI * T.floor(r[2] / TWO_PI)
-            aout[b, hh, i] = r[2]
-            r[0] = T.cos(r[2])
-            r[1] = T.sin(r[2])
+            t[2] = m.tanh(Ang[b, hh, i]) * PI * DT[b, hh] + ast[b, hh, i]
+            t[2] = t[2] - TWO_PI * T.floor(t[2] / TWO_PI)
+            if first(r):
+                aout[b, hh, i] = t[2]
+            t[0] = T.cos(t[2])
+            t[1] = T.sin(t[2])
         else:
-            r[0] = m.one
-            r[1] = m.zero
-        r[3] = m.cast(Q[b, hh // HPQ, 2 * i]) + Qb[hh, 2 * i]
-        r[4] = m.cast(Q[b, hh // HPQ, 2 * i + 1]) + Qb[hh, 2 * i + 1]
-        r[5] = m.cast(K[b, hh // HPQ, 2 * i]) + Kb[hh, 2 * i]
-        r[6] = m.cast(K[b, hh // HPQ, 2 * i + 1]) + Kb[hh, 2 * i + 1]
-        qrot[b, hh, 2 * i] = r[3] * r[0] - r[4] * r[1]
-        qrot[b, hh, 2 * i + 1] = r[3] * r[1] + r[4] * r[0]
-        kout[b, hh, 2 * i] = r[5] * r[0] - r[6] * r[1]
-        kout[b, hh, 2 * i + 1] = r[5] * r[1] + r[6] * r[0]
+            t[0] = m.one
+            t[1] = m.zero
+        t[3] = m.cast(Q[ix.qk(b, r, hh // HPQ, ix.lo(i))]) + Qb[ix.bias(hh, r, ix.lo(i))]
+        t[4] = m.cast(Q[ix.qk(b, r, hh // HPQ, ix.hi(i))]) + Qb[ix.bias(hh, r, ix.hi(i))]
+        t[5] = m.cast(K[ix.qk(b, r, hh // HPQ, ix.lo(i))]) + Kb[ix.bias(hh, r, ix.lo(i))]
+        t[6] = m.cast(K[ix.qk(b, r, hh // HPQ, ix.hi(i))]) + Kb[ix.bias(hh, r, ix.hi(i))]
+        qrot[ix.kr(b, r, hh, ix.lo(i))] = t[3] * t[0] - t[4] * t[1]
+        qrot[ix.kr(b, r, hh, ix.hi(i))] = t[3] * t[1] + t[4] * t[0]
+        kout[ix.kr(b, r, hh, ix.lo(i))] = t[5] * t[0] - t[6] * t[1]
+        kout[ix.kr(b, r, hh, ix.hi(i))] = t[5] * t[1] + t[6] * t[0]
 
     return pair
 
 
 def _row_macro(dims: StepDims, L):
-    """Pass 2, one (b, h, p) row: its headdim_qk new states and output."""
-    N, V, ACC, m, SCOPE = dims.headdim_qk, L.V, dims.acc, L.math, L.scope
+    """Pass 2, one (b, h, p) row: its headdim_qk new states (the R rank terms summed) and its R outputs
+    (gated, then summed by MIMO_Out when given)."""
+    N, V, R, ACC, m, SCOPE, ix = dims.headdim_qk, L.V, dims.rank, dims.acc, L.math, L.scope, _Ix(dims)
+    OUT = dims.v_dtype
 
     @T.macro
-    def row(V_, ADT, DT, Trap, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, p):
-        s = T.alloc_buffer((5,), ACC, scope=SCOPE)  # alpha, beta v_state[p], gamma V[p], y, lambda
-        yv = T.alloc_buffer((1, V), ACC, scope=SCOPE)  # the dstate vector's partials of h' . q
+    def row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, p):
+        s = T.alloc_buffer((4,), ACC, scope=SCOPE)  # alpha, lambda, beta v_state[p], gamma V[p]
+        c = T.alloc_buffer((2 * R,), ACC, scope=SCOPE)  # per rank: beta x_prev[p], gamma x[p]
+        y = T.alloc_buffer((R + 1,), ACC, scope=SCOPE)  # per rank: h' . q + D x; [R]: the MIMO_Out sum
+        yv = T.alloc_buffer((R, V), ACC, scope=SCOPE)  # the dstate vector's partials of h' . q
         hv = T.alloc_buffer((V,), ACC, scope=SCOPE)
         s[0] = m.exp(ADT[b, hh])
-        s[4] = m.sigmoid(Trap[b, hh])
-        s[1] = s[0] * DT[b, hh] * (m.one - s[4]) * m.cast(vst[b, hh, p])
-        s[2] = DT[b, hh] * s[4] * m.cast(V_[b, hh, p])
-        for ki in L.st_inner():
-            yv[0, ki] = m.zero
+        s[1] = m.sigmoid(Trap[b, hh])
+        s[2] = s[0] * DT[b, hh] * (m.one - s[1]) * m.cast(vst[b, hh, p])
+        s[3] = DT[b, hh] * s[1] * m.cast(V_[b, hh, p])
+        for r in T.unroll(R):
+            c[r] = ix.mv(MV, s[2], hh, r, p)
+            c[R + r] = ix.mv(MV, s[3], hh, r, p)
+            for ki in L.st_inner():
+                yv[r, ki] = m.zero
         for ko in L.st_outer(N):
             for ki in L.st_inner():
-                hv[ki] = (s[0] * h_in[b, hh, p, L.state(ko, ki, 0)]
-                          + s[1] * m.cast(kst[b, hh, L.state(ko, ki, 0)]) + s[2] * kout[b, hh, L.state(ko, ki, 0)])
+                hv[ki] = s[0] * h_in[b, hh, p, L.state(ko, ki, 0)]
+            for r in T.unroll(R):
+                for ki in L.st_inner():
+                    hv[ki] = (hv[ki] + c[r] * m.cast(kst[ix.kr(b, r, hh, L.state(ko, ki, 0))])
+                              + c[R + r] * kout[ix.kr(b, r, hh, L.state(ko, ki, 0))])
+            for ki in L.st_inner():
                 h_out[b, hh, p, L.state(ko, ki, 0)] = hv[ki]
-                yv[0, ki] = yv[0, ki] + hv[ki] * qrot[b, hh, L.state(ko, ki, 0)]
-        L.reduce_plus(s, 3, yv, 0, (Dv[hh] * m.cast(V_[b, hh, p])) if dims.has_D else m.zero)
-        if dims.has_z:
-            out[b, hh, p] = (s[3] * m.silu(m.cast(Z[b, hh, p]))).astype(dims.v_dtype)
+            for r in T.unroll(R):
+                for ki in L.st_inner():
+                    yv[r, ki] = yv[r, ki] + hv[ki] * qrot[ix.kr(b, r, hh, L.state(ko, ki, 0))]
+        for r in T.unroll(R):
+            L.reduce_plus(y, r, yv, r, ix.mv(MV, Dv[hh] * m.cast(V_[b, hh, p]), hh, r, p) if dims.has_D else m.zero)
+            if dims.has_z:
+                y[r] = y[r] * m.silu(ix.mz(MZ, m.cast(Z[b, hh, p]), hh, r, p))
+        if dims.has_outproj:
+            y[R] = m.zero
+            for r in T.unroll(R):
+                y[R] = y[R] + MO[hh, r, p] * y[r]
+            out[b, hh, p] = y[R].astype(OUT)
         else:
-            out[b, hh, p] = s[3].astype(dims.v_dtype)
+            for r in T.unroll(R):
+                out[ix.out(b, r, hh, p)] = y[r].astype(OUT)
 
     return row
 
@@ -113,44 +175,58 @@ def _lanes(L, total, body):
     return run
 
 
+def _drop_params(func: tirx.PrimFunc, names: tuple) -> tirx.PrimFunc:
+    """``func`` without the buffer parameters ``names`` (unread): SISO's signature, as before MIMO."""
+    return tirx.PrimFunc([v for v in func.params if v.name not in names], func.body, func.ret_type, func.attrs)
+
+
 def step_template(dims: StepDims, L) -> tirx.PrimFunc:
-    """The decode step's two passes (module docstring); qrot: a (batch, nheads, headdim_qk) acc workspace."""
-    H, HQ, N, P, S, ACC = (dims.nheads, dims.nheads_qk, dims.headdim_qk, dims.headdim_v, dims.headdim_angles,
-                           dims.acc)
+    """The decode step's two passes (module docstring); qrot: an acc workspace shaped as the K state. SISO
+    (StepDims) has no MIMO_V / MIMO_Z / MIMO_Out parameters; MIMO (MimoStepDims) takes them after K_bias,
+    (1, 1, 1) placeholders for MIMO_Z without Z and MIMO_Out without has_outproj."""
+    H, HQ, N, P, S, R, ACC = (dims.nheads, dims.nheads_qk, dims.headdim_qk, dims.headdim_v, dims.headdim_angles,
+                              dims.rank, dims.acc)
     ZT, KT, VT = dims.z_dtype or dims.v_dtype, dims.kstate_dtype or ACC, dims.vstate_dtype or dims.v_dtype
     rotate, row = _rotate_macro(dims, L), _row_macro(dims, L)
+    RK = (R,) if dims.mimo else ()  # the rank axis of Q, K, the biases and the K states
+    OUTR = (R,) if dims.mimo and not dims.has_outproj else ()
+    PROJ = lambda on: (H, R, P) if on else (1, 1, 1)  # noqa: E731
+    NP = N // 2
 
     @T.prim_func
     def step(Q_h: T.handle, K_h: T.handle, V_h: T.handle, ADT_h: T.handle, DT_h: T.handle, Trap_h: T.handle,
-             Qb_h: T.handle, Kb_h: T.handle, Ang_h: T.handle, D_h: T.handle, Z_h: T.handle, ast_h: T.handle,
-             h_in_h: T.handle, kst_h: T.handle, vst_h: T.handle, out_h: T.handle, aout_h: T.handle,
-             h_out_h: T.handle, kout_h: T.handle, qrot_h: T.handle):
+             Qb_h: T.handle, Kb_h: T.handle, MV_h: T.handle, MZ_h: T.handle, MO_h: T.handle, Ang_h: T.handle,
+             D_h: T.handle, Z_h: T.handle, ast_h: T.handle, h_in_h: T.handle, kst_h: T.handle, vst_h: T.handle,
+             out_h: T.handle, aout_h: T.handle, h_out_h: T.handle, kout_h: T.handle, qrot_h: T.handle):
         batch = T.int32()
-        Q = T.match_buffer(Q_h, (batch, HQ, N), dims.qk_dtype)
-        K = T.match_buffer(K_h, (batch, HQ, N), dims.qk_dtype)
+        Q = T.match_buffer(Q_h, (batch, *RK, HQ, N), dims.qk_dtype)
+        K = T.match_buffer(K_h, (batch, *RK, HQ, N), dims.qk_dtype)
         V = T.match_buffer(V_h, (batch, H, P), dims.v_dtype)
         ADT = T.match_buffer(ADT_h, (batch, H), ACC)
         DT = T.match_buffer(DT_h, (batch, H), ACC)
         Trap = T.match_buffer(Trap_h, (batch, H), ACC)
-        Qb = T.match_buffer(Qb_h, (H, N), ACC)
-        Kb = T.match_buffer(Kb_h, (H, N), ACC)
+        Qb = T.match_buffer(Qb_h, (H, *RK, N), ACC)
+        Kb = T.match_buffer(Kb_h, (H, *RK, N), ACC)
+        MV = T.match_buffer(MV_h, PROJ(dims.mimo), ACC)
+        MZ = T.match_buffer(MZ_h, PROJ(dims.mimo and dims.has_z), ACC)
+        MO = T.match_buffer(MO_h, PROJ(dims.has_outproj), ACC)
         Ang = T.match_buffer(Ang_h, (batch, H, S), ACC)
         Dv = T.match_buffer(D_h, (H,) if dims.has_D else (1,), ACC)
         Z = T.match_buffer(Z_h, (batch, H, P) if dims.has_z else (1, 1, 1), ZT)
         ast = T.match_buffer(ast_h, (batch, H, S), ACC)
         h_in = T.match_buffer(h_in_h, (batch, H, P, N), ACC)
-        kst = T.match_buffer(kst_h, (batch, H, N), KT)
+        kst = T.match_buffer(kst_h, (batch, *RK, H, N), KT)
         vst = T.match_buffer(vst_h, (batch, H, P), VT)
-        out = T.match_buffer(out_h, (batch, H, P), dims.v_dtype)
+        out = T.match_buffer(out_h, (batch, *OUTR, H, P), dims.v_dtype)
         aout = T.match_buffer(aout_h, (batch, H, S), ACC)
         h_out = T.match_buffer(h_out_h, (batch, H, P, N), ACC)
-        kout = T.match_buffer(kout_h, (batch, H, N), ACC)
-        qrot = T.match_buffer(qrot_h, (batch, H, N), ACC)
-        _lanes(L, lambda bt: bt * H * (N // 2),
-               lambda lane: rotate(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, lane // (H * (N // 2)),
-                                   lane // (N // 2) % H, lane % (N // 2)))(batch, batch * H * N * 8)
+        kout = T.match_buffer(kout_h, (batch, *RK, H, N), ACC)
+        qrot = T.match_buffer(qrot_h, (batch, *RK, H, N), ACC)
+        _lanes(L, lambda bt: bt * R * H * NP,
+               lambda lane: rotate(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, lane // (R * H * NP),
+                                   lane // (H * NP) % R, lane // NP % H, lane % NP))(batch, batch * R * H * N * 8)
         _lanes(L, lambda bt: bt * H * P,
-               lambda lane: row(V, ADT, DT, Trap, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out,
-                                lane // (H * P), lane // P % H, lane % P))(batch, batch * H * P * N)
+               lambda lane: row(V, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out,
+                                lane // (H * P), lane // P % H, lane % P))(batch, batch * H * P * N * R)
 
-    return step
+    return step if dims.mimo else _drop_params(step, ("MV", "MZ", "MO"))
