@@ -1,5 +1,6 @@
 """sim-check of Mamba-3 on the CUDA execution harness against the float64 reference (tvm_mamba/reference/mamba3.py):
-``siso_step`` through ``mamba3_siso_step``, two decode steps chained through the returned states;
+``siso_step`` through ``mamba3_siso_step`` (``mimo_step`` through ``mamba3_mimo_step``, against
+reference/mamba3_mimo.py), two decode steps chained through the returned states;
 ``siso_preprocess`` through ``mamba3_siso_combined`` (the preprocess and the four SSD pieces it feeds, each
 checked to have run): batch 2, seqlen chunk_size + 3 (two chunks, the second ragged), out and final states;
 ``siso_preprocess_bwd``, the kernel itself against torch.autograd of ``mamba3_siso_preprocess_ref`` at the
@@ -41,20 +42,43 @@ def step_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> tuple[
     return args, states
 
 
+def mimo_step_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> tuple[dict, list]:
+    """``step_inputs`` at MIMO dims (MimoStepDims' fields: mimo_rank R, has_outproj) in mamba3_mimo_step's
+    layouts: Q / K (batch, R, nheads_qk, headdim_qk), the biases (nheads, R, headdim_qk), MIMO_V / MIMO_Z /
+    MIMO_Out (nheads, R, headdim_v) around upstream's init (1 / R, 1, 1 / R; MIMO_Z None without has_z, MIMO_Out
+    None without has_outproj), the K state (batch, R, nheads, headdim_qk); the rest as ``step_inputs``."""
+    args, states = step_inputs(static, dtypes, batch, seed)
+    g = torch.Generator().manual_seed(seed + 7919)
+    R, H, P = static["mimo_rank"], static["nheads"], static["headdim_v"]
+    (_, HQ, N), acc = args["Q"].shape, args["DT"].dtype
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    args.update(Q=r(batch, R, HQ, N).to(args["Q"].dtype), K=r(batch, R, HQ, N).to(args["K"].dtype),
+                Q_bias=(0.3 * r(H, R, N)).to(acc), K_bias=(0.3 * r(H, R, N)).to(acc),
+                MIMO_V=((1 + 0.5 * r(H, R, P)) / R).to(acc),
+                MIMO_Z=(1 + 0.5 * r(H, R, P)).to(acc) if static["has_z"] else None,
+                MIMO_Out=((1 + 0.5 * r(H, R, P)) / R).to(acc) if static.get("has_outproj", True) else None)
+    states[2] = r(batch, R, H, N).to(states[2].dtype)
+    return args, states
+
+
 def step_results(static: dict, dtypes: dict, arch: str, batch: int = 2, steps: int = 2, **sim) -> tuple[dict, list]:
-    """``steps`` decode steps, each fed the previous step's returned states (cast to the configuration's
-    state dtypes, as Mamba3's inference cache copies them): {name: (simulated, float64 reference of that step
-    on the same inputs)} and the keys run."""
+    """``steps`` decode steps (SISO, or MIMO for dims with a ``mimo_rank``), each fed the previous step's
+    returned states (cast to the configuration's state dtypes, as Mamba3's inference cache copies them):
+    {name: (simulated, float64 reference of that step on the same inputs)} and the keys run."""
     import tvm_mamba
     from ..reference.mamba3 import mamba3_siso_step_ref
+    from ..reference.mamba3_mimo import mamba3_mimo_step_ref
 
-    args, states = step_inputs(static, dtypes, batch)
+    mimo = "mimo_rank" in static
+    step, ref_step = ((tvm_mamba.mamba3_mimo_step, mamba3_mimo_step_ref) if mimo else
+                      (tvm_mamba.mamba3_siso_step, mamba3_siso_step_ref))
+    args, states = (mimo_step_inputs if mimo else step_inputs)(static, dtypes, batch)
     res = {}
     with recording() as keys:
         for i in range(steps):
             with tvm_mamba.simulate_cuda(arch, **sim):
-                out, new = tvm_mamba.mamba3_siso_step(**args, Input_States=states)
-            ref, ref_new = mamba3_siso_step_ref(**args, Input_States=states)
+                out, new = step(**args, Input_States=states)
+            ref, ref_new = ref_step(**args, Input_States=states)
             res[f"out[{i}]"] = (out, ref)
             for name, got, want in zip(("angle_state", "ssm_state", "k_state"), new, ref_new):
                 res[f"{name}[{i}]"] = (got, want)
@@ -306,9 +330,9 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
         ran(keys, OP, direction, static, dtypes)
         _compare_all(res, f"{OP}.{direction}", arch)
         return
-    if direction != "siso_step":
-        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, siso_preprocess, "
-                          "siso_preprocess_bwd)")
+    if direction not in ("siso_step", "mimo_step"):
+        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, mimo_step, "
+                          "siso_preprocess, siso_preprocess_bwd)")
     res, keys = step_results(static, dtypes, arch)
     ran(keys, OP, direction, static, dtypes)
     _compare_all(res, f"{OP}.{direction}", arch)

@@ -119,7 +119,10 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     shape, chunk 64: bf16 with D and input states (a float32 K state, what the forward itself returns), and
     fp32 without (GQA, full rotary); its SSD pieces are compute/ssd's (the chunk scan with ``diag_skip`` in
     that list). The preprocess's backward at the forward's two configurations. Packed sequences
-    (has_seq_idx, bf16, no input states) for both directions."""
+    (has_seq_idx, bf16, no input states) for both directions. The MIMO step at the same shape, rank 4 (upstream's
+    default): bf16 with D, Z, MIMO_Out and a bf16 K state (the module's cache), bf16 without Z or MIMO_Out
+    (``is_outproj_norm``: R outputs) fed its own float32 K state; fp32 rank 2 with GQA over 2 Q/K heads at
+    full rotary."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
     bf16 = {"qk": "bfloat16", "v": "bfloat16"}
     pre = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
@@ -136,7 +139,11 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             ("siso_preprocess", dict(pre, has_D=True, has_init=False, has_seq_idx=True),
              {"qk": "bfloat16", "vstate": "bfloat16"}),
             ("siso_preprocess_bwd", dict(pre, has_D=False, has_init=False, has_seq_idx=True),
-             {"qk": "bfloat16", "vstate": "bfloat16"})]
+             {"qk": "bfloat16", "vstate": "bfloat16"}),
+            ("mimo_step", dict(base, mimo_rank=4, has_outproj=True), dict(bf16, kstate="bfloat16")),
+            ("mimo_step", dict(base, has_z=False, mimo_rank=4, has_outproj=False), bf16),
+            ("mimo_step", dict(base, nheads_qk=2, headdim_angles=64, mimo_rank=2, has_outproj=True),
+             {"qk": "float32", "v": "float32"})]
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
