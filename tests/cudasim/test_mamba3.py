@@ -1,7 +1,7 @@
-"""mamba3_siso_step and mamba3_siso_combined on their CUDA kernels, run on the CPU by the CUDA execution harness
-(tvm_mamba.simulate_cuda), against the float64 references (mirrors tests/torch_ops/test_mamba3*.py). The step:
-one thread per (batch, head, headdim_v row) lane, 128 per block: the shapes below leave the last block partly
-empty. The chunked forward: the preprocess (three launches) and the four SSD pieces, a thread per task; the
+"""mamba3_siso_step, mamba3_mimo_step and mamba3_siso_combined on their CUDA kernels, run on the CPU by the CUDA
+execution harness (tvm_mamba.simulate_cuda), against the float64 references (mirrors tests/torch_ops/test_mamba3*.py).
+The steps: one thread per (batch, head, headdim_v row) lane, 128 per block: the shapes below leave the last block
+partly empty. The chunked forward: the preprocess (three launches) and the four SSD pieces, a thread per task; the
 preprocess backward against autograd of its float64 reference."""
 from __future__ import annotations
 
@@ -45,6 +45,24 @@ def test_bf16_step_without_D_Z(sim):
     low, _ = mamba3_siso_step_ref(**step, Input_States=states, dtype=torch.bfloat16)
     assert_close_to_ref(out, ref, low, name="out")
     assert_close_to_ref(new[1], ref_new[1], atol=1e-4, rtol=1e-4, name="ssm_state")
+
+
+@pytest.mark.parametrize("kw", [dict(R=2, HQ=1, H=4, N=8, P=4, S=2),
+                                dict(R=4, HQ=3, H=6, N=6, P=5, S=3, D=False, Z=False, outproj=False)])
+def test_mimo_decode_loop_equals_sequence_reference(sim, kw):
+    """mamba3_mimo_step's two launches (rotate: a thread per (batch, rank, head, pair); update: per (batch,
+    head, headdim_v row), 128 per block, the last partly empty): four steps from zero states chained through
+    the returned states == the float64 MIMO recurrence; rank 2 with D, Z, MIMO_Out and partial rotary; rank
+    4 over 3 Q/K heads (GQA 2:1), full rotary of headdim_qk 6, R outputs."""
+    from tests.torch_ops.test_mamba3_mimo_step import mimo_sequence, run_steps
+    from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_ref
+
+    seq, stacked = mimo_sequence(4, **kw, batch=3)
+    out, final = run_steps(seq)
+    assert [k.direction for k, _ in sim] == ["mimo_step"]
+    ref, *ref_final = mamba3_mimo_ref(**stacked, return_state=True)
+    for name, got, want in zip(("out", "angle", "ssm", "k", "v"), (out, *final), (ref, *ref_final)):
+        assert_close_to_ref(got, want, atol=1e-4, rtol=1e-4, name=name)
 
 
 @pytest.mark.parametrize("dtype, states, HQ, S", [(torch.float32, True, 1, 2), (torch.bfloat16, False, 2, 4)])
