@@ -5,7 +5,9 @@ Decode step: both passes' lanes (rotate: one (batch, head, pair) each, scalar co
 state elements (no thread-pool launch at decode sizes, as the scan's decode step); an update lane visits
 headdim_qk in ``vector``-wide vectors (``T.vectorized``, h' . q as vector partials then one horizontal sum);
 exp, sigmoid, tanh, silu are the vectorizable polynomials of ``compute._math`` (float64 builds: libm).
-Knob: ``vector`` (powers of two dividing headdim_qk, <= 16; default the largest).
+Knob: ``vector`` (powers of two dividing headdim_qk, <= 16; default the largest). The MIMO step
+(``mimo_step``) is the same template and layout: rotate lanes per (batch, rank, head, pair), the update lane's
+R rank terms and R output partials each a ``vector``-wide loop inside the dstate sweep.
 
 Chunked forward's preprocess: the SSD CPU strategy (schedules/cpu/ssd.py ``Cpu``): each pass's tasks a parallel
 loop (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch, head,

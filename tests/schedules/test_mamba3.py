@@ -55,6 +55,25 @@ def test_cuda_step_compiles_without_spills():
     assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]
 
 
+def test_mimo_step_rules_and_cuda_compile():
+    """The MIMO step (rank 4, GQA, no MIMO_Out) through the same rules: the CPU's vectorized rows and parallel
+    lanes (compiled); CUDA's two launches, nvcc-compiled without spills."""
+    func = m3.mamba3_mimo_step(**dict(STATIC, mimo_rank=4, has_outproj=False), qk_dtype="bfloat16",
+                               v_dtype="bfloat16", kstate_dtype="bfloat16")
+    assert [p.name for p in func.params][8:11] == ["MV", "MZ", "MO"]  # the SISO step has none of them
+    sch = cpu_rule.apply(func, cpu_target(), Decisions())
+    assert "T.vectorized(16)" in sch.mod.script() and "T.parallel" in sch.mod.script()
+    tvm.compile(sch.mod, target=cpu_target())
+    if nvcc_path() is None:
+        return
+    tgt = cuda_target("sm_90")
+    with tgt:
+        src = tvm.compile(cuda_rule.apply(func, tgt, Decisions()).mod, target=tgt).mod.imports[0].inspect_source("cuda")
+    stats = ptxas_stats(src, "sm_90")
+    assert stats["ok"], stats["error"]
+    assert len(stats["kernels"]) == 2 and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]
+
+
 PRE = dict(nheads=4, nheads_qk=2, headdim_qk=16, headdim_v=8, headdim_angles=4, chunk_size=8, has_D=True,
            has_init=True)
 
