@@ -25,6 +25,7 @@ SCRATCH = {
     ("selective_scan", "bwd"): {"ck", "wsA", "wsB", "wsC", "wsS"},  # the minimum recomputes the states
     ("ssd", "chunk_scan_bwd"): set(),
     ("mamba3", "siso_step"): {"qrot"},  # the rotated q, written by the rotate pass for the update pass
+    ("mamba3", "mimo_step"): {"qrot"},
     ("mamba3", "siso_preprocess_bwd"): {"gdt", "c0"},  # the angles' DT terms / the init term, between passes
 }
 INOUT = {("selective_scan", "update"): {"state"}}
@@ -100,6 +101,11 @@ def _mamba3(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
     if d == "siso_step":  # per (b, h): rot, alpha, sigmoid, beta, gamma; per state 5 (the update) + 2 (h' q);
         n = B * H * P  # per row D V, silu(Z) gate, the row's beta v_state and gamma V
         return 0, n * (7 * N + 8) + B * H * (rot + 6), n + 2 * B * H, 3 * S * B * H
+    if d == "mimo_step":  # per (b, h): the angles (5 S) once, per rank biases and rotated pairs (2N + 12 S); per
+        R, n = s["mimo_rank"], B * H * P  # state alpha h + R rank terms (4 each) + R dots (2 each); per row
+        #                                   and rank x_r twice, D x_r, the gate (Z MIMO_Z, silu), MIMO_Out (~8)
+        flops = n * ((1 + 6 * R) * N + 8 * R) + B * H * (R * (2 * N + 12 * S) + 5 * S + 6)
+        return 0, flops, n * R + 2 * B * H, 3 * S * B * H
     if d == "siso_preprocess":  # per (b, t, h): rot, the diagonal dot (2N), cumsum, sigmoid, scale, skip;
         tok = B * L * H  # input states: init = ssm + DT_0 (1 - lam_0) v k^T (3 per state)
         init = (3 * B * H * P * N + 4 * B * H, B * H) if s.get("has_init") else (0, 0)

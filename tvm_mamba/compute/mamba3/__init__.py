@@ -151,7 +151,8 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     calls them: the decode step (D, Z; the cache's float32 K / V states), the chunked forward's preprocess
     (D, no input states: a plain forward or a prefill) and its backward (training: keyed without D, which it
     does not read, as the torch op keys it). The SSD pieces of the forward and backward are SSD kernels
-    (compute/ssd), not listed here."""
+    (compute/ssd), not listed here. A MIMO preset (one with a ``mimo_rank``) adds its decode step (D, Z,
+    MIMO_Out)."""
     from .._presets import presets
 
     out = []
@@ -163,6 +164,9 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
         bwd = PreDims(**model, chunk_size=d["chunk_size"], has_D=False, has_init=False)
         out += [("siso_step", *step.key_parts()), ("siso_preprocess", *pre.key_parts()),
                 ("siso_preprocess_bwd", *bwd.key_parts())]
+        if d.get("mimo_rank"):
+            mimo = MimoStepDims(**model, has_D=True, has_z=True, mimo_rank=d["mimo_rank"], has_outproj=True)
+            out.append(("mimo_step", *mimo.key_parts()))
     return out
 
 
