@@ -24,6 +24,10 @@ D_MODEL, BATCH, SEQLEN = 32, 2, 12
 CFG = dict(d_state=16, headdim=16, chunk_size=8)
 # GQA (2 groups of 2 heads), all of d_state rotated, the gated norm after the kernel instead of the z gate
 CFG2 = dict(CFG, ngroups=2, rope_fraction=1.0, is_outproj_norm=True)
+# MIMO: rank 2, chunks of 4 steps; rank 3 with GQA, full rotary and the per-rank gated norm
+MIMO = dict(CFG, is_mimo=True, mimo_rank=2, chunk_size=4)
+MIMO2 = dict(CFG2, is_mimo=True, mimo_rank=3, chunk_size=4)
+CFGS, IDS = [CFG, CFG2, MIMO, MIMO2], ["siso", "gqa_norm", "mimo", "mimo_gqa_norm"]
 F32, BF16 = torch.float32, torch.bfloat16
 
 # upstream Mamba3(d_model=32, d_state=16, headdim=16).state_dict(): d_in_proj = 2*64 + 2*16 + 3*4 + 4 = 176
@@ -39,7 +43,8 @@ def _block(seed=0, cfg=CFG, dtype=None, **kw):
     m = Mamba3(D_MODEL, **cfg, dtype=dtype, **kw)
     with torch.no_grad():
         for p in (m.B_bias, m.C_bias, m.D, m.B_norm.weight, m.C_norm.weight) + \
-                ((m.norm.weight,) if m.is_outproj_norm else ()):
+                ((m.norm.weight,) if m.is_outproj_norm else ()) + \
+                ((m.mimo_x, m.mimo_z, m.mimo_o) if m.is_mimo else ()):
             p.uniform_(0.5, 1.5)
     return m
 
@@ -70,8 +75,21 @@ def test_state_dict_names_and_shapes_and_init():
     assert Mamba3(D_MODEL, d_state=10, headdim=16).num_rope_angles == 2  # floor(10 / 2) = 5 -> even 4 -> 2 pairs
 
 
+def test_mimo_state_dict_names_shapes_and_init():
+    """is_mimo (upstream's order and init): B / C biases (nheads, R, d_state), mimo_x / mimo_o = 1 / R and
+    mimo_z = 1 (nheads, R, headdim) float32; in_proj 2*64 + 2*2*16 + 3*4 + 4 = 176 + 32 = 208 rows (R = 2)."""
+    m = Mamba3(D_MODEL, **MIMO)
+    shapes = [(k, tuple(v.shape)) for k, v in m.state_dict().items()]
+    assert shapes == [("dt_bias", (4,)), ("B_bias", (4, 2, 16)), ("C_bias", (4, 2, 16)), ("mimo_x", (4, 2, 16)),
+                      ("mimo_z", (4, 2, 16)), ("mimo_o", (4, 2, 16)), ("D", (4,)), ("in_proj.weight", (208, 32)),
+                      ("B_norm.weight", (16,)), ("C_norm.weight", (16,)), ("out_proj.weight", (32, 64))]
+    assert m.mimo_rank == 2 and torch.equal(m.mimo_x, torch.full((4, 2, 16), 0.5))
+    assert torch.equal(m.mimo_z, torch.ones(4, 2, 16)) and torch.equal(m.mimo_o, m.mimo_x)
+    assert Mamba3(D_MODEL, **dict(MIMO, is_mimo=False)).mimo_rank == 1  # upstream: R = 1 without MIMO
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["siso", "gqa_norm"])
+@pytest.mark.parametrize("cfg", CFGS, ids=IDS)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_forward_matches_reference(cfg, dtype):
     m = _block(cfg=cfg, dtype=dtype)
@@ -83,7 +101,7 @@ def test_forward_matches_reference(cfg, dtype):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["siso", "gqa_norm"])
+@pytest.mark.parametrize("cfg", CFGS, ids=IDS)
 def test_prefill_then_step_equals_forward(cfg):
     """Prefill 7 tokens through inference_params (the cache gets the reference's final states), then 5 steps
     through forward(inference_params) and step() (upstream's (batch, d_model) form too) == one forward."""
@@ -95,7 +113,8 @@ def test_prefill_then_step_equals_forward(cfg):
     outs = [m(u[:, :7], inference_params=params)]
     states = params.key_value_memory_dict[0]
     _, want = _ref(m, u[:, :7], return_final_states=True)
-    for name, got, ref in zip(("angle", "ssm", "k", "v"), (states[0], states[1], states[2][:, 0], states[3]), want):
+    k = states[2] if m.is_mimo else states[2][:, 0]
+    for name, got, ref in zip(("angle", "ssm", "k", "v"), (states[0], states[1], k, states[3]), want):
         assert_close_to_ref(got[:BATCH], ref, atol=1e-5, rtol=1e-5, name=name)
     assert not states[1][BATCH:].any()
     params.seqlen_offset = 7
@@ -135,11 +154,12 @@ def test_state_dict_round_trip():
     torch.testing.assert_close(b(u), a(u), rtol=0, atol=0)
 
 
-def test_lm_generate_with_mamba3_layers():
+@pytest.mark.parametrize("cfg", [CFG, MIMO], ids=["siso", "mimo"])
+def test_lm_generate_with_mamba3_layers(cfg):
     """A 2-layer LM of Mamba3 mixers: logits == lm_ref over mamba3_ref (float64), and generate's
     per-token scores (prefill, then one step per token) == the logits of one forward over the sequence."""
     torch.manual_seed(0)
-    cfg = MambaConfig(d_model=D_MODEL, n_layer=2, vocab_size=50, ssm_cfg=dict(layer="Mamba3", **CFG))
+    cfg = MambaConfig(d_model=D_MODEL, n_layer=2, vocab_size=50, ssm_cfg=dict(layer="Mamba3", **cfg))
     model = MambaLMHeadModel(cfg).eval()
     assert isinstance(model.backbone.layers[1].mixer, Mamba3) and model.backbone.layers[1].mixer.layer_idx == 1
     ids = torch.randint(0, 50, (BATCH, 5), generator=torch.Generator().manual_seed(2))
@@ -156,7 +176,6 @@ def test_lm_generate_with_mamba3_layers():
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(is_mimo=True), NotImplementedError, "is_mimo"),
     (dict(rope_fraction=0.25), ValueError, "rope_fraction"),
     (dict(d_state=15), ValueError, "d_state"),
     (dict(d_state=2), ValueError, "d_state"),  # rope 0.5 of 2 leaves no rotary pair
@@ -164,13 +183,14 @@ def test_lm_generate_with_mamba3_layers():
     (dict(ngroups=3), ValueError, "ngroups"),
     (dict(chunk_size=0), ValueError, "chunk_size"),
     (dict(d_conv=4), TypeError, "d_conv"),
+    (dict(is_mimo=True, mimo_rank=0), ValueError, "mimo_rank"),
 ])
 def test_bad_arguments(kw, err, match):
     with pytest.raises(err, match=match):
         Mamba3(D_MODEL, **{**CFG, **kw})
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["siso", "gqa_norm"])
+@pytest.mark.parametrize("cfg", CFGS, ids=IDS)
 def test_training_gradients_match_reference(cfg):
     """forward + backward in fp32: the input's and every parameter's gradient == autograd of the float64
     block reference (the chunked scan's backward kernels, the norms', the projections')."""
@@ -245,8 +265,9 @@ def _params(m, cache, batch):
 
 @pytest.fixture(scope="module")
 def upstream_mamba3(tmp_path_factory):
-    """upstream's modules/mamba3.py, imported from the sdist through compat.install(upstream=...): its SISO
-    kernel (mamba3_siso_combined) and RMSNorm are tvm_mamba's; the MIMO decode rotary module (triton) is a stub."""
+    """upstream's modules/mamba3.py, imported from the sdist through compat.install(upstream=...): its SISO and
+    MIMO kernels (mamba3_siso_combined, mamba3_mimo) and RMSNorm are tvm_mamba's; the MIMO decode rotary module
+    (triton) is a stub."""
     pytest.importorskip("einops")
     from tests.test_upstream_modules import _upstream_source
     from tvm_mamba import compat
@@ -264,11 +285,13 @@ def upstream_mamba3(tmp_path_factory):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["siso", "gqa_norm"])
+@pytest.mark.parametrize("cfg", CFGS, ids=IDS)
 def test_matches_upstream_module(upstream_mamba3, cfg):
+    """MIMO too: upstream's module imports mamba_ssm.ops.tilelang.mamba3.mamba3_mimo, which is tvm_mamba's."""
     import tvm_mamba
 
     assert upstream_mamba3.mamba3_siso_combined is tvm_mamba.mamba3_siso_combined
+    assert upstream_mamba3.mamba3_mimo_combined is tvm_mamba.mamba3_mimo
     torch.manual_seed(3)
     theirs = upstream_mamba3.Mamba3(D_MODEL, **cfg)
     ours = Mamba3(D_MODEL, **cfg)
