@@ -197,18 +197,20 @@ def test_simcheck_catches_a_wrong_backward(monkeypatch):
 
 
 @torch.no_grad()
-def test_mamba3_module_prefill_then_steps(sim):
-    """The Mamba3 block (GQA, full rotary, the gated norm) on the CUDA kernels: a 9-token prefill through
-    inference_params (chunked forward, ragged second chunk) then 3 decode steps == the float64 block reference."""
-    from tests.modules.test_mamba3 import CFG2, _block, _input, _ref
+@pytest.mark.parametrize("mimo", [False, True], ids=["siso", "mimo"])
+def test_mamba3_module_prefill_then_steps(sim, mimo):
+    """The Mamba3 block (GQA, full rotary, the gated norm; SISO, and MIMO rank 3) on the CUDA kernels: a 9-token
+    prefill through inference_params (chunked forward, ragged second chunk) then 3 decode steps == the float64
+    block reference."""
+    from tests.modules.test_mamba3 import CFG2, MIMO2, _block, _input, _ref
     from tvm_mamba.modules.generation import InferenceParams
 
-    m = _block(cfg=CFG2, layer_idx=0)
+    m = _block(cfg=MIMO2 if mimo else CFG2, layer_idx=0)
     u = _input()
     params = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0])
     outs = [m(u[:, :9], inference_params=params)]
     for t in range(9, u.shape[1]):
         params.seqlen_offset = t
         outs.append(m(u[:, t:t + 1], inference_params=params))
-    assert {"siso_preprocess", "chunk_scan", "siso_step"} <= {k.direction for k, _ in sim}
+    assert {"siso_preprocess", "chunk_scan", "mimo_step" if mimo else "siso_step"} <= {k.direction for k, _ in sim}
     assert_close_to_ref(torch.cat(outs, 1), _ref(m, u), atol=1e-4, rtol=1e-4, name="prefill + steps")
