@@ -9,7 +9,7 @@ import tvm
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.compute import selective_scan as ss
 from tvm_mamba.compute.causal_conv1d import causal_conv1d_fwd
-from tvm_mamba.compute.selective_scan.update import ROW_WORK
+from tvm_mamba.compute.selective_scan.update import row_work
 from tvm_mamba.reference.selective_scan import selective_state_update_ref
 from tvm_mamba.runtime.nvcc import nvcc_path, ptxas_stats
 from tvm_mamba.runtime.target import cpu_target, cuda_target
@@ -97,22 +97,22 @@ def test_complex_kernels_cpu_vectorized_and_cuda_compile():
 def test_cpu_tied_update_head_rows_knob():
     """The tied decode step's ``head_rows`` knob (rows of a head per CPU lane, sharing the head's softplus and
     exp): 1, 2 and all 8 rows give the same bits (the operation order of a row does not change), close to the
-    float64 reference on both branches (calling thread: batch 3; parallel: batch 13), padding rows 0 and their
+    float64 reference on both branches (calling thread: batch 3; parallel: batch 129), padding rows 0 and their
     slots untouched. The untied kernel has no such knob."""
     d = ss.UpdateDims(nheads=4, headdim=8, dstate=16, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
                       dt_softplus=True, idx_dtype="int32", tie_hdim=True)
-    assert 13 * 4 * 8 * (16 + ROW_WORK) > SERIAL_WORK >= 3 * 4 * 8 * (16 + ROW_WORK)
+    assert 129 * 4 * 8 * row_work(d) > SERIAL_WORK >= 3 * 4 * 8 * row_work(d)
     g = torch.Generator().manual_seed(6)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    pool, x, z, dt = r(15, 4, 8, 16), r(13, 4, 8), r(13, 4, 8), 0.5 * r(13, 4)
-    A, B, C, D, dtb = -0.2 - torch.rand(4, generator=g), r(13, 2, 16), r(13, 2, 16), r(4), 0.1 * r(4)
-    idx = torch.tensor([14 - i if i % 5 else -1 for i in range(13)], dtype=torch.int32)  # rows 0, 5, 10 pad
+    pool, x, z, dt = r(131, 4, 8, 16), r(129, 4, 8), r(129, 4, 8), 0.5 * r(129, 4)
+    A, B, C, D, dtb = -0.2 - torch.rand(4, generator=g), r(129, 2, 16), r(129, 2, 16), r(4), 0.1 * r(4)
+    idx = torch.tensor([130 - i if i % 5 else -1 for i in range(129)], dtype=torch.int32)  # every 5th row pads
     results = {}
     for rows in (1, 2, 8):
         dec = Decisions({"head_rows": rows})
         fn = tvm.compile(cpu_rule.apply(ss.selective_scan_update(d), cpu_target(), dec).mod, target=cpu_target())
         assert dec.used["head_rows"] == rows
-        for batch in (3, 13):
+        for batch in (3, 129):
             st, out = pool.clone(), torch.full((batch, 4, 8), float("nan"))
             fn(st, x[:batch], dt[:batch], A, B[:batch], C[:batch], D, z[:batch], dtb, idx[:batch], out)
             o64, s64 = selective_state_update_ref(
