@@ -1,5 +1,7 @@
 """selective_scan: forward and forward+backward against the PyTorch step-by-step reference (same math,
-float32, eager, autograd for the backward), plus the achieved exp rate against this CPU's vector-exp peak.
+float32, eager, autograd for the backward), plus the achieved exp rate against this CPU's vector-exp peak;
+and Mamba-2's decode step (selective_state_update, tied heads) against the reference and a copy of
+its state.
 
 The scan is bound by exp throughput (one exp(dt*A) per (batch, dim, dstate, step) in the forward, two in
 the backward: recompute + reverse), not by memory, so the note reports Gexp/s achieved vs the peak of the
@@ -10,8 +12,8 @@ from __future__ import annotations
 import torch
 from benchlib import Row, copy_fwd_bwd, median_ms
 
-from tvm_mamba.reference.selective_scan import selective_scan_ref
-from tvm_mamba.torch_ops.selective_scan import selective_scan_fn
+from tvm_mamba.reference.selective_scan import selective_scan_ref, selective_state_update_ref
+from tvm_mamba.torch_ops.selective_scan import selective_scan_fn, selective_state_update
 
 
 def exp_peak_per_s(n: int = 1 << 15) -> float:
@@ -48,6 +50,35 @@ def _inputs(batch, dim, dstate, seqlen):
                 delta_bias=0.1 * torch.randn(dim, generator=g), delta_softplus=True)
 
 
+def decode_row(batch: int, nheads: int, headdim: int, dstate: int) -> Row:
+    """Mamba-2's decode step as ``Mamba2.step`` calls it (A, dt, D, dt_bias one value per head: the tied
+    kernel), timed as a decode step replays it (``Kernel.bind``: the launch on TVM views made once); the note
+    gives the public call's time too (its argument checks and DLPack conversions)."""
+    from tvm_mamba.torch_ops._dlpack import kernel_for
+    from tvm_mamba.torch_ops.selective_scan import OP, _update_dims
+
+    g = torch.Generator().manual_seed(0)
+    state = torch.randn(batch, nheads, headdim, dstate, generator=g)
+    x, z = torch.randn(batch, nheads, headdim, generator=g), torch.randn(batch, nheads, headdim, generator=g)
+    dt, A = 0.5 * torch.randn(batch, nheads, generator=g), -0.2 - torch.rand(nheads, generator=g)
+    B, C = torch.randn(batch, 1, dstate, generator=g), torch.randn(batch, 1, dstate, generator=g)
+    D, dtb = torch.randn(nheads, generator=g), 0.1 * torch.randn(nheads, generator=g)
+    out = torch.empty_like(x)
+    dims = _update_dims(state, x, dt, A, B, C, D, z, dtb, True, None)
+    launch = kernel_for(OP, "update", x.device, dims).bind(state, x, dt, A, B, C, D, z, dtb,
+                                                           torch.zeros(1, dtype=torch.int32), out)
+    tvm_ms = median_ms(launch, iters=200)
+    kw = dict(x=x, dt=dt[:, :, None].expand(-1, -1, headdim), A=A[:, None, None].expand(-1, headdim, dstate),
+              B=B, C=C, D=D[:, None].expand(-1, headdim), z=z, dt_bias=dtb[:, None].expand(-1, headdim),
+              dt_softplus=True)
+    public_ms = median_ms(lambda: selective_state_update(state, **kw), iters=100)
+    ref_ms = median_ms(lambda: selective_state_update_ref(state, **kw), iters=20)
+    copy_ms = median_ms(lambda: state.clone(), iters=200)
+    shape = f"b={batch}, nheads={nheads}, headdim={headdim}, n={dstate}, tied, D, z, softplus, fp32"
+    return Row("selective_scan", "decode step (replayed launch)", shape, tvm_ms, ref_ms, copy_ms,
+               "torch reference (float64 math)", f"public call {public_ms * 1e3:.1f} us")
+
+
 def run(quick: bool = False) -> list[Row]:
     shapes = [(1, 64, 16, 128)] if quick else [(1, 256, 16, 512), (2, 768, 16, 1024)]
     peak = exp_peak_per_s()
@@ -81,6 +112,7 @@ def run(quick: bool = False) -> list[Row]:
         note = f"{3 * n_exp / tvm_fb * 1e-6:.2f} Gexp/s (3 exp passes) of {peak * 1e-9:.2f} peak"
         copy_fb = median_ms(copy_fwd_bwd(inp["u"], dout))
         rows.append(Row("selective_scan", "fwd+bwd", shape, tvm_fb, ref_fb, copy_fb, "torch step loop+autograd", note))
+    rows.append(decode_row(*((1, 4, 16, 16) if quick else (1, 24, 64, 128))))  # quick; Mamba-2 130M's layer
     return rows
 
 

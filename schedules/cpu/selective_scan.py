@@ -83,5 +83,8 @@ def apply(func, target, decisions: Decisions):
         if decisions.pick("layout", ("channels", "dstate"), "channels") == "channels":
             return schedule_of(compute.build(direction, dims, ChannelsLayout(Math(dims.acc))), name=name)
     widths = [v for v in (1, 2, 4, 8, 16) if dims.dstate % v == 0]
-    vec = decisions.pick("vector", widths, compute.vector_width(dims.dstate))
-    return schedule_of(compute.build(direction, dims, CpuLayout(Math(dims.acc), vec=vec)), name=name)
+    layout = CpuLayout(Math(dims.acc), vec=decisions.pick("vector", widths, compute.vector_width(dims.dstate)))
+    if direction == "update" and dims.tie_hdim:
+        rows = [r for r in (1, 2, 4, 8, 16, 32) if r < dims.headdim and dims.headdim % r == 0] + [dims.headdim]
+        layout.head_rows = decisions.pick("head_rows", rows, dims.headdim)
+    return schedule_of(compute.build(direction, dims, layout), name=name)

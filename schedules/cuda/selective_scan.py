@@ -42,6 +42,11 @@ class CudaLayout(compute.Layout):
     clamped lanes, inline per-step math, free ``nchunk``); else one thread per lane (the serial layout's
     loops bound to blockIdx x threadIdx, ``threads`` lanes per block)."""
 
+    # tied decode step: a thread per row recomputes its head's softplus and exp (~40 FMAs against its 128
+    # states' loads and stores) rather than share them through shared memory and a barrier; rows per lane
+    # would also cut the threads of a batch-1 step (1536 at the 130M shape) by the rows shared
+    head_rows = 1
+
     def __init__(self, math: Math, threads: int, dstate: int = 1, warp: bool = False):
         self.warp = warp
         W = warp_width(dstate) if warp else 1

@@ -3,15 +3,19 @@ compiled without a GPU; CUDA kernels through nvcc/ptxas (0 spills)."""
 from __future__ import annotations
 
 import pytest
+import torch
 import tvm
 
+from tests.conftest import assert_close_to_ref
 from tvm_mamba.compute import selective_scan as ss
 from tvm_mamba.compute.causal_conv1d import causal_conv1d_fwd
+from tvm_mamba.compute.selective_scan.update import row_work
+from tvm_mamba.reference.selective_scan import selective_state_update_ref
 from tvm_mamba.runtime.nvcc import nvcc_path, ptxas_stats
 from tvm_mamba.runtime.target import cpu_target, cuda_target
 from tvm_mamba.schedules.cpu import selective_scan as cpu_rule
 from tvm_mamba.schedules.cuda import selective_scan as cuda_rule
-from tvm_mamba.schedules.rule import Decisions
+from tvm_mamba.schedules.rule import SERIAL_WORK, Decisions
 
 STATIC = dict(dim=32, dstate=16, b_groups=1, c_groups=1, has_D=True, has_z=True, has_delta_bias=True,
               delta_softplus=True, has_init=False, chunk=64)
@@ -88,3 +92,37 @@ def test_complex_kernels_cpu_vectorized_and_cuda_compile():
         stats = ptxas_stats(src, "sm_90")
         assert stats["ok"], stats["error"]
         assert all(k["spill_stores"] <= 128 for k in stats["kernels"]), stats["kernels"]
+
+
+def test_cpu_tied_update_head_rows_knob():
+    """The tied decode step's ``head_rows`` knob (rows of a head per CPU lane, sharing the head's softplus and
+    exp): 1, 2 and all 8 rows give the same bits (the operation order of a row does not change), close to the
+    float64 reference on both branches (calling thread: batch 3; parallel: batch 129), padding rows 0 and their
+    slots untouched. The untied kernel has no such knob."""
+    d = ss.UpdateDims(nheads=4, headdim=8, dstate=16, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
+                      dt_softplus=True, idx_dtype="int32", tie_hdim=True)
+    assert 129 * 4 * 8 * row_work(d) > SERIAL_WORK >= 3 * 4 * 8 * row_work(d)
+    g = torch.Generator().manual_seed(6)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    pool, x, z, dt = r(131, 4, 8, 16), r(129, 4, 8), r(129, 4, 8), 0.5 * r(129, 4)
+    A, B, C, D, dtb = -0.2 - torch.rand(4, generator=g), r(129, 2, 16), r(129, 2, 16), r(4), 0.1 * r(4)
+    idx = torch.tensor([130 - i if i % 5 else -1 for i in range(129)], dtype=torch.int32)  # every 5th row pads
+    results = {}
+    for rows in (1, 2, 8):
+        dec = Decisions({"head_rows": rows})
+        fn = tvm.compile(cpu_rule.apply(ss.selective_scan_update(d), cpu_target(), dec).mod, target=cpu_target())
+        assert dec.used["head_rows"] == rows
+        for batch in (3, 129):
+            st, out = pool.clone(), torch.full((batch, 4, 8), float("nan"))
+            fn(st, x[:batch], dt[:batch], A, B[:batch], C[:batch], D, z[:batch], dtb, idx[:batch], out)
+            o64, s64 = selective_state_update_ref(
+                pool.double(), x[:batch].double(), dt[:batch, :, None].expand(batch, 4, 8).double(),
+                A[:, None, None].expand(4, 8, 16).double(), B[:batch].double(), C[:batch].double(),
+                D[:, None].expand(4, 8).double(), z[:batch].double(), dtb[:, None].expand(4, 8).double(), True,
+                state_batch_indices=idx[:batch])
+            assert_close_to_ref(out, o64, name=f"out rows={rows} batch={batch}")
+            assert_close_to_ref(st, s64, name=f"state rows={rows} batch={batch}")
+            assert (out[::5] == 0).all() and torch.equal(st[0], pool[0])  # padding rows; slot 0 never named
+            results[rows, batch] = (out, st)
+    for (rows, batch), (out, st) in results.items():
+        assert torch.equal(out, results[8, batch][0]) and torch.equal(st, results[8, batch][1]), (rows, batch)

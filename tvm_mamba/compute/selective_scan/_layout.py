@@ -22,6 +22,8 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
 - **time**: ``time_batched`` True computes each checkpoint chunk's per-step scalars (softplus, SiLU: two
   exps each) in loops vectorized over ``tvec`` steps into chunk buffers before the serial scan, and the
   outputs after it; False computes them inline in the step (registers are scarce on a GPU thread);
+- **heads** (decode step with ``tie_hdim``): a lane runs ``head_rows`` consecutive rows of one head (None:
+  all headdim of them) after computing the head's dt' and exp(dt' A) once (an untied lane is one row);
 - ``math`` (a ``compute._math.Math``: polynomial or native exp), ``scope`` of lane-local buffers,
   ``nchunk(seqlen, chunk)`` (the checkpoint count: an expression, or a free var bound by the buffer).
 
@@ -43,6 +45,7 @@ class Layout:
     chans = 1  # channels per forward lane (the CPU's channels layout: a vector of them)
     stage_params = False  # forward: copy A and a time-invariant B / C into the lane once (transposed)
     y_from_skip = False  # forward: y's partial starts from D u (one partial per channel), not 0 + D u after
+    head_rows = None  # tied decode step: rows of one head per lane, sharing its softplus / exp (None: all)
 
     def __init__(self, math: Math, vec: int = 1, tvec: int = 16, scope: str = "global", lanes_per_block: int = 1):
         self.math, self.V, self.tvec, self.scope = math, vec, tvec, scope
