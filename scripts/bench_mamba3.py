@@ -17,7 +17,8 @@
 * MIMO: ``mamba3_mimo`` forward and forward + backward (batch 1, seqlen 1024, 8 heads, 1 Q/K head,
   headdim_qk 128, headdim_v 64, rank 4, chunk 16 = upstream's 64 / R, half rotary, D, Z, MIMO_Out; fp32)
   against ``tvm_mamba.reference.mamba3_mimo.mamba3_mimo_chunked_ref`` (vectorised einsums per chunk) and
-  autograd through it.
+  autograd through it; ``mamba3_mimo_step`` (rank 4 at the step rows' dims, D, Z, MIMO_Out) at batch 1 and 8,
+  fp32, against ``mamba3_mimo_step_ref`` in float32 (one vectorised step).
 
 Before timing, each case's output is compared with its baseline's (relative max error below 1e-3; 1e-2 for a
 bf16 output; for forward + backward, each input's gradient too), so a row never times two functions that
@@ -31,8 +32,8 @@ from benchlib import Row, median_ms
 import tvm_mamba
 from tvm_mamba.reference.blocks import mamba3_ref
 from tvm_mamba.reference.mamba3 import mamba3_siso_chunked_ref, mamba3_siso_step_ref
-from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_chunked_ref
-from tvm_mamba.simcheck.mamba3 import combined_inputs, step_inputs
+from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_chunked_ref, mamba3_mimo_step_ref
+from tvm_mamba.simcheck.mamba3 import combined_inputs, mimo_step_inputs, step_inputs
 
 OP = "mamba3"
 FULL = dict(nheads=24, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
@@ -196,11 +197,26 @@ def _mimo_rows(quick: bool) -> list[Row]:
                        f"{d['L'] / t * 1e3:,.0f} tokens/s")]
 
 
+def _mimo_step_rows(dims: dict, quick: bool) -> list[Row]:
+    rows, R = [], 2 if quick else 4
+    static = {k: v for k, v in dims.items() if k != "chunk_size"} | dict(has_D=True, has_z=True, mimo_rank=R)
+    for batch in (1, 8):
+        args, states = mimo_step_inputs(static, {"qk": "float32", "v": "float32"}, batch)
+        ours = lambda: tvm_mamba.mamba3_mimo_step(**args, Input_States=states)  # noqa: E731
+        ref = lambda: mamba3_mimo_step_ref(**args, Input_States=states, dtype=torch.float32)  # noqa: E731
+        _agree(ours()[0], ref()[0], f"mamba3_mimo_step at batch {batch}")
+        t, r = (median_ms(f, iters=20 if quick else 200, min_time_s=0 if quick else 0.2) for f in (ours, ref))
+        rows.append(Row(OP, "MIMO decode step (mamba3_mimo_step)", _shape(dims, batch, None, "float32")
+                        .replace(", D, Z", f", R={R}, D, Z"), t, r, None, "mamba3_mimo_step_ref (fp32)", ""))
+    return rows
+
+
 def run(quick: bool = False) -> list[Row]:
     dims = QUICK if quick else FULL
     seqlens = (64,) if quick else (1024, 2048)
     return (_combined_rows(dims, seqlens, quick) + [_combined_train_row(dims, seqlens[-1], quick)]
-            + _step_rows(dims, quick) + _module_rows(quick) + [_module_train_row(quick)] + _mimo_rows(quick))
+            + _step_rows(dims, quick) + _module_rows(quick) + [_module_train_row(quick)] + _mimo_rows(quick)
+            + _mimo_step_rows(dims, quick))
 
 
 if __name__ == "__main__":

@@ -91,8 +91,8 @@ def test_bench_quick_json_csv(scripts_path, monkeypatch, tmp_path, capsys):
 
 def test_bench_mamba3_quick_rows_and_refusal(scripts_path, monkeypatch, tmp_path):
     """bench_mamba3 --quick: the chunked forward and its forward + backward, three decode steps (fp32 batch 1
-    and 8, bf16), the module's forward and forward + backward, MIMO's forward and forward + backward, each
-    against its torch baseline; a baseline
+    and 8, bf16), the module's forward and forward + backward, MIMO's forward, forward + backward and decode step
+    (batch 1 and 8), each against its torch baseline; a baseline
     that disagrees is refused before any timing."""
     bench, m3 = _load("bench", monkeypatch), _load("bench_mamba3", monkeypatch)
     assert bench.main(["--quick", "--ops", "mamba3", "--json", str(tmp_path / "m.json")]) == 0
@@ -100,8 +100,9 @@ def test_bench_mamba3_quick_rows_and_refusal(scripts_path, monkeypatch, tmp_path
     assert [r["case"] for r in rows] == (["fwd (mamba3_siso_combined)", "fwd+bwd (mamba3_siso_combined)"]
                                          + ["decode step (mamba3_siso_step)"] * 3
                                          + ["Mamba3 forward (inference)", "Mamba3 forward + backward (training)"]
-                                         + ["MIMO fwd (mamba3_mimo)", "MIMO fwd+bwd (mamba3_mimo)"])
-    assert [r["shape"][-4:] for r in rows] == ["fp32", "fp32", "fp32", "fp32", "bf16", "fp32", "fp32", "fp32", "fp32"]
+                                         + ["MIMO fwd (mamba3_mimo)", "MIMO fwd+bwd (mamba3_mimo)"]
+                                         + ["MIMO decode step (mamba3_mimo_step)"] * 2)
+    assert [r["shape"][-4:] for r in rows] == ["fp32"] * 4 + ["bf16"] + ["fp32"] * 6
     assert all(r["op"] == "mamba3" and r["tvm_s"] > 0 and r["ref_s"] > 0 for r in rows)
     import torch
 
