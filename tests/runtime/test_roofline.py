@@ -105,16 +105,14 @@ def test_mamba3_preset_kernels_and_their_minimum_bytes():
     assert m.bytes == sum(pb.values()) - pb["gdt"] - pb["c0"] and (m.mm, m.exps) == (0, B * L * H)
 
 
-def test_mimo_preset_adds_the_mimo_step(monkeypatch):
-    """A Mamba-3 preset with a ``mimo_rank`` also runs the MIMO decode step; its minimum bytes are every
+def test_mimo_preset_runs_the_mimo_step_and_virtual_head_preprocesses():
+    """mamba3-mimo-130m (rank 4) runs the MIMO decode step instead of the SISO one, and the chunked forward's
+    preprocesses at mamba3_mimo's 24 * 4^2 virtual heads, without D; the step's minimum bytes are every
     parameter once less the rotated-q workspace (rank 4: Q, K, the K states and q are (batch, 4, ...))."""
-    from tvm_mamba.compute import _presets
-
-    monkeypatch.setitem(_presets.PRESETS, "mimo-test", dict(_presets.MAMBA3["mamba3-130m"], mimo_rank=4))
-    monkeypatch.setitem(_presets.FAMILY, "mimo-test", "mamba3")
-    keys = report.preset_keys("mimo-test", ["mamba3"], "sm_90")
-    assert [k.direction for k in keys] == ["siso_step", "siso_preprocess", "siso_preprocess_bwd", "mimo_step"]
-    step, B, R, H, P, N = keys[-1], 2, 4, 24, 64, 128
+    keys = report.preset_keys("mamba3-mimo-130m", ["mamba3"], "sm_90")
+    assert [k.direction for k in keys] == ["mimo_step", "siso_preprocess", "siso_preprocess_bwd"]
+    assert all(k.static["nheads"] == k.static["nheads_qk"] == 384 and not k.static["has_D"] for k in keys[1:])
+    step, B, R, H, P, N = keys[0], 2, 4, 24, 64, 128
     pb = measure.param_bytes(step, B, 1)
     assert pb["qrot"] == pb["kout"] == 4 * B * R * H * N and pb["MO"] == 4 * H * R * P
     m = minimum.minimum("mamba3", "mimo_step", step.static, B, 1, pb)

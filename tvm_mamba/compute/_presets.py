@@ -15,9 +15,10 @@ MAMBA2 = {name: dict(d_model=d, d_inner=2 * d, d_state=128, d_conv=4, headdim=64
           for name, d in (("mamba2-130m", 768), ("mamba2-370m", 1024), ("mamba2-780m", 1536),
                           ("mamba2-1.3b", 2048), ("mamba2-2.7b", 2560))}
 # No Mamba-3 checkpoint is released: mamba3-130m is Mamba3(d_model=768) with upstream's defaults (expand 2,
-# headdim 64, d_state 128, ngroups 1, rope_fraction 0.5 -> 32 rotary angles, chunk 64), SISO.
-MAMBA3 = {"mamba3-130m": dict(d_model=768, d_inner=1536, d_state=128, headdim=64, ngroups=1, nheads=24,
-                              num_rope_angles=32, chunk_size=64)}
+# headdim 64, d_state 128, ngroups 1, rope_fraction 0.5 -> 32 rotary angles, chunk 64), SISO; mamba3-mimo-130m
+# the same with is_mimo (upstream's mimo_rank 4 and its recommended chunk 64 / 4 = 16); not in "default".
+_M3 = dict(d_model=768, d_inner=1536, d_state=128, headdim=64, ngroups=1, nheads=24, num_rope_angles=32)
+MAMBA3 = {"mamba3-130m": dict(_M3, chunk_size=64), "mamba3-mimo-130m": dict(_M3, chunk_size=16, mimo_rank=4)}
 PRESETS = {**MAMBA1, **MAMBA2, **MAMBA3}
 FAMILY = {**dict.fromkeys(MAMBA1, "mamba"), **dict.fromkeys(MAMBA2, "mamba2"), **dict.fromkeys(MAMBA3, "mamba3")}
 # "default": the smallest of each family (what CI-sized tuning and the committed logs cover); "all": every one.

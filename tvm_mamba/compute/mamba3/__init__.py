@@ -151,22 +151,25 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     calls them: the decode step (D, Z; the cache's float32 K / V states), the chunked forward's preprocess
     (D, no input states: a plain forward or a prefill) and its backward (training: keyed without D, which it
     does not read, as the torch op keys it). The SSD pieces of the forward and backward are SSD kernels
-    (compute/ssd), not listed here. A MIMO preset (one with a ``mimo_rank``) adds its decode step (D, Z,
-    MIMO_Out)."""
+    (compute/ssd), not listed here. A MIMO preset (one with a ``mimo_rank`` R) has its decode step (D, Z,
+    MIMO_Out) instead of the SISO one, and the preprocesses at mamba3_mimo's nheads R^2 virtual heads (one Q/K
+    head each, no D: torch_ops/mamba3_mimo.py)."""
     from .._presets import presets
 
     out = []
     for _, d in presets(preset, families=("mamba3",)):
         model = dict(nheads=d["nheads"], nheads_qk=d["ngroups"], headdim_qk=d["d_state"], headdim_v=d["headdim"],
                      headdim_angles=d["num_rope_angles"])
-        step = StepDims(**model, has_D=True, has_z=True)
-        pre = PreDims(**model, chunk_size=d["chunk_size"], has_D=True, has_init=False)
-        bwd = PreDims(**model, chunk_size=d["chunk_size"], has_D=False, has_init=False)
-        out += [("siso_step", *step.key_parts()), ("siso_preprocess", *pre.key_parts()),
-                ("siso_preprocess_bwd", *bwd.key_parts())]
-        if d.get("mimo_rank"):
-            mimo = MimoStepDims(**model, has_D=True, has_z=True, mimo_rank=d["mimo_rank"], has_outproj=True)
+        R = d.get("mimo_rank")
+        if R:
+            mimo = MimoStepDims(**model, has_D=True, has_z=True, mimo_rank=R, has_outproj=True)
             out.append(("mimo_step", *mimo.key_parts()))
+            model = dict(model, nheads=d["nheads"] * R * R, nheads_qk=d["nheads"] * R * R)
+        else:
+            out.append(("siso_step", *StepDims(**model, has_D=True, has_z=True).key_parts()))
+        pre = PreDims(**model, chunk_size=d["chunk_size"], has_D=not R, has_init=False)
+        bwd = PreDims(**model, chunk_size=d["chunk_size"], has_D=False, has_init=False)
+        out += [("siso_preprocess", *pre.key_parts()), ("siso_preprocess_bwd", *bwd.key_parts())]
     return out
 
 
