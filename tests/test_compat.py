@@ -23,6 +23,8 @@ PATHS = {
     "mamba_ssm.ops.triton.mamba3.mamba3_siso_step": ["mamba3_siso_step", "mamba3_siso_step_ref"],
     "mamba_ssm.ops.triton.mamba3.mamba3_siso_combined": ["mamba3_siso_combined", "mamba3_siso_combined_ref"],
     "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo": ["mamba3_mimo"],
+    "mamba_ssm.ops.triton.mamba3.mamba3_mimo_rotary_step": ["apply_rotary_qk_inference_fwd"],
+    "mamba_ssm.ops.cute.mamba3.mamba3_step_fn": ["mamba3_step_fn"],
     "mamba_ssm.ops.triton.layernorm_gated": ["RMSNorm", "LayerNorm", "rmsnorm_fn", "layernorm_fn", "rms_norm_ref"],
     "mamba_ssm.ops.triton.layer_norm": ["RMSNorm", "layer_norm_fn", "rms_norm_fn", "layer_norm_ref", "rms_norm_ref"],
     "mamba_ssm.modules.mamba_simple": ["Mamba"],

@@ -77,10 +77,20 @@ class StepDims(HeadDims):
         return acc_dtype(self.v_dtype)
 
     # the step template's MIMO generalisation (MimoStepDims): SISO is rank 1, interleaved rotary pairs, no
-    # MIMO projections
+    # MIMO projections; upstream's two-function path's flags at the fused step's values
     mimo = False
     rank = 1
     has_outproj = False
+    pairwise = True
+    angle_mod = True
+    conjugate = False
+    trap_logit = True
+    raw_a = False
+    inplace = False
+    rank_major = False
+    has_qbias = True
+    has_kbias = True
+    state_dtype = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,15 +99,36 @@ class MimoStepDims(StepDims):
     CuTe ``mamba3_step_fn``): StepDims' fields plus mimo_rank R (the Q / K / K-state rank axis, R outputs
     per head) and has_outproj (MIMO_Out given: the R outputs summed into one; else out is (batch, R, nheads,
     headdim_v)). Rotary pairs are the halved (i, i + headdim_qk / 2) of upstream's MIMO layout; MIMO_V,
-    MIMO_Z, MIMO_Out are in the accumulation dtype. The same template as SISO (compute/mamba3/step.py)."""
+    MIMO_Z, MIMO_Out are in the accumulation dtype. The same template as SISO (compute/mamba3/step.py).
+
+    The flags after has_outproj serve upstream's two-function path, the step's two passes as kernels of their
+    own (directions ``step_rotate``: ``apply_rotary_qk_inference_fwd``; ``step_update``: ``mamba3_step_fn``):
+    interleaved pairs at a rank axis, an angle not reduced mod 2 pi, conjugate rotation, Trap given as a
+    probability, A given instead of A DT, the ssm state (in ``state`` dtype) rewritten in place, biases and
+    MIMO_* laid out rank-major (R, nheads, .) as upstream's function takes them, absent biases."""
 
     mimo_rank: int = 4  # upstream Mamba3's default
     has_outproj: bool = True
+    # upstream's two-function path (``step_rotate`` / ``step_update``, docs/mamba3.md); each at its default
+    # is the fused mimo_step's behaviour and stays out of the key
+    pairwise: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)  # (2i, 2i+1) pairs, not halved
+    angle_mod: bool = dataclasses.field(default=True, metadata=OMIT_DEFAULT)  # the new angle reduced mod 2 pi
+    conjugate: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)  # rotate by -theta
+    trap_logit: bool = dataclasses.field(default=True, metadata=OMIT_DEFAULT)  # False: Trap is sigmoid(Trap)
+    raw_a: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)  # ADT holds A: alpha = exp(A DT)
+    inplace: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)  # the ssm state rewritten in place
+    rank_major: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)  # biases, MIMO_* (R, nheads, .)
+    has_qbias: bool = dataclasses.field(default=True, metadata=OMIT_DEFAULT)
+    has_kbias: bool = dataclasses.field(default=True, metadata=OMIT_DEFAULT)
+    state_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)  # ssm state (None: acc)
 
     def __post_init__(self):
         super().__post_init__()
         if not (isinstance(self.mimo_rank, int) and 1 <= self.mimo_rank <= 16):
             raise ValueError(f"mimo_rank: must be an int in 1..16, got {self.mimo_rank!r}")
+        self.check_dtypes(("state",), IO_DTYPES)
+        if self.state_dtype is not None and (self.state_dtype == "float64") != (self.v_dtype == "float64"):
+            raise ValueError("state: a float64 kernel needs every tensor float64")
 
     mimo = True
 

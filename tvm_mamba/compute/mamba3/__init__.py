@@ -19,6 +19,8 @@ MIMO_V / MIMO_Z / MIMO_Out (nheads, R, headdim_v), out (batch, R, nheads, headdi
 """
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 
 from .._common import stamp
@@ -32,15 +34,20 @@ from .step import step_template
 
 __all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "MimoStepDims", "PreDims", "StepDims", "acc_dtype", "build",
            "build_check_configs", "tuning_configs", "derived_dims", "mamba3_siso_step", "mamba3_mimo_step",
+           "mamba3_step_rotate", "mamba3_step_update",
            "mamba3_siso_preprocess",
            "mamba3_siso_preprocess_bwd", "PREPROCESS"]
 
 # direction -> typed static dims / template(dims, layout): the step takes a selective-scan Layout, the
 # preprocess an SSD Strategy (the rules pick each direction's)
-DIMS = {"siso_step": StepDims, "mimo_step": MimoStepDims, "siso_preprocess": PreDims,
-        "siso_preprocess_bwd": PreDims}
-TEMPLATES = {"siso_step": step_template, "mimo_step": step_template, "siso_preprocess": preprocess_template,
-             "siso_preprocess_bwd": preprocess_bwd_template}
+# step_rotate / step_update: the step's two passes as kernels of their own (upstream's
+# apply_rotary_qk_inference_fwd and mamba3_step_fn), the same template
+DIMS = {"siso_step": StepDims, "mimo_step": MimoStepDims, "step_rotate": MimoStepDims, "step_update": MimoStepDims,
+        "siso_preprocess": PreDims, "siso_preprocess_bwd": PreDims}
+TEMPLATES = {"siso_step": step_template, "mimo_step": step_template,
+             "step_rotate": functools.partial(step_template, passes="rotate"),
+             "step_update": functools.partial(step_template, passes="update"),
+             "siso_preprocess": preprocess_template, "siso_preprocess_bwd": preprocess_bwd_template}
 PREPROCESS = ("siso_preprocess", "siso_preprocess_bwd")  # the directions laid out by the SSD strategies
 
 
@@ -74,6 +81,26 @@ def mamba3_mimo_step(dims: MimoStepDims | None = None, /, **kwargs) -> tirx.Prim
         raise TypeError(f"mamba3_mimo_step: pass dims or keyword dims, not both ({sorted(kwargs)})")
     d = dims if dims is not None else MimoStepDims(**kwargs)
     return build("mimo_step", d, Layout(Math(d.acc)))
+
+
+def mamba3_step_rotate(dims: MimoStepDims) -> tirx.PrimFunc:
+    """The step's pass 1 alone (upstream's ``apply_rotary_qk_inference_fwd``). Q, K: (batch, R, nheads_qk,
+    headdim_qk); DT: (batch, nheads); Q_bias, K_bias: (R, nheads, headdim_qk) with ``rank_major`` (else (nheads,
+    R, headdim_qk); (1, 1, 1) when absent); Angles, angle_state: (batch, nheads, headdim_angles) -> angle out
+    (batch, nheads, headdim_angles) acc; k, q out (batch, R, nheads, headdim_qk) in Q's dtype (parameter order:
+    ..., angle out, k out, q out). theta' = theta + pi tanh(Angles) DT (mod 2 pi with ``angle_mod``); q, k =
+    R(+-theta') (Q + Q_bias), R(+-theta') (K + K_bias), pairs (2i, 2i+1) with ``pairwise``, else halved."""
+    return build("step_rotate", dims, Layout(Math(dims.acc)))
+
+
+def mamba3_step_update(dims: MimoStepDims) -> tirx.PrimFunc:
+    """The step's pass 2 alone (upstream's ``mamba3_step_fn``). V (x), Z: (batch, nheads, headdim_v); ADT (A
+    with ``raw_a``), DT, Trap (a probability without ``trap_logit``): (batch, nheads); MIMO_V, MIMO_Z, MIMO_Out:
+    (R, nheads, headdim_v) with ``rank_major``; D: (nheads,); ssm state (batch, nheads, headdim_v, headdim_qk)
+    in ``state`` dtype; k_state (batch, R, nheads, headdim_qk); v_state (batch, nheads, headdim_v) -> out
+    (batch, nheads, headdim_v) (or (batch, R, nheads, headdim_v)), the new ssm state (into the input state with
+    ``inplace``); then B (k), C (q): (batch, R, nheads, headdim_qk) in Q's dtype, already rotated."""
+    return build("step_update", dims, Layout(Math(dims.acc)))
 
 
 def mamba3_siso_preprocess(dims: PreDims | None = None, /, **kwargs) -> tirx.PrimFunc:

@@ -22,6 +22,10 @@ Two passes (two parallel loops on a CPU, two kernel launches on CUDA: the second
 the CPU at upstream's shape, batch 1.) The new states go to separate outputs, as upstream's. Math in the
 accumulation dtype; rotated q / k are not rounded to the input dtype (upstream's Triton kernels round them to
 bf16 and take h' q as a bf16 dot: this kernel is closer to the float64 reference).
+
+Each pass is also a kernel of its own (``passes``: directions ``step_rotate`` and ``step_update``, upstream's
+``apply_rotary_qk_inference_fwd`` and ``mamba3_step_fn``, MimoStepDims' flags): the rotate kernel writes q / k
+in Q's dtype (upstream's outputs), the update kernel reads them (B, C) in that dtype; same macros, same math.
 """
 from __future__ import annotations
 
@@ -40,12 +44,16 @@ class _Ix:
 
     def __init__(self, dims: StepDims):
         self.mimo, self.half, self.split = dims.mimo, dims.headdim_qk // 2, dims.mimo and not dims.has_outproj
+        self.pairwise, self.rank_major = dims.pairwise, dims.rank_major
 
     def qk(self, b, r, hq, n):  # Q, K: (batch, R, nheads_qk, N) | (batch, nheads_qk, N)
         return (b, r, hq, n) if self.mimo else (b, hq, n)
 
-    def bias(self, h, r, n):  # Q_bias, K_bias: (nheads, R, N) | (nheads, N)
-        return (h, r, n) if self.mimo else (h, n)
+    def bias(self, h, r, n):  # Q_bias, K_bias: (nheads, R, N) | (R, nheads, N) rank-major | (nheads, N)
+        return ((r, h, n) if self.rank_major else (h, r, n)) if self.mimo else (h, n)
+
+    def proj(self, M, h, r, p):  # MIMO_V, MIMO_Z, MIMO_Out: (nheads, R, P) | (R, nheads, P) rank-major
+        return M[r, h, p] if self.rank_major else M[h, r, p]
 
     def kr(self, b, r, h, n):  # K states, rotated q: (batch, R, nheads, N) | (batch, nheads, N)
         return (b, r, h, n) if self.mimo else (b, h, n)
@@ -54,46 +62,53 @@ class _Ix:
         return (b, r, h, p) if self.split else (b, h, p)
 
     def lo(self, i):  # rotary pair i's first and second element
-        return i if self.mimo else 2 * i
+        return 2 * i if self.pairwise else i
 
     def hi(self, i):
-        return i + self.half if self.mimo else 2 * i + 1
+        return 2 * i + 1 if self.pairwise else i + self.half
 
     def mv(self, MV, x, h, r, p):
-        return x * MV[h, r, p] if self.mimo else x
+        return x * self.proj(MV, h, r, p) if self.mimo else x
 
     def mz(self, MZ, z, h, r, p):
-        return z * MZ[h, r, p] if self.mimo else z
+        return z * self.proj(MZ, h, r, p) if self.mimo else z
 
 
-def _rotate_macro(dims: StepDims, L):
+def _rotate_macro(dims: StepDims, L, rot: str):
     """Pass 1, one rotary pair i of (b, rank r, h): the new angle (written by rank 0), the rotated q pair
-    (workspace) and k pair (output)."""
+    (workspace, or the rotate kernel's output) and k pair (output), stored in ``rot``."""
     HPQ, S, ACC, m, SCOPE, ix = dims.heads_per_qk, dims.headdim_angles, dims.acc, L.math, L.scope, _Ix(dims)
-    PI, TWO_PI = m.const(math.pi), m.const(2.0 * math.pi)
+    PI, TWO_PI, MOD = m.const(math.pi), m.const(2.0 * math.pi), dims.angle_mod
     first = (lambda r: True) if dims.rank == 1 else (lambda r: r == 0)  # noqa: E731
+    sin = (lambda a: -T.sin(a)) if dims.conjugate else T.sin  # noqa: E731  (conjugate: rotate by -theta)
+    st = (lambda x: x) if rot == ACC else (lambda x: x.astype(rot))  # noqa: E731
+
+    def biased(X, Xb, on, b, r, hh, n):  # X[hq] + its bias (absent: no term)
+        x = m.cast(X[ix.qk(b, r, hh // HPQ, n)])
+        return x + Xb[ix.bias(hh, r, n)] if on else x
 
     @T.macro
     def pair(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, b, r, hh, i):
         t = T.alloc_buffer((7,), ACC, scope=SCOPE)  # cos, sin, theta, q pair, k pair
         if i < S:
             t[2] = m.tanh(Ang[b, hh, i]) * PI * DT[b, hh] + ast[b, hh, i]
-            t[2] = t[2] - TWO_PI * T.floor(t[2] / TWO_PI)
+            if MOD:
+                t[2] = t[2] - TWO_PI * T.floor(t[2] / TWO_PI)
             if first(r):
                 aout[b, hh, i] = t[2]
             t[0] = T.cos(t[2])
-            t[1] = T.sin(t[2])
+            t[1] = sin(t[2])
         else:
             t[0] = m.one
             t[1] = m.zero
-        t[3] = m.cast(Q[ix.qk(b, r, hh // HPQ, ix.lo(i))]) + Qb[ix.bias(hh, r, ix.lo(i))]
-        t[4] = m.cast(Q[ix.qk(b, r, hh // HPQ, ix.hi(i))]) + Qb[ix.bias(hh, r, ix.hi(i))]
-        t[5] = m.cast(K[ix.qk(b, r, hh // HPQ, ix.lo(i))]) + Kb[ix.bias(hh, r, ix.lo(i))]
-        t[6] = m.cast(K[ix.qk(b, r, hh // HPQ, ix.hi(i))]) + Kb[ix.bias(hh, r, ix.hi(i))]
-        qrot[ix.kr(b, r, hh, ix.lo(i))] = t[3] * t[0] - t[4] * t[1]
-        qrot[ix.kr(b, r, hh, ix.hi(i))] = t[3] * t[1] + t[4] * t[0]
-        kout[ix.kr(b, r, hh, ix.lo(i))] = t[5] * t[0] - t[6] * t[1]
-        kout[ix.kr(b, r, hh, ix.hi(i))] = t[5] * t[1] + t[6] * t[0]
+        t[3] = biased(Q, Qb, dims.has_qbias, b, r, hh, ix.lo(i))
+        t[4] = biased(Q, Qb, dims.has_qbias, b, r, hh, ix.hi(i))
+        t[5] = biased(K, Kb, dims.has_kbias, b, r, hh, ix.lo(i))
+        t[6] = biased(K, Kb, dims.has_kbias, b, r, hh, ix.hi(i))
+        qrot[ix.kr(b, r, hh, ix.lo(i))] = st(t[3] * t[0] - t[4] * t[1])
+        qrot[ix.kr(b, r, hh, ix.hi(i))] = st(t[3] * t[1] + t[4] * t[0])
+        kout[ix.kr(b, r, hh, ix.lo(i))] = st(t[5] * t[0] - t[6] * t[1])
+        kout[ix.kr(b, r, hh, ix.hi(i))] = st(t[5] * t[1] + t[6] * t[0])
 
     return pair
 
@@ -102,7 +117,10 @@ def _row_macro(dims: StepDims, L):
     """Pass 2, one (b, h, p) row: its headdim_qk new states (the R rank terms summed) and its R outputs
     (gated, then summed by MIMO_Out when given)."""
     N, V, R, ACC, m, SCOPE, ix = dims.headdim_qk, L.V, dims.rank, dims.acc, L.math, L.scope, _Ix(dims)
-    OUT = dims.v_dtype
+    OUT, SD = dims.v_dtype, dims.state_dtype or dims.acc
+    to_state = (lambda x: x) if SD == ACC else (lambda x: x.astype(SD))  # noqa: E731
+    alpha = (lambda a, dt: m.exp(a * dt)) if dims.raw_a else (lambda a, dt: m.exp(a))  # noqa: E731
+    lam = m.sigmoid if dims.trap_logit else (lambda p: p)  # noqa: E731  (Trap a logit, or the probability)
 
     @T.macro
     def row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, p):
@@ -111,8 +129,8 @@ def _row_macro(dims: StepDims, L):
         y = T.alloc_buffer((R + 1,), ACC, scope=SCOPE)  # per rank: h' . q + D x; [R]: the MIMO_Out sum
         yv = T.alloc_buffer((R, V), ACC, scope=SCOPE)  # the dstate vector's partials of h' . q
         hv = T.alloc_buffer((V,), ACC, scope=SCOPE)
-        s[0] = m.exp(ADT[b, hh])
-        s[1] = m.sigmoid(Trap[b, hh])
+        s[0] = alpha(ADT[b, hh], DT[b, hh])
+        s[1] = lam(Trap[b, hh])
         s[2] = s[0] * DT[b, hh] * (m.one - s[1]) * m.cast(vst[b, hh, p])
         s[3] = DT[b, hh] * s[1] * m.cast(V_[b, hh, p])
         for r in T.unroll(R):
@@ -122,16 +140,16 @@ def _row_macro(dims: StepDims, L):
                 yv[r, ki] = m.zero
         for ko in L.st_outer(N):
             for ki in L.st_inner():
-                hv[ki] = s[0] * h_in[b, hh, p, L.state(ko, ki, 0)]
+                hv[ki] = s[0] * m.cast(h_in[b, hh, p, L.state(ko, ki, 0)])
             for r in T.unroll(R):
                 for ki in L.st_inner():
                     hv[ki] = (hv[ki] + c[r] * m.cast(kst[ix.kr(b, r, hh, L.state(ko, ki, 0))])
-                              + c[R + r] * kout[ix.kr(b, r, hh, L.state(ko, ki, 0))])
+                              + c[R + r] * m.cast(kout[ix.kr(b, r, hh, L.state(ko, ki, 0))]))
             for ki in L.st_inner():
-                h_out[b, hh, p, L.state(ko, ki, 0)] = hv[ki]
+                h_out[b, hh, p, L.state(ko, ki, 0)] = to_state(hv[ki])
             for r in T.unroll(R):
                 for ki in L.st_inner():
-                    yv[r, ki] = yv[r, ki] + hv[ki] * qrot[ix.kr(b, r, hh, L.state(ko, ki, 0))]
+                    yv[r, ki] = yv[r, ki] + hv[ki] * m.cast(qrot[ix.kr(b, r, hh, L.state(ko, ki, 0))])
         for r in T.unroll(R):
             L.reduce_plus(y, r, yv, r, ix.mv(MV, Dv[hh] * m.cast(V_[b, hh, p]), hh, r, p) if dims.has_D else m.zero)
             if dims.has_z:
@@ -139,7 +157,7 @@ def _row_macro(dims: StepDims, L):
         if dims.has_outproj:
             y[R] = m.zero
             for r in T.unroll(R):
-                y[R] = y[R] + MO[hh, r, p] * y[r]
+                y[R] = y[R] + ix.proj(MO, hh, r, p) * y[r]
             out[b, hh, p] = y[R].astype(OUT)
         else:
             for r in T.unroll(R):
@@ -180,17 +198,28 @@ def _drop_params(func: tirx.PrimFunc, names: tuple) -> tirx.PrimFunc:
     return tirx.PrimFunc([v for v in func.params if v.name not in names], func.body, func.ret_type, func.attrs)
 
 
-def step_template(dims: StepDims, L) -> tirx.PrimFunc:
+# the parameters each pass alone does not touch (dropped from its kernel's signature)
+_ROTATE_ONLY = ("Q", "K", "Qb", "Kb", "Ang", "ast", "aout")
+_UPDATE_ONLY = ("V", "ADT", "Trap", "MV", "MZ", "MO", "Dv", "Z", "h_in", "kst", "vst", "out", "h_out")
+
+
+def step_template(dims: StepDims, L, passes: str = "both") -> tirx.PrimFunc:
     """The decode step's two passes (module docstring); qrot: an acc workspace shaped as the K state. SISO
     (StepDims) has no MIMO_V / MIMO_Z / MIMO_Out parameters; MIMO (MimoStepDims) takes them after K_bias,
-    (1, 1, 1) placeholders for MIMO_Z without Z and MIMO_Out without has_outproj."""
+    (1, 1, 1) placeholders for MIMO_Z without Z and MIMO_Out without has_outproj (and for an absent bias).
+    ``passes``: "both" (the fused step), "rotate" (pass 1: qrot, kout its outputs, in Q's dtype) or "update"
+    (pass 2: qrot, kout its inputs C, B in Q's dtype; h_out dropped with ``inplace``, h_in rewritten)."""
     H, HQ, N, P, S, R, ACC = (dims.nheads, dims.nheads_qk, dims.headdim_qk, dims.headdim_v, dims.headdim_angles,
                               dims.rank, dims.acc)
     ZT, KT, VT = dims.z_dtype or dims.v_dtype, dims.kstate_dtype or ACC, dims.vstate_dtype or dims.v_dtype
-    rotate, row = _rotate_macro(dims, L), _row_macro(dims, L)
+    SD, ROT = dims.state_dtype or ACC, ACC if passes == "both" else dims.qk_dtype
+    ROTATE, UPDATE, INPLACE = passes in ("both", "rotate"), passes in ("both", "update"), dims.inplace
+    rotate, row = _rotate_macro(dims, L, ROT), _row_macro(dims, L)
     RK = (R,) if dims.mimo else ()  # the rank axis of Q, K, the biases and the K states
     OUTR = (R,) if dims.mimo and not dims.has_outproj else ()
-    PROJ = lambda on: (H, R, P) if on else (1, 1, 1)  # noqa: E731
+    BIAS = (R, H, N) if dims.rank_major else (H, *RK, N)
+    BQ, BK = (BIAS if on else (1,) * len(BIAS) for on in (dims.has_qbias, dims.has_kbias))
+    PROJ = lambda on: ((R, H, P) if dims.rank_major else (H, R, P)) if on else (1, 1, 1)  # noqa: E731
     NP = N // 2
 
     @T.prim_func
@@ -205,8 +234,8 @@ def step_template(dims: StepDims, L) -> tirx.PrimFunc:
         ADT = T.match_buffer(ADT_h, (batch, H), ACC)
         DT = T.match_buffer(DT_h, (batch, H), ACC)
         Trap = T.match_buffer(Trap_h, (batch, H), ACC)
-        Qb = T.match_buffer(Qb_h, (H, *RK, N), ACC)
-        Kb = T.match_buffer(Kb_h, (H, *RK, N), ACC)
+        Qb = T.match_buffer(Qb_h, BQ, ACC)
+        Kb = T.match_buffer(Kb_h, BK, ACC)
         MV = T.match_buffer(MV_h, PROJ(dims.mimo), ACC)
         MZ = T.match_buffer(MZ_h, PROJ(dims.mimo and dims.has_z), ACC)
         MO = T.match_buffer(MO_h, PROJ(dims.has_outproj), ACC)
@@ -214,19 +243,24 @@ def step_template(dims: StepDims, L) -> tirx.PrimFunc:
         Dv = T.match_buffer(D_h, (H,) if dims.has_D else (1,), ACC)
         Z = T.match_buffer(Z_h, (batch, H, P) if dims.has_z else (1, 1, 1), ZT)
         ast = T.match_buffer(ast_h, (batch, H, S), ACC)
-        h_in = T.match_buffer(h_in_h, (batch, H, P, N), ACC)
+        h_in = T.match_buffer(h_in_h, (batch, H, P, N), SD)
         kst = T.match_buffer(kst_h, (batch, *RK, H, N), KT)
         vst = T.match_buffer(vst_h, (batch, H, P), VT)
         out = T.match_buffer(out_h, (batch, *OUTR, H, P), dims.v_dtype)
         aout = T.match_buffer(aout_h, (batch, H, S), ACC)
-        h_out = T.match_buffer(h_out_h, (batch, H, P, N), ACC)
-        kout = T.match_buffer(kout_h, (batch, *RK, H, N), ACC)
-        qrot = T.match_buffer(qrot_h, (batch, *RK, H, N), ACC)
-        _lanes(L, lambda bt: bt * R * H * NP,
-               lambda lane: rotate(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, lane // (R * H * NP),
-                                   lane // (H * NP) % R, lane // NP % H, lane % NP))(batch, batch * R * H * N * 8)
-        _lanes(L, lambda bt: bt * H * P,
-               lambda lane: row(V, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out,
-                                lane // (H * P), lane // P % H, lane % P))(batch, batch * H * P * N * R)
+        h_out = T.match_buffer(h_out_h, (batch, H, P, N), SD)
+        kout = T.match_buffer(kout_h, (batch, *RK, H, N), ROT)
+        qrot = T.match_buffer(qrot_h, (batch, *RK, H, N), ROT)
+        if ROTATE:
+            _lanes(L, lambda bt: bt * R * H * NP,
+                   lambda lane: rotate(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, lane // (R * H * NP),
+                                       lane // (H * NP) % R, lane // NP % H, lane % NP))(batch, batch * R * H * N * 8)
+        if UPDATE:
+            _lanes(L, lambda bt: bt * H * P,
+                   lambda lane: row(V, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out,
+                                    h_in if INPLACE else h_out, lane // (H * P), lane // P % H,
+                                    lane % P))(batch, batch * H * P * N * R)
 
-    return step if dims.mimo else _drop_params(step, ("MV", "MZ", "MO"))
+    drop = (() if dims.mimo else ("MV", "MZ", "MO")) + (("h_out",) if INPLACE else ())
+    drop += {"both": (), "rotate": _UPDATE_ONLY, "update": _ROTATE_ONLY}[passes]
+    return _drop_params(step, drop) if drop else step
