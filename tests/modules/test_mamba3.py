@@ -2,12 +2,10 @@
 (tvm_mamba.reference.blocks.mamba3_ref): names / shapes / init, forward in fp32 and bf16, prefill + decode ==
 forward, state_dict round trip, the LM and generate with a Mamba3 layer, bad arguments, training (every parameter's
 and the input's gradient against autograd of the reference) and the decode step's no-grad error; with
-$TVM_MAMBA_UPSTREAM_DIR, upstream's own modules/mamba3.py (its kernel imports on tvm_mamba's, MIMO's stubbed)
-has the same parameters and, loaded with the same weights, the same forward."""
+$TVM_MAMBA_UPSTREAM_DIR, upstream's own modules/mamba3.py (every kernel it imports resolving to tvm_mamba's)
+has the same parameters and, loaded with the same weights, the same forward, and its own prefill + ``step``
+(apply_rotary_qk_inference_fwd, then mamba3_step_fn) decodes as tvm_mamba's Mamba3 does."""
 from __future__ import annotations
-
-import sys
-import types
 
 import pytest
 import torch
@@ -266,17 +264,14 @@ def _params(m, cache, batch):
 @pytest.fixture(scope="module")
 def upstream_mamba3(tmp_path_factory):
     """upstream's modules/mamba3.py, imported from the sdist through compat.install(upstream=...): its SISO and
-    MIMO kernels (mamba3_siso_combined, mamba3_mimo) and RMSNorm are tvm_mamba's; the MIMO decode rotary module
-    (triton) is a stub."""
+    MIMO kernels (mamba3_siso_combined, mamba3_mimo), its decode step's apply_rotary_qk_inference_fwd and
+    mamba3_step_fn, and RMSNorm are tvm_mamba's."""
     pytest.importorskip("einops")
     from tests.test_upstream_modules import _upstream_source
     from tvm_mamba import compat
 
     src = _upstream_source(tmp_path_factory)
     compat.install(upstream=src)
-    stub = types.ModuleType("mamba_ssm.ops.triton.mamba3.mamba3_mimo_rotary_step")
-    stub.apply_rotary_qk_inference_fwd = None  # used only by upstream's step (CuTe), not exercised
-    sys.modules[stub.__name__] = stub
     try:
         import mamba_ssm.modules.mamba3 as upstream_module
         yield upstream_module
@@ -301,3 +296,42 @@ def test_matches_upstream_module(upstream_mamba3, cfg):
     theirs.load_state_dict(ours.state_dict(), strict=True)
     u = _input()
     torch.testing.assert_close(ours(u), theirs(u), rtol=1e-6, atol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cfg", CFGS, ids=IDS)
+def test_upstream_module_prefill_then_step(upstream_mamba3, cfg):
+    """UPSTREAM's Mamba3 decodes on tvm_mamba: prefill 7 tokens through forward(inference_params), then 5 of its
+    own ``step`` calls (apply_rotary_qk_inference_fwd, mamba3_step_fn: tvm_mamba's kernels); outputs == one
+    forward of tvm_mamba's Mamba3 with the same weights and the float64 reference, final states == tvm_mamba's
+    own step's (the angle compared as cos / sin: upstream's rotary pass does not reduce it mod 2 pi). ngroups 1:
+    upstream's step broadcasts B / C from one group to every head (``expand``), which fails for more groups."""
+    from tvm_mamba.torch_ops.mamba3_step_parts import apply_rotary_qk_inference_fwd, mamba3_step_fn
+
+    assert upstream_mamba3.apply_rotary_qk_inference_fwd is apply_rotary_qk_inference_fwd
+    assert upstream_mamba3.mamba3_step_fn is mamba3_step_fn
+    cfg = dict(cfg, ngroups=1)
+    ours = _block(seed=4, cfg=cfg, layer_idx=0)
+    theirs = upstream_mamba3.Mamba3(D_MODEL, **cfg, layer_idx=0)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    u = _input()
+    caches = []
+    outs = {}
+    for name, m in (("upstream", theirs), ("ours", ours)):
+        params = InferenceParams(max_seqlen=SEQLEN, max_batch_size=BATCH)
+        outs[name] = [m(u[:, :7], inference_params=params)]
+        cache = params.key_value_memory_dict[0]
+        for t in range(7, SEQLEN):
+            out, *new = m.step(u[:, t], *cache)
+            assert out.shape == (BATCH, D_MODEL)
+            outs[name].append(out[:, None])
+        caches.append(cache)
+    got = torch.cat(outs["upstream"], 1)
+    assert_close_to_ref(got, torch.cat(outs["ours"], 1), atol=1e-5, rtol=1e-5, name="upstream step vs ours")
+    assert_close_to_ref(got, ours(u), atol=2e-5, rtol=2e-5, name="upstream prefill + steps vs one forward")
+    assert_close_to_ref(got, _ref(ours, u), atol=1e-4, name="vs the float64 reference")
+    (ta, *theirs_st), (oa, *ours_st) = caches
+    for name, a, b in zip(("ssm", "k", "v"), theirs_st, ours_st):
+        assert_close_to_ref(a, b, atol=1e-5, rtol=1e-5, name=f"{name} state")
+    for f in (torch.cos, torch.sin):
+        torch.testing.assert_close(f(ta), f(oa), atol=1e-5, rtol=0)
