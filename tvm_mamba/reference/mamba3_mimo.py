@@ -19,10 +19,12 @@ arithmetic intensity of a decode step. (k_{-1,r}, v_{-1}) are the input K / V st
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from .mamba3 import _coefficients, angle_step
+from .mamba3 import _coefficients, angle_step, rotate_pairs
 
 
 def rotate_halves(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -165,3 +167,42 @@ def mamba3_mimo_chunked_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO
     if Z is not None:
         y = y * F.silu(Z[:, :, None] * MIMO_Z.transpose(0, 1))
     return torch.einsum("btrhp,hrp->bthp", y, MIMO_Out) if MIMO_Out is not None else y
+
+
+# --- upstream's two-function decode path (Mamba3.step): the rotary pass, then the state update -----------------
+
+def apply_rotary_qk_inference_ref(q, k, angle_state, angle_proj, dt, bias_q=None, bias_k=None, conjugate=False,
+                                  rotate_pairwise=True, dtype=torch.float64):
+    """The decode step's rotary pass as upstream's ``apply_rotary_qk_inference_fwd`` returns it. q, k: (batch, R,
+    nheads, headdim); angle_state, angle_proj: (batch, nheads, S); dt: (batch, nheads); bias_q, bias_k: (R,
+    nheads, headdim) or None -> (q_out, k_out (batch, R, nheads, headdim), theta' (batch, nheads, S)) in ``dtype``.
+    theta' = angle_state + pi tanh(angle_proj) dt (not reduced mod 2 pi); q_out = R(+-theta') (q + bias_q),
+    k_out likewise: ``rotate_pairs`` with rotate_pairwise, else ``rotate_halves``; -theta' with conjugate."""
+    c = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    theta = c(angle_state) + math.pi * torch.tanh(c(angle_proj)) * c(dt)[..., None]
+    rot = rotate_pairs if rotate_pairwise else rotate_halves
+    sign = -1.0 if conjugate else 1.0
+    out = [rot(c(t) + (c(b) if b is not None else 0.0), sign * theta[:, None]) for t, b in ((q, bias_q), (k, bias_k))]
+    return out[0], out[1], theta
+
+
+def mamba3_step_fn_ref(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, z=None, zproj=None,
+                       dtype=torch.float64):
+    """The decode step's update as upstream's ``mamba3_step_fn`` computes it from rotated B (k) and C (q).
+    state: (batch, nheads, hdim, dstate); Bstate, B, C: (batch, R, nheads, dstate); Xstate, x, z: (batch, nheads,
+    hdim); A, dt, trap: (batch, nheads), trap a probability; D: (nheads,); xproj, zproj, outproj: (R, nheads,
+    hdim) -> (out (batch, nheads, hdim), or (batch, R, nheads, hdim) without outproj; the new state) in ``dtype``.
+    alpha = exp(A dt); beta = (1 - trap) dt alpha; gamma = trap dt; x_r = x xproj_r; h' = alpha h + beta sum_r
+    (Xstate xproj_r) Bstate_r^T + gamma sum_r x_r B_r^T; y_r = (h' C_r + D x_r) silu(z zproj_r); out = sum_r
+    outproj_r y_r."""
+    c = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    A, dt, trap = c(A), c(dt), c(trap)
+    alpha = torch.exp(A * dt)
+    beta, gamma = (1 - trap) * dt * alpha, trap * dt
+    xr, xs = c(x)[:, None] * c(xproj), c(Xstate)[:, None] * c(xproj)  # (batch, R, nheads, hdim)
+    h = (alpha[..., None, None] * c(state) + beta[..., None, None] * torch.einsum("brhp,brhn->bhpn", xs, c(Bstate))
+         + gamma[..., None, None] * torch.einsum("brhp,brhn->bhpn", xr, c(B)))
+    y = torch.einsum("bhpn,brhn->brhp", h, c(C)) + c(D)[:, None] * xr
+    if z is not None:
+        y = y * F.silu(c(z)[:, None] * c(zproj))
+    return (torch.einsum("brhp,rhp->bhp", y, c(outproj)) if outproj is not None else y), h
