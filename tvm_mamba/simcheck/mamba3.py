@@ -330,9 +330,14 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
         ran(keys, OP, direction, static, dtypes)
         _compare_all(res, f"{OP}.{direction}", arch)
         return
+    if direction in ("step_rotate", "step_update"):  # upstream's two-function decode path
+        from .mamba3_step_parts import check as check_parts
+
+        check_parts(direction, static, dtypes, arch)
+        return
     if direction not in ("siso_step", "mimo_step"):
-        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, mimo_step, "
-                          "siso_preprocess, siso_preprocess_bwd)")
+        raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, mimo_step, step_rotate, "
+                          "step_update, siso_preprocess, siso_preprocess_bwd)")
     res, keys = step_results(static, dtypes, arch)
     ran(keys, OP, direction, static, dtypes)
     _compare_all(res, f"{OP}.{direction}", arch)

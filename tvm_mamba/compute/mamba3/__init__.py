@@ -149,7 +149,7 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     (has_seq_idx, bf16, no input states) for both directions. The MIMO step at the same shape, rank 4 (upstream's
     default): bf16 with D, Z, MIMO_Out and a bf16 K state (the module's cache), bf16 without Z or MIMO_Out
     (``is_outproj_norm``: R outputs) fed its own float32 K state; fp32 rank 2 with GQA over 2 Q/K heads at
-    full rotary."""
+    full rotary. Then upstream's two-function path's kernels (``_parts_configs``)."""
     base = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, has_D=True, has_z=True)
     bf16 = {"qk": "bfloat16", "v": "bfloat16"}
     pre = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)
@@ -170,7 +170,25 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             ("mimo_step", dict(base, mimo_rank=4, has_outproj=True), dict(bf16, kstate="bfloat16")),
             ("mimo_step", dict(base, has_z=False, mimo_rank=4, has_outproj=False), bf16),
             ("mimo_step", dict(base, nheads_qk=2, headdim_angles=64, mimo_rank=2, has_outproj=True),
-             {"qk": "float32", "v": "float32"})]
+             {"qk": "float32", "v": "float32"}),
+            *_parts_configs()]
+
+
+def _parts_configs() -> list[tuple[str, dict, dict]]:
+    """Upstream's two-function path (``Mamba3.step``) at the same shape, as its bf16 module calls it: the rotary
+    pass (B / C broadcast from one group: nheads_qk 1) SISO (rank 1, interleaved pairs) and MIMO (rank 4, halved,
+    conjugate); the update SISO (rank 1, D, Z, ones projections, a bf16 K state, the float32 state in place) and
+    MIMO rank 4 (the same), and fp32 rank 4 without Z or MIMO_Out (``is_outproj_norm``) into a separate state."""
+    rot = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=1, headdim_angles=32, has_D=False, has_z=False,
+               has_outproj=False, angle_mod=False, rank_major=True)
+    upd = dict(nheads=32, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=1, has_D=True, has_z=True,
+               has_outproj=True, trap_logit=False, raw_a=True, rank_major=True)  # (flags at defaults: not keyed)
+    bf16 = {"qk": "bfloat16", "v": "bfloat16", "kstate": "bfloat16"}
+    return [("step_rotate", dict(rot, mimo_rank=1, pairwise=True), {"qk": "bfloat16", "v": "float32"}),
+            ("step_rotate", dict(rot, mimo_rank=4, conjugate=True), {"qk": "bfloat16", "v": "float32"}),
+            ("step_update", dict(upd, mimo_rank=1, inplace=True), bf16),
+            ("step_update", dict(upd, mimo_rank=4, inplace=True), bf16),
+            ("step_update", dict(upd, mimo_rank=4, has_z=False, has_outproj=False), {"qk": "float32", "v": "float32"})]
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
