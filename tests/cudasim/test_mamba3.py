@@ -154,7 +154,8 @@ def test_simcheck_every_config():
     """build-check's configurations (upstream's tuned shape: 32 heads, headdim_qk 128, headdim_v 64)."""
     configs = compute.build_check_configs()
     assert [c[0] for c in configs] == (["siso_step"] * 4 + ["siso_preprocess"] * 2 + ["siso_preprocess_bwd"] * 2
-                                       + ["siso_preprocess", "siso_preprocess_bwd"] + ["mimo_step"] * 3)
+                                       + ["siso_preprocess", "siso_preprocess_bwd"] + ["mimo_step"] * 3
+                                       + ["step_rotate"] * 2 + ["step_update"] * 3)
     for direction, static, dtypes in configs:
         simcheck.run_config("mamba3", direction, static, dtypes, "sm_90")
 
