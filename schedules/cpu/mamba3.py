@@ -7,7 +7,8 @@ headdim_qk in ``vector``-wide vectors (``T.vectorized``, h' . q as vector partia
 exp, sigmoid, tanh, silu are the vectorizable polynomials of ``compute._math`` (float64 builds: libm).
 Knob: ``vector`` (powers of two dividing headdim_qk, <= 16; default the largest). The MIMO step
 (``mimo_step``) is the same template and layout: rotate lanes per (batch, rank, head, pair), the update lane's
-R rank terms and R output partials each a ``vector``-wide loop inside the dstate sweep.
+R rank terms and R output partials each a ``vector``-wide loop inside the dstate sweep. Upstream's
+two-function path (``step_rotate``, ``step_update``: each pass alone) the same way.
 
 Chunked forward's preprocess: the SSD CPU strategy (schedules/cpu/ssd.py ``Cpu``): each pass's tasks a parallel
 loop (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch, head,

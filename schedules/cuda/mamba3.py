@@ -5,7 +5,8 @@ lane's rotary pairs serial in registers; at upstream's shape, batch 1 x 32 heads
 CUDA's own expf / tanhf / cosf / sinf. Knob: ``threads`` per block (64, 128, 256; default 128). Serves any
 target with the "gpu" key. The MIMO step (``mimo_step``) the same way: rotate a thread per (batch, rank, head,
 pair), update a thread per row holding its R output sums in registers (rank 4 at upstream's shape: 39-48
-registers, no spills).
+registers, no spills). Upstream's two-function path (``step_rotate``, ``step_update``: each pass alone, one
+launch each) the same way.
 
 Chunked forward's preprocess: the SSD CUDA strategy (schedules/cuda/ssd.py ``Gpu``): a launch per pass, a thread
 per task (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch,

@@ -3,7 +3,7 @@
 ``apply_rotary_qk_inference_ref`` / ``mamba3_step_fn_ref``): fp32, bf16 (mamba_ssm's 2 * err(bf16 reference) +
 atol rule) and float64; SISO (R = 1, interleaved pairs) and MIMO (R = 4, halved pairs), with and without
 biases, conjugate, in place and not, expanded (stride-0) heads; with and without z / outproj, the state in place
-or into state_out, a bf16 state; the two chained == mamba3_mimo_step; opcheck; bad input errors."""
+or into state_out, a bf16 state; the two chained == mamba3_mimo_step; opcheck; torch.compile; bad input errors."""
 from __future__ import annotations
 
 import math
@@ -144,6 +144,25 @@ def test_opcheck():
                                                   u["D"], u["x"], u["dt"], u["trap"], u["xproj"], u["outproj"],
                                                   None, u["out"], u["z"], u["zproj"]),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph():
+    """Upstream's two calls under torch.compile(fullgraph=True) (the update op mutating the state and out) ==
+    eager."""
+    a = _rotate_inputs(F32, 4, True, True, seed=1)
+    u = _update_inputs(F32, 4, True, True, seed=2)
+
+    def decode(a, u):
+        q, k, angle = apply_rotary_qk_inference_fwd(**a, rotate_pairwise=False)
+        mamba3_step_fn(**dict(u, B=k, C=q))
+        return angle
+
+    fresh = lambda: dict(u, state=u["state"].clone(), out=torch.empty_like(u["out"]))  # noqa: E731
+    eager, compiled = fresh(), fresh()
+    angle = decode(a, eager)
+    torch.testing.assert_close(torch.compile(decode, fullgraph=True)(a, compiled), angle, rtol=0, atol=0)
+    for name in ("out", "state"):
+        torch.testing.assert_close(compiled[name], eager[name], rtol=0, atol=0, msg=name)
 
 
 def test_bad_input_names_the_argument():

@@ -16,6 +16,8 @@ Rh(theta) rotates the *halved* pairs (i, i + headdim_qk / 2), i < S = headdim_an
 layout; SISO rotates the interleaved pairs (2i, 2i+1)); dimensions of no pair pass through. h is
 (headdim_v, headdim_qk) per head: rank-R inputs and outputs share one state, which is what raises the
 arithmetic intensity of a decode step. (k_{-1,r}, v_{-1}) are the input K / V states (zeros at a sequence start).
+Upstream's decode step is two functions, each with a reference here: ``apply_rotary_qk_inference_ref`` (the
+rotation, angle not reduced) and ``mamba3_step_fn_ref`` (the update from rotated B / C, trap a probability).
 """
 from __future__ import annotations
 

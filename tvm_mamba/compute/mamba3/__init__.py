@@ -16,6 +16,8 @@ headdim_qk); K states (batch, nheads, headdim_qk); V state (batch, nheads, headd
 (1,)*ndim placeholders flagged by ``has_D`` / ``has_z``. The MIMO step (``mimo_step``, MimoStepDims) adds a
 rank axis R: Q, K, the K states (batch, R, nheads(_qk), headdim_qk), Q_bias, K_bias (nheads, R, headdim_qk),
 MIMO_V / MIMO_Z / MIMO_Out (nheads, R, headdim_v), out (batch, R, nheads, headdim_v) without MIMO_Out.
+Upstream's two-function decode path runs the step's two passes as kernels of their own from the same template
+(``step_rotate``, ``step_update``; MimoStepDims' flags for upstream's layouts and conventions).
 """
 from __future__ import annotations
 
