@@ -2,7 +2,8 @@
 formulations of the same math, and (when $TVM_MAMBA_UPSTREAM_DIR holds mamba_ssm 2.3.2.post1's sdist) against
 upstream's own pure-torch references, read from its files at test time (nothing of upstream is committed):
 ``apply_rotary_qk_inference_reference`` (ops/triton/mamba3/mamba3_mimo_rotary_step.py) followed by
-``selective_state_update_fused_ref_v2`` (ops/cute/mamba3/mamba3_step_fn.py) is one SISO decode step."""
+``selective_state_update_fused_ref_v2`` (ops/cute/mamba3/mamba3_step_fn.py) is one SISO decode step, and the
+two-function path's references (reference/mamba3_mimo.py) equal those two upstream references at rank 2."""
 from __future__ import annotations
 
 import ast
@@ -216,6 +217,33 @@ def test_step_matches_upstream_pure_torch_references():
     torch.testing.assert_close(kr[:, 0], k, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(h_up, h, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out_up, out, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pairwise, conj, gate", [(True, False, True), (False, True, False)])
+def test_two_function_references_match_upstreams(pairwise, conj, gate):
+    """reference/mamba3_mimo.py's apply_rotary_qk_inference_ref / mamba3_step_fn_ref (written from the math)
+    == upstream's apply_rotary_qk_inference_reference / selective_state_update_fused_ref_v2, rank 2, float64:
+    interleaved and halved pairs, conjugate, with and without the z gate and the out projection."""
+    from tvm_mamba.reference.mamba3_mimo import apply_rotary_qk_inference_ref, mamba3_step_fn_ref
+
+    rotary = _upstream_function("mamba_ssm/ops/triton/mamba3/mamba3_mimo_rotary_step.py",
+                                "apply_rotary_qk_inference_reference")
+    fused = _upstream_function("mamba_ssm/ops/cute/mamba3/mamba3_step_fn.py", "selective_state_update_fused_ref_v2")
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    B, R, H, N, P, S = 2, 2, 3, 8, 4, 3
+    rot = (r(B, R, H, N), r(B, R, H, N), 5 * r(B, H, S), r(B, H, S), r(B, H).abs(), r(R, H, N), r(R, H, N))
+    for ours, theirs in zip(apply_rotary_qk_inference_ref(*rot, conjugate=conj, rotate_pairwise=pairwise),
+                            rotary(*rot, conjugate=conj, rotate_pairwise=pairwise)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    state, A, dt, trap = r(B, H, P, N), -r(B, H).abs(), r(B, H).abs(), torch.rand(B, H, generator=g, dtype=F64)
+    Bk, C, Bstate, x, Xstate, D, xproj = r(B, R, H, N), r(B, R, H, N), r(B, R, H, N), r(B, H, P), r(B, H, P), r(H), \
+        r(R, H, P)
+    z, zproj, outproj = (r(B, H, P), r(R, H, P), r(R, H, P)) if gate else (None, None, None)
+    want = fused(state, A, Bk, C, xproj, x, zproj, z, dt, Bstate, Xstate, trap, D, outproj, compute_dtype=F64)
+    got = mamba3_step_fn_ref(state, Bstate, Xstate, A, Bk, C, D, x, dt, trap, xproj, outproj, z, zproj)
+    for ours, theirs in zip(got, want):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("states", [True, False])
