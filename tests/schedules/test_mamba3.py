@@ -1,7 +1,8 @@
 """Schedule rules for the Mamba-3 decode step: the CPU layout (parallel lanes, serial at decode sizes) and the
 CUDA one (a thread per lane, ``threads`` knob), compiled without a GPU; CUDA through nvcc/ptxas (0 spills). The
 chunked forward's preprocess: the SSD strategies (CPU parallel tasks, CUDA a launch per pass), and the chunk
-scan's ``diag_skip`` form on both (the CPU's strict triangle ``tri="lt"``); the preprocess backward likewise."""
+scan's ``diag_skip`` form on both (the CPU's strict triangle ``tri="lt"``); the preprocess backward likewise;
+upstream's two-function decode path (each pass alone)."""
 from __future__ import annotations
 
 import pytest
@@ -72,6 +73,30 @@ def test_mimo_step_rules_and_cuda_compile():
     stats = ptxas_stats(src, "sm_90")
     assert stats["ok"], stats["error"]
     assert len(stats["kernels"]) == 2 and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]
+
+
+@pytest.mark.parametrize("direction", ["step_rotate", "step_update"])
+def test_step_parts_rules_and_cuda_compile(direction):
+    """Upstream's two-function path: each pass alone through the same rules (one parallel loop on the CPU,
+    compiled; one CUDA launch, nvcc-compiled without spills), upstream's flags set (rank-major, interleaved pairs,
+    unreduced conjugate angle; A and a Trap probability, a bf16 state rewritten in place)."""
+    flags = (dict(pairwise=True, angle_mod=False, conjugate=True, has_kbias=False) if direction == "step_rotate"
+             else dict(raw_a=True, trap_logit=False, inplace=True, state_dtype="bfloat16"))
+    dims = m3.MimoStepDims(**STATIC, mimo_rank=2, rank_major=True, qk_dtype="bfloat16", v_dtype="bfloat16", **flags)
+    func = m3.mamba3_step_rotate(dims) if direction == "step_rotate" else m3.mamba3_step_update(dims)
+    names = [p.name for p in func.params]  # each pass's own buffers; in place: no h_out
+    assert len(names) == (10 if direction == "step_rotate" else 15) and "h_out" not in names
+    sch = cpu_rule.apply(func, cpu_target(), Decisions())
+    assert sch.mod.script().count("T.parallel") == 1
+    tvm.compile(sch.mod, target=cpu_target())
+    if nvcc_path() is None:
+        return
+    tgt = cuda_target("sm_90")
+    with tgt:
+        src = tvm.compile(cuda_rule.apply(func, tgt, Decisions()).mod, target=tgt).mod.imports[0].inspect_source("cuda")
+    stats = ptxas_stats(src, "sm_90")
+    assert stats["ok"], stats["error"]
+    assert len(stats["kernels"]) == 1 and stats["kernels"][0]["spill_stores"] == 0, stats["kernels"]
 
 
 PRE = dict(nheads=4, nheads_qk=2, headdim_qk=16, headdim_v=8, headdim_angles=4, chunk_size=8, has_D=True,
