@@ -150,6 +150,31 @@ def test_packed_sequences_forward_and_backward(sim):
         assert_close_to_ref(a, b, atol=1e-4 * max(1.0, b.abs().max().item()), rtol=1e-4, name=f"d{name}")
 
 
+def test_packed_sequences_with_input_states(sim):
+    """cu_seqlens with per-sequence input states (3, 0 and 8 tokens, chunk 4: the left-padded batch) on the CUDA
+    kernels: out, every final state and every gradient (the final ssm states' too) against the float64
+    reference and autograd of it."""
+    from tests.torch_ops.test_mamba3_varlen import _cu, _packed, _states
+
+    inp = dict(_packed(torch.float32, seed=12), **dict(zip(("a", "s", "k", "v"), _states(seed=13))))
+    inp = {k: v.requires_grad_() for k, v in inp.items()}
+    ref64 = {k: v.detach().double().requires_grad_() for k, v in inp.items()}
+    cu, outs = _cu([0, 3, 3, 11]), []
+    for fn, kw in ((tvm_mamba.mamba3_siso_combined, inp), (mamba3_siso_combined_ref, ref64)):
+        args = {k: v for k, v in kw.items() if k not in "askv"}
+        outs.append(fn(**args, Input_States=tuple(kw[k] for k in "askv"), chunk_size=4, return_final_states=True,
+                       cu_seqlens=cu))
+    assert {"siso_preprocess", "chunk_scan"} <= {k.direction for k, _ in sim}
+    gen = torch.Generator().manual_seed(2)
+    cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs[1]]
+    grads = [torch.autograd.grad(sum((o.double() * c).sum() for o, c in zip(res, cots)), list(kw.values()))
+             for res, kw in zip(outs, (inp, ref64))]
+    for name, got, want in zip(("out", "angle", "ssm", "k", "v"), *outs):
+        assert_close_to_ref(got, want, atol=1e-4, rtol=1e-4, name=name)
+    for name, a, b in zip(inp, *grads):
+        assert_close_to_ref(a, b, atol=1e-4 * max(1.0, b.abs().max().item()), rtol=1e-4, name=f"d{name}")
+
+
 def test_simcheck_every_config():
     """build-check's configurations (upstream's tuned shape: 32 heads, headdim_qk 128, headdim_v 64)."""
     configs = compute.build_check_configs()

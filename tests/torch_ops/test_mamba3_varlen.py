@@ -1,7 +1,7 @@
-"""mamba3_siso_combined with cu_seqlens (packed sequences, batch 1, each from zero states) on the CPU: out and
-the per-sequence final states against the float64 reference (which runs each sequence on its own), fp32 and
-bf16; every gradient (out, final angle / k / v states) against autograd of that reference; an empty sequence;
-the refusals (input states with cu_seqlens; a gradient through the final ssm states) and bad cu_seqlens."""
+"""mamba3_siso_combined with cu_seqlens (packed sequences, batch 1) on the CPU: out and the per-sequence final
+states against the float64 reference (which runs each sequence on its own), fp32 and bf16; every gradient
+(out, every final state) against autograd of that reference; per-sequence input states (forward, every
+gradient, an empty sequence keeping its states); an empty sequence; bad cu_seqlens and state rows."""
 from __future__ import annotations
 
 import pytest
@@ -55,21 +55,53 @@ def _grads(fn, inp: dict, cot: list) -> dict:
     return dict(zip(names, torch.autograd.grad(loss, [inp[n] for n in names])))
 
 
-def test_gradients_match_reference():
-    """Gradients of out and of the final angle, k and v states per sequence (not the ssm state's: refused)."""
+def _states(seed=9, nseq=3):
+    return make_inputs(batch=nseq, seqlen=1, nheads_qk=1, nheads=4, N=8, P=4, S=2, seed=seed, dtype=F32)["Input_States"]
+
+
+@pytest.mark.parametrize("with_states", [False, True])
+def test_gradients_match_reference(with_states):
+    """Gradients of out and of every final state per sequence (the ssm state's, and the input states', on the
+    left-padded batch), against autograd of the float64 reference."""
     base = _packed(F32, seed=6)
+    if with_states:
+        base.update(zip(("angle", "ssm", "kst", "vst"), _states()))
     g = torch.Generator().manual_seed(7)
-    cot = [torch.randn(1, CU[-1], 4, 4, generator=g, dtype=F64), torch.randn(3, 4, 2, generator=g, dtype=F64), None,
-           torch.randn(3, 4, 8, generator=g, dtype=F64), torch.randn(3, 4, 4, generator=g, dtype=F64)]
+    cot = [torch.randn(1, CU[-1], 4, 4, generator=g, dtype=F64), torch.randn(3, 4, 2, generator=g, dtype=F64),
+           torch.randn(3, 4, 4, 8, generator=g, dtype=F64), torch.randn(3, 4, 8, generator=g, dtype=F64),
+           torch.randn(3, 4, 4, generator=g, dtype=F64)]
+
+    def call(fn, **kw):
+        states = tuple(kw.pop(k) for k in ("angle", "ssm", "kst", "vst")) if with_states else None
+        return fn(**kw, Input_States=states, return_final_states=True, cu_seqlens=_cu())
+
     leaves = lambda dtype: {k: v.detach().to(dtype).requires_grad_() for k, v in base.items()}  # noqa: E731
-    got = _grads(lambda **kw: mamba3_siso_combined(**kw, chunk_size=4, return_final_states=True,
-                                                   cu_seqlens=_cu()), leaves(F32), cot)
-    want = _grads(lambda **kw: mamba3_siso_combined_ref(**kw, return_final_states=True, cu_seqlens=_cu()),
-                  leaves(F64), cot)
+    got = _grads(lambda **kw: call(mamba3_siso_combined, chunk_size=4, **kw), leaves(F32), cot)
+    want = _grads(lambda **kw: call(mamba3_siso_combined_ref, **kw), leaves(F64), cot)
     assert set(got) == set(want) == set(base)
     for name, gr in got.items():
         assert_close_to_ref(gr, want[name], atol=1e-4 * max(1.0, want[name].abs().max().item()), rtol=1e-4,
                             name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_input_states_per_sequence(dtype):
+    """Each sequence starts from its row of Input_States (an empty second sequence keeps its row as final
+    states); sequences of 3, 0 and 8 positions over chunks of 4."""
+    inp, cu = _packed(dtype, seed=10), _cu([0, 3, 3, 11])
+    states = _states(seed=11)
+    out, *final = mamba3_siso_combined(**inp, Input_States=states, chunk_size=4, return_final_states=True,
+                                       cu_seqlens=cu)
+    ref, *ref_final = mamba3_siso_combined_ref(**inp, Input_States=states, cu_seqlens=cu, return_final_states=True)
+    low = (mamba3_siso_combined_ref(**inp, Input_States=states, cu_seqlens=cu, return_final_states=True, dtype=BF16)
+           if dtype == BF16 else None)
+    for i, (name, got, r) in enumerate(zip(("out", "angle", "ssm", "k", "v"), (out, *final), (ref, *ref_final))):
+        if low is None:
+            assert_close_to_ref(got, r, atol=2e-5, rtol=2e-5, name=name)
+        else:
+            assert_close_to_ref(got, r, low[i], atol=1e-4, name=name)
+    for got, st in zip(final, states):
+        torch.testing.assert_close(got[1], st[1].to(got.dtype), rtol=0, atol=0)  # v: in V's dtype
 
 
 def test_empty_sequence_changes_nothing_else():
@@ -83,15 +115,10 @@ def test_empty_sequence_changes_nothing_else():
         torch.testing.assert_close(f[[0, 2]], f2, rtol=0, atol=0)
 
 
-def test_refusals_and_bad_cu_seqlens():
+def test_bad_cu_seqlens_and_state_rows():
     inp = _packed(F32)
-    states = make_inputs(batch=3, seqlen=1, nheads_qk=1, nheads=4, N=8, P=4, S=2, dtype=F32)["Input_States"]
-    with pytest.raises(NotImplementedError, match="Input_States"):
-        mamba3_siso_combined(**inp, Input_States=states, cu_seqlens=_cu())
-    leaf = dict(inp, V=inp["V"].clone().requires_grad_())
-    _, _, ssm, _, _ = mamba3_siso_combined(**leaf, chunk_size=4, return_final_states=True, cu_seqlens=_cu())
-    with pytest.raises(NotImplementedError, match="final ssm states"):
-        ssm.sum().backward()
+    with pytest.raises(ValueError, match=r"Input_States \(angle_state\).*\(3, 4, 2\)"):
+        mamba3_siso_combined(**inp, Input_States=_states(nseq=2), cu_seqlens=_cu())
     for bad, match in (([0, 3, 10], "end at seqlen"), ([1, 3, 11], "start at 0"), ([0, 9, 3, 11], "non-decreasing")):
         with pytest.raises(ValueError, match=match):
             mamba3_siso_combined(**inp, cu_seqlens=_cu(bad))

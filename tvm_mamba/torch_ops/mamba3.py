@@ -30,6 +30,7 @@ from ..compute._mamba3_dims import PreDims, StepDims
 from ..compute._ssd_dims import (BmmDims, DstatesDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims, ScanDims,
                                  StateDims, VarlenDims)
 from ._dlpack import FLOATS, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
+from ._packed_pad import PackedPad
 from .ssd import seq_idx_of, validate_cu_seqlens
 
 OP = "mamba3"
@@ -82,10 +83,11 @@ def _(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_sta
     return _new_states(V, Q, Angles)
 
 
-def _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, states, seq: bool) -> None:
+def _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, states, seq: bool, nstates=None) -> None:
     """TypeError / ValueError naming the argument for a wrong type, dtype, shape or device. ``seq``: the
     chunked forward's layouts (a seqlen axis: Q, K, V, Z, Angles (batch, seqlen, ...); ADT, DT, Trap (batch,
-    nheads, seqlen); no float64), else the decode step's."""
+    nheads, seqlen); no float64), else the decode step's. ``nstates``: the states' rows (packed sequences:
+    nseq; default batch)."""
     check_tensor("V", V, ndim=4 if seq else 3, dtypes=FLOATS if seq else FLOATS + (torch.float64,))
     batch, nheads, P = V.shape[0], V.shape[-2], V.shape[-1]
     L = (V.shape[1],) if seq else ()  # the time axis of the activations
@@ -123,7 +125,8 @@ def _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, states, seq: bo
         return
     if not isinstance(states, (tuple, list)) or len(states) != 4:
         raise TypeError("Input_States: expected (angle_state, ssm_state, k_state, v_state) or None")
-    shapes = ((batch, nheads, S), (batch, nheads, P, N), (batch, nheads, N), (batch, nheads, P))
+    rows = batch if nstates is None else nstates
+    shapes = ((rows, nheads, S), (rows, nheads, P, N), (rows, nheads, N), (rows, nheads, P))
     for name, t, shape, dts in zip(("angle_state", "ssm_state", "k_state", "v_state"), states, shapes,
                                    (anyf, anyf, anyf if seq else io, io)):
         check_tensor(f"Input_States ({name})", t, dtypes=dts, device=V.device)
@@ -323,15 +326,15 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
     """Gradients of mamba3_siso_fwd for dout and the final angle / ssm / k states' gradients (None: zero), in
     ``_GRADS`` order, each in its input's dtype ((0,) for an absent input). Recomputes the forward's pieces
     before the chunk scan, runs the SSD pieces' backward (chunk_scan_bwd with diag_skip), then the
-    preprocess's backward (the rotation, angle cumsum, trapezoid and skip gradients). Packed sequences: no
-    gradient through the final ssm states (NotImplementedError, as the SSD op's varlen states)."""
+    preprocess's backward (the rotation, angle cumsum, trapezoid and skip gradients). Packed sequences with a
+    gradient of the final ssm states: ``_padded_bwd`` (the packed pieces have no backward of those states)."""
     if V.shape[0] == 0:
         return _bwd_outputs(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state,
                             v_state, zero=True)
+    if seq_idx is not None and dfinal is not None:
+        return _padded_bwd(dout, daout, dfinal, dkfin, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, y_pre,
+                           chunk_size, cu_seqlens)
     c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size, seq_idx, cu_seqlens)
-    if c.has_seq and dfinal is not None:
-        raise NotImplementedError("mamba3_siso_combined with cu_seqlens: no gradient flows through the final ssm "
-                                  "states (out and the final angle, k and v states do have gradients)")
     b, H, S = c.batch, c.H, Angles.shape[3]
     p = c.forward_pieces(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
                          v_state, c.new(c.nseq, H, S), None if c.has_seq else c.new(b, H, c.P, c.N))
@@ -358,6 +361,46 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
             r.dKb.sum(0), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e(),
             r.dangle if c.has_init else e(), g.dinit if c.has_init else e(),
             cast(r.dkst, k_state) if c.has_init else e(), cast(r.dvst, v_state) if c.has_init else e()]
+
+
+def _padded_bwd(dout, daout, dfinal, dkfin, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, y_pre, chunk_size,
+                cu_seqlens) -> list[Tensor]:
+    """mamba3_siso_bwd of packed sequences (no input states) with a gradient of their final ssm states
+    (nseq, ...): the chunk_state_varlen piece that wrote those states has no backward kernel, so the backward
+    runs on the left-padded batch (PackedPad: zeros are identity steps), whose rows end at each sequence's
+    last position and so carry its final states, and the gradients are gathered back to the packed
+    positions. Costs nseq x the longest sequence positions instead of seqlen."""
+    pp = PackedPad(cu_seqlens, V.shape[1])
+    t1 = lambda t: pp.pad(t, 1) if t is not None and t.numel() else t  # noqa: E731  (seqlen on axis 1)
+    t2 = lambda t: pp.pad(t, 2)  # noqa: E731  (ADT, DT, Trap: seqlen on axis 2)
+    g = mamba3_siso_bwd_op(t1(dout), daout, dfinal, dkfin, t1(Q), t1(K), t1(V), t2(ADT), t2(DT), t2(Trap), Q_bias,
+                           K_bias, t1(Angles), D, t1(Z), None, None, None, None, t1(y_pre), chunk_size)
+    u1 = lambda t: pp.unpad(t, 1).contiguous() if t.numel() else t  # noqa: E731
+    u2 = lambda t: pp.unpad(t, 2).contiguous()  # noqa: E731
+    return [u1(g[0]), u1(g[1]), u1(g[2]), u2(g[3]), u2(g[4]), u2(g[5]), g[6], g[7], u1(g[8]), g[9], u1(g[10]),
+            *g[11:]]
+
+
+def _packed_with_states(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, states, chunk_size, return_final,
+                        cu_seqlens):
+    """mamba3_siso_combined of packed sequences each from its own row of the input states, on the left-padded
+    batch (PackedPad), differentiable through pad / unpad. The input K / V states' trapezoid term
+    DT (1 - sigmoid(Trap)) v_state k_state^T belongs to the sequence's first step, which padding moves away
+    from the row's first position: it is folded into the ssm state here (K / V states passed as zeros). An
+    empty sequence's final states are its input states."""
+    pp = PackedPad(cu_seqlens, V.shape[1])
+    angle, ssm, kst, vst = states
+    beta0 = pp.at_first(DT, 2).float() * (1 - torch.sigmoid(pp.at_first(Trap, 2).float())) * pp.nonempty[:, None]
+    ssm = ssm.float() + beta0[..., None, None] * vst.float()[..., :, None] * kst.float()[..., None, :]
+    t1, t2 = (lambda t: None if t is None else pp.pad(t, 1)), (lambda t: pp.pad(t, 2))
+    out, aout, final, kfin, vfin = mamba3_siso_combined(
+        t1(Q), t1(K), t1(V), t2(ADT), t2(DT), t2(Trap), Q_bias, K_bias, t1(Angles), D, t1(Z),
+        (angle, ssm, torch.zeros_like(kst), torch.zeros_like(vst)), chunk_size, True)
+    out = pp.unpad(out, 1)
+    if not return_final:
+        return out
+    keep = pp.nonempty[:, None, None]
+    return (out, aout, final, torch.where(keep, kfin, kst.to(kfin.dtype)), torch.where(keep, vfin, vst.to(vfin.dtype)))
 
 
 def _bwd_outputs(*inputs, zero: bool = False) -> list[Tensor]:
@@ -425,22 +468,26 @@ def mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None,
     k states (float32) and v state (V's last position, V's dtype) too: (out, angle, ssm, k, v).
 
     cu_seqlens: (nseq + 1,) int32 / int64 with batch 1: the sequences packed end to end along seqlen, each
-    from zero states (Input_States with cu_seqlens: NotImplementedError); the final states are then per
-    sequence (nseq, ...); no gradient flows through the final ssm states (NotImplementedError in backward).
+    from its row of Input_States ((nseq, ...) then) or zero states; the final states are then per sequence
+    (nseq, ...). Input states, and a gradient through the final ssm states, run on a left-padded batch of
+    the sequences (``_packed_with_states``, ``_padded_bwd``: nseq x the longest sequence positions).
 
     The recurrence of tvm_mamba.reference.mamba3 (docs/mamba3.md), computed chunk by chunk.
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or not 1 <= chunk_size <= 256:
         raise ValueError(f"chunk_size: must be an int in 1..256, got {chunk_size!r}")
-    if cu_seqlens is not None and Input_States is not None:
-        raise NotImplementedError("Input_States: packed sequences (cu_seqlens) start from zero states here; "
-                                  "input states per sequence are not implemented yet")
-    _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, Input_States, seq=True)
+    _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, None, seq=True)
     _check_chunked(V, Q.shape[-1], chunk_size)
     seq_idx = None
     if cu_seqlens is not None:
         cu_seqlens = validate_cu_seqlens(cu_seqlens, None, V)
         seq_idx = seq_idx_of(cu_seqlens, V.shape[1])
+    if Input_States is not None:
+        _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, Input_States, seq=True,
+               nstates=None if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+        if cu_seqlens is not None:
+            return _packed_with_states(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, tuple(Input_States),
+                                       chunk_size, return_final_states, cu_seqlens)
     states = tuple(Input_States) if Input_States is not None else (None,) * 4
     w = lambda t: None if t is None else t.to(torch.float32)  # noqa: E731
     angle, ssm, kst, vst = states
