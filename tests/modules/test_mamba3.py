@@ -218,8 +218,11 @@ def test_bad_inputs_and_step_needs_no_grad():
             m(u[..., :16])
         with pytest.raises(ValueError, match="cu_seqlens"):
             m(u[:1], cu_seqlens=torch.tensor([0, 5, SEQLEN - 1], dtype=torch.int32))
-        with pytest.raises(NotImplementedError, match="seq_idx"):
-            m(u, seq_idx=torch.zeros(BATCH, SEQLEN, dtype=torch.int32))
+        with pytest.raises(ValueError, match="seq_idx: must be nondecreasing"):
+            m(u, seq_idx=torch.tensor([[0] * 6 + [1] * 5 + [0]] * BATCH, dtype=torch.int32)[:, :SEQLEN])
+        with pytest.raises(ValueError, match="seq_idx: not with inference_params"):
+            m(u, seq_idx=torch.zeros(BATCH, SEQLEN, dtype=torch.int32),
+              inference_params=InferenceParams(max_seqlen=SEQLEN, max_batch_size=BATCH))
         with pytest.raises(ValueError, match="ssm_state"):
             m.step(u[:, :1], states[0], states[1][..., :8], states[2], states[3])
         with pytest.raises(ValueError, match="k_state: allocated for batch 1"):
@@ -228,6 +231,25 @@ def test_bad_inputs_and_step_needs_no_grad():
             m.step(u[:, :2], *states)
     m.requires_grad_(False)
     assert m.step(u[:, :1], *states)[0].shape == (BATCH, 1, D_MODEL)  # frozen parameters: nothing to differentiate
+
+
+@pytest.mark.parametrize("cfg", [CFG, MIMO], ids=["siso", "mimo"])
+def test_seq_idx_equals_separate_calls(cfg):
+    """seq_idx alone (batch 2: row 0 holds sequences of 5 and 7 tokens, row 1 one of 12) == each sequence run
+    alone, out and the input's gradient."""
+    m = _block(cfg=cfg)
+    u = _input().requires_grad_()
+    seq_idx = torch.tensor([[0] * 5 + [1] * 7, [4] * SEQLEN], dtype=torch.int32)
+    g = torch.randn(u.shape, generator=torch.Generator().manual_seed(5))
+    out = m(u, seq_idx=seq_idx)
+    (du,) = torch.autograd.grad(out, u, g)
+    parts = [(0, slice(0, 5)), (0, slice(5, SEQLEN)), (1, slice(0, SEQLEN))]
+    for row, t in parts:
+        piece = u[row:row + 1, t].detach().requires_grad_()
+        want = m(piece)
+        (dwant,) = torch.autograd.grad(want, piece, g[row:row + 1, t])
+        torch.testing.assert_close(out[row:row + 1, t], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(du[row:row + 1, t], dwant, rtol=1e-5, atol=1e-6)
 
 
 def test_packed_sequences_equal_separate_calls():

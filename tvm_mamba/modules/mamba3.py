@@ -37,7 +37,7 @@ from ..torch_ops.mamba3 import mamba3_siso_combined, mamba3_siso_step
 from ..torch_ops.mamba3_mimo import mamba3_mimo
 from ..torch_ops.mamba3_mimo_step import mamba3_mimo_step
 from ..torch_ops.rmsnorm_gated import rmsnorm_fn
-from ..torch_ops.ssd import validate_cu_seqlens
+from ..torch_ops.ssd import check_seq_idx, validate_cu_seqlens
 from ._checks import FLOAT_STATES, check_hidden, check_state, states_from_cache
 from .linear import Linear
 from .rmsnorm_gated import RMSNormGated
@@ -177,14 +177,15 @@ class Mamba3(nn.Module):
         ``inference_params`` as mamba_ssm: at seqlen_offset == 0 (prefill) the chunked forward also writes
         the final (angle, ssm, k, v) states into the layer's cache (rows :batch, or :nseq with cu_seqlens);
         later, one :meth:`step`. cu_seqlens (nseq + 1,) with batch 1: packed sequences, each from zero states
-        (seq_idx may come with it and must agree; alone it is refused: upstream ignores it, which would mix
-        the sequences)."""
+        (seq_idx may come with it and must agree). seq_idx (batch, seqlen) int32 alone (Mamba-2's convention,
+        any batch): each row's runs of equal ids are sequences from zero states, run as packed sequences
+        (``_forward_seq_idx``; upstream ignores seq_idx, which mixes the sequences); not with
+        ``inference_params`` (the cache's rows would be ambiguous: pass cu_seqlens)."""
         check_hidden("u", u, self.d_model)
         if cu_seqlens is not None:
             cu_seqlens = validate_cu_seqlens(cu_seqlens, seq_idx, u)
         elif seq_idx is not None:
-            raise NotImplementedError("seq_idx: Mamba3 takes packed sequences as cu_seqlens (seq_idx alone is "
-                                      "not implemented)")
+            return self._forward_seq_idx(u, seq_idx, inference_params)
         batch = u.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1  # rows of the states
         states = None
         if inference_params is not None:
@@ -207,6 +208,20 @@ class Mamba3(nn.Module):
             y, *final = y
             self._store(states, batch, *final)
         return self._finish(y, z, x.dtype)
+
+    def _forward_seq_idx(self, u: Tensor, seq_idx: Tensor, inference_params) -> Tensor:
+        """forward with seq_idx alone: the rows laid end to end as one packed row, a sequence starting at each
+        row's start and wherever seq_idx changes, so no state crosses a row or an id change."""
+        batch, seqlen = u.shape[:2]
+        check_seq_idx(seq_idx, batch, seqlen, u.device)
+        if inference_params is not None:
+            raise ValueError("seq_idx: not with inference_params (the cache's rows would be ambiguous); pass "
+                             "cu_seqlens with batch 1")
+        starts = torch.ones(batch, seqlen, dtype=torch.bool, device=u.device)
+        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        bounds = starts.flatten().nonzero()[:, 0]
+        cu = torch.cat([bounds, bounds.new_full((1,), batch * seqlen)]).to(torch.int32)
+        return self(u.reshape(1, batch * seqlen, -1), cu_seqlens=cu).view(u.shape)
 
     @staticmethod
     def _store(states, batch: int, angle: Tensor, ssm: Tensor, k: Tensor, v: Tensor) -> None:
