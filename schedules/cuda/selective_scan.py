@@ -134,6 +134,8 @@ def apply(func, target, decisions: Decisions):
     if direction in ("fwd", "bwd"):
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
     else:
-        # complex A: CUDA's own exp / cos / sin; the decode step keeps the polynomial exp it always used
-        layout = CudaLayout(Math(dims.acc, native=direction != "update"), threads)
+        # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled); the decode step keeps the
+        # polynomial exp it always used
+        complex_a = direction != "update"
+        layout = CudaLayout(Math(dims.acc, native=complex_a, sincospi=complex_a), threads)
     return schedule_of(compute.build(direction, dims, layout), name=name)

@@ -23,6 +23,8 @@ then runs the reverse scan (torch's convention for complex gradients, dL/dRe + i
 """
 from __future__ import annotations
 
+import math
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -44,15 +46,34 @@ class ComplexMath(ScanMath):
         s = self.d
         return self.m.cast(Cm[b, d // s.c_per_group, t, n, k]) if s.varying_C else Cm[d, n, k]
 
-    def rot(self, A, d, n, dt, k):
-        """Re (k = 0) / Im (k = 1) of exp(dt A[d, n])."""
-        trig = tirx.cos if k == 0 else tirx.sin
-        return self.m.exp(dt * A[d, n, 0]) * trig(dt * A[d, n, 1])
+    def rotation(self):
+        """The macro ``rot(ex, i, A, d, n, dt)``: ex[0, i], ex[1, i] = Re, Im of exp(dt A[d, n]) =
+        exp(dt Re A) (cos, sin)(dt Im A). With the target's ``sincospi`` (CUDA) the angle goes through
+        sin(pi x), cos(pi x) at x = dt Im A / pi (``Math.sincospi``: no slow path; the extra rounding of x moves
+        the angle by <= 1 ulp of dt Im A, as much as forming dt Im A already does); else ``cos`` / ``sin``."""
+        m = self.m
+        if not m.has_sincospi:
+
+            @T.macro
+            def rot(ex, i, A, d, n, dt):
+                ex[0, i] = m.exp(dt * A[d, n, 0]) * tirx.cos(dt * A[d, n, 1])
+                ex[1, i] = m.exp(dt * A[d, n, 0]) * tirx.sin(dt * A[d, n, 1])
+
+            return rot
+        inv_pi = m.const(1.0 / math.pi)
+
+        @T.macro
+        def rot_pi(ex, i, A, d, n, dt):
+            T.evaluate(m.sincospi(dt * A[d, n, 1] * inv_pi, ex[1, i], ex[0, i]))
+            ex[0, i] = m.exp(dt * A[d, n, 0]) * ex[0, i]
+            ex[1, i] = m.exp(dt * A[d, n, 0]) * ex[1, i]
+
+        return rot_pi
 
 
 def _step_fns(dims: ScanDims, m):
     cm = ComplexMath(dims, m)
-    return cm.B, cm.C, cm.pre_dt, cm.dt, cm.rot
+    return cm.B, cm.C, cm.pre_dt, cm.dt, cm.rotation()
 
 
 def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
@@ -96,8 +117,7 @@ def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
                                 yv[ni] = m.zero
                             for no in range(NV):
                                 for ni in VEC(V):
-                                    ex[0, ni] = rot(A, d, no * V + ni, s[0], 0)
-                                    ex[1, ni] = rot(A, d, no * V + ni, s[0], 1)
+                                    rot(ex, ni, A, d, no * V + ni, s[0])
                                     ex[2, ni] = (ex[0, ni] * h[0, no * V + ni] - ex[1, ni] * h[1, no * V + ni]
                                                  + s[1] * bval(Bm, b, d, t, no * V + ni, 0))
                                     h[1, no * V + ni] = (ex[0, ni] * h[1, no * V + ni] + ex[1, ni] * h[0, no * V + ni]
