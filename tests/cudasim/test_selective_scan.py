@@ -15,7 +15,7 @@ import tvm_mamba
 from tests.conftest import assert_close_to_ref
 from tvm_mamba import simcheck
 from tvm_mamba.compute import selective_scan as compute
-from tvm_mamba.reference.selective_scan import selective_scan_ref, selective_state_update_ref
+from tvm_mamba.reference.selective_scan import selective_scan_ref
 from tvm_mamba.simcheck import selective_scan as sc
 from tvm_mamba.torch_ops.selective_scan import chunk_for
 
