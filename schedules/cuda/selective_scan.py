@@ -9,7 +9,8 @@ sums (y = C.h; in the backward sum g*B and sum g*h*A*e^{dt A}) are butterfly war
 skipped (every thread of a warp joins the shuffles) and their writes guarded. The backward keeps the
 recomputed states of one chunk per thread ((chunk+1) x S, local memory); its stage-2 sums (one lane per
 output row, W threads over its dstate) follow in a fixed order: deterministic, no atomics.
-Decode step and complex A (``warp=False``): one thread per lane, the dstate loop serial.
+Decode step and complex A (``warp=False``): one thread per lane, the dstate loop serial; complex A's
+rotation through ``sincospif`` (``Math(sincospi=True)``): cosf / sinf's slow path made ptxas spill.
 
 ``nchunk`` is a free var of the warp kernels (the serial/CPU layouts use the expression ceil(seqlen/chunk)):
 with the expression, ptxas spilled 4 bytes in the fp32 dstate-16 backward; ptxas's spilling at 40-56
@@ -134,6 +135,8 @@ def apply(func, target, decisions: Decisions):
     if direction in ("fwd", "bwd"):
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
     else:
-        # complex A: CUDA's own exp / cos / sin; the decode step keeps the polynomial exp it always used
-        layout = CudaLayout(Math(dims.acc, native=direction != "update"), threads)
+        # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled); the decode step keeps the
+        # polynomial exp it always used
+        complex_a = direction != "update"
+        layout = CudaLayout(Math(dims.acc, native=complex_a, sincospi=complex_a), threads)
     return schedule_of(compute.build(direction, dims, layout), name=name)

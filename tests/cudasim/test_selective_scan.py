@@ -15,7 +15,7 @@ import tvm_mamba
 from tests.conftest import assert_close_to_ref
 from tvm_mamba import simcheck
 from tvm_mamba.compute import selective_scan as compute
-from tvm_mamba.reference.selective_scan import selective_scan_ref, selective_state_update_ref
+from tvm_mamba.reference.selective_scan import selective_scan_ref
 from tvm_mamba.simcheck import selective_scan as sc
 from tvm_mamba.torch_ops.selective_scan import chunk_for
 
@@ -290,6 +290,35 @@ def test_complex_A_bf16():
         if key != "out":
             tol = (1e-2 if mine.dtype == torch.bfloat16 else 1e-4) * max(1.0, ref.abs().max().item())
             assert (mine.double() - ref).abs().max().item() <= tol, key
+
+
+def test_complex_A_large_rotations():
+    """Angles dt Im A up to 3e5 (Im A up to 2e5; cosf / sinf took their slow path above 105615): the CUDA
+    kernels' rotation (sincospif at dt Im A / pi, then rotated on by that division's rounding) is as accurate
+    as the CPU kernels' cos / sin against float64: err <= 2 err(CPU) + atol. Both errors are dominated by
+    rounding dt Im A to float32 (ulp(1e5) = 0.0078); without the rounding step the CUDA error was 3.8x (out)
+    and 5x (last_state) the CPU's here."""
+    batch, _, static = COMPLEX["var_const_all"]
+    inp = sc.scan_inputs(static, {"u": "float32", "B": "float32", "C": "float32"}, batch, 12, seed=1, complex_A=True)
+    dim, N = inp["A"].shape
+    sign = torch.tensor([1.0, -1.0]).repeat(N // 2)
+    inp["A"] = torch.complex(inp["A"].real, (torch.logspace(0, 5.3, N) * sign).expand(dim, N).float())
+    ref = {k: (sc._to64(v) if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+    expect = selective_scan_ref(**ref, return_last_state=True)
+    cpu = tvm_mamba.selective_scan_fn(**inp, return_last_state=True)
+    with tvm_mamba.simulate_cuda("sm_90"):
+        sim = tvm_mamba.selective_scan_fn(**inp, return_last_state=True)
+    for name, mine, base, want in zip(("out", "last_state"), sim, cpu, expect):
+        err, err_cpu = ((sc._to64(x) - want).abs().max().item() for x in (mine, base))
+        assert err <= 2 * err_cpu + 1e-5 * want.abs().max().item(), (name, err, err_cpu)
+
+
+def test_complex_A_float64():
+    """complex128 / float64 builds of the complex kernels (double sincospi and fma in the rotation)."""
+    res, keys = sc.scan_results(complex_inputs("grp_grp_ragged_blocks", dtype="float64", seqlen=9), grads=True,
+                                arch="sm_90")
+    assert {(k.direction, k.dtype["u"]) for k in keys} == {("fwd_complex", "float64"), ("bwd_complex", "float64")}
+    assert_all_close(res, "complex float64", rel=1e-11)
 
 
 def test_simcheck_complex_configs_fp32():

@@ -124,6 +124,16 @@ def to_bf16(a: T.Buffer((4096,), "float32"), b: T.Buffer((4096,), "bfloat16")):
             b[bx * 256 + tx] = T.Cast("bfloat16", a[bx * 256 + tx])
 
 
+@T.prim_func
+def sincospi_f32(a: T.Buffer((1024,), "float32"), b: T.Buffer((2, 1024), "float32")):
+    """b[0, i], b[1, i] = sin(pi a[i]), cos(pi a[i]) through CUDA's sincospif (the complex scan's rotation)."""
+    T.func_attr({"global_symbol": "sincospi_f32", "tirx.noalias": True})
+    for bx in T.thread_binding(4, thread="blockIdx.x"):
+        for tx in T.thread_binding(256, thread="threadIdx.x"):
+            i = T.meta_var(bx * 256 + tx)
+            T.evaluate(T.call_extern("void", "sincospif", a[i], T.address_of(b[0, i]), T.address_of(b[1, i])))
+
+
 @contextlib.contextmanager
 def postproc(fn):
     """Register ``tvm_callback_cuda_postproc`` (TVM calls it on the generated CUDA source) for the block."""
@@ -232,6 +242,20 @@ def test_bfloat16_rounds_to_nearest_even(tmp_path):
     assert torch.equal(b.view(torch.int16)[:3], want.view(torch.int16)[:3])
     assert torch.isnan(b[3])
     assert torch.equal(b[4:].view(torch.int16), want[4:].view(torch.int16))
+
+
+def test_sincospif_matches_float64(tmp_path):
+    """The harness's sincospif: within 1 float32 ulp of float64 sin / cos(pi x) up to |x| = 1e5, and exact
+    (+-0, +-1) at integers and half-integers (its quadrant reduction is exact, as CUDA's)."""
+    a = torch.cat([torch.randn(1000) * torch.logspace(-3, 5, 1000), torch.tensor([0.0, 0.5, -0.5, 1.0, -1.0, 1.5,
+                   7.0, -2.5, 12345.5, 1e9, 0.25, -0.75] + [3.0] * 12)])
+    b = torch.zeros(2, 1024)
+    _run(sincospi_f32, tmp_path, a, b)
+    x = a.double()
+    want = torch.stack([torch.sin(torch.pi * torch.remainder(x, 2.0)), torch.cos(torch.pi * torch.remainder(x, 2.0))])
+    assert (b.double() - want).abs().max().item() <= 2 ** -24
+    exact = (2 * a).round() == 2 * a
+    assert torch.equal(b[:, exact].abs(), want[:, exact].round().abs().float())
 
 
 def test_source_is_build_checks_after_postproc(tmp_path):

@@ -123,10 +123,12 @@ class Math:
     polynomial exp + Newton reciprocal gave silu'(1e20) = 7e12 and silu(-1e36) = -0.025).
     ``native=True`` (CUDA, or any float64 build): the target's own exp / log1p (CUDA expf / log1pf); the
     polynomials cost 20-100 extra registers per kernel there and spilled.
+    ``sincospi=True`` (CUDA): the target has ``sincospi[f]`` (see ``sincospi``), and a rotation by an angle
+    is computed through it instead of ``cos`` / ``sin``.
     """
 
-    def __init__(self, acc: str = "float32", native: bool = False):
-        self.acc, self.native = acc, native
+    def __init__(self, acc: str = "float32", native: bool = False, sincospi: bool = False):
+        self.acc, self.native, self.has_sincospi = acc, native, sincospi
         self.zero, self.one = tirx.const(0.0, acc), tirx.const(1.0, acc)
         self.poly = acc == "float32" and not native
 
@@ -153,6 +155,15 @@ class Math:
 
     def silu(self, x):
         return silu(x) if self.poly else x * self.sigmoid(x)
+
+    def sincospi(self, x, sin_dst, cos_dst):
+        """The statement ``sincospi[f](x, &sin_dst, &cos_dst)``: sin(pi x) and cos(pi x) (CUDA, <= 1 ulp)
+        written to two buffer elements. Why not cosf / sinf: for |x| > 105615 their argument reduction takes
+        a Payne-Hanek slow path with a 28-byte local array, and ptxas spilled 36-96 bytes around it in the
+        complex-A scan kernels (sincosf too). sin(pi x)'s reduction is exact (x - rint(2x) / 2): no slow
+        path. Only for targets with ``has_sincospi``."""
+        name = "sincospif" if self.acc == "float32" else "sincospi"
+        return tirx.call_extern("void", name, x, tirx.address_of(sin_dst), tirx.address_of(cos_dst))
 
     def tanh(self, x):
         return tanh(x) if self.poly else tirx.tanh(x)

@@ -88,8 +88,7 @@ def _step_macros(dims: ScanBwdDims, L: Layout):
                     gB[0, n] = gB[0, n] + s[5] * g[0, n]
                     gB[1, n] = gB[1, n] + s[5] * g[1, n]
                 rv[0, ni] = rv[0, ni] + bval(Bm, b, d, t, n, 0) * g[0, n] + bval(Bm, b, d, t, n, 1) * g[1, n]
-                ex[0, ni] = rot(A, d, n, s[0], 0)
-                ex[1, ni] = rot(A, d, n, s[0], 1)
+                rot(ex, ni, A, d, n, s[0])
                 # q = conj(h_{t-1}) g, p = conj(a) q
                 ex[2, ni] = hs[i, 0, n] * g[0, n] + hs[i, 1, n] * g[1, n]
                 ex[3, ni] = hs[i, 0, n] * g[1, n] - hs[i, 1, n] * g[0, n]
@@ -124,8 +123,7 @@ def _step_macros(dims: ScanBwdDims, L: Layout):
             s[1] = s[0] * m.cast(u[b, d, c * chunk + i])
             for no in range(NV):
                 for ni in VEC(V):
-                    ex[0, ni] = rot(A, d, no * V + ni, s[0], 0)
-                    ex[1, ni] = rot(A, d, no * V + ni, s[0], 1)
+                    rot(ex, ni, A, d, no * V + ni, s[0])
                     hs[i + 1, 0, no * V + ni] = (ex[0, ni] * hs[i, 0, no * V + ni] - ex[1, ni] * hs[i, 1, no * V + ni]
                                                  + s[1] * bval(Bm, b, d, c * chunk + i, no * V + ni, 0))
                     hs[i + 1, 1, no * V + ni] = (ex[0, ni] * hs[i, 1, no * V + ni] + ex[1, ni] * hs[i, 0, no * V + ni]

@@ -141,6 +141,27 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float rsqrtf(float a) { return 1.0f / sqrtf(a); }
 inline double rsqrt(double a) { return 1.0 / std::sqrt(a); }
+// sincospi[f](x, &s, &c) = sin(pi x), cos(pi x): quadrant q = rint(2x) and r = x - q/2 in [-1/4, 1/4] are exact, as
+// on the GPU (sinpi of an integer is exactly +-0, of -0 is -0); sin / cos of pi r in long double; inf/NaN give NaN.
+namespace tvm_mamba_sim {
+inline void sincospi_l(long double x, long double* s, long double* c) {
+  if (!std::isfinite(x)) { *s = *c = x - x; return; }
+  const long double q = std::nearbyint(2.0L * x), r = q == 0.0L ? x : x - 0.5L * q, a = 3.14159265358979323846264338327950288L * r;
+  const long double sr = std::sin(a), cr = std::cos(a);
+  switch (static_cast<int>(std::fmod(std::fabs(q), 4.0L)) * (q < 0 ? -1 : 1) & 3) {
+    case 0: *s = sr; *c = cr; break;
+    case 1: *s = cr; *c = -sr; break;
+    case 2: *s = -sr; *c = -cr; break;
+    default: *s = -cr; *c = sr; break;
+  }
+}
+}  // namespace tvm_mamba_sim
+inline void sincospif(float x, float* s, float* c) {
+  long double sl, cl; tvm_mamba_sim::sincospi_l(x, &sl, &cl); *s = static_cast<float>(sl); *c = static_cast<float>(cl);
+}
+inline void sincospi(double x, double* s, double* c) {
+  long double sl, cl; tvm_mamba_sim::sincospi_l(x, &sl, &cl); *s = static_cast<double>(sl); *c = static_cast<double>(cl);
+}
 inline int __float2int_rn(float a) { return static_cast<int>(nearbyintf(a)); }
 inline int __float2int_rz(float a) { return static_cast<int>(a); }
 inline int __popc(unsigned int v) { return __builtin_popcount(v); }
