@@ -29,10 +29,11 @@ ORDERS = (0, 1)
 DEFAULT_ORDER = 0  # knob ``order``: row blocks outer
 
 
-def block(M: int, W: int, rows: int, cols: int) -> tuple[int, int]:
+def block(M: int, W: int, rows: int, cols: int, group: int = 1) -> tuple[int, int]:
     """(rows, cols) of the accumulator block for an M x W output: rows divides M, cols divides W (the
-    whole width when ``cols`` does not divide it or is wider)."""
-    rb = max(r for r in ROWS if r <= rows and M % r == 0)
+    whole width when ``cols`` does not divide it or is wider); with a ``group`` > 1 (a step-grouped
+    triangle) rows is also a multiple or a divisor of it, so a row block's masked part has a static length."""
+    rb = max(r for r in ROWS if r <= rows and M % r == 0 and (r % group == 0 or group % r == 0))
     return rb, (cols if cols < W and W % cols == 0 else W)
 
 
@@ -52,7 +53,7 @@ TRI = (None, "le", "lt", "ge", "gt")  # no mask; row i sums k <= i, k < i (klo .
 
 
 def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, lower: bool = False,
-           order: int = DEFAULT_ORDER, tri=None):
+           order: int = DEFAULT_ORDER, tri=None, group: int = 1):
     """A TVMScript macro ``mm(klo, khi, a, b, init, store)`` computing an M x W product block by block
     (``lower``: only the column blocks starting below each row block's end; M == W).
 
@@ -65,8 +66,10 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
     selected per row; "lt": the same for k in [klo, i); "ge": row i sums k in [i, khi) (klo must be lo): k in
     [lo, hi) selected per row, then k >= hi unmasked; "gt": the same for k in (i, khi). The masked part is rows
     iterations per row block (of up to M).
+    ``group`` G > 1 (with "lt" / "gt"; M a multiple of G): positions in groups of G, row i sums the k of strictly
+    earlier groups, k // G < i // G ("lt"), or strictly later ones, k // G > i // G ("gt") (``grouped``).
     """
-    RB, SV = block(M, W, rows, cols)
+    RB, SV = block(M, W, rows, cols, group)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
     TWO = RB > 1
     if lower and M != W:
@@ -75,6 +78,10 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
         raise ValueError(f"matmul: order must be one of {ORDERS}, got {order!r}")
     if tri not in TRI:
         raise ValueError(f"matmul: tri must be one of {TRI}, got {tri!r}")
+    if group > 1:
+        if tri not in ("lt", "gt") or M % group:
+            raise ValueError(f"matmul: group={group} needs tri 'lt' or 'gt' and M={M} a multiple of it")
+        return grouped(M, W, RB, SV, order, tri, group)
 
     def col_blocks(i0):  # column blocks of row block i0
         return T.min((i0 * RB + RB + SV - 1) // SV, W // SV) if lower else W // SV
@@ -137,6 +144,74 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
         else:
             for i0 in range(M // RB):
                 for j0 in range(col_blocks(i0)):
+                    tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
+
+    return mm
+
+
+def grouped(M: int, W: int, RB: int, SV: int, order: int, tri: str, G: int):
+    """``matmul``'s macro for a step-grouped triangle (``tri`` "lt" / "gt", group G; RB a multiple or a divisor
+    of G, ``block``). Row block [lo, hi) spans the groups gl = lo // G .. gh = (hi - 1) // G: "lt" sums
+    k < gl G unmasked, then k in [gl G, gh G) selected per row (k // G < i // G); "gt" selects k in
+    [(gl + 1) G, (gh + 1) G) per row, then sums k >= (gh + 1) G unmasked. The selected part is RB - G
+    iterations when G divides RB, none when RB divides G (the block's rows share a group)."""
+    RH = max(RB // 2, 1)
+    TWO = RB > 1
+    EXT = RB - G if RB % G == 0 else 0  # (gh - gl) G, the same for every row block
+    lt = tri == "lt"
+
+    def ok(i, k):
+        return k // G < i // G if lt else k // G > i // G
+
+    @T.macro
+    def terms(a, b, acc0, acc1, i0, j0, k, masked):  # masked: only where row i's range holds k
+        for r in T.unroll(RH):
+            for j in T.vectorized(SV):
+                i, i1, jj = T.meta_var(i0 * RB + r), T.meta_var(i0 * RB + RH + r), T.meta_var(j0 * SV + j)
+                if masked:
+                    acc0[r, j] = T.Select(ok(i, k), acc0[r, j] + a(i, k) * b(k, jj), acc0[r, j])
+                    if TWO:
+                        acc1[r, j] = T.Select(ok(i1, k), acc1[r, j] + a(i1, k) * b(k, jj), acc1[r, j])
+                else:
+                    acc0[r, j] = acc0[r, j] + a(i, k) * b(k, jj)
+                    if TWO:
+                        acc1[r, j] = acc1[r, j] + a(i1, k) * b(k, jj)
+
+    @T.macro
+    def tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0):
+        lo, hi = T.meta_var(i0 * RB), T.meta_var(i0 * RB + RB)
+        for r in T.unroll(RH):
+            for j in T.vectorized(SV):
+                acc0[r, j] = init(lo + r, j0 * SV + j)
+                if TWO:
+                    acc1[r, j] = init(lo + RH + r, j0 * SV + j)
+        if lt:
+            for k in range(klo(lo, hi), lo // G * G):
+                terms(a, b, acc0, acc1, i0, j0, k, False)
+            for kd in range(EXT):
+                terms(a, b, acc0, acc1, i0, j0, lo // G * G + kd, True)
+        else:
+            for kd in range(EXT):
+                terms(a, b, acc0, acc1, i0, j0, (lo // G + 1) * G + kd, True)
+            for k in range(((hi - 1) // G + 1) * G, khi(lo, hi)):
+                terms(a, b, acc0, acc1, i0, j0, k, False)
+        for r in T.unroll(RH):
+            for j in T.vectorized(SV):
+                store(lo + r, j0 * SV + j, acc0[r, j])
+                if TWO:
+                    store(lo + RH + r, j0 * SV + j, acc1[r, j])
+
+    @T.macro
+    def mm(klo, khi, a, b, init, store):
+        acc0 = T.alloc_buffer((RH, SV), F32)
+        acc1 = T.alloc_buffer((RH, SV), F32)
+        if order == 1:
+            for j0 in range(W // SV):
+                for i0 in range(M // RB):
+                    tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
+        else:
+            for i0 in range(M // RB):
+                for j0 in range(W // SV):
                     tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
 
     return mm
