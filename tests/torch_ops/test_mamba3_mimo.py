@@ -1,5 +1,5 @@
-"""mamba3_mimo (Mamba-3 MIMO chunked scan on the SISO kernels through virtual heads) on the CPU: the float64
-reference itself against an independent masked-attention formulation and against the SISO reference (R = 1);
+"""mamba3_mimo (Mamba-3 MIMO chunked scan: one SSD over (step, rank) positions, step_group R) on the CPU: the
+float64 reference itself against an independent masked-attention formulation and against the SISO reference (R = 1);
 the forward and its final states against the reference in fp32 and bf16 (mamba_ssm's 2 * err(bf16 reference) +
 atol) over ranks, GQA, half / full rotary, ragged chunks, without D / Z / MIMO_Out; packed sequences; every
 gradient against autograd of the reference; a directional finite-difference check of the kernels;
