@@ -120,6 +120,16 @@ def test_packed_sequences():
         assert_close_to_ref(a, b, atol=2e-5, rtol=1e-4, name=name)
 
 
+def test_chunk_beyond_the_kernels_limit():
+    """chunk_size R > 256 (the SSD kernels' chunk limit in flattened (step, rank) positions): the kernels run
+    chunks of 256 // R steps (here 64 of the 100 asked, two chunks over 70 steps), the result unchanged."""
+    kw, div = make(batch=1, seqlen=70, R=4, nheads=2, seed=5)
+    got = _run(kw, div, F32, chunk_size=100, return_state=True)
+    want = mamba3_mimo_ref(**_cast(kw, F32), return_state=True)
+    for name, a, b in zip(("out", "angle", "ssm", "k", "v"), got, want):
+        assert_close_to_ref(a, b, atol=2e-5, rtol=1e-4, name=name)
+
+
 def _leaves(kw, dtype):
     return {k: None if v is None else v.detach().clone().requires_grad_() for k, v in _cast(kw, dtype).items()}
 
