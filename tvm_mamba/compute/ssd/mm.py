@@ -19,6 +19,8 @@ Measured on the 2-vCPU rocketlake (per chunk 256x128 @ 128x256, incl. staging): 
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm.script import tirx as T
 
 F32 = "float32"
@@ -67,7 +69,7 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
     [lo, hi) selected per row, then k >= hi unmasked; "gt": the same for k in (i, khi). The masked part is rows
     iterations per row block (of up to M).
     ``group`` G > 1 (with "lt" / "gt"; M a multiple of G): positions in groups of G, row i sums the k of strictly
-    earlier groups, k // G < i // G ("lt"), or strictly later ones, k // G > i // G ("gt") (``grouped``).
+    earlier groups, k // G < i // G ("lt"), or strictly later ones, k // G > i // G ("gt") (``_masked_part``).
     """
     RB, SV = block(M, W, rows, cols, group)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
@@ -78,10 +80,9 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
         raise ValueError(f"matmul: order must be one of {ORDERS}, got {order!r}")
     if tri not in TRI:
         raise ValueError(f"matmul: tri must be one of {TRI}, got {tri!r}")
-    if group > 1:
-        if tri not in ("lt", "gt") or M % group:
-            raise ValueError(f"matmul: group={group} needs tri 'lt' or 'gt' and M={M} a multiple of it")
-        return grouped(M, W, RB, SV, order, tri, group)
+    if group > 1 and (tri not in ("lt", "gt") or M % group):
+        raise ValueError(f"matmul: group={group} needs tri 'lt' or 'gt' and M={M} a multiple of it")
+    masked, ok = _masked_part(RB, tri, group)
 
     def col_blocks(i0):  # column blocks of row block i0
         return T.min((i0 * RB + RB + SV - 1) // SV, W // SV) if lower else W // SV
@@ -118,14 +119,14 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
             for k in range(klo(i0 * RB, i0 * RB + RB), khi(i0 * RB, i0 * RB + RB)):
                 fma(a, b, acc0, acc1, i0, j0, k)
         elif tri == "le" or tri == "lt":
-            for k in range(klo(i0 * RB, i0 * RB + RB), i0 * RB):
+            for k in range(klo(i0 * RB, i0 * RB + RB), masked.start(i0)):
                 fma(a, b, acc0, acc1, i0, j0, k)
-            for kd in range(RB):
-                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _le if tri == "le" else _lt)
+            for kd in range(masked.extent):
+                fma_masked(a, b, acc0, acc1, i0, j0, masked.start(i0) + kd, ok)
         else:
-            for kd in range(RB):
-                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _ge if tri == "ge" else _gt)
-            for k in range(i0 * RB + RB, khi(i0 * RB, i0 * RB + RB)):
+            for kd in range(masked.extent):
+                fma_masked(a, b, acc0, acc1, i0, j0, masked.start(i0) + kd, ok)
+            for k in range(masked.end(i0), khi(i0 * RB, i0 * RB + RB)):
                 fma(a, b, acc0, acc1, i0, j0, k)
         for r in T.unroll(RH):
             for j in T.vectorized(SV):
@@ -149,72 +150,20 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
     return mm
 
 
-def grouped(M: int, W: int, RB: int, SV: int, order: int, tri: str, G: int):
-    """``matmul``'s macro for a step-grouped triangle (``tri`` "lt" / "gt", group G; RB a multiple or a divisor
-    of G, ``block``). Row block [lo, hi) spans the groups gl = lo // G .. gh = (hi - 1) // G: "lt" sums
-    k < gl G unmasked, then k in [gl G, gh G) selected per row (k // G < i // G); "gt" selects k in
-    [(gl + 1) G, (gh + 1) G) per row, then sums k >= (gh + 1) G unmasked. The selected part is RB - G
-    iterations when G divides RB, none when RB divides G (the block's rows share a group)."""
-    RH = max(RB // 2, 1)
-    TWO = RB > 1
-    EXT = RB - G if RB % G == 0 else 0  # (gh - gl) G, the same for every row block
-    lt = tri == "lt"
-
-    def ok(i, k):
-        return k // G < i // G if lt else k // G > i // G
-
-    @T.macro
-    def terms(a, b, acc0, acc1, i0, j0, k, masked):  # masked: only where row i's range holds k
-        for r in T.unroll(RH):
-            for j in T.vectorized(SV):
-                i, i1, jj = T.meta_var(i0 * RB + r), T.meta_var(i0 * RB + RH + r), T.meta_var(j0 * SV + j)
-                if masked:
-                    acc0[r, j] = T.Select(ok(i, k), acc0[r, j] + a(i, k) * b(k, jj), acc0[r, j])
-                    if TWO:
-                        acc1[r, j] = T.Select(ok(i1, k), acc1[r, j] + a(i1, k) * b(k, jj), acc1[r, j])
-                else:
-                    acc0[r, j] = acc0[r, j] + a(i, k) * b(k, jj)
-                    if TWO:
-                        acc1[r, j] = acc1[r, j] + a(i1, k) * b(k, jj)
-
-    @T.macro
-    def tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0):
-        lo, hi = T.meta_var(i0 * RB), T.meta_var(i0 * RB + RB)
-        for r in T.unroll(RH):
-            for j in T.vectorized(SV):
-                acc0[r, j] = init(lo + r, j0 * SV + j)
-                if TWO:
-                    acc1[r, j] = init(lo + RH + r, j0 * SV + j)
-        if lt:
-            for k in range(klo(lo, hi), lo // G * G):
-                terms(a, b, acc0, acc1, i0, j0, k, False)
-            for kd in range(EXT):
-                terms(a, b, acc0, acc1, i0, j0, lo // G * G + kd, True)
-        else:
-            for kd in range(EXT):
-                terms(a, b, acc0, acc1, i0, j0, (lo // G + 1) * G + kd, True)
-            for k in range(((hi - 1) // G + 1) * G, khi(lo, hi)):
-                terms(a, b, acc0, acc1, i0, j0, k, False)
-        for r in T.unroll(RH):
-            for j in T.vectorized(SV):
-                store(lo + r, j0 * SV + j, acc0[r, j])
-                if TWO:
-                    store(lo + RH + r, j0 * SV + j, acc1[r, j])
-
-    @T.macro
-    def mm(klo, khi, a, b, init, store):
-        acc0 = T.alloc_buffer((RH, SV), F32)
-        acc1 = T.alloc_buffer((RH, SV), F32)
-        if order == 1:
-            for j0 in range(W // SV):
-                for i0 in range(M // RB):
-                    tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
-        else:
-            for i0 in range(M // RB):
-                for j0 in range(W // SV):
-                    tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
-
-    return mm
+def _masked_part(RB: int, tri, G: int):
+    """(the masked k of row block i0 of a triangular ``tri``: ``start(i0)``, a static ``extent`` and ``end(i0)``,
+    where the unmasked "ge" / "gt" range starts; the per-row test ok(i, k)). G = 1: the block's own [lo, hi),
+    lo = i0 RB. Grouped (G > 1; RB a multiple or a divisor of G, ``block``): row block [lo, hi) spans the
+    groups gl = lo // G .. gh = (hi - 1) // G; "lt" sums k < gl G unmasked, then selects k in [gl G, gh G);
+    "gt" selects k in [(gl + 1) G, (gh + 1) G), then sums k >= (gh + 1) G: RB - G selected k where G divides
+    RB, none where RB divides G (the block's rows share a group)."""
+    if G == 1:
+        ok = {"le": _le, "lt": _lt, "ge": _ge, "gt": _gt}.get(tri)
+        return SimpleNamespace(start=lambda i0: i0 * RB, extent=RB, end=lambda i0: i0 * RB + RB), ok
+    first = (lambda i0: i0 * RB // G * G) if tri == "lt" else (lambda i0: (i0 * RB // G + 1) * G)
+    ok = (lambda i, k: k // G < i // G) if tri == "lt" else (lambda i, k: k // G > i // G)
+    return SimpleNamespace(start=first, extent=RB - G if RB % G == 0 else 0,
+                           end=lambda i0: ((i0 * RB + RB - 1) // G + 1) * G), ok
 
 
 def _le(i, k):
