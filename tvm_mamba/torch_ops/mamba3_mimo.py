@@ -119,6 +119,7 @@ class _Fused:
         self.x = x.reshape(b, L * R, H, P)
         self.pre = _Chunked(self.args[0], x.reshape(b, L, R * H, P), self.args[7], None, None, None, None, steps,
                             seq_idx, cu_seqlens)
+        # the flat view's "Q": its shape and dtype only (q itself comes from the preprocess); one head per group
         self.flat = _Chunked(x.new_empty(()).expand(b, L * R, H, N), self.x, Angles, None, None, None, None,
                              steps * R, None if seq_idx is None else seq_idx.repeat_interleave(R, dim=1),
                              None if cu_seqlens is None else cu_seqlens * R, step_group=R)
@@ -276,7 +277,7 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
            rotary_dim_divisor, dtype)
     Q, K, V = Q.to(dtype), K.to(dtype), V.to(dtype)
     (batch, L, R, _, N), (H, P) = Q.shape, V.shape[2:]
-    _check_chunked(V.new_empty(()).expand(batch, L * R, H, P), N, _steps(chunk_size, R) * R)
+    _check_chunked(V.new_empty(()).expand(batch, L * R, H, P), N, _steps(chunk_size, R) * R)  # the flat sizes
     seq_idx = None
     if cu_seqlens is not None:
         cu_seqlens = validate_cu_seqlens(cu_seqlens, None, V)
