@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..compute._mamba3_dims import mimo_chunk_steps
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .mamba3 import _check_chunked, _Chunked, _group_sum, _ssd_bwd, chunk_scan, last_v_rows, preprocess_bwd
 from .ssd import seq_idx_of, validate_cu_seqlens
@@ -96,21 +97,16 @@ def _check(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Ang
         check_shape("Z", Z, V.shape)
 
 
-def _steps(chunk_size: int, R: int) -> int:
-    """The kernels' chunk in steps: chunk_size, at most 256 // R (256 flattened positions)."""
-    return min(chunk_size, 256 // R)
-
-
 class _Fused:
     """One fused call's two views (module docstring): ``pre``, the preprocess over the R nheads rank-major
-    virtual heads (chunks of ``_steps`` steps), and ``flat``, the SSD over the (step, rank) positions (chunks
-    of R times as many positions, step_group R). Inputs: Q, K (batch, seqlen, R, nheads_qk, headdim_qk)
-    interleaved pairs; x (batch, seqlen, R, nheads, headdim_v) f32; ADT, DT, Trap (batch, nheads, seqlen),
-    Q_bias, K_bias (nheads, R, headdim_qk), Angles (batch, seqlen, nheads, S), float32."""
+    virtual heads (chunks of ``mimo_chunk_steps`` steps), and ``flat``, the SSD over the (step, rank)
+    positions (chunks of R times as many positions, step_group R). Inputs: Q, K (batch, seqlen, R, nheads_qk,
+    headdim_qk) interleaved pairs; x (batch, seqlen, R, nheads, headdim_v) f32; ADT, DT, Trap (batch, nheads,
+    seqlen), Q_bias, K_bias (nheads, R, headdim_qk), Angles (batch, seqlen, nheads, S), float32."""
 
     def __init__(self, Q, K, x, ADT, DT, Trap, Q_bias, K_bias, Angles, chunk_size, seq_idx, cu_seqlens):
         (b, L, R, Hqk, N), H, P = Q.shape, x.shape[3], x.shape[4]
-        steps = _steps(chunk_size, R)
+        steps = mimo_chunk_steps(chunk_size, R)
         tile = lambda t: t.repeat(1, R, 1)  # noqa: E731  (batch, nheads, seqlen) -> (batch, R nheads, seqlen)
         bias = lambda t: t.transpose(0, 1).reshape(R * H, N)  # noqa: E731  (nheads, R, N) -> (R nheads, N)
         self.args = (Q.reshape(b, L, R * Hqk, N), K.reshape(b, L, R * Hqk, N), tile(ADT), tile(DT), tile(Trap),
@@ -277,7 +273,7 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
            rotary_dim_divisor, dtype)
     Q, K, V = Q.to(dtype), K.to(dtype), V.to(dtype)
     (batch, L, R, _, N), (H, P) = Q.shape, V.shape[2:]
-    _check_chunked(V.new_empty(()).expand(batch, L * R, H, P), N, _steps(chunk_size, R) * R)  # the flat sizes
+    _check_chunked(V.new_empty(()).expand(batch, L * R, H, P), N, mimo_chunk_steps(chunk_size, R) * R)  # the flat sizes
     seq_idx = None
     if cu_seqlens is not None:
         cu_seqlens = validate_cu_seqlens(cu_seqlens, None, V)
