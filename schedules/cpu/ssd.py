@@ -87,16 +87,16 @@ class Cpu(Strategy):
 
         return run
 
-    def causal_matmul(self, M: int, W: int, K: int, strict: bool = False):
+    def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
         """A task per chunk: its lhs rows, rhs (read k-inner: a state read transposed), xs rows (0 past seqlen) and
         the causal blocks of the weight (``lower_cols``: blocks right of them are never read) staged in float32
         stack buffers, then two register-blocked matmuls into one accumulator: the carried product (epilogue
         ``carry``; where ``carried(t)`` is false, no state enters the chunk: carry of 0, neither operand staged),
         then from it the lower-triangular one (``tri="le"``: a row never adds 0 * xs of a later position, so a
-        non-finite x stays causal; ``strict``: ``tri="lt"``, not even its own position); then ``store`` for the
-        rows the chunk has."""
+        non-finite x stays causal; ``strict``: ``tri="lt"``, not even its own position; ``group``: not its own
+        step group's); then ``store`` for the rows the chunk has."""
         staged = _staged(matmul(M, W, self.rows, self.cols, order=self.order), M, W, K)
-        mm_le = matmul(M, W, self.rows, self.cols, order=self.order, tri="lt" if strict else "le")
+        mm_le = matmul(M, W, self.rows, self.cols, order=self.order, tri="lt" if strict else "le", group=group)
         VB = vblock(M)
 
         @T.macro

@@ -179,3 +179,42 @@ def test_chunk_scan_bwd_diag_skip(x_dtype, has_z, ngroups, monkeypatch):
                 assert_close_to_ref(got[name], r, low, name=name)
             else:
                 assert_close_to_ref(got[name], r, atol=2e-5 * scale, rtol=1e-4, name=f"{name} (tasks {tasks})")
+
+
+def test_step_group_dims():
+    """step_group (Mamba-3 MIMO): left out of the key at 1, in it otherwise; needs diag_skip and to divide
+    chunk_size (ValueError naming it)."""
+    scan = dict(nheads=2, ngroups=2, headdim=4, dstate=8, chunk_size=8, has_D=True, diag_skip=True)
+    for direction in ("chunk_scan", "chunk_scan_bwd"):
+        cls = ssd.DIMS[direction]
+        assert "step_group" not in cls(**scan).key_parts()[0]
+        assert cls(**scan, step_group=4).key_parts()[0]["step_group"] == 4
+        for bad in (dict(scan, step_group=3), dict(scan, step_group=0), dict(scan, diag_skip=False, step_group=2)):
+            with pytest.raises(ValueError, match="step_group"):
+                cls(**bad)
+
+
+@pytest.mark.parametrize("step_group, ngroups", [(2, H), (4, 1)])
+def test_chunk_scan_step_group(step_group, ngroups):
+    """ssd_chunk_scan and ssd_chunk_scan_bwd with step_group (Mamba-3 MIMO's flattened (step, rank) positions:
+    the causal sum over strictly earlier groups, s // G < l // G), the CPU kernels: y and every gradient (dx,
+    dB, dC, d dt, d dA_step, dD) against the float64 grouped strict chunk scan (reference/ssd.py) and its
+    autograd; batch 2, 21 positions in 3 chunks of 8 (the last ragged inside a group). G = 2 selects per row
+    inside the CPU matmuls' 4-row blocks, G = 4 spans them."""
+    from tvm_mamba.compute._ssd_dims import ScanBwdDims, ScanDims
+    from tvm_mamba.reference.ssd import ssd_chunk_scan_strict_ref
+    from tvm_mamba.simcheck import ssd as sc
+
+    flags = dict(nheads=H, ngroups=ngroups, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=True,
+                 diag_skip=True, step_group=step_group)
+    t = sc.scan_bwd_inputs(ScanBwdDims(**flags), 2, 21)
+    y = sc.scan_fwd_run(ScanDims(**flags, has_init=True), t)
+    want, _ = ssd_chunk_scan_strict_ref(**{k: t[k].double() for k in sc.SCAN_BWD_GRADS}, z=t["z"].double(),
+                                        states_in=t["Sin"].double(), step_group=step_group)
+    assert_close_to_ref(y, want, atol=2e-5 * max(want.abs().max().item(), 1.0), rtol=1e-4, name="y")
+    plain, _ = ssd_chunk_scan_strict_ref(**{k: t[k].double() for k in sc.SCAN_BWD_GRADS}, z=t["z"].double(),
+                                         states_in=t["Sin"].double())
+    assert (want - plain).abs().max() > 1e-2  # the grouping matters at these inputs
+    got = sc.scan_bwd_run(ScanBwdDims(**flags), t)
+    for name, r in sc.scan_bwd_reference(t, step_group=step_group).items():
+        assert_close_to_ref(got[name], r, atol=2e-5 * max(r.abs().max().item(), 1.0), rtol=1e-4, name=name)

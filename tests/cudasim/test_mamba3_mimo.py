@@ -1,7 +1,7 @@
 """mamba3_mimo on the CUDA kernels, run on the CPU by the CUDA execution harness (tvm_mamba.simulate_cuda): the
-MIMO chunked scan's virtual heads go through the SISO chunked forward and backward kernels (the preprocess,
-the SSD pieces with diag_skip, their backward); out, the final states and every gradient against the float64
-reference (mirrors tests/torch_ops/test_mamba3_mimo.py)."""
+MIMO chunked scan's kernels (the SISO preprocess over rank-major virtual heads, the SSD pieces over the
+flattened (step, rank) positions with step_group R, their backward); out, the final states and every gradient
+against the float64 reference (mirrors tests/torch_ops/test_mamba3_mimo.py)."""
 from __future__ import annotations
 
 import torch

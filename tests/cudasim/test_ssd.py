@@ -233,6 +233,23 @@ def test_chunk_scan_bwd_diag_skip(sim, monkeypatch):
     assert _directions(sim) == {"chunk_scan_bwd"}
 
 
+def test_chunk_scan_step_group(sim):
+    """Mamba-3 MIMO's grouped chunk scan (step_group 2: the causal sums over strictly earlier pairs of
+    positions), the CUDA forward and backward kernels called directly: fp32, batch 2, 37 positions (3 chunks,
+    the last ragged inside a group); y and every gradient against the float64 grouped strict chunk scan."""
+    from tvm_mamba.reference.ssd import ssd_chunk_scan_strict_ref
+
+    flags = dict(nheads=4, ngroups=2, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=True, diag_skip=True,
+                 step_group=2)
+    t = simcheck.scan_bwd_inputs(_ssd_dims.ScanBwdDims(**flags), BATCH, SEQLEN)
+    want, _ = ssd_chunk_scan_strict_ref(**{k: t[k].double() for k in simcheck.SCAN_BWD_GRADS}, z=t["z"].double(),
+                                        states_in=t["Sin"].double(), step_group=2)
+    got = dict(simcheck.scan_bwd_run(_ssd_dims.ScanBwdDims(**flags), t),
+               y=simcheck.scan_fwd_run(_ssd_dims.ScanDims(**flags, has_init=True), t))
+    _assert_fp32(got, dict(simcheck.scan_bwd_reference(t, step_group=2), y=want))
+    assert _directions(sim) == {"chunk_scan", "chunk_scan_bwd"}
+
+
 def test_simcheck_chunk_scan_bwd_diag_skip_config():
     """simcheck.ssd.check on a small diag_skip backward configuration (bf16 x, f32 B / C): its kernel ran in
     the harness, every gradient within tolerance."""

@@ -107,11 +107,12 @@ def test_mamba3_preset_kernels_and_their_minimum_bytes():
 
 def test_mimo_preset_runs_the_mimo_step_and_virtual_head_preprocesses():
     """mamba3-mimo-130m (rank 4) runs the MIMO decode step instead of the SISO one, and the chunked forward's
-    preprocesses at mamba3_mimo's 24 * 4^2 virtual heads, without D; the step's minimum bytes are every
-    parameter once less the rotated-q workspace (rank 4: Q, K, the K states and q are (batch, 4, ...))."""
+    preprocesses at mamba3_mimo's 4 * 24 rank-major virtual heads over 4 * 1 Q/K heads, without D; the step's
+    minimum bytes are every parameter once less the rotated-q workspace (rank 4: Q, K, the K states and q are
+    (batch, 4, ...))."""
     keys = report.preset_keys("mamba3-mimo-130m", ["mamba3"], "sm_90")
     assert [k.direction for k in keys] == ["mimo_step", "siso_preprocess", "siso_preprocess_bwd"]
-    assert all(k.static["nheads"] == k.static["nheads_qk"] == 384 and not k.static["has_D"] for k in keys[1:])
+    assert all(k.static["nheads"] == 96 and k.static["nheads_qk"] == 4 and not k.static["has_D"] for k in keys[1:])
     step, B, R, H, P, N = keys[0], 2, 4, 24, 64, 128
     pb = measure.param_bytes(step, B, 1)
     assert pb["qrot"] == pb["kout"] == 4 * B * R * H * N and pb["MO"] == 4 * H * R * P

@@ -1,5 +1,5 @@
-"""mamba3_mimo (Mamba-3 MIMO chunked scan on the SISO kernels through virtual heads) on the CPU: the float64
-reference itself against an independent masked-attention formulation and against the SISO reference (R = 1);
+"""mamba3_mimo (Mamba-3 MIMO chunked scan: one SSD over (step, rank) positions, step_group R) on the CPU: the
+float64 reference itself against an independent masked-attention formulation and against the SISO reference (R = 1);
 the forward and its final states against the reference in fp32 and bf16 (mamba_ssm's 2 * err(bf16 reference) +
 atol) over ranks, GQA, half / full rotary, ragged chunks, without D / Z / MIMO_Out; packed sequences; every
 gradient against autograd of the reference; a directional finite-difference check of the kernels;
@@ -117,6 +117,16 @@ def test_packed_sequences():
     want = mamba3_mimo_ref(**_cast(kw, F32), return_state=True, cu_seqlens=cu)
     for name, a, b in zip(("out", "angle", "ssm", "k", "v"), got, want):
         assert a.shape == b.shape, name
+        assert_close_to_ref(a, b, atol=2e-5, rtol=1e-4, name=name)
+
+
+def test_chunk_beyond_the_kernels_limit():
+    """chunk_size R > 256 (the SSD kernels' chunk limit in flattened (step, rank) positions): the kernels run
+    chunks of 256 // R steps (here 64 of the 100 asked, two chunks over 70 steps), the result unchanged."""
+    kw, div = make(batch=1, seqlen=70, R=4, nheads=2, seed=5)
+    got = _run(kw, div, F32, chunk_size=100, return_state=True)
+    want = mamba3_mimo_ref(**_cast(kw, F32), return_state=True)
+    for name, a, b in zip(("out", "angle", "ssm", "k", "v"), got, want):
         assert_close_to_ref(a, b, atol=2e-5, rtol=1e-4, name=name)
 
 

@@ -15,6 +15,12 @@ def acc_dtype(v_dtype: str) -> str:
     return "float64" if v_dtype == "float64" else "float32"
 
 
+def mimo_chunk_steps(chunk_size: int, mimo_rank: int) -> int:
+    """The chunk (in time steps) mamba3_mimo's kernels run: chunk_size, at most 256 // mimo_rank (its SSD pieces
+    see chunk_size * mimo_rank flattened (step, rank) positions per chunk; 256 is their limit)."""
+    return min(chunk_size, 256 // mimo_rank)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadDims(Dims):
     """The model dims every Mamba-3 SISO kernel is keyed by. nheads / nheads_qk: V heads and Q/K heads (GQA:

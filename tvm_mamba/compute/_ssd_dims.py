@@ -94,17 +94,27 @@ class ScanBwdDims(StateDims):
     """ssd_chunk_scan_bwd: the skip (D) and gate (z) flags. diag_skip (Mamba-3's chunked forward, and its
     backward): the causal sum runs strictly below the diagonal (s < l) and D is a per-position skip coefficient
     in dt_out's layout (batch, nheads, nchunks, chunk_size): the diagonal term (gamma_l q_l . k_l) and D folded
-    into one, y_l gets skip_l x_l. Left out of the key at its default (keys of the other kernels unchanged)."""
+    into one, y_l gets skip_l x_l. Left out of the key at its default (keys of the other kernels unchanged).
+    step_group (with diag_skip; Mamba-3 MIMO, torch_ops/mamba3_mimo.py): chunk positions come in groups of
+    step_group (a time step's R ranks flattened, position t R + r), and the causal sum runs over the pairs of
+    strictly earlier groups, s // step_group < l // step_group (a group's own block is the caller's, as the
+    diagonal is with diag_skip); 1: the plain strict sum. Left out of the key at its default."""
     has_D: bool = False
     D_has_hdim: bool = False
     has_z: bool = False
     diag_skip: bool = field(default=False, metadata=OMIT_DEFAULT)
+    step_group: int = field(default=1, metadata=OMIT_DEFAULT)
 
     def __post_init__(self):
         super().__post_init__()
         if self.diag_skip and not (self.has_D and not self.D_has_hdim):
             raise ValueError("diag_skip: needs has_D (D is the (batch, nheads, nchunks, chunk_size) per-position "
                              "skip) and not D_has_hdim")
+        g = self.step_group
+        if not (isinstance(g, int) and not isinstance(g, bool) and g >= 1 and self.chunk_size % g == 0):
+            raise ValueError(f"step_group: must be an int >= 1 dividing chunk_size={self.chunk_size}, got {g!r}")
+        if g > 1 and not self.diag_skip:
+            raise ValueError("step_group: a grouped causal sum needs diag_skip (the strict form)")
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ def ssd_varlen_states_ref(x, dt, A, B, C, chunk_size, cu_seqlens, dt_bias=None, 
     return out
 
 
-def ssd_chunk_scan_strict_ref(x, B, C, dt, dA_step, D, states_in, z=None):
+def ssd_chunk_scan_strict_ref(x, B, C, dt, dA_step, D, states_in, z=None, step_group=1):
     """Mamba-3's chunk scan (ssd_chunk_scan / ssd_chunk_scan_bwd with ``diag_skip``) from the math, chunk by
     chunk, in the kernels' chunk layout: x, z: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups,
     dstate); dt, dA_step, D: (batch, nheads, nchunks, chunk_size) (dt', the decay steps dt' A and the
@@ -176,7 +176,9 @@ def ssd_chunk_scan_strict_ref(x, B, C, dt, dA_step, D, states_in, z=None):
 
     With cs the cumsum of the steps within the chunk (cs[l] = sum_{s<=l} dA_step[s]):
     y0[l] = sum_{s<l} (C_l.B_s) exp(cs[l]-cs[s]) dt[s] x[s] + exp(cs[l]) C_l Sin + D[l] x[l],  y = y0 silu(z);
-    S_c = sum_s exp(cs[Q-1]-cs[s]) dt[s] x_s B_s^T. The sum is strict (s < l): the diagonal is D's.
+    S_c = sum_s exp(cs[Q-1]-cs[s]) dt[s] x_s B_s^T. The sum is strict (s < l): the diagonal is D's. step_group
+    G > 1 (``ScanDims.step_group``, Mamba-3 MIMO's flattened (step, rank) positions): the sum runs over
+    s // G < l // G, the strictly earlier groups of G positions.
     Computed in x's dtype; differentiable by autograd (run it in float64 for the kernels' gradients).
     """
     batch, seqlen, nheads, headdim = x.shape
@@ -189,7 +191,8 @@ def ssd_chunk_scan_strict_ref(x, B, C, dt, dA_step, D, states_in, z=None):
 
     xc, Bc, Cc = chunks(x), chunks(B.to(x.dtype)), chunks(C.to(x.dtype))
     cs = torch.cumsum(dA_step, dim=-1)  # (b, h, c, l)
-    strict = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril(-1)  # [l, s]: s < l
+    pos = torch.arange(Q, device=x.device) // step_group
+    strict = pos[None, :] < pos[:, None]  # [l, s]: s < l (s // G < l // G)
     seg = (cs[..., :, None] - cs[..., None, :]).masked_fill(~strict, -math.inf)
     w = torch.exp(seg) * dt[..., None, :]  # (b, h, c, l, s)
     y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, w, xc)

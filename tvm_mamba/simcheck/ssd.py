@@ -197,6 +197,8 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     backward kernel is called directly (:func:`check_scan_bwd`)."""
     if static.get("diag_skip") and direction == "chunk_scan_bwd":
         return check_scan_bwd(static, dtypes, arch)
+    if static.get("step_group", 1) > 1:  # Mamba-3 MIMO's grouped chunk scan: its kernel called directly
+        return check_scan_fwd(static, dtypes, arch)
     if static.get("diag_skip"):
         from .mamba3 import check_scan
 
@@ -258,18 +260,59 @@ def scan_bwd_run(dims, t: dict) -> dict:
                 ddA_step=ddA, dD=dD)
 
 
-def scan_bwd_reference(t: dict, dtype=torch.float64) -> dict:
+def scan_bwd_reference(t: dict, dtype=torch.float64, step_group: int = 1) -> dict:
     """The gradients :func:`scan_bwd_run` returns, by autograd of L = <dy, y> + <dSo, S> through
-    ssd_chunk_scan_strict_ref run in ``dtype`` (float64: the oracle; bf16: its drift, mamba_ssm's rule)."""
+    ssd_chunk_scan_strict_ref (grouped by ``step_group``) run in ``dtype`` (float64: the oracle; bf16: its
+    drift, mamba_ssm's rule)."""
     from ..reference.ssd import ssd_chunk_scan_strict_ref
 
     leaves = {k: t[k].detach().to(dtype).requires_grad_() for k in SCAN_BWD_GRADS}
     z = t["z"].to(dtype) if t["z"] is not None else None
-    y, states = ssd_chunk_scan_strict_ref(**leaves, states_in=t["Sin"].to(dtype), z=z)
+    y, states = ssd_chunk_scan_strict_ref(**leaves, states_in=t["Sin"].to(dtype), z=z, step_group=step_group)
     loss = (y.double() * t["dy"].double()).sum() + (states.double() * t["dSo"].double()).sum()
     loss.backward()
     g = {k: v.grad for k, v in leaves.items()}
     return dict(dx=g["x"], dB=g["B"], dC=g["C"], ddt=g["dt"], ddA_step=g["dA_step"], dD=g["D"])
+
+
+def scan_fwd_run(dims, t: dict) -> torch.Tensor:
+    """ssd_chunk_scan with diag_skip (ScanDims ``dims``, has_init: t's Sin enters chunk 0) on ``t``
+    (:func:`scan_bwd_inputs`) -> y (batch, seqlen, nheads, headdim) in x's dtype, z-gated with has_z."""
+    from ..torch_ops._dlpack import dummy, kernel_for, prepare
+
+    x, B, C = t["x"], t["B"], t["C"]
+    b, L, H, P = x.shape
+    G, N, nc, Q = B.shape[2], B.shape[3], t["dt"].shape[2], t["dt"].shape[3]
+    Bp, Cp = (torch.nn.functional.pad(v.double(), (0, 0, 0, 0, 0, nc * Q - L)).view(b, nc, Q, G, N) for v in (B, C))
+    cb = torch.einsum("bclgn,bcsgn->bcgls", Cp, Bp).float()
+    dA_cs = torch.cumsum(t["dA_step"].double(), -1).float()
+    y = torch.empty_like(x)
+    z = prepare(t["z"]) if t["z"] is not None else dummy(x.device, x.dtype, 4)
+    kern = kernel_for("ssd", "chunk_scan", x.device, dims, batch=b, seqlen=L)
+    kern(prepare(x), z, cb, prepare(C), t["dt"], dA_cs, t["Sin"].to(DTYPES[dims.state_dtype]), t["D"],
+         dummy(x.device, torch.int32, 2), y, torch.empty_like(x) if t["z"] is not None else dummy(x.device, x.dtype, 4))
+    return y
+
+
+def check_scan_fwd(static: dict, dtypes: dict, arch: str) -> None:
+    """An ssd_chunk_scan configuration with diag_skip (and step_group) called directly: batch 1, two chunks
+    (the second ragged, 3 long), against the float64 strict (grouped) chunk scan."""
+    from ..compute._ssd_dims import ScanDims
+    from ..reference.ssd import ssd_chunk_scan_strict_ref
+    import tvm_mamba
+
+    dims = ScanDims.from_key(static, dtypes)
+    t = scan_bwd_inputs(dims, 1, dims.chunk_size + 3)
+    if not dims.has_init:
+        t["Sin"][:, 0] = 0  # no state enters chunk 0 (the kernel does not read it)
+    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+        got = scan_fwd_run(dims, t)
+    ran(keys, OP, "chunk_scan", static, dtypes)
+    d64 = {k: t[k].double() for k in SCAN_BWD_GRADS}
+    want, _ = ssd_chunk_scan_strict_ref(**d64, states_in=t["Sin"].double(), step_group=dims.step_group,
+                                        z=t["z"].double() if t["z"] is not None else None)
+    rtol, atol = tolerance(got.dtype)
+    compare(f"ssd.chunk_scan {arch}: y", got, want, rtol, atol * max(1.0, want.abs().max().item()))
 
 
 def check_scan_bwd(static: dict, dtypes: dict, arch: str) -> None:
@@ -282,6 +325,6 @@ def check_scan_bwd(static: dict, dtypes: dict, arch: str) -> None:
     with recording() as keys, tvm_mamba.simulate_cuda(arch):
         got = scan_bwd_run(dims, t)
     ran(keys, OP, "chunk_scan_bwd", static, dtypes)
-    for name, r in scan_bwd_reference(t).items():
+    for name, r in scan_bwd_reference(t, step_group=dims.step_group).items():
         rtol, atol = tolerance(got[name].dtype)
         compare(f"ssd.chunk_scan_bwd {arch}: {name}", got[name], r, rtol, atol * max(1.0, r.abs().max().item()))

@@ -170,9 +170,12 @@ class _Chunked:
     dA_cs, scale, skip; the initial state), q . k per chunk, the chunk states and the states entering each
     chunk. The SSD pieces see x = V, B = k, C = q with one "group" per head (the biases make q, k per head).
     Packed sequences (seq_idx (1, seqlen) int32 and cu_seqlens (nseq + 1,) int32 given): every kernel masks
-    across sequences with seq_idx, and the final states are per sequence (nseq rows)."""
+    across sequences with seq_idx, and the final states are per sequence (nseq rows). ``step_group`` > 1
+    (Mamba-3 MIMO, torch_ops/mamba3_mimo.py: V is then the flattened (step, rank) x): the chunk scan and its
+    backward sum over strictly earlier step groups (``ScanDims.step_group``)."""
 
-    def __init__(self, Q, V, Angles, D, angle_state, k_state, v_state, chunk_size, seq_idx=None, cu_seqlens=None):
+    def __init__(self, Q, V, Angles, D, angle_state, k_state, v_state, chunk_size, seq_idx=None, cu_seqlens=None,
+                 step_group=1):
         (self.batch, self.seqlen, self.H, self.P), self.N, self.Qc = V.shape, Q.shape[3], chunk_size
         self.nchunks, self.dev, self.has_init = -(-self.seqlen // chunk_size), V.device, angle_state is not None
         self.has_seq, self.cu = seq_idx is not None, cu_seqlens
@@ -186,6 +189,7 @@ class _Chunked:
         self.chunk = dict(nheads=self.H, ngroups=self.H, headdim=self.P, dstate=self.N, chunk_size=chunk_size,
                           has_seq_idx=self.has_seq, x_dtype=tvm_dtype(V), bc_dtype="float32")
         self.seq = prepare(seq_idx) if self.has_seq else dummy(self.dev, torch.int32, 2)
+        self.grouped = dict(step_group=step_group) if step_group > 1 else {}  # ScanDims' (omitted at 1)
 
     def kernel(self, direction, dims, op="ssd"):
         return kernel_for(op, direction, self.dev, dims, batch=self.batch, seqlen=self.seqlen)
@@ -211,14 +215,28 @@ class _Chunked:
         headdim_angles) and, when ``final`` is given, the final ssm states into it (nseq, nheads, headdim_v,
         headdim_qk) -> p with q, k (batch, seqlen, nheads, headdim_qk), dA_cs / scale / skip (batch, nheads,
         nchunks, chunk), cb, states_in (batch, nchunks, nheads, headdim_v, headdim_qk), all float32."""
+        p = self.preprocess(Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
+                            v_state, aout)
+        return self.ssd_pieces(p, V, final)
+
+    def preprocess(self, Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state, v_state,
+                   aout):
+        """The preprocess kernel (final angle states into ``aout``) -> p with q, k, dA_cs, scale, skip and init
+        (the initial ssm state, or a placeholder), float32 (layouts: ``forward_pieces``)."""
         b, L, H, N, Qc, nc = self.batch, self.seqlen, self.H, self.N, self.Qc, self.nchunks
         p = SimpleNamespace(q=self.new(b, L, H, N), k=self.new(b, L, H, N), dA_cs=self.new(b, H, nc, Qc),
                             scale=self.new(b, H, nc, Qc), skip=self.new(b, H, nc, Qc))
-        init = self.new(b, H, self.P, N) if self.has_init else dummy(self.dev, F32, 4)
+        p.init = self.new(b, H, self.P, N) if self.has_init else dummy(self.dev, F32, 4)
         self.kernel("siso_preprocess", self.pre, OP)(
             prepare(Q), prepare(K), prepare(ADT), prepare(DT), prepare(Trap), prepare(Q_bias), prepare(K_bias),
             prepare(Angles), self.opt(D, 1), self.opt(angle_state, 3), self.opt(ssm_state, 4), self.opt(k_state, 3),
-            self.opt(v_state, 3), p.q, p.k, p.dA_cs, p.scale, p.skip, aout, init, self.seq)
+            self.opt(v_state, 3), p.q, p.k, p.dA_cs, p.scale, p.skip, aout, p.init, self.seq)
+        return p
+
+    def ssd_pieces(self, p, V, final=None):
+        """The SSD pieces before the chunk scan on p's q, k, dA_cs, scale and init (x = V): adds p.cb and
+        p.states_in; the final ssm states into ``final`` when given (``forward_pieces``)."""
+        b, H, N, Qc, nc, init = self.batch, self.H, self.N, self.Qc, self.nchunks, p.init
         p.cb = self.new(b, nc, H, Qc, Qc)
         self.kernel("bmm_chunk", BmmDims.cached(H, N, Qc, "float32"))(p.k, p.q, p.cb)
         states, p.states_in = self.new(b, nc, H, self.P, N), self.new(b, nc, H, self.P, N)
@@ -259,15 +277,21 @@ def mamba3_siso_fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor,
     c = _Chunked(Q, V, Angles, D, angle_state, k_state, v_state, chunk_size, seq_idx, cu_seqlens)
     p = c.forward_pieces(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state,
                          v_state, aout, final)
-    scan = ScanDims.cached(**c.chunk, has_D=True, has_z=Z is not None, has_init=c.has_init, diag_skip=True)
-    c.kernel("chunk_scan", scan)(prepare(V), c.opt(Z, 4, V.dtype), p.cb, p.q, p.scale, p.dA_cs, p.states_in, p.skip,
-                                 c.seq, out, y_pre if Z is not None else dummy(c.dev, V.dtype, 4))
+    chunk_scan(c, p, V, Z, out, y_pre)
     if c.has_seq:
         last, filled = c.last_rows()
         torch.mul(p.k[0].index_select(0, last), filled[:, None, None], out=kfin)
     else:
         kfin.copy_(p.k[:, c.seqlen - 1])
     return out, aout, final, kfin, y_pre
+
+
+def chunk_scan(c: _Chunked, p, V, Z, out, y_pre) -> None:
+    """The chunk scan (diag_skip; c's step_group) at x = V, B = k, C = q into out (and y_pre with Z)."""
+    scan = ScanDims.cached(**c.chunk, has_D=True, has_z=Z is not None, has_init=c.has_init, diag_skip=True,
+                           **c.grouped)
+    c.kernel("chunk_scan", scan)(prepare(V), c.opt(Z, 4, V.dtype), p.cb, p.q, p.scale, p.dA_cs, p.states_in, p.skip,
+                                 c.seq, out, y_pre if Z is not None else dummy(c.dev, V.dtype, 4))
 
 
 @mamba3_siso_fwd_op.register_fake
@@ -294,7 +318,7 @@ def _ssd_bwd(c: _Chunked, p, dout, V, Z, y_pre, dfinal):
     g.dV = torch.empty_like(Vc)
     g.dq, g.dk = c.new(b, c.seqlen, H, N), c.new(b, c.seqlen, H, N)
     g.dscale, g.ddA, g.dskip = (c.new(b, H, nc, Qc) for _ in range(3))
-    dims = ScanBwdDims.cached(**c.chunk, has_D=True, has_z=has_z, diag_skip=True)
+    dims = ScanBwdDims.cached(**c.chunk, has_D=True, has_z=has_z, diag_skip=True, **c.grouped)
     c.kernel("chunk_scan_bwd", dims)(
         Vc, z, dy, p.k, p.q, p.cb, p.scale, p.dA_cs, p.states_in, dso, p.skip, c.seq, g.dV, g.dk, g.dq, g.dscale,
         g.ddA, g.dskip, c.new(b, nc, H, Qc, Qc))  # workspace: (g x^T) K scale, one "group" per head
@@ -344,6 +368,22 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
         g.dk[0].index_add_(0, last, dkfin * filled[:, None, None])
     elif dkfin is not None:
         g.dk[:, c.seqlen - 1] += dkfin
+    r = preprocess_bwd(c, g, Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, k_state, v_state, daout)
+    e = lambda: V.new_empty((0,))  # noqa: E731  (one per absent input: outputs may not alias)
+    cast = lambda t, like: t.to(like.dtype) if like is not None else e()  # noqa: E731
+    return [_group_sum(c, r.dQh, Q), _group_sum(c, r.dKh, K), g.dV, r.dADT, r.dDT, r.dTrap, r.dQb.sum(0),
+            r.dKb.sum(0), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e(),
+            r.dangle if c.has_init else e(), g.dinit if c.has_init else e(),
+            cast(r.dkst, k_state) if c.has_init else e(), cast(r.dvst, v_state) if c.has_init else e()]
+
+
+def preprocess_bwd(c: _Chunked, g, Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, k_state, v_state,
+                   daout) -> SimpleNamespace:
+    """The preprocess's backward kernel from the SSD pieces' gradients g (dq, dk, dscale, ddA, dskip, ddecay,
+    dinit, as ``_ssd_bwd`` gives them) and daout (the final angles' gradient, None: zero) -> r with dQh, dKh
+    (per head), dADT, dDT, dTrap, dQb, dKb (per batch row), dAngles and, with input states, dangle, dkst, dvst
+    (float32)."""
+    b, H, S = c.batch, c.H, Angles.shape[3]
     r = SimpleNamespace(dQh=torch.empty_like(g.dq), dKh=torch.empty_like(g.dk), dAngles=c.new(*Angles.shape),
                         dQb=c.new(b, H, c.N), dKb=c.new(b, H, c.N))
     r.dADT, r.dDT, r.dTrap = (c.new(*ADT.shape) for _ in range(3))  # ADT may be a (transposed) view
@@ -355,12 +395,7 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
         g.dskip, g.ddecay, prepare(daout) if daout is not None else torch.zeros(c.nseq, H, S, device=c.dev),
         c.opt(g.dinit, 4), r.dQh, r.dKh, r.dADT, r.dDT, r.dTrap, r.dQb, r.dKb, r.dAngles, c.opt(r.dangle, 3),
         c.opt(r.dkst, 3), c.opt(r.dvst, 3), c.new(b, c.seqlen, H, S), c.new(b, H), c.seq)  # workspaces: gdt, c0
-    e = lambda: V.new_empty((0,))  # noqa: E731  (one per absent input: outputs may not alias)
-    cast = lambda t, like: t.to(like.dtype) if like is not None else e()  # noqa: E731
-    return [_group_sum(c, r.dQh, Q), _group_sum(c, r.dKh, K), g.dV, r.dADT, r.dDT, r.dTrap, r.dQb.sum(0),
-            r.dKb.sum(0), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e(),
-            r.dangle if c.has_init else e(), g.dinit if c.has_init else e(),
-            cast(r.dkst, k_state) if c.has_init else e(), cast(r.dvst, v_state) if c.has_init else e()]
+    return r
 
 
 def _padded_bwd(dout, daout, dfinal, dkfin, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, y_pre, chunk_size,

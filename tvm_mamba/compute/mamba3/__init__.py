@@ -29,7 +29,7 @@ from .._common import stamp
 from .._math import Math
 from ..selective_scan._layout import Layout
 from ..ssd.strategy import SERIAL
-from ._dims import IO_DTYPES, MimoStepDims, PreDims, StepDims, acc_dtype
+from ._dims import IO_DTYPES, MimoStepDims, PreDims, StepDims, acc_dtype, mimo_chunk_steps
 from .preprocess import preprocess_template
 from .preprocess_bwd import preprocess_bwd_template
 from .step import step_template
@@ -199,8 +199,9 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     (D, no input states: a plain forward or a prefill) and its backward (training: keyed without D, which it
     does not read, as the torch op keys it). The SSD pieces of the forward and backward are SSD kernels
     (compute/ssd), not listed here. A MIMO preset (one with a ``mimo_rank`` R) has its decode step (D, Z,
-    MIMO_Out) instead of the SISO one, and the preprocesses at mamba3_mimo's nheads R^2 virtual heads (one Q/K
-    head each, no D: torch_ops/mamba3_mimo.py)."""
+    MIMO_Out) instead of the SISO one, and the preprocesses at mamba3_mimo's R nheads rank-major virtual heads
+    over R nheads_qk Q/K heads, chunks of ``mimo_chunk_steps`` steps, no D (torch_ops/mamba3_mimo.py; its SSD
+    pieces, with step_group R, are SSD kernels)."""
     from .._presets import presets
 
     out = []
@@ -211,11 +212,12 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
         if R:
             mimo = MimoStepDims(**model, has_D=True, has_z=True, mimo_rank=R, has_outproj=True)
             out.append(("mimo_step", *mimo.key_parts()))
-            model = dict(model, nheads=d["nheads"] * R * R, nheads_qk=d["nheads"] * R * R)
+            model = dict(model, nheads=d["nheads"] * R, nheads_qk=d["ngroups"] * R)  # rank-major virtual heads
         else:
             out.append(("siso_step", *StepDims(**model, has_D=True, has_z=True).key_parts()))
-        pre = PreDims(**model, chunk_size=d["chunk_size"], has_D=not R, has_init=False)
-        bwd = PreDims(**model, chunk_size=d["chunk_size"], has_D=False, has_init=False)
+        chunk = mimo_chunk_steps(d["chunk_size"], R) if R else d["chunk_size"]
+        pre = PreDims(**model, chunk_size=chunk, has_D=not R, has_init=False)
+        bwd = PreDims(**model, chunk_size=chunk, has_D=False, has_init=False)
         out += [("siso_preprocess", *pre.key_parts()), ("siso_preprocess_bwd", *bwd.key_parts())]
     return out
 

@@ -125,7 +125,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     final states, seq_idx) and, for the 2.7B shape, the plain variant too; then the varlen-states kernel
     (with seq_idx; without, from bf16 chunk states), the kernels that store / read bf16 chunk states, and
     Mamba-3's chunk scan (``diag_skip``; sim-check runs it through mamba3_siso_combined) and its backward
-    (sim-check calls the kernel directly, simcheck/ssd.py ``check_scan_bwd``)."""
+    (sim-check calls the kernel directly, simcheck/ssd.py ``check_scan_bwd``), and Mamba-3 MIMO's grouped ones
+    (``step_group``; both called directly, ``check_scan_fwd`` / ``check_scan_bwd``)."""
     out = []
     dts = {"x": "bfloat16", "bc": "bfloat16"}
     for dstate, flag_sets in ((128, (False, True)), (256, (True,))):
@@ -159,4 +160,10 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     # and its backward (the strict causal sums, per-position dD): bf16 V with z, fp32 without
     out += [("chunk_scan_bwd", m3, {"x": "bfloat16", "bc": "float32"}),
             ("chunk_scan_bwd", dict(m3, has_z=False), {"x": "float32", "bc": "float32"})]
+    # Mamba-3 MIMO (torch_ops/mamba3_mimo.py) at upstream's MIMO shape (rank 4, 16 steps per chunk: 64 flattened
+    # (step, rank) positions): the grouped causal sums (step_group 4), float32 x = V * MIMO_V, no z (the gate
+    # is per rank, applied after the scan); sim-check calls the kernels directly (simcheck/ssd.py)
+    mimo = dict(m3, has_z=False, step_group=4)
+    f32 = {"x": "float32", "bc": "float32"}
+    out += [("chunk_scan", mimo, f32), ("chunk_scan", dict(mimo, has_init=True), f32), ("chunk_scan_bwd", mimo, f32)]
     return out

@@ -150,5 +150,27 @@ def skip_at(d, Dm, b, h, c, l, p, v):
 
 def causal(d, l, s):
     """Whether pair (l, s) of a chunk is in the intra-chunk causal sum: s <= l, s < l with ``diag_skip`` (the
-    diagonal term is the per-position skip)."""
+    diagonal term is the per-position skip), s // G < l // G with ``step_group`` G > 1 (a group's own block is
+    the caller's)."""
+    G = d.step_group
+    if G > 1:
+        return s // G < l // G
     return s < l if d.diag_skip else s <= l
+
+
+def causal_end(d, l):
+    """The end of row l's causal range (pairs (l, s) for s < causal_end): l + 1, l with ``diag_skip``, the start
+    of l's step group with ``step_group`` > 1."""
+    G = d.step_group
+    if G > 1:
+        return l // G * G
+    return l + 1 - (1 if d.diag_skip else 0)  # (written as the launch form always has: the same IR)
+
+
+def causal_start(d, s):
+    """The start of column s's causal range (pairs (l, s) for l >= causal_start): s, s + 1 with ``diag_skip``,
+    the start of the next step group with ``step_group`` > 1."""
+    G = d.step_group
+    if G > 1:
+        return (s // G + 1) * G
+    return s + (1 if d.diag_skip else 0)

@@ -19,6 +19,8 @@ Measured on the 2-vCPU rocketlake (per chunk 256x128 @ 128x256, incl. staging): 
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm.script import tirx as T
 
 F32 = "float32"
@@ -29,10 +31,11 @@ ORDERS = (0, 1)
 DEFAULT_ORDER = 0  # knob ``order``: row blocks outer
 
 
-def block(M: int, W: int, rows: int, cols: int) -> tuple[int, int]:
+def block(M: int, W: int, rows: int, cols: int, group: int = 1) -> tuple[int, int]:
     """(rows, cols) of the accumulator block for an M x W output: rows divides M, cols divides W (the
-    whole width when ``cols`` does not divide it or is wider)."""
-    rb = max(r for r in ROWS if r <= rows and M % r == 0)
+    whole width when ``cols`` does not divide it or is wider); with a ``group`` > 1 (a step-grouped
+    triangle) rows is also a multiple or a divisor of it, so a row block's masked part has a static length."""
+    rb = max(r for r in ROWS if r <= rows and M % r == 0 and (r % group == 0 or group % r == 0))
     return rb, (cols if cols < W and W % cols == 0 else W)
 
 
@@ -52,7 +55,7 @@ TRI = (None, "le", "lt", "ge", "gt")  # no mask; row i sums k <= i, k < i (klo .
 
 
 def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, lower: bool = False,
-           order: int = DEFAULT_ORDER, tri=None):
+           order: int = DEFAULT_ORDER, tri=None, group: int = 1):
     """A TVMScript macro ``mm(klo, khi, a, b, init, store)`` computing an M x W product block by block
     (``lower``: only the column blocks starting below each row block's end; M == W).
 
@@ -65,8 +68,10 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
     selected per row; "lt": the same for k in [klo, i); "ge": row i sums k in [i, khi) (klo must be lo): k in
     [lo, hi) selected per row, then k >= hi unmasked; "gt": the same for k in (i, khi). The masked part is rows
     iterations per row block (of up to M).
+    ``group`` G > 1 (with "lt" / "gt"; M a multiple of G): positions in groups of G, row i sums the k of strictly
+    earlier groups, k // G < i // G ("lt"), or strictly later ones, k // G > i // G ("gt") (``_masked_part``).
     """
-    RB, SV = block(M, W, rows, cols)
+    RB, SV = block(M, W, rows, cols, group)
     RH = max(RB // 2, 1)  # rows per accumulator buffer (two buffers when RB > 1)
     TWO = RB > 1
     if lower and M != W:
@@ -75,6 +80,9 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
         raise ValueError(f"matmul: order must be one of {ORDERS}, got {order!r}")
     if tri not in TRI:
         raise ValueError(f"matmul: tri must be one of {TRI}, got {tri!r}")
+    if group > 1 and (tri not in ("lt", "gt") or M % group):
+        raise ValueError(f"matmul: group={group} needs tri 'lt' or 'gt' and M={M} a multiple of it")
+    masked, ok = _masked_part(RB, tri, group)
 
     def col_blocks(i0):  # column blocks of row block i0
         return T.min((i0 * RB + RB + SV - 1) // SV, W // SV) if lower else W // SV
@@ -111,14 +119,14 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
             for k in range(klo(i0 * RB, i0 * RB + RB), khi(i0 * RB, i0 * RB + RB)):
                 fma(a, b, acc0, acc1, i0, j0, k)
         elif tri == "le" or tri == "lt":
-            for k in range(klo(i0 * RB, i0 * RB + RB), i0 * RB):
+            for k in range(klo(i0 * RB, i0 * RB + RB), masked.start(i0)):
                 fma(a, b, acc0, acc1, i0, j0, k)
-            for kd in range(RB):
-                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _le if tri == "le" else _lt)
+            for kd in range(masked.extent):
+                fma_masked(a, b, acc0, acc1, i0, j0, masked.start(i0) + kd, ok)
         else:
-            for kd in range(RB):
-                fma_masked(a, b, acc0, acc1, i0, j0, i0 * RB + kd, _ge if tri == "ge" else _gt)
-            for k in range(i0 * RB + RB, khi(i0 * RB, i0 * RB + RB)):
+            for kd in range(masked.extent):
+                fma_masked(a, b, acc0, acc1, i0, j0, masked.start(i0) + kd, ok)
+            for k in range(masked.end(i0), khi(i0 * RB, i0 * RB + RB)):
                 fma(a, b, acc0, acc1, i0, j0, k)
         for r in T.unroll(RH):
             for j in T.vectorized(SV):
@@ -140,6 +148,22 @@ def matmul(M: int, W: int, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, l
                     tile(klo, khi, a, b, init, store, acc0, acc1, i0, j0)
 
     return mm
+
+
+def _masked_part(RB: int, tri, G: int):
+    """(the masked k of row block i0 of a triangular ``tri``: ``start(i0)``, a static ``extent`` and ``end(i0)``,
+    where the unmasked "ge" / "gt" range starts; the per-row test ok(i, k)). G = 1: the block's own [lo, hi),
+    lo = i0 RB. Grouped (G > 1; RB a multiple or a divisor of G, ``block``): row block [lo, hi) spans the
+    groups gl = lo // G .. gh = (hi - 1) // G; "lt" sums k < gl G unmasked, then selects k in [gl G, gh G);
+    "gt" selects k in [(gl + 1) G, (gh + 1) G), then sums k >= (gh + 1) G: RB - G selected k where G divides
+    RB, none where RB divides G (the block's rows share a group)."""
+    if G == 1:
+        ok = {"le": _le, "lt": _lt, "ge": _ge, "gt": _gt}.get(tri)
+        return SimpleNamespace(start=lambda i0: i0 * RB, extent=RB, end=lambda i0: i0 * RB + RB), ok
+    first = (lambda i0: i0 * RB // G * G) if tri == "lt" else (lambda i0: (i0 * RB // G + 1) * G)
+    ok = (lambda i, k: k // G < i // G) if tri == "lt" else (lambda i, k: k // G > i // G)
+    return SimpleNamespace(start=first, extent=RB - G if RB % G == 0 else 0,
+                           end=lambda i0: ((i0 * RB + RB - 1) // G + 1) * G), ok
 
 
 def _le(i, k):

@@ -68,7 +68,7 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
     + sum_{s<=l} w[l, s] x[s, p], w = (C.B^T) exp(segsum) dt'; then the z gate. Positions past seqlen read as 0
     and are not stored."""
     H, G, P, N, Q, R, m = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, d.heads_per_group, S.math
-    run = S.causal_matmul(Q, P, N, strict=d.diag_skip)
+    run = S.causal_matmul(Q, P, N, strict=d.diag_skip, group=d.step_group)
 
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, cb_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
@@ -109,7 +109,8 @@ def ssd_chunk_scan(dims: ScanDims | None = None, strategy: Strategy = SERIAL, **
 
     y0[l] = sum_{s<=l} (C_l.B_s) exp(dA_cs[l]-dA_cs[s]) dt_out[s] x[s] + exp(dA_cs[l]) Sin C_l + D x[l];
     y = y0 * silu(z). With ``diag_skip`` (Mamba-3): the sum runs over s < l and D is (batch, nheads, nchunks,
-    chunk_size), a per-position skip: y0[l] gets D[l] x[l] in place of the diagonal term. Chunk 0's Sin is read
+    chunk_size), a per-position skip: y0[l] gets D[l] x[l] in place of the diagonal term; with ``step_group`` G > 1
+    as well the sum runs over s // G < l // G (Mamba-3 MIMO: the same-step block is the caller's). Chunk 0's Sin is read
     only with ``has_init`` (initial states given): without them it is
     zero and its C . Sin product is skipped. One template (``chunk_scan_template``) laid out by ``strategy``;
     the CPU strategy's knobs rows x cols x order: the register block of its chunk matmuls (mm.py).

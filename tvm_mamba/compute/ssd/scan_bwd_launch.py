@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import F32, I32, Row, batch_sids, carried_decay, causal, gate, ld, seg_exp, skip_at, state_decay
+from .common import (F32, I32, Row, batch_sids, carried_decay, causal, causal_end, causal_start, gate, ld, seg_exp,
+                     skip_at, state_decay)
 from .dims import ScanBwdDims
 from .strategy import Strategy
 
@@ -131,10 +132,9 @@ def _part_heads(o, gp, G: int, R: int):
 def _position_pieces(d: ScanBwdDims, S: Strategy):
     """dx (a task per (batch, position, head, p)), gsum (per (batch, chunk, part, l, s)), dB and dC (per
     (batch, position, part, n)): macros ``run(o, r)``. With diag_skip the sums over l >= s / s <= l start one
-    past the diagonal (strict)."""
+    past the diagonal (strict), with step_group past the step group (common.causal_start / causal_end)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
-    off = 1 if d.diag_skip else 0  # the first off-diagonal step of a causal sum
 
     @T.macro
     def dx_at(o, r, i):
@@ -150,7 +150,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         v.acc[0] = v.acc[0] * r.w(b, h, c, s) * o.dt_out[b, h, c, s]
         if d.has_D:
             v.acc[0] = v.acc[0] + skip_at(d, o.Dm, b, h, c, s, p, r.g(b, c, s, h, p))
-        for l in range(s + off, T.min(Q, o.seqlen - c * Q)):
+        for l in range(causal_start(d, s), T.min(Q, o.seqlen - c * Q)):
             v.acc[0] = v.acc[0] + o.cbg[b, c, h // R, l, s] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s] * r.g(
                 b, c, l, h, p)
         o.dx[b, t, h, p] = v.acc[0].astype(d.x_dtype)
@@ -184,7 +184,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             return r.w(b, h, c, q) * o.dt_out[b, h, c, q] if is_dB else r.e(b, h, c, q)
 
         def k_range(o, c, q):  # l >= s inside the sequence  /  s <= l (strict with diag_skip)
-            return (q + off, T.min(Q, o.seqlen - c * Q)) if is_dB else (0, q + 1 - off)
+            return (causal_start(d, q), T.min(Q, o.seqlen - c * Q)) if is_dB else (0, causal_end(d, q))
 
         def g_at(q, j):  # gsum[l, s] at (q, j)
             return (j, q) if is_dB else (q, j)
@@ -224,10 +224,13 @@ def _bchq(o, i, H: int, Q: int):
 def _step_pieces(d: ScanBwdDims, S: Strategy):
     """The per-step gradients, a task per (batch, chunk, head, position) (the reverse cumsum: per (batch, chunk,
     head)): macros ``run(o, r)``. d dA_step never subtracts sums (crossing-pairs form, scan_bwd.py); its pairs
-    k < q <= l never hold the diagonal, so diag_skip changes only d dt's sum (l > q) and dD (per position)."""
+    k < q <= l never hold the diagonal, so diag_skip changes only d dt's sum (l > q) and dD (per position); with
+    step_group the pairs are those of different step groups (k < causal_end(l)), d dt's sum runs from
+    causal_start(q)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
-    off = 1 if d.diag_skip else 0  # the first off-diagonal step of d dt's sum
+    # the crossing pairs' k range for row l: k < q (k < q <= l never holds the diagonal), and k < l's step group
+    k_end = (lambda q, l: T.min(q, causal_end(d, l))) if d.step_group > 1 else (lambda q, l: q)  # noqa: E731
 
     @T.macro
     def xb_at(o, r, i):
@@ -276,7 +279,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
             v.a0[0] = v.a0[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
         for l in range(q, T.min(Q, o.seqlen - c * Q)):  # g is 0 past seqlen
             v.a1[0] = T.float32(0)  # sum_{k<q} G[l, k]
-            _sum_dots(v.a1, 0, v.a2, 0, 0, q, P, lambda j, p: r.gx_in(b, c, l, j, h, p),
+            _sum_dots(v.a1, 0, v.a2, 0, 0, k_end(q, l), P, lambda j, p: r.gx_in(b, c, l, j, h, p),
                       lambda j, gx: gx * o.cbg[b, c, h // R, l, j] * r.seg(b, h, c, l, j) * o.dt_out[b, h, c, j])
             v.a0[0] = v.a0[0] + v.a1[0]
         o.ddA_step[b, h, c, q] = v.a0[0]
@@ -289,7 +292,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         v.acc[0] = r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
         # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
         # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
-        _sum_dots(v.acc, 0, v.acc, 1, q + off, T.min(Q, o.seqlen - c * Q), P,
+        _sum_dots(v.acc, 0, v.acc, 1, causal_start(d, q), T.min(Q, o.seqlen - c * Q), P,
                   lambda l, p: r.gx_in(b, c, l, q, h, p),
                   lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
         o.ddt_out[b, h, c, q] = v.acc[0]

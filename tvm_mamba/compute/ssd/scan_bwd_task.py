@@ -118,7 +118,7 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
     mm_qq = matmul(Q, Q, rows, cols, lower=True, order=order)
     mm_qp = matmul(Q, P, rows, cols, order=order)
     # the triangular sums select their range per row (never 0 * a non-finite dy / x / B / C of another position)
-    mm_qp_ge = matmul(Q, P, rows, cols, order=order, tri="gt" if d.diag_skip else "ge")
+    mm_qp_ge = matmul(Q, P, rows, cols, order=order, tri="gt" if d.diag_skip else "ge", group=d.step_group)
 
     @T.macro
     def rows_pass(o, w):
@@ -181,7 +181,7 @@ def _part_pieces(d: ScanBwdDims, S: Strategy):
     P, N, Q = d.headdim, d.dstate, d.chunk_size
     rows, cols, order = S.rows, S.cols, S.order
     mm_qn = matmul(Q, N, rows, cols, order=order)
-    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t)  # (as mm_qp_ge)
+    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t, group=d.step_group)  # (as mm_qp_ge)
                           for t in (("lt", "gt") if d.diag_skip else ("le", "ge")))
 
     @T.macro

@@ -19,8 +19,9 @@ innermost axis: dstate or headdim). The strategy decides:
 * ``matmul_rows(M, W, K)``: the product of two row-major operands, out[t, i, j] = sum_k lhs(t, i, k) rhs(t, j, k)
   (C B^T), k ascending: ``scaled_matmul`` with scale 1; the CPU layout stages lhs rows and transposes rhs.
 * ``tasks()``: the task loop as a macro taking the task's body (``unravel`` splits the task index).
-* ``causal_matmul(M, W, K, strict)``: a chunk's causal product, row i summing positions s <= i (``strict``:
-  s < i, Mamba-3's diagonal goes elsewhere) with a per-(i, s) weight,
+* ``causal_matmul(M, W, K, strict, group)``: a chunk's causal product, row i summing positions s <= i
+  (``strict``: s < i, Mamba-3's diagonal goes elsewhere; ``group`` G > 1: s // G < i // G, Mamba-3 MIMO's
+  same-step block goes elsewhere) with a per-(i, s) weight,
   on top of a carried M x W x K product (ssd_chunk_scan's y): a task per output element, or on a CPU the staged
   operands and two register-blocked matmuls (the causal one ``tri="le"``: no term of a later position is added).
 * ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers; ``scratch`` allocates it), and
@@ -126,12 +127,14 @@ class Strategy:
 
         return run
 
-    def causal_matmul(self, M: int, W: int, K: int, strict: bool = False):
+    def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
         """A macro ``run(extent, rows, carried, lhs, rhs, carry, weight, xs, store)``: per task t the M x W chunk
         product
 
             out[t, i, j] = carry(t, i, j, sum_k lhs(t, i, k) rhs(t, k, j), xs(t, i, j))
                            + sum_{s <= i} weight(t, i, s) xs(t, s, j)      (``strict``: s < i)
+
+        (``group`` G > 1, with strict: s < (i // G) G, the positions of strictly earlier groups of G)
 
         (k ascending over K, then s ascending from 0: row i of a chunk sees its positions s <= i only; ``carry``
         adds what does not depend on s, e.g. the carried state and D x), then store(t, i, j, v) for the rows
@@ -140,6 +143,7 @@ class Strategy:
         finite lhs. A task per output element here, the sums in one scalar; the CPU strategy stages the
         operands and runs the register-blocked matmuls of mm.py in the same order."""
         S = self
+        end = (lambda r: r // group * group) if group > 1 else (lambda r: r if strict else r + 1)  # noqa: E731
 
         @T.macro
         def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
@@ -157,7 +161,7 @@ class Strategy:
                                 for k in range(K):
                                     acc[0] = acc[0] + lhs(t, r, k) * rhs(t, k, j)
                             acc[0] = carry(t, r, j, acc[0], xs(t, r, j))
-                            for s in range(r if strict else r + 1):
+                            for s in range(end(r)):
                                 acc[0] = acc[0] + weight(t, r, s) * xs(t, s, j)
                             store(t, r, j, acc[0])
 
