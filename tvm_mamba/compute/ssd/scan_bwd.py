@@ -28,8 +28,9 @@ The two layouts (``S.vector``): a task per (batch, chunk, group, part) that runs
 staged operands with the register-blocked matmuls of mm.py (scan_bwd_task.py: the CPU, knobs rows / cols /
 order), or a task per output element, one launch per piece, a later launch reading what an earlier one
 finished (scan_bwd_launch.py: CUDA's threads, serial for tests). The pieces (dx, gsum, dB, dC, d dt,
-d dA_step, dD) share their operands and masks (common.py); dB, dC and dD take their sums in the same order
-in both layouts.
+d dA_step, dD) share their operands and masks (common.py) and take every sum in the same order in both
+layouts (the launch form follows the task form's: scan_bwd_launch.py). The two still differ in the last bits:
+exp / silu are the target's (``S.math``) and the compilers contract multiply-adds differently.
 
 ``diag_skip`` (Mamba-3, the forward's ScanDims.diag_skip): every intra-chunk causal sum above runs strictly
 (s < l, l > s: dx, gsum and so dB / dC, d dt), D is per position, D[b, h, c, s] (dt_out's layout), so

@@ -8,6 +8,12 @@ in three launches (the carried-state term per position, its reverse cumsum by on
 then per position the crossing pairs and the chunk-state prefix, which read every XB of the chunk); d dt
 (overwrites its own scratch entry); the dD partials (per position with diag_skip).
 
+Every sum runs in the task form's order (scan_bwd_task.py), terms past seqlen (zeros there) left out: dx as
+(D g + the causal sum over l ascending) + w dt <B, dSo>; d dt and the crossing pairs of d dA_step over l from the
+last row up (the task form's row pass), the pairs' columns k ascending, then the chunk-state prefix, then the
+carried-state term; g x as (dy silu(z)) x. (These three changed order to agree: their CUDA bits moved, CPU's
+did not.)
+
 Symbolic floordiv / mod of the flat index is computed once into an int32 scratch slot where a launch uses it
 in its loops (recomputed per use it spilled on sm_80).
 """
@@ -44,8 +50,10 @@ class _Reads:
         """g_l[p] x_j[p], l and j inside the sequence: no bound checks (with them, the crossing-pairs and d dt
         launches spilled 8-16 B on sm_80 / sm_90)."""
         o, Q = self.o, self.Q
-        v = o.dy[b, c * Q + l, h, p].astype(F32) * o.x[b, c * Q + j, h, p].astype(F32)
-        return v * self.m.silu(o.z[b, c * Q + l, h, p].astype(F32)) if self.d.has_z else v
+        g = o.dy[b, c * Q + l, h, p].astype(F32)
+        if self.d.has_z:  # (dy silu(z)) x: the task form's g x
+            g = g * self.m.silu(o.z[b, c * Q + l, h, p].astype(F32))
+        return g * o.x[b, c * Q + j, h, p].astype(F32)
 
     def sid(self, b, c, l):
         return self.o.seq_idx[b, self._t(c, l)]
@@ -99,10 +107,12 @@ def _sum(acc, j, lo, hi, term):
 
 
 @T.macro
-def _sum_dots(out, jo, inner, ji, lo, hi, n_in, dot, weigh):
+def _sum_dots(out, jo, inner, ji, lo, hi, n_in, dot, weigh, rev):
     """out[jo] += sum over j in [lo, hi) of weigh(j, inner[ji]), inner[ji] = sum over k in [0, n_in) of dot(j, k)
-    (a sum of weighted dot products, both in ascending order; out[jo] holds its start)."""
-    for j in range(lo, hi):
+    (a sum of weighted dot products, k ascending, j ascending or descending with ``rev``, the task form's row
+    order from the last up; out[jo] holds its start)."""
+    for jj in range(lo, hi):
+        j = T.meta_var(lo + hi - 1 - jj if rev else jj)
         _sum(inner, ji, 0, n_in, lambda k: dot(j, k))
         out[jo] = out[jo] + weigh(j, inner[ji])
 
@@ -138,22 +148,20 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
 
     @T.macro
     def dx_at(o, r, i):
-        """dx[s, p] = sum_n B[s, n] dSo[p, n] w[s] dt[s] + D g[s, p] + sum_{l>=s} (C_l.B_s) K dt[s] g[l, p]
-        (D[b, h, c, s] and l > s with diag_skip)"""
-        v = T.meta_var(S.scratch(acc=(1,), ib=((1,), I32), it=((1,), I32)))
+        """dx[s, p] = (D g[s, p] + sum_{l>=s} (C_l.B_s) K dt[s] g[l, p]) + w[s] dt[s] sum_n B[s, n] dSo[p, n]
+        (D[b, h, c, s] and l > s with diag_skip), in the task form's order (its t1 + w dt t2)"""
+        v = T.meta_var(S.scratch(acc=(2,), ib=((1,), I32), it=((1,), I32)))
         b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
         h, p = T.meta_var(i // P % H), T.meta_var(i % P)
         c, s = T.meta_var(t // Q), T.meta_var(t % Q)
         v.ib[0] = i // (o.seqlen * H * P)
         v.it[0] = i // (H * P) % o.seqlen
-        _sum(v.acc, 0, 0, N, lambda k: o.Bm[b, t, h // R, k].astype(F32) * o.dso[b, c, h, p, k])
-        v.acc[0] = v.acc[0] * r.w(b, h, c, s) * o.dt_out[b, h, c, s]
-        if d.has_D:
-            v.acc[0] = v.acc[0] + skip_at(d, o.Dm, b, h, c, s, p, r.g(b, c, s, h, p))
+        v.acc[0] = skip_at(d, o.Dm, b, h, c, s, p, r.g(b, c, s, h, p))  # 0 without D
         for l in range(causal_start(d, s), T.min(Q, o.seqlen - c * Q)):
             v.acc[0] = v.acc[0] + o.cbg[b, c, h // R, l, s] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s] * r.g(
                 b, c, l, h, p)
-        o.dx[b, t, h, p] = v.acc[0].astype(d.x_dtype)
+        _sum(v.acc, 1, 0, N, lambda k: o.Bm[b, t, h // R, k].astype(F32) * o.dso[b, c, h, p, k])
+        o.dx[b, t, h, p] = (v.acc[0] + r.w(b, h, c, s) * o.dt_out[b, h, c, s] * v.acc[1]).astype(d.x_dtype)
 
     @T.macro
     def gsum_at(o, r, i):
@@ -167,7 +175,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         if causal(d, l, s):
             v.ib[0] = h0
             _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: r.g(b, c, l, h, p) * r.x(
-                b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s])
+                b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s], False)
         o.gsum[b, c, gp, l, s] = v.a0[0]
 
     def part_rows(is_dB: bool):
@@ -202,7 +210,8 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             v.acc[0] = T.float32(0)
             v.ih[0] = h0
             _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
-                      lambda h, p: head_term(o, r, b, c, t, q, h, p, k), lambda h, hd: scale(o, r, b, c, q, h) * hd)
+                      lambda h, p: head_term(o, r, b, c, t, q, h, p, k), lambda h, hd: scale(o, r, b, c, q, h) * hd,
+                      False)
             for j in range(lo, hi):
                 v.acc[0] = v.acc[0] + o.gsum[(b, c, gp) + g_at(q, j)] * getattr(o, other)[
                     b, c * Q + j, gp // (o.gparts // G), k].astype(F32)
@@ -229,8 +238,9 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     causal_start(q)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
-    # the crossing pairs' k range for row l: k < q (k < q <= l never holds the diagonal), and k < l's step group
-    k_end = (lambda q, l: T.min(q, causal_end(d, l))) if d.step_group > 1 else (lambda q, l: q)  # noqa: E731
+    # the crossing pairs' l range for column k: l >= q (k < q <= l never holds the diagonal), and l past k's step
+    # group (causal: k // G < l // G)
+    l_start = (lambda q, k: T.max(q, causal_start(d, k))) if d.step_group > 1 else (lambda q, k: q)  # noqa: E731
 
     @T.macro
     def xb_at(o, r, i):
@@ -239,7 +249,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         b, c, h, s = T.meta_var(_bchq(o, i, H, Q))
         v.acc[0] = T.float32(0)
         _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, k: r.bc(o.Bm, b, c, s, h, k) * o.dso[b, c, h, p, k],
-                  lambda p, bd: r.x(b, c, s, h, p) * bd)
+                  lambda p, bd: r.x(b, c, s, h, p) * bd, False)
         o.ddt_out[b, h, c, s] = v.acc[0]
 
     @T.macro
@@ -251,7 +261,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         if c * Q + q < o.seqlen:  # g is 0 past seqlen
             v.acc[1] = T.float32(0)
             _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda k, p: r.g(b, c, q, h, p) * o.sin[b, c, h, p, k],
-                      lambda k, gs: r.bc(o.Cm, b, c, q, h, k) * gs)
+                      lambda k, gs: r.bc(o.Cm, b, c, q, h, k) * gs, False)
             v.acc[0] = r.e(b, h, c, q) * v.acc[1]
         o.ddA_step[b, h, c, q] = v.acc[0]
 
@@ -266,36 +276,40 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
 
     @T.macro
     def pairs_at(o, r, i):
-        """+ the chunk-state prefix sum_{k<q} w[k] dt[k] XB[k], + the crossing pairs sum_{l>=q>k} G[l, k],
-        G = (g_l.x_k)(C_l.B_k) K dt[k] (x_k reaches steps q > k only, g_l steps q <= l only)"""
+        """(the crossing pairs sum_{k<q} sum_{l>=q} G[l, k] + the chunk-state prefix sum_{k<q} w[k] dt[k] XB[k])
+        + the carried-state term, G = (g_l.x_k)(C_l.B_k) K dt[k] (x_k reaches steps q > k only, g_l steps q <= l
+        only), in the task form's order: l from the last up (its column suffix sums), k ascending"""
         # one-element buffers, not one array of 3 (kept in registers)
         v = T.meta_var(S.scratch(a0=(1,), a1=(1,), a2=(1,), ib=((1,), I32), ic=((1,), I32)))
         b, c = T.meta_var(v.ib[0]), T.meta_var(v.ic[0])
         h, q = T.meta_var(i // Q % H), T.meta_var(i % Q)
         v.ib[0] = i // (o.nchunks * H * Q)
         v.ic[0] = i // (H * Q) % o.nchunks
-        v.a0[0] = o.ddA_step[b, h, c, q]
-        for j in range(q):
-            v.a0[0] = v.a0[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
-        for l in range(q, T.min(Q, o.seqlen - c * Q)):  # g is 0 past seqlen
-            v.a1[0] = T.float32(0)  # sum_{k<q} G[l, k]
-            _sum_dots(v.a1, 0, v.a2, 0, 0, k_end(q, l), P, lambda j, p: r.gx_in(b, c, l, j, h, p),
-                      lambda j, gx: gx * o.cbg[b, c, h // R, l, j] * r.seg(b, h, c, l, j) * o.dt_out[b, h, c, j])
+        v.a0[0] = T.float32(0)
+        for k in range(q):
+            v.a1[0] = T.float32(0)  # sum_{l>=q} G[l, k], g is 0 past seqlen
+            _sum_dots(v.a1, 0, v.a2, 0, l_start(q, k), T.min(Q, o.seqlen - c * Q), P,
+                      lambda l, p: r.gx_in(b, c, l, k, h, p),
+                      lambda l, gx: gx * o.cbg[b, c, h // R, l, k] * r.seg(b, h, c, l, k) * o.dt_out[b, h, c, k], True)
             v.a0[0] = v.a0[0] + v.a1[0]
-        o.ddA_step[b, h, c, q] = v.a0[0]
+        v.a1[0] = T.float32(0)
+        for j in range(q):
+            v.a1[0] = v.a1[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
+        o.ddA_step[b, h, c, q] = v.a0[0] + v.a1[0] + o.ddA_step[b, h, c, q]
 
     @T.macro
     def ddt_at(o, r, i):
-        """d dt[q] = exp(dA_cs[Q-1]-dA_cs[q]) XB[q] + sum_{l>=q} (g_l.x_q)(C_l.B_q) K (l > q with diag_skip)"""
+        """d dt[q] = sum_{l>=q} (g_l.x_q)(C_l.B_q) K + exp(dA_cs[Q-1]-dA_cs[q]) XB[q] (l > q with diag_skip), l from
+        the last up (the task form's order)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        v.acc[0] = r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
+        v.acc[0] = T.float32(0)
         # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
         # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
         _sum_dots(v.acc, 0, v.acc, 1, causal_start(d, q), T.min(Q, o.seqlen - c * Q), P,
                   lambda l, p: r.gx_in(b, c, l, q, h, p),
-                  lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q))
-        o.ddt_out[b, h, c, q] = v.acc[0]
+                  lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q), True)
+        o.ddt_out[b, h, c, q] = v.acc[0] + r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
 
     J, K = (Q, P) if d.diag_skip else (P, Q)  # dD per position: a task per l summing over p; else the reverse
 
