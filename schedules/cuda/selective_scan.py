@@ -9,15 +9,21 @@ sums (y = C.h; in the backward sum g*B and sum g*h*A*e^{dt A}) are butterfly war
 skipped (every thread of a warp joins the shuffles) and their writes guarded. The backward keeps the
 recomputed states of one chunk per thread ((chunk+1) x S, local memory); its stage-2 sums (one lane per
 output row, W threads over its dstate) follow in a fixed order: deterministic, no atomics.
-Decode step and complex A (``warp=False``): one thread per lane, the dstate loop serial; complex A's
-rotation through ``sincospif`` (``Math(sincospi=True)``): cosf / sinf's slow path made ptxas spill.
+Decode step (``warp=True`` too): a lane is W threads over one row's dstate, so a warp's state loads and
+stores are whole 128-byte lines (a thread per row read its row's dstate contiguous run alone: each load
+instruction touched 32 lines), y = C.h a butterfly, out written by the lane's leader. Tied (``tie_hdim``,
+Mamba-2) a lane runs ``head_rows`` rows of one head (knob: 1, 2, 4, 8; default 4): the head's softplus / exp
+once, and its B / C states loaded once into registers (``stage_bc``) for all of them, so the step requests
+state + B / C / head_rows bytes instead of B / C again per row (2.2x -> ~1.3x the minimum at Mamba-2's
+dstate 128). Complex A (``warp=False``): one thread per lane, the dstate loop serial; its rotation through
+``sincospif`` (``Math(sincospi=True)``): cosf / sinf's slow path made ptxas spill.
 
 ``nchunk`` is a free var of the warp kernels (the serial/CPU layouts use the expression ceil(seqlen/chunk)):
 with the expression, ptxas spilled 4 bytes in the fp32 dstate-16 backward; ptxas's spilling at 40-56
 registers is fragile, so re-run ``build-check`` after any change to the templates.
 
-Knobs: ``threads`` per block (64, 128, 256; default 128). The rule serves any target with the "gpu" key
-whose codegen has warp shuffles (CUDA today).
+Knobs: ``threads`` per block (64, 128, 256; default 128); ``head_rows`` (tied decode step). The rule serves
+any target with the "gpu" key whose codegen has warp shuffles (CUDA today).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from ...compute._math import Math
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 MASK = tirx.const(0xFFFFFFFF, "uint32")
+HEAD_ROWS = (1, 2, 4, 8)  # tied decode step: rows of one head per warp lane
 
 
 def warp_width(dstate: int) -> int:
@@ -43,10 +50,7 @@ class CudaLayout(compute.Layout):
     clamped lanes, inline per-step math, free ``nchunk``); else one thread per lane (the serial layout's
     loops bound to blockIdx x threadIdx, ``threads`` lanes per block)."""
 
-    # tied decode step: a thread per row recomputes its head's softplus and exp (~40 FMAs against its 128
-    # states' loads and stores) rather than share them through shared memory and a barrier; rows per lane
-    # would also cut the threads of a batch-1 step (1536 at the 130M shape) by the rows shared
-    head_rows = 1
+    head_rows = 1  # tied decode step: the rule's knob (rows of a head per warp lane)
 
     def __init__(self, math: Math, threads: int, dstate: int = 1, warp: bool = False):
         self.warp = warp
@@ -134,9 +138,12 @@ def apply(func, target, decisions: Decisions):
     dims = compute.DIMS[direction](**static)
     if direction in ("fwd", "bwd"):
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
-    else:
-        # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled); the decode step keeps the
-        # polynomial exp it always used
-        complex_a = direction != "update"
-        layout = CudaLayout(Math(dims.acc, native=complex_a, sincospi=complex_a), threads)
+    elif direction == "update":  # CUDA's own exp / log1p, as the scans (the polynomials are the CPU's)
+        layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
+        if dims.tie_hdim:
+            rows = [r for r in HEAD_ROWS if dims.headdim % r == 0]
+            layout.head_rows = decisions.pick("head_rows", rows, 4 if 4 in rows else rows[-1])
+            layout.stage_bc = layout.head_rows > 1
+    else:  # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled)
+        layout = CudaLayout(Math(dims.acc, native=True, sincospi=True), threads)
     return schedule_of(compute.build(direction, dims, layout), name=name)

@@ -227,11 +227,13 @@ def test_decode_step_state_pool_and_16bit_state(dtypes):
         assert torch.equal(res["state"][0][untouched], inp["state"][untouched])
 
 
-@pytest.mark.parametrize("dtypes", [X32, {"x": "bfloat16", "B": "bfloat16", "C": "bfloat16", "idx": "int32"}])
-def test_decode_step_tied_heads(dtypes):
+@pytest.mark.parametrize("dtypes, headdim", [(X32, 3), ({"x": "bfloat16", "B": "bfloat16", "C": "bfloat16",
+                                                              "idx": "int32"}, 3), (X32, 8)])
+def test_decode_step_tied_heads(dtypes, headdim):
     """The tie_hdim CUDA kernel (A, dt, D, dt_bias one value per head, stride-0 views as Mamba2.step passes
-    them), fp32 and bf16 with a state pool, 3 steps against the float64 reference."""
-    static = dict(nheads=4, headdim=3, dstate=8, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
+    them), fp32 and bf16 with a state pool, 3 steps against the float64 reference. headdim 3: a warp lane per
+    row; 8: four rows per lane sharing B / C staged in registers (the rule's default head_rows)."""
+    static = dict(nheads=4, headdim=headdim, dstate=8, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
                   dt_softplus=True, tie_hdim=True)
     inp = sc.update_inputs(static, dtypes, batch=3, seed=5)
     assert inp["A"].stride() == (1, 0, 0) and inp["dt"].stride()[2] == 0

@@ -24,6 +24,7 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
   outputs after it; False computes them inline in the step (registers are scarce on a GPU thread);
 - **heads** (decode step with ``tie_hdim``): a lane runs ``head_rows`` consecutive rows of one head (None:
   all headdim of them) after computing the head's dt' and exp(dt' A) once (an untied lane is one row);
+  ``stage_bc`` loads the lane's B / C states once into lane-local buffers for its rows;
 - ``math`` (a ``compute._math.Math``: polynomial or native exp), ``scope`` of lane-local buffers,
   ``nchunk(seqlen, chunk)`` (the checkpoint count: an expression, or a free var bound by the buffer).
 
@@ -46,6 +47,7 @@ class Layout:
     stage_params = False  # forward: copy A and a time-invariant B / C into the lane once (transposed)
     y_from_skip = False  # forward: y's partial starts from D u (one partial per channel), not 0 + D u after
     head_rows = None  # tied decode step: rows of one head per lane, sharing its softplus / exp (None: all)
+    stage_bc = False  # decode step: a lane loads its B / C states once into lane-local buffers (its rows reuse them)
 
     def __init__(self, math: Math, vec: int = 1, tvec: int = 16, scope: str = "global", lanes_per_block: int = 1):
         self.math, self.V, self.tvec, self.scope = math, vec, tvec, scope

@@ -37,16 +37,20 @@ def _scalars_macro(dims: UpdateDims, L: Layout):
             (dtb[hh] if TIE else dtb[hh, p]) if dims.has_dt_bias else m.zero)
         hs[1] = m.softplus(hs[0]) if dims.dt_softplus else hs[0]
         if TIE:
-            hs[2] = m.exp(hs[1] * A[hh])
+            hs[2] = hs[1] * A[hh]  # the exp's argument bound first: its polynomial reads it ~20 times
+            hs[2] = m.exp(hs[2])
 
     return scalars
 
 
 def _row_macro(dims: UpdateDims, L: Layout):
-    """One (batch, head, headdim row p) row given its dt' (hs[1]) and, tied, its head's exp(dt' A) (hs[2])."""
+    """One (batch, head, headdim row p) row given its dt' (hs[1]) and, tied, its head's exp(dt' A) (hs[2]), on
+    lane thread ``j`` (its states n = L.state(ko, ki, j)); B / C from ``bc`` when the layout stages them
+    (``stage_bc``: bc[0 / 1, L.reg(ko, ki)], loaded once per lane), else from global memory. Writes only
+    where ``ok`` (a clamped warp lane computes but does not store); out by the lane's leader."""
     N, V = dims.dstate, L.V
     HPG, ACC, TIE, m, SCOPE = dims.nheads // dims.ngroups, dims.acc, dims.tie_hdim, L.math, L.scope
-    ST = dims.state_dtype or ACC
+    ST, STAGE = dims.state_dtype or ACC, L.stage_bc
 
     def per_head(v, hh, p):  # D: (nheads,) tied, else (nheads, headdim)
         return v[hh] if TIE else v[hh, p]
@@ -55,25 +59,33 @@ def _row_macro(dims: UpdateDims, L: Layout):
         return v if ST == ACC else v.astype(ST)
 
     @T.macro
-    def row(state, x, A, Bm, Cm, Dv, z, out, b, sb, hh, p, hs):
+    def row(state, x, A, Bm, Cm, Dv, z, out, b, sb, hh, p, hs, bc, j, ok):
         yv = T.alloc_buffer((1, V), ACC, scope=SCOPE)
         hv = T.alloc_buffer((V,), ACC, scope=SCOPE)  # the new state in ACC (rounded once when stored)
-        s = T.alloc_buffer((2,), ACC, scope=SCOPE)  # dt' x, y
-        s[0] = hs[1] * m.cast(x[b, hh, p])
+        s = T.alloc_buffer((3,), ACC, scope=SCOPE)  # dt' x, y, x (then z)
+        s[2] = m.cast(x[b, hh, p])
+        s[0] = hs[1] * s[2]
         for ki in L.st_inner():
             yv[0, ki] = m.zero
         for ko in L.st_outer(N):
             for ki in L.st_inner():
-                hv[ki] = ScanMath.h_next(hs[2] if TIE else m.exp(hs[1] * A[hh, p, L.state(ko, ki, 0)]),
-                                         m.cast(state[sb, hh, p, L.state(ko, ki, 0)]), s[0],
-                                         m.cast(Bm[b, hh // HPG, L.state(ko, ki, 0)]))
-                state[sb, hh, p, L.state(ko, ki, 0)] = to_state(hv[ki])
-                yv[0, ki] = yv[0, ki] + m.cast(Cm[b, hh // HPG, L.state(ko, ki, 0)]) * hv[ki]
-        L.reduce_plus(s, 1, yv, 0, (per_head(Dv, hh, p) * m.cast(x[b, hh, p])) if dims.has_D else m.zero)
-        if dims.has_z:
-            out[b, hh, p] = (s[1] * m.silu(m.cast(z[b, hh, p]))).astype(dims.x_dtype)
-        else:
-            out[b, hh, p] = s[1].astype(dims.x_dtype)
+                if not TIE:  # exp(dt' A[n]), its argument bound first (as the tied head's)
+                    hv[ki] = hs[1] * A[hh, p, L.state(ko, ki, j)]
+                hv[ki] = ScanMath.h_next(hs[2] if TIE else m.exp(hv[ki]),
+                                         m.cast(state[sb, hh, p, L.state(ko, ki, j)]), s[0],
+                                         bc[0, L.reg(ko, ki)] if STAGE
+                                         else m.cast(Bm[b, hh // HPG, L.state(ko, ki, j)]))
+                if ok:
+                    state[sb, hh, p, L.state(ko, ki, j)] = to_state(hv[ki])
+                yv[0, ki] = yv[0, ki] + (bc[1, L.reg(ko, ki)] if STAGE
+                                         else m.cast(Cm[b, hh // HPG, L.state(ko, ki, j)])) * hv[ki]
+        L.reduce_plus(s, 1, yv, 0, (per_head(Dv, hh, p) * s[2]) if dims.has_D else m.zero)
+        if L.leader(ok, j):
+            if dims.has_z:
+                s[2] = m.cast(z[b, hh, p])  # bound first: SiLU's rational function reads it ~20 times
+                out[b, hh, p] = (s[1] * m.silu(s[2])).astype(dims.x_dtype)
+            else:
+                out[b, hh, p] = s[1].astype(dims.x_dtype)
 
     return row
 
@@ -88,34 +100,49 @@ def head_rows(dims: UpdateDims, L: Layout) -> int:
 
 
 def _lane_macro(dims: UpdateDims, L: Layout):
-    """One lane: ``R`` = head_rows consecutive rows p = pb R + r of head (b, hh), the slot-index test first."""
-    H, P, R, m = dims.nheads, dims.headdim, head_rows(dims, L), L.math
+    """One lane: ``R`` = head_rows consecutive rows p = pb R + r of head (b, hh), the slot-index test first;
+    thread ``j`` of the lane, its writes guarded by ``ok`` (see _row_macro)."""
+    H, P, R, m, N = dims.nheads, dims.headdim, head_rows(dims, L), L.math, dims.dstate
     ACC, TIE, IDX, idx_dtype, SCOPE = dims.acc, dims.tie_hdim, dims.idx_dtype is not None, dims.idx_dtype, L.scope
+    HPG, STAGE = dims.nheads // dims.ngroups, L.stage_bc
     scalars, row = _scalars_macro(dims, L), _row_macro(dims, L)
 
     @T.macro
-    def rows(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, sb, hh, pb):
+    def rows_on(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, sb, hh, pb, bc, j, ok):
         hs = T.alloc_buffer((3,), ACC, scope=SCOPE)  # dt + dt_bias, dt', exp(dt' A) (tied: the head's)
         if TIE:
             scalars(hs, dt, A, dtb, b, hh, 0)
         for r in T.serial(R):
             if not TIE:
                 scalars(hs, dt, A, dtb, b, hh, pb * R + r)
-            row(state, x, A, Bm, Cm, Dv, z, out, b, sb, hh, pb * R + r, hs)
+            row(state, x, A, Bm, Cm, Dv, z, out, b, sb, hh, pb * R + r, hs, bc, j, ok)
 
     @T.macro
-    def lane(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, li):
+    def rows(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, sb, hh, pb, j, ok):
+        if STAGE:
+            bc = T.alloc_buffer((2, L.regs(N)), ACC, scope=SCOPE)  # the lane's B / C states, loaded once
+            for ko in L.st_outer(N):
+                for ki in L.st_inner():
+                    bc[0, L.reg(ko, ki)] = m.cast(Bm[b, hh // HPG, L.state(ko, ki, j)])
+                    bc[1, L.reg(ko, ki)] = m.cast(Cm[b, hh // HPG, L.state(ko, ki, j)])
+            rows_on(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, sb, hh, pb, bc, j, ok)
+        else:
+            rows_on(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, sb, hh, pb, Bm, j, ok)
+
+    @T.macro
+    def lane(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, li, j, ok):
         b = T.meta_var(li // (H * (P // R)))
         hh = T.meta_var(li // (P // R) % H)
         pb = T.meta_var(li % (P // R))
         if IDX:
             if sidx[b] < T.Cast(idx_dtype, 0):  # padding row (mamba_ssm: skip it, out = 0)
-                for r in T.serial(R):
-                    out[b, hh, pb * R + r] = m.zero.astype(dims.x_dtype)
+                if L.leader(ok, j):
+                    for r in T.serial(R):
+                        out[b, hh, pb * R + r] = m.zero.astype(dims.x_dtype)
             else:
-                rows(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, T.Cast("int32", sidx[b]), hh, pb)
+                rows(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, T.Cast("int32", sidx[b]), hh, pb, j, ok)
         else:
-            rows(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, b, hh, pb)
+            rows(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, b, hh, pb, j, ok)
 
     return lane
 
@@ -145,7 +172,8 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
     def lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, lo):
         for li in L.lane_inner():
             if L.lane_guard(lo, li, batch * H * PB):
-                lane(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, L.lane_of(lo, li, batch * H * PB))
+                lane(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, L.lane_of(lo, li, batch * H * PB),
+                     L.thread(li), L.lane_ok(lo, li, batch * H * PB))
 
     @T.prim_func
     def update(state_h: T.handle, x_h: T.handle, dt_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle,
