@@ -18,7 +18,7 @@ from __future__ import annotations
 from ...compute import mamba3 as compute
 from ...compute._math import Math
 from ..rule import Decisions, kernel_attrs, schedule_of
-from .selective_scan import CudaLayout
+from .selective_scan import HEAD_ROWS, CudaLayout
 from .ssd import Gpu
 
 
@@ -29,5 +29,18 @@ def apply(func, target, decisions: Decisions):
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
     dims = compute.DIMS[direction](**static)
-    layout = Gpu(threads) if direction in compute.PREPROCESS else CudaLayout(Math(dims.acc, native=True), threads)
+    if direction in compute.PREPROCESS:
+        return schedule_of(compute.build(direction, dims, Gpu(threads)), name=name)
+    math = Math(dims.acc, native=True)
+    if direction == "step_rotate":
+        layout = CudaLayout(math, threads)
+    else:  # pass 2 on warp lanes over headdim_qk, rows of a head per lane; pass 1 a thread per rotary pair
+        layout = CudaLayout(math, threads, dims.headdim_qk, warp=True)
+        # rows sharing the head's R x (K state, new k, rotated q) staged in registers: 4 per rank keeps those
+        # reads near a quarter of the state's
+        rows = [r for r in HEAD_ROWS if dims.headdim_v % r == 0]
+        want = min(4 * dims.rank, HEAD_ROWS[-1])
+        layout.head_rows = decisions.pick("head_rows", rows, max(r for r in rows if r <= want))
+        layout.stage_bc = layout.head_rows > 1
+        layout.rotate_layout = CudaLayout(math, threads)
     return schedule_of(compute.build(direction, dims, layout), name=name)

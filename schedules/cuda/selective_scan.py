@@ -11,11 +11,12 @@ recomputed states of one chunk per thread ((chunk+1) x S, local memory); its sta
 output row, W threads over its dstate) follow in a fixed order: deterministic, no atomics.
 Decode step (``warp=True`` too): a lane is W threads over one row's dstate, so a warp's state loads and
 stores are whole 128-byte lines (a thread per row read its row's dstate contiguous run alone: each load
-instruction touched 32 lines), y = C.h a butterfly, out written by the lane's leader. Tied (``tie_hdim``,
-Mamba-2) a lane runs ``head_rows`` rows of one head (knob: 1, 2, 4, 8; default 4): the head's softplus / exp
-once, and its B / C states loaded once into registers (``stage_bc``) for all of them, so the step requests
-state + B / C / head_rows bytes instead of B / C again per row (2.2x -> ~1.3x the minimum at Mamba-2's
-dstate 128). Complex A (``warp=False``): one thread per lane, the dstate loop serial; its rotation through
+instruction touched 32 lines), y = C.h a butterfly, a row's scalars loaded by the lane's first thread and
+shuffled to the others (``uniform``), out written by that thread. A lane runs ``head_rows`` rows of one head
+(knob: 1, 2, 4, 8, 16; default 4), its B / C states loaded once into registers for all of them
+(``stage_bc``; tied, Mamba-2, the head's softplus / exp once too): the step requests state + B / C /
+head_rows bytes instead of B / C again per row (tied at Mamba-2's dstate 128: 2.2x -> 1.25x the minimum).
+Complex A (``warp=False``): one thread per lane, the dstate loop serial; its rotation through
 ``sincospif`` (``Math(sincospi=True)``): cosf / sinf's slow path made ptxas spill.
 
 ``nchunk`` is a free var of the warp kernels (the serial/CPU layouts use the expression ceil(seqlen/chunk)):
@@ -35,7 +36,7 @@ from ...compute._math import Math
 from ..rule import Decisions, kernel_attrs, schedule_of
 
 MASK = tirx.const(0xFFFFFFFF, "uint32")
-HEAD_ROWS = (1, 2, 4, 8)  # tied decode step: rows of one head per warp lane
+HEAD_ROWS = (1, 2, 4, 8, 16)  # decode steps: rows of one head per warp lane
 
 
 def warp_width(dstate: int) -> int:
@@ -126,7 +127,20 @@ class CudaLayout(compute.Layout):
                 dst[i0] = dst[i0] + T.tvm_warp_shuffle_xor(MASK, dst[i0], 1 << r, W, 32)
                 dst[i1] = dst[i1] + T.tvm_warp_shuffle_xor(MASK, dst[i1], 1 << r, W, 32)
 
+        @T.macro
+        def uniform(dst, i, value, j):
+            if j == 0:
+                dst[i] = value
+            dst[i] = T.tvm_warp_shuffle(MASK, dst[i], 0, W, 32)
+
+        @T.macro
+        def reduce_plus_lead(dst, i, parts, row, init, lead):
+            reduce(dst, i, parts, row)
+            if lead:
+                dst[i] = dst[i] + init
+
         self.reduce, self.reduce_plus, self.reduce2 = reduce, reduce_plus, reduce2
+        self.uniform, self.reduce_plus_lead = uniform, reduce_plus_lead
 
 
 def apply(func, target, decisions: Decisions):
@@ -140,10 +154,9 @@ def apply(func, target, decisions: Decisions):
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
     elif direction == "update":  # CUDA's own exp / log1p, as the scans (the polynomials are the CPU's)
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
-        if dims.tie_hdim:
-            rows = [r for r in HEAD_ROWS if dims.headdim % r == 0]
-            layout.head_rows = decisions.pick("head_rows", rows, 4 if 4 in rows else rows[-1])
-            layout.stage_bc = layout.head_rows > 1
+        rows = [r for r in HEAD_ROWS if dims.headdim % r == 0]
+        layout.head_rows = decisions.pick("head_rows", rows, 4 if 4 in rows else rows[-1])
+        layout.stage_bc = layout.head_rows > 1
     else:  # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled)
         layout = CudaLayout(Math(dims.acc, native=True, sincospi=True), threads)
     return schedule_of(compute.build(direction, dims, layout), name=name)

@@ -115,67 +115,116 @@ def _rotate_macro(dims: StepDims, L, rot: str):
 
 def _row_macro(dims: StepDims, L):
     """Pass 2, one (b, h, p) row: its headdim_qk new states (the R rank terms summed) and its R outputs
-    (gated, then summed by MIMO_Out when given)."""
+    (gated, then summed by MIMO_Out when given), on lane thread ``j`` (its states n = L.state(ko, ki, j)),
+    stores only where ``ok``, out by the lane's leader. With the layout's ``stage_bc`` the K states, new k and
+    rotated q come from ``stg`` (stg[0 / 1 / 2, r, L.reg(ko, ki)], loaded once per lane, _rows_macro)."""
     N, V, R, ACC, m, SCOPE, ix = dims.headdim_qk, L.V, dims.rank, dims.acc, L.math, L.scope, _Ix(dims)
+    STAGE = L.stage_bc
     OUT, SD = dims.v_dtype, dims.state_dtype or dims.acc
     to_state = (lambda x: x) if SD == ACC else (lambda x: x.astype(SD))  # noqa: E731
     alpha = (lambda a, dt: m.exp(a * dt)) if dims.raw_a else (lambda a, dt: m.exp(a))  # noqa: E731
     lam = m.sigmoid if dims.trap_logit else (lambda p: p)  # noqa: E731  (Trap a logit, or the probability)
 
     @T.macro
-    def row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, p):
+    def row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, p, stg, j, ok):
         s = T.alloc_buffer((4,), ACC, scope=SCOPE)  # alpha, lambda, beta v_state[p], gamma V[p]
         c = T.alloc_buffer((2 * R,), ACC, scope=SCOPE)  # per rank: beta x_prev[p], gamma x[p]
         y = T.alloc_buffer((R + 1,), ACC, scope=SCOPE)  # per rank: h' . q + D x; [R]: the MIMO_Out sum
         yv = T.alloc_buffer((R, V), ACC, scope=SCOPE)  # the dstate vector's partials of h' . q
         hv = T.alloc_buffer((V,), ACC, scope=SCOPE)
-        s[0] = alpha(ADT[b, hh], DT[b, hh])
-        s[1] = lam(Trap[b, hh])
-        s[2] = s[0] * DT[b, hh] * (m.one - s[1]) * m.cast(vst[b, hh, p])
-        s[3] = DT[b, hh] * s[1] * m.cast(V_[b, hh, p])
+        L.uniform(s, 0, alpha(ADT[b, hh], DT[b, hh]), j)  # a row's scalars: requested once per lane
+        L.uniform(s, 1, lam(Trap[b, hh]), j)
+        L.uniform(s, 2, s[0] * DT[b, hh] * (m.one - s[1]) * m.cast(vst[b, hh, p]), j)
+        L.uniform(s, 3, DT[b, hh] * s[1] * m.cast(V_[b, hh, p]), j)
         for r in T.unroll(R):
-            c[r] = ix.mv(MV, s[2], hh, r, p)
-            c[R + r] = ix.mv(MV, s[3], hh, r, p)
+            L.uniform(c, r, ix.mv(MV, s[2], hh, r, p), j)
+            L.uniform(c, R + r, ix.mv(MV, s[3], hh, r, p), j)
             for ki in L.st_inner():
                 yv[r, ki] = m.zero
         for ko in L.st_outer(N):
             for ki in L.st_inner():
-                hv[ki] = s[0] * m.cast(h_in[b, hh, p, L.state(ko, ki, 0)])
+                hv[ki] = s[0] * m.cast(h_in[b, hh, p, L.state(ko, ki, j)])
             for r in T.unroll(R):
                 for ki in L.st_inner():
-                    hv[ki] = (hv[ki] + c[r] * m.cast(kst[ix.kr(b, r, hh, L.state(ko, ki, 0))])
-                              + c[R + r] * m.cast(kout[ix.kr(b, r, hh, L.state(ko, ki, 0))]))
-            for ki in L.st_inner():
-                h_out[b, hh, p, L.state(ko, ki, 0)] = to_state(hv[ki])
+                    hv[ki] = (hv[ki] + c[r] * (stg[0, r, L.reg(ko, ki)] if STAGE
+                                               else m.cast(kst[ix.kr(b, r, hh, L.state(ko, ki, j))]))
+                              + c[R + r] * (stg[1, r, L.reg(ko, ki)] if STAGE
+                                            else m.cast(kout[ix.kr(b, r, hh, L.state(ko, ki, j))])))
+            if ok:
+                for ki in L.st_inner():
+                    h_out[b, hh, p, L.state(ko, ki, j)] = to_state(hv[ki])
             for r in T.unroll(R):
                 for ki in L.st_inner():
-                    yv[r, ki] = yv[r, ki] + hv[ki] * m.cast(qrot[ix.kr(b, r, hh, L.state(ko, ki, 0))])
-        for r in T.unroll(R):
-            L.reduce_plus(y, r, yv, r, ix.mv(MV, Dv[hh] * m.cast(V_[b, hh, p]), hh, r, p) if dims.has_D else m.zero)
+                    yv[r, ki] = yv[r, ki] + hv[ki] * (stg[2, r, L.reg(ko, ki)] if STAGE
+                                                      else m.cast(qrot[ix.kr(b, r, hh, L.state(ko, ki, j))]))
+        for r in T.unroll(R):  # the lane's first thread adds D x, gates, projects and stores
+            L.reduce_plus_lead(y, r, yv, r, ix.mv(MV, Dv[hh] * m.cast(V_[b, hh, p]), hh, r, p) if dims.has_D
+                               else m.zero, L.leader(ok, j))
             if dims.has_z:
-                y[r] = y[r] * m.silu(ix.mz(MZ, m.cast(Z[b, hh, p]), hh, r, p))
-        if dims.has_outproj:
-            y[R] = m.zero
-            for r in T.unroll(R):
-                y[R] = y[R] + ix.proj(MO, hh, r, p) * y[r]
-            out[b, hh, p] = y[R].astype(OUT)
-        else:
-            for r in T.unroll(R):
-                out[ix.out(b, r, hh, p)] = y[r].astype(OUT)
+                if L.leader(ok, j):
+                    y[r] = y[r] * m.silu(ix.mz(MZ, m.cast(Z[b, hh, p]), hh, r, p))
+        if L.leader(ok, j):
+            if dims.has_outproj:
+                y[R] = m.zero
+                for r in T.unroll(R):
+                    y[R] = y[R] + ix.proj(MO, hh, r, p) * y[r]
+                out[b, hh, p] = y[R].astype(OUT)
+            else:
+                for r in T.unroll(R):
+                    out[ix.out(b, r, hh, p)] = y[r].astype(OUT)
 
     return row
 
 
+def _rows_macro(dims: StepDims, L):
+    """Pass 2, one lane: ``L.head_rows`` (None: 1) consecutive rows p = pb RR + i of head (b, h), sharing the
+    head's K states, new k and rotated q (loaded once into lane-local ``stg`` with the layout's
+    ``stage_bc``: a CUDA warp lane's registers), each row by _row_macro."""
+    N, R, ACC, m, SCOPE, ix, RR = dims.headdim_qk, dims.rank, dims.acc, L.math, L.scope, _Ix(dims), rows_per_lane(dims, L)
+    row = _row_macro(dims, L)
+
+    @T.macro
+    def rows(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, pb, j, ok):
+        if L.stage_bc:
+            stg = T.alloc_buffer((3, R, L.regs(N)), ACC, scope=SCOPE)
+            for r in T.unroll(R):
+                for ko in L.st_outer(N):
+                    for ki in L.st_inner():
+                        stg[0, r, L.reg(ko, ki)] = m.cast(kst[ix.kr(b, r, hh, L.state(ko, ki, j))])
+                        stg[1, r, L.reg(ko, ki)] = m.cast(kout[ix.kr(b, r, hh, L.state(ko, ki, j))])
+                        stg[2, r, L.reg(ko, ki)] = m.cast(qrot[ix.kr(b, r, hh, L.state(ko, ki, j))])
+            for i in T.serial(RR):
+                row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh,
+                    pb * RR + i, stg, j, ok)
+        elif RR == 1:
+            row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, pb, kst, j, ok)
+        else:
+            for i in T.serial(RR):
+                row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh,
+                    pb * RR + i, kst, j, ok)
+
+    return rows
+
+
+def rows_per_lane(dims: StepDims, L) -> int:
+    """Rows (headdim_v entries) of one head a pass-2 lane runs: the layout's ``head_rows`` (None: 1)."""
+    RR = L.head_rows or 1
+    if dims.headdim_v % RR:
+        raise ValueError(f"head_rows: {RR} must divide headdim_v={dims.headdim_v}")
+    return RR
+
+
 def _lanes(L, total, body):
-    """A macro running ``body(lane)`` for every lane < ``total`` (an expression of the kernel's batch) as the
-    layout lays lanes out; on a CPU work up to ``serial_work`` runs on the calling thread (``work``)."""
+    """A macro running ``body(lane, j, ok)`` for every lane < ``total`` (an expression of the kernel's batch) as
+    the layout lays lanes out (j: the thread within the lane, ok: whether it stores); on a CPU work up to
+    ``serial_work`` runs on the calling thread (``work``)."""
     serial_work = getattr(L, "serial_work", None)
 
     @T.macro
     def group(lo, batch):
         for li in L.lane_inner():
             if L.lane_guard(lo, li, total(batch)):
-                body(L.lane_of(lo, li, total(batch)))
+                body(L.lane_of(lo, li, total(batch)), L.thread(li), L.lane_ok(lo, li, total(batch)))
 
     @T.macro
     def run(batch, work):
@@ -214,7 +263,8 @@ def step_template(dims: StepDims, L, passes: str = "both") -> tirx.PrimFunc:
     ZT, KT, VT = dims.z_dtype or dims.v_dtype, dims.kstate_dtype or ACC, dims.vstate_dtype or dims.v_dtype
     SD, ROT = dims.state_dtype or ACC, ACC if passes == "both" else dims.qk_dtype
     ROTATE, UPDATE, INPLACE = passes in ("both", "rotate"), passes in ("both", "update"), dims.inplace
-    rotate, row = _rotate_macro(dims, L, ROT), _row_macro(dims, L)
+    LR = getattr(L, "rotate_layout", None) or L  # pass 1's lanes (a CUDA warp layout's pass 2 keeps a thread a pair)
+    rotate, rows, PB = _rotate_macro(dims, LR, ROT), _rows_macro(dims, L), dims.headdim_v // rows_per_lane(dims, L)
     RK = (R,) if dims.mimo else ()  # the rank axis of Q, K, the biases and the K states
     OUTR = (R,) if dims.mimo and not dims.has_outproj else ()
     BIAS = (R, H, N) if dims.rank_major else (H, *RK, N)
@@ -252,14 +302,15 @@ def step_template(dims: StepDims, L, passes: str = "both") -> tirx.PrimFunc:
         kout = T.match_buffer(kout_h, (batch, *RK, H, N), ROT)
         qrot = T.match_buffer(qrot_h, (batch, *RK, H, N), ROT)
         if ROTATE:
-            _lanes(L, lambda bt: bt * R * H * NP,
-                   lambda lane: rotate(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, lane // (R * H * NP),
-                                       lane // (H * NP) % R, lane // NP % H, lane % NP))(batch, batch * R * H * N * 8)
+            _lanes(LR, lambda bt: bt * R * H * NP,
+                   lambda lane, j, ok: rotate(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, lane // (R * H * NP),
+                                              lane // (H * NP) % R, lane // NP % H, lane % NP)
+                   )(batch, batch * R * H * N * 8)
         if UPDATE:
-            _lanes(L, lambda bt: bt * H * P,
-                   lambda lane: row(V, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out,
-                                    h_in if INPLACE else h_out, lane // (H * P), lane // P % H,
-                                    lane % P))(batch, batch * H * P * N * R)
+            _lanes(L, lambda bt: bt * H * PB,
+                   lambda lane, j, ok: rows(V, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out,
+                                            h_in if INPLACE else h_out, lane // (H * PB), lane // PB % H,
+                                            lane % PB, j, ok))(batch, batch * H * P * N * R)
 
     drop = (() if dims.mimo else ("MV", "MZ", "MO")) + (("h_out",) if INPLACE else ())
     drop += {"both": (), "rotate": _UPDATE_ONLY, "update": _ROTATE_ONLY}[passes]

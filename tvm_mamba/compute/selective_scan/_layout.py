@@ -19,6 +19,10 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
   parts[row, :] over the lane, in the layout's order) and ``reduce_plus(dst, i, parts, row, init)`` (plus ``init``,
   in the order the layout's kernels always used: first on a CPU vector, last after a warp butterfly),
   ``reduce2(dst, i0, i1, parts)`` (dst[i0], dst[i1] = the sums of parts[0, :], parts[1, :], side by side);
+  ``reduce_plus_lead(dst, i, parts, row, init, lead)`` (reduce_plus, where only the lane's thread ``lead``
+  needs the init added: a warp adds it there alone);
+- **lane-uniform values**: ``uniform(dst, i, value, j)`` sets dst[i] = value on every thread of the lane
+  (a warp lane: thread 0 computes and loads, a shuffle broadcasts, so a row's scalars are requested once);
 - **time**: ``time_batched`` True computes each checkpoint chunk's per-step scalars (softplus, SiLU: two
   exps each) in loops vectorized over ``tvec`` steps into chunk buffers before the serial scan, and the
   outputs after it; False computes them inline in the step (registers are scarce on a GPU thread);
@@ -136,4 +140,13 @@ class Layout:
                 dst[i0] = dst[i0] + parts[0, ki]
                 dst[i1] = dst[i1] + parts[1, ki]
 
+        @T.macro
+        def uniform(dst, i, value, j):
+            dst[i] = value
+
+        @T.macro
+        def reduce_plus_lead(dst, i, parts, row, init, lead):
+            reduce_plus(dst, i, parts, row, init)
+
         self.reduce, self.reduce_plus, self.reduce2 = reduce, reduce_plus, reduce2
+        self.uniform, self.reduce_plus_lead = uniform, reduce_plus_lead

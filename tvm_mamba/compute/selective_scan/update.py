@@ -32,12 +32,12 @@ def _scalars_macro(dims: UpdateDims, L: Layout):
     TIE, m = dims.tie_hdim, L.math
 
     @T.macro
-    def scalars(hs, dt, A, dtb, b, hh, p):
-        hs[0] = m.cast(dt[b, hh] if TIE else dt[b, hh, p]) + (
-            (dtb[hh] if TIE else dtb[hh, p]) if dims.has_dt_bias else m.zero)
+    def scalars(hs, dt, A, dtb, b, hh, p, j):
+        L.uniform(hs, 0, m.cast(dt[b, hh] if TIE else dt[b, hh, p]) + (
+            (dtb[hh] if TIE else dtb[hh, p]) if dims.has_dt_bias else m.zero), j)
         hs[1] = m.softplus(hs[0]) if dims.dt_softplus else hs[0]
         if TIE:
-            hs[2] = hs[1] * A[hh]  # the exp's argument bound first: its polynomial reads it ~20 times
+            L.uniform(hs, 2, hs[1] * A[hh], j)  # the exp's argument bound first: its polynomial reads it ~20 times
             hs[2] = m.exp(hs[2])
 
     return scalars
@@ -63,7 +63,7 @@ def _row_macro(dims: UpdateDims, L: Layout):
         yv = T.alloc_buffer((1, V), ACC, scope=SCOPE)
         hv = T.alloc_buffer((V,), ACC, scope=SCOPE)  # the new state in ACC (rounded once when stored)
         s = T.alloc_buffer((3,), ACC, scope=SCOPE)  # dt' x, y, x (then z)
-        s[2] = m.cast(x[b, hh, p])
+        L.uniform(s, 2, m.cast(x[b, hh, p]), j)
         s[0] = hs[1] * s[2]
         for ki in L.st_inner():
             yv[0, ki] = m.zero
@@ -79,7 +79,7 @@ def _row_macro(dims: UpdateDims, L: Layout):
                     state[sb, hh, p, L.state(ko, ki, j)] = to_state(hv[ki])
                 yv[0, ki] = yv[0, ki] + (bc[1, L.reg(ko, ki)] if STAGE
                                          else m.cast(Cm[b, hh // HPG, L.state(ko, ki, j)])) * hv[ki]
-        L.reduce_plus(s, 1, yv, 0, (per_head(Dv, hh, p) * s[2]) if dims.has_D else m.zero)
+        L.reduce_plus_lead(s, 1, yv, 0, (per_head(Dv, hh, p) * s[2]) if dims.has_D else m.zero, L.leader(ok, j))
         if L.leader(ok, j):
             if dims.has_z:
                 s[2] = m.cast(z[b, hh, p])  # bound first: SiLU's rational function reads it ~20 times
@@ -91,9 +91,10 @@ def _row_macro(dims: UpdateDims, L: Layout):
 
 
 def head_rows(dims: UpdateDims, L: Layout) -> int:
-    """Rows (headdim entries p) of one head a lane runs: with ``tie_hdim`` the layout's ``head_rows`` (None:
-    the whole head), which then share one softplus and one exp; untied, 1 (each row has its own dt)."""
-    R = (L.head_rows or dims.headdim) if dims.tie_hdim else 1
+    """Rows (headdim entries p) of one head a lane runs: the layout's ``head_rows``; None: the whole head when
+    tied (its rows then share one softplus and one exp), else 1 (untied rows each have their own dt; a CUDA
+    lane of several still shares their B / C)."""
+    R = L.head_rows or (dims.headdim if dims.tie_hdim else 1)
     if dims.headdim % R:
         raise ValueError(f"head_rows: {R} must divide headdim={dims.headdim}")
     return R
@@ -111,10 +112,10 @@ def _lane_macro(dims: UpdateDims, L: Layout):
     def rows_on(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, sb, hh, pb, bc, j, ok):
         hs = T.alloc_buffer((3,), ACC, scope=SCOPE)  # dt + dt_bias, dt', exp(dt' A) (tied: the head's)
         if TIE:
-            scalars(hs, dt, A, dtb, b, hh, 0)
+            scalars(hs, dt, A, dtb, b, hh, 0, j)
         for r in T.serial(R):
             if not TIE:
-                scalars(hs, dt, A, dtb, b, hh, pb * R + r)
+                scalars(hs, dt, A, dtb, b, hh, pb * R + r, j)
             row(state, x, A, Bm, Cm, Dv, z, out, b, sb, hh, pb * R + r, hs, bc, j, ok)
 
     @T.macro
