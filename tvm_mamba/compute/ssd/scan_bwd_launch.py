@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from . import scan_bwd_spec as spec
 from .common import (F32, I32, Row, batch_sids, carried_decay, causal, causal_end, causal_start, gate, ld, seg_exp,
                      skip_at, state_decay)
 from .dims import ScanBwdDims
@@ -73,6 +74,66 @@ class _Reads:
         a = self.o.dA_cs
         return state_decay(self.m, a[b, h, c, self.Q - 1], a[b, h, c, s], self.sid(b, c, s), self.sids(b), c,
                            self.Q, self.o.seqlen, self.d.has_seq_idx)
+
+
+class _At:
+    """The specs' reader (scan_bwd_spec.py) at batch b, chunk c, group grp: head h's operands (None: a part's
+    reader, gsum of part gp) read where they lie (0 past seqlen)."""
+
+    def __init__(self, r: _Reads, b, c, grp, h=None, gp=None):
+        self.r, self.o, self.b, self.c, self.grp, self.h, self.gp = r, r.o, b, c, grp, h, gp
+        self.end = T.min(r.Q, r.o.seqlen - c * r.Q)  # the chunk's positions inside the sequence
+
+    def head(self, h):
+        return _At(self.r, self.b, self.c, self.grp, h, self.gp)
+
+    def g(self, l, p):
+        return self.r.g(self.b, self.c, l, self.h, p)
+
+    def x(self, s, p):
+        return self.r.x(self.b, self.c, s, self.h, p)
+
+    def xT(self, p, s):
+        return self.x(s, p)
+
+    def B(self, s, n):
+        return ld(self.o.Bm, (self.b, self.r._t(self.c, s), self.grp, n), self.o.seqlen, self.c * self.r.Q + s)
+
+    def C(self, l, n):
+        return ld(self.o.Cm, (self.b, self.r._t(self.c, l), self.grp, n), self.o.seqlen, self.c * self.r.Q + l)
+
+    def dso(self, p, n):
+        return self.o.dso[self.b, self.c, self.h, p, n]
+
+    def dsoT(self, n, p):
+        return self.dso(p, n)
+
+    def sin(self, p, n):
+        return self.o.sin[self.b, self.c, self.h, p, n]
+
+    def cb(self, l, s):
+        return self.o.cbg[self.b, self.c, self.grp, l, s]
+
+    def K(self, l, s):
+        return self.r.seg(self.b, self.h, self.c, l, s)
+
+    def dt(self, s):
+        return self.o.dt_out[self.b, self.h, self.c, s]
+
+    def cbk(self, l, s):
+        return spec.cbk(self, l, s)
+
+    def gsum(self, l, s):
+        return self.o.gsum[self.b, self.c, self.gp, l, s]
+
+    def wst(self, s):
+        return self.r.w(self.b, self.h, self.c, s)
+
+    def e(self, l):
+        return self.r.e(self.b, self.h, self.c, l)
+
+    def skip(self, s, p, v):
+        return skip_at(self.r.d, self.o.Dm, self.b, self.h, self.c, s, p, v)
 
 
 def launches(d: ScanBwdDims, S: Strategy):
@@ -139,63 +200,62 @@ def _part_heads(o, gp, G: int, R: int):
     return gp // hp * R + gp % hp * (R // hp), R // hp
 
 
+def _per_element(d: ScanBwdDims, p: spec.Product):
+    """The macro ``run(r, acc, j0, i, j)``: acc[j0] += sum_k p.term(r, i, k, j) over row i's range of Product p,
+    k ascending (acc[j0] holds the start); a "ge" range of positions ends at the sequence's end (zeros past it)."""
+    lo = (lambda i: causal_start(d, i)) if p.causal == "ge" else (lambda i: 0)  # noqa: E731
+    hi = {None: lambda r, i: p.K, "ge": lambda r, i: r.end, "le": lambda r, i: causal_end(d, i)}[p.causal]
+
+    @T.macro
+    def run(r, acc, j0, i, j):
+        for k in range(lo(i), hi(r, i)):
+            acc[j0] = acc[j0] + p.term(r, i, k, j)
+
+    return run
+
+
 def _position_pieces(d: ScanBwdDims, S: Strategy):
     """dx (a task per (batch, position, head, p)), gsum (per (batch, chunk, part, l, s)), dB and dC (per
-    (batch, position, part, n)): macros ``run(o, r)``. With diag_skip the sums over l >= s / s <= l start one
-    past the diagonal (strict), with step_group past the step group (common.causal_start / causal_end)."""
+    (batch, position, part, n)): macros ``run(o, r)`` executing scan_bwd_spec.pieces' specs per output element."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
+    sp = spec.pieces(d)
+    dx_main, dx_state = _per_element(d, sp.dx.main), _per_element(d, sp.dx.state)
 
     @T.macro
     def dx_at(o, r, i):
-        """dx[s, p] = (D g[s, p] + sum_{l>=s} (C_l.B_s) K dt[s] g[l, p]) + w[s] dt[s] sum_n B[s, n] dSo[p, n]
-        (D[b, h, c, s] and l > s with diag_skip), in the task form's order (its t1 + w dt t2)"""
         v = T.meta_var(S.scratch(acc=(2,), ib=((1,), I32), it=((1,), I32)))
         b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
         h, p = T.meta_var(i // P % H), T.meta_var(i % P)
         c, s = T.meta_var(t // Q), T.meta_var(t % Q)
         v.ib[0] = i // (o.seqlen * H * P)
         v.it[0] = i // (H * P) % o.seqlen
-        v.acc[0] = skip_at(d, o.Dm, b, h, c, s, p, r.g(b, c, s, h, p))  # 0 without D
-        for l in range(causal_start(d, s), T.min(Q, o.seqlen - c * Q)):
-            v.acc[0] = v.acc[0] + o.cbg[b, c, h // R, l, s] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s] * r.g(
-                b, c, l, h, p)
-        _sum(v.acc, 1, 0, N, lambda k: o.Bm[b, t, h // R, k].astype(F32) * o.dso[b, c, h, p, k])
-        o.dx[b, t, h, p] = (v.acc[0] + r.w(b, h, c, s) * o.dt_out[b, h, c, s] * v.acc[1]).astype(d.x_dtype)
+        a = T.meta_var(_At(r, b, c, h // R, h))
+        v.acc[0] = sp.dx.main.init(a, s, p)
+        dx_main(a, v.acc, 0, s, p)
+        v.acc[1] = sp.dx.state.init(a, s, p)
+        dx_state(a, v.acc, 1, s, p)
+        o.dx[b, t, h, p] = sp.dx.out(a, s, v.acc[0], v.acc[1]).astype(d.x_dtype)
 
     @T.macro
     def gsum_at(o, r, i):
-        """gsum[l, s] = sum over the part's heads of (g_l.x_s) K[l, s] dt[s] (s <= l; s < l with diag_skip), g x^T
-        once per part"""
+        """gsum[l, s] (causal pairs): the part's heads in order, g x^T once per part"""
         v = T.meta_var(S.scratch(a0=(1,), a1=(1,), ib=((1,), I32)))  # ib: the part's first head
         b, c = T.meta_var(i // (o.nchunks * o.gparts * Q * Q)), T.meta_var(i // (o.gparts * Q * Q) % o.nchunks)
         gp, l, s = T.meta_var(i // (Q * Q) % o.gparts), T.meta_var(i // Q % Q), T.meta_var(i % Q)
         h0, per = T.meta_var(_part_heads(o, gp, G, R))
+        a = T.meta_var(_At(r, b, c, gp // (o.gparts // G), None, gp))
         v.a0[0] = T.float32(0)
         if causal(d, l, s):
             v.ib[0] = h0
-            _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: r.g(b, c, l, h, p) * r.x(
-                b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s], False)
+            _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: sp.gx.term(a.head(h), l, p, s),
+                      lambda h, gx: spec.gsum_term(a.head(h), l, s, gx), False)
         o.gsum[b, c, gp, l, s] = v.a0[0]
 
-    def part_rows(is_dB: bool):
-        """dB[s, k] = sum_h w[s] dt[s] (x_s dSo)[k] + sum_{l>=s} gsum[l, s] C[l, k];
-        dC[l, k] = sum_h e[l] (g_l Sin)[k] + sum_{s<=l} gsum[l, s] B[s, k]  (the task layout's order):
-        a task per (batch, position, part, k)."""
-        state, other, out = ("dso", "Cm", "dBp") if is_dB else ("sin", "Bm", "dCp")
-
-        def head_term(o, r, b, c, t, q, h, p, k):  # x_s dSo  /  g_l Sin
-            u = o.x[b, t, h, p].astype(F32) if is_dB else r.g(b, c, q, h, p)
-            return u * getattr(o, state)[b, c, h, p, k]
-
-        def scale(o, r, b, c, q, h):  # w[s] dt[s]  /  e[l]
-            return r.w(b, h, c, q) * o.dt_out[b, h, c, q] if is_dB else r.e(b, h, c, q)
-
-        def k_range(o, c, q):  # l >= s inside the sequence  /  s <= l (strict with diag_skip)
-            return (causal_start(d, q), T.min(Q, o.seqlen - c * Q)) if is_dB else (0, causal_end(d, q))
-
-        def g_at(q, j):  # gsum[l, s] at (q, j)
-            return (j, q) if is_dB else (q, j)
+    def part_rows(piece, out: str):
+        """dB / dC (spec.pieces' dB, dC): the part's heads in order, then the intra-chunk product; a task per
+        (batch, position, part, k)."""
+        intra = _per_element(d, piece.intra)
 
         @T.macro
         def at(o, r, i):
@@ -204,25 +264,23 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             gp, k = T.meta_var(i // N % o.gparts), T.meta_var(i % N)
             c, q = T.meta_var(t // Q), T.meta_var(t % Q)
             h0, per = T.meta_var(_part_heads(o, gp, G, R))
-            lo, hi = T.meta_var(k_range(o, c, q))
             v.ib[0] = i // (o.seqlen * o.gparts * N)
             v.it[0] = i // (o.gparts * N) % o.seqlen
+            a = T.meta_var(_At(r, b, c, gp // (o.gparts // G), None, gp))
             v.acc[0] = T.float32(0)
             v.ih[0] = h0
             _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
-                      lambda h, p: head_term(o, r, b, c, t, q, h, p, k), lambda h, hd: scale(o, r, b, c, q, h) * hd,
+                      lambda h, p: piece.head.term(a.head(h), q, p, k), lambda h, hd: piece.scale(a.head(h), q) * hd,
                       False)
-            for j in range(lo, hi):
-                v.acc[0] = v.acc[0] + o.gsum[(b, c, gp) + g_at(q, j)] * getattr(o, other)[
-                    b, c * Q + j, gp // (o.gparts // G), k].astype(F32)
+            intra(a, v.acc, 0, q, k)
             getattr(o, out)[b, t, gp, k] = v.acc[0]
 
         return at
 
     return (_launch(S, dx_at, lambda o: o.batch * o.seqlen * H * P),
             _launch(S, gsum_at, lambda o: o.batch * o.nchunks * o.gparts * Q * Q),
-            _launch(S, part_rows(True), lambda o: o.batch * o.seqlen * o.gparts * N),
-            _launch(S, part_rows(False), lambda o: o.batch * o.seqlen * o.gparts * N))
+            _launch(S, part_rows(sp.dB, "dBp"), lambda o: o.batch * o.seqlen * o.gparts * N),
+            _launch(S, part_rows(sp.dC, "dCp"), lambda o: o.batch * o.seqlen * o.gparts * N))
 
 
 def _bchq(o, i, H: int, Q: int):
@@ -311,22 +369,18 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
                   lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q), True)
         o.ddt_out[b, h, c, q] = v.acc[0] + r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
 
-    J, K = (Q, P) if d.diag_skip else (P, Q)  # dD per position: a task per l summing over p; else the reverse
-
-    def dd_term(r, b, c, h, j, k):  # g[l, p] x[l, p] of task j, term k
-        l, p = (j, k) if d.diag_skip else (k, j)
-        return r.g(b, c, l, h, p) * r.x(b, c, l, h, p)
+    J, K = spec.pieces(d).dd.sizes  # dD per position: a task per l summing over p; else the reverse
 
     def dd_index(b, c, h, j):  # D's layout per position, else (batch, chunk, head, p)
         return (b, h, c, j) if d.diag_skip else (b, c, h, j)
 
     @T.macro
     def dd_at(o, r, i):
-        """dD partial[p] = sum_l g[l, p] x[l, p], a task per (batch, chunk, head, p); with diag_skip (D per
-        position) dD[l] = sum_p g[l, p] x[l, p], a task per (batch, chunk, head, l), stored in D's layout"""
+        """dD partial[j] (spec.pieces' dD), a task per (batch, chunk, head, j), stored in D's layout"""
         v = T.meta_var(S.scratch(acc=(1,)))
         b, c, h, j = T.meta_var(_bchq(o, i, H, J))
-        _sum(v.acc, 0, 0, K, lambda k: dd_term(r, b, c, h, j, k))
+        a = T.meta_var(_At(r, b, c, h // R, h))
+        _sum(v.acc, 0, 0, K, lambda k: spec.pieces(d).dd.term(a, j, k))
         o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
 
     steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731

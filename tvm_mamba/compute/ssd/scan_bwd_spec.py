@@ -35,6 +35,10 @@ class Product:
         self.M, self.W, self.K, self.a, self.b, self.causal, self.lower = M, W, K, a, b, causal, lower
         self.init = init or (lambda r, i, j: T.float32(0))
 
+    def term(self, r, i, k, j):
+        """The summand a(r, i, k) b(r, k, j)."""
+        return self.a(r, i, k) * self.b(r, k, j)
+
 
 def cbk(r, l, s):
     """(C_l . B_s) K[l, s] dt[s]: dx's causal weight (the task form stages it per row)."""
