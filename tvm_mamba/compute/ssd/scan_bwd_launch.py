@@ -297,18 +297,17 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     causal_start(q)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
-    # the crossing pairs' l range for column k: l >= q (k < q <= l never holds the diagonal), and l past k's step
-    # group (causal: k // G < l // G)
-    l_start = (lambda q, k: T.max(q, causal_start(d, k))) if d.step_group > 1 else (lambda q, k: q)  # noqa: E731
+    sp = spec.pieces(d)
 
     @T.macro
     def xb_at(o, r, i):
         """XB[s] = <x_s, dSo B_s> -> ddt_out (scratch until d dt)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, s = T.meta_var(_bchq(o, i, H, Q))
+        a = T.meta_var(_At(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
-        _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, k: r.bc(o.Bm, b, c, s, h // R, k) * o.dso[b, c, h, p, k],
-                  lambda p, bd: r.x(b, c, s, h, p) * bd, False)
+        _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, n: sp.dx.state.term(a, s, n, p),
+                  lambda p, st: spec.xb_term(a, s, p, st), False)
         o.ddt_out[b, h, c, s] = v.acc[0]
 
     @T.macro
@@ -316,12 +315,13 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step"""
         v = T.meta_var(S.scratch(acc=(3,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
+        a = T.meta_var(_At(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
         if c * Q + q < o.seqlen:  # g is 0 past seqlen
             v.acc[1] = T.float32(0)
-            _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda k, p: r.g(b, c, q, h, p) * o.sin[b, c, h, p, k],
-                      lambda k, gs: r.bc(o.Cm, b, c, q, h // R, k) * gs, False)
-            v.acc[0] = r.e(b, h, c, q) * v.acc[1]
+            _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda n, p: sp.dC.head.term(a, q, p, n),
+                      lambda n, gs: spec.carried_term(a, q, n, gs), False)
+            v.acc[0] = sp.dC.scale(a, q) * v.acc[1]
         o.ddA_step[b, h, c, q] = v.acc[0]
 
     @T.macro
@@ -344,16 +344,16 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         h, q = T.meta_var(i // Q % H), T.meta_var(i % Q)
         v.ib[0] = i // (o.nchunks * H * Q)
         v.ic[0] = i // (H * Q) % o.nchunks
+        a = T.meta_var(_At(r, b, c, h // R, h))
         v.a0[0] = T.float32(0)
         for k in range(q):
             v.a1[0] = T.float32(0)  # sum_{l>=q} G[l, k], g is 0 past seqlen
-            _sum_dots(v.a1, 0, v.a2, 0, l_start(q, k), T.min(Q, o.seqlen - c * Q), P,
-                      lambda l, p: r.gx_in(b, c, l, k, h, p),
-                      lambda l, gx: gx * o.cbg[b, c, h // R, l, k] * r.seg(b, h, c, l, k) * o.dt_out[b, h, c, k], True)
+            _sum_dots(v.a1, 0, v.a2, 0, spec.pair_start(d, q, k), a.end, P, lambda l, p: r.gx_in(b, c, l, k, h, p),
+                      lambda l, gx: spec.pair_term(a, k, spec.ddt_term(a, l, k, gx)), True)
             v.a0[0] = v.a0[0] + v.a1[0]
         v.a1[0] = T.float32(0)
-        for j in range(q):
-            v.a1[0] = v.a1[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
+        for j in range(q):  # ddt_out: XB until the d dt launch
+            v.a1[0] = v.a1[0] + spec.prefix_term(a, j, o.ddt_out[b, h, c, j])
         o.ddA_step[b, h, c, q] = v.a0[0] + v.a1[0] + o.ddA_step[b, h, c, q]
 
     @T.macro
@@ -362,15 +362,15 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         the last up (the task form's order)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
+        a = T.meta_var(_At(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
         # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
         # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
-        _sum_dots(v.acc, 0, v.acc, 1, causal_start(d, q), T.min(Q, o.seqlen - c * Q), P,
-                  lambda l, p: r.gx_in(b, c, l, q, h, p),
-                  lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q), True)
-        o.ddt_out[b, h, c, q] = v.acc[0] + r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
+        _sum_dots(v.acc, 0, v.acc, 1, causal_start(d, q), a.end, P, lambda l, p: r.gx_in(b, c, l, q, h, p),
+                  lambda l, gx: spec.ddt_term(a, l, q, gx), True)
+        o.ddt_out[b, h, c, q] = v.acc[0] + spec.ddt_state(a, q, o.ddt_out[b, h, c, q])
 
-    J, K = spec.pieces(d).dd.sizes  # dD per position: a task per l summing over p; else the reverse
+    J, K = sp.dd.sizes  # dD per position: a task per l summing over p; else the reverse
 
     def dd_index(b, c, h, j):  # D's layout per position, else (batch, chunk, head, p)
         return (b, h, c, j) if d.diag_skip else (b, c, h, j)
@@ -381,7 +381,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         v = T.meta_var(S.scratch(acc=(1,)))
         b, c, h, j = T.meta_var(_bchq(o, i, H, J))
         a = T.meta_var(_At(r, b, c, h // R, h))
-        _sum(v.acc, 0, 0, K, lambda k: spec.pieces(d).dd.term(a, j, k))
+        _sum(v.acc, 0, 0, K, lambda k: sp.dd.term(a, j, k))
         o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
 
     steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731

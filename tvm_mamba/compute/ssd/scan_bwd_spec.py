@@ -23,6 +23,8 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
+from .common import causal_start
+
 
 class Product:
     """out[i, j] = init(r, i, j) + sum_k a(r, i, k) b(r, k, j) for an M x W output, k ascending over row i's
@@ -48,6 +50,42 @@ def cbk(r, l, s):
 def gsum_term(r, l, s, gx):
     """A head's term of gsum[l, s] (causal pairs only): (g_l . x_s) K[l, s] dt[s]."""
     return gx * r.K(l, s) * r.dt(s)
+
+
+def ddt_term(r, l, s, gx):
+    """Row l's term of d dt[s] (causal pairs; gx = g_l . x_s): (g_l . x_s)(C_l . B_s) K[l, s]."""
+    return gx * r.cb(l, s) * r.K(l, s)
+
+
+def pair_term(r, k, t):
+    """G[l, k] from row l's d dt term t of column k: t dt[k] (a crossing pair of the steps k < q <= l)."""
+    return t * r.dt(k)
+
+
+def xb_term(r, s, p, state):
+    """Channel p's term of XB[s] = <x_s, dSo B_s> (state: dx's state product at (s, p))."""
+    return r.x(s, p) * state
+
+
+def ddt_state(r, s, xb):
+    """d dt[s]'s chunk-state term: exp(dA_cs[Q-1] - dA_cs[s]) XB[s]."""
+    return r.wst(s) * xb
+
+
+def prefix_term(r, k, xb):
+    """Step k's term of d dA_step's chunk-state prefix (reaching the steps q > k): w[k] dt[k] XB[k]."""
+    return r.wst(k) * r.dt(k) * xb
+
+
+def carried_term(r, l, n, gsin):
+    """dstate n's term of <g_l, C_l Sin> (gsin: dC's head product at (l, n))."""
+    return r.C(l, n) * gsin
+
+
+def pair_start(d, q, k):
+    """The first row l of the crossing pairs (l, k) of step q (k < q): l >= q (k < q <= l never holds the
+    diagonal), and with step_group l past k's step group (causal: k // G < l // G)."""
+    return T.max(q, causal_start(d, k)) if d.step_group > 1 else q
 
 
 def pieces(d) -> SimpleNamespace:

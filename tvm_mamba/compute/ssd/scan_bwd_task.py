@@ -205,13 +205,12 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
                     s = T.meta_var(sb * VB + v)
                     w.kk[s] = seg_exp(m, w.acs, w.sid, l, s, d.has_seq_idx)
                     # selected, not multiplied by kk = 0: gx[l, s > l] = g_l . x_s may be NaN / Inf
-                    w.gr[s] = T.Select(causal(d, l, s), w.gx[l, s] * o.cbg[b, c, w.g, l, s] * w.kk[s],
-                                       T.float32(0))
+                    w.gr[s] = T.Select(causal(d, l, s), spec.ddt_term(r, l, s, w.gx[l, s]), T.float32(0))
                     w.dd[s] = w.dd[s] + w.gr[s]
                     w.cb[l, s] = spec.cbk(r, l, s)
                     o.gsum[b, c, w.gp, l, s] = o.gsum[b, c, w.gp, l, s] + T.Select(
                         causal(d, l, s), spec.gsum_term(r, l, s, w.gx[l, s]), T.float32(0))
-                    w.rsuf[s] = w.rsuf[s] + w.gr[s] * w.dtl[s]  # G[l, s] (0 for s > l, and s = l with diag_skip)
+                    w.rsuf[s] = w.rsuf[s] + spec.pair_term(r, s, w.gr[s])  # G[l, s] (0 off the causal pairs)
             # crossing pairs of step l: d dA_step[l] += sum_{k<l} sum_{l'>=l} G[l', k] (never a difference of
             # sums: G[l', k] reaches the steps k < l <= l' only)
             w.sc[0] = T.float32(0)
@@ -230,10 +229,10 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
         for s in range(Q):
             w.sc[0] = T.float32(0)
             for p in range(P):
-                w.sc[0] = w.sc[0] + w.xl[s, p] * w.t2[s, p]
-            w.dd[s] = w.dd[s] + w.wst[s] * w.sc[0]
+                w.sc[0] = w.sc[0] + spec.xb_term(r, s, p, w.t2[s, p])
+            w.dd[s] = w.dd[s] + spec.ddt_state(r, s, w.sc[0])
             w.dac[s] = w.dac[s] + w.sc[1]
-            w.sc[1] = w.sc[1] + w.wst[s] * w.dtl[s] * w.sc[0]
+            w.sc[1] = w.sc[1] + spec.prefix_term(r, s, w.sc[0])
             if c * Q + s < o.seqlen:
                 for p in T.vectorized(P):
                     o.dx[b, c * Q + s, r.h, p] = sp.dx.out(r, s, w.t1[s, p], w.t2[s, p]).astype(d.x_dtype)
@@ -259,8 +258,8 @@ def _part_pieces(d: ScanBwdDims, S: Strategy):
         for l in range(T.min(Q, o.seqlen - c * Q)):
             w.sc[0] = T.float32(0)
             for n in range(N):
-                w.sc[0] = w.sc[0] + w.cl[l, n] * w.t1[l, n]
-            w.dcar[l] = w.e[l] * w.sc[0]
+                w.sc[0] = w.sc[0] + spec.carried_term(r, l, n, w.t1[l, n])
+            w.dcar[l] = sp.dC.scale(r, l) * w.sc[0]
             for n in T.vectorized(N):
                 w.dCa[l, n] = w.dCa[l, n] + sp.dC.scale(r, l) * w.t1[l, n]
         dB_head(r, lambda s, n: sp.dB.head.init(r, s, n), lambda s, n, v: T.buffer_store(w.t2, v, [s, n]))
