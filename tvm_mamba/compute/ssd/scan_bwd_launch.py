@@ -8,16 +8,16 @@ in three launches (the carried-state term per position, its reverse cumsum by on
 then per position the crossing pairs and the chunk-state prefix, which read every XB of the chunk); d dt
 (overwrites its own scratch entry); the dD partials (per position with diag_skip).
 
-Every sum runs in the task form's order (scan_bwd_task.py), terms past seqlen (zeros there) left out: dx as
-(D g + the causal sum over l ascending) + w dt <B, dSo>; d dt and the crossing pairs of d dA_step over l from the
-last row up (the task form's row pass), the pairs' columns k ascending, then the chunk-state prefix, then the
-carried-state term; g x as (dy silu(z)) x. (These three changed order to agree: their CUDA bits moved, CPU's
-did not.)
+Every launch executes the specs of scan_bwd_spec.py per output element (``_per_element``, ``_sum_dots``) in
+their order, terms past seqlen (zeros there) left out; d dt and d dA_step's crossing pairs run over l from the
+last row up (the task form's row pass), the pairs' columns k ascending.
 
 Symbolic floordiv / mod of the flat index is computed once into an int32 scratch slot where a launch uses it
 in its loops (recomputed per use it spilled on sm_80).
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
@@ -76,65 +76,23 @@ class _Reads:
                            self.Q, self.o.seqlen, self.d.has_seq_idx)
 
 
-class _At:
+def _at(r: _Reads, b, c, grp, h=None, gp=None) -> SimpleNamespace:
     """The specs' reader (scan_bwd_spec.py) at batch b, chunk c, group grp: head h's operands (None: a part's
-    reader, gsum of part gp) read where they lie, 0 past seqlen. (Every read keeps its bound check: without
-    them where the position is known inside, dx's and dB's launches took 8 more registers on sm_80 / sm_90.)"""
-
-    def __init__(self, r: _Reads, b, c, grp, h=None, gp=None):
-        self.r, self.o, self.b, self.c, self.grp, self.h, self.gp = r, r.o, b, c, grp, h, gp
-        self.end = T.min(r.Q, r.o.seqlen - c * r.Q)  # the chunk's positions inside the sequence
-
-    def head(self, h):
-        return _At(self.r, self.b, self.c, self.grp, h, self.gp)
-
-    def g(self, l, p):
-        return self.r.g(self.b, self.c, l, self.h, p)
-
-    def x(self, s, p):
-        return self.r.x(self.b, self.c, s, self.h, p)
-
-    def xT(self, p, s):
-        return self.x(s, p)
-
-    def B(self, s, n):
-        return self.r.bc(self.o.Bm, self.b, self.c, s, self.grp, n)
-
-    def C(self, l, n):
-        return self.r.bc(self.o.Cm, self.b, self.c, l, self.grp, n)
-
-    def dso(self, p, n):
-        return self.o.dso[self.b, self.c, self.h, p, n]
-
-    def dsoT(self, n, p):
-        return self.dso(p, n)
-
-    def sin(self, p, n):
-        return self.o.sin[self.b, self.c, self.h, p, n]
-
-    def cb(self, l, s):
-        return self.o.cbg[self.b, self.c, self.grp, l, s]
-
-    def K(self, l, s):
-        return self.r.seg(self.b, self.h, self.c, l, s)
-
-    def dt(self, s):
-        return self.o.dt_out[self.b, self.h, self.c, s]
-
-    def cbk(self, l, s):
-        return spec.cbk(self, l, s)
-
-    def gsum(self, l, s):
-        return self.o.gsum[self.b, self.c, self.gp, l, s]
-
-    def wst(self, s):
-        return self.r.w(self.b, self.h, self.c, s)
-
-    def e(self, l):
-        return self.r.e(self.b, self.h, self.c, l)
-
-    def skip(self, s, p, v):
-        return skip_at(self.r.d, self.o.Dm, self.b, self.h, self.c, s, p, v)
+    reader, gsum of part gp; ``head(h)`` its head h's) read where they lie, 0 past seqlen. (Every read keeps its
+    bound check: without them where the position is known inside, dx's and dB's launches took 8 more registers
+    on sm_80 / sm_90.) ``end``: the chunk's positions inside the sequence."""
+    o = r.o
+    a = SimpleNamespace(
+        h=h, end=T.min(r.Q, o.seqlen - c * r.Q), head=lambda hh: _at(r, b, c, grp, hh, gp),
+        g=lambda l, p: r.g(b, c, l, h, p), x=lambda s, p: r.x(b, c, s, h, p), xT=lambda p, s: r.x(b, c, s, h, p),
+        B=lambda s, n: r.bc(o.Bm, b, c, s, grp, n), C=lambda l, n: r.bc(o.Cm, b, c, l, grp, n),
+        dso=lambda p, n: o.dso[b, c, h, p, n], dsoT=lambda n, p: o.dso[b, c, h, p, n],
+        sin=lambda p, n: o.sin[b, c, h, p, n], cb=lambda l, s: o.cbg[b, c, grp, l, s],
+        K=lambda l, s: r.seg(b, h, c, l, s), dt=lambda s: o.dt_out[b, h, c, s], gsum=lambda l, s: o.gsum[b, c, gp, l, s],
+        wst=lambda s: r.w(b, h, c, s), e=lambda l: r.e(b, h, c, l),
+        skip=lambda s, p, v: skip_at(r.d, o.Dm, b, h, c, s, p, v))
+    a.cbk = lambda l, s: spec.cbk(a, l, s)
+    return a
 
 
 def launches(d: ScanBwdDims, S: Strategy):
@@ -231,7 +189,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         c, s = T.meta_var(t // Q), T.meta_var(t % Q)
         v.ib[0] = i // (o.seqlen * H * P)
         v.it[0] = i // (H * P) % o.seqlen
-        a = T.meta_var(_At(r, b, c, h // R, h))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.acc[0] = sp.dx.main.init(a, s, p)
         dx_main(a, v.acc, 0, s, p)
         v.acc[1] = sp.dx.state.init(a, s, p)
@@ -245,7 +203,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         b, c = T.meta_var(i // (o.nchunks * o.gparts * Q * Q)), T.meta_var(i // (o.gparts * Q * Q) % o.nchunks)
         gp, l, s = T.meta_var(i // (Q * Q) % o.gparts), T.meta_var(i // Q % Q), T.meta_var(i % Q)
         h0, per = T.meta_var(_part_heads(o, gp, G, R))
-        a = T.meta_var(_At(r, b, c, gp // (o.gparts // G), None, gp))
+        a = T.meta_var(_at(r, b, c, gp // (o.gparts // G), None, gp))
         v.a0[0] = T.float32(0)
         if causal(d, l, s):
             v.ib[0] = h0
@@ -267,7 +225,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             h0, per = T.meta_var(_part_heads(o, gp, G, R))
             v.ib[0] = i // (o.seqlen * o.gparts * N)
             v.it[0] = i // (o.gparts * N) % o.seqlen
-            a = T.meta_var(_At(r, b, c, gp // (o.gparts // G), None, gp))
+            a = T.meta_var(_at(r, b, c, gp // (o.gparts // G), None, gp))
             v.acc[0] = T.float32(0)
             v.ih[0] = h0
             _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
@@ -291,10 +249,7 @@ def _bchq(o, i, H: int, Q: int):
 
 def _step_pieces(d: ScanBwdDims, S: Strategy):
     """The per-step gradients, a task per (batch, chunk, head, position) (the reverse cumsum: per (batch, chunk,
-    head)): macros ``run(o, r)``. d dA_step never subtracts sums (crossing-pairs form, scan_bwd.py); its pairs
-    k < q <= l never hold the diagonal, so diag_skip changes only d dt's sum (l > q) and dD (per position); with
-    step_group the pairs are those of different step groups (k < causal_end(l)), d dt's sum runs from
-    causal_start(q)."""
+    head)): macros ``run(o, r)``, the summands and ranges of scan_bwd_spec.py (the crossing-pairs form)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
     sp = spec.pieces(d)
@@ -304,7 +259,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         """XB[s] = <x_s, dSo B_s> -> ddt_out (scratch until d dt)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, s = T.meta_var(_bchq(o, i, H, Q))
-        a = T.meta_var(_At(r, b, c, h // R, h))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
         _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, n: sp.dx.state.term(a, s, n, p),
                   lambda p, st: spec.xb_term(a, s, p, st), False)
@@ -315,7 +270,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step"""
         v = T.meta_var(S.scratch(acc=(3,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        a = T.meta_var(_At(r, b, c, h // R, h))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
         if c * Q + q < o.seqlen:  # g is 0 past seqlen
             v.acc[1] = T.float32(0)
@@ -344,7 +299,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         h, q = T.meta_var(i // Q % H), T.meta_var(i % Q)
         v.ib[0] = i // (o.nchunks * H * Q)
         v.ic[0] = i // (H * Q) % o.nchunks
-        a = T.meta_var(_At(r, b, c, h // R, h))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.a0[0] = T.float32(0)
         for k in range(q):
             v.a1[0] = T.float32(0)  # sum_{l>=q} G[l, k], g is 0 past seqlen
@@ -362,7 +317,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         the last up (the task form's order)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        a = T.meta_var(_At(r, b, c, h // R, h))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
         # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
         # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
@@ -380,7 +335,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         """dD partial[j] (spec.pieces' dD), a task per (batch, chunk, head, j), stored in D's layout"""
         v = T.meta_var(S.scratch(acc=(1,)))
         b, c, h, j = T.meta_var(_bchq(o, i, H, J))
-        a = T.meta_var(_At(r, b, c, h // R, h))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         _sum(v.acc, 0, 0, K, lambda k: sp.dd.term(a, j, k))
         o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
 

@@ -9,6 +9,8 @@ never stored.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm.script import tirx as T
 
 from . import scan_bwd_spec as spec
@@ -41,69 +43,27 @@ def task_body(d: ScanBwdDims, S: Strategy):
             stage_group(o, w)
             for hh in range(w.per):
                 h = T.meta_var(w.g * R + w.part * w.per + hh)
-                r = T.meta_var(_Staged(d, o, w, h))
+                r = T.meta_var(_reader(d, o, w, h))
                 stage_head(o, w, h)
                 rows_pass(o, w, r)
                 dx_piece(o, w, r)
                 dc_db_heads(o, w, r)
-            intra(o, w, _Staged(d, o, w, None))
+            intra(o, w, _reader(d, o, w, None))
 
     return body
 
 
-class _Staged:
-    """The specs' reader (scan_bwd_spec.py) on task w's staged rows of head h (None: the part's gsum, B, C)."""
-
-    def __init__(self, d: ScanBwdDims, o, w, h):
-        self.d, self.o, self.w, self.h = d, o, w, h
-
-    def g(self, l, p):
-        return self.w.gl[l, p]
-
-    def x(self, s, p):
-        return self.w.xl[s, p]
-
-    def xT(self, p, s):
-        return self.w.xt[p, s]
-
-    def B(self, s, n):
-        return self.w.bl[s, n]
-
-    def C(self, l, n):
-        return self.w.cl[l, n]
-
-    def dso(self, p, n):
-        return self.o.dso[self.w.b, self.w.c, self.h, p, n]
-
-    def dsoT(self, n, p):
-        return self.w.dsot[n, p]
-
-    def sin(self, p, n):
-        return self.o.sin[self.w.b, self.w.c, self.h, p, n]
-
-    def cb(self, l, s):
-        return self.o.cbg[self.w.b, self.w.c, self.w.g, l, s]
-
-    def K(self, l, s):  # row l's, staged by the row pass
-        return self.w.kk[s]
-
-    def dt(self, s):
-        return self.w.dtl[s]
-
-    def cbk(self, l, s):  # spec.cbk, staged by the row pass
-        return self.w.cb[l, s]
-
-    def gsum(self, l, s):
-        return self.o.gsum[self.w.b, self.w.c, self.w.gp, l, s]
-
-    def wst(self, s):
-        return self.w.wst[s]
-
-    def e(self, l):
-        return self.w.e[l]
-
-    def skip(self, s, p, v):
-        return skip_at(self.d, self.o.Dm, self.w.b, self.h, self.w.c, s, p, v)
+def _reader(d: ScanBwdDims, o, w, h) -> SimpleNamespace:
+    """The specs' reader (scan_bwd_spec.py) on task w's staged rows of head h (None: the part's gsum, B, C);
+    K(l, s) and cbk(l, s) are row l's, staged by the row pass."""
+    b, c = w.b, w.c
+    return SimpleNamespace(
+        h=h, g=lambda l, p: w.gl[l, p], x=lambda s, p: w.xl[s, p], xT=lambda p, s: w.xt[p, s],
+        B=lambda s, n: w.bl[s, n], C=lambda l, n: w.cl[l, n], dso=lambda p, n: o.dso[b, c, h, p, n],
+        dsoT=lambda n, p: w.dsot[n, p], sin=lambda p, n: o.sin[b, c, h, p, n], cb=lambda l, s: o.cbg[b, c, w.g, l, s],
+        K=lambda l, s: w.kk[s], dt=lambda s: w.dtl[s], cbk=lambda l, s: w.cb[l, s],
+        gsum=lambda l, s: o.gsum[b, c, w.gp, l, s], wst=lambda s: w.wst[s], e=lambda l: w.e[l],
+        skip=lambda s, p, v: skip_at(d, o.Dm, b, h, c, s, p, v))
 
 
 def _staged(d: ScanBwdDims, S: Strategy, p: spec.Product):
