@@ -40,8 +40,9 @@ vector code on CPU (see the CPU rule). Layout of the package:
     bmm.py, chunk_state.py, dstates.py, varlen.py   bmm_chunk, chunk_state, chunk_scan_bwd_dstates,
                  chunk_state_varlen: one template each (the chunk matmuls through the strategy's)
     scan.py      chunk_scan: one template (the strategy's causal_matmul)
-    scan_bwd.py  chunk_scan_bwd: one template in two forms (scan_bwd_task.py: a task per chunk on staged
-                 operands, the CPU's; scan_bwd_launch.py: a launch per piece, a thread per output, CUDA's)
+    scan_bwd.py  chunk_scan_bwd: one template, its math as specs (scan_bwd_spec.py) executed in two forms
+                 (scan_bwd_task.py: a task per chunk on staged operands, the CPU's; scan_bwd_launch.py: a
+                 launch per piece, a thread per output, CUDA's)
     mm.py        the CPU's register-blocked matmul
 
 A builder takes its dims (``ssd_chunk_scan(ScanDims(...))``, or the fields as keywords) and returns the

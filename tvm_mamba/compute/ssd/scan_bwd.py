@@ -1,41 +1,18 @@
-"""SSD per-chunk backward kernel (every gradient of one chunk; see the package docstring): one template, laid
-out by the strategy (strategy.py) in one of two forms of the same pieces.
+"""SSD per-chunk backward kernel (every gradient of one chunk; see the package docstring): one template whose
+math is written once (scan_bwd_spec.py: the gradients, and each piece's summand, range and order as a spec),
+laid out by the strategy (strategy.py) in one of two forms that execute those specs.
 
-With g = dy * silu(z), K[l, s] = exp(dA_cs[l] - dA_cs[s]) (s <= l, same sequence), CB = C B^T,
-GX = g x^T, e[l] = exp(dA_cs[l]) (carried-state mask), w[s] = dt[s] exp(dA_cs[Q-1] - dA_cs[s]) (chunk-state
-mask), Sin the state entering the chunk and dSo the gradient of the state leaving it:
+The two forms (``S.vector``): a task per (batch, chunk, group, part) that runs the part's heads in order on
+staged operands (scan_bwd_task.py: the CPU, knobs rows / cols / order), each product spec an mm.py
+register-blocked matmul and the per-step sums its row pass; or a task per output element, one launch per
+piece, a later launch reading what an earlier one finished (scan_bwd_launch.py: CUDA's threads, serial for
+tests), each spec a loop per output element. Both read the operands through a reader (the spec's interface:
+staged rows, or global memory), share the masks and decays of common.py, and take every sum in the spec's
+order; they differ in the last bits only: exp / silu are the target's (``S.math``) and the compilers contract
+multiply-adds differently.
 
-    dx[s]    = sum_{l>=s} CB K dt[s] g[l] + w[s] dSo B_s + D g[s]
-    dC[l]    = e[l] g_l Sin + sum_{s<=l} GX K dt[s] B_s
-    dB[s]    = sum_{l>=s} GX K dt[s] C_l + w[s] x_s dSo
-    d dt[s]  = sum_l GX CB K + exp(dA_cs[Q-1]-dA_cs[s]) <x_s, dSo B_s>
-    d dA_step[s] = sum_{l>=s>k} G[l, k] + sum_{l>=s} e[l] <g_l, C_l Sin> + sum_{k<s} w[k] dt[k] <x_k, dSo B_k>
-    dD       = sum_l g x  (per (batch, chunk) partial)
-
-with G = GX CB K dt: the gradient of the chunk's decay steps dA_step = dt' A themselves (dA_cs[l] is the sum of
-the steps s <= l), within the chunk (the state-passing term is added by ssd_chunk_cumsum_bwd). Crossing-pairs
-form: step s lies inside the segment from k to l of each pair it sums, so x_k enters only steps s > k and g_l
-only steps s <= l -- a non-finite x / dy never reaches another position's step through a cancelling
-difference (upstream's rows - columns of G, reverse-cumsummed, did: x_t non-finite made every step of t's
-chunk non-finite).
-
-dB / dC are summed over the heads of a *part* of each group (gparts = ngroups * hparts, hparts dividing
-nheads / ngroups, compute.ssd.head_parts), in head order. Their intra-chunk terms multiply the group's C / B, so
-they run once per part on gsum = the sum over the part's heads of (g x^T) K dt (a workspace the kernel writes
-and then reads): two Q x Q x dstate products per part instead of per head.
-
-The two layouts (``S.vector``): a task per (batch, chunk, group, part) that runs the part's heads in order on
-staged operands with the register-blocked matmuls of mm.py (scan_bwd_task.py: the CPU, knobs rows / cols /
-order), or a task per output element, one launch per piece, a later launch reading what an earlier one
-finished (scan_bwd_launch.py: CUDA's threads, serial for tests). The pieces (dx, gsum, dB, dC, d dt,
-d dA_step, dD) share their operands and masks (common.py) and take every sum in the same order in both
-layouts (the launch form follows the task form's: scan_bwd_launch.py). The two still differ in the last bits:
-exp / silu are the target's (``S.math``) and the compilers contract multiply-adds differently.
-
-``diag_skip`` (Mamba-3, the forward's ScanDims.diag_skip): every intra-chunk causal sum above runs strictly
-(s < l, l > s: dx, gsum and so dB / dC, d dt), D is per position, D[b, h, c, s] (dt_out's layout), so
-dx[s] gets D[b, h, c, s] g[s], and dD is per position too: dD[b, h, c, l] = sum_p g[l, p] x[l, p]. d dA_step's
-crossing pairs (k < s <= l) never hold the diagonal (k < l); the carried- and chunk-state terms do not change.
+``diag_skip`` (Mamba-3, the forward's ScanDims.diag_skip) and ``step_group``: the strict / grouped causal sums
+(scan_bwd_spec.py); D and dD per position, D[b, h, c, s] (dt_out's layout).
 """
 from __future__ import annotations
 

@@ -8,19 +8,20 @@ in three launches (the carried-state term per position, its reverse cumsum by on
 then per position the crossing pairs and the chunk-state prefix, which read every XB of the chunk); d dt
 (overwrites its own scratch entry); the dD partials (per position with diag_skip).
 
-Every sum runs in the task form's order (scan_bwd_task.py), terms past seqlen (zeros there) left out: dx as
-(D g + the causal sum over l ascending) + w dt <B, dSo>; d dt and the crossing pairs of d dA_step over l from the
-last row up (the task form's row pass), the pairs' columns k ascending, then the chunk-state prefix, then the
-carried-state term; g x as (dy silu(z)) x. (These three changed order to agree: their CUDA bits moved, CPU's
-did not.)
+Every launch executes the specs of scan_bwd_spec.py per output element (``_per_element``, ``_sum_dots``) in
+their order, terms past seqlen (zeros there) left out; d dt and d dA_step's crossing pairs run over l from the
+last row up (the task form's row pass), the pairs' columns k ascending.
 
 Symbolic floordiv / mod of the flat index is computed once into an int32 scratch slot where a launch uses it
 in its loops (recomputed per use it spilled on sm_80).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm.script import tirx as T
 
+from . import scan_bwd_spec as spec
 from .common import (F32, I32, Row, batch_sids, carried_decay, causal, causal_end, causal_start, gate, ld, seg_exp,
                      skip_at, state_decay)
 from .dims import ScanBwdDims
@@ -39,8 +40,8 @@ class _Reads:
     def x(self, b, c, l, h, p):
         return ld(self.o.x, (b, self._t(c, l), h, p), self.o.seqlen, c * self.Q + l)
 
-    def bc(self, buf, b, c, l, h, n):  # B or C of head h's group
-        return ld(buf, (b, self._t(c, l), h // self.R, n), self.o.seqlen, c * self.Q + l)
+    def bc(self, buf, b, c, l, grp, n):  # B or C of group grp
+        return ld(buf, (b, self._t(c, l), grp, n), self.o.seqlen, c * self.Q + l)
 
     def g(self, b, c, l, h, p):
         return gate(self.m, self.o.dy, self.o.z, (b, self._t(c, l), h, p), self.o.seqlen, c * self.Q + l,
@@ -73,6 +74,25 @@ class _Reads:
         a = self.o.dA_cs
         return state_decay(self.m, a[b, h, c, self.Q - 1], a[b, h, c, s], self.sid(b, c, s), self.sids(b), c,
                            self.Q, self.o.seqlen, self.d.has_seq_idx)
+
+
+def _at(r: _Reads, b, c, grp, h=None, gp=None) -> SimpleNamespace:
+    """The specs' reader (scan_bwd_spec.py) at batch b, chunk c, group grp: head h's operands (None: a part's
+    reader, gsum of part gp; ``head(h)`` its head h's) read where they lie, 0 past seqlen. (Every read keeps its
+    bound check: without them where the position is known inside, dx's and dB's launches took 8 more registers
+    on sm_80 / sm_90.) ``end``: the chunk's positions inside the sequence."""
+    o = r.o
+    a = SimpleNamespace(
+        h=h, end=T.min(r.Q, o.seqlen - c * r.Q), head=lambda hh: _at(r, b, c, grp, hh, gp),
+        g=lambda l, p: r.g(b, c, l, h, p), x=lambda s, p: r.x(b, c, s, h, p), xT=lambda p, s: r.x(b, c, s, h, p),
+        B=lambda s, n: r.bc(o.Bm, b, c, s, grp, n), C=lambda l, n: r.bc(o.Cm, b, c, l, grp, n),
+        dso=lambda p, n: o.dso[b, c, h, p, n], dsoT=lambda n, p: o.dso[b, c, h, p, n],
+        sin=lambda p, n: o.sin[b, c, h, p, n], cb=lambda l, s: o.cbg[b, c, grp, l, s],
+        K=lambda l, s: r.seg(b, h, c, l, s), dt=lambda s: o.dt_out[b, h, c, s], gsum=lambda l, s: o.gsum[b, c, gp, l, s],
+        wst=lambda s: r.w(b, h, c, s), e=lambda l: r.e(b, h, c, l),
+        skip=lambda s, p, v: skip_at(r.d, o.Dm, b, h, c, s, p, v))
+    a.cbk = lambda l, s: spec.cbk(a, l, s)
+    return a
 
 
 def launches(d: ScanBwdDims, S: Strategy):
@@ -139,63 +159,62 @@ def _part_heads(o, gp, G: int, R: int):
     return gp // hp * R + gp % hp * (R // hp), R // hp
 
 
+def _per_element(d: ScanBwdDims, p: spec.Product):
+    """The macro ``run(r, acc, j0, i, j)``: acc[j0] += sum_k p.term(r, i, k, j) over row i's range of Product p,
+    k ascending (acc[j0] holds the start); a "ge" range of positions ends at the sequence's end (zeros past it)."""
+    lo = (lambda i: causal_start(d, i)) if p.causal == "ge" else (lambda i: 0)  # noqa: E731
+    hi = {None: lambda r, i: p.K, "ge": lambda r, i: r.end, "le": lambda r, i: causal_end(d, i)}[p.causal]
+
+    @T.macro
+    def run(r, acc, j0, i, j):
+        for k in range(lo(i), hi(r, i)):
+            acc[j0] = acc[j0] + p.term(r, i, k, j)
+
+    return run
+
+
 def _position_pieces(d: ScanBwdDims, S: Strategy):
     """dx (a task per (batch, position, head, p)), gsum (per (batch, chunk, part, l, s)), dB and dC (per
-    (batch, position, part, n)): macros ``run(o, r)``. With diag_skip the sums over l >= s / s <= l start one
-    past the diagonal (strict), with step_group past the step group (common.causal_start / causal_end)."""
+    (batch, position, part, n)): macros ``run(o, r)`` executing scan_bwd_spec.pieces' specs per output element."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
+    sp = spec.pieces(d)
+    dx_main, dx_state = _per_element(d, sp.dx.main), _per_element(d, sp.dx.state)
 
     @T.macro
     def dx_at(o, r, i):
-        """dx[s, p] = (D g[s, p] + sum_{l>=s} (C_l.B_s) K dt[s] g[l, p]) + w[s] dt[s] sum_n B[s, n] dSo[p, n]
-        (D[b, h, c, s] and l > s with diag_skip), in the task form's order (its t1 + w dt t2)"""
         v = T.meta_var(S.scratch(acc=(2,), ib=((1,), I32), it=((1,), I32)))
         b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
         h, p = T.meta_var(i // P % H), T.meta_var(i % P)
         c, s = T.meta_var(t // Q), T.meta_var(t % Q)
         v.ib[0] = i // (o.seqlen * H * P)
         v.it[0] = i // (H * P) % o.seqlen
-        v.acc[0] = skip_at(d, o.Dm, b, h, c, s, p, r.g(b, c, s, h, p))  # 0 without D
-        for l in range(causal_start(d, s), T.min(Q, o.seqlen - c * Q)):
-            v.acc[0] = v.acc[0] + o.cbg[b, c, h // R, l, s] * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s] * r.g(
-                b, c, l, h, p)
-        _sum(v.acc, 1, 0, N, lambda k: o.Bm[b, t, h // R, k].astype(F32) * o.dso[b, c, h, p, k])
-        o.dx[b, t, h, p] = (v.acc[0] + r.w(b, h, c, s) * o.dt_out[b, h, c, s] * v.acc[1]).astype(d.x_dtype)
+        a = T.meta_var(_at(r, b, c, h // R, h))
+        v.acc[0] = sp.dx.main.init(a, s, p)
+        dx_main(a, v.acc, 0, s, p)
+        v.acc[1] = sp.dx.state.init(a, s, p)
+        dx_state(a, v.acc, 1, s, p)
+        o.dx[b, t, h, p] = sp.dx.out(a, s, v.acc[0], v.acc[1]).astype(d.x_dtype)
 
     @T.macro
     def gsum_at(o, r, i):
-        """gsum[l, s] = sum over the part's heads of (g_l.x_s) K[l, s] dt[s] (s <= l; s < l with diag_skip), g x^T
-        once per part"""
+        """gsum[l, s] (causal pairs): the part's heads in order, g x^T once per part"""
         v = T.meta_var(S.scratch(a0=(1,), a1=(1,), ib=((1,), I32)))  # ib: the part's first head
         b, c = T.meta_var(i // (o.nchunks * o.gparts * Q * Q)), T.meta_var(i // (o.gparts * Q * Q) % o.nchunks)
         gp, l, s = T.meta_var(i // (Q * Q) % o.gparts), T.meta_var(i // Q % Q), T.meta_var(i % Q)
         h0, per = T.meta_var(_part_heads(o, gp, G, R))
+        a = T.meta_var(_at(r, b, c, gp // (o.gparts // G), None, gp))
         v.a0[0] = T.float32(0)
         if causal(d, l, s):
             v.ib[0] = h0
-            _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: r.g(b, c, l, h, p) * r.x(
-                b, c, s, h, p), lambda h, gx: gx * r.seg(b, h, c, l, s) * o.dt_out[b, h, c, s], False)
+            _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: sp.gx.term(a.head(h), l, p, s),
+                      lambda h, gx: spec.gsum_term(a.head(h), l, s, gx), False)
         o.gsum[b, c, gp, l, s] = v.a0[0]
 
-    def part_rows(is_dB: bool):
-        """dB[s, k] = sum_h w[s] dt[s] (x_s dSo)[k] + sum_{l>=s} gsum[l, s] C[l, k];
-        dC[l, k] = sum_h e[l] (g_l Sin)[k] + sum_{s<=l} gsum[l, s] B[s, k]  (the task layout's order):
-        a task per (batch, position, part, k)."""
-        state, other, out = ("dso", "Cm", "dBp") if is_dB else ("sin", "Bm", "dCp")
-
-        def head_term(o, r, b, c, t, q, h, p, k):  # x_s dSo  /  g_l Sin
-            u = o.x[b, t, h, p].astype(F32) if is_dB else r.g(b, c, q, h, p)
-            return u * getattr(o, state)[b, c, h, p, k]
-
-        def scale(o, r, b, c, q, h):  # w[s] dt[s]  /  e[l]
-            return r.w(b, h, c, q) * o.dt_out[b, h, c, q] if is_dB else r.e(b, h, c, q)
-
-        def k_range(o, c, q):  # l >= s inside the sequence  /  s <= l (strict with diag_skip)
-            return (causal_start(d, q), T.min(Q, o.seqlen - c * Q)) if is_dB else (0, causal_end(d, q))
-
-        def g_at(q, j):  # gsum[l, s] at (q, j)
-            return (j, q) if is_dB else (q, j)
+    def part_rows(piece, out: str):
+        """dB / dC (spec.pieces' dB, dC): the part's heads in order, then the intra-chunk product; a task per
+        (batch, position, part, k)."""
+        intra = _per_element(d, piece.intra)
 
         @T.macro
         def at(o, r, i):
@@ -204,25 +223,23 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             gp, k = T.meta_var(i // N % o.gparts), T.meta_var(i % N)
             c, q = T.meta_var(t // Q), T.meta_var(t % Q)
             h0, per = T.meta_var(_part_heads(o, gp, G, R))
-            lo, hi = T.meta_var(k_range(o, c, q))
             v.ib[0] = i // (o.seqlen * o.gparts * N)
             v.it[0] = i // (o.gparts * N) % o.seqlen
+            a = T.meta_var(_at(r, b, c, gp // (o.gparts // G), None, gp))
             v.acc[0] = T.float32(0)
             v.ih[0] = h0
             _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
-                      lambda h, p: head_term(o, r, b, c, t, q, h, p, k), lambda h, hd: scale(o, r, b, c, q, h) * hd,
+                      lambda h, p: piece.head.term(a.head(h), q, p, k), lambda h, hd: piece.scale(a.head(h), q) * hd,
                       False)
-            for j in range(lo, hi):
-                v.acc[0] = v.acc[0] + o.gsum[(b, c, gp) + g_at(q, j)] * getattr(o, other)[
-                    b, c * Q + j, gp // (o.gparts // G), k].astype(F32)
+            intra(a, v.acc, 0, q, k)
             getattr(o, out)[b, t, gp, k] = v.acc[0]
 
         return at
 
     return (_launch(S, dx_at, lambda o: o.batch * o.seqlen * H * P),
             _launch(S, gsum_at, lambda o: o.batch * o.nchunks * o.gparts * Q * Q),
-            _launch(S, part_rows(True), lambda o: o.batch * o.seqlen * o.gparts * N),
-            _launch(S, part_rows(False), lambda o: o.batch * o.seqlen * o.gparts * N))
+            _launch(S, part_rows(sp.dB, "dBp"), lambda o: o.batch * o.seqlen * o.gparts * N),
+            _launch(S, part_rows(sp.dC, "dCp"), lambda o: o.batch * o.seqlen * o.gparts * N))
 
 
 def _bchq(o, i, H: int, Q: int):
@@ -232,24 +249,20 @@ def _bchq(o, i, H: int, Q: int):
 
 def _step_pieces(d: ScanBwdDims, S: Strategy):
     """The per-step gradients, a task per (batch, chunk, head, position) (the reverse cumsum: per (batch, chunk,
-    head)): macros ``run(o, r)``. d dA_step never subtracts sums (crossing-pairs form, scan_bwd.py); its pairs
-    k < q <= l never hold the diagonal, so diag_skip changes only d dt's sum (l > q) and dD (per position); with
-    step_group the pairs are those of different step groups (k < causal_end(l)), d dt's sum runs from
-    causal_start(q)."""
+    head)): macros ``run(o, r)``, the summands and ranges of scan_bwd_spec.py (the crossing-pairs form)."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
-    # the crossing pairs' l range for column k: l >= q (k < q <= l never holds the diagonal), and l past k's step
-    # group (causal: k // G < l // G)
-    l_start = (lambda q, k: T.max(q, causal_start(d, k))) if d.step_group > 1 else (lambda q, k: q)  # noqa: E731
+    sp = spec.pieces(d)
 
     @T.macro
     def xb_at(o, r, i):
         """XB[s] = <x_s, dSo B_s> -> ddt_out (scratch until d dt)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, s = T.meta_var(_bchq(o, i, H, Q))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
-        _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, k: r.bc(o.Bm, b, c, s, h, k) * o.dso[b, c, h, p, k],
-                  lambda p, bd: r.x(b, c, s, h, p) * bd, False)
+        _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, n: sp.dx.state.term(a, s, n, p),
+                  lambda p, st: spec.xb_term(a, s, p, st), False)
         o.ddt_out[b, h, c, s] = v.acc[0]
 
     @T.macro
@@ -257,12 +270,13 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step"""
         v = T.meta_var(S.scratch(acc=(3,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
         if c * Q + q < o.seqlen:  # g is 0 past seqlen
             v.acc[1] = T.float32(0)
-            _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda k, p: r.g(b, c, q, h, p) * o.sin[b, c, h, p, k],
-                      lambda k, gs: r.bc(o.Cm, b, c, q, h, k) * gs, False)
-            v.acc[0] = r.e(b, h, c, q) * v.acc[1]
+            _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda n, p: sp.dC.head.term(a, q, p, n),
+                      lambda n, gs: spec.carried_term(a, q, n, gs), False)
+            v.acc[0] = sp.dC.scale(a, q) * v.acc[1]
         o.ddA_step[b, h, c, q] = v.acc[0]
 
     @T.macro
@@ -285,16 +299,16 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         h, q = T.meta_var(i // Q % H), T.meta_var(i % Q)
         v.ib[0] = i // (o.nchunks * H * Q)
         v.ic[0] = i // (H * Q) % o.nchunks
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.a0[0] = T.float32(0)
         for k in range(q):
             v.a1[0] = T.float32(0)  # sum_{l>=q} G[l, k], g is 0 past seqlen
-            _sum_dots(v.a1, 0, v.a2, 0, l_start(q, k), T.min(Q, o.seqlen - c * Q), P,
-                      lambda l, p: r.gx_in(b, c, l, k, h, p),
-                      lambda l, gx: gx * o.cbg[b, c, h // R, l, k] * r.seg(b, h, c, l, k) * o.dt_out[b, h, c, k], True)
+            _sum_dots(v.a1, 0, v.a2, 0, spec.pair_start(d, q, k), a.end, P, lambda l, p: r.gx_in(b, c, l, k, h, p),
+                      lambda l, gx: spec.pair_term(a, k, spec.ddt_term(a, l, k, gx)), True)
             v.a0[0] = v.a0[0] + v.a1[0]
         v.a1[0] = T.float32(0)
-        for j in range(q):
-            v.a1[0] = v.a1[0] + r.w(b, h, c, j) * o.dt_out[b, h, c, j] * o.ddt_out[b, h, c, j]
+        for j in range(q):  # ddt_out: XB until the d dt launch
+            v.a1[0] = v.a1[0] + spec.prefix_term(a, j, o.ddt_out[b, h, c, j])
         o.ddA_step[b, h, c, q] = v.a0[0] + v.a1[0] + o.ddA_step[b, h, c, q]
 
     @T.macro
@@ -303,30 +317,26 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         the last up (the task form's order)"""
         v = T.meta_var(S.scratch(acc=(2,)))
         b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
+        a = T.meta_var(_at(r, b, c, h // R, h))
         v.acc[0] = T.float32(0)
         # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
         # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
-        _sum_dots(v.acc, 0, v.acc, 1, causal_start(d, q), T.min(Q, o.seqlen - c * Q), P,
-                  lambda l, p: r.gx_in(b, c, l, q, h, p),
-                  lambda l, gx: gx * o.cbg[b, c, h // R, l, q] * r.seg(b, h, c, l, q), True)
-        o.ddt_out[b, h, c, q] = v.acc[0] + r.w(b, h, c, q) * o.ddt_out[b, h, c, q]
+        _sum_dots(v.acc, 0, v.acc, 1, causal_start(d, q), a.end, P, lambda l, p: r.gx_in(b, c, l, q, h, p),
+                  lambda l, gx: spec.ddt_term(a, l, q, gx), True)
+        o.ddt_out[b, h, c, q] = v.acc[0] + spec.ddt_state(a, q, o.ddt_out[b, h, c, q])
 
-    J, K = (Q, P) if d.diag_skip else (P, Q)  # dD per position: a task per l summing over p; else the reverse
-
-    def dd_term(r, b, c, h, j, k):  # g[l, p] x[l, p] of task j, term k
-        l, p = (j, k) if d.diag_skip else (k, j)
-        return r.g(b, c, l, h, p) * r.x(b, c, l, h, p)
+    J, K = sp.dd.sizes  # dD per position: a task per l summing over p; else the reverse
 
     def dd_index(b, c, h, j):  # D's layout per position, else (batch, chunk, head, p)
         return (b, h, c, j) if d.diag_skip else (b, c, h, j)
 
     @T.macro
     def dd_at(o, r, i):
-        """dD partial[p] = sum_l g[l, p] x[l, p], a task per (batch, chunk, head, p); with diag_skip (D per
-        position) dD[l] = sum_p g[l, p] x[l, p], a task per (batch, chunk, head, l), stored in D's layout"""
+        """dD partial[j] (spec.pieces' dD), a task per (batch, chunk, head, j), stored in D's layout"""
         v = T.meta_var(S.scratch(acc=(1,)))
         b, c, h, j = T.meta_var(_bchq(o, i, H, J))
-        _sum(v.acc, 0, 0, K, lambda k: dd_term(r, b, c, h, j, k))
+        a = T.meta_var(_at(r, b, c, h // R, h))
+        _sum(v.acc, 0, 0, K, lambda k: sp.dd.term(a, j, k))
         o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
 
     steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731

@@ -9,11 +9,14 @@ never stored.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm.script import tirx as T
 
+from . import scan_bwd_spec as spec
 from .common import I32, batch_sids, carried_decay, causal, gate, ld, seg_exp, skip_at, state_decay
 from .dims import ScanBwdDims
-from .mm import lower_cols, matmul, vblock, zero
+from .mm import lower_cols, matmul, vblock
 from .strategy import Strategy
 
 
@@ -40,13 +43,44 @@ def task_body(d: ScanBwdDims, S: Strategy):
             stage_group(o, w)
             for hh in range(w.per):
                 h = T.meta_var(w.g * R + w.part * w.per + hh)
+                r = T.meta_var(_reader(d, o, w, h))
                 stage_head(o, w, h)
-                rows_pass(o, w)
-                dx_piece(o, w, h)
-                dc_db_heads(o, w, h)
-            intra(o, w)
+                rows_pass(o, w, r)
+                dx_piece(o, w, r)
+                dc_db_heads(o, w, r)
+            intra(o, w, _reader(d, o, w, None))
 
     return body
+
+
+def _reader(d: ScanBwdDims, o, w, h) -> SimpleNamespace:
+    """The specs' reader (scan_bwd_spec.py) on task w's staged rows of head h (None: the part's gsum, B, C);
+    K(l, s) and cbk(l, s) are row l's, staged by the row pass."""
+    b, c = w.b, w.c
+    return SimpleNamespace(
+        h=h, g=lambda l, p: w.gl[l, p], x=lambda s, p: w.xl[s, p], xT=lambda p, s: w.xt[p, s],
+        B=lambda s, n: w.bl[s, n], C=lambda l, n: w.cl[l, n], dso=lambda p, n: o.dso[b, c, h, p, n],
+        dsoT=lambda n, p: w.dsot[n, p], sin=lambda p, n: o.sin[b, c, h, p, n], cb=lambda l, s: o.cbg[b, c, w.g, l, s],
+        K=lambda l, s: w.kk[s], dt=lambda s: w.dtl[s], cbk=lambda l, s: w.cb[l, s],
+        gsum=lambda l, s: o.gsum[b, c, w.gp, l, s], wst=lambda s: w.wst[s], e=lambda l: w.e[l],
+        skip=lambda s, p, v: skip_at(d, o.Dm, b, h, c, s, p, v))
+
+
+def _staged(d: ScanBwdDims, S: Strategy, p: spec.Product):
+    """The macro ``run(r, init, store)``: Product ``p`` on reader r by mm.py's register-blocked matmul (knobs
+    rows / cols / order), init(i, j) its start (``p.init`` or a running sum), store(i, j, v) the epilogue. Its
+    causal range selects k per row (never 0 * a non-finite dy / x / B / C of another position)."""
+    tri = {None: None, "ge": "gt" if d.diag_skip else "ge", "le": "lt" if d.diag_skip else "le"}[p.causal]
+    mm = matmul(p.M, p.W, S.rows, S.cols, lower=p.lower, order=S.order, tri=tri,
+                group=d.step_group if p.causal else 1)
+    klo = (lambda lo, hi: lo) if p.causal == "ge" else (lambda lo, hi: 0)  # noqa: E731
+    khi = (lambda lo, hi: hi) if p.causal == "le" else (lambda lo, hi: p.K)  # noqa: E731
+
+    @T.macro
+    def run(r, init, store):
+        mm(klo, khi, lambda i, k: p.a(r, i, k), lambda k, j: p.b(r, k, j), init, store)
+
+    return run
 
 
 def _at_task(w, o, task, G: int, R: int):
@@ -110,24 +144,20 @@ def _stage(d: ScanBwdDims, S: Strategy):
 
 
 def _head_pieces(d: ScanBwdDims, S: Strategy):
-    """Macros ``rows_pass(o, w)`` and ``dx_piece(o, w, h)``: head h's g x^T, masks, gsum, d dt and d dA_step
-    intra-chunk terms; its dx and the chunk-state terms of d dt / d dA_step."""
-    P, N, Q, m = d.headdim, d.dstate, d.chunk_size, S.math
-    rows, cols, order = S.rows, S.cols, S.order
+    """Macros ``rows_pass(o, w, r)`` and ``dx_piece(o, w, r)``: head h's g x^T, masks, gsum, d dt and d dA_step
+    intra-chunk terms; its dx (spec.pieces' dx) and the chunk-state terms of d dt / d dA_step."""
+    P, Q, m = d.headdim, d.chunk_size, S.math
     VB = vblock(Q)
-    mm_qq = matmul(Q, Q, rows, cols, lower=True, order=order)
-    mm_qp = matmul(Q, P, rows, cols, order=order)
-    # the triangular sums select their range per row (never 0 * a non-finite dy / x / B / C of another position)
-    mm_qp_ge = matmul(Q, P, rows, cols, order=order, tri="gt" if d.diag_skip else "ge", group=d.step_group)
+    sp = spec.pieces(d)
+    gx_mm, dx_main, dx_state = (_staged(d, S, p) for p in (sp.gx, sp.dx.main, sp.dx.state))
 
     @T.macro
-    def rows_pass(o, w):
+    def rows_pass(o, w, r):
         """gx = g x^T (cb = C B^T comes from ssd_bmm_chunk, once per group); then the causal blocks only
         (s < lower_cols(l): gx and cb right of them are never read unmasked), rows from the last up (for the
         column suffix sums R of the crossing pairs): masks, decays, d dt, gsum, d dA_step's intra-chunk term."""
         b, c = T.meta_var(w.b), T.meta_var(w.c)
-        mm_qq(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: w.gl[l, p], lambda p, s: w.xt[p, s], zero,
-              lambda l, s, v: T.buffer_store(w.gx, v, [l, s]))
+        gx_mm(r, lambda l, s: sp.gx.init(r, l, s), lambda l, s, v: T.buffer_store(w.gx, v, [l, s]))
         for lr in range(Q):
             l = T.meta_var(Q - 1 - lr)
             for sb in range(lower_cols(l, Q, VB) // VB):
@@ -135,13 +165,12 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
                     s = T.meta_var(sb * VB + v)
                     w.kk[s] = seg_exp(m, w.acs, w.sid, l, s, d.has_seq_idx)
                     # selected, not multiplied by kk = 0: gx[l, s > l] = g_l . x_s may be NaN / Inf
-                    w.gr[s] = T.Select(causal(d, l, s), w.gx[l, s] * o.cbg[b, c, w.g, l, s] * w.kk[s],
-                                       T.float32(0))
+                    w.gr[s] = T.Select(causal(d, l, s), spec.ddt_term(r, l, s, w.gx[l, s]), T.float32(0))
                     w.dd[s] = w.dd[s] + w.gr[s]
-                    w.cb[l, s] = o.cbg[b, c, w.g, l, s] * w.kk[s] * w.dtl[s]
+                    w.cb[l, s] = spec.cbk(r, l, s)
                     o.gsum[b, c, w.gp, l, s] = o.gsum[b, c, w.gp, l, s] + T.Select(
-                        causal(d, l, s), w.gx[l, s] * w.kk[s] * w.dtl[s], T.float32(0))
-                    w.rsuf[s] = w.rsuf[s] + w.gr[s] * w.dtl[s]  # G[l, s] (0 for s > l, and s = l with diag_skip)
+                        causal(d, l, s), spec.gsum_term(r, l, s, w.gx[l, s]), T.float32(0))
+                    w.rsuf[s] = w.rsuf[s] + spec.pair_term(r, s, w.gr[s])  # G[l, s] (0 off the causal pairs)
             # crossing pairs of step l: d dA_step[l] += sum_{k<l} sum_{l'>=l} G[l', k] (never a difference of
             # sums: G[l', k] reaches the steps k < l <= l' only)
             w.sc[0] = T.float32(0)
@@ -150,72 +179,65 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
             w.dac[l] = w.dac[l] + w.sc[0]
 
     @T.macro
-    def dx_piece(o, w, h):
-        """dx, and the chunk-state terms of d dt / d dA_step (prefix over k < s):
-        t1[s] = D g[s] + sum_{l>=s} cb[l, s] g[l] (l > s with diag_skip);  t2[s] = B_s dSo^T;
-        dx[s] = t1[s] + w[s] dt[s] t2[s]."""
+    def dx_piece(o, w, r):
+        """dx (t1 = its main product, t2 its state product), and the chunk-state terms of d dt / d dA_step
+        (prefix over k < s)."""
         b, c = T.meta_var(w.b), T.meta_var(w.c)
-        mm_qp_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: w.cb[l, s], lambda l, p: w.gl[l, p],
-                 lambda s, p: skip_at(d, o.Dm, b, h, c, s, p, w.gl[s, p]),
-                 lambda s, p, v: T.buffer_store(w.t1, v, [s, p]))
-        mm_qp(lambda lo, hi: 0, lambda lo, hi: N, lambda s, n: w.bl[s, n], lambda n, p: w.dsot[n, p], zero,
-              lambda s, p, v: T.buffer_store(w.t2, v, [s, p]))
+        dx_main(r, lambda s, p: sp.dx.main.init(r, s, p), lambda s, p, v: T.buffer_store(w.t1, v, [s, p]))
+        dx_state(r, lambda s, p: sp.dx.state.init(r, s, p), lambda s, p, v: T.buffer_store(w.t2, v, [s, p]))
         w.sc[1] = T.float32(0)
         for s in range(Q):
             w.sc[0] = T.float32(0)
             for p in range(P):
-                w.sc[0] = w.sc[0] + w.xl[s, p] * w.t2[s, p]
-            w.dd[s] = w.dd[s] + w.wst[s] * w.sc[0]
+                w.sc[0] = w.sc[0] + spec.xb_term(r, s, p, w.t2[s, p])
+            w.dd[s] = w.dd[s] + spec.ddt_state(r, s, w.sc[0])
             w.dac[s] = w.dac[s] + w.sc[1]
-            w.sc[1] = w.sc[1] + w.wst[s] * w.dtl[s] * w.sc[0]
+            w.sc[1] = w.sc[1] + spec.prefix_term(r, s, w.sc[0])
             if c * Q + s < o.seqlen:
                 for p in T.vectorized(P):
-                    o.dx[b, c * Q + s, h, p] = (w.t1[s, p] + w.wst[s] * w.dtl[s] * w.t2[s, p]).astype(d.x_dtype)
+                    o.dx[b, c * Q + s, r.h, p] = sp.dx.out(r, s, w.t1[s, p], w.t2[s, p]).astype(d.x_dtype)
 
     return rows_pass, dx_piece
 
 
 def _part_pieces(d: ScanBwdDims, S: Strategy):
-    """Macros ``dc_db_heads(o, w, h)`` (head h's terms of the part's dB / dC, its dD, d dt and d dA_step) and
-    ``intra(o, w)`` (the part's intra-chunk dB / dC, then its rows stored)."""
+    """Macros ``dc_db_heads(o, w, r)`` (head h's terms of the part's dB / dC, its dD, d dt and d dA_step) and
+    ``intra(o, w, r)`` (the part's intra-chunk dB / dC, then its rows stored): spec.pieces' dB, dC, dD."""
     P, N, Q = d.headdim, d.dstate, d.chunk_size
-    rows, cols, order = S.rows, S.cols, S.order
-    mm_qn = matmul(Q, N, rows, cols, order=order)
-    mm_qn_le, mm_qn_ge = (matmul(Q, N, rows, cols, order=order, tri=t, group=d.step_group)  # (as mm_qp_ge)
-                          for t in (("lt", "gt") if d.diag_skip else ("le", "ge")))
+    sp = spec.pieces(d)
+    dC_head, dB_head, dC_intra, dB_intra = (_staged(d, S, p) for p in (sp.dC.head, sp.dB.head, sp.dC.intra,
+                                                                       sp.dB.intra))
 
     @T.macro
-    def dc_db_heads(o, w, h):
+    def dc_db_heads(o, w, r):
         """Head h's terms of the part's dC (carried state: e[l] g_l Sin) and dB (chunk state: w[s] dt[s] x_s dSo),
         its dD partial, and its d dt / d dA_step (the carried-state term reverse-cumsummed: d dA_cs[l] reaches
         the steps s <= l)."""
-        b, c = T.meta_var(w.b), T.meta_var(w.c)
-        mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda l, p: w.gl[l, p], lambda p, n: o.sin[b, c, h, p, n], zero,
-              lambda l, n, v: T.buffer_store(w.t1, v, [l, n]))
+        b, c, h = T.meta_var(w.b), T.meta_var(w.c), T.meta_var(r.h)
+        dC_head(r, lambda l, n: sp.dC.head.init(r, l, n), lambda l, n, v: T.buffer_store(w.t1, v, [l, n]))
         for l in range(T.min(Q, o.seqlen - c * Q)):
             w.sc[0] = T.float32(0)
             for n in range(N):
-                w.sc[0] = w.sc[0] + w.cl[l, n] * w.t1[l, n]
-            w.dcar[l] = w.e[l] * w.sc[0]
+                w.sc[0] = w.sc[0] + spec.carried_term(r, l, n, w.t1[l, n])
+            w.dcar[l] = sp.dC.scale(r, l) * w.sc[0]
             for n in T.vectorized(N):
-                w.dCa[l, n] = w.dCa[l, n] + w.e[l] * w.t1[l, n]
-        mm_qn(lambda lo, hi: 0, lambda lo, hi: P, lambda s, p: w.xl[s, p], lambda p, n: o.dso[b, c, h, p, n], zero,
-              lambda s, n, v: T.buffer_store(w.t2, v, [s, n]))
+                w.dCa[l, n] = w.dCa[l, n] + sp.dC.scale(r, l) * w.t1[l, n]
+        dB_head(r, lambda s, n: sp.dB.head.init(r, s, n), lambda s, n, v: T.buffer_store(w.t2, v, [s, n]))
         for s in range(T.min(Q, o.seqlen - c * Q)):
             for n in T.vectorized(N):
-                w.dBa[s, n] = w.dBa[s, n] + w.wst[s] * w.dtl[s] * w.t2[s, n]
-        if d.diag_skip:  # per position: sum_p g[l, p] x[l, p], p ascending (as the launch form)
+                w.dBa[s, n] = w.dBa[s, n] + sp.dB.scale(r, s) * w.t2[s, n]
+        if d.diag_skip:  # per position l: the sum over p
             for l in range(Q):
                 w.sc[0] = T.float32(0)
                 for p in range(P):
-                    w.sc[0] = w.sc[0] + w.gl[l, p] * w.xl[l, p]
+                    w.sc[0] = w.sc[0] + sp.dd.term(r, l, p)
                 o.dD_part[b, h, c, l] = w.sc[0]
-        elif d.has_D:
+        elif d.has_D:  # per channel p: the sum over l, run as a vector of the channels
             for p in T.vectorized(P):
                 w.rp[p] = T.float32(0)
             for l in range(Q):
                 for p in T.vectorized(P):
-                    w.rp[p] = w.rp[p] + w.gl[l, p] * w.xl[l, p]
+                    w.rp[p] = w.rp[p] + sp.dd.term(r, p, l)
             for p in T.vectorized(P):
                 o.dD_part[b, c, h, p] = w.rp[p]
         w.sc[0] = T.float32(0)
@@ -225,17 +247,15 @@ def _part_pieces(d: ScanBwdDims, S: Strategy):
             o.ddA_step[b, h, c, Q - 1 - lr] = w.dac[Q - 1 - lr] + w.sc[0]
 
     @T.macro
-    def intra(o, w):
-        """The intra-chunk dB / dC once per part (B, C are the group's): dC[l] += sum_{s<=l} gsum[l, s] B_s,
-        dB[s] += sum_{l>=s} gsum[l, s] C_l (s < l, l > s with diag_skip); then the part's rows are stored."""
-        b, c = T.meta_var(w.b), T.meta_var(w.c)
-        mm_qn_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda l, s: o.gsum[b, c, w.gp, l, s],
-                 lambda s, n: w.bl[s, n], lambda l, n: w.dCa[l, n], lambda l, n, v: T.buffer_store(w.dCa, v, [l, n]))
-        mm_qn_ge(lambda lo, hi: lo, lambda lo, hi: Q, lambda s, l: o.gsum[b, c, w.gp, l, s],
-                 lambda l, n: w.cl[l, n], lambda s, n: w.dBa[s, n], lambda s, n, v: T.buffer_store(w.dBa, v, [s, n]))
+    def intra(o, w, r):
+        """The intra-chunk dB / dC once per part (B, C are the group's), each from the part's head terms; then
+        the part's rows are stored."""
+        c = T.meta_var(w.c)
+        dC_intra(r, lambda l, n: w.dCa[l, n], lambda l, n, v: T.buffer_store(w.dCa, v, [l, n]))
+        dB_intra(r, lambda s, n: w.dBa[s, n], lambda s, n, v: T.buffer_store(w.dBa, v, [s, n]))
         for l in range(T.min(Q, o.seqlen - c * Q)):
             for n in T.vectorized(N):
-                o.dBp[b, c * Q + l, w.gp, n] = w.dBa[l, n]
-                o.dCp[b, c * Q + l, w.gp, n] = w.dCa[l, n]
+                o.dBp[w.b, c * Q + l, w.gp, n] = w.dBa[l, n]
+                o.dCp[w.b, c * Q + l, w.gp, n] = w.dCa[l, n]
 
     return dc_db_heads, intra
