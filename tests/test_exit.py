@@ -1,8 +1,9 @@
 """Processes that use tvm_mamba exit with code 0, every time: plain calls (forward, backward, decode) and a DDP
 pair (gloo) whose workers return normally. tvm_mamba starts no thread of its own that outlives a call (TVM's
 worker pool is idle between kernels); the abort this guards against, "terminate called without an active
-exception", is what any thread still inside a torch op at interpreter exit causes, with or without tvm_mamba
-(docs/modules.md, "Exit")."""
+exception", is what any thread that takes the GIL while the interpreter finalizes causes, with or without
+tvm_mamba: a thread still inside a torch op, or gloo's worker thread releasing DDP's last allreduce works
+(docs/modules.md, "Exit"; the DDP worker below follows its advice)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,7 +24,7 @@ print("done")
 """
 
 DDP = r"""
-import os, socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import os, socket, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 import tvm_mamba
 
 def worker(rank, port):
@@ -36,6 +37,10 @@ def worker(rank, port):
     (ddp(torch.randn(2, 24, 32)) ** 2).mean().backward()
     dist.barrier()
     dist.destroy_process_group()
+    # torch 2.13's gloo threads release DDP's allreduce works after the barrier has woken this thread; each
+    # holds the backward's Python context (a SafePyObject) whose release takes the GIL, which aborts the
+    # process if the interpreter is finalizing by then (docs/modules.md, "Exit"). Let them finish first.
+    time.sleep(0.5)
 
 if __name__ == "__main__":
     with socket.socket() as s:
