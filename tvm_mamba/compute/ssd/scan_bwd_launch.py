@@ -247,6 +247,14 @@ def _bchq(o, i, H: int, Q: int):
     return i // (o.nchunks * H * Q), i // (H * Q) % o.nchunks, i // Q % H, i % Q
 
 
+def _head_task(S: Strategy, r: _Reads, o, i, H: int, Q: int, R: int, nacc: int):
+    """(scratch with ``nacc`` accumulators, batch, chunk, head, position, head reader) of task i of a launch
+    over (batch, chunk, head, position); R heads per group."""
+    v = S.scratch(acc=(nacc,))
+    b, c, h, q = _bchq(o, i, H, Q)
+    return v, b, c, h, q, _at(r, b, c, h // R, h)
+
+
 def _step_pieces(d: ScanBwdDims, S: Strategy):
     """The per-step gradients, a task per (batch, chunk, head, position) (the reverse cumsum: per (batch, chunk,
     head)): macros ``run(o, r)``, the summands and ranges of scan_bwd_spec.py (the crossing-pairs form)."""
@@ -257,9 +265,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     @T.macro
     def xb_at(o, r, i):
         """XB[s] = <x_s, dSo B_s> -> ddt_out (scratch until d dt)"""
-        v = T.meta_var(S.scratch(acc=(2,)))
-        b, c, h, s = T.meta_var(_bchq(o, i, H, Q))
-        a = T.meta_var(_at(r, b, c, h // R, h))
+        v, b, c, h, s, a = T.meta_var(_head_task(S, r, o, i, H, Q, R, 2))
         v.acc[0] = T.float32(0)
         _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, n: sp.dx.state.term(a, s, n, p),
                   lambda p, st: spec.xb_term(a, s, p, st), False)
@@ -268,9 +274,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     @T.macro
     def carried_at(o, r, i):
         """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step"""
-        v = T.meta_var(S.scratch(acc=(3,)))
-        b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        a = T.meta_var(_at(r, b, c, h // R, h))
+        v, b, c, h, q, a = T.meta_var(_head_task(S, r, o, i, H, Q, R, 3))
         v.acc[0] = T.float32(0)
         if c * Q + q < o.seqlen:  # g is 0 past seqlen
             v.acc[1] = T.float32(0)
@@ -315,9 +319,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     def ddt_at(o, r, i):
         """d dt[q] = sum_{l>=q} (g_l.x_q)(C_l.B_q) K + exp(dA_cs[Q-1]-dA_cs[q]) XB[q] (l > q with diag_skip), l from
         the last up (the task form's order)"""
-        v = T.meta_var(S.scratch(acc=(2,)))
-        b, c, h, q = T.meta_var(_bchq(o, i, H, Q))
-        a = T.meta_var(_at(r, b, c, h // R, h))
+        v, b, c, h, q, a = T.meta_var(_head_task(S, r, o, i, H, Q, R, 2))
         v.acc[0] = T.float32(0)
         # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
         # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
