@@ -38,9 +38,10 @@ def test_cpu_rule_parallel_lanes_and_serial_decode_path():
 def test_cuda_rule_threads_knob_and_gpu_capability(threads):
     dec = Decisions({"threads": threads})
     sch = cuda_rule.apply(m3.mamba3_siso_step(**STATIC), tvm.target.Target("rocm"), dec)
-    assert dec.used == {"threads": threads}
+    assert dec.used == {"threads": threads, "head_rows": 4}  # the update pass: 4 rows of a head per warp lane
     script = sch.mod.script()
     assert "blockIdx.x" in script and f'T.thread_binding({threads}, thread="threadIdx.x")' in script
+    assert "tvm_warp_shuffle" in script  # warp lanes: the h' . q butterfly and the broadcast row scalars
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
