@@ -15,8 +15,12 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute import ssd as compute
-from ...compute.ssd.strategy import Strategy
+from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
+from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul
+
+
+_TILED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates")
 
 
 class Gpu(Strategy):
@@ -25,9 +29,24 @@ class Gpu(Strategy):
     name = "gpu"
     scope = "local"
 
-    def __init__(self, threads: int = 128):
+    def __init__(self, threads: int = 128, tile: int = 64):
         super().__init__(native_math=True)
-        self.threads = threads
+        self.threads, self.tile = threads, tile
+
+    def key(self) -> tuple:
+        return super().key() + (self.tile,)
+
+    def scaled_matmul(self, M: int, W: int, K: int):
+        """A block per output tile, operands staged in shared memory (_tiled.py)."""
+        return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=False, scaled=True)
+
+    def matmul_rows(self, M: int, W: int, K: int):
+        """As ``scaled_matmul``, both operands copied along k (rows of C and B)."""
+        return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=True, scaled=False)
+
+    def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
+        """A block per output tile: the carried product and the causal sum staged slice by slice (_tiled.py)."""
+        return tiled_causal(Tiling.of(M, W, K, self.threads, self.tile), causal_end(strict, group))
 
     def outer(self, extent):
         return T.thread_binding(self.blocks(extent), thread="blockIdx.x")
@@ -36,10 +55,10 @@ class Gpu(Strategy):
         return T.thread_binding(self.threads, thread="threadIdx.x")
 
 
-def template(name: str, static: dict, threads: int = 128, serial: bool = False):
+def template(name: str, static: dict, threads: int = 128, serial: bool = False, tile: int = 64):
     """The CUDA layout of kernel ``name`` (serial=True: thread loops made serial, CUDA's math: for CPU tests)."""
     template, dims = compute.template_of(name)
-    return template(dims(**static), Strategy(native_math=True) if serial else Gpu(threads))
+    return template(dims(**static), Strategy(native_math=True) if serial else Gpu(threads, tile))
 
 
 def apply(func, target, decisions: Decisions):
@@ -48,6 +67,7 @@ def apply(func, target, decisions: Decisions):
     if "gpu" not in target.keys or compute.template_of(name) is None:
         return None
     threads = decisions.pick("threads", (64, 128, 256), 128)
-    prim = template(name, static, threads).with_attrs({"global_symbol": name, "tirx.noalias": True,
+    tile = decisions.pick("tile", TILE_CAP, 64) if name in _TILED else 64
+    prim = template(name, static, threads, tile=tile).with_attrs({"global_symbol": name, "tirx.noalias": True,
                                                         "tvm_mamba.kernel": name})
     return schedule_of(prim, name=name)

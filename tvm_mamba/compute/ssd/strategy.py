@@ -143,7 +143,7 @@ class Strategy:
         finite lhs. A task per output element here, the sums in one scalar; the CPU strategy stages the
         operands and runs the register-blocked matmuls of mm.py in the same order."""
         S = self
-        end = (lambda r: r // group * group) if group > 1 else (lambda r: r if strict else r + 1)  # noqa: E731
+        end = causal_end(strict, group)
 
         @T.macro
         def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
@@ -178,6 +178,14 @@ class Strategy:
             return buf
 
         return SimpleNamespace(**{name: alloc(name, spec) for name, spec in shapes.items()})
+
+
+def causal_end(strict: bool, group: int):
+    """Row i of a causal chunk product sums positions s < end(i): i + 1, i (``strict``) or the start of i's
+    group of ``group`` positions (``causal_matmul``)."""
+    if group > 1:
+        return lambda r: r // group * group
+    return (lambda r: r) if strict else (lambda r: r + 1)
 
 
 def unravel(i, extents):

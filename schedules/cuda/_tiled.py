@@ -1,0 +1,230 @@
+"""Shared-memory tiled chunk matmuls for the CUDA SSD strategy (schedules/cuda/ssd.py).
+
+A block computes one TM x TW tile of one task's M x W product; its ``threads`` threads first copy a K-slice
+of both operands (KT rows of k) into shared memory cooperatively, wait, then each computing thread adds the
+slice to its RM x RW register block (rows ``CM`` apart, columns ``CW`` apart: a warp's shared reads of the
+right operand hit consecutive banks, of the left one a broadcast), wait, and the next slice. Each operand
+element is requested from global memory once per tile instead of once per output (the task-per-output
+layout re-read a row of K per output: 100-400x the minimum bytes), and per-k or per-(i, s) factors that
+cost an exp (chunk_state's decay weight, chunk_scan's segment-sum mask) are computed once per tile.
+
+Every output is still one register summed over k ascending, so the sums are in the order of the serial
+strategy (strategy.py): the layout changes where operands come from, never the arithmetic.
+
+Copies: ``k_fast`` operands (C / B rows along dstate, cb rows along s) put consecutive threads on
+consecutive k (their contiguous axis: whole 128-byte lines per warp request); the others on consecutive
+i / j. A k-fast copy writes shared memory at a stride of the tile row, so those tiles are padded by one
+float (stride TM + 1: no bank conflict on the copy).
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
+
+TILE_CAP = (32, 64, 128)  # largest output tile side (the ``tile`` knob)
+K_SLICE = 32  # largest k-slice staged per round
+
+
+def largest_divisor(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """An M x W x K product's TM x TW output tile, KT-deep k slices, CM x CW computing threads each owning an
+    RM x RW register block."""
+
+    M: int
+    W: int
+    K: int
+    TM: int
+    TW: int
+    KT: int
+    CM: int
+    CW: int
+    threads: int
+
+    @property
+    def RM(self) -> int:
+        return self.TM // self.CM
+
+    @property
+    def RW(self) -> int:
+        return self.TW // self.CW
+
+    @staticmethod
+    def of(M: int, W: int, K: int, threads: int, cap: int = 64) -> "Tiling":
+        """The tile for an M x W x K product: sides the largest divisors <= ``cap``, as many computing threads
+        as fit ``threads`` with the most square register block (fewest operand loads per multiply-add)."""
+        TM, TW, KT = largest_divisor(M, cap), largest_divisor(W, cap), largest_divisor(K, K_SLICE)
+        best = None
+        for cw in (d for d in range(1, TW + 1) if TW % d == 0):
+            for cm in (d for d in range(1, TM + 1) if TM % d == 0):
+                if cm * cw <= threads:
+                    key = (-cm * cw, TM // cm + TW // cw, -cw)
+                    best = min(best, (key, cm, cw)) if best else (key, cm, cw)
+        _, cm, cw = best
+        return Tiling(M, W, K, TM, TW, KT, cm, cw, threads)
+
+
+def _copy(tl: Tiling, rows: int, cols: int, k_fast: bool):
+    """A macro ``copy(dst, src, tx)``: dst[k, c] = src(k, c) for the k x ``cols`` slice (k < ``rows``), the
+    block's threads taking consecutive k (``k_fast``) or consecutive c. ``dst`` is flat, row stride
+    ``stride(cols, k_fast)``."""
+    n, ld = rows * cols, stride(cols, k_fast)
+    rounds = (n + tl.threads - 1) // tl.threads
+
+    @T.macro
+    def copy(dst, src, tx):
+        for e in T.unroll(rounds):
+            if e * tl.threads + tx < n:
+                idx = T.meta_var(e * tl.threads + tx)
+                if k_fast:
+                    dst[idx % rows * ld + idx // rows] = src(idx % rows, idx // rows)
+                else:
+                    dst[idx // cols * ld + idx % cols] = src(idx // cols, idx % cols)
+
+    return copy
+
+
+def stride(cols: int, k_fast: bool) -> int:
+    """Row stride of a staged slice: a k-fast copy writes down a column, so its rows are padded by one float
+    (consecutive threads then hit consecutive banks). The slices are flat buffers: a 2-D one would be
+    compacted back to the columns read."""
+    return cols + 1 if k_fast else cols
+
+
+def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool, scaled: bool = False):
+    """A macro ``product(acc, sh, nk, a, scale, b, tx, ok)``: for thread ``tx``'s RM x RW block of the tile,
+    acc[r, c] += a(k, i) (scale(k) b(k, j)) for k ascending over ``nk`` slices of ``KT`` (``scaled``; else
+    a(k, i) b(k, j)), the term added only where ``ok(k, i)`` (the causal products' range of row i; i / j
+    tile-relative). ``sh``: the block's shared slices (a, b, scale) and the thread's operand registers
+    (ar, br). ``nk`` must be the same for every thread of the block (the barriers)."""
+    copy_a, copy_b = _copy(tl, KT, tl.TM, a_fast), _copy(tl, KT, tl.TW, b_fast)
+    RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
+    LA, LB = stride(tl.TM, a_fast), stride(tl.TW, b_fast)
+
+    @T.macro
+    def product(acc, sh, nk, a, scale, b, tx, ok):
+        for ko in range(nk):
+            if scaled:  # the k factor once per slice (an exp in chunk_state / dstates), before b's copy reads it
+                if tx < KT:
+                    sh.s[tx] = scale(ko * KT + tx)
+                T.tvm_storage_sync("shared")
+                copy_b(sh.b, lambda k, j: sh.s[k] * b(ko * KT + k, j), tx)
+            else:
+                copy_b(sh.b, lambda k, j: b(ko * KT + k, j), tx)
+            copy_a(sh.a, lambda k, i: a(ko * KT + k, i), tx)
+            T.tvm_storage_sync("shared")
+            if tx < CM * CW:
+                for k in range(KT):
+                    for r in T.unroll(RM):
+                        sh.ar[r] = sh.a[k * LA + tx // CW + r * CM]
+                    for c in T.unroll(RW):
+                        sh.br[c] = sh.b[k * LB + tx % CW + c * CW]
+                    for r in T.unroll(RM):
+                        for c in T.unroll(RW):
+                            if ok(ko * KT + k, tx // CW + r * CM):
+                                acc[r, c] = acc[r, c] + sh.ar[r] * sh.br[c]
+            T.tvm_storage_sync("shared")
+
+    return product
+
+
+def _buffers(scope: str, **shapes) -> SimpleNamespace:
+    """float32 buffers in ``scope``, named by keyword (call inside the macro at the level that owns them)."""
+    def alloc(name, shape):
+        buf = T.alloc_buffer(shape, "float32", scope=scope)
+        IRBuilder.name(name, buf)
+        return buf
+
+    return SimpleNamespace(**{name: alloc(name, shape) for name, shape in shapes.items()})
+
+
+def _tile_of(tl: Tiling, bx):
+    """Block ``bx`` -> (task, first row, first column) of its tile."""
+    ti, tj = tl.M // tl.TM, tl.W // tl.TW
+    return bx // (ti * tj), bx // tj % ti * tl.TM, bx % tj * tl.TW
+
+
+def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
+    """The strategy's ``run(extent, lhs, scale, rhs, store)`` (strategy.py ``scaled_matmul``; ``scaled``
+    False: ``run(extent, lhs, rhs, store)`` of ``matmul_rows``, rhs(t, j, k) read along k), a block per tile."""
+    product = block_product(tl, tl.KT, k_fast, k_fast, scaled)
+    blocks = tl.M // tl.TM * (tl.W // tl.TW)
+    RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
+    SA, SB = tl.KT * stride(tl.TM, k_fast), tl.KT * stride(tl.TW, k_fast)
+
+    @T.macro
+    def run_any(extent, lhs, scale, rhs, store):
+        for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
+            sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,), s=(tl.KT,)))
+            for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
+                t, i0, j0 = T.meta_var(_tile_of(tl, bx))
+                reg = T.meta_var(_buffers("local", acc=(RM, RW), ar=(RM,), br=(RW,)))
+                for r in T.unroll(RM):
+                    for c in T.unroll(RW):
+                        reg.acc[r, c] = T.float32(0)
+                product(reg.acc, SimpleNamespace(a=sh.a, b=sh.b, s=sh.s, ar=reg.ar, br=reg.br), tl.K // tl.KT,
+                        lambda k, i: lhs(t, i0 + i, k), lambda k: scale(t, k),
+                        (lambda k, j: rhs(t, j0 + j, k)) if not scaled else (lambda k, j: rhs(t, k, j0 + j)),
+                        tx, lambda k, i: True)
+                if tx < CM * CW:
+                    for r in T.unroll(RM):
+                        for c in T.unroll(RW):
+                            store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
+
+    if scaled:
+        return run_any
+
+    @T.macro
+    def run_rows(extent, lhs, rhs, store):
+        run_any(extent, lhs, lambda t, k: T.float32(1), rhs, store)
+
+    return run_rows
+
+
+def tiled_causal(tl: Tiling, end):
+    """The strategy's ``causal_matmul`` run (strategy.py): a block per TM x TW tile of a task's chunk; the
+    carried product over K = dstate in slices, ``carry``, then the causal sum over the positions s < end(i)
+    in slices of KS, its weights staged once per tile (the exp of the segment sum once per (i, s)); slices
+    past the tile's last row (or the chunk's rows) are not visited."""
+    KS = largest_divisor(tl.M, K_SLICE)
+    carried_product = block_product(tl, tl.KT, True, True)
+    causal_product = block_product(tl, KS, True, False)
+    blocks = tl.M // tl.TM * (tl.W // tl.TW)
+    RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(tl.KT, KS)
+    SA, SB = KX * stride(tl.TM, True), KX * stride(tl.TW, True)
+
+    @T.macro
+    def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
+        for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
+            sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,)))
+            for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
+                t, i0, j0 = T.meta_var(_tile_of(tl, bx))
+                reg = T.meta_var(_buffers("local", acc=(RM, RW), ar=(RM,), br=(RW,)))
+                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, s=None, ar=reg.ar, br=reg.br))
+                for r in T.unroll(RM):
+                    for c in T.unroll(RW):
+                        reg.acc[r, c] = T.float32(0)
+                if carried(t):  # the same for the whole block: its barriers are reached by every thread
+                    carried_product(reg.acc, ops, tl.K // tl.KT, lambda k, i: lhs(t, i0 + i, k), None,
+                                    lambda k, j: rhs(t, k, j0 + j), tx, lambda k, i: True)
+                if tx < CM * CW:
+                    for r in T.unroll(RM):
+                        for c in T.unroll(RW):
+                            reg.acc[r, c] = carry(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c],
+                                                  xs(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW))
+                causal_product(reg.acc, ops, (T.min(end(i0 + tl.TM - 1), rows(t)) + KS - 1) // KS,
+                               lambda s, i: weight(t, i0 + i, s), None, lambda s, j: xs(t, s, j0 + j), tx,
+                               lambda s, i: s < end(i0 + i))
+                if tx < CM * CW:
+                    for r in T.unroll(RM):
+                        for c in T.unroll(RW):
+                            if i0 + tx // CW + r * CM < rows(t):
+                                store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
+
+    return run
