@@ -29,7 +29,7 @@ from tvm.script import tirx as T
 from ...compute import ssd as compute
 from ...compute.ssd.mm import (COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, lower_cols, matmul,
                                vblock, zero)
-from ...compute.ssd.strategy import Strategy
+from ...compute.ssd.strategy import Strategy, at
 from ..rule import Decisions, kernel_attrs, schedule_of, vector_floats
 
 _BLOCKED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
@@ -100,7 +100,7 @@ class Cpu(Strategy):
         VB = vblock(M)
 
         @T.macro
-        def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
+        def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos):
             for t in T.parallel(extent):
                 a = T.alloc_buffer((M, K), "float32")
                 bt = T.alloc_buffer((K, W), "float32")
@@ -113,14 +113,14 @@ class Cpu(Strategy):
                 for i in range(M):
                     for sb in range(lower_cols(i, M, VB) // VB):
                         for v in T.vectorized(VB):
-                            w[i, sb * VB + v] = weight(t, i, sb * VB + v)
+                            w[i, sb * VB + v] = weight(t, i, sb * VB + v, at(pos, t, i), at(pos, t, sb * VB + v))
                 if carried(t):
                     staged(a, bt, lambda i, k: lhs(t, i, k), lambda k, j: rhs(t, k, j),
-                           lambda i, j, v: T.buffer_store(acc, carry(t, i, j, v, xv[i, j]), [i, j]))
+                           lambda i, j, v: T.buffer_store(acc, carry(t, i, j, v, xv[i, j], at(pos, t, i)), [i, j]))
                 else:
                     for i in range(M):
                         for j in T.vectorized(W):
-                            acc[i, j] = carry(t, i, j, T.float32(0), xv[i, j])
+                            acc[i, j] = carry(t, i, j, T.float32(0), xv[i, j], at(pos, t, i))
                 mm_le(lambda lo, hi: 0, lambda lo, hi: hi, lambda i, s: w[i, s], lambda s, j: xv[s, j],
                       lambda i, j: acc[i, j], lambda i, j, v: T.buffer_store(acc, v, [i, j]))
                 for i in range(rows(t)):

@@ -15,6 +15,11 @@ Copies: ``k_fast`` operands (C / B rows along dstate, cb rows along s) put conse
 consecutive k (their contiguous axis: whole 128-byte lines per warp request); the others on consecutive
 i / j. A k-fast copy writes shared memory at a stride of the tile row, so those tiles are padded by one
 float (stride TM + 1: no bank conflict on the copy).
+
+MIN_BLOCKS: the kernels say ``__launch_bounds__(threads, 1)``. With the thread count alone, CUDA 13's ptxas
+capped the register-blocked kernels at 48 (256 threads) or 64 (128 threads) registers and spilled (chunk_scan
+with seq_idx and bf16 states: 96 bytes); with a minimum of one block per SM it allocates what the register
+block needs (72-96) without spilling.
 """
 from __future__ import annotations
 
@@ -97,26 +102,24 @@ def stride(cols: int, k_fast: bool) -> int:
     return cols + 1 if k_fast else cols
 
 
-def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool, scaled: bool = False):
-    """A macro ``product(acc, sh, nk, a, scale, b, tx, ok)``: for thread ``tx``'s RM x RW block of the tile,
-    acc[r, c] += a(k, i) (scale(k) b(k, j)) for k ascending over ``nk`` slices of ``KT`` (``scaled``; else
-    a(k, i) b(k, j)), the term added only where ``ok(k, i)`` (the causal products' range of row i; i / j
-    tile-relative). ``sh``: the block's shared slices (a, b, scale) and the thread's operand registers
-    (ar, br). ``nk`` must be the same for every thread of the block (the barriers)."""
+def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
+    """A macro ``product(acc, sh, nk, a, b, tx, ok, stage)``: for thread ``tx``'s RM x RW block of the tile,
+    acc[r, c] += a(k, i) b(k, j) for k ascending over ``nk`` slices of ``KT``, the term added only where
+    ``ok(k, i)`` (the causal products' range of row i; i / j tile-relative). ``stage(ko)``: what slice ``ko``'s
+    operands read from shared memory besides the slices (a per-k scale, per-position values), written
+    before them behind a barrier; None: nothing. ``sh``: the block's shared slices (a, b) and the thread's
+    operand registers (ar, br). ``nk`` must be the same for every thread of the block (the barriers)."""
     copy_a, copy_b = _copy(tl, KT, tl.TM, a_fast), _copy(tl, KT, tl.TW, b_fast)
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
     LA, LB = stride(tl.TM, a_fast), stride(tl.TW, b_fast)
 
     @T.macro
-    def product(acc, sh, nk, a, scale, b, tx, ok):
+    def product(acc, sh, nk, a, b, tx, ok, stage):
         for ko in range(nk):
-            if scaled:  # the k factor once per slice (an exp in chunk_state / dstates), before b's copy reads it
-                if tx < KT:
-                    sh.s[tx] = scale(ko * KT + tx)
+            if stage is not None:
+                stage(ko)
                 T.tvm_storage_sync("shared")
-                copy_b(sh.b, lambda k, j: sh.s[k] * b(ko * KT + k, j), tx)
-            else:
-                copy_b(sh.b, lambda k, j: b(ko * KT + k, j), tx)
+            copy_b(sh.b, lambda k, j: b(ko * KT + k, j), tx)
             copy_a(sh.a, lambda k, i: a(ko * KT + k, i), tx)
             T.tvm_storage_sync("shared")
             if tx < CM * CW:
@@ -132,6 +135,19 @@ def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool, scaled: bool 
             T.tvm_storage_sync("shared")
 
     return product
+
+
+def _fill(tl: Tiling, n: int):
+    """A macro ``fill(dst, base, value, tx)``: dst[base + q] = value(q) for q < n, the block's threads taking
+    consecutive q."""
+
+    @T.macro
+    def fill(dst, base, value, tx):
+        for e in T.unroll((n + tl.threads - 1) // tl.threads):
+            if e * tl.threads + tx < n:
+                dst[base + e * tl.threads + tx] = value(e * tl.threads + tx)
+
+    return fill
 
 
 def _buffers(scope: str, **shapes) -> SimpleNamespace:
@@ -153,7 +169,8 @@ def _tile_of(tl: Tiling, bx):
 def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
     """The strategy's ``run(extent, lhs, scale, rhs, store)`` (strategy.py ``scaled_matmul``; ``scaled``
     False: ``run(extent, lhs, rhs, store)`` of ``matmul_rows``, rhs(t, j, k) read along k), a block per tile."""
-    product = block_product(tl, tl.KT, k_fast, k_fast, scaled)
+    product = block_product(tl, tl.KT, k_fast, k_fast)
+    fill = _fill(tl, tl.KT)
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
     SA, SB = tl.KT * stride(tl.TM, k_fast), tl.KT * stride(tl.TW, k_fast)
@@ -161,6 +178,7 @@ def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
     @T.macro
     def run_any(extent, lhs, scale, rhs, store):
         for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
             sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,), s=(tl.KT,)))
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
@@ -168,10 +186,14 @@ def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
                 for r in T.unroll(RM):
                     for c in T.unroll(RW):
                         reg.acc[r, c] = T.float32(0)
-                product(reg.acc, SimpleNamespace(a=sh.a, b=sh.b, s=sh.s, ar=reg.ar, br=reg.br), tl.K // tl.KT,
-                        lambda k, i: lhs(t, i0 + i, k), lambda k: scale(t, k),
-                        (lambda k, j: rhs(t, j0 + j, k)) if not scaled else (lambda k, j: rhs(t, k, j0 + j)),
-                        tx, lambda k, i: True)
+                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br))
+                if scaled:  # the k factor (chunk_state's decay weight: an exp) once per slice
+                    product(reg.acc, ops, tl.K // tl.KT, lambda k, i: lhs(t, i0 + i, k),
+                            lambda k, j: sh.s[k % tl.KT] * rhs(t, k, j0 + j), tx, lambda k, i: True,
+                            lambda ko: fill(sh.s, 0, lambda k: scale(t, ko * tl.KT + k), tx))
+                else:
+                    product(reg.acc, ops, tl.K // tl.KT, lambda k, i: lhs(t, i0 + i, k),
+                            lambda k, j: rhs(t, j0 + j, k), tx, lambda k, i: True, None)
                 if tx < CM * CW:
                     for r in T.unroll(RM):
                         for c in T.unroll(RW):
@@ -191,36 +213,65 @@ def tiled_causal(tl: Tiling, end):
     """The strategy's ``causal_matmul`` run (strategy.py): a block per TM x TW tile of a task's chunk; the
     carried product over K = dstate in slices, ``carry``, then the causal sum over the positions s < end(i)
     in slices of KS, its weights staged once per tile (the exp of the segment sum once per (i, s)); slices
-    past the tile's last row (or the chunk's rows) are not visited."""
+    past the tile's last row (or the chunk's rows) are not visited. The per-position values (``pos``) are
+    staged too: the tile's rows once, each slice's positions with the slice."""
     KS = largest_divisor(tl.M, K_SLICE)
     carried_product = block_product(tl, tl.KT, True, True)
     causal_product = block_product(tl, KS, True, False)
+    fill_rows, fill_cols = _fill(tl, tl.TM), _fill(tl, KS)
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
     RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(tl.KT, KS)
     SA, SB = KX * stride(tl.TM, True), KX * stride(tl.TW, True)
 
+    def values(slots, q):
+        return tuple(buf[base + q] for buf, base in slots)
+
+    def fill_all(fill):
+        """A macro ``stage(bufs, pos, t, q0, tx)``: bufs[p][q] = pos[p] at position q0 + q of task t, every p
+        (at most 3: dA_cs, dt_out, the sequence id)."""
+
+        @T.macro
+        def stage(bufs, pos, t, q0, tx):
+            fill(bufs[0][0], bufs[0][1], lambda q: pos[0][0](t, q0 + q), tx)
+            if len(pos) > 1:
+                fill(bufs[1][0], bufs[1][1], lambda q: pos[1][0](t, q0 + q), tx)
+            if len(pos) > 2:
+                fill(bufs[2][0], bufs[2][1], lambda q: pos[2][0](t, q0 + q), tx)
+
+        return stage
+
+    stage_rows, stage_cols = fill_all(fill_rows), fill_all(fill_cols)
+
     @T.macro
-    def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
+    def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos):
         for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
             sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,)))
+            vr = T.meta_var(_typed("shared", "vr", tl.TM, pos))  # the tile's rows
+            vc = T.meta_var(_typed("shared", "vc", KS, pos))  # the slice's positions
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
                 reg = T.meta_var(_buffers("local", acc=(RM, RW), ar=(RM,), br=(RW,)))
-                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, s=None, ar=reg.ar, br=reg.br))
+                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br))
                 for r in T.unroll(RM):
                     for c in T.unroll(RW):
                         reg.acc[r, c] = T.float32(0)
+                stage_rows(vr, pos, t, i0, tx)
                 if carried(t):  # the same for the whole block: its barriers are reached by every thread
-                    carried_product(reg.acc, ops, tl.K // tl.KT, lambda k, i: lhs(t, i0 + i, k), None,
-                                    lambda k, j: rhs(t, k, j0 + j), tx, lambda k, i: True)
+                    carried_product(reg.acc, ops, tl.K // tl.KT, lambda k, i: lhs(t, i0 + i, k),
+                                    lambda k, j: rhs(t, k, j0 + j), tx, lambda k, i: True, None)
+                else:
+                    T.tvm_storage_sync("shared")
                 if tx < CM * CW:
                     for r in T.unroll(RM):
                         for c in T.unroll(RW):
                             reg.acc[r, c] = carry(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c],
-                                                  xs(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW))
+                                                  xs(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW),
+                                                  values(vr, tx // CW + r * CM))
                 causal_product(reg.acc, ops, (T.min(end(i0 + tl.TM - 1), rows(t)) + KS - 1) // KS,
-                               lambda s, i: weight(t, i0 + i, s), None, lambda s, j: xs(t, s, j0 + j), tx,
-                               lambda s, i: s < end(i0 + i))
+                               lambda s, i: weight(t, i0 + i, s, values(vr, i), values(vc, s % KS)),
+                               lambda s, j: xs(t, s, j0 + j), tx, lambda s, i: s < end(i0 + i),
+                               lambda ko: stage_cols(vc, pos, t, ko * KS, tx))
                 if tx < CM * CW:
                     for r in T.unroll(RM):
                         for c in T.unroll(RW):
@@ -228,3 +279,22 @@ def tiled_causal(tl: Tiling, end):
                                 store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
 
     return run
+
+
+def _typed(scope: str, name: str, n: int, pos) -> list:
+    """The staged per-position values of ``pos`` in ``scope``: a (buffer, offset) slot of n values per reader,
+    the readers of one dtype sharing one flat buffer (name_float32, name_int32). One buffer per reader let
+    TVM's storage rewrite give an unread one's memory to a slice buffer while both were still written: a
+    race (the rows' dt_out is staged but only the columns' is read)."""
+    assert 1 <= len(pos) <= 3, len(pos)
+    dtypes = sorted({dtype for _, dtype in pos})
+    bufs = {}
+    for dtype in dtypes:
+        bufs[dtype] = T.alloc_buffer((n * sum(1 for _, dt in pos if dt == dtype),), dtype, scope=scope)
+        IRBuilder.name(f"{name}_{dtype}", bufs[dtype])
+    used = {dtype: 0 for dtype in dtypes}
+    slots = []
+    for _, dtype in pos:
+        slots.append((bufs[dtype], used[dtype] * n))
+        used[dtype] += 1
+    return slots

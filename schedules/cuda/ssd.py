@@ -20,7 +20,11 @@ from ..rule import Decisions, kernel_attrs, schedule_of
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul
 
 
-_TILED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates")
+# the tiled kernels' default (threads, tile): the largest tile whose register block stays well below ptxas's
+# 255 (chunk_scan's carry / weight address math takes ~60 registers more than a plain product: at tile 128 it
+# reached 255)
+TILED = {"ssd_bmm_chunk": (256, 128), "ssd_chunk_state": (128, 128), "ssd_chunk_scan_bwd_dstates": (128, 128),
+         "ssd_chunk_scan": (256, 64)}
 
 
 class Gpu(Strategy):
@@ -66,8 +70,9 @@ def apply(func, target, decisions: Decisions):
     name, static = kernel_attrs(func)
     if "gpu" not in target.keys or compute.template_of(name) is None:
         return None
-    threads = decisions.pick("threads", (64, 128, 256), 128)
-    tile = decisions.pick("tile", TILE_CAP, 64) if name in _TILED else 64
+    threads, tile = TILED.get(name, (128, 64))
+    threads = decisions.pick("threads", (64, 128, 256), threads)
+    tile = decisions.pick("tile", TILE_CAP, tile) if name in TILED else tile
     prim = template(name, static, threads, tile=tile).with_attrs({"global_symbol": name, "tirx.noalias": True,
                                                         "tvm_mamba.kernel": name})
     return schedule_of(prim, name=name)

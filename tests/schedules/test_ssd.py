@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import tvm
 from tvm.script import tirx as T
 
@@ -97,3 +98,65 @@ def test_default_register_block_follows_the_vector_width(mcpu, lanes):
     tuned = Decisions({"cols": 64})
     cpu_rule.apply(func, target, tuned)
     assert tuned.used["cols"] == 64
+
+
+# The CUDA strategy's tiled chunk matmuls (schedules/cuda/_tiled.py), run in the CUDA harness against the serial
+# strategy with the same (CUDA) math compiled for the CPU. The dims make every tile edge, k slice and ragged
+# chunk show: headdim 48, dstate 40 and chunk 64 with tile 32 give 24 x 20 / 32 x 32 tiles (several per task),
+# 20- and 32-deep slices (two each), and seqlen 150 a ragged last chunk of 22; threads 64 / 256 give 2 x 4 /
+# 4 x 1 register blocks (or fewer computing threads than the block has).
+TILED_DIMS = dict(nheads=4, ngroups=2, headdim=48, dstate=40, chunk_size=64)
+TILED_KERNELS = {
+    "ssd_bmm_chunk": dict(ngroups=2, dstate=40, chunk_size=64),
+    "ssd_chunk_state": dict(TILED_DIMS, has_seq_idx=True),
+    "ssd_chunk_scan": dict(TILED_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=True, has_init=True),
+    "ssd_chunk_scan_bwd_dstates": dict(TILED_DIMS, has_z=True, has_seq_idx=True),
+}
+
+
+def _tiled_args(name, batch=2, seqlen=150, seed=0):
+    """Inputs (and zeroed outputs) of kernel ``name`` at TILED_DIMS, in its parameter order."""
+    g = torch.Generator().manual_seed(seed)
+    H, G, P, N, Q = 4, 2, 48, 40, 64
+    C = (seqlen + Q - 1) // Q
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    dA = -torch.rand(batch, H, C, Q, generator=g).cumsum(-1) * 0.1
+    seq = torch.tensor([[0] * 70 + [1] * 80, [0] * 150], dtype=torch.int32)[:batch]
+    x, z, dy, yp = r(batch, seqlen, H, P), r(batch, seqlen, H, P), r(batch, seqlen, H, P), r(batch, seqlen, H, P)
+    Bm, Cm, dto = r(batch, seqlen, G, N), r(batch, seqlen, G, N), torch.rand(batch, H, C, Q, generator=g)
+    return {"ssd_bmm_chunk": (Bm, Cm, torch.zeros(batch, C, G, Q, Q)),
+            "ssd_chunk_state": (x, Bm, dto, dA, seq, torch.zeros(batch, C, H, P, N)),
+            "ssd_chunk_scan": (x, z, r(batch, C, G, Q, Q), Cm, dto, dA, r(batch, C, H, P, N), r(H, P), seq,
+                               torch.zeros(batch, seqlen, H, P), torch.zeros(batch, seqlen, H, P)),
+            "ssd_chunk_scan_bwd_dstates": (dy, z, yp, Cm, dA, seq, torch.zeros(batch, C, H, P, N),
+                                           torch.zeros(batch, seqlen, H, P))}[name]
+
+
+OUTPUTS = {"ssd_bmm_chunk": (2,), "ssd_chunk_state": (5,), "ssd_chunk_scan": (9, 10),
+           "ssd_chunk_scan_bwd_dstates": (6, 7)}
+
+
+@pytest.mark.parametrize("threads, tile", [(64, 32), (256, 32), (128, 64)])
+@pytest.mark.parametrize("name", sorted(TILED_KERNELS))
+def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
+    import tempfile
+
+    import tvm_ffi
+
+    from tvm_mamba.runtime import cuda_target, cudasim
+    from tvm_mamba.schedules.cuda import ssd as cuda_rule
+
+    template, dims = ssd.template_of(name)
+    serial = template(dims(**TILED_KERNELS[name]), ssd.strategy.Strategy(native_math=True))
+    sch = cuda_rule.apply(getattr(ssd, name)(**TILED_KERNELS[name]), cuda_target("sm_90"),
+                          Decisions({"threads": threads, "tile": tile}))
+    got, want = _tiled_args(name), _tiled_args(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        cudasim.link(cudasim.build(sch.mod, cuda_target("sm_90"), label=name), f"{tmp}/k.so")
+        module = cudasim.load(f"{tmp}/k.so")
+        cudasim.call(module, module[name], got, label=name)
+    ex = tvm.compile(tvm.IRModule({name: serial.with_attr("global_symbol", name)}), target="llvm")
+    ex[name](*[tvm_ffi.from_dlpack(t) for t in want])
+    for i in OUTPUTS[name]:
+        assert got[i].abs().max() > 0, i
+        torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5 * want[i].abs().max().item())

@@ -87,10 +87,15 @@ def ld(buf, idx, seqlen, t):
 
 def seg_exp(m, acs, sid, l, s, has_seq_idx):
     """exp(acs[l] - acs[s]) for s <= l in the same sequence, else 0 (masked before the exp)."""
+    return seg_exp_of(m, acs[l], acs[s], (sid[l], sid[s]) if has_seq_idx else None, l, s)
+
+
+def seg_exp_of(m, a_l, a_s, sids, l, s):
+    """``seg_exp`` from the values at l and s: dA_cs (a_l, a_s) and, with seq_idx, the pair of sequence ids."""
     ok = s <= l
-    if has_seq_idx:
-        ok = tirx.all(ok, sid[l] == sid[s])
-    return m.exp(tirx.Select(ok, acs[l] - acs[s], c32(NEG)))
+    if sids is not None:
+        ok = tirx.all(ok, sids[0] == sids[1])
+    return m.exp(tirx.Select(ok, a_l - a_s, c32(NEG)))
 
 
 def gate(m, dy, z, idx, seqlen, t, has_z):

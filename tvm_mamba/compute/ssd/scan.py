@@ -10,7 +10,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32, Z4, Row, batch_sids, carried_decay, d_shape, ld, seg_exp, skip_at
+from .common import F32, I32, Z4, batch_sids, carried_decay, d_shape, ld, seg_exp_of, skip_at
 from .dims import ScanDims, dims_of
 from .strategy import SERIAL, Strategy
 
@@ -31,24 +31,34 @@ def _row(buf, task, l, head, j, Q, seqlen):
     return ld(buf, (b, _pos(c, l, Q, seqlen), head, j), seqlen, c * Q + l)
 
 
-def _carry(m, d: ScanDims, dA_cs, seq_idx, Dm, task, l, p, seqlen, v, xv):
-    """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p]), e[l] = exp(dA_cs[l]) masked by
-    common.carried_decay (0 where the carried state belongs to another sequence than position l)."""
+def _positions(d: ScanDims, dA_cs, dt_out, seq_idx, nchunks, H, seqlen):
+    """The per-position values the weights and the carry read, as (reader(t, q), dtype) pairs of task t's chunk
+    position q: dA_cs, dt_out and, with seq_idx, the sequence id (a strategy may stage them per tile)."""
+    Q = d.chunk_size
+    pos = [(lambda t, q: dA_cs[t // (nchunks * H), t % H, t // H % nchunks, q], F32),
+           (lambda t, q: dt_out[t // (nchunks * H), t % H, t // H % nchunks, q], F32)]
+    if d.has_seq_idx:
+        pos.append((lambda t, q: seq_idx[t // (nchunks * H), _pos(t // H % nchunks, q, Q, seqlen)], I32))
+    return tuple(pos)
+
+
+def _carry(m, d: ScanDims, seq_idx, Dm, task, l, p, seqlen, v, xv, vl):
+    """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p], vl: ``_positions`` at l), e[l] =
+    exp(dA_cs[l]) masked by common.carried_decay (0 where the carried state belongs to another sequence than
+    position l)."""
     b, c, h = task
     Q = d.chunk_size
-    e = carried_decay(m, dA_cs[b, h, c, l], seq_idx[b, _pos(c, l, Q, seqlen)], batch_sids(seq_idx, b), c, Q,
-                      d.has_seq_idx)
+    sid = vl[2] if d.has_seq_idx else seq_idx[b, _pos(c, l, Q, seqlen)]
+    e = carried_decay(m, vl[0], sid, batch_sids(seq_idx, b), c, Q, d.has_seq_idx)
     return e * v + skip_at(d, Dm, b, h, c, l, p, xv) if d.has_D else e * v
 
 
-def _weight(m, d: ScanDims, cb, dA_cs, dt_out, seq_idx, task, l, s, seqlen):
+def _weight(m, d: ScanDims, cb, task, l, s, vl, vs):
     """(C_l.B_s) exp(dA_cs[l] - dA_cs[s]) dt'[s] for s <= l in the same sequence, else 0 (the decay masked
-    before the exp)."""
+    before the exp; vl / vs: ``_positions`` at l / s)."""
     b, c, h = task
-    Q = d.chunk_size
-    acs = Row(lambda q: dA_cs[b, h, c, q])
-    sid = Row(lambda q: seq_idx[b, _pos(c, q, Q, seqlen)])
-    return cb[b, c, h // d.heads_per_group, l, s] * seg_exp(m, acs, sid, l, s, d.has_seq_idx) * dt_out[b, h, c, s]
+    sids = (vl[2], vs[2]) if d.has_seq_idx else None
+    return cb[b, c, h // d.heads_per_group, l, s] * seg_exp_of(m, vl[0], vs[0], sids, l, s) * vs[1]
 
 
 def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
@@ -92,10 +102,11 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
             lambda t: t // H % nchunks > 0 if not d.has_init else True,  # without initial states Sin[c=0] = 0
             lambda t, l, n: _row(Cm, _task(t, nchunks, H), l, t % H // R, n, Q, seqlen),
             lambda t, n, p: sin[t // (nchunks * H), t // H % nchunks, t % H, p, n].astype(F32),
-            lambda t, l, p, v, xv: _carry(m, d, dA_cs, seq_idx, Dm, _task(t, nchunks, H), l, p, seqlen, v, xv),
-            lambda t, l, s: _weight(m, d, cb, dA_cs, dt_out, seq_idx, _task(t, nchunks, H), l, s, seqlen),
+            lambda t, l, p, v, xv, vl: _carry(m, d, seq_idx, Dm, _task(t, nchunks, H), l, p, seqlen, v, xv, vl),
+            lambda t, l, s, vl, vs: _weight(m, d, cb, _task(t, nchunks, H), l, s, vl, vs),
             lambda t, s, p: _row(x, _task(t, nchunks, H), s, t % H, p, Q, seqlen),
-            lambda t, l, p, v: _put(m, d, y, y_pre, z, _task(t, nchunks, H), l, p, v))
+            lambda t, l, p, v: _put(m, d, y, y_pre, z, _task(t, nchunks, H), l, p, v),
+            _positions(d, dA_cs, dt_out, seq_idx, nchunks, H, seqlen))
 
     return func
 

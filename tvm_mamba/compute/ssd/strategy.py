@@ -128,11 +128,14 @@ class Strategy:
         return run
 
     def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
-        """A macro ``run(extent, rows, carried, lhs, rhs, carry, weight, xs, store)``: per task t the M x W chunk
-        product
+        """A macro ``run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos)``: per task t the M x W
+        chunk product
 
-            out[t, i, j] = carry(t, i, j, sum_k lhs(t, i, k) rhs(t, k, j), xs(t, i, j))
-                           + sum_{s <= i} weight(t, i, s) xs(t, s, j)      (``strict``: s < i)
+            out[t, i, j] = carry(t, i, j, sum_k lhs(t, i, k) rhs(t, k, j), xs(t, i, j), v(i))
+                           + sum_{s <= i} weight(t, i, s, v(i), v(s)) xs(t, s, j)      (``strict``: s < i)
+
+        where v(q) is the tuple of the per-position values ``pos`` (a tuple of (reader(t, q), dtype)) at chunk
+        position q: here read where they are, a tiled layout stages them once per tile.
 
         (``group`` G > 1, with strict: s < (i // G) G, the positions of strictly earlier groups of G)
 
@@ -146,7 +149,7 @@ class Strategy:
         end = causal_end(strict, group)
 
         @T.macro
-        def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store):
+        def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos):
             for bx in S.outer(extent * M * W):
                 for tx in S.inner():
                     acc = T.alloc_buffer((1,), "float32", scope=S.scope)
@@ -160,9 +163,9 @@ class Strategy:
                             if carried(t):
                                 for k in range(K):
                                     acc[0] = acc[0] + lhs(t, r, k) * rhs(t, k, j)
-                            acc[0] = carry(t, r, j, acc[0], xs(t, r, j))
+                            acc[0] = carry(t, r, j, acc[0], xs(t, r, j), at(pos, t, r))
                             for s in range(end(r)):
-                                acc[0] = acc[0] + weight(t, r, s) * xs(t, s, j)
+                                acc[0] = acc[0] + weight(t, r, s, at(pos, t, r), at(pos, t, s)) * xs(t, s, j)
                             store(t, r, j, acc[0])
 
         return run
@@ -178,6 +181,11 @@ class Strategy:
             return buf
 
         return SimpleNamespace(**{name: alloc(name, spec) for name, spec in shapes.items()})
+
+
+def at(pos, t, q):
+    """The per-position values ``pos`` ((reader, dtype) pairs) of task t at chunk position q, read in place."""
+    return tuple(read(t, q) for read, _ in pos)
 
 
 def causal_end(strict: bool, group: int):
