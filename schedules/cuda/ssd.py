@@ -3,12 +3,14 @@
 Every SSD kernel has one template for every target (tvm_mamba/compute/ssd/): chunk_cumsum(_bwd),
 state_passing(_bwd), head_sum, bmm_chunk, chunk_state, chunk_scan, chunk_scan_bwd_dstates, chunk_scan_bwd and
 chunk_state_varlen are laid out here by ``Gpu``: blockIdx.x x threadIdx.x of ``threads``, a thread per task and
-per lane (dstate element; a thread per output of a chunk matmul), scratch in registers, CUDA-native exp / log1p.
-ssd_chunk_scan_bwd takes its non-vector form: a launch per piece, several launches inside one PrimFunc where a
-later one reads what an earlier one wrote (launches run in order on the stream: the backward's cross-position sums
-without atomics). C_l.B_s comes from ssd_bmm_chunk (once per group); no shared-memory staging and no tensor
-cores yet, so they compile cleanly (0 spills) but are far from upstream's Triton speed (docs/ssd.md).
-Selected by capability (``"gpu" in target.keys``). Knob: ``threads`` per block (64 / 128 / 256, default 128).
+per lane (dstate element), scratch in registers, CUDA-native exp / log1p. The chunk matmuls (bmm_chunk,
+chunk_state, chunk_scan, chunk_scan_bwd_dstates: the strategy's ``scaled_matmul``, ``matmul_rows`` and
+``causal_matmul``) are shared-memory tiled blocks with register-blocked outputs (_tiled.py; no tensor cores
+yet). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece with a thread per output, several
+launches inside one PrimFunc where a later one reads what an earlier one wrote (launches run in order on the
+stream: the backward's cross-position sums without atomics). docs/ssd.md.
+Selected by capability (``"gpu" in target.keys``). Knobs: ``threads`` per block (64 / 128 / 256) and, for the
+tiled kernels, ``tile`` (the largest output tile side, ``TILE_CAP``); defaults in ``TILED``.
 """
 from __future__ import annotations
 
