@@ -298,3 +298,163 @@ def _typed(scope: str, name: str, n: int, pos) -> list:
         slots.append((bufs[dtype], used[dtype] * n))
         used[dtype] += 1
     return slots
+
+
+# ---- tensor cores (wmma m16n16k16, 16-bit operands, float accumulators) ----------------------------------------
+
+TC = 16  # the wmma fragment side (m16n16k16)
+
+
+@dataclasses.dataclass(frozen=True)
+class TcTiling:
+    """A TM x TW output tile of 16 x 16 fragments, WR x WC warps each owning FR x FC of them (the block's other
+    warps only copy), k slices of KT (a multiple of 16); the operands staged in ``dtype`` (bfloat16 / float16)."""
+
+    M: int
+    W: int
+    K: int
+    TM: int
+    TW: int
+    KT: int
+    WR: int
+    WC: int
+    threads: int
+    dtype: str
+
+    @property
+    def FR(self) -> int:
+        return self.TM // TC // self.WR
+
+    @property
+    def FC(self) -> int:
+        return self.TW // TC // self.WC
+
+    @staticmethod
+    def fits(M: int, W: int, K: int) -> bool:
+        return M % TC == 0 and W % TC == 0 and K % TC == 0
+
+    @staticmethod
+    def of(M: int, W: int, K: int, threads: int, cap: int, dtype: str) -> "TcTiling":
+        """Sides: the largest multiples of 16 dividing M / W up to ``cap``; as many of the threads / 32 warps
+        as divide the tile's fragment grid, each owning as square a block of fragments as they allow."""
+        TM = TC * largest_divisor(M // TC, max(1, cap // TC))
+        TW = TC * largest_divisor(W // TC, max(1, cap // TC))
+        KT = TC * largest_divisor(K // TC, K_SLICE // TC)
+        warps = max(1, threads // 32)
+        best = None
+        for wr in (d for d in range(1, TM // TC + 1) if (TM // TC) % d == 0):
+            for wc in (d for d in range(1, TW // TC + 1) if (TW // TC) % d == 0):
+                if wr * wc <= warps:
+                    key = (-wr * wc, abs((TM // TC // wr) - (TW // TC // wc)))
+                    best = min(best, (key, wr, wc)) if best else (key, wr, wc)
+        return TcTiling(M, W, K, TM, TW, KT, best[1], best[2], threads, dtype)
+
+
+def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
+    """The tiled ``run`` of ``tiled_matmul`` on tensor cores: each k slice of both operands copied into shared
+    memory in ``tl.dtype`` (a k-fast operand stored along k, the others along i / j: the fragment loads take
+    either layout), each warp's FR x FC accumulator fragments updated by ``mma_sync`` per 16-deep step; then a
+    fragment at a time through a per-warp shared tile to ``store``. The products are the 16-bit roundings of the
+    float operands (scale * rhs rounded after the product, as upstream's Triton kernels cast before tl.dot),
+    summed in float: not the serial layout's bits."""
+    TM, TW, KT, FR, FC = tl.TM, tl.TW, tl.KT, tl.FR, tl.FC
+    # a (i, k): row-major [i][k] when k-fast, else column-major [k][i]; b (k, j): column-major [j][k] when
+    # k-fast, else row-major [k][j]. Leading dimensions padded by 8 elements (16 bytes, as wmma requires).
+    LA = KT + 8 if a_fast else TM + 8
+    LB = KT + 8 if b_fast else TW + 8
+    a_at = (lambda k, i: i * LA + k) if a_fast else (lambda k, i: k * LA + i)  # noqa: E731
+    b_at = (lambda k, j: j * LB + k) if b_fast else (lambda k, j: k * LB + j)  # noqa: E731
+    a_lay, b_lay = ("row_major" if a_fast else "col_major"), ("col_major" if b_fast else "row_major")
+    copy_a, copy_b = _copy16(tl, KT, TM, a_fast, a_at), _copy16(tl, KT, TW, b_fast, b_at)
+    fill = _fill(tl, KT)
+    blocks, warps = tl.M // TM * (tl.W // TW), tl.WR * tl.WC
+    out_fill = _fill(tl, warps * TC * TC)
+
+    @T.macro
+    def mma_step(fa, fb, acc, sa, sb, wr, wc, kk):
+        """One 16-deep step of the warp's FR x FC fragments: load its a / b fragments, mma each pair."""
+        for r in T.unroll(FR):
+            T.evaluate(T.tvm_load_matrix_sync(
+                fa.data, TC, TC, TC, r, sa.access_ptr("r", offset=a_at(kk * TC, (wr * FR + r) * TC)),
+                LA, a_lay))
+        for c in T.unroll(FC):
+            T.evaluate(T.tvm_load_matrix_sync(
+                fb.data, TC, TC, TC, c, sb.access_ptr("r", offset=b_at(kk * TC, (wc * FC + c) * TC)),
+                LB, b_lay))
+        for r in T.unroll(FR):
+            for c in T.unroll(FC):
+                T.evaluate(T.tvm_mma_sync(acc.data, r * FC + c, fa.data, r, fb.data, c,
+                                          acc.data, r * FC + c))
+
+    @T.macro
+    def run_any(extent, lhs, scale, rhs, store):
+        for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
+            sa = T.alloc_buffer(((TM if a_fast else KT) * LA,), tl.dtype, scope="shared")
+            sb = T.alloc_buffer(((TW if b_fast else KT) * LB,), tl.dtype, scope="shared")
+            ss = T.alloc_buffer((KT,), "float32", scope="shared")
+            so = T.alloc_buffer((warps * TC * TC,), "float32", scope="shared")  # a fragment per warp, out
+            for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
+                t, i0, j0 = T.meta_var(_tile_of(tl, bx))
+                wr, wc = T.meta_var((tx // 32 // tl.WC, tx // 32 % tl.WC))
+                fa = T.alloc_buffer((FR * TC, TC), tl.dtype, scope="wmma.matrix_a")
+                fb = T.alloc_buffer((TC, FC * TC), tl.dtype, scope="wmma.matrix_b")
+                acc = T.alloc_buffer((FR * TC, FC * TC), "float32", scope="wmma.accumulator")
+                for f in T.unroll(FR * FC):
+                    T.evaluate(T.tvm_fill_fragment(acc.data, TC, TC, TC, f, T.float32(0)))
+                # touched before the slices, so that TVM's storage rewrite does not give ``so`` the 16-bit
+                # slices' memory (its float access_ptr into a bfloat16 buffer fails to lower)
+                out_fill(so, 0, lambda q: T.float32(0), tx)
+                for ko in range(tl.K // KT):
+                    if scaled:
+                        fill(ss, 0, lambda k: scale(t, ko * KT + k), tx)
+                        T.tvm_storage_sync("shared")
+                        copy_b(sb, lambda k, j: ss[k] * rhs(t, ko * KT + k, j0 + j), tx)
+                    else:
+                        copy_b(sb, lambda k, j: rhs(t, j0 + j, ko * KT + k), tx)
+                    copy_a(sa, lambda k, i: lhs(t, i0 + i, ko * KT + k), tx)
+                    T.tvm_storage_sync("shared")
+                    for kk in range(KT // TC):
+                        if tx // 32 < tl.WR * tl.WC:
+                            mma_step(fa, fb, acc, sa, sb, wr, wc, kk)
+                    T.tvm_storage_sync("shared")
+                for r in T.unroll(FR):
+                    for c in T.unroll(FC):
+                        if tx // 32 < tl.WR * tl.WC:
+                            T.evaluate(T.tvm_store_matrix_sync(acc.data, TC, TC, TC, r * FC + c,
+                                                               so.access_ptr("w", offset=tx // 32 * TC * TC), TC,
+                                                               "row_major"))
+                        T.tvm_storage_sync("shared")
+                        if tx // 32 < tl.WR * tl.WC:
+                            for q in T.unroll(TC * TC // 32):
+                                store(t, i0 + (wr * FR + r) * TC + (q * 32 + tx % 32) // TC,
+                                      j0 + (wc * FC + c) * TC + (q * 32 + tx % 32) % TC,
+                                      so[tx // 32 * TC * TC + q * 32 + tx % 32])
+                        T.tvm_storage_sync("shared")
+
+    if scaled:
+        return run_any
+
+    @T.macro
+    def run_rows(extent, lhs, rhs, store):
+        run_any(extent, lhs, lambda t, k: T.float32(1), rhs, store)
+
+    return run_rows
+
+
+def _copy16(tl, rows: int, cols: int, k_fast: bool, at):
+    """``_copy`` into a 16-bit slice at element ``at(k, c)`` (the fragment layout), the value rounded to it."""
+    n = rows * cols
+    rounds = (n + tl.threads - 1) // tl.threads
+
+    @T.macro
+    def copy(dst, src, tx):
+        for e in T.unroll(rounds):
+            if e * tl.threads + tx < n:
+                idx = T.meta_var(e * tl.threads + tx)
+                if k_fast:
+                    dst[at(idx % rows, idx // rows)] = src(idx % rows, idx // rows).astype(tl.dtype)
+                else:
+                    dst[at(idx // cols, idx % cols)] = src(idx // cols, idx % cols).astype(tl.dtype)
+
+    return copy

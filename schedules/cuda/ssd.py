@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
-from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul
+from ._tiled import TILE_CAP, TcTiling, Tiling, tc_matmul, tiled_causal, tiled_matmul
 
 
 # the tiled kernels' default (threads, tile): the largest tile whose register block stays well below ptxas's
@@ -27,6 +27,8 @@ from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul
 # reached 255)
 TILED = {"ssd_bmm_chunk": (256, 128), "ssd_chunk_state": (128, 128), "ssd_chunk_scan_bwd_dstates": (128, 128),
          "ssd_chunk_scan": (256, 64)}
+# the non-causal chunk products, on tensor cores when their operands are 16-bit (``tensor_core_dtype``)
+TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates")
 
 
 class Gpu(Strategy):
@@ -35,19 +37,24 @@ class Gpu(Strategy):
     name = "gpu"
     scope = "local"
 
-    def __init__(self, threads: int = 128, tile: int = 64):
+    def __init__(self, threads: int = 128, tile: int = 64, tensor_cores: str | None = None):
         super().__init__(native_math=True)
-        self.threads, self.tile = threads, tile
+        self.threads, self.tile, self.tc = threads, tile, tensor_cores
 
     def key(self) -> tuple:
-        return super().key() + (self.tile,)
+        return super().key() + (self.tile, self.tc)
 
     def scaled_matmul(self, M: int, W: int, K: int):
-        """A block per output tile, operands staged in shared memory (_tiled.py)."""
+        """A block per output tile, operands staged in shared memory (_tiled.py); on tensor cores with
+        ``tensor_cores`` (the 16-bit dtype of the operands) where the sides are multiples of 16."""
+        if self.tc and TcTiling.fits(M, W, K):
+            return tc_matmul(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), False, False, scaled=True)
         return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=False, scaled=True)
 
     def matmul_rows(self, M: int, W: int, K: int):
         """As ``scaled_matmul``, both operands copied along k (rows of C and B)."""
+        if self.tc and TcTiling.fits(M, W, K):
+            return tc_matmul(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), True, True, scaled=False)
         return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=True, scaled=False)
 
     def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
@@ -61,10 +68,20 @@ class Gpu(Strategy):
         return T.thread_binding(self.threads, thread="threadIdx.x")
 
 
-def template(name: str, static: dict, threads: int = 128, serial: bool = False, tile: int = 64):
+def tensor_core_dtype(dims) -> str | None:
+    """The 16-bit dtype a kernel's chunk-matmul operands come in (x and B / C alike), or None: tensor cores
+    take them rounded to it (the forward's products in that dtype, as upstream's kernels)."""
+    dtypes = {getattr(dims, f) for f in ("x_dtype", "bc_dtype") if hasattr(dims, f)}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"bfloat16", "float16"} else None
+
+
+def template(name: str, static: dict, threads: int = 128, serial: bool = False, tile: int = 64,
+             tensor_cores: bool = True):
     """The CUDA layout of kernel ``name`` (serial=True: thread loops made serial, CUDA's math: for CPU tests)."""
     template, dims = compute.template_of(name)
-    return template(dims(**static), Strategy(native_math=True) if serial else Gpu(threads, tile))
+    d = dims(**static)
+    tc = tensor_core_dtype(d) if tensor_cores and name in TENSOR_CORES else None
+    return template(d, Strategy(native_math=True) if serial else Gpu(threads, tile, tc))
 
 
 def apply(func, target, decisions: Decisions):
@@ -75,6 +92,7 @@ def apply(func, target, decisions: Decisions):
     threads, tile = TILED.get(name, (128, 64))
     threads = decisions.pick("threads", (64, 128, 256), threads)
     tile = decisions.pick("tile", TILE_CAP, tile) if name in TILED else tile
-    prim = template(name, static, threads, tile=tile).with_attrs({"global_symbol": name, "tirx.noalias": True,
+    tc = bool(decisions.pick("tensor_cores", (0, 1), 1)) if name in TENSOR_CORES else False
+    prim = template(name, static, threads, tile=tile, tensor_cores=tc).with_attrs({"global_symbol": name, "tirx.noalias": True,
                                                         "tvm_mamba.kernel": name})
     return schedule_of(prim, name=name)

@@ -114,10 +114,10 @@ TILED_KERNELS = {
 }
 
 
-def _tiled_args(name, batch=2, seqlen=150, seed=0):
-    """Inputs (and zeroed outputs) of kernel ``name`` at TILED_DIMS, in its parameter order."""
+def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40):
+    """Inputs (and zeroed outputs) of kernel ``name`` at TILED_DIMS (dstate ``N``), in its parameter order."""
     g = torch.Generator().manual_seed(seed)
-    H, G, P, N, Q = 4, 2, 48, 40, 64
+    H, G, P, Q = 4, 2, 48, 64
     C = (seqlen + Q - 1) // Q
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     dA = -torch.rand(batch, H, C, Q, generator=g).cumsum(-1) * 0.1
@@ -139,6 +139,14 @@ OUTPUTS = {"ssd_bmm_chunk": (2,), "ssd_chunk_state": (5,), "ssd_chunk_scan": (9,
 @pytest.mark.parametrize("threads, tile", [(64, 32), (256, 32), (128, 64)])
 @pytest.mark.parametrize("name", sorted(TILED_KERNELS))
 def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
+    src = _run_both(name, TILED_KERNELS[name], Decisions({"threads": threads, "tile": tile}), 1e-5, lambda t: t)
+    assert "__shared__" in src and "wmma" not in src
+
+
+def _run_both(name, static, decisions, tol, cast):
+    """Kernel ``name`` at ``static`` laid out by the CUDA rule with ``decisions`` in the harness and by the
+    serial layout (CUDA math) on the CPU, on the same inputs (``cast`` applied to each); their outputs agree
+    within ``tol`` of the largest. Returns the CUDA source."""
     import tempfile
 
     import tvm_ffi
@@ -147,16 +155,38 @@ def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
     from tvm_mamba.schedules.cuda import ssd as cuda_rule
 
     template, dims = ssd.template_of(name)
-    serial = template(dims(**TILED_KERNELS[name]), ssd.strategy.Strategy(native_math=True))
-    sch = cuda_rule.apply(getattr(ssd, name)(**TILED_KERNELS[name]), cuda_target("sm_90"),
-                          Decisions({"threads": threads, "tile": tile}))
-    got, want = _tiled_args(name), _tiled_args(name)
+    serial = template(dims(**static), ssd.strategy.Strategy(native_math=True))
+    sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"), decisions)
+    got = [cast(t) for t in _tiled_args(name, N=static["dstate"])]
+    want = [t.clone() for t in got]
     with tempfile.TemporaryDirectory() as tmp:
-        cudasim.link(cudasim.build(sch.mod, cuda_target("sm_90"), label=name), f"{tmp}/k.so")
+        built = cudasim.build(sch.mod, cuda_target("sm_90"), label=name)
+        cudasim.link(built, f"{tmp}/k.so")
         module = cudasim.load(f"{tmp}/k.so")
         cudasim.call(module, module[name], got, label=name)
     ex = tvm.compile(tvm.IRModule({name: serial.with_attr("global_symbol", name)}), target="llvm")
     ex[name](*[tvm_ffi.from_dlpack(t) for t in want])
     for i in OUTPUTS[name]:
         assert got[i].abs().max() > 0, i
-        torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5 * want[i].abs().max().item())
+        torch.testing.assert_close(got[i].float(), want[i].float(), rtol=tol,
+                                   atol=tol * want[i].float().abs().max().item())
+    return built.source
+
+
+# Tensor cores (16-bit operands; schedules/cuda/_tiled.py tc_matmul): bf16 inputs, the fragment grid and k steps
+# in several shapes (headdim 48: three fragment rows; tile 32 / 64; 2, 4 and 8 warps), against the serial
+# layout on the same inputs. bmm_chunk's operands are bf16 already (only the summation order differs);
+# chunk_state / dstates round scale * operand to bf16, as upstream's kernels do before tl.dot.
+TC_DIMS = dict(TILED_DIMS, dstate=32, x_dtype="bfloat16", bc_dtype="bfloat16")
+TC_KERNELS = {"ssd_bmm_chunk": (dict(ngroups=2, dstate=32, chunk_size=64, bc_dtype="bfloat16"), 1e-5),
+              "ssd_chunk_state": (dict(TC_DIMS, has_seq_idx=True), 1e-2),
+              "ssd_chunk_scan_bwd_dstates": (dict(TC_DIMS, has_z=True, has_seq_idx=True), 1e-2)}
+
+
+@pytest.mark.parametrize("threads, tile", [(64, 32), (128, 64), (256, 64)])
+@pytest.mark.parametrize("name", sorted(TC_KERNELS))
+def test_cuda_tensor_core_matmuls_match_the_serial_layout(name, threads, tile):
+    static, tol = TC_KERNELS[name]
+    src = _run_both(name, static, Decisions({"threads": threads, "tile": tile, "tensor_cores": 1}), tol,
+                    lambda t: t.bfloat16() if t.dtype == torch.float32 and t.dim() == 4 and t.shape[1] == 150 else t)
+    assert "nvcuda::wmma::mma_sync" in src

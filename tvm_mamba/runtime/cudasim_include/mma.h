@@ -1,3 +1,86 @@
 // tvm_mamba CUDA-on-CPU harness: stands in for the CUDA header of this name (see docs/cuda_sim.md).
+//
+// nvcuda::wmma, the warp matrix operations TVM emits for tensor cores (tvm_load_matrix_sync, tvm_mma_sync, ...).
+// On a GPU a fragment is spread over the warp's 32 threads in an unspecified layout; here every thread holds
+// the whole tile (a fragment is only ever read through these functions, so no code can tell) and runs each
+// operation on it itself: a load reads the whole tile, mma_sync computes the whole product (float products of
+// the 16-bit inputs, exact; summed over k in ascending order into the accumulator, in float), a store writes
+// the whole tile (the warp's threads write the same values). What this does not check: that all 32 threads
+// of a warp reach the operation together (it does not rendezvous them) and the GPU's own summation order
+// inside one mma (results differ in the last bits).
 #pragma once
+#include <type_traits>
+
 #include "tvm_mamba_cudasim.h"
+
+namespace nvcuda {
+namespace wmma {
+
+struct row_major {};
+struct col_major {};
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K>
+struct shape_of;
+template <int M, int N, int K>
+struct shape_of<matrix_a, M, N, K> { static constexpr int rows = M, cols = K; };
+template <int M, int N, int K>
+struct shape_of<matrix_b, M, N, K> { static constexpr int rows = K, cols = N; };
+template <int M, int N, int K>
+struct shape_of<accumulator, M, N, K> { static constexpr int rows = M, cols = N; };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static constexpr int rows = shape_of<Use, M, N, K>::rows, cols = shape_of<Use, M, N, K>::cols;
+  static constexpr int num_elements = rows * cols;
+  float v[rows * cols];  // the whole tile, row-major, in float
+};
+
+template <typename Use, int M, int N, int K, typename T, typename L>
+inline bool col_layout(const fragment<Use, M, N, K, T, L>&) { return std::is_same<L, col_major>::value; }
+
+template <typename Use, int M, int N, int K, typename T, typename L, typename P>
+inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm) {
+  using F = fragment<Use, M, N, K, T, L>;
+  for (int r = 0; r < F::rows; ++r)
+    for (int c = 0; c < F::cols; ++c)
+      f.v[r * F::cols + c] = static_cast<float>(col_layout(f) ? p[c * ldm + r] : p[r * ldm + c]);
+}
+
+template <int M, int N, int K, typename T>
+inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* p, unsigned ldm, layout_t layout) {
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c)
+      f.v[r * N + c] = static_cast<float>(layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]);
+}
+
+template <int M, int N, int K, typename T>
+inline void store_matrix_sync(T* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c)
+      (layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]) = static_cast<T>(f.v[r * N + c]);
+}
+
+template <typename Use, int M, int N, int K, typename T, typename L, typename V>
+inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, V value) {
+  for (int e = 0; e < fragment<Use, M, N, K, T, L>::num_elements; ++e) f.v[e] = static_cast<float>(value);
+}
+
+template <int M, int N, int K, typename TA, typename LA, typename TB, typename LB, typename TC>
+inline void mma_sync(fragment<accumulator, M, N, K, TC>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
+                     const fragment<matrix_b, M, N, K, TB, LB>& b, const fragment<accumulator, M, N, K, TC>& c) {
+  float out[M * N];
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      float acc = c.v[m * N + n];
+      for (int k = 0; k < K; ++k) acc += a.v[m * K + k] * b.v[k * N + n];
+      out[m * N + n] = acc;
+    }
+  for (int e = 0; e < M * N; ++e) d.v[e] = out[e];
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
