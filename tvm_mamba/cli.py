@@ -244,7 +244,7 @@ def cmd_roofline(args) -> int:
         raise _UsageError(f"roofline: {err}") from None
     rows, failed = [], 0
     for preset in dict.fromkeys(chosen):
-        for key in report.preset_keys(preset, ops, arch):
+        for key in report.preset_keys(preset, ops, arch, args.dtype):
             if _directions(args) and key.direction not in _directions(args):
                 continue
             try:
@@ -325,6 +325,8 @@ def main(argv=None) -> int:
     rl.add_argument("--directions", default="", help="comma-separated kernel directions (default: all)")
     rl.add_argument("--batch", type=int, default=4)
     rl.add_argument("--seqlen", type=int, default=2048)
+    rl.add_argument("--dtype", default=None, choices=("bfloat16", "float16"),
+                    help="activation dtype of the kernels (default: as the tuning configs, fp32)")
     rl.add_argument("--out", default=None, help="write the report as markdown here (e.g. docs/roofline.md)")
     ca = sub.add_parser("cache", help="list the kernel cache (default), --clear it, or --prune other versions")
     group = ca.add_mutually_exclusive_group()

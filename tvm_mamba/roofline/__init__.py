@@ -25,15 +25,16 @@ covers, fp32 as the blocks call them), at the shape named above.
   absorb; *cached* above 1 is extra traffic no cache removes (scratch buffers, checkpoints, partial sums).
 * **min**: every input read once, every output written once (tvm_mamba/roofline/minimum.py; scratch buffers
   excluded, partial sums at one part per group, in-place state twice).
-* **GFLOP / exps**: counted float `+ - * /`, min/max (an FMA is two) and exp-family plus other SFU calls
-  (log1p, tanh, sqrt, ...). Both arms of a select are counted.
+* **GFLOP / exps**: counted float `+ - * /`, min/max (an FMA is two), plus the tensor cores' multiply-adds
+  (2 x 16^3 per wmma `mma_sync` of a warp), and exp-family plus other SFU calls (log1p, tanh, sqrt, ...).
+  Both arms of a select are counted.
 * **grid x block, regs, occ**: the launch of the kernel moving the most bytes (blocks fitted like the
   counts, `?` when not affine), ptxas's registers (the largest of the key's kernels) from build-check's
   source, and the resulting occupancy on sm_90 (65,536 registers, 228 KB shared memory, 2,048 threads,
   32 blocks per SM; static shared memory only).
 * **TC**: tensor-core instructions in the source (wmma / mma / ldmatrix).
-* **bound**: max(bytes / 4.8 TB/s, flops / 66.9 TFLOPS fp32, SFU ops / 4.18e12 per s) with the counted
-  figures; **roofline-min**: the same with the minimum figures and the best unit (matrix products on tensor
+* **bound**: max(bytes / 4.8 TB/s, flops / 66.9 TFLOPS fp32 + tensor-core flops / their rate, SFU ops /
+  4.18e12 per s) with the counted figures; **roofline-min**: the same with the minimum figures and the best unit (matrix products on tensor
   cores: 989 TFLOPS bf16, 494.7 TFLOPS TF32 for fp32 data); **ratio** = bound / roofline-min. The unit in
   brackets is the limiting one. Sources of the figures: tvm_mamba/roofline/hardware.py.
 * **Not a measurement**: no time here comes from a GPU. mamba_ssm's published kernel times for these shapes:

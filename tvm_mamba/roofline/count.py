@@ -5,7 +5,7 @@ and lowered exactly as ``cudasim.build`` does (TVM's pipeline up to code generat
 PrimFunc is instrumented before CUDA codegen. Each statement that evaluates expressions (a store, a ``Bind``,
 an ``if`` condition, an ``Evaluate``) is preceded by one call
 
-    tvm_mamba_count(kernel, load_bytes, store_bytes, flops, exps, sfu)
+    tvm_mamba_count(kernel, load_bytes, store_bytes, flops, exps, sfu, mma_flops)
 
 whose amounts are the statement's static counts:
 
@@ -15,7 +15,9 @@ whose amounts are the statement's static counts:
 * flops: float ``+ - * /`` and min / max, x lanes (an fma written ``a*b + c`` is two); integer index
   arithmetic is not counted;
 * exps: exp-family calls (``expf``, ``__expf``, ``exp2f``, ``expm1f``, ...); sfu: the other transcendental
-  calls (``logf``, ``log1pf``, ``tanhf``, ``sqrtf``, ``rsqrtf``, ``sinf``, ...).
+  calls (``logf``, ``log1pf``, ``tanhf``, ``sqrtf``, ``rsqrtf``, ``sinf``, ...);
+* mma_flops: the tensor cores' multiply-adds (x2): 2 x 16^3 per wmma ``mma_sync`` of a warp, a 32nd counted
+  by each of its threads.
 
 Both arms of a select / ``if_then_else`` expression are counted (the guarded loads of a boundary tile count
 as if taken); a statement under an ``if`` counts only when the branch runs. The header below provides the
@@ -34,7 +36,7 @@ from tvm.tirx import stmt as S
 from ..runtime import cudasim
 
 COUNTER = "tvm_mamba_count"
-KINDS = ("load_bytes", "store_bytes", "flops", "exps", "sfu")
+KINDS = ("load_bytes", "store_bytes", "flops", "exps", "sfu", "mma_flops")
 SLOTS = len(KINDS) + 2  # + the launch's block count and threads per block, recorded by the counter call
 MAX_KERNELS = 64
 MAX_BUFFERS = 64
@@ -42,18 +44,20 @@ BUFFER_COUNTER = "tvm_mamba_count_buffer"
 _EXP = {"exp", "exp2", "exp10", "expm1"}
 _SFU = {"log", "log2", "log10", "log1p", "tanh", "sqrt", "rsqrt", "sin", "cos", "tan", "pow", "erf", "sigmoid"}
 _FLOAT_BINOPS = {"Add", "Sub", "Mul", "Div", "Min", "Max"}
+MMA_FLOPS = 2 * 16 * 16 * 16  # one wmma m16n16k16 mma_sync of a warp
 TENSOR_CORE_MARKERS = ("wmma::", "mma.sync", "ldmatrix", "wgmma", "mma_sync", "__hmma")
 
 HEADER = f"""
 // ---- tvm_mamba roofline: per-kernel counters of the counting build (tvm_mamba/roofline/count.py) ----
 extern "C" __attribute__((visibility("default"))) unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{SLOTS}];
 unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{SLOTS}];
-static inline int {COUNTER}(int k, long long ld, long long st, long long fl, long long ex, long long sf) {{
+static inline int {COUNTER}(int k, long long ld, long long st, long long fl, long long ex, long long sf,
+                            long long mm) {{
   unsigned long long* c = tvm_mamba_counts[k];
-  c[0] += ld; c[1] += st; c[2] += fl; c[3] += ex; c[4] += sf;
+  c[0] += ld; c[1] += st; c[2] += fl; c[3] += ex; c[4] += sf; c[5] += mm;
   unsigned long long blocks = 1ull * gridDim.x * gridDim.y * gridDim.z, threads = 1ull * blockDim.x * blockDim.y * blockDim.z;
-  if (blocks > c[5]) c[5] = blocks;  // the largest launch of this kernel in the call
-  if (threads > c[6]) c[6] = threads;
+  if (blocks > c[6]) c[6] = blocks;  // the largest launch of this kernel in the call
+  if (threads > c[7]) c[7] = threads;
   return 0;
 }}
 extern "C" __attribute__((visibility("default"))) unsigned long long tvm_mamba_buffer_counts[{MAX_KERNELS}][{MAX_BUFFERS}][2];
@@ -74,6 +78,7 @@ class Counts:
     flops: int = 0
     exps: int = 0
     sfu: int = 0
+    mma_flops: int = 0  # tensor-core multiply-adds (x2)
 
     def as_tuple(self) -> tuple[int, ...]:
         return tuple(getattr(self, k) for k in KINDS)
@@ -120,11 +125,14 @@ def expr_counts(expr, per_buffer: dict | None = None) -> Counts:
         elif kind in _FLOAT_BINOPS:
             if _is_float(v.ty.dtype):
                 c.flops += _lanes_bytes(v.ty.dtype)[0]
+        elif kind == "Call" and str(v.op.name) == "tirx.tvm_mma_sync":
+            c.mma_flops += MMA_FLOPS // 32  # the warp's 32 threads each run the call
         elif kind == "Call":
             op = str(v.op.name)
             if op in ("tirx.call_pure_extern", "tirx.call_extern") and v.args:
                 op = str(v.args[0].value)
-            base, lanes = _base_name(op), _lanes_bytes(v.ty.dtype)[0] if _is_float(v.ty.dtype) else 0
+            dtype = getattr(v.ty, "dtype", None)  # (tvm_access_ptr and other handles: a PointerType)
+            base, lanes = _base_name(op), _lanes_bytes(dtype)[0] if dtype is not None and _is_float(dtype) else 0
             if base == "fma":
                 c.flops += 2 * lanes
             elif base in _EXP:

@@ -34,14 +34,21 @@ class Row:
         return self.bound_s / self.min_s if self.min_s else float("inf")
 
 
-def preset_keys(preset: str, ops: list[str], arch: str) -> list[KernelKey]:
-    """The kernels a preset's model runs that have a roofline: each op's ``tuning_configs(preset)``."""
+ACTIVATIONS = ("x", "bc")  # the dtype-map entries ``--dtype`` sets (activations; states / outputs stay)
+
+
+def preset_keys(preset: str, ops: list[str], arch: str, dtype: str | None = None) -> list[KernelKey]:
+    """The kernels a preset's model runs that have a roofline: each op's ``tuning_configs(preset)``; with
+    ``dtype`` (bfloat16 / float16), their activation inputs in that dtype (a 16-bit model's kernels: the SSD
+    chunk products then run on tensor cores)."""
     keys = []
     for op in ops:
         mod = importlib.import_module(f"tvm_mamba.compute.{op}")
         if not hasattr(mod, "tuning_configs"):
             continue
         for direction, static, dtypes in mod.tuning_configs(preset):
+            if dtype:
+                dtypes = {k: (dtype if k in ACTIVATIONS else v) for k, v in dtypes.items()}
             keys.append(KernelKey.make(op, direction, dtypes, static, "cudasim-" + arch))
     return keys
 
@@ -64,15 +71,16 @@ def row(preset: str, key: KernelKey, batch: int, seqlen: int, arch: str) -> Row:
     top = max(kernels, key=lambda k: k.counts.bytes)
     total = sum((k.counts for k in kernels), start=type(top.counts)())
     mn = minimum.minimum(key.op, key.direction, key.static, batch, seqlen, measure.param_bytes(key, batch, seqlen))
-    bound, unit = hardware.time_bound(total.bytes, total.flops, total.exps + total.sfu)
     bf16 = any(v in ("bfloat16", "float16") for v in key.dtype.values())
     peak = hardware.H200.tc_bf16_flops if bf16 else hardware.H200.tc_tf32_flops
+    bound, unit = hardware.time_bound(total.bytes, total.flops, total.exps + total.sfu, total.mma_flops, peak)
     low, low_unit = hardware.time_bound(mn.bytes, mn.flops, mn.exps + mn.sfu, mn.mm, peak)
     st = stats.get(top.name)
     once = measure.footprint(kernels, measure.param_bytes(key, batch, seqlen, reduced=False))
     return Row(preset, _label(key), _dtype(key), f"{top.blocks if top.blocks is not None else '?'} x {top.threads}",
                max((s["registers"] for s in stats.values()), default=None), measure.occupancy_of(st, top.threads),
-               total.bytes, once, mn.bytes, total.flops, total.exps + total.sfu, tc, bound, unit, low, low_unit)
+               total.bytes, once, mn.bytes, total.flops + total.mma_flops, total.exps + total.sfu, tc, bound, unit, low,
+               low_unit)
 
 
 HEAD = ("kernel", "dtype", "grid x block", "regs", "occ", "bytes actual / min (ratio)", "cached", "GFLOP", "exps",
