@@ -371,22 +371,6 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
     out_fill = _fill(tl, warps * TC * TC)
 
     @T.macro
-    def mma_step(fa, fb, acc, sa, sb, wr, wc, kk):
-        """One 16-deep step of the warp's FR x FC fragments: load its a / b fragments, mma each pair."""
-        for r in T.unroll(FR):
-            T.evaluate(T.tvm_load_matrix_sync(
-                fa.data, TC, TC, TC, r, sa.access_ptr("r", offset=a_at(kk * TC, (wr * FR + r) * TC)),
-                LA, a_lay))
-        for c in T.unroll(FC):
-            T.evaluate(T.tvm_load_matrix_sync(
-                fb.data, TC, TC, TC, c, sb.access_ptr("r", offset=b_at(kk * TC, (wc * FC + c) * TC)),
-                LB, b_lay))
-        for r in T.unroll(FR):
-            for c in T.unroll(FC):
-                T.evaluate(T.tvm_mma_sync(acc.data, r * FC + c, fa.data, r, fb.data, c,
-                                          acc.data, r * FC + c))
-
-    @T.macro
     def run_any(extent, lhs, scale, rhs, store):
         for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
@@ -416,7 +400,7 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
                     T.tvm_storage_sync("shared")
                     for kk in range(KT // TC):
                         if tx // 32 < tl.WR * tl.WC:
-                            mma_step(fa, fb, acc, sa, sb, wr, wc, kk)
+                            _mma_step(tl, fa, fb, acc, sa, sb, wr, wc, kk, a_at, LA, a_lay, b_at, LB, b_lay)
                     T.tvm_storage_sync("shared")
                 for r in T.unroll(FR):
                     for c in T.unroll(FC):
@@ -458,3 +442,164 @@ def _copy16(tl, rows: int, cols: int, k_fast: bool, at):
                     dst[at(idx // cols, idx % cols)] = src(idx // cols, idx % cols).astype(tl.dtype)
 
     return copy
+
+
+@T.macro
+def _mma_step(tl, fa, fb, acc, sa, sb, wr, wc, kk, a_at, LA, a_lay, b_at, LB, b_lay):
+    """One 16-deep step (the slice's kk-th) of the warp's FR x FC fragments: load its a / b fragments from the
+    staged slices (element (k, i) of a at ``a_at(k, i)``, row stride LA, layout ``a_lay``; b likewise), mma
+    each pair."""
+    for r in T.unroll(tl.FR):
+        T.evaluate(T.tvm_load_matrix_sync(fa.data, TC, TC, TC, r,
+                                          sa.access_ptr("r", offset=a_at(kk * TC, (wr * tl.FR + r) * TC)), LA, a_lay))
+    for c in T.unroll(tl.FC):
+        T.evaluate(T.tvm_load_matrix_sync(fb.data, TC, TC, TC, c,
+                                          sb.access_ptr("r", offset=b_at(kk * TC, (wc * tl.FC + c) * TC)), LB, b_lay))
+    for r in T.unroll(tl.FR):
+        for c in T.unroll(tl.FC):
+            T.evaluate(T.tvm_mma_sync(acc.data, r * tl.FC + c, fa.data, r, fb.data, c, acc.data, r * tl.FC + c))
+
+
+@T.macro
+def _causal_step(tl, fa, fb, acc, diag, sa, sb, wr, wc, tx, i0, s0, kk, end, L2, LX):
+    """The causal sum's 16 positions from s0 (the slice's kk-th step) into the warp's fragments: mma where all
+    of them precede the fragment's rows, per element with the guard s < end(l) on the diagonal block (into
+    ``diag``, the thread's elements of each fragment), nothing above it."""
+    for c in T.unroll(tl.FC):
+        T.evaluate(T.tvm_load_matrix_sync(fb.data, TC, TC, TC, c,
+                                          sb.access_ptr("r", offset=kk * TC * LX + (wc * tl.FC + c) * TC), LX,
+                                          "row_major"))
+    for r in T.unroll(tl.FR):
+        if s0 + TC <= i0 + (wr * tl.FR + r) * TC:
+            T.evaluate(T.tvm_load_matrix_sync(fa.data, TC, TC, TC, r,
+                                              sa.access_ptr("r", offset=(wr * tl.FR + r) * TC * L2 + kk * TC), L2,
+                                              "row_major"))
+            for c in T.unroll(tl.FC):
+                T.evaluate(T.tvm_mma_sync(acc.data, r * tl.FC + c, fa.data, r, fb.data, c, acc.data, r * tl.FC + c))
+        elif s0 == i0 + (wr * tl.FR + r) * TC:
+            for c in T.unroll(tl.FC):
+                for q in T.unroll((TC * TC // 32)):
+                    for s in range(TC):
+                        if s0 + s < end(s0 + (q * 32 + tx % 32) // TC):
+                            diag[(r * tl.FC + c) * (TC * TC // 32) + q] = diag[(r * tl.FC + c) * (TC * TC // 32) + q] + (
+                                sa[((wr * tl.FR + r) * TC + (q * 32 + tx % 32) // TC) * L2 + kk * TC + s].astype(
+                                    "float32")
+                                * sb[(kk * TC + s) * LX + (wc * tl.FC + c) * TC + (q * 32 + tx % 32) % TC].astype(
+                                    "float32"))
+
+
+@T.macro
+def _store_if(store, rows, t, l, j, v):
+    if l < rows(t):
+        store(t, l, j, v)
+
+
+def tc_causal(tl: TcTiling, end):
+    """``tiled_causal`` on tensor cores (16-bit x / C; ``TcTiling`` over M = chunk, W = headdim, K = dstate):
+    the carried product C . Sin as in ``tc_matmul`` (the states rounded to the 16-bit dtype, as upstream casts
+    them before tl.dot) into its own accumulators; the causal sum slice by slice into others, its weights (rounded) and x staged in shared memory.
+    A warp's fragments whose 16 positions s all precede its 16 rows (s-block < row-block: every pair causal, also
+    strict or in whole step groups of a size dividing 16) take ``mma_sync``; the diagonal blocks are summed by
+    the warp's threads per element with the causal guard (s < end(l): a later position's x, even non-finite, is
+    never multiplied in) into registers. Blocks above the diagonal are never visited. At the end, per element
+    through the per-warp shared tiles: carry(C . Sin) + the causal sum + the diagonal's (wmma cannot load an
+    accumulator back in TVM's codegen: its layout argument is dropped, so carry is not applied in between)."""
+    TM, TW, KT, FR, FC = tl.TM, tl.TW, tl.KT, tl.FR, tl.FC
+    KS = TC * largest_divisor(tl.M // TC, K_SLICE // TC)
+    L1, L2, LX = KT + 8, KS + 8, TW + 8  # C / Sin rows along k; weights along s; x rows along j
+    copy_c, copy_s = _copy16(tl, KT, TM, True, lambda k, i: i * L1 + k), _copy16(tl, KT, TW, True,
+                                                                               lambda k, j: j * L1 + k)
+    copy_w, copy_x = _copy16(tl, KS, TM, True, lambda s, i: i * L2 + s), _copy16(tl, KS, TW, False,
+                                                                               lambda s, j: s * LX + j)
+    fill_rows, fill_cols, out_fill = _fill(tl, TM), _fill(tl, KS), _fill(tl, tl.WR * tl.WC * TC * TC)
+    blocks, warps, NQ = tl.M // TM * (tl.W // TW), tl.WR * tl.WC, TC * TC // 32
+    SA, SB = max(TM * L1, TM * L2), max(TW * L1, KS * LX)
+
+    def rows_of(stage):
+        @T.macro
+        def rows(bufs, pos, t, q0, tx):
+            stage(bufs[0][0], bufs[0][1], lambda q: pos[0][0](t, q0 + q), tx)
+            if len(pos) > 1:
+                stage(bufs[1][0], bufs[1][1], lambda q: pos[1][0](t, q0 + q), tx)
+            if len(pos) > 2:
+                stage(bufs[2][0], bufs[2][1], lambda q: pos[2][0](t, q0 + q), tx)
+        return rows
+
+    stage_rows, stage_cols = rows_of(fill_rows), rows_of(fill_cols)
+
+    def values(slots, q):
+        return tuple(buf[base + q] for buf, base in slots)
+
+    @T.macro
+    def through_shared(acc_c, acc, so, r, c, tx, apply):
+        """Fragment (r, c) of both accumulators of the computing warps to the warp's two shared tiles, then
+        ``apply(q, l, j, e)`` per element (q: the thread's element, l / j tile-relative, e its index in the
+        first tile; the second is TC x TC after it), every thread at the barriers."""
+        if tx // 32 < warps:
+            T.evaluate(T.tvm_store_matrix_sync(acc_c.data, TC, TC, TC, r * FC + c,
+                                               so.access_ptr("w", offset=tx // 32 * 2 * TC * TC), TC, "row_major"))
+            T.evaluate(T.tvm_store_matrix_sync(acc.data, TC, TC, TC, r * FC + c,
+                                               so.access_ptr("w", offset=(tx // 32 * 2 + 1) * TC * TC), TC,
+                                               "row_major"))
+        T.tvm_storage_sync("shared")
+        if tx // 32 < warps:
+            for q in T.unroll(NQ):
+                apply(q, (tx // 32 // tl.WC * FR + r) * TC + (q * 32 + tx % 32) // TC,
+                      (tx // 32 % tl.WC * FC + c) * TC + (q * 32 + tx % 32) % TC,
+                      tx // 32 * 2 * TC * TC + q * 32 + tx % 32)
+        T.tvm_storage_sync("shared")
+
+    @T.macro
+    def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos):
+        for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
+            sa = T.alloc_buffer((SA,), tl.dtype, scope="shared")
+            sb = T.alloc_buffer((SB,), tl.dtype, scope="shared")
+            so = T.alloc_buffer((warps * 2 * TC * TC,), "float32", scope="shared")  # two fragments per warp
+            vr = T.meta_var(_typed("shared", "vr", TM, pos))
+            vc = T.meta_var(_typed("shared", "vc", KS, pos))
+            for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
+                t, i0, j0 = T.meta_var(_tile_of(tl, bx))
+                wr, wc = T.meta_var((tx // 32 // tl.WC, tx // 32 % tl.WC))
+                fa = T.alloc_buffer((FR * TC, TC), tl.dtype, scope="wmma.matrix_a")
+                fs = T.alloc_buffer((TC, FC * TC), tl.dtype, scope="wmma.matrix_b")  # Sin (column-major)
+                fx = T.alloc_buffer((TC, FC * TC), tl.dtype, scope="wmma.matrix_b")  # x (row-major)
+                acc_c = T.alloc_buffer((FR * TC, FC * TC), "float32", scope="wmma.accumulator")  # C . Sin
+                acc = T.alloc_buffer((FR * TC, FC * TC), "float32", scope="wmma.accumulator")  # causal sum
+                diag = T.alloc_buffer((FR * FC * NQ,), "float32", scope="local")
+                for f in T.unroll(FR * FC):
+                    T.evaluate(T.tvm_fill_fragment(acc_c.data, TC, TC, TC, f, T.float32(0)))
+                    T.evaluate(T.tvm_fill_fragment(acc.data, TC, TC, TC, f, T.float32(0)))
+                for q in T.unroll(FR * FC * NQ):
+                    diag[q] = T.float32(0)
+                out_fill(so, 0, lambda q: T.float32(0), tx)  # (touched before the slices: see tc_matmul)
+                stage_rows(vr, pos, t, i0, tx)
+                if carried(t):  # the same for the whole block: its barriers are reached by every thread
+                    for ko in range(tl.K // KT):
+                        copy_s(sb, lambda k, j: rhs(t, ko * KT + k, j0 + j), tx)
+                        copy_c(sa, lambda k, i: lhs(t, i0 + i, ko * KT + k), tx)
+                        T.tvm_storage_sync("shared")
+                        for kk in range(KT // TC):
+                            if tx // 32 < warps:
+                                _mma_step(tl, fa, fs, acc_c, sa, sb, wr, wc, kk, lambda k, i: i * L1 + k, L1,
+                                          "row_major", lambda k, j: j * L1 + k, L1, "col_major")
+                        T.tvm_storage_sync("shared")
+                for ko in range((T.min(end(i0 + TM - 1), rows(t)) + KS - 1) // KS):
+                    stage_cols(vc, pos, t, ko * KS, tx)
+                    T.tvm_storage_sync("shared")
+                    copy_w(sa, lambda s, i: weight(t, i0 + i, ko * KS + s, values(vr, i), values(vc, s)), tx)
+                    copy_x(sb, lambda s, j: xs(t, ko * KS + s, j0 + j), tx)
+                    T.tvm_storage_sync("shared")
+                    if tx // 32 < warps:
+                        for kk in range(KS // TC):
+                            _causal_step(tl, fa, fx, acc, diag, sa, sb, wr, wc, tx, i0, ko * KS + kk * TC, kk,
+                                         end, L2, LX)
+                    T.tvm_storage_sync("shared")
+                for r in T.unroll(FR):
+                    for c in T.unroll(FC):
+                        through_shared(acc_c, acc, so, r, c, tx, lambda q, l, j, e: _store_if(
+                            store, rows, t, i0 + l, j0 + j,
+                            carry(t, i0 + l, j0 + j, so[e], xs(t, i0 + l, j0 + j), values(vr, l))
+                            + so[e + TC * TC] + diag[(r * FC + c) * NQ + q]))
+
+    return run

@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
-from ._tiled import TILE_CAP, TcTiling, Tiling, tc_matmul, tiled_causal, tiled_matmul
+from ._tiled import TILE_CAP, TcTiling, Tiling, tc_causal, tc_matmul, tiled_causal, tiled_matmul
 
 
 # the tiled kernels' default (threads, tile): the largest tile whose register block stays well below ptxas's
@@ -28,7 +28,7 @@ from ._tiled import TILE_CAP, TcTiling, Tiling, tc_matmul, tiled_causal, tiled_m
 TILED = {"ssd_bmm_chunk": (256, 128), "ssd_chunk_state": (128, 128), "ssd_chunk_scan_bwd_dstates": (128, 128),
          "ssd_chunk_scan": (256, 64)}
 # the non-causal chunk products, on tensor cores when their operands are 16-bit (``tensor_core_dtype``)
-TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates")
+TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan")
 
 
 class Gpu(Strategy):
@@ -59,6 +59,8 @@ class Gpu(Strategy):
 
     def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
         """A block per output tile: the carried product and the causal sum staged slice by slice (_tiled.py)."""
+        if self.tc and TcTiling.fits(M, W, K) and not strict and group == 1:  # (Mamba-3's: on the FMA tiles)
+            return tc_causal(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), causal_end(strict, group))
         return tiled_causal(Tiling.of(M, W, K, self.threads, self.tile), causal_end(strict, group))
 
     def outer(self, extent):

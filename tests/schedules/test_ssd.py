@@ -173,14 +173,17 @@ def _run_both(name, static, decisions, tol, cast):
     return built.source
 
 
-# Tensor cores (16-bit operands; schedules/cuda/_tiled.py tc_matmul): bf16 inputs, the fragment grid and k steps
-# in several shapes (headdim 48: three fragment rows; tile 32 / 64; 2, 4 and 8 warps), against the serial
-# layout on the same inputs. bmm_chunk's operands are bf16 already (only the summation order differs);
-# chunk_state / dstates round scale * operand to bf16, as upstream's kernels do before tl.dot.
+# Tensor cores (16-bit operands; schedules/cuda/_tiled.py tc_matmul, tc_causal): bf16 inputs, the fragment grid
+# and k steps in several shapes (headdim 48: three fragment rows; tile 32 / 64; 2, 4 and 8 warps; chunk_scan's
+# fragments below, on and above the diagonal, a ragged last chunk), against the serial layout on the same inputs.
+# bmm_chunk's operands are bf16 already (only the summation order differs); chunk_state / dstates / chunk_scan
+# round scale * operand (the weights, the states) to bf16, as upstream's kernels do before tl.dot.
 TC_DIMS = dict(TILED_DIMS, dstate=32, x_dtype="bfloat16", bc_dtype="bfloat16")
 TC_KERNELS = {"ssd_bmm_chunk": (dict(ngroups=2, dstate=32, chunk_size=64, bc_dtype="bfloat16"), 1e-5),
               "ssd_chunk_state": (dict(TC_DIMS, has_seq_idx=True), 1e-2),
-              "ssd_chunk_scan_bwd_dstates": (dict(TC_DIMS, has_z=True, has_seq_idx=True), 1e-2)}
+              "ssd_chunk_scan_bwd_dstates": (dict(TC_DIMS, has_z=True, has_seq_idx=True), 1e-2),
+              "ssd_chunk_scan": (dict(TC_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=True,
+                                      has_init=True), 1e-2)}
 
 
 @pytest.mark.parametrize("threads, tile", [(64, 32), (128, 64), (256, 64)])
@@ -190,3 +193,29 @@ def test_cuda_tensor_core_matmuls_match_the_serial_layout(name, threads, tile):
     src = _run_both(name, static, Decisions({"threads": threads, "tile": tile, "tensor_cores": 1}), tol,
                     lambda t: t.bfloat16() if t.dtype == torch.float32 and t.dim() == 4 and t.shape[1] == 150 else t)
     assert "nvcuda::wmma::mma_sync" in src
+
+
+def test_cuda_tensor_core_chunk_scan_keeps_a_later_nan_out():
+    """A NaN in x at position 70 (chunk 1, row 6: inside a diagonal fragment) reaches y at 70 and after, never
+    before: the diagonal blocks are summed per element with the causal guard, not by mma (0 * NaN)."""
+    import tempfile
+
+    from tvm_mamba.runtime import cuda_target, cudasim
+    from tvm_mamba.schedules.cuda import ssd as cuda_rule
+
+    name = "ssd_chunk_scan"
+    static = dict(TC_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=False, has_init=True)
+    sch = cuda_rule.apply(ssd.ssd_chunk_scan(**static), cuda_target("sm_90"),
+                          Decisions({"threads": 128, "tile": 32, "tensor_cores": 1}))
+    args = [t.bfloat16() if t.dtype == torch.float32 and t.dim() == 4 and t.shape[1] == 150 else t
+            for t in _tiled_args(name, N=32)]
+    args[0][:, 70] = float("nan")
+    args[8] = torch.zeros(1, 1, dtype=torch.int32)  # (no seq_idx)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = cudasim.build(sch.mod, cuda_target("sm_90"), label=name)
+        cudasim.link(built, f"{tmp}/k.so")
+        module = cudasim.load(f"{tmp}/k.so")
+        cudasim.call(module, module[name], args, label=name)
+    y = args[9].float()
+    assert "nvcuda::wmma::mma_sync" in built.source
+    assert torch.isfinite(y[:, :70]).all() and torch.isnan(y[:, 70:128]).all()
