@@ -75,12 +75,14 @@ class Tiling:
         return Tiling(M, W, K, TM, TW, KT, cm, cw, threads)
 
 
-def _copy(tl: Tiling, rows: int, cols: int, k_fast: bool):
-    """A macro ``copy(dst, src, tx)``: dst[k, c] = src(k, c) for the k x ``cols`` slice (k < ``rows``), the
-    block's threads taking consecutive k (``k_fast``) or consecutive c. ``dst`` is flat, row stride
-    ``stride(cols, k_fast)``."""
-    n, ld = rows * cols, stride(cols, k_fast)
-    rounds = (n + tl.threads - 1) // tl.threads
+def _copy(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str | None = None):
+    """A macro ``copy(dst, src, tx)``: dst[at(k, c)] = src(k, c) for the k x ``cols`` slice (k < ``rows``), the
+    block's threads taking consecutive k (``k_fast``) or consecutive c. ``dst`` is flat; ``at`` by default row
+    k at stride ``stride(cols, k_fast)``; ``dtype``: the value rounded to it (a 16-bit tensor-core slice)."""
+    ld = stride(cols, k_fast)
+    at = at or (lambda k, c: k * ld + c)
+    cast = (lambda v: v.astype(dtype)) if dtype else (lambda v: v)  # noqa: E731
+    n, rounds = rows * cols, (rows * cols + tl.threads - 1) // tl.threads
 
     @T.macro
     def copy(dst, src, tx):
@@ -88,9 +90,9 @@ def _copy(tl: Tiling, rows: int, cols: int, k_fast: bool):
             if e * tl.threads + tx < n:
                 idx = T.meta_var(e * tl.threads + tx)
                 if k_fast:
-                    dst[idx % rows * ld + idx // rows] = src(idx % rows, idx // rows)
+                    dst[at(idx % rows, idx // rows)] = cast(src(idx % rows, idx // rows))
                 else:
-                    dst[idx // cols * ld + idx % cols] = src(idx // cols, idx % cols)
+                    dst[at(idx // cols, idx % cols)] = cast(src(idx // cols, idx % cols))
 
     return copy
 
@@ -199,6 +201,11 @@ def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
                         for c in T.unroll(RW):
                             store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
 
+    return _entry(run_any, scaled)
+
+
+def _entry(run_any, scaled: bool):
+    """``run_any`` as ``scaled_matmul``'s run, or ``matmul_rows``' ``run(extent, lhs, rhs, store)`` (scale 1)."""
     if scaled:
         return run_any
 
@@ -223,24 +230,7 @@ def tiled_causal(tl: Tiling, end):
     RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(tl.KT, KS)
     SA, SB = KX * stride(tl.TM, True), KX * stride(tl.TW, True)
 
-    def values(slots, q):
-        return tuple(buf[base + q] for buf, base in slots)
-
-    def fill_all(fill):
-        """A macro ``stage(bufs, pos, t, q0, tx)``: bufs[p][q] = pos[p] at position q0 + q of task t, every p
-        (at most 3: dA_cs, dt_out, the sequence id)."""
-
-        @T.macro
-        def stage(bufs, pos, t, q0, tx):
-            fill(bufs[0][0], bufs[0][1], lambda q: pos[0][0](t, q0 + q), tx)
-            if len(pos) > 1:
-                fill(bufs[1][0], bufs[1][1], lambda q: pos[1][0](t, q0 + q), tx)
-            if len(pos) > 2:
-                fill(bufs[2][0], bufs[2][1], lambda q: pos[2][0](t, q0 + q), tx)
-
-        return stage
-
-    stage_rows, stage_cols = fill_all(fill_rows), fill_all(fill_cols)
+    stage_rows, stage_cols = _stage_positions(fill_rows), _stage_positions(fill_cols)
 
     @T.macro
     def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos):
@@ -267,9 +257,9 @@ def tiled_causal(tl: Tiling, end):
                         for c in T.unroll(RW):
                             reg.acc[r, c] = carry(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c],
                                                   xs(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW),
-                                                  values(vr, tx // CW + r * CM))
+                                                  _values(vr, tx // CW + r * CM))
                 causal_product(reg.acc, ops, (T.min(end(i0 + tl.TM - 1), rows(t)) + KS - 1) // KS,
-                               lambda s, i: weight(t, i0 + i, s, values(vr, i), values(vc, s % KS)),
+                               lambda s, i: weight(t, i0 + i, s, _values(vr, i), _values(vc, s % KS)),
                                lambda s, j: xs(t, s, j0 + j), tx, lambda s, i: s < end(i0 + i),
                                lambda ko: stage_cols(vc, pos, t, ko * KS, tx))
                 if tx < CM * CW:
@@ -279,6 +269,26 @@ def tiled_causal(tl: Tiling, end):
                                 store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
 
     return run
+
+
+def _stage_positions(fill):
+    """A macro ``stage(slots, pos, t, q0, tx)``: every per-position reader p of ``pos`` (at most 3: dA_cs, dt_out,
+    the sequence id) at positions q0 + q of task t into its slot (``_typed``), by ``fill``."""
+
+    @T.macro
+    def stage(slots, pos, t, q0, tx):
+        fill(slots[0][0], slots[0][1], lambda q: pos[0][0](t, q0 + q), tx)
+        if len(pos) > 1:
+            fill(slots[1][0], slots[1][1], lambda q: pos[1][0](t, q0 + q), tx)
+        if len(pos) > 2:
+            fill(slots[2][0], slots[2][1], lambda q: pos[2][0](t, q0 + q), tx)
+
+    return stage
+
+
+def _values(slots, q):
+    """The staged per-position values at slot position q (a tuple, in ``pos`` order)."""
+    return tuple(buf[base + q] for buf, base in slots)
 
 
 def _typed(scope: str, name: str, n: int, pos) -> list:
@@ -416,32 +426,12 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
                                       so[tx // 32 * TC * TC + q * 32 + tx % 32])
                         T.tvm_storage_sync("shared")
 
-    if scaled:
-        return run_any
-
-    @T.macro
-    def run_rows(extent, lhs, rhs, store):
-        run_any(extent, lhs, lambda t, k: T.float32(1), rhs, store)
-
-    return run_rows
+    return _entry(run_any, scaled)
 
 
 def _copy16(tl, rows: int, cols: int, k_fast: bool, at):
     """``_copy`` into a 16-bit slice at element ``at(k, c)`` (the fragment layout), the value rounded to it."""
-    n = rows * cols
-    rounds = (n + tl.threads - 1) // tl.threads
-
-    @T.macro
-    def copy(dst, src, tx):
-        for e in T.unroll(rounds):
-            if e * tl.threads + tx < n:
-                idx = T.meta_var(e * tl.threads + tx)
-                if k_fast:
-                    dst[at(idx % rows, idx // rows)] = src(idx % rows, idx // rows).astype(tl.dtype)
-                else:
-                    dst[at(idx // cols, idx % cols)] = src(idx // cols, idx % cols).astype(tl.dtype)
-
-    return copy
+    return _copy(tl, rows, cols, k_fast, at, tl.dtype)
 
 
 @T.macro
@@ -478,14 +468,13 @@ def _causal_step(tl, fa, fb, acc, diag, sa, sb, wr, wc, tx, i0, s0, kk, end, L2,
                 T.evaluate(T.tvm_mma_sync(acc.data, r * tl.FC + c, fa.data, r, fb.data, c, acc.data, r * tl.FC + c))
         elif s0 == i0 + (wr * tl.FR + r) * TC:
             for c in T.unroll(tl.FC):
-                for q in T.unroll((TC * TC // 32)):
+                for q in T.unroll(TC * TC // 32):
                     for s in range(TC):
                         if s0 + s < end(s0 + (q * 32 + tx % 32) // TC):
-                            diag[(r * tl.FC + c) * (TC * TC // 32) + q] = diag[(r * tl.FC + c) * (TC * TC // 32) + q] + (
-                                sa[((wr * tl.FR + r) * TC + (q * 32 + tx % 32) // TC) * L2 + kk * TC + s].astype(
-                                    "float32")
-                                * sb[(kk * TC + s) * LX + (wc * tl.FC + c) * TC + (q * 32 + tx % 32) % TC].astype(
-                                    "float32"))
+                            e = T.meta_var((r * tl.FC + c) * (TC * TC // 32) + q)
+                            w = T.meta_var(sa[((wr * tl.FR + r) * TC + (q * 32 + tx % 32) // TC) * L2 + kk * TC + s])
+                            x = T.meta_var(sb[(kk * TC + s) * LX + (wc * tl.FC + c) * TC + (q * 32 + tx % 32) % TC])
+                            diag[e] = diag[e] + w.astype("float32") * x.astype("float32")
 
 
 @T.macro
@@ -497,7 +486,8 @@ def _store_if(store, rows, t, l, j, v):
 def tc_causal(tl: TcTiling, end):
     """``tiled_causal`` on tensor cores (16-bit x / C; ``TcTiling`` over M = chunk, W = headdim, K = dstate):
     the carried product C . Sin as in ``tc_matmul`` (the states rounded to the 16-bit dtype, as upstream casts
-    them before tl.dot) into its own accumulators; the causal sum slice by slice into others, its weights (rounded) and x staged in shared memory.
+    them before tl.dot) into its own accumulators; the causal sum slice by slice into others, its weights
+    (rounded) and x staged in shared memory.
     A warp's fragments whose 16 positions s all precede its 16 rows (s-block < row-block: every pair causal, also
     strict or in whole step groups of a size dividing 16) take ``mma_sync``; the diagonal blocks are summed by
     the warp's threads per element with the causal guard (s < end(l): a later position's x, even non-finite, is
@@ -515,20 +505,7 @@ def tc_causal(tl: TcTiling, end):
     blocks, warps, NQ = tl.M // TM * (tl.W // TW), tl.WR * tl.WC, TC * TC // 32
     SA, SB = max(TM * L1, TM * L2), max(TW * L1, KS * LX)
 
-    def rows_of(stage):
-        @T.macro
-        def rows(bufs, pos, t, q0, tx):
-            stage(bufs[0][0], bufs[0][1], lambda q: pos[0][0](t, q0 + q), tx)
-            if len(pos) > 1:
-                stage(bufs[1][0], bufs[1][1], lambda q: pos[1][0](t, q0 + q), tx)
-            if len(pos) > 2:
-                stage(bufs[2][0], bufs[2][1], lambda q: pos[2][0](t, q0 + q), tx)
-        return rows
-
-    stage_rows, stage_cols = rows_of(fill_rows), rows_of(fill_cols)
-
-    def values(slots, q):
-        return tuple(buf[base + q] for buf, base in slots)
+    stage_rows, stage_cols = _stage_positions(fill_rows), _stage_positions(fill_cols)
 
     @T.macro
     def through_shared(acc_c, acc, so, r, c, tx, apply):
@@ -587,7 +564,7 @@ def tc_causal(tl: TcTiling, end):
                 for ko in range((T.min(end(i0 + TM - 1), rows(t)) + KS - 1) // KS):
                     stage_cols(vc, pos, t, ko * KS, tx)
                     T.tvm_storage_sync("shared")
-                    copy_w(sa, lambda s, i: weight(t, i0 + i, ko * KS + s, values(vr, i), values(vc, s)), tx)
+                    copy_w(sa, lambda s, i: weight(t, i0 + i, ko * KS + s, _values(vr, i), _values(vc, s)), tx)
                     copy_x(sb, lambda s, j: xs(t, ko * KS + s, j0 + j), tx)
                     T.tvm_storage_sync("shared")
                     if tx // 32 < warps:
@@ -599,7 +576,7 @@ def tc_causal(tl: TcTiling, end):
                     for c in T.unroll(FC):
                         through_shared(acc_c, acc, so, r, c, tx, lambda q, l, j, e: _store_if(
                             store, rows, t, i0 + l, j0 + j,
-                            carry(t, i0 + l, j0 + j, so[e], xs(t, i0 + l, j0 + j), values(vr, l))
+                            carry(t, i0 + l, j0 + j, so[e], xs(t, i0 + l, j0 + j), _values(vr, l))
                             + so[e + TC * TC] + diag[(r * FC + c) * NQ + q]))
 
     return run

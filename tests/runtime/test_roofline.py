@@ -159,3 +159,28 @@ def test_cli_prints_rows_and_the_summary_line(capsys, tmp_path):
 def test_cli_rejects_an_unknown_preset(capsys):
     assert cli.main(["roofline", "--preset", "mamba-9b"]) == 2
     assert "unknown 'mamba-9b'" in capsys.readouterr().err
+
+
+def test_tensor_core_products_are_counted_at_the_tensor_core_rate():
+    """--dtype bfloat16 keys: the SSD chunk products on wmma; the counting build counts 2 x 16^3 flops per warp
+    mma_sync (bmm_chunk at one chunk of 64 x 64 x 32 per group: 2 x 64 x 64 x 32 per (batch, group)), and the
+    bound puts them at the bf16 tensor-core rate."""
+    import torch
+    import tvm_ffi
+
+    from tvm_mamba.compute import ssd
+    from tvm_mamba.schedules.cuda import ssd as cuda_rule
+    from tvm_mamba.schedules.rule import Decisions
+
+    keys = [k for k in report.preset_keys("mamba2-130m", ["ssd"], "sm_90", "bfloat16") if k.direction == "bmm_chunk"]
+    assert keys and keys[0].dtype == {"bc": "bfloat16"}
+    static = dict(ngroups=2, dstate=32, chunk_size=64, bc_dtype="bfloat16")
+    sch = cuda_rule.apply(ssd.ssd_bmm_chunk(**static), cuda_target("sm_90"), Decisions({"threads": 128, "tile": 64}))
+    built = count.build(sch.mod, cuda_target("sm_90"), "ssd_bmm_chunk")
+    assert built.tensor_cores
+    args = [tvm_ffi.from_dlpack(torch.ones(1, 64, 2, 32, dtype=torch.bfloat16)) for _ in range(2)]
+    args.append(tvm_ffi.from_dlpack(torch.zeros(1, 1, 2, 64, 64)))
+    (name, launch), = count.run(built, "ssd_bmm_chunk", args).items()
+    assert launch.counts.mma_flops == 2 * 64 * 64 * 32 * 2
+    seconds, unit = hardware.time_bound(0, 0, 0, launch.counts.mma_flops, hardware.H200.tc_bf16_flops)
+    assert unit == "arith" and seconds == pytest.approx(launch.counts.mma_flops / hardware.H200.tc_bf16_flops)
