@@ -414,17 +414,8 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
                     T.tvm_storage_sync("shared")
                 for r in T.unroll(FR):
                     for c in T.unroll(FC):
-                        if tx // 32 < tl.WR * tl.WC:
-                            T.evaluate(T.tvm_store_matrix_sync(acc.data, TC, TC, TC, r * FC + c,
-                                                               so.access_ptr("w", offset=tx // 32 * TC * TC), TC,
-                                                               "row_major"))
-                        T.tvm_storage_sync("shared")
-                        if tx // 32 < tl.WR * tl.WC:
-                            for q in T.unroll(TC * TC // 32):
-                                store(t, i0 + (wr * FR + r) * TC + (q * 32 + tx % 32) // TC,
-                                      j0 + (wc * FC + c) * TC + (q * 32 + tx % 32) % TC,
-                                      so[tx // 32 * TC * TC + q * 32 + tx % 32])
-                        T.tvm_storage_sync("shared")
+                        _through_shared(tl, (acc,), so, r, c, tx,
+                                        lambda q, l, j, e: store(t, i0 + l, j0 + j, so[e]))
 
     return _entry(run_any, scaled)
 
@@ -478,6 +469,29 @@ def _causal_step(tl, fa, fb, acc, diag, sa, sb, wr, wc, tx, i0, s0, kk, end, L2,
 
 
 @T.macro
+def _through_shared(tl, accs, so, r, c, tx, apply):
+    """Fragment (r, c) of each accumulator in ``accs`` (one or two) of the computing warps to the warp's shared
+    tiles (``so``: len(accs) tiles of TC x TC per warp), then ``apply(q, l, j, e)`` per element (q: the thread's
+    element, l / j tile-relative, e its index in the first tile; the second is TC x TC after it), every thread
+    at the barriers."""
+    if tx // 32 < tl.WR * tl.WC:
+        T.evaluate(T.tvm_store_matrix_sync(accs[0].data, TC, TC, TC, r * tl.FC + c,
+                                           so.access_ptr("w", offset=tx // 32 * len(accs) * TC * TC), TC,
+                                           "row_major"))
+        if len(accs) > 1:
+            T.evaluate(T.tvm_store_matrix_sync(accs[1].data, TC, TC, TC, r * tl.FC + c,
+                                               so.access_ptr("w", offset=(tx // 32 * 2 + 1) * TC * TC), TC,
+                                               "row_major"))
+    T.tvm_storage_sync("shared")
+    if tx // 32 < tl.WR * tl.WC:
+        for q in T.unroll(TC * TC // 32):
+            apply(q, (tx // 32 // tl.WC * tl.FR + r) * TC + (q * 32 + tx % 32) // TC,
+                  (tx // 32 % tl.WC * tl.FC + c) * TC + (q * 32 + tx % 32) % TC,
+                  tx // 32 * len(accs) * TC * TC + q * 32 + tx % 32)
+    T.tvm_storage_sync("shared")
+
+
+@T.macro
 def _store_if(store, rows, t, l, j, v):
     if l < rows(t):
         store(t, l, j, v)
@@ -506,25 +520,6 @@ def tc_causal(tl: TcTiling, end):
     SA, SB = max(TM * L1, TM * L2), max(TW * L1, KS * LX)
 
     stage_rows, stage_cols = _stage_positions(fill_rows), _stage_positions(fill_cols)
-
-    @T.macro
-    def through_shared(acc_c, acc, so, r, c, tx, apply):
-        """Fragment (r, c) of both accumulators of the computing warps to the warp's two shared tiles, then
-        ``apply(q, l, j, e)`` per element (q: the thread's element, l / j tile-relative, e its index in the
-        first tile; the second is TC x TC after it), every thread at the barriers."""
-        if tx // 32 < warps:
-            T.evaluate(T.tvm_store_matrix_sync(acc_c.data, TC, TC, TC, r * FC + c,
-                                               so.access_ptr("w", offset=tx // 32 * 2 * TC * TC), TC, "row_major"))
-            T.evaluate(T.tvm_store_matrix_sync(acc.data, TC, TC, TC, r * FC + c,
-                                               so.access_ptr("w", offset=(tx // 32 * 2 + 1) * TC * TC), TC,
-                                               "row_major"))
-        T.tvm_storage_sync("shared")
-        if tx // 32 < warps:
-            for q in T.unroll(NQ):
-                apply(q, (tx // 32 // tl.WC * FR + r) * TC + (q * 32 + tx % 32) // TC,
-                      (tx // 32 % tl.WC * FC + c) * TC + (q * 32 + tx % 32) % TC,
-                      tx // 32 * 2 * TC * TC + q * 32 + tx % 32)
-        T.tvm_storage_sync("shared")
 
     @T.macro
     def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos):
@@ -574,7 +569,7 @@ def tc_causal(tl: TcTiling, end):
                     T.tvm_storage_sync("shared")
                 for r in T.unroll(FR):
                     for c in T.unroll(FC):
-                        through_shared(acc_c, acc, so, r, c, tx, lambda q, l, j, e: _store_if(
+                        _through_shared(tl, (acc_c, acc), so, r, c, tx, lambda q, l, j, e: _store_if(
                             store, rows, t, i0 + l, j0 + j,
                             carry(t, i0 + l, j0 + j, so[e], xs(t, i0 + l, j0 + j), _values(vr, l))
                             + so[e + TC * TC] + diag[(r * FC + c) * NQ + q]))
