@@ -37,6 +37,9 @@ from ..rule import Decisions, kernel_attrs, schedule_of
 
 MASK = tirx.const(0xFFFFFFFF, "uint32")
 HEAD_ROWS = (1, 2, 4, 8, 16)  # decode steps: rows of one head per warp lane
+ITEMS = (4, 8, 16)  # forward: consecutive steps per thread (a time block is 32 x items steps)
+REGS = 80  # forward: the register budget a thread at dstate <= 32 (launch bounds' minimum blocks per SM)
+STAGE_ELEMS = 4096  # forward: staged (step, state) values of B and of C per slice (2 x 16.5 KB fp32)
 
 
 def warp_width(dstate: int) -> int:
@@ -143,14 +146,95 @@ class CudaLayout(compute.Layout):
         self.uniform, self.reduce_plus_lead = uniform, reduce_plus_lead
 
 
+class CudaTimeLayout(compute.Layout):
+    """The parallel-in-time forward (compute/selective_scan/timescan.py): a lane (one (batch, channel)) is a
+    warp, thread p holding ``items`` consecutive steps of each time block of 32 x items; a block is
+    ``chans`` lanes (warps) of one batch row; the pair scan is a Hillis-Steele scan over the warp by
+    ``__shfl_up_sync`` (5 rounds of two shuffles), the total a broadcast from lane 31."""
+
+    time_threads = 32
+    stage_scope = "shared"
+
+    def __init__(self, math: Math, items: int, chans: int, stage_states: int, dstate: int):
+        super().__init__(math, vec=1, scope="local")
+        self.items, self.block_chans, self.stage_states = items, chans, stage_states
+        # the register budget of a thread: 80 at dstate <= 32 (ptxas took 104 at 256 threads, 2 blocks per SM;
+        # capped at 80: 3 blocks, no spills); more lane-held slots above (capped at 80 they spilled 8-20 bytes)
+        regs = REGS if dstate <= 32 and math.acc == "float32" else 2 * REGS
+        self.min_blocks = max(1, 65536 // (regs * 32 * chans))
+        self._warp_pair_scan()
+
+    # per-state values of a lane spread over its warp: state n in lane n % 32, register slot n // 32 (slots
+    # picked by constant indices: a dynamic index would put the slots in local memory)
+    def held_regs(self, N):
+        return (N + 31) // 32
+
+    def held_state(self, k, p):
+        return k * 32 + p
+
+    def held_get(self, buf, n):
+        v = buf[0]
+        for k in range(1, int(buf.shape[0])):
+            v = tirx.Select(n // 32 == k, buf[k], v)
+        return T.tvm_warp_shuffle(MASK, v, n % 32, 32, 32)
+
+    @staticmethod
+    @T.macro
+    def held_set(buf, n, value, p):
+        for k in T.unroll(buf.shape[0]):
+            if tirx.And(p == n % 32, n // 32 == k):
+                buf[k] = value
+
+    def outer_loop(self, n):
+        return T.thread_binding(n, thread="blockIdx.x")
+
+    def lane_loop(self, n):
+        return T.thread_binding(n, thread="threadIdx.x")
+
+    def item_loop(self, n):
+        return T.unroll(n)
+
+    def leader(self, ok, j):
+        return tirx.And(ok, j == 0)
+
+    def _warp_pair_scan(self):
+        one, zero = self.math.one, self.math.zero
+
+        @T.macro
+        def pair_scan(pr, p):
+            for r in T.unroll(5):  # inclusive: (a, b) of steps up to this thread's last
+                pr[2] = T.tvm_warp_shuffle_up(MASK, pr[0], 1 << r, 32, 32)
+                pr[3] = T.tvm_warp_shuffle_up(MASK, pr[1], 1 << r, 32, 32)
+                if p >= (1 << r):
+                    pr[1] = pr[0] * pr[3] + pr[1]
+                    pr[0] = pr[0] * pr[2]
+            pr[4] = T.tvm_warp_shuffle_up(MASK, pr[0], 1, 32, 32)
+            pr[5] = T.tvm_warp_shuffle_up(MASK, pr[1], 1, 32, 32)
+            pr[2] = T.tvm_warp_shuffle(MASK, pr[0], 31, 32, 32)
+            pr[3] = T.tvm_warp_shuffle(MASK, pr[1], 31, 32, 32)
+            pr[0] = T.Select(p == 0, one, pr[4])
+            pr[1] = T.Select(p == 0, zero, pr[5])
+
+        self.pair_scan = pair_scan
+
+
 def apply(func, target, decisions: Decisions):
     name, static = kernel_attrs(func)
     direction = name[len("selective_scan_"):] if name and name.startswith("selective_scan_") else None
     if "gpu" not in target.keys or direction not in ("fwd", "bwd", "update", "fwd_complex", "bwd_complex"):
         return None
-    threads = decisions.pick("threads", (64, 128, 256), 128)
+    # the forward's block is threads / 32 channels sharing staged B / C: wider blocks re-read less
+    threads = decisions.pick("threads", (64, 128, 256), 256 if direction == "fwd" else 128)
     dims = compute.DIMS[direction](**static)
-    if direction in ("fwd", "bwd"):
+    if direction == "fwd":  # parallel in time: a warp per lane, threads / 32 lanes per block
+        items = decisions.pick("items", ITEMS, 8)
+        chans = threads // 32
+        # B / C staged for the block's lanes when they share one group (else each lane reads its own)
+        shared = all(not g or (dims.dim // g) % chans == 0 for g in (dims.b_groups, dims.c_groups))
+        stage = min(dims.dstate, STAGE_ELEMS // (32 * items)) if shared else 0
+        layout = CudaTimeLayout(Math(dims.acc, native=True), items, chans, stage, dims.dstate)
+        return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name=name)
+    if direction == "bwd":
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
     elif direction == "update":  # CUDA's own exp / log1p, as the scans (the polynomials are the CPU's)
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)

@@ -32,7 +32,9 @@ def test_gpu_rule_selects_by_capability():
     """The GPU rule serves any target with the "gpu" key (its loops are blockIdx x threadIdx + warp shuffles),
     not only kind "cuda"."""
     sch = cuda_rule.apply(ss.selective_scan_fwd(**STATIC), tvm.target.Target("rocm"), Decisions())
-    assert sch is not None and "tvm_warp_shuffle_xor" in sch.mod.script()
+    assert sch is not None and "tvm_warp_shuffle_up" in sch.mod.script()  # the forward's scan over time
+    sch = cuda_rule.apply(ss.selective_scan_bwd(**STATIC, block=2), tvm.target.Target("rocm"), Decisions())
+    assert sch is not None and "tvm_warp_shuffle_xor" in sch.mod.script()  # the backward's dstate sums
 
 
 @pytest.mark.parametrize("layout,used", [(None, {"layout": "channels"}),
@@ -57,11 +59,12 @@ def test_cuda_scan_kernels_compile_without_spills(dstate):
     st = dict(STATIC, dim=64, dstate=dstate, chunk=ss.chunk_size(dstate))
     dt = dict(u_dtype="bfloat16", B_dtype="bfloat16", C_dtype="float32")
     tgt = cuda_target("sm_90")
-    for func in (ss.selective_scan_fwd(**st, **dt), ss.selective_scan_bwd(**st, block=16, **dt)):
+    for func, shuffle in ((ss.selective_scan_fwd(**st, **dt), "__shfl_up_sync"),  # the pair scan over time
+                          (ss.selective_scan_bwd(**st, block=16, **dt), "__shfl_xor_sync")):  # dstate sums
         sch = cuda_rule.apply(func, tgt, Decisions())
         with tgt:
             src = tvm.compile(sch.mod, target=tgt).mod.imports[0].inspect_source("cuda")
-        assert "__shfl_xor_sync" in src  # the dstate sums are warp shuffles
+        assert shuffle in src
         stats = ptxas_stats(src, "sm_90")
         assert stats["ok"], stats["error"]
         assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]

@@ -66,10 +66,19 @@ def _dims(key: KernelKey) -> list[str]:
     return [n for n in names if n not in tune._derived(key, {n: 1 for n in names})]
 
 
-def _unit(static: dict) -> int:
-    """The seqlen step of the fit points: a multiple of the kernel's chunk and of 128 (whole tiles)."""
-    chunk = int(static.get("chunk_size") or static.get("chunk") or 1)
-    return chunk * 128 // math.gcd(chunk, 128)
+# seqlen steps a kernel's launch works in, beyond its chunk and 128 (the selective scan's CUDA forward:
+# time blocks of 32 threads x up to 16 steps)
+TIME_BLOCKS = {("selective_scan", "fwd"): 512}
+
+
+def _unit(key: KernelKey) -> int:
+    """The seqlen step of the fit points: a multiple of the kernel's chunk, of 128 (whole tiles) and of its
+    time block (``TIME_BLOCKS``)."""
+    static = dict(key.static)
+    unit = int(static.get("chunk_size") or static.get("chunk") or 1)
+    for step in (128, TIME_BLOCKS.get((key.op, key.direction), 1)):
+        unit = unit * step // math.gcd(unit, step)
+    return unit
 
 
 def fit_points(names: list[str], unit: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -134,7 +143,7 @@ def counted(key: KernelKey, batch: int, seqlen: int) -> tuple[list[KernelCounts]
     serve = KernelKey.make(key.op, key.direction, key.dtype, key.static, key.target,
                            _bucket(key, names, batch, seqlen))  # the kernel that serves the preset's shape
     built = count.build(dispatch.schedule(serve), dispatch.target_from_key(key.target), str(serve))
-    pts, check = fit_points(names, _unit(dict(key.static)))
+    pts, check = fit_points(names, _unit(key))
     fixed = part_dims(serve)
     results = []
     for b, L in pts + [check]:

@@ -13,7 +13,8 @@ import tempfile
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+)'")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, \d+ bytes cumulative stack size)?"
+                   r"(?:, (\d+) bytes smem)?")
 
 
 def nvcc_path() -> str | None:

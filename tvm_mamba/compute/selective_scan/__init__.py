@@ -36,9 +36,10 @@ from .chunked import fwd_chunked_template
 from .complex_bwd import bwd_complex_template
 from .complex_fwd import fwd_complex_template
 from .fwd import fwd_template
+from .timescan import fwd_timescan_template
 from .update import update_template
 
-__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "ScanDims", "ScanBwdDims", "UpdateDims", "Layout", "acc_dtype",
+__all__ = ["DIMS", "TEMPLATES", "VARIANTS", "IO_DTYPES", "ScanDims", "ScanBwdDims", "UpdateDims", "Layout", "acc_dtype",
            "block_size", "chunk_size", "vector_width", "build_check_configs", "tuning_configs", "build",
            "selective_scan_fwd", "selective_scan_bwd", "selective_scan_update", "selective_scan_fwd_chunked",
            "selective_scan_fwd_complex", "selective_scan_bwd_complex"]
@@ -50,6 +51,8 @@ DIMS = {"fwd": ScanDims, "bwd": ScanBwdDims, "update": UpdateDims, "fwd_chunked"
 TEMPLATES = {"fwd": fwd_template, "bwd": bwd_template, "update": update_template,
              "fwd_chunked": fwd_chunked_template, "fwd_complex": fwd_complex_template,
              "bwd_complex": bwd_complex_template}
+# direction -> alternative templates of the same kernel (a layout's choice of algorithm; same signature)
+VARIANTS = {"fwd": {"timescan": fwd_timescan_template}}
 
 
 def vector_width(dstate: int, want: int = 16) -> int:
@@ -60,9 +63,11 @@ def vector_width(dstate: int, want: int = 16) -> int:
     return v
 
 
-def build(direction: str, dims, layout: Layout) -> tirx.PrimFunc:
-    """``direction``'s template laid out by ``layout``, stamped with its kernel name and static dims."""
-    return stamp(TEMPLATES[direction](dims, layout), f"selective_scan_{direction}", dims.static())
+def build(direction: str, dims, layout: Layout, variant: str | None = None) -> tirx.PrimFunc:
+    """``direction``'s template (or its ``variant``, ``VARIANTS``) laid out by ``layout``, stamped with its
+    kernel name and static dims."""
+    template = VARIANTS[direction][variant] if variant else TEMPLATES[direction]
+    return stamp(template(dims, layout), f"selective_scan_{direction}", dims.static())
 
 
 def _dims(direction: str, dims, kwargs: dict, **defaults):

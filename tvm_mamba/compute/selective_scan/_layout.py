@@ -29,6 +29,15 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
 - **heads** (decode step with ``tie_hdim``): a lane runs ``head_rows`` consecutive rows of one head (None:
   all headdim of them) after computing the head's dt' and exp(dt' A) once (an untied lane is one row);
   ``stage_bc`` loads the lane's B / C states once into lane-local buffers for its rows;
+- **time threads** (the parallel-in-time forward, timescan.py): ``time_threads`` P threads share a lane's
+  time, each ``items`` K consecutive steps (visited by ``item_loop(K)``), ``block_chans`` lanes (channels of
+  one batch row) per group of lanes; ``pair_scan(pr, p)`` turns thread p's pair (pr[0], pr[1]) into the
+  exclusive prefix over threads < p (the identity (1, 0) at p = 0) and puts the total over all P threads in
+  (pr[2], pr[3]) (pr[4], pr[5]: scratch), where (a1, b1) then (a2, b2) = (a2 a1, a2 b1 + b2);
+  ``stage_states`` NS (0: none) stages a time block's time-varying B / C, NS states at a time, in
+  ``stage_scope`` buffers shared by the group's lanes; per-state values of a lane (A[d, n], the carried
+  state) are *lane-held*: ``held_regs(N)`` slots, slot k holding state ``held_state(k, p)`` on time thread p,
+  read by ``held_get(buf, n)`` (any thread), written by the macro ``held_set(buf, n, value, p)``;
 - ``math`` (a ``compute._math.Math``: polynomial or native exp), ``scope`` of lane-local buffers,
   ``nchunk(seqlen, chunk)`` (the checkpoint count: an expression, or a free var bound by the buffer).
 
@@ -52,6 +61,12 @@ class Layout:
     y_from_skip = False  # forward: y's partial starts from D u (one partial per channel), not 0 + D u after
     head_rows = None  # tied decode step: rows of one head per lane, sharing its softplus / exp (None: all)
     stage_bc = False  # decode step: a lane loads its B / C states once into lane-local buffers (its rows reuse them)
+    time_threads = 1  # parallel-in-time forward: threads sharing a lane's time (the serial layout: one)
+    items = 16  # ... consecutive steps per thread
+    block_chans = 1  # ... lanes per group of lanes (a CUDA block)
+    stage_states = 0  # ... states of B / C staged per time block (0: read from the inputs)
+    stage_scope = "local"
+    min_blocks = 0  # ... blocks per SM the register budget must allow (0: the compiler's choice)
 
     def __init__(self, math: Math, vec: int = 1, tvec: int = 16, scope: str = "global", lanes_per_block: int = 1):
         self.math, self.V, self.tvec, self.scope = math, vec, tvec, scope
@@ -69,6 +84,10 @@ class Layout:
         return T.serial(n)
 
     def vec_loop(self, n):
+        return T.serial(n)
+
+    def item_loop(self, n):
+        """Over a time thread's consecutive steps (CUDA: unrolled, registers)."""
         return T.serial(n)
 
     def chan_loop(self):
@@ -114,6 +133,21 @@ class Layout:
     def regs(self, N):
         return N
 
+    # --- lane-held per-state values (the parallel-in-time forward): one thread holds them all
+    def held_regs(self, N):
+        return N
+
+    def held_state(self, k, p):
+        return k
+
+    def held_get(self, buf, n):
+        return buf[n]
+
+    @staticmethod
+    @T.macro
+    def held_set(buf, n, value, p):
+        buf[n] = value
+
     def nchunk(self, seqlen, chunk):
         return (seqlen + chunk - 1) // chunk
 
@@ -148,5 +182,13 @@ class Layout:
         def reduce_plus_lead(dst, i, parts, row, init, lead):
             reduce_plus(dst, i, parts, row, init)
 
+        @T.macro
+        def pair_scan(pr, p):  # one time thread: the prefix is the identity, the total its own pair
+            pr[2] = pr[0]
+            pr[3] = pr[1]
+            pr[0] = self.math.one
+            pr[1] = zero
+
         self.reduce, self.reduce_plus, self.reduce2 = reduce, reduce_plus, reduce2
         self.uniform, self.reduce_plus_lead = uniform, reduce_plus_lead
+        self.pair_scan = pair_scan
