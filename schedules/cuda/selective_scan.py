@@ -39,6 +39,7 @@ MASK = tirx.const(0xFFFFFFFF, "uint32")
 HEAD_ROWS = (1, 2, 4, 8, 16)  # decode steps: rows of one head per warp lane
 ITEMS = (4, 8, 16)  # forward: consecutive steps per thread (a time block is 32 x items steps)
 REGS = 80  # forward: the register budget a thread at dstate <= 32 (launch bounds' minimum blocks per SM)
+SMEM_BYTES = 44 * 1024  # backward: static shared memory budget (48 KB is the static limit)
 STAGE_ELEMS = 4096  # forward: staged (step, state) values of B and of C per slice (2 x 16.5 KB fp32)
 
 
@@ -185,6 +186,19 @@ class CudaTimeLayout(compute.Layout):
             if tirx.And(p == n % 32, n // 32 == k):
                 buf[k] = value
 
+    @staticmethod
+    @T.macro
+    def held_add(buf, n, value, p):
+        for k in T.unroll(buf.shape[0]):
+            if tirx.And(p == n % 32, n // 32 == k):
+                buf[k] = buf[k] + value
+
+    @staticmethod
+    @T.macro
+    def time_sum(buf, i):  # butterfly over the warp: every thread gets the lane's sum (a fixed order)
+        for r in T.unroll(5):
+            buf[i] = buf[i] + T.tvm_warp_shuffle_xor(MASK, buf[i], 1 << r, 32, 32)
+
     def outer_loop(self, n):
         return T.thread_binding(n, thread="blockIdx.x")
 
@@ -200,22 +214,45 @@ class CudaTimeLayout(compute.Layout):
     def _warp_pair_scan(self):
         one, zero = self.math.one, self.math.zero
 
-        @T.macro
-        def pair_scan(pr, p):
-            for r in T.unroll(5):  # inclusive: (a, b) of steps up to this thread's last
-                pr[2] = T.tvm_warp_shuffle_up(MASK, pr[0], 1 << r, 32, 32)
-                pr[3] = T.tvm_warp_shuffle_up(MASK, pr[1], 1 << r, 32, 32)
-                if p >= (1 << r):
-                    pr[1] = pr[0] * pr[3] + pr[1]
-                    pr[0] = pr[0] * pr[2]
-            pr[4] = T.tvm_warp_shuffle_up(MASK, pr[0], 1, 32, 32)
-            pr[5] = T.tvm_warp_shuffle_up(MASK, pr[1], 1, 32, 32)
-            pr[2] = T.tvm_warp_shuffle(MASK, pr[0], 31, 32, 32)
-            pr[3] = T.tvm_warp_shuffle(MASK, pr[1], 31, 32, 32)
-            pr[0] = T.Select(p == 0, one, pr[4])
-            pr[1] = T.Select(p == 0, zero, pr[5])
+        def scan(shift, first, last):
+            """Over the warp in the direction ``shift`` (shfl_up: threads < p come first; shfl_down: > p)."""
 
-        self.pair_scan = pair_scan
+            def inside(p, r):  # the partner 2^r away exists
+                return p >= (1 << r) if first == 0 else p + (1 << r) < 32
+
+            @T.macro
+            def pair_scan(pr, p):
+                for r in T.unroll(5):  # inclusive: the pairs of this thread and those before it
+                    pr[2] = shift(MASK, pr[0], 1 << r, 32, 32)
+                    pr[3] = shift(MASK, pr[1], 1 << r, 32, 32)
+                    if inside(p, r):
+                        pr[1] = pr[0] * pr[3] + pr[1]
+                        pr[0] = pr[0] * pr[2]
+                pr[4] = shift(MASK, pr[0], 1, 32, 32)
+                pr[5] = shift(MASK, pr[1], 1, 32, 32)
+                pr[2] = T.tvm_warp_shuffle(MASK, pr[0], last, 32, 32)
+                pr[3] = T.tvm_warp_shuffle(MASK, pr[1], last, 32, 32)
+                pr[0] = T.Select(p == first, one, pr[4])
+                pr[1] = T.Select(p == first, zero, pr[5])
+
+            return pair_scan
+
+        self.pair_scan = scan(T.tvm_warp_shuffle_up, 0, 31)
+        self.pair_scan_rev = scan(T.tvm_warp_shuffle_down, 31, 0)
+
+
+def _bwd_stage_states(dims, tc: int) -> int:
+    """States of B / C the backward stages per slice: what fits beside its dB / dC reduction rows
+    (block x tc each) in SMEM_BYTES of static shared memory."""
+    width = 8 if dims.acc == "float64" else 4
+    rows = (dims.varying_B + dims.varying_C) * dims.block * tc * width
+    per_state = 2 * (tc + tc // 32) * width
+    return _divisor_at_most(dims.dstate, (SMEM_BYTES - rows) // per_state)
+
+
+def _divisor_at_most(n: int, most: int) -> int:
+    """The largest divisor of n that is <= most (at least 1): staged slices tile dstate exactly."""
+    return max(k for k in range(1, max(1, min(n, most)) + 1) if n % k == 0)
 
 
 def apply(func, target, decisions: Decisions):
@@ -231,11 +268,18 @@ def apply(func, target, decisions: Decisions):
         chans = threads // 32
         # B / C staged for the block's lanes when they share one group (else each lane reads its own)
         shared = all(not g or (dims.dim // g) % chans == 0 for g in (dims.b_groups, dims.c_groups))
-        stage = min(dims.dstate, STAGE_ELEMS // (32 * items)) if shared else 0
+        stage = _divisor_at_most(dims.dstate, STAGE_ELEMS // (32 * items)) if shared else 0
         layout = CudaTimeLayout(Math(dims.acc, native=True), items, chans, stage, dims.dstate)
         return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name=name)
     if direction == "bwd":
-        layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
+        math = Math(dims.acc, native=True)
+        items = [k for k in range(1, 17) if (32 * k) % dims.chunk == 0 and k * 2 >= min(ITEMS)]
+        if items:  # parallel in time: a block per channel block, a warp per channel; time blocks from checkpoints
+            k = decisions.pick("items", items, min(items, key=lambda k: abs(k - 4)))
+            layout = CudaTimeLayout(math, k, dims.block, _bwd_stage_states(dims, 32 * k), dims.dstate)
+            layout.reduce_layout = CudaLayout(math, threads, dims.dstate, warp=True)
+            return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name=name)
+        layout = CudaLayout(math, threads, dims.dstate, warp=True)
     elif direction == "update":  # CUDA's own exp / log1p, as the scans (the polynomials are the CPU's)
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
         rows = [r for r in HEAD_ROWS if dims.headdim % r == 0]

@@ -37,6 +37,7 @@ from .complex_bwd import bwd_complex_template
 from .complex_fwd import fwd_complex_template
 from .fwd import fwd_template
 from .timescan import fwd_timescan_template
+from .timescan_bwd import bwd_timescan_template
 from .update import update_template
 
 __all__ = ["DIMS", "TEMPLATES", "VARIANTS", "IO_DTYPES", "ScanDims", "ScanBwdDims", "UpdateDims", "Layout", "acc_dtype",
@@ -52,7 +53,7 @@ TEMPLATES = {"fwd": fwd_template, "bwd": bwd_template, "update": update_template
              "fwd_chunked": fwd_chunked_template, "fwd_complex": fwd_complex_template,
              "bwd_complex": bwd_complex_template}
 # direction -> alternative templates of the same kernel (a layout's choice of algorithm; same signature)
-VARIANTS = {"fwd": {"timescan": fwd_timescan_template}}
+VARIANTS = {"fwd": {"timescan": fwd_timescan_template}, "bwd": {"timescan": bwd_timescan_template}}
 
 
 def vector_width(dstate: int, want: int = 16) -> int:

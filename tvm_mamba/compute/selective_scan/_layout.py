@@ -37,7 +37,10 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
   ``stage_states`` NS (0: none) stages a time block's time-varying B / C, NS states at a time, in
   ``stage_scope`` buffers shared by the group's lanes; per-state values of a lane (A[d, n], the carried
   state) are *lane-held*: ``held_regs(N)`` slots, slot k holding state ``held_state(k, p)`` on time thread p,
-  read by ``held_get(buf, n)`` (any thread), written by the macro ``held_set(buf, n, value, p)``;
+  read by ``held_get(buf, n)`` (any thread), written by the macros ``held_set(buf, n, value, p)`` and
+  ``held_add(buf, n, value, p)`` (value the same on every time thread); the backward (timescan_bwd.py) adds
+  ``pair_scan_rev`` (the same over threads > p, total over all), ``time_sum(buf, i)`` (buf[i] summed over the
+  lane's time threads, on each) and ``reduce_layout`` (the layout of its stage-2 sums; None: this one);
 - ``math`` (a ``compute._math.Math``: polynomial or native exp), ``scope`` of lane-local buffers,
   ``nchunk(seqlen, chunk)`` (the checkpoint count: an expression, or a free var bound by the buffer).
 
@@ -67,6 +70,7 @@ class Layout:
     stage_states = 0  # ... states of B / C staged per time block (0: read from the inputs)
     stage_scope = "local"
     min_blocks = 0  # ... blocks per SM the register budget must allow (0: the compiler's choice)
+    reduce_layout = None  # parallel-in-time backward: the layout of the stage-2 sums (None: this one)
 
     def __init__(self, math: Math, vec: int = 1, tvec: int = 16, scope: str = "global", lanes_per_block: int = 1):
         self.math, self.V, self.tvec, self.scope = math, vec, tvec, scope
@@ -148,6 +152,16 @@ class Layout:
     def held_set(buf, n, value, p):
         buf[n] = value
 
+    @staticmethod
+    @T.macro
+    def held_add(buf, n, value, p):
+        buf[n] = buf[n] + value
+
+    @staticmethod
+    @T.macro
+    def time_sum(buf, i):  # one time thread: its own value is the lane's sum
+        T.evaluate(0)
+
     def nchunk(self, seqlen, chunk):
         return (seqlen + chunk - 1) // chunk
 
@@ -191,4 +205,4 @@ class Layout:
 
         self.reduce, self.reduce_plus, self.reduce2 = reduce, reduce_plus, reduce2
         self.uniform, self.reduce_plus_lead = uniform, reduce_plus_lead
-        self.pair_scan = pair_scan
+        self.pair_scan = self.pair_scan_rev = pair_scan

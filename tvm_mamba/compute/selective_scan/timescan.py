@@ -71,6 +71,7 @@ def fwd_timescan_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     N, CK, ACC, dim = dims.dstate, dims.chunk, dims.acc, dims.dim
     P, K, G, SCOPE = L.time_threads, L.items, L.block_chans, L.scope
     NS = L.stage_states or N  # states per slice (staged together)
+    assert N % NS == 0, "staged slices tile dstate"
     TC = P * K  # steps per time block
     NB = (dim + G - 1) // G  # blocks of G channels per batch row
     HR = L.held_regs(N)
@@ -123,28 +124,27 @@ def fwd_timescan_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
                     stage(Bm, Cm, bs, cs, seqlen, b, d, c, no, th)
                 for ni in range(NS):
                     n = T.meta_var(no * NS + ni)
-                    if N % NS == 0 or n < N:
-                        pr[0] = m.one
-                        pr[1] = m.zero
-                        hs[2] = L.held_get(av, n)
-                        for i in L.item_loop(K):
-                            t = T.meta_var(c * TC + p * K + i)
-                            a[i] = m.exp(dt[i] * hs[2])
-                            bb[i] = dtu[i] * bval(Bm, bs, b, d, T.min(t, seqlen - 1), ni, n, p * K + i)
-                            pr[0] = a[i] * pr[0]
-                            pr[1] = a[i] * pr[1] + bb[i]
-                        L.pair_scan(pr, p)
-                        hs[1] = L.held_get(hc, n)
-                        hs[0] = pr[0] * hs[1] + pr[1]
-                        for i in L.item_loop(K):
-                            t = T.meta_var(c * TC + p * K + i)
-                            if ok:
-                                if tirx.And(t < seqlen, t % CK == 0):
-                                    ck[b, d, t // CK, n] = hs[0]
-                            hs[0] = a[i] * hs[0] + bb[i]  # sm.h_next with dt u B precomputed
-                            y[i] = y[i] + cval(Cm, cs, b, d, T.min(t, seqlen - 1), ni, n, p * K + i) * hs[0]
-                        hs[1] = pr[2] * hs[1] + pr[3]
-                        L.held_set(hc, n, hs[1], p)
+                    pr[0] = m.one
+                    pr[1] = m.zero
+                    hs[2] = L.held_get(av, n)
+                    for i in L.item_loop(K):
+                        t = T.meta_var(c * TC + p * K + i)
+                        a[i] = m.exp(dt[i] * hs[2])
+                        bb[i] = dtu[i] * bval(Bm, bs, b, d, T.min(t, seqlen - 1), ni, n, p * K + i)
+                        pr[0] = a[i] * pr[0]
+                        pr[1] = a[i] * pr[1] + bb[i]
+                    L.pair_scan(pr, p)
+                    hs[1] = L.held_get(hc, n)
+                    hs[0] = pr[0] * hs[1] + pr[1]
+                    for i in L.item_loop(K):
+                        t = T.meta_var(c * TC + p * K + i)
+                        if ok:
+                            if tirx.And(t < seqlen, t % CK == 0):
+                                ck[b, d, t // CK, n] = hs[0]
+                        hs[0] = a[i] * hs[0] + bb[i]  # sm.h_next with dt u B precomputed
+                        y[i] = y[i] + cval(Cm, cs, b, d, T.min(t, seqlen - 1), ni, n, p * K + i) * hs[0]
+                    hs[1] = pr[2] * hs[1] + pr[3]
+                    L.held_set(hc, n, hs[1], p)
             for i in L.item_loop(K):
                 t = T.meta_var(c * TC + p * K + i)
                 if ok:
