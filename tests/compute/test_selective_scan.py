@@ -148,3 +148,49 @@ def test_typed_dims_keep_the_kernel_keys():
         assert ss.DIMS[direction](**dims.static()) == dims  # what the rules rebuild from the stamp
     with pytest.raises(TypeError, match="not both"):
         ss.selective_scan_fwd(ss.ScanDims(dim=8, dstate=16), dim=8)
+
+
+@pytest.mark.parametrize("c_groups", [0, 1])
+def test_time_parallel_templates_serial_layout(c_groups):
+    """The parallel-in-time forward and backward (timescan.py, timescan_bwd.py; CUDA's kernels) with the serial
+    layout (one time thread of 8 steps: two time blocks, the last one ragged) in float64 against the reference;
+    its forward's checkpoints equal the sequential forward's (the backward starts its time blocks there)."""
+    from tvm_mamba.compute._math import Math
+
+    static = dict(STATIC, c_groups=c_groups)
+    fdims, bdims = ss.ScanDims(**static, **F64), ss.ScanBwdDims(**static, block=1, **F64)
+    layout = ss.Layout(Math("float64"))
+    layout.items = 8
+    fwd = _compile(ss.build("fwd", fdims, layout, variant="timescan"))
+    bwd = _compile(ss.build("bwd", bdims, layout, variant="timescan"))
+    seq_fwd = _compile(ss.selective_scan_fwd(fdims))
+    batch, dim, N, L = 2, 4, 4, 11
+    g = torch.Generator().manual_seed(1)
+    o = dict(dtype=torch.float64)
+    r = lambda *s: torch.randn(*s, generator=g, **o)  # noqa: E731
+    u, delta, z = r(batch, dim, L), 0.5 * r(batch, dim, L), r(batch, dim, L)
+    A, B = -torch.rand(dim, N, generator=g, **o) - 0.2, r(batch, 2, N, L)
+    C = r(batch, 1, N, L) if c_groups else r(dim, N)
+    D, db, init = r(dim), 0.1 * r(dim), r(batch, dim, N)
+    args = (u, delta, A, _kl(B), _kl(C), D, z, db, init)
+    out, last, ck = torch.empty_like(u), torch.empty(batch, dim, N, **o), torch.empty(batch, dim, 3, N, **o)
+    fwd(*args, out, last, ck)
+    ck_seq = torch.empty_like(ck)
+    seq_fwd(*args, torch.empty_like(u), torch.empty_like(last), ck_seq)
+    leaves = [t.clone().requires_grad_() for t in (u, delta, A, B, C, D, z, db, init)]
+    rout, rlast = selective_scan_ref(*leaves[:7], leaves[7], True, True, leaves[8])
+    torch.testing.assert_close(out, rout.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(last, rlast.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ck, ck_seq, rtol=1e-12, atol=1e-12)
+    dout, dlast = r(batch, dim, L), r(batch, dim, N)
+    torch.autograd.backward([rout, rlast], [dout, dlast])
+    du, ddelta, dA, dB, dC, dD, ddb, dz, dinit = [torch.empty_like(t) for t in (u, delta, A, _kl(B), _kl(C), D,
+                                                                               db, z, init)]
+    ws = (torch.empty(batch, dim, N, **o), torch.empty(batch, dim, L, N, **o),
+          torch.empty(batch, dim, L, N, **o) if c_groups else torch.empty(batch, dim, N, **o),
+          torch.empty(batch, dim, 2, **o))
+    bwd(*args, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, *ws)
+    mine = dict(u=du, delta=ddelta, A=dA, B=dB.transpose(-1, -2), C=dC.transpose(-1, -2) if c_groups else dC,
+                D=dD, z=dz, db=ddb, init=dinit)
+    for (name, val), leaf in zip(mine.items(), leaves):
+        torch.testing.assert_close(val, leaf.grad, rtol=1e-9, atol=1e-9, msg=name)

@@ -336,3 +336,26 @@ def test_complex_A_sm80():
     res, keys = sc.scan_results(complex_inputs("grp_grp_ragged_blocks", seqlen=9), grads=True, arch="sm_80")
     assert {k.target for k in keys} == {"cudasim-sm_80"}
     assert_all_close(res, "complex sm_80")
+
+
+# The parallel-in-time kernels' knobs (schedules/cuda/selective_scan.py): steps per thread and lanes per block
+# of the forward, steps per thread of the backward (its time blocks start at checkpoints: 32 x items a multiple
+# of the chunk, 48 here). dstate 64: two lane-held register slots a thread, staged slices of B / C; 300 steps:
+# ragged last time blocks.
+@pytest.mark.parametrize("fwd, bwd", [({"items": 4, "threads": 64}, {"items": 6}),
+                                      ({"items": 16, "threads": 128}, {"items": 3})])
+def test_time_parallel_knobs(monkeypatch, fwd, bwd):
+    from tvm_mamba.runtime import dispatch
+
+    served = []
+
+    def hook(key):
+        if key.op == "selective_scan" and key.direction in ("fwd", "bwd"):
+            served.append(key.direction)
+            return dispatch.Plan(key, tuple(sorted((fwd if key.direction == "fwd" else bwd).items())), "test")
+        return None
+
+    monkeypatch.setattr(dispatch, "_plan_hooks", [hook])
+    res, _ = sc.scan_results(inputs("grp_grp_full_warp", seqlen=300), grads=True, arch="sm_90")
+    assert set(served) == {"fwd", "bwd"}
+    assert_all_close(res, f"fwd {fwd}, bwd {bwd}")

@@ -169,6 +169,7 @@ def bwd_timescan_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     NS, HR, NBLK = L.stage_states or N, L.held_regs(N), dims.nblocks
     assert N % NS == 0, "staged slices tile dstate"
     VARB, VARC = dims.varying_B, dims.varying_C
+    NR = VARB + VARC  # time-varying dB / dC rows reduced over the block's channels
     m = L.math
     sm = ScanMath(dims, m)
     stage, _, _, sshape, STAGED = _staging(dims, L, sm)
@@ -178,15 +179,24 @@ def bwd_timescan_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     per_channel, group_rows = _stage2_macros(dims, R, m)
 
     @T.macro
-    def reduce_rows(ws, r, rsum, b, blk, c, n, th, seqlen):
-        """ws[b, blk, t, n] = the block's channels' r[:, t] summed in channel order."""
-        for e in range((TC + G * P - 1) // (G * P)):
-            tl = T.meta_var(e * G * P + th)
-            if tirx.And(tl < TC, c * TC + tl < seqlen):
-                rsum[0] = r[0, tl]
-                for w in range(1, G):
-                    rsum[0] = rsum[0] + r[w, tl]
-                ws[b, blk, c * TC + tl, n] = rsum[0]
+    def reduce_rows(wsB, wsC, rb, rc, rsum, b, blk, c, n, th, seqlen):
+        """ws[b, blk, t, n] = the block's channels' r[:, t] summed in channel order (varying B: the first TC
+        threads, varying C: the next TC, in one pass)."""
+        for e in range((NR * TC + G * P - 1) // (G * P)):
+            k = T.meta_var(e * G * P + th)
+            if VARB:
+                if tirx.And(k < TC, c * TC + k < seqlen):
+                    rsum[0] = rb[0, k]
+                    for w in L.item_loop(G - 1):
+                        rsum[0] = rsum[0] + rb[w + 1, k]
+                    wsB[b, blk, c * TC + k, n] = rsum[0]
+            if VARC:
+                kc = T.meta_var(k - (TC if VARB else 0))
+                if tirx.And(tirx.And(kc >= 0, kc < TC), c * TC + kc < seqlen):
+                    rsum[0] = rc[0, kc]
+                    for w in L.item_loop(G - 1):
+                        rsum[0] = rsum[0] + rc[w + 1, kc]
+                    wsC[b, blk, c * TC + kc, n] = rsum[0]
 
     @T.macro
     def lane(u, delta, A, Bm, Cm, Dv, z, db, ck, dout, dlast, du, ddelta, dz, dinit, wsA, wsB, wsC, wsS,
@@ -238,10 +248,8 @@ def bwd_timescan_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
                 for ni in range(NS):
                     run(Bm, Cm, bs, cs, rb, rc, v, a, bb, hp, pr, hs, hA, hK, hR, hdA, hdB, hdC, b, d, w, c, p,
                         ni, no * NS + ni, seqlen)
-                    if VARB:
-                        reduce_rows(wsB, rb, rsum, b, blk, c, no * NS + ni, th, seqlen)
-                    if VARC:
-                        reduce_rows(wsC, rc, rsum, b, blk, c, no * NS + ni, th, seqlen)
+                    if VARB or VARC:
+                        reduce_rows(wsB, wsC, rb, rc, rsum, b, blk, c, no * NS + ni, th, seqlen)
             finish(du, ddelta, dz, v, dvr, sc, b, d, c, p, seqlen, True)
         for k in range(HR):
             if L.held_state(k, p) < N:
