@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
@@ -310,7 +311,7 @@ def _typed(scope: str, name: str, n: int, pos) -> list:
     return slots
 
 
-# ---- tensor cores (wmma m16n16k16, 16-bit operands, float accumulators) ----------------------------------------
+# ---- tensor cores (wmma m16n16k16: 16-bit operands with float accumulators, int8 with int32) --------------------
 
 TC = 16  # the wmma fragment side (m16n16k16)
 
@@ -318,7 +319,8 @@ TC = 16  # the wmma fragment side (m16n16k16)
 @dataclasses.dataclass(frozen=True)
 class TcTiling:
     """A TM x TW output tile of 16 x 16 fragments, WR x WC warps each owning FR x FC of them (the block's other
-    warps only copy), k slices of KT (a multiple of 16); the operands staged in ``dtype`` (bfloat16 / float16)."""
+    warps only copy), k slices of KT (a multiple of 16); the operands staged in ``dtype`` (bfloat16 / float16,
+    accumulated in float32; int8, accumulated in ``acc`` int32)."""
 
     M: int
     W: int
@@ -330,6 +332,14 @@ class TcTiling:
     WC: int
     threads: int
     dtype: str
+    acc: str = "float32"
+
+    @property
+    def blocked(self) -> bool:
+        """8-bit operands are staged fragment by fragment (16 x 16 contiguous bytes, ld 16): a fragment load
+        needs a 32-byte aligned pointer and a 16-byte multiple ld, which 16-byte k steps in a padded row-major
+        slice do not give."""
+        return self.dtype in ("int8", "uint8")
 
     @property
     def FR(self) -> int:
@@ -344,7 +354,7 @@ class TcTiling:
         return M % TC == 0 and W % TC == 0 and K % TC == 0
 
     @staticmethod
-    def of(M: int, W: int, K: int, threads: int, cap: int, dtype: str) -> "TcTiling":
+    def of(M: int, W: int, K: int, threads: int, cap: int, dtype: str, acc: str = "float32") -> "TcTiling":
         """Sides: the largest multiples of 16 dividing M / W up to ``cap``; as many of the threads / 32 warps
         as divide the tile's fragment grid, each owning as square a block of fragments as they allow."""
         TM = TC * largest_divisor(M // TC, max(1, cap // TC))
@@ -357,7 +367,7 @@ class TcTiling:
                 if wr * wc <= warps:
                     key = (-wr * wc, abs((TM // TC // wr) - (TW // TC // wc)))
                     best = min(best, (key, wr, wc)) if best else (key, wr, wc)
-        return TcTiling(M, W, K, TM, TW, KT, best[1], best[2], threads, dtype)
+        return TcTiling(M, W, K, TM, TW, KT, best[1], best[2], threads, dtype, acc)
 
 
 def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
@@ -375,6 +385,11 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
     a_at = (lambda k, i: i * LA + k) if a_fast else (lambda k, i: k * LA + i)  # noqa: E731
     b_at = (lambda k, j: j * LB + k) if b_fast else (lambda k, j: k * LB + j)  # noqa: E731
     a_lay, b_lay = ("row_major" if a_fast else "col_major"), ("col_major" if b_fast else "row_major")
+    if tl.blocked:  # k-fast operands only: fragment (i // 16, k // 16) at 256 (i // 16 * KT / 16 + k // 16)
+        assert a_fast and b_fast, "8-bit operands are staged along k"
+        LA = LB = TC
+        a_at = b_at = lambda k, i: (i // TC * (KT // TC) + k // TC) * TC * TC + i % TC * TC + k % TC  # noqa: E731
+    zero = tirx.const(0, tl.acc)
     copy_a, copy_b = _copy16(tl, KT, TM, a_fast, a_at), _copy16(tl, KT, TW, b_fast, b_at)
     fill = _fill(tl, KT)
     blocks, warps = tl.M // TM * (tl.W // TW), tl.WR * tl.WC
@@ -384,21 +399,21 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
     def run_any(extent, lhs, scale, rhs, store):
         for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
-            sa = T.alloc_buffer(((TM if a_fast else KT) * LA,), tl.dtype, scope="shared")
-            sb = T.alloc_buffer(((TW if b_fast else KT) * LB,), tl.dtype, scope="shared")
+            sa = T.alloc_buffer((TM * KT if tl.blocked else (TM if a_fast else KT) * LA,), tl.dtype, scope="shared")
+            sb = T.alloc_buffer((TW * KT if tl.blocked else (TW if b_fast else KT) * LB,), tl.dtype, scope="shared")
             ss = T.alloc_buffer((KT,), "float32", scope="shared")
-            so = T.alloc_buffer((warps * TC * TC,), "float32", scope="shared")  # a fragment per warp, out
+            so = T.alloc_buffer((warps * TC * TC,), tl.acc, scope="shared")  # a fragment per warp, out
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
                 wr, wc = T.meta_var((tx // 32 // tl.WC, tx // 32 % tl.WC))
                 fa = T.alloc_buffer((FR * TC, TC), tl.dtype, scope="wmma.matrix_a")
                 fb = T.alloc_buffer((TC, FC * TC), tl.dtype, scope="wmma.matrix_b")
-                acc = T.alloc_buffer((FR * TC, FC * TC), "float32", scope="wmma.accumulator")
+                acc = T.alloc_buffer((FR * TC, FC * TC), tl.acc, scope="wmma.accumulator")
                 for f in T.unroll(FR * FC):
-                    T.evaluate(T.tvm_fill_fragment(acc.data, TC, TC, TC, f, T.float32(0)))
+                    T.evaluate(T.tvm_fill_fragment(acc.data, TC, TC, TC, f, zero))
                 # touched before the slices, so that TVM's storage rewrite does not give ``so`` the 16-bit
                 # slices' memory (its float access_ptr into a bfloat16 buffer fails to lower)
-                out_fill(so, 0, lambda q: T.float32(0), tx)
+                out_fill(so, 0, lambda q: zero, tx)
                 for ko in range(tl.K // KT):
                     if scaled:
                         fill(ss, 0, lambda k: scale(t, ko * KT + k), tx)

@@ -20,6 +20,7 @@ from tvm.script import tirx as T
 
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
+from tvm_mamba.schedules.cuda._tiled import TILE_CAP, TcTiling, tc_matmul
 
 
 def _dp4a_shaped(body):
@@ -98,6 +99,50 @@ def _matmul(func, st: dict, decisions):
     return sch
 
 
+# tensor cores: the output tile's rows (M is symbolic: a block per TM rows x TW columns) and the tile cap
+TC_ROWS = (32, 64, 128)
+
+
+def _tc_matmul(func, st: dict, decisions):
+    """int8 x int8 -> int32 on tensor cores (wmma m16n16k16 s8, _tiled.tc_matmul): a block per TM rows of a
+    (M symbolic: ceil(M / TM) row tiles, rows past M read as 0 and not stored) x TW columns of b, both staged
+    along K in fragment-blocked shared slices. Needs N % 16 == K % 16 == 0 (else None: the dp4a kernel).
+    Exact: integer products and int32 sums, as the dp4a kernel and the compute definition."""
+    N, K = st["N"], st["K"]
+    if not TcTiling.fits(16, N, K):
+        return None
+    rows = decisions.pick("tc_rows", TC_ROWS, 64)
+    threads = decisions.pick("threads", (64, 128, 256), 128)
+    tl = TcTiling.of(rows, N, K, threads, decisions.pick("tile", TILE_CAP, 64), "int8", acc="int32")
+    run = tc_matmul(tl, True, True, scaled=False)
+    TM = tl.M
+
+    @T.macro
+    def store(c, M, t, i, j, v):
+        if t * TM + i < M:
+            c[t * TM + i, j] = v
+
+    @T.prim_func
+    def matmul(a_h: T.handle, b_h: T.handle, c_h: T.handle):
+        M = T.int32()
+        a = T.match_buffer(a_h, (M, K), "int8")
+        b = T.match_buffer(b_h, (N, K), "int8")
+        c = T.match_buffer(c_h, (M, N), "int32")
+        run((M + TM - 1) // TM, lambda t, i, k: T.if_then_else(t * TM + i < M, a[T.min(t * TM + i, M - 1), k],
+                                                                T.int8(0)),
+            lambda t, j, k: b[j, k], lambda t, i, j, v: store(c, M, t, i, j, v))
+
+    return rule.schedule_of(matmul.with_attrs({"global_symbol": "int8_dot_matmul", "tirx.noalias": True,
+                                               "tvm_mamba.kernel": "int8_dot_matmul"}), name="int8_dot_matmul")
+
+
+def _matmul_any(func, st: dict, decisions):
+    """Tensor cores where the sides allow (knob ``tensor_cores``, default 1), else the dp4a kernel."""
+    if decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, st["N"], st["K"]) else False:
+        return _tc_matmul(func, st, decisions)
+    return _matmul(func, st, decisions)
+
+
 def _elementwise(name: str, block: str):
     """pack / unpack: one thread per output element of ``block``."""
 
@@ -139,7 +184,7 @@ def _wgrad(func, _st, decisions):
     return sch
 
 
-_KERNELS = {"int8_dot_matmul": _matmul, "int8_dot_dgrad": _dgrad, "int8_dot_wgrad": _wgrad,
+_KERNELS = {"int8_dot_matmul": _matmul_any, "int8_dot_dgrad": _dgrad, "int8_dot_wgrad": _wgrad,
             "int8_dot_pack": _elementwise("int8_dot_pack", "packed"),
             "int8_dot_unpack": _elementwise("int8_dot_unpack", "codes")}
 

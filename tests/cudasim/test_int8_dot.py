@@ -144,3 +144,38 @@ def test_simcheck_configs(direction):
 def test_simcheck_rejects_unknown_direction():
     with pytest.raises(simcheck.CheckFailed, match="unknown direction"):
         sc.check("fwd", {}, {}, "sm_90")
+
+
+def _source(N: int, K: int, decisions: dict) -> str:
+    import tvm
+
+    from tvm_mamba.runtime import cuda_target
+    from tvm_mamba.schedules.cuda import int8_dot as rule
+    from tvm_mamba.schedules.rule import Decisions
+
+    sch = rule.apply(compute.int8_dot_matmul(N, K), cuda_target("sm_90"), Decisions(decisions))
+    return tvm.compile(sch.mod, target=cuda_target("sm_90")).mod.imports[0].inspect_source("cuda")
+
+
+def test_matmul_on_tensor_cores_where_the_sides_allow():
+    """N, K multiples of 16: wmma s8 x s8 -> s32 (schedules/cuda/int8_dot.py ``_tc_matmul``); else, or with
+    tensor_cores 0, the dp4a kernel."""
+    assert "wmma::mma_sync" in (src := _source(64, 128, {})) and "signed char" in src and "__dp4a" not in src
+    assert "__dp4a" in _source(64, 128, {"tensor_cores": 0}) and "wmma" not in _source(12, 128, {})
+
+
+@pytest.mark.parametrize("decisions", [{"tc_rows": 32, "tile": 32, "threads": 64},
+                                       {"tc_rows": 128, "tile": 128, "threads": 256}])
+def test_matmul_tensor_core_tiles_exact(monkeypatch, decisions):
+    """Other tile shapes (rows of a per block, columns of b, warps), M ragged against them, and int32 sums
+    beyond float's 2^24 (K = 2048 products of -128 * -128 = 2^25: the harness holds integer fragments)."""
+    from tvm_mamba.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "_plan_hooks", [
+        lambda key: dispatch.Plan(key, tuple(sorted(decisions.items())), "test") if key.op == "int8_dot" else None])
+    a, b = sc.codes(131, 2048, seed=3), sc.codes(256, 2048, seed=4)
+    a[:3] = -128
+    b[:5] = -128
+    with sim("sm_90"):
+        c = int8_matmul(a, b)
+    assert c[0, 0].item() == 2 ** 25 and torch.equal(c.long(), int8_matmul_ref(a, b))

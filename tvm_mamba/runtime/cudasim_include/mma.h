@@ -5,7 +5,9 @@
 // the whole tile (a fragment is only ever read through these functions, so no code can tell) and runs each
 // operation on it itself: a load reads the whole tile, mma_sync computes the whole product (float products of
 // the 16-bit inputs, exact; summed over k in ascending order into the accumulator, in float), a store writes
-// the whole tile (the warp's threads write the same values). What this does not check: that all 32 threads
+// the whole tile (the warp's threads write the same values). 8-bit operands and int accumulators (the s8 / u8
+// wmma, int32 accumulate) are held as integers: products and sums exact, the int32 sum wrapping as the GPU's
+// does. What this does not check: that all 32 threads
 // of a warp reach the operation together (it does not rendezvous them) and the GPU's own summation order
 // inside one mma (results differ in the last bits).
 #pragma once
@@ -32,11 +34,16 @@ struct shape_of<matrix_b, M, N, K> { static constexpr int rows = K, cols = N; };
 template <int M, int N, int K>
 struct shape_of<accumulator, M, N, K> { static constexpr int rows = M, cols = N; };
 
+// a fragment's element type here: int for the integer wmma (signed / unsigned char operands, int
+// accumulators), float for every other
+template <typename T>
+using held_t = typename std::conditional<std::is_integral<T>::value, int, float>::type;
+
 template <typename Use, int M, int N, int K, typename T, typename Layout = void>
 struct fragment {
   static constexpr int rows = shape_of<Use, M, N, K>::rows, cols = shape_of<Use, M, N, K>::cols;
   static constexpr int num_elements = rows * cols;
-  float v[rows * cols];  // the whole tile, row-major, in float
+  held_t<T> v[rows * cols];  // the whole tile, row-major
 };
 
 template <typename Use, int M, int N, int K, typename T, typename L>
@@ -47,14 +54,14 @@ inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsign
   using F = fragment<Use, M, N, K, T, L>;
   for (int r = 0; r < F::rows; ++r)
     for (int c = 0; c < F::cols; ++c)
-      f.v[r * F::cols + c] = static_cast<float>(col_layout(f) ? p[c * ldm + r] : p[r * ldm + c]);
+      f.v[r * F::cols + c] = static_cast<held_t<T>>(col_layout(f) ? p[c * ldm + r] : p[r * ldm + c]);
 }
 
 template <int M, int N, int K, typename T>
 inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* p, unsigned ldm, layout_t layout) {
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < N; ++c)
-      f.v[r * N + c] = static_cast<float>(layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]);
+      f.v[r * N + c] = static_cast<held_t<T>>(layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]);
 }
 
 template <int M, int N, int K, typename T>
@@ -66,17 +73,22 @@ inline void store_matrix_sync(T* p, const fragment<accumulator, M, N, K, T>& f, 
 
 template <typename Use, int M, int N, int K, typename T, typename L, typename V>
 inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, V value) {
-  for (int e = 0; e < fragment<Use, M, N, K, T, L>::num_elements; ++e) f.v[e] = static_cast<float>(value);
+  for (int e = 0; e < fragment<Use, M, N, K, T, L>::num_elements; ++e) f.v[e] = static_cast<held_t<T>>(value);
 }
 
 template <int M, int N, int K, typename TA, typename LA, typename TB, typename LB, typename TC>
 inline void mma_sync(fragment<accumulator, M, N, K, TC>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
                      const fragment<matrix_b, M, N, K, TB, LB>& b, const fragment<accumulator, M, N, K, TC>& c) {
-  float out[M * N];
+  held_t<TC> out[M * N];
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
-      float acc = c.v[m * N + n];
-      for (int k = 0; k < K; ++k) acc += a.v[m * K + k] * b.v[k * N + n];
+      held_t<TC> acc = c.v[m * N + n];
+      for (int k = 0; k < K; ++k) {
+        if constexpr (std::is_integral<TC>::value)  // int32 wraps on the GPU: unsigned arithmetic, no UB
+          acc = static_cast<int>(static_cast<unsigned>(acc) + static_cast<unsigned>(a.v[m * K + k] * b.v[k * N + n]));
+        else
+          acc += a.v[m * K + k] * b.v[k * N + n];
+      }
       out[m * N + n] = acc;
     }
   for (int e = 0; e < M * N; ++e) d.v[e] = out[e];
