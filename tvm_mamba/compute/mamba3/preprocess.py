@@ -51,11 +51,14 @@ def _rotate_macro(d: PreDims, S: Strategy):
 
     @T.macro
     def pairs(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seq, seqlen):
-        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,)))
+        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,), qb=(2, V), kb=(2, V), xy=(2, V)))
         b, h, pb = T.meta_var(unravel(i, (None, H, NP // V)))
         hq = T.meta_var(h // HPQ)
         for v in S.lane_loop(V):
             w.th[v] = m.zero
+            for e in range(2):  # the pairs' biases, read once per task
+                w.qb[e, v] = Qb[h, 2 * (pb * V + v) + e]
+                w.kb[e, v] = Kb[h, 2 * (pb * V + v) + e]
         if d.has_init:
             for v in range(V):
                 if pb * V + v < A:
@@ -67,8 +70,8 @@ def _rotate_macro(d: PreDims, S: Strategy):
                     DT[b, h, t], m), m.zero)
                 w.cs[v] = T.cos(w.th[v])
                 w.sn[v] = T.sin(w.th[v])
-                _rotate(q, Qm, Qb, w, b, t, h, hq, pb * V + v, v, m)
-                _rotate(k, Km, Kb, w, b, t, h, hq, pb * V + v, v, m)
+                _rotate(q, Qm, w.qb, w, b, t, h, hq, pb * V + v, v, m)
+                _rotate(k, Km, w.kb, w, b, t, h, hq, pb * V + v, v, m)
             if d.has_seq_idx:
                 if b == 0 and seq_ends(seq, b, t, seqlen):
                     for v in range(V):
@@ -105,9 +108,10 @@ def angle_step(theta, tanh_angle, dt, m):
     return x - TWO_PI * T.floor(x / TWO_PI)
 
 
-def biased_pair(X, Xb, b, t, h, hq, p, m):
-    """(x0, x1): rotary pair p of X[b, t, hq] + Xb[h] in float32 (the per-head biased Q or K, unrotated)."""
-    return (m.cast(X[b, t, hq, 2 * p]) + Xb[h, 2 * p], m.cast(X[b, t, hq, 2 * p + 1]) + Xb[h, 2 * p + 1])
+def biased(X, xb, row, b, t, hq, p, e, v, m):
+    """Element e of rotary pair p of X[b, t, hq] plus its bias xb[row + e, v] (the task's biases, read once
+    per task), float32: the per-head biased Q or K, unrotated."""
+    return m.cast(X[b, t, hq, 2 * p + e]) + xb[row + e, v]
 
 
 def rotated(x0, x1, cs, sn):
@@ -115,9 +119,12 @@ def rotated(x0, x1, cs, sn):
     return x0 * cs - x1 * sn, x0 * sn + x1 * cs
 
 
-def _rotate(out, X, Xb, w, b, t, h, hq, p, v, m):
-    """out[b, t, h, pair p] = R(theta) (X[b, t, hq, pair p] + Xb[h, pair p]), cos / sin in w.cs / w.sn[v]."""
-    r0, r1 = rotated(*biased_pair(X, Xb, b, t, h, hq, p, m), w.cs[v], w.sn[v])
+def _rotate(out, X, xb, w, b, t, h, hq, p, v, m):
+    """out[b, t, h, pair p] = R(theta) (X[b, t, hq, pair p] + the pair's bias xb[:, v]), cos / sin in w.cs /
+    w.sn[v]: the biased pair (``biased``) read once into w.xy[:, v], then rotated."""
+    for e in range(2):
+        T.buffer_store(w.xy, biased(X, xb, 0, b, t, hq, p, e, v, m), [e, v])
+    r0, r1 = rotated(w.xy[0, v], w.xy[1, v], w.cs[v], w.sn[v])
     T.buffer_store(out, r0, [b, t, h, 2 * p])
     T.buffer_store(out, r1, [b, t, h, 2 * p + 1])
 

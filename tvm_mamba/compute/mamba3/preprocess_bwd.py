@@ -44,7 +44,7 @@ from tvm.script.ir_builder import IRBuilder
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
-from .preprocess import angle_step, biased_pair, carried, dot_macro, qk_dot_term, rotated, seq_ends
+from .preprocess import angle_step, biased, carried, dot_macro, qk_dot_term, rotated, seq_ends
 
 
 def _init_macro(d: PreDims, S: Strategy):
@@ -77,9 +77,11 @@ def _init_macro(d: PreDims, S: Strategy):
 def _pair_grads(io, w, b, t, h, hq, p, v, m, turn: bool):
     """Pair p at step t: dX, dY (R(theta)^T of dq, dk where ``turn``, with cos / sin in w.cs / w.sn[v]; plus
     the skip's dskip gamma Y, X, gamma's product in w.sg[0]) stored in dQh / dKh and added to the bias sums
-    w.acc[0..3, v]; where ``turn``, g (d/dtheta) added to w.G[v]."""
-    x0, x1 = biased_pair(io.Qm, io.Qb, b, t, h, hq, p, m)
-    y0, y1 = biased_pair(io.Km, io.Kb, b, t, h, hq, p, m)
+    w.acc[0..3, v]; where ``turn``, g (d/dtheta) added to w.G[v]. The pair's biases come from w.bias[:, v]."""
+    for e in range(2):  # the biased pairs, read once into w.xy[:, v]
+        T.buffer_store(w.xy, biased(io.Qm, w.bias, 0, b, t, hq, p, e, v, m), [e, v])
+        T.buffer_store(w.xy, biased(io.Km, w.bias, 2, b, t, hq, p, e, v, m), [2 + e, v])
+    x0, x1, y0, y1 = w.xy[0, v], w.xy[1, v], w.xy[2, v], w.xy[3, v]
     grads = dq0, dq1, dk0, dk1 = (io.dq[b, t, h, 2 * p], io.dq[b, t, h, 2 * p + 1], io.dk[b, t, h, 2 * p],
                                   io.dk[b, t, h, 2 * p + 1])
     if turn:
@@ -104,8 +106,13 @@ def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
 
     @T.macro
     def sweep(b, h, p0, io):
-        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,), ta=(V,), G=(V,), e=(4, V), acc=(4, V), sg=(1,)))
+        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,), ta=(V,), G=(V,), e=(4, V), acc=(4, V), sg=(1,),
+                                 bias=(4, V), xy=(4, V)))
         hq = T.meta_var(h // HPQ)
+        for v in S.lane_loop(V):  # the pairs' Q / K biases, read once per task
+            for e in range(2):
+                w.bias[e, v] = io.Qb[h, 2 * (p0 + v) + e]
+                w.bias[2 + e, v] = io.Kb[h, 2 * (p0 + v) + e]
         if turn:
             for v in S.lane_loop(V):
                 w.th[v] = io.ast[b, h, p0 + v] if d.has_init else m.zero
