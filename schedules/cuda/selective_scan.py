@@ -155,13 +155,15 @@ class CudaTimeLayout(compute.Layout):
 
     time_threads = 32
     stage_scope = "shared"
+    vector_items = 4  # 128-bit loads of a thread's float32 u / delta / z
 
-    def __init__(self, math: Math, items: int, chans: int, stage_states: int, dstate: int):
+    def __init__(self, math: Math, items: int, chans: int, stage_states: int, dstate: int, io: str = "float32"):
         super().__init__(math, vec=1, scope="local")
         self.items, self.block_chans, self.stage_states = items, chans, stage_states
-        # the register budget of a thread: 80 at dstate <= 32 (ptxas took 104 at 256 threads, 2 blocks per SM;
-        # capped at 80: 3 blocks, no spills); more lane-held slots above (capped at 80 they spilled 8-20 bytes)
-        regs = REGS if dstate <= 32 and math.acc == "float32" else 2 * REGS
+        # the register budget of a thread: 80 at dstate <= 32 with float32 inputs (ptxas took 104 at 256 threads,
+        # 2 blocks per SM; capped at 80: 3 blocks, no spills); more lane-held slots above, or 16-bit inputs
+        # (capped at 80 they spilled 8-20 bytes)
+        regs = REGS if dstate <= 32 and math.acc == "float32" and io == "float32" else 2 * REGS
         self.min_blocks = max(1, 65536 // (regs * 32 * chans))
         self._warp_pair_scan()
 
@@ -269,7 +271,7 @@ def apply(func, target, decisions: Decisions):
         # B / C staged for the block's lanes when they share one group (else each lane reads its own)
         shared = all(not g or (dims.dim // g) % chans == 0 for g in (dims.b_groups, dims.c_groups))
         stage = _divisor_at_most(dims.dstate, STAGE_ELEMS // (32 * items)) if shared else 0
-        layout = CudaTimeLayout(Math(dims.acc, native=True), items, chans, stage, dims.dstate)
+        layout = CudaTimeLayout(Math(dims.acc, native=True), items, chans, stage, dims.dstate, dims.u_dtype)
         return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name=name)
     if direction == "bwd":
         math = Math(dims.acc, native=True)

@@ -66,6 +66,47 @@ def _staging(dims: ScanDims, L: Layout, sm: ScanMath):
     return stage, bval, cval, shape, SB or SC
 
 
+def step_loads(dims: ScanDims, L: Layout, K: int):
+    """A macro ``load_steps(u, delta, z, ur, dr, zr, b, d, t0, seqlen)``: a thread's K steps t0 .. t0 + K - 1 of
+    u, delta (and z) into ur / dr / zr[0, 0, :] in the accumulation dtype, steps past seqlen clamped to the last
+    one. With ``L.vector_items`` VW > 1 (float32 inputs, K a multiple of VW) a run of K steps inside seqlen
+    loads VW at a time (128-bit loads at VW 4: aligned when seqlen % VW == 0, the buffers being 64-byte
+    aligned); else, and at the ragged end, one at a time."""
+    VW = L.vector_items if dims.u_dtype == "float32" and K % L.vector_items == 0 else 1
+    m = L.math
+
+    @T.macro
+    def scalar(u, delta, z, ur, dr, zr, b, d, t0, seqlen):
+        for i in L.item_loop(K):
+            ur[0, 0, i] = m.cast(u[b, d, T.min(t0 + i, seqlen - 1)])
+            dr[0, 0, i] = m.cast(delta[b, d, T.min(t0 + i, seqlen - 1)])
+            if dims.has_z:
+                zr[0, 0, i] = m.cast(z[b, d, T.min(t0 + i, seqlen - 1)])
+
+    @T.macro
+    def vectors(src, dst, b, d, t0, seqlen):
+        # src seen as rows of VW (the same memory): a row index times VW is a provably aligned vector start
+        rows = T.decl_buffer((src.shape[0] * src.shape[1] * (seqlen // VW), VW), src.dtype, data=src.data)
+        for q in L.item_loop(K // VW):
+            for e in T.vectorized(VW):
+                dst[0, 0, q * VW + e] = rows[(b * dims.dim + d) * (seqlen // VW) + (t0 // VW + q), e]
+
+    @T.macro
+    def load_steps(u, delta, z, ur, dr, zr, b, d, t0, seqlen):
+        if VW > 1:
+            if tirx.And(t0 + K <= seqlen, seqlen % VW == 0):
+                vectors(u, ur, b, d, t0, seqlen)
+                vectors(delta, dr, b, d, t0, seqlen)
+                if dims.has_z:
+                    vectors(z, zr, b, d, t0, seqlen)
+            else:
+                scalar(u, delta, z, ur, dr, zr, b, d, t0, seqlen)
+        else:
+            scalar(u, delta, z, ur, dr, zr, b, d, t0, seqlen)
+
+    return load_steps
+
+
 def fwd_timescan_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     """The parallel-in-time forward of ``dims`` laid out by ``L`` (shapes: ``selective_scan_fwd``)."""
     N, CK, ACC, dim = dims.dstate, dims.chunk, dims.acc, dims.dim
@@ -78,6 +119,7 @@ def fwd_timescan_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     m = L.math
     sm = ScanMath(dims, m)
     stage, bval, cval, sshape, STAGED = _staging(dims, L, sm)
+    load_steps = step_loads(dims, L, K)
     has_init = dims.has_init
 
     @T.macro
@@ -108,13 +150,9 @@ def fwd_timescan_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
         dvr[0] = Dv[d] if dims.has_D else m.zero
         dbr[0] = db[d] if dims.has_delta_bias else m.zero
         for c in range((seqlen + TC - 1) // TC):
+            load_steps(u, delta, z, ur, dr, zr, b, d, c * TC + p * K, seqlen)
             for i in L.item_loop(K):
                 t = T.meta_var(c * TC + p * K + i)
-                tc = T.meta_var(T.min(t, seqlen - 1))
-                ur[0, 0, i] = m.cast(u[b, d, tc])
-                dr[0, 0, i] = m.cast(delta[b, d, tc])
-                if dims.has_z:
-                    zr[0, 0, i] = m.cast(z[b, d, tc])
                 pr[0] = sm.pre_dt(dr, dbr, 0, 0, i)
                 dt[i] = T.if_then_else(t < seqlen, sm.dt(pr[0]), m.zero)
                 dtu[i] = dt[i] * ur[0, 0, i]
