@@ -43,18 +43,30 @@ def _staging(dims: ScanDims, L: Layout, sm: ScanMath):
     TC = P * K
     SB, SC = bool(NS) and dims.varying_B, bool(NS) and dims.varying_C
     skew = lambda t: t + t // 32  # noqa: E731
+    # states a thread copies at once: a vector load (128 bits at 4 float32) where the slice is whole vectors
+    wide = all(dt == "float32" for dt, on in ((dims.B_dtype, SB), (dims.C_dtype, SC)) if on)
+    VB = L.vector_items if NS and wide and NS % L.vector_items == 0 else 1
+    NV = max(NS, 1) // VB  # vectors per step of the slice
+
+    @T.macro
+    def copy(M, dst, tmp, b, d, tt, n0, k, read):
+        for v in T.vectorized(VB):
+            tmp[v] = read(M, b, d, tt, n0 + v)
+        for v in L.item_loop(VB):
+            dst[k % NV * VB + v, skew(k // NV)] = tmp[v]
 
     @T.macro
     def stage(Bm, Cm, bs, cs, seqlen, b, d, c, no, th):
-        for e in range((TC * NS + G * P - 1) // (G * P)):
+        tmp = T.alloc_buffer((VB,), ACC, scope=L.scope)
+        for e in range((TC * NV + G * P - 1) // (G * P)):
             k = T.meta_var(e * G * P + th)
-            if k < TC * NS:
-                n = T.meta_var(T.min(no * NS + k % NS, dims.dstate - 1))
-                tt = T.meta_var(T.min(c * TC + k // NS, seqlen - 1))
+            if k < TC * NV:
+                n0 = T.meta_var(no * NS + k % NV * VB)
+                tt = T.meta_var(T.min(c * TC + k // NV, seqlen - 1))
                 if SB:
-                    bs[k % NS, skew(k // NS)] = sm.B(Bm, b, d, tt, n)
+                    copy(Bm, bs, tmp, b, d, tt, n0, k, sm.B)
                 if SC:
-                    cs[k % NS, skew(k // NS)] = sm.C(Cm, b, d, tt, n)
+                    copy(Cm, cs, tmp, b, d, tt, n0, k, sm.C)
 
     def bval(Bm, bs, b, d, t, ni, n, q):
         return bs[ni, skew(q)] if SB else sm.B(Bm, b, d, t, n)
