@@ -359,3 +359,21 @@ def test_time_parallel_knobs(monkeypatch, fwd, bwd):
     res, _ = sc.scan_results(inputs("grp_grp_full_warp", seqlen=300), grads=True, arch="sm_90")
     assert set(served) == {"fwd", "bwd"}
     assert_all_close(res, f"fwd {fwd}, bwd {bwd}")
+
+
+def test_backward_falls_back_to_the_sequential_scan_where_no_time_block_fits():
+    """dstate 91: checkpoint chunk 45, which no 32 x items (items <= 16) is a multiple of, so the CUDA rule keeps
+    the sequential warp-lane backward (schedules/cuda/selective_scan.py); still every gradient vs float64."""
+    from tvm_mamba.runtime import cuda_target
+    from tvm_mamba.schedules.cuda import selective_scan as cuda_rule
+    from tvm_mamba.schedules.rule import Decisions
+
+    static = dict(dim=2, dstate=91, b_groups=1, c_groups=1, has_D=True, has_z=True, has_delta_bias=True,
+                  delta_softplus=True, has_init=True)
+    assert chunk_for(91) == 45
+    sch = cuda_rule.apply(compute.selective_scan_bwd(**static, chunk=45, block=2), cuda_target("sm_90"), Decisions())
+    assert "tvm_warp_shuffle_down" not in sch.mod.script()
+    inp = sc.scan_inputs(static, {"u": "float32", "B": "float32", "C": "float32"}, 2, 100, 0)
+    res, keys = sc.scan_results(inp, grads=True, arch="sm_90")
+    assert {k.direction for k in keys} == {"fwd", "bwd"}
+    assert_all_close(res, "dstate=91")
