@@ -390,7 +390,10 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
         LA = LB = TC
         a_at = b_at = lambda k, i: (i // TC * (KT // TC) + k // TC) * TC * TC + i % TC * TC + k % TC  # noqa: E731
     zero = tirx.const(0, tl.acc)
-    copy_a, copy_b = _copy16(tl, KT, TM, a_fast, a_at), _copy16(tl, KT, TW, b_fast, b_at)
+    if tl.blocked:
+        copy_a, copy_b = _copy_blocked(tl, KT, TM, a_at), _copy_blocked(tl, KT, TW, b_at)
+    else:
+        copy_a, copy_b = _copy16(tl, KT, TM, a_fast, a_at), _copy16(tl, KT, TW, b_fast, b_at)
     fill = _fill(tl, KT)
     blocks, warps = tl.M // TM * (tl.W // TW), tl.WR * tl.WC
     out_fill = _fill(tl, warps * TC * TC)
@@ -433,6 +436,23 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
                                         lambda q, l, j, e: store(t, i0 + l, j0 + j, so[e]))
 
     return _entry(run_any, scaled)
+
+
+def _copy_blocked(tl, rows: int, cols: int, at):
+    """``_copy`` of a k-fast 8-bit slice into the fragment-blocked layout: each thread moves 16 consecutive k
+    of one row / column at once (one 128-bit load and store: K and the slice start are multiples of 16)."""
+    n = cols * (rows // TC)
+
+    @T.macro
+    def copy(dst, src, tx):
+        for e in T.unroll((n + tl.threads - 1) // tl.threads):
+            if e * tl.threads + tx < n:
+                u = T.meta_var(e * tl.threads + tx)
+                for v in T.vectorized(TC):
+                    dst[at(u % (rows // TC) * TC + v, u // (rows // TC))] = src(u % (rows // TC) * TC + v,
+                                                                              u // (rows // TC))
+
+    return copy
 
 
 def _copy16(tl, rows: int, cols: int, k_fast: bool, at):

@@ -105,8 +105,8 @@ TC_ROWS = (32, 64, 128)
 
 def _tc_matmul(func, st: dict, decisions):
     """int8 x int8 -> int32 on tensor cores (wmma m16n16k16 s8, _tiled.tc_matmul): a block per TM rows of a
-    (M symbolic: ceil(M / TM) row tiles, rows past M read as 0 and not stored) x TW columns of b, both staged
-    along K in fragment-blocked shared slices. Needs N % 16 == K % 16 == 0 (else None: the dp4a kernel).
+    (M symbolic: ceil(M / TM) row tiles, rows past M read as row M - 1 and not stored) x TW columns of b, both
+    staged along K in fragment-blocked shared slices (128-bit copies). Needs N % 16 == K % 16 == 0 (else None: the dp4a kernel).
     Exact: integer products and int32 sums, as the dp4a kernel and the compute definition."""
     N, K = st["N"], st["K"]
     if not TcTiling.fits(16, N, K):
@@ -128,9 +128,9 @@ def _tc_matmul(func, st: dict, decisions):
         a = T.match_buffer(a_h, (M, K), "int8")
         b = T.match_buffer(b_h, (N, K), "int8")
         c = T.match_buffer(c_h, (M, N), "int32")
-        run((M + TM - 1) // TM, lambda t, i, k: T.if_then_else(t * TM + i < M, a[T.min(t * TM + i, M - 1), k],
-                                                                T.int8(0)),
-            lambda t, j, k: b[j, k], lambda t, i, j, v: store(c, M, t, i, j, v))
+        # rows past M read row M - 1 (whole 16-byte runs, no per-element select); their outputs are not stored
+        run((M + TM - 1) // TM, lambda t, i, k: a[T.min(t * TM + i, M - 1), k], lambda t, j, k: b[j, k],
+            lambda t, i, j, v: store(c, M, t, i, j, v))
 
     return rule.schedule_of(matmul.with_attrs({"global_symbol": "int8_dot_matmul", "tirx.noalias": True,
                                                "tvm_mamba.kernel": "int8_dot_matmul"}), name="int8_dot_matmul")

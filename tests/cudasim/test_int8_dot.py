@@ -160,8 +160,9 @@ def _source(N: int, K: int, decisions: dict) -> str:
 def test_matmul_on_tensor_cores_where_the_sides_allow():
     """N, K multiples of 16: wmma s8 x s8 -> s32 (schedules/cuda/int8_dot.py ``_tc_matmul``); else, or with
     tensor_cores 0, the dp4a kernel."""
-    assert "wmma::mma_sync" in (src := _source(64, 128, {})) and "signed char" in src and "__dp4a" not in src
-    assert "__dp4a" in _source(64, 128, {"tensor_cores": 0}) and "wmma" not in _source(12, 128, {})
+    assert "wmma::mma_sync" in (src := _source(64, 128, {})) and "signed char" in src
+    assert "__dp4a" in (dp4a := _source(64, 128, {"tensor_cores": 0})) and "wmma" not in dp4a
+    assert "wmma" not in _source(12, 128, {})
 
 
 @pytest.mark.parametrize("decisions", [{"tc_rows": 32, "tile": 32, "threads": 64},
