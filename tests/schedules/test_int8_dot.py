@@ -1,4 +1,4 @@
-"""Int8 dot schedule rules: VNNI on CPU (vpdpbusd in the assembly), dp4a on CUDA (clean on sm_90/sm_80)."""
+"""Int8 dot schedule rules: VNNI on CPU (vpdpbusd in the assembly), int8 tensor cores (wmma) or dp4a on CUDA (clean on sm_90/sm_80)."""
 from __future__ import annotations
 
 import pytest
@@ -43,8 +43,10 @@ def test_cuda_build_check_configs_compile_clean(arch):
     for direction, static, dtypes in C.build_check_configs():
         key = KernelKey.make("int8_dot", direction, dtypes, static, f"cuda-{arch}")
         src = compile_module(key, dispatch.schedule(key)).mod.imports[0].inspect_source("cuda")
-        if direction == "matmul":
-            assert "__dp4a" in src
+        if direction == "matmul":  # int8 tensor cores where N and K are multiples of 16, else dp4a
+            on_tc = static["N"] % 16 == 0 and static["K"] % 16 == 0
+            body = src[src.index('extern "C" __global__'):]  # the kernels, not the headers' declarations
+            assert ("wmma::mma_sync" in body) == on_tc and ("__dp4a" in body) == (not on_tc)
         stats = ptxas_stats(src, arch)
         assert stats["ok"], stats["error"]
         for k in stats["kernels"]:
