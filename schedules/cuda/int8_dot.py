@@ -1,6 +1,7 @@
 """CUDA rules for the int8 dot family.
 
-matmul: one row of a x ``tile`` columns of b per block (one output per thread), K staged through shared memory in
+matmul on int8 tensor cores where N and K are multiples of 16 (``_tc_matmul``: wmma s8 through _tiled.tc_matmul);
+otherwise one row of a x ``tile`` columns of b per block (one output per thread), K staged through shared memory in
 chunks of ``4 * kgroups`` bytes, and the inner 4-wide dot tensorized with TVM's ``dp4a_s8s8s32`` intrinsic
 (registered by :func:`_dp4a_s8s8s32`), so the source contains ``__dp4a`` (the intrinsic needs its operands in
 shared memory and the accumulator in a local register: field guide §8). Needs K % 4 == 0; otherwise (and for
@@ -106,7 +107,8 @@ TC_ROWS = (32, 64, 128)
 def _tc_matmul(func, st: dict, decisions):
     """int8 x int8 -> int32 on tensor cores (wmma m16n16k16 s8, _tiled.tc_matmul): a block per TM rows of a
     (M symbolic: ceil(M / TM) row tiles, rows past M read as row M - 1 and not stored) x TW columns of b, both
-    staged along K in fragment-blocked shared slices (128-bit copies). Needs N % 16 == K % 16 == 0 (else None: the dp4a kernel).
+    staged along K in fragment-blocked shared slices (128-bit copies). Needs N % 16 == K % 16 == 0 (else None:
+    the dp4a kernel).
     Exact: integer products and int32 sums, as the dp4a kernel and the compute definition."""
     N, K = st["N"], st["K"]
     if not TcTiling.fits(16, N, K):

@@ -1,7 +1,7 @@
 """The int8 dot family on the CUDA kernels, run on the CPU by the CUDA execution harness
-(tvm_mamba.simulate_cuda): exact int32 matmul (int8 tensor cores, or dp4a through shared memory), i8x4 pack / unpack, and the
-straight-through projection / decoder tail whose backward runs the dgrad / wgrad kernels, against the
-int64 / float64 references (mirrors tests/torch_ops/test_int8_dot.py).
+(tvm_mamba.simulate_cuda): exact int32 matmul (int8 tensor cores, or dp4a through shared memory), i8x4 pack /
+unpack, and the straight-through projection / decoder tail whose backward runs the dgrad / wgrad kernels,
+against the int64 / float64 references (mirrors tests/torch_ops/test_int8_dot.py).
 """
 from __future__ import annotations
 

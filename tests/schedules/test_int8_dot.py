@@ -1,4 +1,5 @@
-"""Int8 dot schedule rules: VNNI on CPU (vpdpbusd in the assembly), int8 tensor cores (wmma) or dp4a on CUDA (clean on sm_90/sm_80)."""
+"""Int8 dot schedule rules: VNNI on CPU (vpdpbusd in the assembly), int8 tensor cores (wmma) or dp4a on CUDA
+(clean on sm_90/sm_80)."""
 from __future__ import annotations
 
 import pytest
