@@ -1,6 +1,14 @@
-"""CUDA schedules for the selective scan: the compute templates laid out by ``CudaLayout``.
+"""CUDA schedules for the selective scan: the compute templates laid out by ``CudaTimeLayout`` / ``CudaLayout``.
 
-Scan kernels (``warp=True``): a lane (one (batch, channel) pair; backward: one (batch, block of channels))
+Forward and backward, parallel in time (``CudaTimeLayout``; compute/selective_scan/timescan.py, timescan_bwd.py):
+a warp per (batch, channel), thread p holding ``items`` consecutive steps of each time block of 32 x items, the
+blocks joined by warp scans of (decay, increment) pairs (``__shfl_up_sync``; the backward's adjoint
+``__shfl_down_sync``), B / C staged in shared memory for the block's channels, per-state lane values held one
+state per lane (register slots picked by constant indices). A forward block is ``threads`` / 32 channels; a
+backward block the torch op's channel block. Knobs ``items`` and ``threads``; a backward whose checkpoint chunk
+no 32 x items <= 16 divides (e.g. 45) takes the sequential warp-lane kernel below. docs/selective_scan.md.
+
+Sequential warp-lane scan kernels (``warp=True``; the fallback backward): a lane (one (batch, channel) pair; backward: one (batch, block of channels))
 is W = the largest power of two <= 32 dividing dstate consecutive threads of a warp; thread j holds the
 S = dstate/W states n = k*W + j (k < S, unrolled: registers; coalesced loads of A/B/C/checkpoints). Time
 runs serially with the per-step math inline (no chunk buffers: registers are scarce); each step's dstate
@@ -23,8 +31,9 @@ Complex A (``warp=False``): one thread per lane, the dstate loop serial; its rot
 with the expression, ptxas spilled 4 bytes in the fp32 dstate-16 backward; ptxas's spilling at 40-56
 registers is fragile, so re-run ``build-check`` after any change to the templates.
 
-Knobs: ``threads`` per block (64, 128, 256; default 128); ``head_rows`` (tied decode step). The rule serves
-any target with the "gpu" key whose codegen has warp shuffles (CUDA today).
+Knobs: ``threads`` per block (64, 128, 256; default 128, the time-parallel forward 256); ``items`` (steps per
+thread of the time-parallel kernels); ``head_rows`` (tied decode step). The rule serves any target with the
+"gpu" key whose codegen has warp shuffles (CUDA today).
 """
 from __future__ import annotations
 

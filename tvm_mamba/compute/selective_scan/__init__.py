@@ -8,7 +8,9 @@ A recurrence cannot be TE (``te.scan`` is rejected by ``create_prim_func``), so 
 loop-nest *template*: a pure function of typed static dims (``_dims``) and a ``Layout`` (``_layout``: how
 lanes, dstate and dstate sums land on the machine; the math of one step is ``_step``) that returns a
 PrimFunc. ``selective_scan_<direction>(dims)`` builds it with the serial layout (what dispatch schedules);
-the rules in schedules/cpu and schedules/cuda rebuild it with their layouts.
+the rules in schedules/cpu and schedules/cuda rebuild it with their layouts. ``VARIANTS`` holds alternative
+templates of the same kernels (same signature, the layout's choice of algorithm): the parallel-in-time forward
+and backward (timescan.py, timescan_bwd.py) that CUDA builds.
 
 Kernel layouts (the torch op builds them with views/transposes):
 - u, delta, z, out: (batch, dim, seqlen); A: (dim, dstate); D, delta_bias: (dim,); states (batch, dim, dstate).
