@@ -1,6 +1,6 @@
 """CUDA rules for the int8 dot family.
 
-matmul on int8 tensor cores where N and K are multiples of 16 (``_tc_matmul``: wmma s8 through _tiled.tc_matmul);
+matmul on int8 tensor cores where N and K are multiples of 16 (``_tc_matmul``: wmma s8 through _tiled_tc.tc_matmul);
 otherwise one row of a x ``tile`` columns of b per block (one output per thread), K staged through shared memory in
 chunks of ``4 * kgroups`` bytes, and the inner 4-wide dot tensorized with TVM's ``dp4a_s8s8s32`` intrinsic
 (registered by :func:`_dp4a_s8s8s32`), so the source contains ``__dp4a`` (the intrinsic needs its operands in
@@ -21,7 +21,8 @@ from tvm.script import tirx as T
 
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
-from tvm_mamba.schedules.cuda._tiled import TILE_CAP, TcTiling, tc_matmul
+from tvm_mamba.schedules.cuda._tiled import TILE_CAP
+from tvm_mamba.schedules.cuda._tiled_tc import TcTiling, tc_matmul
 
 
 def _dp4a_shaped(body):
@@ -105,7 +106,7 @@ TC_ROWS = (32, 64, 128)
 
 
 def _tc_matmul(func, st: dict, decisions):
-    """int8 x int8 -> int32 on tensor cores (wmma m16n16k16 s8, _tiled.tc_matmul): a block per TM rows of a
+    """int8 x int8 -> int32 on tensor cores (wmma m16n16k16 s8, _tiled_tc.tc_matmul): a block per TM rows of a
     (M symbolic: ceil(M / TM) row tiles, rows past M read as row M - 1 and not stored) x TW columns of b, both
     staged along K in fragment-blocked shared slices (128-bit copies). Needs N % 16 == K % 16 == 0 (else None:
     the dp4a kernel).

@@ -5,8 +5,8 @@ state_passing(_bwd), head_sum, bmm_chunk, chunk_state, chunk_scan, chunk_scan_bw
 chunk_state_varlen are laid out here by ``Gpu``: blockIdx.x x threadIdx.x of ``threads``, a thread per task and
 per lane (dstate element), scratch in registers, CUDA-native exp / log1p. The chunk matmuls (bmm_chunk,
 chunk_state, chunk_scan, chunk_scan_bwd_dstates: the strategy's ``scaled_matmul``, ``matmul_rows`` and
-``causal_matmul``) are shared-memory tiled blocks with register-blocked outputs (_tiled.py; no tensor cores
-yet). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece with a thread per output, several
+``causal_matmul``) are shared-memory tiled blocks with register-blocked outputs (_tiled.py; with 16-bit
+operands on tensor cores, _tiled_tc.py). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece with a thread per output, several
 launches inside one PrimFunc where a later one reads what an earlier one wrote (launches run in order on the
 stream: the backward's cross-position sums without atomics). docs/ssd.md.
 Selected by capability (``"gpu" in target.keys``). Knobs: ``threads`` per block (64 / 128 / 256) and, for the
@@ -19,7 +19,8 @@ from tvm.script import tirx as T
 from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
-from ._tiled import TILE_CAP, TcTiling, Tiling, tc_causal, tc_matmul, tiled_causal, tiled_matmul
+from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul
+from ._tiled_tc import TcTiling, tc_causal, tc_matmul
 
 
 # the tiled kernels' default (threads, tile): the largest tile whose register block stays well below ptxas's

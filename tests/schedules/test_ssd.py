@@ -173,7 +173,7 @@ def _run_both(name, static, decisions, tol, cast):
     return built.source
 
 
-# Tensor cores (16-bit operands; schedules/cuda/_tiled.py tc_matmul, tc_causal): bf16 inputs, the fragment grid
+# Tensor cores (16-bit operands; schedules/cuda/_tiled_tc.py tc_matmul, tc_causal): bf16 inputs, the fragment grid
 # and k steps in several shapes (headdim 48: three fragment rows; tile 32 / 64; 2, 4 and 8 warps; chunk_scan's
 # fragments below, on and above the diagonal, a ragged last chunk), against the serial layout on the same inputs.
 # bmm_chunk's operands are bf16 already (only the summation order differs); chunk_state / dstates / chunk_scan
