@@ -33,7 +33,7 @@ from ._layout import Layout
 from ._signature import scan_kernel
 from ._step import ScanMath
 from .bwd import _stage2_macros
-from .timescan import _staging
+from .timescan import _staging, step_loads
 
 
 def _per_step(dims: ScanBwdDims, L: Layout, sm: ScanMath):
@@ -41,47 +41,44 @@ def _per_step(dims: ScanBwdDims, L: Layout, sm: ScanMath):
     m, K, P = sm.m, L.items, L.time_threads
     TC = P * K
 
-    @T.macro
-    def load(u, delta, z, dout, v, dbr, b, d, c, p, seqlen):
-        """v[0..]: u, pre-dt, dt, dt u, dout, dy, y, sum G B, sum G h a A (one row per step)."""
-        for i in L.item_loop(K):
-            t = T.meta_var(c * TC + p * K + i)
-            tc = T.meta_var(T.min(t, seqlen - 1))
-            v[0, 0, i] = m.cast(u[b, d, tc])
-            v[1, 0, i] = m.cast(delta[b, d, tc])
-            v[1, 0, i] = sm.pre_dt(v, dbr, 1, 0, i)
-            v[2, 0, i] = T.if_then_else(t < seqlen, sm.dt(v[1, 0, i]), m.zero)
-            v[3, 0, i] = v[2, 0, i] * v[0, 0, i]
-            v[4, 0, i] = T.if_then_else(t < seqlen, m.cast(dout[b, d, tc]), m.zero)
-            if dims.has_z:
-                v[9, 0, i] = m.cast(z[b, d, tc])
-                v[5, 0, i] = v[4, 0, i] * sm.gate(v[9, 0, i])
-            else:
-                v[5, 0, i] = v[4, 0, i]
-            v[6, 0, i] = m.zero
-            v[7, 0, i] = m.zero
-            v[8, 0, i] = m.zero
+    loads = step_loads(dims, L, K)
 
     @T.macro
-    def finish(du, ddelta, dz, v, dvr, sc, b, d, c, p, seqlen, ok):
+    def load(u, delta, z, dout, ur, dr, zr, v, dbr, b, d, c, p, seqlen):
+        """ur, zr: u, z; dr: the pre-dt (delta + bias); v[0..6]: dt, dt u, dout, dy, y, sum G B, sum G h a A
+        (one column per step)."""
+        loads(u, delta, z, ur, dr, zr, b, d, c * TC + p * K, seqlen)
+        for i in L.item_loop(K):
+            t = T.meta_var(c * TC + p * K + i)
+            dr[0, 0, i] = sm.pre_dt(dr, dbr, 0, 0, i)
+            v[0, i] = T.if_then_else(t < seqlen, sm.dt(dr[0, 0, i]), m.zero)
+            v[1, i] = v[0, i] * ur[0, 0, i]
+            v[2, i] = T.if_then_else(t < seqlen, m.cast(dout[b, d, T.min(t, seqlen - 1)]), m.zero)
+            v[3, i] = v[2, i] * sm.gate(zr[0, 0, i]) if dims.has_z else v[2, i]
+            v[4, i] = m.zero
+            v[5, i] = m.zero
+            v[6, i] = m.zero
+
+    @T.macro
+    def finish(du, ddelta, dz, ur, dr, zr, v, dvr, sc, b, d, c, p, seqlen, ok):
         """du = D dy + dt sum G B; d delta = (u sum G B + sum G h a A) softplus'; dz = dout (y + D u) silu'(z);
         sc[0] += dy u (dD), sc[1] += d delta (d delta_bias)."""
         for i in L.item_loop(K):
             t = T.meta_var(c * TC + p * K + i)
             if t < seqlen:
-                sc[2] = v[7, 0, i] * v[0, 0, i] + v[8, 0, i]
+                sc[2] = v[5, i] * ur[0, 0, i] + v[6, i]
                 if dims.delta_softplus:
-                    sc[2] = sc[2] * sm.dt_grad(v[1, 0, i])
+                    sc[2] = sc[2] * sm.dt_grad(dr[0, 0, i])
                 sc[1] = sc[1] + sc[2]
                 if dims.has_D:
-                    sc[0] = sc[0] + v[5, 0, i] * v[0, 0, i]
+                    sc[0] = sc[0] + v[3, i] * ur[0, 0, i]
                 if ok:
-                    du[b, d, t] = ((v[5, 0, i] * dvr[0] if dims.has_D else m.zero)
-                                   + v[2, 0, i] * v[7, 0, i]).astype(dims.u_dtype)
+                    du[b, d, t] = ((v[3, i] * dvr[0] if dims.has_D else m.zero)
+                                   + v[0, i] * v[5, i]).astype(dims.u_dtype)
                     ddelta[b, d, t] = sc[2].astype(dims.u_dtype)
                     if dims.has_z:
-                        dz[b, d, t] = (v[4, 0, i] * (v[6, 0, i] + sm.skip(dvr, v, 0, 0, i))
-                                       * sm.gate_grad(v[9, 0, i])).astype(dims.u_dtype)
+                        dz[b, d, t] = (v[2, i] * (v[4, i] + sm.skip(dvr, ur, 0, 0, i))
+                                       * sm.gate_grad(zr[0, 0, i])).astype(dims.u_dtype)
 
     return load, finish
 
@@ -102,8 +99,8 @@ def _state_pass(dims: ScanBwdDims, L: Layout, sm: ScanMath):
         pr[1] = m.zero
         for i in L.item_loop(K):
             t = T.meta_var(T.min(c * TC + p * K + i, seqlen - 1))
-            a[i] = m.exp(v[2, 0, i] * hs[2])
-            bb[i] = v[3, 0, i] * bval(Bm, bs, b, d, t, ni, n, p * K + i)
+            a[i] = m.exp(v[0, i] * hs[2])
+            bb[i] = v[1, i] * bval(Bm, bs, b, d, t, ni, n, p * K + i)
             pr[0] = a[i] * pr[0]
             pr[1] = a[i] * pr[1] + bb[i]
         L.pair_scan(pr, p)
@@ -112,14 +109,14 @@ def _state_pass(dims: ScanBwdDims, L: Layout, sm: ScanMath):
             t = T.meta_var(T.min(c * TC + p * K + i, seqlen - 1))
             hp[i] = hs[0]
             hs[0] = a[i] * hs[0] + bb[i]
-            v[6, 0, i] = v[6, 0, i] + cval(Cm, cs, b, d, t, ni, n, p * K + i) * hs[0]
+            v[4, i] = v[4, i] + cval(Cm, cs, b, d, t, ni, n, p * K + i) * hs[0]
         # (b) adjoint: R_t = a_t (R_{t+1} + dy_t C_t), the thread's steps composed backwards
         pr[0] = m.one
         pr[1] = m.zero
         for ir in L.item_loop(K):
             i = T.meta_var(K - 1 - ir)
             t = T.meta_var(T.min(c * TC + p * K + i, seqlen - 1))
-            pr[1] = a[i] * (pr[1] + v[5, 0, i] * cval(Cm, cs, b, d, t, ni, n, p * K + i))
+            pr[1] = a[i] * (pr[1] + v[3, i] * cval(Cm, cs, b, d, t, ni, n, p * K + i))
             pr[0] = a[i] * pr[0]
         L.pair_scan_rev(pr, p)
         hs[1] = L.held_get(hR, n)  # R at the block's end
@@ -130,20 +127,20 @@ def _state_pass(dims: ScanBwdDims, L: Layout, sm: ScanMath):
         for ir in L.item_loop(K):
             i = T.meta_var(K - 1 - ir)
             t = T.meta_var(T.min(c * TC + p * K + i, seqlen - 1))
-            hs[6] = hs[0] + v[5, 0, i] * cval(Cm, cs, b, d, t, ni, n, p * K + i)  # G_t
-            hs[7] = v[5, 0, i] * (a[i] * hp[i] + bb[i])  # dC_t = dy h_t
+            hs[6] = hs[0] + v[3, i] * cval(Cm, cs, b, d, t, ni, n, p * K + i)  # G_t
+            hs[7] = v[3, i] * (a[i] * hp[i] + bb[i])  # dC_t = dy h_t
             if VARC:
                 rc[w, p * K + i] = hs[7]
             else:
                 hs[5] = hs[5] + hs[7]
             if VARB:
-                rb[w, p * K + i] = hs[6] * v[3, 0, i]
+                rb[w, p * K + i] = hs[6] * v[1, i]
             else:
-                hs[4] = hs[4] + hs[6] * v[3, 0, i]
-            v[7, 0, i] = v[7, 0, i] + hs[6] * bval(Bm, bs, b, d, t, ni, n, p * K + i)
+                hs[4] = hs[4] + hs[6] * v[1, i]
+            v[5, i] = v[5, i] + hs[6] * bval(Bm, bs, b, d, t, ni, n, p * K + i)
             hs[7] = hs[6] * hp[i] * a[i]  # G h_{t-1} exp(dt A)
-            v[8, 0, i] = v[8, 0, i] + hs[7] * hs[2]
-            hs[3] = hs[3] + v[2, 0, i] * hs[7]
+            v[6, i] = v[6, i] + hs[7] * hs[2]
+            hs[3] = hs[3] + v[0, i] * hs[7]
             hs[0] = a[i] * hs[6]
         hs[1] = pr[2] * hs[1] + pr[3]
         L.held_set(hR, n, hs[1], p)
@@ -212,7 +209,10 @@ def bwd_timescan_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
         hdB = T.alloc_buffer((HR,), ACC, scope=SCOPE)
         hdC = T.alloc_buffer((HR,), ACC, scope=SCOPE)
         rsum = T.alloc_buffer((1,), ACC, scope=SCOPE)
-        v = T.alloc_buffer((10, 1, K), ACC, scope=SCOPE)  # per step (``_per_step``)
+        v = T.alloc_buffer((7, K), ACC, scope=SCOPE)  # per step (``_per_step``)
+        ur = T.alloc_buffer((1, 1, K), ACC, scope=SCOPE)
+        dr = T.alloc_buffer((1, 1, K), ACC, scope=SCOPE)
+        zr = T.alloc_buffer((1, 1, K), ACC, scope=SCOPE)
         a = T.alloc_buffer((K,), ACC, scope=SCOPE)
         bb = T.alloc_buffer((K,), ACC, scope=SCOPE)
         hp = T.alloc_buffer((K,), ACC, scope=SCOPE)  # h_{t-1}
@@ -238,7 +238,7 @@ def bwd_timescan_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
                 hdC[k] = m.zero
         for cr in range((seqlen + TC - 1) // TC):
             c = T.meta_var((seqlen + TC - 1) // TC - 1 - cr)
-            load(u, delta, z, dout, v, dbr, b, d, c, p, seqlen)
+            load(u, delta, z, dout, ur, dr, zr, v, dbr, b, d, c, p, seqlen)
             for k in range(HR):
                 if L.held_state(k, p) < N:
                     hK[k] = ck[b, d, c * (TC // CK), L.held_state(k, p)]
@@ -250,7 +250,7 @@ def bwd_timescan_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
                         ni, no * NS + ni, seqlen)
                     if VARB or VARC:
                         reduce_rows(wsB, wsC, rb, rc, rsum, b, blk, c, no * NS + ni, th, seqlen)
-            finish(du, ddelta, dz, v, dvr, sc, b, d, c, p, seqlen, True)
+            finish(du, ddelta, dz, ur, dr, zr, v, dvr, sc, b, d, c, p, seqlen, True)
         for k in range(HR):
             if L.held_state(k, p) < N:
                 wsA[b, d, L.held_state(k, p)] = hdA[k]
