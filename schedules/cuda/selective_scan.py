@@ -284,7 +284,7 @@ def apply(func, target, decisions: Decisions):
         return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name=name)
     if direction == "bwd":
         math = Math(dims.acc, native=True)
-        items = [k for k in range(1, 17) if (32 * k) % dims.chunk == 0 and k * 2 >= min(ITEMS)]
+        items = [k for k in range(2, 17) if (32 * k) % dims.chunk == 0]  # 32 x items a multiple of the chunk
         if items:  # parallel in time: a block per channel block, a warp per channel; time blocks from checkpoints
             k = decisions.pick("items", items, min(items, key=lambda k: abs(k - 4)))
             layout = CudaTimeLayout(math, k, dims.block, _bwd_stage_states(dims, 32 * k), dims.dstate)
