@@ -72,14 +72,21 @@ class TcTiling:
         return TcTiling(M, W, K, TM, TW, KT, best[1], best[2], threads, dtype, acc)
 
 
-def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
+def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str = "", slices=None):
     """The tiled ``run`` of ``tiled_matmul`` on tensor cores: each k slice of both operands copied into shared
     memory in ``tl.dtype`` (a k-fast operand stored along k, the others along i / j: the fragment loads take
     either layout), each warp's FR x FC accumulator fragments updated by ``mma_sync`` per 16-deep step; then a
     fragment at a time through a per-warp shared tile to ``store``. The products are the 16-bit roundings of the
     float operands (scale * rhs rounded after the product, as upstream's Triton kernels cast before tl.dot),
-    summed in float: not the serial layout's bits."""
+    summed in float: not the serial layout's bits.
+
+    ``split`` "a" or "b": that operand is a float32 staged as three bfloat16 parts whose sum is the value
+    exactly (``_copy_split``), each multiplied by the other operand (which must be exact in bfloat16, e.g. int8
+    codes): float32-accurate products on bf16 tensor cores, three mma per step. ``slices``: the number of k
+    slices as a function of the task (a symbolic contraction: lhs / rhs must be zero or harmless past its end),
+    by default ``tl.K // tl.KT``."""
     TM, TW, KT, FR, FC = tl.TM, tl.TW, tl.KT, tl.FR, tl.FC
+    assert not split or (tl.dtype == "bfloat16" and not scaled), "a split operand is bf16 parts, unscaled"
     # a (i, k): row-major [i][k] when k-fast, else column-major [k][i]; b (k, j): column-major [j][k] when
     # k-fast, else row-major [k][j]. Leading dimensions padded by 8 elements (16 bytes, as wmma requires).
     LA = KT + 8 if a_fast else TM + 8
@@ -92,10 +99,15 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
         LA = LB = TC
         a_at = b_at = lambda k, i: (i // TC * (KT // TC) + k // TC) * TC * TC + i % TC * TC + k % TC  # noqa: E731
     zero = tirx.const(0, tl.acc)
+    size_a, size_b = TM * KT if tl.blocked else (TM if a_fast else KT) * LA, \
+        TW * KT if tl.blocked else (TW if b_fast else KT) * LB
+    parts_a, parts_b = (PARTS if split == "a" else 1), (PARTS if split == "b" else 1)
     if tl.blocked:
         copy_a, copy_b = _copy_blocked(tl, KT, TM, a_at), _copy_blocked(tl, KT, TW, b_at)
     else:
-        copy_a, copy_b = _copy16(tl, KT, TM, a_fast, a_at), _copy16(tl, KT, TW, b_fast, b_at)
+        copy_a = _copy_split(tl, KT, TM, a_fast, a_at, size_a) if parts_a > 1 else _copy16(tl, KT, TM, a_fast, a_at)
+        copy_b = _copy_split(tl, KT, TW, b_fast, b_at, size_b) if parts_b > 1 else _copy16(tl, KT, TW, b_fast, b_at)
+    n_slices = slices or (lambda t: tl.K // KT)  # noqa: E731
     fill = _fill(tl, KT)
     blocks, warps = tl.M // TM * (tl.W // TW), tl.WR * tl.WC
     out_fill = _fill(tl, warps * TC * TC)
@@ -104,8 +116,8 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
     def run_any(extent, lhs, scale, rhs, store):
         for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
-            sa = T.alloc_buffer((TM * KT if tl.blocked else (TM if a_fast else KT) * LA,), tl.dtype, scope="shared")
-            sb = T.alloc_buffer((TW * KT if tl.blocked else (TW if b_fast else KT) * LB,), tl.dtype, scope="shared")
+            sa = T.alloc_buffer((size_a * parts_a,), tl.dtype, scope="shared")
+            sb = T.alloc_buffer((size_b * parts_b,), tl.dtype, scope="shared")
             ss = T.alloc_buffer((KT,), "float32", scope="shared")
             so = T.alloc_buffer((warps * TC * TC,), tl.acc, scope="shared")  # a fragment per warp, out
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
@@ -119,7 +131,7 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
                 # touched before the slices, so that TVM's storage rewrite does not give ``so`` the 16-bit
                 # slices' memory (its float access_ptr into a bfloat16 buffer fails to lower)
                 out_fill(so, 0, lambda q: zero, tx)
-                for ko in range(tl.K // KT):
+                for ko in range(n_slices(t)):
                     if scaled:
                         fill(ss, 0, lambda k: scale(t, ko * KT + k), tx)
                         T.tvm_storage_sync("shared")
@@ -130,7 +142,8 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool):
                     T.tvm_storage_sync("shared")
                     for kk in range(KT // TC):
                         if tx // 32 < tl.WR * tl.WC:
-                            _mma_step(tl, fa, fb, acc, sa, sb, wr, wc, kk, a_at, LA, a_lay, b_at, LB, b_lay)
+                            _mma_step(tl, fa, fb, acc, sa, sb, wr, wc, kk, a_at, LA, a_lay, b_at, LB, b_lay,
+                                      size_a if parts_a > 1 else 0, size_b if parts_b > 1 else 0)
                     T.tvm_storage_sync("shared")
                 for r in T.unroll(FR):
                     for c in T.unroll(FC):
@@ -157,25 +170,60 @@ def _copy_blocked(tl, rows: int, cols: int, at):
     return copy
 
 
+PARTS = 3  # bfloat16 parts of a split float32 operand (8 significand bits each: 24, all of float32's)
+
+
+def _copy_split(tl, rows: int, cols: int, k_fast: bool, at, size: int):
+    """``_copy`` of a float32 operand as three bfloat16 slices ``size`` apart: hi = bf16(v), mid = bf16(v - hi),
+    lo = bf16(v - hi - mid). Each rounding leaves a remainder with 8 fewer significand bits, exact in float32,
+    so hi + mid + lo = v (up to bfloat16 subnormals below 1e-38): with an operand exact in bfloat16 (int8
+    codes), hi*b + mid*b + lo*b is v*b with float32 products (cuBLAS's bf16x9 float32 emulation, with one
+    side exact: 3 products instead of 9). The value and remainder live in a thread's registers (one load)."""
+    n, rounds = rows * cols, (rows * cols + tl.threads - 1) // tl.threads
+    ld = cols if not k_fast else rows  # index split of a flat element number: consecutive k (k-fast) or c
+    f32, b16 = "float32", tl.dtype
+
+    @T.macro
+    def copy(dst, src, tx):
+        r = T.alloc_buffer((2,), f32, scope="local")
+        for e in T.unroll(rounds):
+            if e * tl.threads + tx < n:
+                idx = T.meta_var(e * tl.threads + tx)
+                k, c = T.meta_var((idx % ld, idx // ld) if k_fast else (idx // ld, idx % ld))
+                r[0] = src(k, c)
+                dst[at(k, c)] = r[0].astype(b16)
+                r[1] = r[0] - r[0].astype(b16).astype(f32)
+                dst[size + at(k, c)] = r[1].astype(b16)
+                dst[2 * size + at(k, c)] = (r[1] - r[1].astype(b16).astype(f32)).astype(b16)
+
+    return copy
+
+
 def _copy16(tl, rows: int, cols: int, k_fast: bool, at):
     """``_copy`` into a 16-bit slice at element ``at(k, c)`` (the fragment layout), the value rounded to it."""
     return _copy(tl, rows, cols, k_fast, at, tl.dtype)
 
 
 @T.macro
-def _mma_step(tl, fa, fb, acc, sa, sb, wr, wc, kk, a_at, LA, a_lay, b_at, LB, b_lay):
+def _mma_step(tl, fa, fb, acc, sa, sb, wr, wc, kk, a_at, LA, a_lay, b_at, LB, b_lay, part_a, part_b):
     """One 16-deep step (the slice's kk-th) of the warp's FR x FC fragments: load its a / b fragments from the
     staged slices (element (k, i) of a at ``a_at(k, i)``, row stride LA, layout ``a_lay``; b likewise), mma
-    each pair."""
-    for r in T.unroll(tl.FR):
-        T.evaluate(T.tvm_load_matrix_sync(fa.data, TC, TC, TC, r,
-                                          sa.access_ptr("r", offset=a_at(kk * TC, (wr * tl.FR + r) * TC)), LA, a_lay))
-    for c in T.unroll(tl.FC):
-        T.evaluate(T.tvm_load_matrix_sync(fb.data, TC, TC, TC, c,
-                                          sb.access_ptr("r", offset=b_at(kk * TC, (wc * tl.FC + c) * TC)), LB, b_lay))
-    for r in T.unroll(tl.FR):
-        for c in T.unroll(tl.FC):
-            T.evaluate(T.tvm_mma_sync(acc.data, r * tl.FC + c, fa.data, r, fb.data, c, acc.data, r * tl.FC + c))
+    each pair. ``part_a`` / ``part_b`` > 0: that operand is split (``_copy_split``) into PARTS slices that far
+    apart, each part's fragments multiplied by the other operand's (loaded once)."""
+    for p in T.unroll(PARTS if part_a + part_b > 0 else 1):
+        if part_a > 0 or p == 0:
+            for r in T.unroll(tl.FR):
+                T.evaluate(T.tvm_load_matrix_sync(
+                    fa.data, TC, TC, TC, r, sa.access_ptr("r", offset=p * part_a + a_at(kk * TC, (wr * tl.FR + r) * TC)),
+                    LA, a_lay))
+        if part_b > 0 or p == 0:
+            for c in T.unroll(tl.FC):
+                T.evaluate(T.tvm_load_matrix_sync(
+                    fb.data, TC, TC, TC, c, sb.access_ptr("r", offset=p * part_b + b_at(kk * TC, (wc * tl.FC + c) * TC)),
+                    LB, b_lay))
+        for r in T.unroll(tl.FR):
+            for c in T.unroll(tl.FC):
+                T.evaluate(T.tvm_mma_sync(acc.data, r * tl.FC + c, fa.data, r, fb.data, c, acc.data, r * tl.FC + c))
 
 
 @T.macro
@@ -291,7 +339,7 @@ def tc_causal(tl: TcTiling, end):
                         for kk in range(KT // TC):
                             if tx // 32 < warps:
                                 _mma_step(tl, fa, fs, acc_c, sa, sb, wr, wc, kk, lambda k, i: i * L1 + k, L1,
-                                          "row_major", lambda k, j: j * L1 + k, L1, "col_major")
+                                          "row_major", lambda k, j: j * L1 + k, L1, "col_major", 0, 0)
                         T.tvm_storage_sync("shared")
                 for ko in range((T.min(end(i0 + TM - 1), rows(t)) + KS - 1) // KS):
                     stage_cols(vc, pos, t, ko * KS, tx)

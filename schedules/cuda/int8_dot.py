@@ -21,7 +21,7 @@ from tvm.script import tirx as T
 
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
-from tvm_mamba.schedules.cuda._tiled import TILE_CAP
+from tvm_mamba.schedules.cuda._tiled import K_SLICE, TILE_CAP
 from tvm_mamba.schedules.cuda._tiled_tc import TcTiling, tc_matmul
 
 
@@ -158,7 +158,95 @@ def _elementwise(name: str, block: str):
     return schedule
 
 
-def _dgrad(func, _st, decisions):
+def _tc_dgrad(st: dict, decisions):
+    """out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n] on bf16 tensor cores: a block per (head, TM rows
+    of M) x TW columns (M symbolic, rows past M read row M - 1 and are not stored); g staged as three bfloat16
+    parts (``_tiled_tc._copy_split``: their sum is g exactly) against the codes (exact in bfloat16), so every
+    product is float32's, summed in float32 by the mma. Needs N % 16 == K % 16 == 0."""
+    heads, N, K = st["heads"], st["N"], st["K"]
+    rows = decisions.pick("tc_rows", TC_ROWS, 64)
+    threads = decisions.pick("threads", (64, 128, 256), 128)
+    tl = TcTiling.of(rows, N, K, threads, decisions.pick("tile", TILE_CAP, 64), "bfloat16")
+    run = tc_matmul(tl, True, False, scaled=False, split="a")
+    TM = tl.M
+
+    @T.macro
+    def store(out, scale, M, RT, t, i, j, v):
+        if t % RT * TM + i < M:
+            out[t // RT, t % RT * TM + i, j] = v * scale[0]
+
+    @T.prim_func
+    def dgrad(g_h: T.handle, codes_h: T.handle, scale_h: T.handle, out_h: T.handle):
+        M = T.int32()
+        g = T.match_buffer(g_h, (heads, M, K), "float32")
+        codes = T.match_buffer(codes_h, (heads, K, N), "int8")
+        scale = T.match_buffer(scale_h, (1,), "float32")
+        out = T.match_buffer(out_h, (heads, M, N), "float32")
+        RT = T.meta_var((M + TM - 1) // TM)
+        run(heads * RT, lambda t, i, k: g[t // RT, T.min(t % RT * TM + i, M - 1), k],
+            lambda t, j, k: codes[t // RT, k, j].astype("float32"),
+            lambda t, i, j, v: store(out, scale, M, RT, t, i, j, v))
+
+    return _handwritten(dgrad, "int8_dot_dgrad")
+
+
+def _tc_wgrad(st: dict, decisions):
+    """Stage 1 on bf16 tensor cores: partial[p, h, n, k] = sum over part p's rows m of codes[h|0, m, n] *
+    g[h, m, k], a block per (part, head) x TM of N x TW of K, the part's rows (chunk = ceil(M / nparts),
+    symbolic) in k slices, rows past the part or M zero in g; g split in three bfloat16 parts as in
+    ``_tc_dgrad`` (float32 products). Stage 2 as ``_wgrad``'s: a thread per out[h, n, k], the parts in order.
+    Needs N % 16 == K % 16 == 0."""
+    heads, code_heads, N, K = st["heads"], st["code_heads"], st["N"], st["K"]
+    threads = decisions.pick("threads", (64, 128, 256), 128)
+    tl = TcTiling.of(N, K, K_SLICE, threads, decisions.pick("tile", TILE_CAP, 64), "bfloat16")
+    KT = tl.KT
+
+    @T.macro
+    def store(partial, t, i, j, v):
+        partial[t // heads, t % heads, i, j] = v
+
+    @T.prim_func
+    def wgrad(codes_h: T.handle, g_h: T.handle, scale_h: T.handle, out_h: T.handle, partial_h: T.handle):
+        M, nparts = T.int32(), T.int32()
+        codes = T.match_buffer(codes_h, (code_heads, M, N), "int8")
+        g = T.match_buffer(g_h, (heads, M, K), "float32")
+        scale = T.match_buffer(scale_h, (1,), "float32")
+        out = T.match_buffer(out_h, (heads, N, K), "float32")
+        partial = T.match_buffer(partial_h, (nparts, heads, N, K), "float32")
+        chunk = T.meta_var((M + nparts - 1) // nparts)
+        run = T.meta_var(tc_matmul(tl, False, False, scaled=False, split="b",
+                                   slices=lambda t: (chunk + KT - 1) // KT))
+        run(nparts * heads,
+            lambda t, i, m: codes[t % heads if code_heads > 1 else 0, T.min(t // heads * chunk + m, M - 1), i],
+            lambda t, j, m: T.if_then_else(T.And(m < chunk, t // heads * chunk + m < M),
+                                           g[t % heads, T.min(t // heads * chunk + m, M - 1), j], T.float32(0)),
+            lambda t, i, j, v: store(partial, t, i, j, v))
+        for bx in T.thread_binding((heads * N * K + 255) // 256, thread="blockIdx.x"):
+            for tx in T.thread_binding(256, thread="threadIdx.x"):
+                acc = T.alloc_buffer((1,), "float32", scope="local")
+                e = T.meta_var(bx * 256 + tx)
+                if e < heads * N * K:
+                    acc[0] = T.float32(0)
+                    for p in range(nparts):
+                        acc[0] = acc[0] + partial[p, e // (N * K), e // K % N, e % K]
+                    out[e // (N * K), e // K % N, e % K] = acc[0] * scale[0]
+
+    return _handwritten(wgrad, "int8_dot_wgrad")
+
+
+def _handwritten(func, name: str):
+    return rule.schedule_of(func.with_attrs({"global_symbol": name, "tirx.noalias": True, "tvm_mamba.kernel": name}),
+                            name=name)
+
+
+def _on_tc(st: dict, decisions) -> bool:
+    """The float backward on tensor cores (knob ``tensor_cores``, default 1) where N and K are multiples of 16."""
+    return decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, st["N"], st["K"]) else False
+
+
+def _dgrad(func, st, decisions):
+    if _on_tc(st, decisions):
+        return _tc_dgrad(st, decisions)
     # out[h, m, n]: one block per (h, m) row x `threads` columns of n (threads read consecutive bytes of a
     # codes row: coalesced; g[h, m, k] is a broadcast), the K reduction serial per thread in a register.
     threads = decisions.pick("threads", (64, 128, 256), 128)
@@ -174,7 +262,9 @@ def _dgrad(func, _st, decisions):
     return sch
 
 
-def _wgrad(func, _st, decisions):
+def _wgrad(func, st, decisions):
+    if _on_tc(st, decisions):
+        return _tc_wgrad(st, decisions)
     # Stage 1: one thread per partial[p, h, n, k] (consecutive k across a warp: coalesced g reads and
     # partial writes), the part's rows summed serially in order. Stage 2: one thread per out[h, n, k],
     # parts summed in order in a register, then scaled. Deterministic (no atomics).

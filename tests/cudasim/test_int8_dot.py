@@ -146,14 +146,14 @@ def test_simcheck_rejects_unknown_direction():
         sc.check("fwd", {}, {}, "sm_90")
 
 
-def _source(N: int, K: int, decisions: dict) -> str:
+def _source(N: int, K: int, decisions: dict, func=None) -> str:
     import tvm
 
     from tvm_mamba.runtime import cuda_target
     from tvm_mamba.schedules.cuda import int8_dot as rule
     from tvm_mamba.schedules.rule import Decisions
 
-    sch = rule.apply(compute.int8_dot_matmul(N, K), cuda_target("sm_90"), Decisions(decisions))
+    sch = rule.apply(func or compute.int8_dot_matmul(N, K), cuda_target("sm_90"), Decisions(decisions))
     return tvm.compile(sch.mod, target=cuda_target("sm_90")).mod.imports[0].inspect_source("cuda")
 
 
@@ -180,3 +180,60 @@ def test_matmul_tensor_core_tiles_exact(monkeypatch, decisions):
     with sim("sm_90"):
         c = int8_matmul(a, b)
     assert c[0, 0].item() == 2 ** 25 and torch.equal(c.long(), int8_matmul_ref(a, b))
+
+
+def _knobs(monkeypatch, decisions: dict) -> None:
+    from tvm_mamba.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "_plan_hooks", [
+        lambda key: dispatch.Plan(key, tuple(sorted(decisions.items())), "test") if key.op == "int8_dot" else None])
+
+
+def test_backward_on_tensor_cores_where_the_sides_allow():
+    """dgrad / wgrad with N, K multiples of 16: bf16 wmma (g in three bf16 parts, _tiled_tc._copy_split); else,
+    or with tensor_cores 0, one thread per output on float FMA."""
+    for func in (compute.int8_dot_dgrad(2, 32, 16), compute.int8_dot_wgrad(2, 1, 32, 16)):
+        assert "wmma::mma_sync" in (src := _source(0, 0, {}, func)) and "nv_bfloat16" in src
+        assert "wmma" not in _source(0, 0, {"tensor_cores": 0}, func)
+    assert "wmma" not in _source(0, 0, {}, compute.int8_dot_dgrad(2, 32, 8))
+    assert "wmma" not in _source(0, 0, {}, compute.int8_dot_wgrad(2, 1, 24, 16))
+
+
+@pytest.mark.parametrize("decisions", [{}, {"tc_rows": 32, "tile": 32, "threads": 64},
+                                       {"tc_rows": 128, "tile": 128, "threads": 256}])
+def test_backward_tensor_cores_float32_accurate(monkeypatch, decisions):
+    """The straight-through backward on tensor cores (projection E = 32, Lc = 16: dgrad (K 16, N 32) and wgrad
+    (N 32, K 16)), 14 rows (ragged against every row tile) with g spread over 2^-20 .. 2^20: the split g gives
+    float32's accuracy (1e-5 relative, the FMA kernels' tolerance), not bfloat16's 4e-3."""
+    _knobs(monkeypatch, decisions)
+    res, keys = sc.projection_results(hin=3, H=3, E=32, Lc=16, arch="sm_90", batch=2, T=7, latent_out=12,
+                                      relu_threshold=0.01)
+    assert {"dgrad", "wgrad"} <= {k.direction for k in keys}
+    assert_all_close(res, f"tc {decisions}")
+    res, _ = sc.decoder_tail_results(H=2, L=8, D=48, arch="sm_90", batch=2, T=5)
+    assert_all_close(res, f"tail tc {decisions}")
+
+
+def test_backward_tensor_cores_wide_range_and_parts():
+    """g over 40 binades through the op (dgrad: every column of g scaled by 2^-20 .. 2^20) is float32-accurate
+    per output; the weight gradient over 1100 rows (2 parts of 550: the last k slice of each part masked) sums
+    the same as float64 and is deterministic (reversed block order: same bits)."""
+    from tvm_mamba.torch_ops.int8_dot import int8_dgrad_op, int8_wgrad_op
+
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(2, 37, 32, generator=gen) * torch.logspace(-6, 6, 32, base=10.0)
+    codes = torch.randint(-128, 128, (2, 32, 48), dtype=torch.int8, generator=gen)
+    with sim("sm_90"):
+        out = int8_dgrad_op(g, codes, torch.tensor([0.25]))
+    ref = 0.25 * torch.einsum("hmk,hkn->hmn", g.double(), codes.double())
+    bound = 0.25 * torch.einsum("hmk,hkn->hmn", g.double().abs(), codes.double().abs())
+    assert ((out.double() - ref).abs() <= 2e-6 * bound + 1e-30).all()
+    assert compute.wgrad_parts(1100, 2, 16) == 2
+    cw, gw = torch.randint(-128, 128, (1, 1100, 32), dtype=torch.int8, generator=gen), torch.randn(2, 1100, 16, generator=gen)
+    with sim("sm_90"):
+        w = int8_wgrad_op(cw, gw, torch.tensor([0.5]))
+    with sim("sm_90", order="reversed"):
+        again = int8_wgrad_op(cw, gw, torch.tensor([0.5]))
+    refw = 0.5 * torch.einsum("mn,hmk->hnk", cw[0].double(), gw.double())
+    torch.testing.assert_close(w.double(), refw, atol=1e-5 * refw.abs().max().item(), rtol=1e-5)
+    assert torch.equal(w, again)

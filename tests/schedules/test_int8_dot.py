@@ -44,10 +44,12 @@ def test_cuda_build_check_configs_compile_clean(arch):
     for direction, static, dtypes in C.build_check_configs():
         key = KernelKey.make("int8_dot", direction, dtypes, static, f"cuda-{arch}")
         src = compile_module(key, dispatch.schedule(key)).mod.imports[0].inspect_source("cuda")
+        on_tc = static.get("N", 1) % 16 == 0 and static.get("K", 1) % 16 == 0
+        body = src[src.index('extern "C" __global__'):]  # the kernels, not the headers' declarations
         if direction == "matmul":  # int8 tensor cores where N and K are multiples of 16, else dp4a
-            on_tc = static["N"] % 16 == 0 and static["K"] % 16 == 0
-            body = src[src.index('extern "C" __global__'):]  # the kernels, not the headers' declarations
             assert ("wmma::mma_sync" in body) == on_tc and ("__dp4a" in body) == (not on_tc)
+        if direction in ("dgrad", "wgrad"):  # bf16 tensor cores (float32 g in three parts) where they fit
+            assert ("wmma::mma_sync" in body) == on_tc and ("nv_bfloat16" in body) == on_tc
         stats = ptxas_stats(src, arch)
         assert stats["ok"], stats["error"]
         for k in stats["kernels"]:
