@@ -6,11 +6,13 @@ chunks of ``4 * kgroups`` bytes, and the inner 4-wide dot tensorized with TVM's 
 (registered by :func:`_dp4a_s8s8s32`), so the source contains ``__dp4a`` (the intrinsic needs its operands in
 shared memory and the accumulator in a local register: field guide §8). Needs K % 4 == 0; otherwise (and for
 foreign functions) None, and the dispatcher's dlight fallback schedules the plain int32 dot.
-dgrad / wgrad (float32 straight-through backward): one thread per output element, reductions serial per
-thread in registers; wgrad's two-stage sum over rows keeps the fixed part order (deterministic).
+dgrad / wgrad (float32 straight-through backward): on bf16 tensor cores where N and K are multiples of 16, g
+staged as three bf16 parts whose sum is g (float32-exact products against the codes); otherwise one thread per
+output element, reductions serial per thread in registers; wgrad's two-stage sum over rows keeps the fixed part
+order either way (deterministic).
 pack / unpack: elementwise, one thread per output word / byte.
 Knobs: ``tile`` (threads per block edge), ``kgroups`` (4-byte K groups staged per step), ``threads`` (dgrad/wgrad
-and elementwise threads per block).
+and elementwise threads per block), ``tensor_cores`` / ``tc_rows`` (the tensor-core forms).
 """
 from __future__ import annotations
 
