@@ -248,3 +248,19 @@ def test_profile_prefill_names_every_part():
         kernels = [f"k:ssd.{k}" for k in ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan")]
         assert set(kernels + ["k:causal_conv1d.fwd", "m:in_proj", "m:out_proj", "m:lm_head", "glue"]) <= set(parts)
         assert parts["glue"] >= 0 and sum(parts[k] for k in kernels) < parts["m:mixer"]
+
+
+def test_profile_decode_names_every_kernel_of_the_step():
+    """scripts/profile_decode.py on the tiny Mamba-1 and Mamba-2 LMs: the recorded step program's kernels each
+    get a row with their launches per step (layers x calls), and the rows' sum is of the step's order."""
+    for model, rows in (("mamba1-tiny", {"linear.fwd": 9, "selective_scan.update": 2, "causal_conv1d.update": 2}),
+                        ("mamba2-tiny", {"linear.fwd": 5, "selective_scan.update": 2, "causal_conv1d.update": 2,
+                                         "rmsnorm_gated.fwd": 5})):
+        out = subprocess.run([sys.executable, str(SCRIPTS / "profile_decode.py"), "--model", model, "--steps", "5"],
+                             capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                             check=True).stdout
+        head, *lines = [ln for ln in out.splitlines() if ln.strip()]
+        step_ms = float(head.split("step ")[1].split(" ms")[0])
+        got = {ln.split()[0]: (float(ln.split()[1]), int(ln.split("(")[1].split()[0])) for ln in lines}
+        assert {k: v[1] for k, v in got.items() if k in rows} == rows, out
+        assert 0 < sum(v[0] for v in got.values()) < 10 * step_ms
