@@ -164,7 +164,7 @@ class CudaTimeLayout(compute.Layout):
 
     time_threads = 32
     stage_scope = "shared"
-    vector_items = 4  # 128-bit loads of a thread's float32 u / delta / z
+    vector_bytes = 16  # 128-bit loads of a thread's u / delta / z steps and of staged B / C states
 
     def __init__(self, math: Math, items: int, chans: int, stage_states: int, dstate: int, io: str = "float32"):
         super().__init__(math, vec=1, scope="local")

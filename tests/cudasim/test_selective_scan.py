@@ -74,10 +74,13 @@ def test_forward_and_every_gradient_fp32(name):
     assert_all_close(res, name)
 
 
-def test_bf16_forward_and_gradients():
+@pytest.mark.parametrize("name,seqlen", [("var_const_all", None), ("var_const_all", 264), ("grp_var_bare", 256)])
+def test_bf16_forward_and_gradients(name, seqlen):
     """mamba_ssm's rule for the output (2x the drift of the reference run in bf16-rounded float32); the
-    gradients are stored in bf16 (u, delta, z, B): 2^-8 relative rounding on top of fp32 accumulation."""
-    inp = inputs("var_const_all", dtype="bfloat16")
+    gradients are stored in bf16 (u, delta, z, B): 2^-8 relative rounding on top of fp32 accumulation.
+    seqlen 264 / 256 (multiples of 8): the forward's 128-bit loads of 8 bf16 steps (264: the last time block
+    partly, its ragged threads one step at a time), B / C staged 8 states a load (grp_var_bare: both varying)."""
+    inp = inputs(name, dtype="bfloat16", seqlen=seqlen)
     res, _ = sc.scan_results(inp, grads=True, arch="sm_90")
     low = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     ref_low = selective_scan_ref(**low, dtype=torch.float32).to(torch.bfloat16)

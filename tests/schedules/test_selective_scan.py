@@ -65,6 +65,10 @@ def test_cuda_scan_kernels_compile_without_spills(dstate):
         with tgt:
             src = tvm.compile(sch.mod, target=tgt).mod.imports[0].inspect_source("cuda")
         assert shuffle in src
+        if shuffle == "__shfl_up_sync":  # vector loads: u / delta / z steps 8 bf16 (128 bits); B / C staged 4
+            # states a load (the float32 C's 128 bits; the bf16 B's 64)
+            assert "*(uint4*)(u_ptr" in src and "*(uint4*)(delta_ptr" in src
+            assert "*(nv_bfloat164*)(Bm_ptr" in src and "*(float4*)(Cm_ptr" in src
         stats = ptxas_stats(src, "sm_90")
         assert stats["ok"], stats["error"]
         assert stats["kernels"] and all(k["spill_stores"] == 0 for k in stats["kernels"]), stats["kernels"]

@@ -70,7 +70,7 @@ class Layout:
     stage_states = 0  # ... states of B / C staged per time block (0: read from the inputs)
     stage_scope = "local"
     min_blocks = 0  # ... blocks per SM the register budget must allow (0: the compiler's choice)
-    vector_items = 1  # ... steps of u / delta / z a thread loads at once (timescan.step_loads)
+    vector_bytes = 0  # ... bytes a thread loads at once: u / delta / z steps, staged B / C states (0: elements)
     reduce_layout = None  # parallel-in-time backward: the layout of the stage-2 sums (None: this one)
 
     def __init__(self, math: Math, vec: int = 1, tvec: int = 16, scope: str = "global", lanes_per_block: int = 1):

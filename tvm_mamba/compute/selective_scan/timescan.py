@@ -25,6 +25,7 @@ The layout's choices: ``time_threads`` P and ``items`` K (CUDA: a warp, K a knob
 """
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -32,6 +33,12 @@ from ._dims import ScanDims
 from ._layout import Layout
 from ._signature import scan_kernel
 from ._step import ScanMath
+
+
+def vector_width(L: Layout, dtype: str) -> int:
+    """Elements of ``dtype`` per vector load of ``L.vector_bytes`` (1 without, and for 64-bit types)."""
+    bits = tvm.DataType(dtype).bits
+    return max(1, L.vector_bytes * 8 // bits) if bits <= 32 else 1
 
 
 def _staging(dims: ScanDims, L: Layout, sm: ScanMath):
@@ -43,9 +50,10 @@ def _staging(dims: ScanDims, L: Layout, sm: ScanMath):
     TC = P * K
     SB, SC = bool(NS) and dims.varying_B, bool(NS) and dims.varying_C
     skew = lambda t: t + t // 32  # noqa: E731
-    # states a thread copies at once: a vector load (128 bits at 4 float32) where the slice is whole vectors
-    wide = all(dt == "float32" for dt, on in ((dims.B_dtype, SB), (dims.C_dtype, SC)) if on)
-    VB = L.vector_items if NS and wide and NS % L.vector_items == 0 else 1
+    # states a thread copies at once: a vector load (128 bits: 4 float32, 8 bfloat16) where the slice is whole
+    # vectors of every staged operand's width
+    VB = min([vector_width(L, dt) for dt, on in ((dims.B_dtype, SB), (dims.C_dtype, SC)) if on] or [1])
+    VB = VB if NS and NS % VB == 0 else 1
     NV = max(NS, 1) // VB  # vectors per step of the slice
 
     @T.macro
@@ -81,10 +89,11 @@ def _staging(dims: ScanDims, L: Layout, sm: ScanMath):
 def step_loads(dims: ScanDims, L: Layout, K: int):
     """A macro ``load_steps(u, delta, z, ur, dr, zr, b, d, t0, seqlen)``: a thread's K steps t0 .. t0 + K - 1 of
     u, delta (and z) into ur / dr / zr[0, 0, :] in the accumulation dtype, steps past seqlen clamped to the last
-    one. With ``L.vector_items`` VW > 1 (float32 inputs, K a multiple of VW) a run of K steps inside seqlen
-    loads VW at a time (128-bit loads at VW 4: aligned when seqlen % VW == 0, the buffers being 64-byte
-    aligned); else, and at the ragged end, one at a time."""
-    VW = L.vector_items if dims.u_dtype == "float32" and K % L.vector_items == 0 else 1
+    one. With ``L.vector_bytes`` (VW = that many bytes of the inputs' dtype, K a multiple of VW) a run of K
+    steps inside seqlen loads VW at a time (128-bit loads: 4 float32 or 8 bfloat16, aligned when seqlen % VW ==
+    0, the buffers being 64-byte aligned); else, and at the ragged end, one at a time."""
+    VW = vector_width(L, dims.u_dtype)
+    VW = VW if K % VW == 0 else 1
     m = L.math
 
     @T.macro
@@ -101,7 +110,7 @@ def step_loads(dims: ScanDims, L: Layout, K: int):
         rows = T.decl_buffer((src.shape[0] * src.shape[1] * (seqlen // VW), VW), src.dtype, data=src.data)
         for q in L.item_loop(K // VW):
             for e in T.vectorized(VW):
-                dst[0, 0, q * VW + e] = rows[(b * dims.dim + d) * (seqlen // VW) + (t0 // VW + q), e]
+                dst[0, 0, q * VW + e] = m.cast(rows[(b * dims.dim + d) * (seqlen // VW) + (t0 // VW + q), e])
 
     @T.macro
     def load_steps(u, delta, z, ur, dr, zr, b, d, t0, seqlen):

@@ -116,6 +116,7 @@ TVM_MAMBA_SIM_VEC(unsigned char, uchar, 1, 2, 1, 4)
 TVM_MAMBA_SIM_VEC(short, short, 2, 4, 2, 8)
 TVM_MAMBA_SIM_VEC(unsigned short, ushort, 2, 4, 2, 8)
 TVM_MAMBA_SIM_VEC(long long, longlong, 8, 16, 8, 16)
+TVM_MAMBA_SIM_VEC(unsigned long long, ulonglong, 8, 16, 8, 16)  // ulonglong4: TVM's 32-byte float32x8 (a bf16x8 load widened)
 #undef TVM_MAMBA_SIM_VEC
 typedef ::tvm_mamba_sim::uint3_ dim3_;
 
