@@ -39,9 +39,9 @@ def largest_divisor(n: int, cap: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiling:
-    """An M x W x K product's TM x TW output tile, KT-deep k slices, CM x CW computing threads each owning an
-    RM x RW register block."""
+class Tile:
+    """An M x W x K product's TM x TW output tile and KT-deep k slices: what the task mapping (``_tile_of``) and
+    the copies read, shared by the FMA form (``Tiling``) and the tensor-core form (``_tiled_tc.TcTiling``)."""
 
     M: int
     W: int
@@ -49,6 +49,12 @@ class Tiling:
     TM: int
     TW: int
     KT: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling(Tile):
+    """A ``Tile`` computed by CM x CW threads each owning an RM x RW register block."""
+
     CM: int
     CW: int
     threads: int
@@ -163,7 +169,7 @@ def _buffers(scope: str, **shapes) -> SimpleNamespace:
     return SimpleNamespace(**{name: alloc(name, shape) for name, shape in shapes.items()})
 
 
-def _tile_of(tl: Tiling, bx):
+def _tile_of(tl: Tile, bx):
     """Block ``bx`` -> (task, first row, first column) of its tile."""
     ti, tj = tl.M // tl.TM, tl.W // tl.TW
     return bx // (ti * tj), bx // tj % ti * tl.TM, bx % tj * tl.TW

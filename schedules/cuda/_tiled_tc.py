@@ -12,24 +12,18 @@ import dataclasses
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._tiled import (K_SLICE, _copy, _entry, _fill, _stage_positions, _tile_of, _typed, _values,
+from ._tiled import (K_SLICE, Tile, _copy, _entry, _fill, _stage_positions, _tile_of, _typed, _values,
                      largest_divisor)
 
 TC = 16  # the wmma fragment side (m16n16k16)
 
 
 @dataclasses.dataclass(frozen=True)
-class TcTiling:
-    """A TM x TW output tile of 16 x 16 fragments, WR x WC warps each owning FR x FC of them (the block's other
-    warps only copy), k slices of KT (a multiple of 16); the operands staged in ``dtype`` (bfloat16 / float16,
-    accumulated in float32; int8, accumulated in ``acc`` int32)."""
+class TcTiling(Tile):
+    """A ``Tile`` of 16 x 16 fragments, WR x WC warps each owning FR x FC of them (the block's other warps only
+    copy), KT a multiple of 16; the operands staged in ``dtype`` (bfloat16 / float16, accumulated in float32;
+    int8, accumulated in ``acc`` int32)."""
 
-    M: int
-    W: int
-    K: int
-    TM: int
-    TW: int
-    KT: int
     WR: int
     WC: int
     threads: int
