@@ -137,8 +137,7 @@ def _tc_matmul(func, st: dict, decisions):
         run((M + TM - 1) // TM, lambda t, i, k: a[T.min(t * TM + i, M - 1), k], lambda t, j, k: b[j, k],
             lambda t, i, j, v: store(c, M, t, i, j, v))
 
-    return rule.schedule_of(matmul.with_attrs({"global_symbol": "int8_dot_matmul", "tirx.noalias": True,
-                                               "tvm_mamba.kernel": "int8_dot_matmul"}), name="int8_dot_matmul")
+    return _handwritten(matmul, "int8_dot_matmul")
 
 
 def _matmul_any(func, st: dict, decisions):
@@ -237,6 +236,7 @@ def _tc_wgrad(st: dict, decisions):
 
 
 def _handwritten(func, name: str):
+    """A template's own PrimFunc as kernel ``name`` (the tensor-core forms are written, not scheduled)."""
     return rule.schedule_of(func.with_attrs({"global_symbol": name, "tirx.noalias": True, "tvm_mamba.kernel": name}),
                             name=name)
 
