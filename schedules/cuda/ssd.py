@@ -6,9 +6,10 @@ chunk_state_varlen are laid out here by ``Gpu``: blockIdx.x x threadIdx.x of ``t
 per lane (dstate element), scratch in registers, CUDA-native exp / log1p. The chunk matmuls (bmm_chunk,
 chunk_state, chunk_scan, chunk_scan_bwd_dstates: the strategy's ``scaled_matmul``, ``matmul_rows`` and
 ``causal_matmul``) are shared-memory tiled blocks with register-blocked outputs (_tiled.py; with 16-bit
-operands on tensor cores, _tiled_tc.py). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece with a thread per output, several
-launches inside one PrimFunc where a later one reads what an earlier one wrote (launches run in order on the
-stream: the backward's cross-position sums without atomics). docs/ssd.md.
+operands on tensor cores, _tiled_tc.py). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece with a
+thread per output, several launches inside one PrimFunc where a later one reads what an earlier one wrote
+(launches run in order on the stream: the backward's cross-position sums without atomics), its d dt / d dA_step
+pass a block per (batch, chunk, head) with a thread per column (``crossing_pass``, _crossing.py). docs/ssd.md.
 Selected by capability (``"gpu" in target.keys``). Knobs: ``threads`` per block (64 / 128 / 256) and, for the
 tiled kernels, ``tile`` (the largest output tile side, ``TILE_CAP``); defaults in ``TILED``.
 """
@@ -19,6 +20,7 @@ from tvm.script import tirx as T
 from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
+from ._crossing import crossing_pass
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul
 from ._tiled_tc import TcTiling, tc_causal, tc_matmul
 
@@ -63,6 +65,10 @@ class Gpu(Strategy):
         if self.tc and TcTiling.fits(M, W, K) and not strict and group == 1:  # (Mamba-3's: on the FMA tiles)
             return tc_causal(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), causal_end(strict, group))
         return tiled_causal(Tiling.of(M, W, K, self.threads, self.tile), causal_end(strict, group))
+
+    def crossing_pass(self, Q: int, P: int, start):
+        """A block per task, a thread per column of the chunk (_crossing.py)."""
+        return crossing_pass(Q, P, start)
 
     def outer(self, extent):
         return T.thread_binding(self.blocks(extent), thread="blockIdx.x")

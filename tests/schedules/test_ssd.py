@@ -114,7 +114,7 @@ TILED_KERNELS = {
 }
 
 
-def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40):
+def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, step_group=0):
     """Inputs (and zeroed outputs) of kernel ``name`` at TILED_DIMS (dstate ``N``), in its parameter order."""
     g = torch.Generator().manual_seed(seed)
     H, G, P, Q = 4, 2, 48, 64
@@ -129,11 +129,19 @@ def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40):
             "ssd_chunk_scan": (x, z, r(batch, C, G, Q, Q), Cm, dto, dA, r(batch, C, H, P, N), r(H, P), seq,
                                torch.zeros(batch, seqlen, H, P), torch.zeros(batch, seqlen, H, P)),
             "ssd_chunk_scan_bwd_dstates": (dy, z, yp, Cm, dA, seq, torch.zeros(batch, C, H, P, N),
-                                           torch.zeros(batch, seqlen, H, P))}[name]
+                                           torch.zeros(batch, seqlen, H, P)),
+            # gparts = ngroups (one part of each group's 2 heads); D per position with step_group (Mamba-3 MIMO)
+            "ssd_chunk_scan_bwd": (x, torch.zeros(1, 1, 1, 1) if step_group else z, dy, Bm, Cm, r(batch, C, G, Q, Q), dto, dA, r(batch, C, H, P, N),
+                                   r(batch, C, H, P, N), r(batch, H, C, Q) if step_group else r(H, P), seq,
+                                   torch.zeros(batch, seqlen, H, P), torch.zeros(batch, seqlen, G, N),
+                                   torch.zeros(batch, seqlen, G, N), torch.zeros(batch, H, C, Q),
+                                   torch.zeros(batch, H, C, Q),
+                                   torch.zeros(batch, H, C, Q) if step_group else torch.zeros(batch, C, H, P),
+                                   torch.zeros(batch, C, G, Q, Q))}[name]
 
 
 OUTPUTS = {"ssd_bmm_chunk": (2,), "ssd_chunk_state": (5,), "ssd_chunk_scan": (9, 10),
-           "ssd_chunk_scan_bwd_dstates": (6, 7)}
+           "ssd_chunk_scan_bwd_dstates": (6, 7), "ssd_chunk_scan_bwd": (12, 13, 14, 15, 16, 17)}
 
 
 @pytest.mark.parametrize("threads, tile", [(64, 32), (256, 32), (128, 64)])
@@ -143,7 +151,23 @@ def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
     assert "__shared__" in src and "wmma" not in src
 
 
-def _run_both(name, static, decisions, tol, cast):
+# ssd_chunk_scan_bwd's crossing pass (schedules/cuda/_crossing.py: d dt and d dA_step, a block per (batch, chunk,
+# head), bands of 16 rows: 4 per 64-row chunk) and its per-element launches, against the serial layout: the
+# seq_idx change at 70 inside chunk 1, the ragged last chunk of 22; Mamba-3 MIMO's grouped strict sums.
+SCAN_BWD = {"plain": dict(TILED_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=True),
+            "step_group": dict(TILED_DIMS, has_D=True, D_has_hdim=False, has_z=False, has_seq_idx=True,
+                               diag_skip=True, step_group=4)}
+
+
+@pytest.mark.parametrize("variant", sorted(SCAN_BWD))
+def test_cuda_chunk_scan_bwd_matches_the_serial_layout(variant):
+    static = SCAN_BWD[variant]
+    src = _run_both("ssd_chunk_scan_bwd", static, Decisions({}), 1e-5, lambda t: t,
+                    step_group=static.get("step_group", 0))
+    assert "__syncthreads()" in src
+
+
+def _run_both(name, static, decisions, tol, cast, step_group=0):
     """Kernel ``name`` at ``static`` laid out by the CUDA rule with ``decisions`` in the harness and by the
     serial layout (CUDA math) on the CPU, on the same inputs (``cast`` applied to each); their outputs agree
     within ``tol`` of the largest. Returns the CUDA source."""
@@ -157,7 +181,7 @@ def _run_both(name, static, decisions, tol, cast):
     template, dims = ssd.template_of(name)
     serial = template(dims(**static), ssd.strategy.Strategy(native_math=True))
     sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"), decisions)
-    got = [cast(t) for t in _tiled_args(name, N=static["dstate"])]
+    got = [cast(t) for t in _tiled_args(name, N=static["dstate"], step_group=step_group)]
     want = [t.clone() for t in got]
     with tempfile.TemporaryDirectory() as tmp:
         built = cudasim.build(sch.mod, cuda_target("sm_90"), label=name)

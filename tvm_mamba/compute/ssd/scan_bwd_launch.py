@@ -3,14 +3,15 @@ blockIdx x threadIdx, serial for tests). A later launch reads only what earlier 
 order on the stream): the cross-position sums need no atomics.
 
 Launch order: dx (per position); gsum = the part's sum of (g x^T) K dt (per (l, s) of a part, as the task
-layout); dB and dC (per position and part, from gsum); XB[s] = <x_s, dSo B_s> into ddt_out as scratch; d dA_step
-in three launches (the carried-state term per position, its reverse cumsum by one task per (batch, chunk, head),
-then per position the crossing pairs and the chunk-state prefix, which read every XB of the chunk); d dt
-(overwrites its own scratch entry); the dD partials (per position with diag_skip).
+layout); dB and dC (per position and part, from gsum); XB[s] = <x_s, dSo B_s> into ddt_out as scratch; d dA_step's
+carried-state term per position, then its reverse cumsum by one task per (batch, chunk, head); then d dt and the
+rest of d dA_step by the strategy's ``crossing_pass`` (a task per (batch, chunk, head): the row pass of the task
+form, running column sums of the causal pairs from the last row up; its rows add the crossing pairs and the
+chunk-state prefix of every XB, its columns overwrite their XB with d dt); the dD partials (per position with
+diag_skip).
 
-Every launch executes the specs of scan_bwd_spec.py per output element (``_per_element``, ``_sum_dots``) in
-their order, terms past seqlen (zeros there) left out; d dt and d dA_step's crossing pairs run over l from the
-last row up (the task form's row pass), the pairs' columns k ascending.
+The per-element launches execute the specs of scan_bwd_spec.py per output element (``_per_element``,
+``_sum_dots``) in their order, terms past seqlen (zeros there) left out.
 
 Symbolic floordiv / mod of the flat index is computed once into an int32 scratch slot where a launch uses it
 in its loops (recomputed per use it spilled on sm_80).
@@ -46,15 +47,6 @@ class _Reads:
     def g(self, b, c, l, h, p):
         return gate(self.m, self.o.dy, self.o.z, (b, self._t(c, l), h, p), self.o.seqlen, c * self.Q + l,
                     self.d.has_z)
-
-    def gx_in(self, b, c, l, j, h, p):
-        """g_l[p] x_j[p], l and j inside the sequence: no bound checks (with them, the crossing-pairs and d dt
-        launches spilled 8-16 B on sm_80 / sm_90)."""
-        o, Q = self.o, self.Q
-        g = o.dy[b, c * Q + l, h, p].astype(F32)
-        if self.d.has_z:  # (dy silu(z)) x: the task form's g x
-            g = g * self.m.silu(o.z[b, c * Q + l, h, p].astype(F32))
-        return g * o.x[b, c * Q + j, h, p].astype(F32)
 
     def sid(self, b, c, l):
         return self.o.seq_idx[b, self._t(c, l)]
@@ -98,7 +90,7 @@ def _at(r: _Reads, b, c, grp, h=None, gp=None) -> SimpleNamespace:
 def launches(d: ScanBwdDims, S: Strategy):
     """The macro ``body(o)``: every launch in order."""
     dx, gsum, dB, dC = _position_pieces(d, S)
-    xb, ddA_carried, ddA_cumsum, ddA_pairs, ddt, dD = _step_pieces(d, S)
+    xb, ddA_carried, ddA_cumsum, pairs, dD = _step_pieces(d, S)
 
     @T.macro
     def body(o):
@@ -110,8 +102,7 @@ def launches(d: ScanBwdDims, S: Strategy):
         xb(o, r)
         ddA_carried(o, r)
         ddA_cumsum(o, r)
-        ddA_pairs(o, r)
-        ddt(o, r)
+        pairs(o, r)
         if d.has_D:
             dD(o, r)
 
@@ -127,12 +118,10 @@ def _sum(acc, j, lo, hi, term):
 
 
 @T.macro
-def _sum_dots(out, jo, inner, ji, lo, hi, n_in, dot, weigh, rev):
+def _sum_dots(out, jo, inner, ji, lo, hi, n_in, dot, weigh):
     """out[jo] += sum over j in [lo, hi) of weigh(j, inner[ji]), inner[ji] = sum over k in [0, n_in) of dot(j, k)
-    (a sum of weighted dot products, k ascending, j ascending or descending with ``rev``, the task form's row
-    order from the last up; out[jo] holds its start)."""
-    for jj in range(lo, hi):
-        j = T.meta_var(lo + hi - 1 - jj if rev else jj)
+    (a sum of weighted dot products, j and k ascending; out[jo] holds its start)."""
+    for j in range(lo, hi):
         _sum(inner, ji, 0, n_in, lambda k: dot(j, k))
         out[jo] = out[jo] + weigh(j, inner[ji])
 
@@ -208,7 +197,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         if causal(d, l, s):
             v.ib[0] = h0
             _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: sp.gx.term(a.head(h), l, p, s),
-                      lambda h, gx: spec.gsum_term(a.head(h), l, s, gx), False)
+                      lambda h, gx: spec.gsum_term(a.head(h), l, s, gx))
         o.gsum[b, c, gp, l, s] = v.a0[0]
 
     def part_rows(piece, out: str):
@@ -229,8 +218,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             v.acc[0] = T.float32(0)
             v.ih[0] = h0
             _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
-                      lambda h, p: piece.head.term(a.head(h), q, p, k), lambda h, hd: piece.scale(a.head(h), q) * hd,
-                      False)
+                      lambda h, p: piece.head.term(a.head(h), q, p, k), lambda h, hd: piece.scale(a.head(h), q) * hd)
             intra(a, v.acc, 0, q, k)
             getattr(o, out)[b, t, gp, k] = v.acc[0]
 
@@ -268,7 +256,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         v, b, c, h, s, a = T.meta_var(_head_task(S, r, o, i, H, Q, R, 2))
         v.acc[0] = T.float32(0)
         _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, n: sp.dx.state.term(a, s, n, p),
-                  lambda p, st: spec.xb_term(a, s, p, st), False)
+                  lambda p, st: spec.xb_term(a, s, p, st))
         o.ddt_out[b, h, c, s] = v.acc[0]
 
     @T.macro
@@ -279,7 +267,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         if c * Q + q < o.seqlen:  # g is 0 past seqlen
             v.acc[1] = T.float32(0)
             _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda n, p: sp.dC.head.term(a, q, p, n),
-                      lambda n, gs: spec.carried_term(a, q, n, gs), False)
+                      lambda n, gs: spec.carried_term(a, q, n, gs))
             v.acc[0] = sp.dC.scale(a, q) * v.acc[1]
         o.ddA_step[b, h, c, q] = v.acc[0]
 
@@ -291,41 +279,6 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         for qr in range(Q):
             v.acc[0] = v.acc[0] + o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr]
             o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr] = v.acc[0]
-
-    @T.macro
-    def pairs_at(o, r, i):
-        """(the crossing pairs sum_{k<q} sum_{l>=q} G[l, k] + the chunk-state prefix sum_{k<q} w[k] dt[k] XB[k])
-        + the carried-state term, G = (g_l.x_k)(C_l.B_k) K dt[k] (x_k reaches steps q > k only, g_l steps q <= l
-        only), in the task form's order: l from the last up (its column suffix sums), k ascending"""
-        # one-element buffers, not one array of 3 (kept in registers)
-        v = T.meta_var(S.scratch(a0=(1,), a1=(1,), a2=(1,), ib=((1,), I32), ic=((1,), I32)))
-        b, c = T.meta_var(v.ib[0]), T.meta_var(v.ic[0])
-        h, q = T.meta_var(i // Q % H), T.meta_var(i % Q)
-        v.ib[0] = i // (o.nchunks * H * Q)
-        v.ic[0] = i // (H * Q) % o.nchunks
-        a = T.meta_var(_at(r, b, c, h // R, h))
-        v.a0[0] = T.float32(0)
-        for k in range(q):
-            v.a1[0] = T.float32(0)  # sum_{l>=q} G[l, k], g is 0 past seqlen
-            _sum_dots(v.a1, 0, v.a2, 0, spec.pair_start(d, q, k), a.end, P, lambda l, p: r.gx_in(b, c, l, k, h, p),
-                      lambda l, gx: spec.pair_term(a, k, spec.ddt_term(a, l, k, gx)), True)
-            v.a0[0] = v.a0[0] + v.a1[0]
-        v.a1[0] = T.float32(0)
-        for j in range(q):  # ddt_out: XB until the d dt launch
-            v.a1[0] = v.a1[0] + spec.prefix_term(a, j, o.ddt_out[b, h, c, j])
-        o.ddA_step[b, h, c, q] = v.a0[0] + v.a1[0] + o.ddA_step[b, h, c, q]
-
-    @T.macro
-    def ddt_at(o, r, i):
-        """d dt[q] = sum_{l>=q} (g_l.x_q)(C_l.B_q) K + exp(dA_cs[Q-1]-dA_cs[q]) XB[q] (l > q with diag_skip), l from
-        the last up (the task form's order)"""
-        v, b, c, h, q, a = T.meta_var(_head_task(S, r, o, i, H, Q, R, 2))
-        v.acc[0] = T.float32(0)
-        # q <= l (q < l with diag_skip) inside the sequence (g is 0 past it): gx_in, no bound checks (with them,
-        # Mamba-3's bf16 + z configuration spilled 8 B on sm_90, 12 B on sm_80)
-        _sum_dots(v.acc, 0, v.acc, 1, causal_start(d, q), a.end, P, lambda l, p: r.gx_in(b, c, l, q, h, p),
-                  lambda l, gx: spec.ddt_term(a, l, q, gx), True)
-        o.ddt_out[b, h, c, q] = v.acc[0] + spec.ddt_state(a, q, o.ddt_out[b, h, c, q])
 
     J, K = sp.dd.sizes  # dD per position: a task per l summing over p; else the reverse
 
@@ -341,7 +294,37 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
         _sum(v.acc, 0, 0, K, lambda k: sp.dd.term(a, j, k))
         o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
 
+    crossing = S.crossing_pass(Q, P, lambda k: causal_start(d, k))
+
+    @T.macro
+    def pairs(o, r):
+        crossing(o.batch * o.nchunks * H, _crossing_ops(d, o, r))
+
     steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731
     return (_launch(S, xb_at, steps), _launch(S, carried_at, steps),
-            _launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), _launch(S, pairs_at, steps),
-            _launch(S, ddt_at, steps), _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * J))
+            _launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), pairs,
+            _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * J))
+
+
+def _crossing_ops(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
+    """The strategy's ``crossing_pass`` (strategy.py) on task t = (batch, chunk, head): v(l, k) = row l's d dt
+    term of step k (spec.ddt_term), its pair term G[l, k] (spec.pair_term); per column k d dt[k] = the column
+    sum + the chunk-state term of XB[k] (in ddt_out since the XB launch: read by ``pre`` and ``col_store``
+    before it is overwritten), per row q d dA_step[q] = the crossing pairs + the chunk-state prefix
+    sum_{k<q} w[k] dt[k] XB[k] + the carried-state term (in ddA_step since the reverse cumsum)."""
+    H, Q, R = d.nheads, d.chunk_size, d.nheads // d.ngroups
+
+    def at(t):
+        return _at(r, t // (o.nchunks * H), t // H % o.nchunks, t % H // R, t % H)
+
+    def idx(t, q):  # (batch, head, chunk, q)
+        return (t // (o.nchunks * H), t % H, t // H % o.nchunks, q)
+
+    return SimpleNamespace(
+        g=lambda t, l, p: at(t).g(l, p), x=lambda t, k, p: at(t).x(k, p),
+        weight=lambda t, l, k, gx: spec.ddt_term(at(t), l, k, gx), pair=lambda t, k, v: spec.pair_term(at(t), k, v),
+        pre=lambda t, k: spec.prefix_term(at(t), k, o.ddt_out[idx(t, k)]), end=lambda t: at(t).end,
+        col_store=lambda t, k, v: T.buffer_store(o.ddt_out, v + spec.ddt_state(at(t), k, o.ddt_out[idx(t, k)]),
+                                                 idx(t, k)),
+        row_store=lambda t, q, pairs, pre: T.buffer_store(o.ddA_step, pairs + pre + o.ddA_step[idx(t, q)],
+                                                          idx(t, q)))

@@ -32,10 +32,10 @@ crossing pairs (k < s <= l) never hold the diagonal; with step_group they are th
 
 Specs: ``pieces(d)``'s products (``Product``: dx, g x^T, dB, dC) and dots (dD) give summand, range and order
 (k ascending from the init); d dt's and d dA_step's summands (``ddt_term``, ``pair_term``, ``xb_term``,
-``ddt_state``, ``prefix_term``, ``carried_term``) and ranges (``common.causal_start``, ``pair_start``) are
-here, their order (rows l from the last up, then columns k ascending, then the chunk-state prefix and the
-carried-state term) is each form's loop structure: the task form's row pass keeps running column sums over the
-rows done so far, the launch form runs each output's loops in that order.
+``ddt_state``, ``prefix_term``, ``carried_term``) and ranges (``common.causal_start``; a crossing pair
+(l, k) of step q: k < q <= l with l in k's causal range) are here, their order (rows l from the last up, then
+columns k ascending, then the chunk-state prefix and the carried-state term) is each form's row pass: running
+column sums over the rows done so far (the task form's, and the launch form's ``crossing_pass``).
 
 A reader ``r`` is bound to one (batch, chunk) and to a head (per-head operands) or a head part (gsum); chunk
 positions l (the output row, C's side) and s (B's side), channels p < headdim, n < dstate:
@@ -114,12 +114,6 @@ def prefix_term(r, k, xb):
 def carried_term(r, l, n, gsin):
     """dstate n's term of <g_l, C_l Sin> (gsin: dC's head product at (l, n))."""
     return r.C(l, n) * gsin
-
-
-def pair_start(d, q, k):
-    """The first row l of the crossing pairs (l, k) of step q (k < q): l >= q (k < q <= l never holds the
-    diagonal), and with step_group l past k's step group (causal: k // G < l // G)."""
-    return T.max(q, causal_start(d, k)) if d.step_group > 1 else q
 
 
 def pieces(d) -> SimpleNamespace:

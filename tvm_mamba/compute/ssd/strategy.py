@@ -170,6 +170,54 @@ class Strategy:
 
         return run
 
+    def crossing_pass(self, Q: int, P: int, start):
+        """A macro ``run(extent, ops)``: ssd_chunk_scan_bwd's pass over the causal pairs of each task t's chunk
+        (scan_bwd_launch.py; ``ops`` holds the callables below). With gx(l, k) = sum_p g(t, l, p) x(t, k, p)
+        (p ascending from 0) and, for the rows l >= start(k) of column k inside the sequence (l < end(t)),
+        v(l, k) = weight(t, l, k, gx(l, k)), rows l from the last up:
+
+            col_store(t, k, sum_l v(l, k))                                           (l descending)
+            row_store(t, q, sum_{k<q} R_q[k], sum_{k<q} pre(t, k))                   (k ascending)
+            R_q[k] = sum_{l>=q} pair(t, k, v(l, k))     (l descending: the crossing pairs k < q <= l)
+
+        with pre(t, k) read before any col_store of the task (col_store may overwrite what pre reads). Each
+        gx and weight is computed once per pair and each R_q[k] is a running column sum (the task form's row
+        pass, scan_bwd_task.py): O(Q^2 P) per task. Here a task runs serially; the CUDA strategy runs a block
+        per task, a thread per column (schedules/cuda/_crossing.py), in the same order."""
+        S = self
+
+        @T.macro
+        def run(extent, ops):
+            for bx in S.outer(extent):
+                for tx in S.inner():
+                    t = T.meta_var(S.index(bx, tx))
+                    if t < extent:
+                        w = T.meta_var(S.scratch(dd=(Q,), rs=(Q,), pre=(Q,), acc=(3,)))
+                        for k in range(Q):
+                            w.dd[k] = T.float32(0)
+                            w.rs[k] = T.float32(0)
+                            w.pre[k] = ops.pre(t, k)
+                        for lr in range(Q):
+                            l = T.meta_var(Q - 1 - lr)
+                            for k in range(Q):
+                                if T.And(l >= start(k), l < ops.end(t)):
+                                    w.acc[0] = T.float32(0)
+                                    for p in range(P):
+                                        w.acc[0] = w.acc[0] + ops.g(t, l, p) * ops.x(t, k, p)
+                                    w.acc[0] = ops.weight(t, l, k, w.acc[0])
+                                    w.dd[k] = w.dd[k] + w.acc[0]
+                                    w.rs[k] = w.rs[k] + ops.pair(t, k, w.acc[0])
+                            w.acc[1] = T.float32(0)
+                            w.acc[2] = T.float32(0)
+                            for k in range(l):
+                                w.acc[1] = w.acc[1] + w.rs[k]
+                                w.acc[2] = w.acc[2] + w.pre[k]
+                            ops.row_store(t, l, w.acc[1], w.acc[2])
+                        for k in range(Q):
+                            ops.col_store(t, k, w.dd[k])
+
+        return run
+
     def scratch(self, **shapes) -> SimpleNamespace:
         """A task's scratch buffers in ``scope``, each named by its keyword: ``shape`` (float32) or
         ``(shape, dtype)``. Call inside the task's loop as ``w = T.meta_var(S.scratch(acc=(2,), ...))``, then

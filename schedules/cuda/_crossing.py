@@ -1,0 +1,74 @@
+"""The CUDA form of the SSD strategy's ``crossing_pass`` (compute/ssd/strategy.py: ssd_chunk_scan_bwd's d dt and
+the crossing pairs of d dA_step, scan_bwd_launch.py): a block per task (batch, chunk, head), a thread per column
+k of the chunk.
+
+Thread k keeps x_k (headdim values) in registers and its column's two running sums (d dt's and the crossing
+pairs' R[k]). The rows are visited from the last up in bands of ``BAND``: the band's g rows are staged in
+shared memory (read by every thread: broadcasts), each thread forms the band's g_l . x_k in registers
+(headdim-long, p ascending), then row by row from the band's last its weight (one exp per causal pair), its
+running sums, and R_l[k] into a shared band table; after a barrier, thread r of the band sums row l's
+R_l[k] over k < l (and the staged chunk-state prefix terms) in k order and stores d dA_step[l]. Each pair's
+product and exp is computed once, where the per-position launch this replaces recomputed them per (q, l, k)
+triple: O(Q^2 headdim) per task instead of O(Q^3 headdim).
+
+The sums are the serial layout's, term for term in the same order; the band's row sums run on ``BAND`` threads
+(a Q-long sum each, beside the band's BAND x headdim multiply-adds per thread). The band table's rows are
+padded by one float (the row sums read down a column of it).
+"""
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._tiled import _buffers, largest_divisor
+
+BAND = 16  # rows per band (the row sums' threads; each thread's band of g . x accumulators)
+
+
+def crossing_pass(Q: int, P: int, start):
+    """The strategy's ``crossing_pass`` run (strategy.py), a block of Q threads per task."""
+    TB = largest_divisor(Q, min(BAND, max(1, Q // 2)))  # two bands at least: with one (chunk 16), TVM 0.27's
+    # CompactBufferAllocation failed (an int32 literal out of range)
+    LR = Q + 1  # the band table's row stride
+    NB = Q // TB
+    copies = (TB * P + Q - 1) // Q
+
+    @T.macro
+    def run(extent, ops):
+        for bx in T.thread_binding(extent, thread="blockIdx.x"):
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # (_tiled.py: MIN_BLOCKS)
+            sh = T.meta_var(_buffers("shared", g=(TB * P,), rs=(TB * LR,), pre=(Q,)))
+            for tx in T.thread_binding(Q, thread="threadIdx.x"):
+                reg = T.meta_var(_buffers("local", xr=(P,), acc=(TB,), run=(5,)))  # run: d dt, R, v, sums
+                for p in T.unroll(P):
+                    reg.xr[p] = ops.x(bx, tx, p)
+                sh.pre[tx] = ops.pre(bx, tx)
+                reg.run[0] = T.float32(0)
+                reg.run[1] = T.float32(0)
+                for bi in range(NB):
+                    for e in T.unroll(copies):  # the band's g rows
+                        if e * Q + tx < TB * P:
+                            sh.g[e * Q + tx] = ops.g(bx, (NB - 1 - bi) * TB + (e * Q + tx) // P, (e * Q + tx) % P)
+                    T.tvm_storage_sync("shared")
+                    for r in T.unroll(TB):
+                        reg.acc[r] = T.float32(0)
+                    for p in T.unroll(P):
+                        for r in T.unroll(TB):
+                            reg.acc[r] = reg.acc[r] + sh.g[r * P + p] * reg.xr[p]
+                    for rr in T.unroll(TB):
+                        if T.And((NB - 1 - bi) * TB + TB - 1 - rr >= start(tx),
+                                 (NB - 1 - bi) * TB + TB - 1 - rr < ops.end(bx)):
+                            reg.run[2] = ops.weight(bx, (NB - 1 - bi) * TB + TB - 1 - rr, tx, reg.acc[TB - 1 - rr])
+                            reg.run[0] = reg.run[0] + reg.run[2]
+                            reg.run[1] = reg.run[1] + ops.pair(bx, tx, reg.run[2])
+                        sh.rs[(TB - 1 - rr) * LR + tx] = reg.run[1]
+                    T.tvm_storage_sync("shared")
+                    if tx < TB:  # row (NB - 1 - bi) TB + tx: its crossing pairs and prefix, k ascending
+                        reg.run[3] = T.float32(0)
+                        reg.run[4] = T.float32(0)
+                        for k in range((NB - 1 - bi) * TB + tx):
+                            reg.run[3] = reg.run[3] + sh.rs[tx * LR + k]
+                            reg.run[4] = reg.run[4] + sh.pre[k]
+                        ops.row_store(bx, (NB - 1 - bi) * TB + tx, reg.run[3], reg.run[4])
+                ops.col_store(bx, tx, reg.run[0])
+
+    return run
