@@ -315,3 +315,54 @@ def _typed(scope: str, name: str, n: int, pos) -> list:
         slots.append((bufs[dtype], used[dtype] * n))
         used[dtype] += 1
     return slots
+
+
+def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool = False):
+    """The strategy's ``product`` run (strategy.py): a block per TM x TW tile of a task's output, the init in
+    the register block, then each segment's k range over the tile's rows (from its first row's lo to its last
+    row's hi, in whole slices of the largest divisor of its unit <= K_SLICE: the reads stay inside the
+    segment) staged slice by slice, each row's own range selected per term."""
+    KTs = [largest_divisor(u, K_SLICE) for u in units]
+    runs = [_segment(tl, kt, a_fast, b_fast) for kt in KTs]
+    blocks = tl.M // tl.TM * (tl.W // tl.TW)
+    RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(KTs)
+    SA, SB = KX * stride(tl.TM, a_fast), KX * stride(tl.TW, b_fast)
+
+    @T.macro
+    def run(extent, rows, segs, init, store):
+        for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
+            sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,)))
+            for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
+                t, i0, j0 = T.meta_var(_tile_of(tl, bx))
+                reg = T.meta_var(_buffers("local", acc=(RM, RW), ar=(RM,), br=(RW,)))
+                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br))
+                if tx < CM * CW:
+                    for r in T.unroll(RM):
+                        for c in T.unroll(RW):
+                            reg.acc[r, c] = init(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW)
+                runs[0](reg.acc, ops, segs[0], t, i0, j0, tx)
+                if len(segs) > 1:
+                    runs[1](reg.acc, ops, segs[1], t, i0, j0, tx)
+                if tx < CM * CW:
+                    for r in T.unroll(RM):
+                        for c in T.unroll(RW):
+                            if i0 + tx // CW + r * CM < rows(t):
+                                store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
+
+    return run
+
+
+def _segment(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
+    """A macro ``run(acc, ops, seg, t, i0, j0, tx)``: one segment of ``tiled_product`` into the register block
+    (the same slice count for every thread of the block: its barriers)."""
+    product = block_product(tl, KT, a_fast, b_fast)
+
+    @T.macro
+    def run(acc, ops, seg, t, i0, j0, tx):
+        k0 = T.meta_var(seg.lo(t, i0) // KT * KT)
+        product(acc, ops, T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0),
+                lambda k, i: seg.a(t, i0 + i, k0 + k), lambda k, j: seg.b(t, k0 + k, j0 + j), tx,
+                lambda k, i: T.And(k0 + k >= seg.lo(t, i0 + i), k0 + k < seg.hi(t, i0 + i)), None)
+
+    return run

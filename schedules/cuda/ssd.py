@@ -21,7 +21,7 @@ from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
 from ._crossing import crossing_pass
-from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul
+from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
 from ._tiled_tc import TcTiling, tc_causal, tc_matmul
 
 
@@ -65,6 +65,10 @@ class Gpu(Strategy):
         if self.tc and TcTiling.fits(M, W, K) and not strict and group == 1:  # (Mamba-3's: on the FMA tiles)
             return tc_causal(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), causal_end(strict, group))
         return tiled_causal(Tiling.of(M, W, K, self.threads, self.tile), causal_end(strict, group))
+
+    def product(self, M: int, W: int, units: tuple):
+        """A block per output tile, each segment staged slice by slice (_tiled.py ``tiled_product``)."""
+        return tiled_product(Tiling.of(M, W, min(units), self.threads, self.tile), units)
 
     def crossing_pass(self, Q: int, P: int, start):
         """A block per task, a thread per column of the chunk (_crossing.py)."""

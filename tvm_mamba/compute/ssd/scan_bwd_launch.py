@@ -162,28 +162,42 @@ def _per_element(d: ScanBwdDims, p: spec.Product):
     return run
 
 
+def _head_at(o, r: _Reads, t, H: int, R: int) -> SimpleNamespace:
+    """The specs' reader of task t = (batch, chunk, head) of a launch over (batch, chunk, head)."""
+    return _at(r, t // (o.nchunks * H), t // H % o.nchunks, t % H // R, t % H)
+
+
+def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
+    """dx's two segments for the strategy's ``product`` (spec.pieces' dx): the main product over the causal
+    positions l >= s inside the sequence, then the state product over dstate, scaled per row."""
+    H, R = d.nheads, d.nheads // d.ngroups
+    sp = spec.pieces(d)
+    at = lambda t: _head_at(o, r, t, H, R)  # noqa: E731
+    main = SimpleNamespace(a=lambda t, s, l: sp.dx.main.a(at(t), s, l), b=lambda t, l, p: sp.dx.main.b(at(t), l, p),
+                           lo=lambda t, s: causal_start(d, s), hi=lambda t, s: at(t).end)
+    state = SimpleNamespace(a=lambda t, s, n: sp.dx.scale(at(t), s) * sp.dx.state.a(at(t), s, n),
+                            b=lambda t, n, p: sp.dx.state.b(at(t), n, p), lo=lambda t, s: 0,
+                            hi=lambda t, s: d.dstate)
+    return main, state
+
+
 def _position_pieces(d: ScanBwdDims, S: Strategy):
     """dx (a task per (batch, position, head, p)), gsum (per (batch, chunk, part, l, s)), dB and dC (per
     (batch, position, part, n)): macros ``run(o, r)`` executing scan_bwd_spec.pieces' specs per output element."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
     sp = spec.pieces(d)
-    dx_main, dx_state = _per_element(d, sp.dx.main), _per_element(d, sp.dx.state)
+
+    dx_run = S.product(Q, P, (Q, N))
 
     @T.macro
-    def dx_at(o, r, i):
-        v = T.meta_var(S.scratch(acc=(2,), ib=((1,), I32), it=((1,), I32)))
-        b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
-        h, p = T.meta_var(i // P % H), T.meta_var(i % P)
-        c, s = T.meta_var(t // Q), T.meta_var(t % Q)
-        v.ib[0] = i // (o.seqlen * H * P)
-        v.it[0] = i // (H * P) % o.seqlen
-        a = T.meta_var(_at(r, b, c, h // R, h))
-        v.acc[0] = sp.dx.main.init(a, s, p)
-        dx_main(a, v.acc, 0, s, p)
-        v.acc[1] = sp.dx.state.init(a, s, p)
-        dx_state(a, v.acc, 1, s, p)
-        o.dx[b, t, h, p] = sp.dx.out(a, s, v.acc[0], v.acc[1]).astype(d.x_dtype)
+    def dx(o, r):
+        """dx per (batch, chunk, head) task by the strategy's ``product``: the init D g, the main product's
+        causal range, then the state product with the chunk-state scale folded into its rows (B_s w[s] dt[s])"""
+        dx_run(o.batch * o.nchunks * H, lambda t: _head_at(o, r, t, H, R).end, _dx_segments(d, o, r),
+               lambda t, s, p: sp.dx.main.init(_head_at(o, r, t, H, R), s, p),
+               lambda t, s, p, v: T.buffer_store(o.dx, v.astype(d.x_dtype),
+                                                 (t // (o.nchunks * H), t // H % o.nchunks * Q + s, t % H, p)))
 
     @T.macro
     def gsum_at(o, r, i):
@@ -224,7 +238,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
 
         return at
 
-    return (_launch(S, dx_at, lambda o: o.batch * o.seqlen * H * P),
+    return (dx,
             _launch(S, gsum_at, lambda o: o.batch * o.nchunks * o.gparts * Q * Q),
             _launch(S, part_rows(sp.dB, "dBp"), lambda o: o.batch * o.seqlen * o.gparts * N),
             _launch(S, part_rows(sp.dC, "dCp"), lambda o: o.batch * o.seqlen * o.gparts * N))
@@ -315,7 +329,7 @@ def _crossing_ops(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
     H, Q, R = d.nheads, d.chunk_size, d.nheads // d.ngroups
 
     def at(t):
-        return _at(r, t // (o.nchunks * H), t // H % o.nchunks, t % H // R, t % H)
+        return _head_at(o, r, t, H, R)
 
     def idx(t, q):  # (batch, head, chunk, q)
         return (t // (o.nchunks * H), t % H, t // H % o.nchunks, q)

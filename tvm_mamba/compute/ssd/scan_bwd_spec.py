@@ -118,7 +118,7 @@ def carried_term(r, l, n, gsin):
 
 def pieces(d) -> SimpleNamespace:
     """The specs for dims ``d`` (ScanBwdDims). dx = out(main, state) = (D g[s, p] + sum_{l>=s} cbk(l, s)
-    g[l, p]) + w[s] dt[s] (B dSo^T)[s, p]; gx = g x^T per head (gsum: the part's heads' gsum_term, in order);
+    g[l, p]) + scale(s) (B dSo^T)[s, p], scale = w[s] dt[s]; gx = g x^T per head (gsum: the part's heads' gsum_term, in order);
     dB / dC: the part's heads in order of scale * head, then + intra (dB: gsum^T C over l >= s, dC: gsum B over
     s <= l); dD: dd.term summed over k ascending from 0 (``sizes``: (outputs j, terms k)), per channel p the
     sum over l < Q (0 past seqlen), per position l with diag_skip the sum over p."""
@@ -127,6 +127,7 @@ def pieces(d) -> SimpleNamespace:
         main=Product(Q, P, Q, lambda r, s, l: r.cbk(l, s), lambda r, l, p: r.g(l, p),
                      init=lambda r, s, p: r.skip(s, p, r.g(s, p)), causal="ge"),
         state=Product(Q, P, N, lambda r, s, n: r.B(s, n), lambda r, n, p: r.dsoT(n, p)),
+        scale=lambda r, s: r.wst(s) * r.dt(s),
         out=lambda r, s, main, state: main + r.wst(s) * r.dt(s) * state)
     gx = Product(Q, Q, P, lambda r, l, p: r.g(l, p), lambda r, p, s: r.xT(p, s), lower=True)
     dB = SimpleNamespace(head=Product(Q, N, P, lambda r, s, p: r.x(s, p), lambda r, p, n: r.dso(p, n)),

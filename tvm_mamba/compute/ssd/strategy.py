@@ -170,6 +170,37 @@ class Strategy:
 
         return run
 
+    def product(self, M: int, W: int, units: tuple):
+        """A macro ``run(extent, rows, segs, init, store)``: per task t the M x W output
+
+            out[t, i, j] = init(t, i, j) + sum over the segments in order of
+                           sum_{k in [lo(t, i), hi(t, i))} a(t, i, k) b(t, k, j)      (k ascending)
+
+        segment q (``segs[q]``: a namespace of a, b, lo, hi) spanning k < n units[q] (n symbolic: e.g. a head
+        part's heads, each ``units[q]`` deep), lo and hi non-decreasing in i (a causal range); then
+        store(t, i, j, v) for the rows i < rows(t) (a ragged last chunk). At most two segments. A task per output
+        element here; the CUDA strategy stages each segment's operands per output tile (_tiled.py)."""
+        S = self
+
+        @T.macro
+        def run(extent, rows, segs, init, store):
+            for bx in S.outer(extent * M * W):
+                for tx in S.inner():
+                    acc = T.alloc_buffer((1,), "float32", scope=S.scope)
+                    i = T.meta_var(S.index(bx, tx))
+                    t, r, j = T.meta_var((i // (M * W), i // W % M, i % W))
+                    if i < extent * M * W:
+                        if r < rows(t):
+                            acc[0] = init(t, r, j)
+                            for k in range(segs[0].lo(t, r), segs[0].hi(t, r)):
+                                acc[0] = acc[0] + segs[0].a(t, r, k) * segs[0].b(t, k, j)
+                            if len(segs) > 1:
+                                for k in range(segs[1].lo(t, r), segs[1].hi(t, r)):
+                                    acc[0] = acc[0] + segs[1].a(t, r, k) * segs[1].b(t, k, j)
+                            store(t, r, j, acc[0])
+
+        return run
+
     def crossing_pass(self, Q: int, P: int, start):
         """A macro ``run(extent, ops)``: ssd_chunk_scan_bwd's pass over the causal pairs of each task t's chunk
         (scan_bwd_launch.py; ``ops`` holds the callables below). With gx(l, k) = sum_p g(t, l, p) x(t, k, p)
