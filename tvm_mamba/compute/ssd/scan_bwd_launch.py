@@ -148,20 +148,6 @@ def _part_heads(o, gp, G: int, R: int):
     return gp // hp * R + gp % hp * (R // hp), R // hp
 
 
-def _per_element(d: ScanBwdDims, p: spec.Product):
-    """The macro ``run(r, acc, j0, i, j)``: acc[j0] += sum_k p.term(r, i, k, j) over row i's range of Product p,
-    k ascending (acc[j0] holds the start); a "ge" range of positions ends at the sequence's end (zeros past it)."""
-    lo = (lambda i: causal_start(d, i)) if p.causal == "ge" else (lambda i: 0)  # noqa: E731
-    hi = {None: lambda r, i: p.K, "ge": lambda r, i: r.end, "le": lambda r, i: causal_end(d, i)}[p.causal]
-
-    @T.macro
-    def run(r, acc, j0, i, j):
-        for k in range(lo(i), hi(r, i)):
-            acc[j0] = acc[j0] + p.term(r, i, k, j)
-
-    return run
-
-
 def _head_at(o, r: _Reads, t, H: int, R: int) -> SimpleNamespace:
     """The specs' reader of task t = (batch, chunk, head) of a launch over (batch, chunk, head)."""
     return _at(r, t // (o.nchunks * H), t // H % o.nchunks, t % H // R, t % H)
@@ -179,6 +165,30 @@ def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
                             b=lambda t, n, p: sp.dx.state.b(at(t), n, p), lo=lambda t, s: 0,
                             hi=lambda t, s: d.dstate)
     return main, state
+
+
+def _part_at(o, r: _Reads, t, G: int) -> SimpleNamespace:
+    """The specs' part reader (gsum of part gp, ``head(h)`` its heads') of task t = (batch, chunk, part)."""
+    gp = t % o.gparts
+    return _at(r, t // (o.nchunks * o.gparts), t // o.gparts % o.nchunks, gp // (o.gparts // G), None, gp)
+
+
+def _part_segments(d: ScanBwdDims, o, r: _Reads, piece) -> tuple:
+    """dB's or dC's two segments for the strategy's ``product`` (``piece``: spec.pieces' dB or dC): the part's
+    heads (k = the head's index in the part x headdim + p, the head's scale folded into its row), then the
+    intra-chunk product's causal range ("ge": positions inside the sequence; "le": row q's)."""
+    G, P, R = d.ngroups, d.headdim, d.nheads // d.ngroups
+    at = lambda t: _part_at(o, r, t, G)  # noqa: E731
+    head = lambda t, k: at(t).head(_part_heads(o, t % o.gparts, G, R)[0] + k // P)  # noqa: E731
+    heads = SimpleNamespace(
+        a=lambda t, q, k: piece.scale(head(t, k), q) * piece.head.a(head(t, k), q, k % P),
+        b=lambda t, k, n: piece.head.b(head(t, k), k % P, n), lo=lambda t, q: 0,
+        hi=lambda t, q: _part_heads(o, t % o.gparts, G, R)[1] * P)
+    ge = piece.intra.causal == "ge"
+    intra = SimpleNamespace(a=lambda t, q, k: piece.intra.a(at(t), q, k), b=lambda t, k, n: piece.intra.b(at(t), k, n),
+                            lo=(lambda t, q: causal_start(d, q)) if ge else (lambda t, q: 0),
+                            hi=(lambda t, q: at(t).end) if ge else (lambda t, q: causal_end(d, q)))
+    return heads, intra
 
 
 def _position_pieces(d: ScanBwdDims, S: Strategy):
@@ -215,33 +225,23 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         o.gsum[b, c, gp, l, s] = v.a0[0]
 
     def part_rows(piece, out: str):
-        """dB / dC (spec.pieces' dB, dC): the part's heads in order, then the intra-chunk product; a task per
-        (batch, position, part, k)."""
-        intra = _per_element(d, piece.intra)
+        """dB / dC (spec.pieces' dB, dC) per (batch, chunk, part) task by the strategy's ``product``: the part's
+        heads in order (each head's scale folded into its rows), then the intra-chunk product on gsum."""
+        run = S.product(Q, N, (P, Q))
 
         @T.macro
-        def at(o, r, i):
-            v = T.meta_var(S.scratch(acc=(2,), ib=((1,), I32), it=((1,), I32), ih=((1,), I32)))
-            b, t = T.meta_var(v.ib[0]), T.meta_var(v.it[0])
-            gp, k = T.meta_var(i // N % o.gparts), T.meta_var(i % N)
-            c, q = T.meta_var(t // Q), T.meta_var(t % Q)
-            h0, per = T.meta_var(_part_heads(o, gp, G, R))
-            v.ib[0] = i // (o.seqlen * o.gparts * N)
-            v.it[0] = i // (o.gparts * N) % o.seqlen
-            a = T.meta_var(_at(r, b, c, gp // (o.gparts // G), None, gp))
-            v.acc[0] = T.float32(0)
-            v.ih[0] = h0
-            _sum_dots(v.acc, 0, v.acc, 1, v.ih[0], v.ih[0] + per, P,
-                      lambda h, p: piece.head.term(a.head(h), q, p, k), lambda h, hd: piece.scale(a.head(h), q) * hd)
-            intra(a, v.acc, 0, q, k)
-            getattr(o, out)[b, t, gp, k] = v.acc[0]
+        def at(o, r):
+            run(o.batch * o.nchunks * o.gparts, lambda t: _part_at(o, r, t, G).end, _part_segments(d, o, r, piece),
+                lambda t, q, n: T.float32(0),
+                lambda t, q, n, v: T.buffer_store(getattr(o, out), v, (t // (o.nchunks * o.gparts),
+                                                                       t // o.gparts % o.nchunks * Q + q,
+                                                                       t % o.gparts, n)))
 
         return at
 
     return (dx,
             _launch(S, gsum_at, lambda o: o.batch * o.nchunks * o.gparts * Q * Q),
-            _launch(S, part_rows(sp.dB, "dBp"), lambda o: o.batch * o.seqlen * o.gparts * N),
-            _launch(S, part_rows(sp.dC, "dCp"), lambda o: o.batch * o.seqlen * o.gparts * N))
+            part_rows(sp.dB, "dBp"), part_rows(sp.dC, "dCp"))
 
 
 def _bchq(o, i, H: int, Q: int):
