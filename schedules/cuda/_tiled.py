@@ -323,7 +323,7 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
     row's hi, in whole slices of the largest divisor of its unit <= K_SLICE: the reads stay inside the
     segment) staged slice by slice, each row's own range selected per term."""
     KTs = [largest_divisor(u, K_SLICE) for u in units]
-    runs = [_segment(tl, kt, a_fast, b_fast) for kt in KTs]
+    runs = [_segment(tl, u, kt, a_fast, b_fast) for u, kt in zip(units, KTs)]
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
     RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(KTs)
     SA, SB = KX * stride(tl.TM, a_fast), KX * stride(tl.TW, b_fast)
@@ -335,8 +335,8 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
             sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,)))
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
-                reg = T.meta_var(_buffers("local", acc=(RM, RW), ar=(RM,), br=(RW,)))
-                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br))
+                reg = T.meta_var(_buffers("local", acc=(RM, RW), unit=(RM, RW), ar=(RM,), br=(RW,)))
+                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br, unit=reg.unit))
                 if tx < CM * CW:
                     for r in T.unroll(RM):
                         for c in T.unroll(RW):
@@ -353,16 +353,31 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
     return run
 
 
-def _segment(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
+def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
     """A macro ``run(acc, ops, seg, t, i0, j0, tx)``: one segment of ``tiled_product`` into the register block
-    (the same slice count for every thread of the block: its barriers)."""
+    (the same slice count for every thread of the block: its barriers); a weighted segment unit by unit, each
+    unit's sum in ``ops.unit`` added through its weight."""
     product = block_product(tl, KT, a_fast, b_fast)
+    RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
 
     @T.macro
     def run(acc, ops, seg, t, i0, j0, tx):
-        k0 = T.meta_var(seg.lo(t, i0) // KT * KT)
-        product(acc, ops, T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0),
-                lambda k, i: seg.a(t, i0 + i, k0 + k), lambda k, j: seg.b(t, k0 + k, j0 + j), tx,
-                lambda k, i: T.And(k0 + k >= seg.lo(t, i0 + i), k0 + k < seg.hi(t, i0 + i)), None)
+        if hasattr(seg, "weigh"):
+            for u in range(seg.n(t)):
+                for r in T.unroll(RM):
+                    for c in T.unroll(RW):
+                        ops.unit[r, c] = T.float32(0)
+                product(ops.unit, ops, unit // KT, lambda k, i: seg.a(t, i0 + i, u * unit + k),
+                        lambda k, j: seg.b(t, u * unit + k, j0 + j), tx, lambda k, i: True, None)
+                if tx < CM * CW:
+                    for r in T.unroll(RM):
+                        for c in T.unroll(RW):
+                            acc[r, c] = acc[r, c] + seg.weigh(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, u,
+                                                              ops.unit[r, c])
+        else:
+            k0 = T.meta_var(seg.lo(t, i0) // KT * KT)
+            product(acc, ops, T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0),
+                    lambda k, i: seg.a(t, i0 + i, k0 + k), lambda k, j: seg.b(t, k0 + k, j0 + j), tx,
+                    lambda k, i: T.And(k0 + k >= seg.lo(t, i0 + i), k0 + k < seg.hi(t, i0 + i)), None)
 
     return run

@@ -21,6 +21,7 @@ from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
 from ._crossing import crossing_pass
+from ._dots import position_dots
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
 from ._tiled_tc import TcTiling, tc_causal, tc_matmul
 
@@ -69,6 +70,10 @@ class Gpu(Strategy):
     def product(self, M: int, W: int, units: tuple):
         """A block per output tile, each segment staged slice by slice (_tiled.py ``tiled_product``)."""
         return tiled_product(Tiling.of(M, W, min(units), self.threads, self.tile), units)
+
+    def position_dots(self, Q: int, P: int, N: int):
+        """A block per task, a thread per position, the matrix staged in shared memory (_dots.py)."""
+        return position_dots(Q, P, N)
 
     def crossing_pass(self, Q: int, P: int, start):
         """A block per task, a thread per column of the chunk (_crossing.py)."""

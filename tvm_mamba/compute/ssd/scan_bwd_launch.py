@@ -1,20 +1,24 @@
-"""ssd_chunk_scan_bwd laid out a task per output element, one launch per piece (scan_bwd.py; the CUDA strategy's
-blockIdx x threadIdx, serial for tests). A later launch reads only what earlier ones finished (launches run in
-order on the stream): the cross-position sums need no atomics.
+"""ssd_chunk_scan_bwd laid out as launches, one per piece (scan_bwd.py; the CUDA strategy's blocks and threads,
+serial for tests). A later launch reads only what earlier ones finished (launches run in order on the stream):
+the cross-position sums need no atomics.
 
-Launch order: dx (per position); gsum = the part's sum of (g x^T) K dt (per (l, s) of a part, as the task
-layout); dB and dC (per position and part, from gsum); XB[s] = <x_s, dSo B_s> into ddt_out as scratch; d dA_step's
-carried-state term per position, then its reverse cumsum by one task per (batch, chunk, head); then d dt and the
-rest of d dA_step by the strategy's ``crossing_pass`` (a task per (batch, chunk, head): the row pass of the task
-form, running column sums of the causal pairs from the last row up; its rows add the crossing pairs and the
-chunk-state prefix of every XB, its columns overwrite their XB with d dt); the dD partials (per position with
-diag_skip).
+Launch order, each piece by a strategy method (strategy.py) fed the specs of scan_bwd_spec.py:
+  dx          ``product`` per (batch, chunk, head): D g, the causal main product, the scaled state product;
+  gsum        ``product`` per (batch, chunk, part): the part's heads' g x^T, each weighted by its K dt on the
+              causal pairs (a weighted segment);
+  dB, dC      ``product`` per (batch, chunk, part): the part's heads (their scales folded into the rows), then
+              the intra-chunk causal product on gsum;
+  XB          ``position_dots``: XB[s] = <x_s, dSo B_s> into ddt_out as scratch;
+  carried     ``position_dots``: d dA_step's carried-state term e[q] <g_q, C_q Sin>, then its reverse cumsum
+              (a task per (batch, chunk, head));
+  crossing    ``crossing_pass`` per (batch, chunk, head): the task form's row pass, running column sums of the
+              causal pairs from the last row up; its rows add the crossing pairs and the chunk-state prefix of
+              every XB to d dA_step, its columns overwrite their XB with d dt;
+  dD          per element (per position with diag_skip).
 
-The per-element launches execute the specs of scan_bwd_spec.py per output element (``_per_element``,
-``_sum_dots``) in their order, terms past seqlen (zeros there) left out.
-
-Symbolic floordiv / mod of the flat index is computed once into an int32 scratch slot where a launch uses it
-in its loops (recomputed per use it spilled on sm_80).
+On CUDA each method stages its operands per block (shared-memory tiles, registers: schedules/cuda/_tiled.py,
+_dots.py, _crossing.py); the serial strategy runs a task per output element in the same order, terms past
+seqlen (zeros there) left out of the causal ranges.
 """
 from __future__ import annotations
 
@@ -117,15 +121,6 @@ def _sum(acc, j, lo, hi, term):
         acc[j] = acc[j] + term(k)
 
 
-@T.macro
-def _sum_dots(out, jo, inner, ji, lo, hi, n_in, dot, weigh):
-    """out[jo] += sum over j in [lo, hi) of weigh(j, inner[ji]), inner[ji] = sum over k in [0, n_in) of dot(j, k)
-    (a sum of weighted dot products, j and k ascending; out[jo] holds its start)."""
-    for j in range(lo, hi):
-        _sum(inner, ji, 0, n_in, lambda k: dot(j, k))
-        out[jo] = out[jo] + weigh(j, inner[ji])
-
-
 def _launch(S: Strategy, piece, extent):
     """The macro ``run(o, r)``: ``piece(o, r, i)`` for every task i < extent(o) (blockIdx x threadIdx on CUDA;
     the piece allocates its scratch in the thread's scope)."""
@@ -146,6 +141,11 @@ def _part_heads(o, gp, G: int, R: int):
     """(first head, heads) of head part gp (gparts // G parts of the R heads of each group)."""
     hp = o.gparts // G
     return gp // hp * R + gp % hp * (R // hp), R // hp
+
+
+def _step_index(o, t, H: int, q):
+    """(batch, head, chunk, q) of chunk position q of task t = (batch, chunk, head): ddt_out's / ddA_step's."""
+    return (t // (o.nchunks * H), t % H, t // H % o.nchunks, q)
 
 
 def _head_at(o, r: _Reads, t, H: int, R: int) -> SimpleNamespace:
@@ -191,6 +191,22 @@ def _part_segments(d: ScanBwdDims, o, r: _Reads, piece) -> tuple:
     return heads, intra
 
 
+def _gsum_segment(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
+    """gsum's weighted segment for the strategy's ``product``: unit u the part's u-th head, its g x^T (spec.pieces'
+    gx) weighted by spec.gsum_term on the causal pairs; selected, not multiplied by 0 elsewhere (g_l . x_s of a
+    later position s may be non-finite)."""
+    G, P, R = d.ngroups, d.headdim, d.nheads // d.ngroups
+    sp = spec.pieces(d)
+    at = lambda t: _part_at(o, r, t, G)  # noqa: E731
+    first = lambda t: _part_heads(o, t % o.gparts, G, R)[0]  # noqa: E731
+    head = lambda t, k: at(t).head(first(t) + k // P)  # noqa: E731
+    return SimpleNamespace(
+        a=lambda t, l, k: sp.gx.a(head(t, k), l, k % P), b=lambda t, k, s: sp.gx.b(head(t, k), k % P, s),
+        n=lambda t: _part_heads(o, t % o.gparts, G, R)[1],
+        weigh=lambda t, l, s, u, v: T.Select(causal(d, l, s), spec.gsum_term(at(t).head(first(t) + u), l, s, v),
+                                             T.float32(0)))
+
+
 def _position_pieces(d: ScanBwdDims, S: Strategy):
     """dx (a task per (batch, position, head, p)), gsum (per (batch, chunk, part, l, s)), dB and dC (per
     (batch, position, part, n)): macros ``run(o, r)`` executing scan_bwd_spec.pieces' specs per output element."""
@@ -209,20 +225,15 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
                lambda t, s, p, v: T.buffer_store(o.dx, v.astype(d.x_dtype),
                                                  (t // (o.nchunks * H), t // H % o.nchunks * Q + s, t % H, p)))
 
+    gsum_run = S.product(Q, Q, (P,))
+
     @T.macro
-    def gsum_at(o, r, i):
-        """gsum[l, s] (causal pairs): the part's heads in order, g x^T once per part"""
-        v = T.meta_var(S.scratch(a0=(1,), a1=(1,), ib=((1,), I32)))  # ib: the part's first head
-        b, c = T.meta_var(i // (o.nchunks * o.gparts * Q * Q)), T.meta_var(i // (o.gparts * Q * Q) % o.nchunks)
-        gp, l, s = T.meta_var(i // (Q * Q) % o.gparts), T.meta_var(i // Q % Q), T.meta_var(i % Q)
-        h0, per = T.meta_var(_part_heads(o, gp, G, R))
-        a = T.meta_var(_at(r, b, c, gp // (o.gparts // G), None, gp))
-        v.a0[0] = T.float32(0)
-        if causal(d, l, s):
-            v.ib[0] = h0
-            _sum_dots(v.a0, 0, v.a1, 0, v.ib[0], v.ib[0] + per, P, lambda h, p: sp.gx.term(a.head(h), l, p, s),
-                      lambda h, gx: spec.gsum_term(a.head(h), l, s, gx))
-        o.gsum[b, c, gp, l, s] = v.a0[0]
+    def gsum(o, r):
+        """gsum per (batch, chunk, part) task by the strategy's ``product``: a weighted segment over the part's
+        heads in order, each head's g x^T (l, s) weighted by its K[l, s] dt[s] on the causal pairs (0 elsewhere)"""
+        gsum_run(o.batch * o.nchunks * o.gparts, lambda t: Q, (_gsum_segment(d, o, r),), lambda t, l, s: T.float32(0),
+                 lambda t, l, s, v: T.buffer_store(o.gsum, v, (t // (o.nchunks * o.gparts), t // o.gparts % o.nchunks,
+                                                               t % o.gparts, l, s)))
 
     def part_rows(piece, out: str):
         """dB / dC (spec.pieces' dB, dC) per (batch, chunk, part) task by the strategy's ``product``: the part's
@@ -240,21 +251,13 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         return at
 
     return (dx,
-            _launch(S, gsum_at, lambda o: o.batch * o.nchunks * o.gparts * Q * Q),
+            gsum,
             part_rows(sp.dB, "dBp"), part_rows(sp.dC, "dCp"))
 
 
 def _bchq(o, i, H: int, Q: int):
     """(batch, chunk, head, position) of task i of a launch over (batch, chunk, head, position)."""
     return i // (o.nchunks * H * Q), i // (H * Q) % o.nchunks, i // Q % H, i % Q
-
-
-def _head_task(S: Strategy, r: _Reads, o, i, H: int, Q: int, R: int, nacc: int):
-    """(scratch with ``nacc`` accumulators, batch, chunk, head, position, head reader) of task i of a launch
-    over (batch, chunk, head, position); R heads per group."""
-    v = S.scratch(acc=(nacc,))
-    b, c, h, q = _bchq(o, i, H, Q)
-    return v, b, c, h, q, _at(r, b, c, h // R, h)
 
 
 def _step_pieces(d: ScanBwdDims, S: Strategy):
@@ -264,26 +267,27 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     R = H // G
     sp = spec.pieces(d)
 
-    @T.macro
-    def xb_at(o, r, i):
-        """XB[s] = <x_s, dSo B_s> -> ddt_out (scratch until d dt)"""
-        v, b, c, h, s, a = T.meta_var(_head_task(S, r, o, i, H, Q, R, 2))
-        v.acc[0] = T.float32(0)
-        _sum_dots(v.acc, 0, v.acc, 1, 0, P, N, lambda p, n: sp.dx.state.term(a, s, n, p),
-                  lambda p, st: spec.xb_term(a, s, p, st))
-        o.ddt_out[b, h, c, s] = v.acc[0]
+    dots = S.position_dots(Q, P, N)
 
     @T.macro
-    def carried_at(o, r, i):
-        """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step"""
-        v, b, c, h, q, a = T.meta_var(_head_task(S, r, o, i, H, Q, R, 3))
-        v.acc[0] = T.float32(0)
-        if c * Q + q < o.seqlen:  # g is 0 past seqlen
-            v.acc[1] = T.float32(0)
-            _sum_dots(v.acc, 1, v.acc, 2, 0, N, P, lambda n, p: sp.dC.head.term(a, q, p, n),
-                      lambda n, gs: spec.carried_term(a, q, n, gs))
-            v.acc[0] = sp.dC.scale(a, q) * v.acc[1]
-        o.ddA_step[b, h, c, q] = v.acc[0]
+    def xb(o, r):
+        """XB[s] = <x_s, dSo B_s> = B_s . (x_s dSo) -> ddt_out (scratch until d dt), per (batch, chunk, head) task
+        by the strategy's ``position_dots`` (dstate outer: the rows of spec.pieces' dB.head product)"""
+        dots(o.batch * o.nchunks * H, lambda t, s, p: sp.dB.head.a(_head_at(o, r, t, H, R), s, p),
+             lambda t, s, n: sp.dx.state.a(_head_at(o, r, t, H, R), s, n),
+             lambda t, p, n: sp.dB.head.b(_head_at(o, r, t, H, R), p, n),
+             lambda t, s, v: T.buffer_store(o.ddt_out, v, _step_index(o, t, H, s)))
+
+    @T.macro
+    def carried(o, r):
+        """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step (0 past seqlen), by
+        ``position_dots`` (spec.pieces' dC.head product, then spec.carried_term's C_q . (g_q Sin))"""
+        dots(o.batch * o.nchunks * H, lambda t, q, p: sp.dC.head.a(_head_at(o, r, t, H, R), q, p),
+             lambda t, q, n: _head_at(o, r, t, H, R).C(q, n),
+             lambda t, p, n: sp.dC.head.b(_head_at(o, r, t, H, R), p, n),
+             lambda t, q, v: T.buffer_store(o.ddA_step, T.Select(
+                 t // H % o.nchunks * Q + q < o.seqlen, sp.dC.scale(_head_at(o, r, t, H, R), q) * v, T.float32(0)),
+                 _step_index(o, t, H, q)))
 
     @T.macro
     def cumsum_at(o, r, i):
@@ -314,8 +318,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     def pairs(o, r):
         crossing(o.batch * o.nchunks * H, _crossing_ops(d, o, r))
 
-    steps = lambda o: o.batch * o.nchunks * H * Q  # noqa: E731
-    return (_launch(S, xb_at, steps), _launch(S, carried_at, steps),
+    return (xb, carried,
             _launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), pairs,
             _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * J))
 

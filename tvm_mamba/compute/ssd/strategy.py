@@ -178,26 +178,54 @@ class Strategy:
 
         segment q (``segs[q]``: a namespace of a, b, lo, hi) spanning k < n units[q] (n symbolic: e.g. a head
         part's heads, each ``units[q]`` deep), lo and hi non-decreasing in i (a causal range); then
-        store(t, i, j, v) for the rows i < rows(t) (a ragged last chunk). At most two segments. A task per output
+        store(t, i, j, v) for the rows i < rows(t) (a ragged last chunk). A *weighted* segment (a, b, n, weigh:
+        no lo / hi) adds weigh(t, i, j, u, v) per unit u < n(t) in order, v = its own sum over the unit's k
+        (a weight per output element and unit: a head's decay mask). At most two segments. A task per output
         element here; the CUDA strategy stages each segment's operands per output tile (_tiled.py)."""
         S = self
+        segment = _serial_segment(units[0]), _serial_segment(units[-1])
 
         @T.macro
         def run(extent, rows, segs, init, store):
             for bx in S.outer(extent * M * W):
                 for tx in S.inner():
-                    acc = T.alloc_buffer((1,), "float32", scope=S.scope)
+                    acc = T.alloc_buffer((2,), "float32", scope=S.scope)
                     i = T.meta_var(S.index(bx, tx))
                     t, r, j = T.meta_var((i // (M * W), i // W % M, i % W))
                     if i < extent * M * W:
                         if r < rows(t):
                             acc[0] = init(t, r, j)
-                            for k in range(segs[0].lo(t, r), segs[0].hi(t, r)):
-                                acc[0] = acc[0] + segs[0].a(t, r, k) * segs[0].b(t, k, j)
+                            segment[0](acc, segs[0], t, r, j)
                             if len(segs) > 1:
-                                for k in range(segs[1].lo(t, r), segs[1].hi(t, r)):
-                                    acc[0] = acc[0] + segs[1].a(t, r, k) * segs[1].b(t, k, j)
+                                segment[1](acc, segs[1], t, r, j)
                             store(t, r, j, acc[0])
+
+        return run
+
+    def position_dots(self, Q: int, P: int, N: int):
+        """A macro ``run(extent, u, v, m, store)``: per task t and chunk position s < Q
+
+            store(t, s, sum_n v(t, s, n) (sum_p u(t, s, p) m(t, p, n)))          (n ascending, p ascending)
+
+        (ssd_chunk_scan_bwd's per-position dots <x_s, dSo B_s> and <g_s, C_s Sin>: a row of u and of v per
+        position against one P x N matrix m per task). A task per position here; the CUDA strategy runs a block
+        per task, a thread per position, m staged in shared memory slice by slice (schedules/cuda/_dots.py)."""
+        S = self
+
+        @T.macro
+        def run(extent, u, v, m, store):
+            for bx in S.outer(extent * Q):
+                for tx in S.inner():
+                    acc = T.alloc_buffer((2,), "float32", scope=S.scope)
+                    i = T.meta_var(S.index(bx, tx))
+                    if i < extent * Q:
+                        acc[0] = T.float32(0)
+                        for n in range(N):
+                            acc[1] = T.float32(0)
+                            for p in range(P):
+                                acc[1] = acc[1] + u(i // Q, i % Q, p) * m(i // Q, p, n)
+                            acc[0] = acc[0] + v(i // Q, i % Q, n) * acc[1]
+                        store(i // Q, i % Q, acc[0])
 
         return run
 
@@ -260,6 +288,25 @@ class Strategy:
             return buf
 
         return SimpleNamespace(**{name: alloc(name, spec) for name, spec in shapes.items()})
+
+
+def _serial_segment(unit: int):
+    """A macro ``run(acc, seg, t, i, j)``: acc[0] += one segment of ``Strategy.product`` at output (i, j) of task t
+    (acc[1]: a weighted segment's unit sum)."""
+
+    @T.macro
+    def run(acc, seg, t, i, j):
+        if hasattr(seg, "weigh"):
+            for u in range(seg.n(t)):
+                acc[1] = T.float32(0)
+                for k in range(unit):
+                    acc[1] = acc[1] + seg.a(t, i, u * unit + k) * seg.b(t, u * unit + k, j)
+                acc[0] = acc[0] + seg.weigh(t, i, j, u, acc[1])
+        else:
+            for k in range(seg.lo(t, i), seg.hi(t, i)):
+                acc[0] = acc[0] + seg.a(t, i, k) * seg.b(t, k, j)
+
+    return run
 
 
 def at(pos, t, q):
