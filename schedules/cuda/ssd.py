@@ -6,10 +6,11 @@ chunk_state_varlen are laid out here by ``Gpu``: blockIdx.x x threadIdx.x of ``t
 per lane (dstate element), scratch in registers, CUDA-native exp / log1p. The chunk matmuls (bmm_chunk,
 chunk_state, chunk_scan, chunk_scan_bwd_dstates: the strategy's ``scaled_matmul``, ``matmul_rows`` and
 ``causal_matmul``) are shared-memory tiled blocks with register-blocked outputs (_tiled.py; with 16-bit
-operands on tensor cores, _tiled_tc.py). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece with a
-thread per output, several launches inside one PrimFunc where a later one reads what an earlier one wrote
-(launches run in order on the stream: the backward's cross-position sums without atomics), its d dt / d dA_step
-pass a block per (batch, chunk, head) with a thread per column (``crossing_pass``, _crossing.py). docs/ssd.md.
+operands on tensor cores, _tiled_tc.py). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece,
+several launches inside one PrimFunc where a later one reads what an earlier one wrote (launches run in order on
+the stream: the backward's cross-position sums without atomics), its products tiled (``product``: _tiled.py
+``tiled_product``), its per-position dots and its d dt / d dA_step pass a block per (batch, chunk, head)
+(``position_dots``: _dots.py; ``crossing_pass``: _crossing.py). docs/ssd.md.
 Selected by capability (``"gpu" in target.keys``). Knobs: ``threads`` per block (64 / 128 / 256) and, for the
 tiled kernels, ``tile`` (the largest output tile side, ``TILE_CAP``); defaults in ``TILED``.
 """

@@ -24,6 +24,11 @@ innermost axis: dstate or headdim). The strategy decides:
   same-step block goes elsewhere) with a per-(i, s) weight,
   on top of a carried M x W x K product (ssd_chunk_scan's y): a task per output element, or on a CPU the staged
   operands and two register-blocked matmuls (the causal one ``tri="le"``: no term of a later position is added).
+* ``product(M, W, units)``, ``position_dots(Q, P, N)``, ``crossing_pass(Q, P, start)``: the pieces of
+  ssd_chunk_scan_bwd's launch form (compute/ssd/scan_bwd_launch.py): an M x W output per task summed over
+  segments of k (causal ranges; a weighted segment per unit), per-position dots against one matrix per task,
+  and the row pass of the causal pairs with running column sums. A task per output element here, a block per
+  output tile or per task on CUDA (schedules/cuda/_tiled.py, _dots.py, _crossing.py).
 * ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers; ``scratch`` allocates it), and
   ``math`` (``_math.Math``: the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
 * ``vector``: also which form a template with several chunk matmuls takes (ssd_chunk_scan_bwd): a task per
