@@ -238,6 +238,7 @@ def tiled_causal(tl: Tiling, end):
     SA, SB = KX * stride(tl.TM, True), KX * stride(tl.TW, True)
 
     stage_rows, stage_cols = _stage_positions(fill_rows), _stage_positions(fill_cols)
+    store_rows = _store_rows(tl)
 
     @T.macro
     def run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos):
@@ -269,13 +270,25 @@ def tiled_causal(tl: Tiling, end):
                                lambda s, i: weight(t, i0 + i, s, _values(vr, i), _values(vc, s % KS)),
                                lambda s, j: xs(t, s, j0 + j), tx, lambda s, i: s < end(i0 + i),
                                lambda ko: stage_cols(vc, pos, t, ko * KS, tx))
-                if tx < CM * CW:
-                    for r in T.unroll(RM):
-                        for c in T.unroll(RW):
-                            if i0 + tx // CW + r * CM < rows(t):
-                                store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
+                store_rows(reg.acc, t, i0, j0, tx, rows, store)
 
     return run
+
+
+def _store_rows(tl: Tiling):
+    """A macro ``store_rows(acc, t, i0, j0, tx, rows, store)``: thread tx's register block of the tile at (i0, j0)
+    through ``store``, the rows i < rows(t) only (a ragged last chunk)."""
+    RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
+
+    @T.macro
+    def store_rows(acc, t, i0, j0, tx, rows, store):
+        if tx < CM * CW:
+            for r in T.unroll(RM):
+                for c in T.unroll(RW):
+                    if i0 + tx // CW + r * CM < rows(t):
+                        store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, acc[r, c])
+
+    return store_rows
 
 
 def _stage_positions(fill):
@@ -327,6 +340,7 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
     RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(KTs)
     SA, SB = KX * stride(tl.TM, a_fast), KX * stride(tl.TW, b_fast)
+    store_rows = _store_rows(tl)
 
     @T.macro
     def run(extent, rows, segs, init, store):
@@ -344,11 +358,7 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
                 runs[0](reg.acc, ops, segs[0], t, i0, j0, tx)
                 if len(segs) > 1:
                     runs[1](reg.acc, ops, segs[1], t, i0, j0, tx)
-                if tx < CM * CW:
-                    for r in T.unroll(RM):
-                        for c in T.unroll(RW):
-                            if i0 + tx // CW + r * CM < rows(t):
-                                store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
+                store_rows(reg.acc, t, i0, j0, tx, rows, store)
 
     return run
 

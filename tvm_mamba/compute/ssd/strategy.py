@@ -188,22 +188,22 @@ class Strategy:
         (a weight per output element and unit: a head's decay mask). At most two segments. A task per output
         element here; the CUDA strategy stages each segment's operands per output tile (_tiled.py)."""
         S = self
+        tasks = self.tasks()
         segment = _serial_segment(units[0]), _serial_segment(units[-1])
 
         @T.macro
+        def one(rows, segs, init, store, t, r, j):
+            if r < rows(t):
+                w = T.meta_var(S.scratch(acc=(2,)))
+                w.acc[0] = init(t, r, j)
+                segment[0](w.acc, segs[0], t, r, j)
+                if len(segs) > 1:
+                    segment[1](w.acc, segs[1], t, r, j)
+                store(t, r, j, w.acc[0])
+
+        @T.macro
         def run(extent, rows, segs, init, store):
-            for bx in S.outer(extent * M * W):
-                for tx in S.inner():
-                    acc = T.alloc_buffer((2,), "float32", scope=S.scope)
-                    i = T.meta_var(S.index(bx, tx))
-                    t, r, j = T.meta_var((i // (M * W), i // W % M, i % W))
-                    if i < extent * M * W:
-                        if r < rows(t):
-                            acc[0] = init(t, r, j)
-                            segment[0](acc, segs[0], t, r, j)
-                            if len(segs) > 1:
-                                segment[1](acc, segs[1], t, r, j)
-                            store(t, r, j, acc[0])
+            tasks(extent * M * W, lambda i: one(rows, segs, init, store, i // (M * W), i // W % M, i % W))
 
         return run
 
@@ -216,21 +216,22 @@ class Strategy:
         position against one P x N matrix m per task). A task per position here; the CUDA strategy runs a block
         per task, a thread per position, m staged in shared memory slice by slice (schedules/cuda/_dots.py)."""
         S = self
+        tasks = self.tasks()
+
+        @T.macro
+        def one(u, v, m, store, t, s):
+            w = T.meta_var(S.scratch(acc=(2,)))
+            w.acc[0] = T.float32(0)
+            for n in range(N):
+                w.acc[1] = T.float32(0)
+                for p in range(P):
+                    w.acc[1] = w.acc[1] + u(t, s, p) * m(t, p, n)
+                w.acc[0] = w.acc[0] + v(t, s, n) * w.acc[1]
+            store(t, s, w.acc[0])
 
         @T.macro
         def run(extent, u, v, m, store):
-            for bx in S.outer(extent * Q):
-                for tx in S.inner():
-                    acc = T.alloc_buffer((2,), "float32", scope=S.scope)
-                    i = T.meta_var(S.index(bx, tx))
-                    if i < extent * Q:
-                        acc[0] = T.float32(0)
-                        for n in range(N):
-                            acc[1] = T.float32(0)
-                            for p in range(P):
-                                acc[1] = acc[1] + u(i // Q, i % Q, p) * m(i // Q, p, n)
-                            acc[0] = acc[0] + v(i // Q, i % Q, n) * acc[1]
-                        store(i // Q, i % Q, acc[0])
+            tasks(extent * Q, lambda i: one(u, v, m, store, i // Q, i % Q))
 
         return run
 
@@ -249,36 +250,37 @@ class Strategy:
         pass, scan_bwd_task.py): O(Q^2 P) per task. Here a task runs serially; the CUDA strategy runs a block
         per task, a thread per column (schedules/cuda/_crossing.py), in the same order."""
         S = self
+        tasks = self.tasks()
+
+        @T.macro
+        def one(ops, t):
+            w = T.meta_var(S.scratch(dd=(Q,), rs=(Q,), pre=(Q,), acc=(3,)))
+            for k in range(Q):
+                w.dd[k] = T.float32(0)
+                w.rs[k] = T.float32(0)
+                w.pre[k] = ops.pre(t, k)
+            for lr in range(Q):
+                l = T.meta_var(Q - 1 - lr)
+                for k in range(Q):
+                    if T.And(l >= start(k), l < ops.end(t)):
+                        w.acc[0] = T.float32(0)
+                        for p in range(P):
+                            w.acc[0] = w.acc[0] + ops.g(t, l, p) * ops.x(t, k, p)
+                        w.acc[0] = ops.weight(t, l, k, w.acc[0])
+                        w.dd[k] = w.dd[k] + w.acc[0]
+                        w.rs[k] = w.rs[k] + ops.pair(t, k, w.acc[0])
+                w.acc[1] = T.float32(0)
+                w.acc[2] = T.float32(0)
+                for k in range(l):
+                    w.acc[1] = w.acc[1] + w.rs[k]
+                    w.acc[2] = w.acc[2] + w.pre[k]
+                ops.row_store(t, l, w.acc[1], w.acc[2])
+            for k in range(Q):
+                ops.col_store(t, k, w.dd[k])
 
         @T.macro
         def run(extent, ops):
-            for bx in S.outer(extent):
-                for tx in S.inner():
-                    t = T.meta_var(S.index(bx, tx))
-                    if t < extent:
-                        w = T.meta_var(S.scratch(dd=(Q,), rs=(Q,), pre=(Q,), acc=(3,)))
-                        for k in range(Q):
-                            w.dd[k] = T.float32(0)
-                            w.rs[k] = T.float32(0)
-                            w.pre[k] = ops.pre(t, k)
-                        for lr in range(Q):
-                            l = T.meta_var(Q - 1 - lr)
-                            for k in range(Q):
-                                if T.And(l >= start(k), l < ops.end(t)):
-                                    w.acc[0] = T.float32(0)
-                                    for p in range(P):
-                                        w.acc[0] = w.acc[0] + ops.g(t, l, p) * ops.x(t, k, p)
-                                    w.acc[0] = ops.weight(t, l, k, w.acc[0])
-                                    w.dd[k] = w.dd[k] + w.acc[0]
-                                    w.rs[k] = w.rs[k] + ops.pair(t, k, w.acc[0])
-                            w.acc[1] = T.float32(0)
-                            w.acc[2] = T.float32(0)
-                            for k in range(l):
-                                w.acc[1] = w.acc[1] + w.rs[k]
-                                w.acc[2] = w.acc[2] + w.pre[k]
-                            ops.row_store(t, l, w.acc[1], w.acc[2])
-                        for k in range(Q):
-                            ops.col_store(t, k, w.dd[k])
+            tasks(extent, lambda t: one(ops, t))
 
         return run
 
