@@ -6,7 +6,8 @@ Thread k keeps x_k (headdim values) in registers and its column's two running su
 pairs' R[k]). The rows are visited from the last up in bands of ``BAND``: the band's g rows are staged in
 shared memory (read by every thread: broadcasts), each thread forms the band's g_l . x_k in registers
 (headdim-long, p ascending), then row by row from the band's last its weight (one exp per causal pair), its
-running sums, and R_l[k] into a shared band table; after a barrier, thread r of the band sums row l's
+running sums, and R_l[k] into a shared band table (the weight's per-position values: the band's rows staged
+with g, the column's own read in place); after a barrier, thread r of the band sums row l's
 R_l[k] over k < l (and the staged chunk-state prefix terms) in k order and stores d dA_step[l]. Each pair's
 product and exp is computed once, where the per-position launch this replaces recomputed them per (q, l, k)
 triple: O(Q^2 headdim) per task instead of O(Q^3 headdim).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._tiled import _buffers, largest_divisor
+from ._tiled import _buffers, _fill, _stage_positions, _typed, _values, largest_divisor
 
 BAND = 16  # rows per band (the row sums' threads; each thread's band of g . x accumulators)
 
@@ -31,12 +32,14 @@ def crossing_pass(Q: int, P: int, start):
     LR = Q + 1  # the band table's row stride
     NB = Q // TB
     copies = (TB * P + Q - 1) // Q
+    stage_band = _stage_positions(_fill(_Threads(Q), TB))
 
     @T.macro
     def run(extent, ops):
         for bx in T.thread_binding(extent, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # (_tiled.py: MIN_BLOCKS)
             sh = T.meta_var(_buffers("shared", g=(TB * P,), rs=(TB * LR,), pre=(Q,)))
+            vb = T.meta_var(_typed("shared", "vb", TB, ops.pos))  # the band's per-position values
             for tx in T.thread_binding(Q, thread="threadIdx.x"):
                 reg = T.meta_var(_buffers("local", xr=(P,), acc=(TB,), run=(5,)))  # run: d dt, R, v, sums
                 for p in T.unroll(P):
@@ -48,6 +51,7 @@ def crossing_pass(Q: int, P: int, start):
                     for e in T.unroll(copies):  # the band's g rows
                         if e * Q + tx < TB * P:
                             sh.g[e * Q + tx] = ops.g(bx, (NB - 1 - bi) * TB + (e * Q + tx) // P, (e * Q + tx) % P)
+                    stage_band(vb, ops.pos, bx, (NB - 1 - bi) * TB, tx)
                     T.tvm_storage_sync("shared")
                     for r in T.unroll(TB):
                         reg.acc[r] = T.float32(0)
@@ -57,7 +61,8 @@ def crossing_pass(Q: int, P: int, start):
                     for rr in T.unroll(TB):
                         if T.And((NB - 1 - bi) * TB + TB - 1 - rr >= start(tx),
                                  (NB - 1 - bi) * TB + TB - 1 - rr < ops.end(bx)):
-                            reg.run[2] = ops.weight(bx, (NB - 1 - bi) * TB + TB - 1 - rr, tx, reg.acc[TB - 1 - rr])
+                            reg.run[2] = ops.weight(bx, (NB - 1 - bi) * TB + TB - 1 - rr, tx, reg.acc[TB - 1 - rr],
+                                                    _values(vb, TB - 1 - rr), _read(ops.pos, bx, tx))
                             reg.run[0] = reg.run[0] + reg.run[2]
                             reg.run[1] = reg.run[1] + ops.pair(bx, tx, reg.run[2])
                         sh.rs[(TB - 1 - rr) * LR + tx] = reg.run[1]
@@ -72,3 +77,16 @@ def crossing_pass(Q: int, P: int, start):
                 ops.col_store(bx, tx, reg.run[0])
 
     return run
+
+
+class _Threads:
+    """The block's thread count, as ``_tiled._fill`` reads it from a tiling."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+
+def _read(pos, t, q):
+    """The per-position values of ``pos`` at position q of task t, read in place (the column's own: L1 hits;
+    kept in registers they pushed the kernel past 255 and it spilled)."""
+    return tuple(read(t, q) for read, _ in pos)

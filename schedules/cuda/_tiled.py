@@ -334,7 +334,8 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
     """The strategy's ``product`` run (strategy.py): a block per TM x TW tile of a task's output, the init in
     the register block, then each segment's k range over the tile's rows (from its first row's lo to its last
     row's hi, in whole slices of the largest divisor of its unit <= K_SLICE: the reads stay inside the
-    segment) staged slice by slice, each row's own range selected per term."""
+    segment) staged slice by slice, each row's own range selected per term. A segment's per-position values
+    (``pos``) are staged too: the tile's rows once, each slice's (or, weighted, the tile's columns') with it."""
     KTs = [largest_divisor(u, K_SLICE) for u in units]
     runs = [_segment(tl, u, kt, a_fast, b_fast) for u, kt in zip(units, KTs)]
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
@@ -347,10 +348,13 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
         for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
             sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,)))
+            pos = T.meta_var(_first_pos(segs))
+            vr = T.meta_var(_typed_or_none("vr", tl.TM, pos))  # the tile's rows
+            vc = T.meta_var(_typed_or_none("vc", max(KX, tl.TW), pos))  # a slice / the tile's columns
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
                 reg = T.meta_var(_buffers("local", acc=(RM, RW), unit=(RM, RW), ar=(RM,), br=(RW,)))
-                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br, unit=reg.unit))
+                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br, unit=reg.unit, vr=vr, vc=vc))
                 if tx < CM * CW:
                     for r in T.unroll(RM):
                         for c in T.unroll(RW):
@@ -363,27 +367,65 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
     return run
 
 
+def _first_pos(segs):
+    """The per-position readers of the first segment that has them (the staged slots' layout), or None."""
+    return next((seg.pos for seg in segs if hasattr(seg, "pos")), None)
+
+
+def _typed_or_none(name: str, n: int, pos):
+    """``_typed`` shared slots for ``pos``, or None without per-position values."""
+    return _typed("shared", name, n, pos) if pos is not None else None
+
+
+def _unit_pos(pos, u):
+    """A segment's per-position readers (t, u, q) as ``_stage_positions``' (t, q), for unit u."""
+    return tuple((lambda t, q, rd=rd: rd(t, u, q), dtype) for rd, dtype in pos)
+
+
 def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
     """A macro ``run(acc, ops, seg, t, i0, j0, tx)``: one segment of ``tiled_product`` into the register block
     (the same slice count for every thread of the block: its barriers); a weighted segment unit by unit, each
-    unit's sum in ``ops.unit`` added through its weight."""
+    unit's sum in ``ops.unit`` added through its weight (with ``pos``: the unit's values at the tile's rows and
+    columns staged after its product, behind a barrier)."""
     product = block_product(tl, KT, a_fast, b_fast)
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
+    rows, cols, slice_ = (_stage_positions(_fill(tl, n)) for n in (tl.TM, tl.TW, KT))
+
+    @T.macro
+    def weighted(acc, ops, seg, t, i0, j0, tx):
+        for u in range(seg.n(t)):
+            for r in T.unroll(RM):
+                for c in T.unroll(RW):
+                    ops.unit[r, c] = T.float32(0)
+            product(ops.unit, ops, unit // KT, lambda k, i: seg.a(t, i0 + i, u * unit + k),
+                    lambda k, j: seg.b(t, u * unit + k, j0 + j), tx, lambda k, i: True, None)
+            if hasattr(seg, "pos"):
+                rows(ops.vr, _unit_pos(seg.pos, u), t, i0, tx)
+                cols(ops.vc, _unit_pos(seg.pos, u), t, j0, tx)
+                T.tvm_storage_sync("shared")
+            if tx < CM * CW:
+                for r in T.unroll(RM):
+                    for c in T.unroll(RW):
+                        if hasattr(seg, "pos"):
+                            acc[r, c] = acc[r, c] + seg.weigh(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, u,
+                                                              ops.unit[r, c], _values(ops.vr, tx // CW + r * CM),
+                                                              _values(ops.vc, tx % CW + c * CW))
+                        else:
+                            acc[r, c] = acc[r, c] + seg.weigh(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, u,
+                                                              ops.unit[r, c])
 
     @T.macro
     def run(acc, ops, seg, t, i0, j0, tx):
         if hasattr(seg, "weigh"):
-            for u in range(seg.n(t)):
-                for r in T.unroll(RM):
-                    for c in T.unroll(RW):
-                        ops.unit[r, c] = T.float32(0)
-                product(ops.unit, ops, unit // KT, lambda k, i: seg.a(t, i0 + i, u * unit + k),
-                        lambda k, j: seg.b(t, u * unit + k, j0 + j), tx, lambda k, i: True, None)
-                if tx < CM * CW:
-                    for r in T.unroll(RM):
-                        for c in T.unroll(RW):
-                            acc[r, c] = acc[r, c] + seg.weigh(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, u,
-                                                              ops.unit[r, c])
+            weighted(acc, ops, seg, t, i0, j0, tx)
+        elif hasattr(seg, "pos"):
+            k0 = T.meta_var(seg.lo(t, i0) // KT * KT)
+            rows(ops.vr, _unit_pos(seg.pos, 0), t, i0, tx)  # read after the first slice's barrier
+            product(acc, ops, T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0),
+                    lambda k, i: seg.a(t, i0 + i, k0 + k, _values(ops.vr, i), _values(ops.vc, k % KT)),
+                    lambda k, j: seg.b(t, k0 + k, j0 + j), tx,
+                    lambda k, i: T.And(k0 + k >= seg.lo(t, i0 + i), k0 + k < seg.hi(t, i0 + i)),
+                    lambda ko: slice_(ops.vc, _unit_pos(seg.pos, 0), t, k0 + ko * KT, tx))
         else:
             k0 = T.meta_var(seg.lo(t, i0) // KT * KT)
             product(acc, ops, T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0),

@@ -28,7 +28,7 @@ from tvm.script import tirx as T
 
 from . import scan_bwd_spec as spec
 from .common import (F32, I32, Row, batch_sids, carried_decay, causal, causal_end, causal_start, gate, ld, seg_exp,
-                     skip_at, state_decay)
+                     seg_exp_of, skip_at, state_decay)
 from .dims import ScanBwdDims
 from .strategy import Strategy
 
@@ -85,7 +85,8 @@ def _at(r: _Reads, b, c, grp, h=None, gp=None) -> SimpleNamespace:
         dso=lambda p, n: o.dso[b, c, h, p, n], dsoT=lambda n, p: o.dso[b, c, h, p, n],
         sin=lambda p, n: o.sin[b, c, h, p, n], cb=lambda l, s: o.cbg[b, c, grp, l, s],
         K=lambda l, s: r.seg(b, h, c, l, s), dt=lambda s: o.dt_out[b, h, c, s], gsum=lambda l, s: o.gsum[b, c, gp, l, s],
-        wst=lambda s: r.w(b, h, c, s), e=lambda l: r.e(b, h, c, l),
+        wst=lambda s: r.w(b, h, c, s), e=lambda l: r.e(b, h, c, l), acs=lambda q: o.dA_cs[b, h, c, q],
+        sid=lambda q: r.sid(b, c, q),
         skip=lambda s, p, v: skip_at(r.d, o.Dm, b, h, c, s, p, v))
     a.cbk = lambda l, s: spec.cbk(a, l, s)
     return a
@@ -153,14 +154,35 @@ def _head_at(o, r: _Reads, t, H: int, R: int) -> SimpleNamespace:
     return _at(r, t // (o.nchunks * H), t // H % o.nchunks, t % H // R, t % H)
 
 
+def _positions(d: ScanBwdDims, head) -> tuple:
+    """The per-position values a segment's decays read, as the strategy's ``pos`` ((reader(t, u, q), dtype)
+    pairs; head(t, u): the reader of unit u of task t): dA_cs, dt' and, with seq_idx, the sequence id."""
+    pos = ((lambda t, u, q: head(t, u).acs(q), F32), (lambda t, u, q: head(t, u).dt(q), F32))
+    return pos + ((lambda t, u, q: head(t, u).sid(q), I32),) if d.has_seq_idx else pos
+
+
+def _unit_free(pos: tuple) -> tuple:
+    """``_positions`` readers (t, u, q) of a task's one head as (t, q) readers."""
+    return tuple((lambda t, q, rd=rd: rd(t, 0, q), dtype) for rd, dtype in pos)
+
+
+def _staged(d: ScanBwdDims, r: _Reads, a: SimpleNamespace, l, vl: tuple, s, vs: tuple) -> SimpleNamespace:
+    """Reader ``a`` whose K (at (l, s)) and dt (at s) come from the ``_positions`` values vl / vs at l / s (staged
+    per tile on CUDA) instead of global memory."""
+    sids = (vl[2], vs[2]) if d.has_seq_idx else None
+    return SimpleNamespace(**{**vars(a), "K": lambda l_, s_: seg_exp_of(r.m, vl[0], vs[0], sids, l, s),
+                              "dt": lambda s_: vs[1]})
+
+
 def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
     """dx's two segments for the strategy's ``product`` (spec.pieces' dx): the main product over the causal
     positions l >= s inside the sequence, then the state product over dstate, scaled per row."""
     H, R = d.nheads, d.nheads // d.ngroups
     sp = spec.pieces(d)
     at = lambda t: _head_at(o, r, t, H, R)  # noqa: E731
-    main = SimpleNamespace(a=lambda t, s, l: sp.dx.main.a(at(t), s, l), b=lambda t, l, p: sp.dx.main.b(at(t), l, p),
-                           lo=lambda t, s: causal_start(d, s), hi=lambda t, s: at(t).end)
+    main = SimpleNamespace(a=lambda t, s, l, vs, vl: spec.cbk(_staged(d, r, at(t), l, vl, s, vs), l, s),
+                           b=lambda t, l, p: sp.dx.main.b(at(t), l, p), lo=lambda t, s: causal_start(d, s),
+                           hi=lambda t, s: at(t).end, pos=_positions(d, lambda t, u: at(t)))
     state = SimpleNamespace(a=lambda t, s, n: sp.dx.scale(at(t), s) * sp.dx.state.a(at(t), s, n),
                             b=lambda t, n, p: sp.dx.state.b(at(t), n, p), lo=lambda t, s: 0,
                             hi=lambda t, s: d.dstate)
@@ -203,8 +225,10 @@ def _gsum_segment(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
     return SimpleNamespace(
         a=lambda t, l, k: sp.gx.a(head(t, k), l, k % P), b=lambda t, k, s: sp.gx.b(head(t, k), k % P, s),
         n=lambda t: _part_heads(o, t % o.gparts, G, R)[1],
-        weigh=lambda t, l, s, u, v: T.Select(causal(d, l, s), spec.gsum_term(at(t).head(first(t) + u), l, s, v),
-                                             T.float32(0)))
+        weigh=lambda t, l, s, u, v, vl, vs: T.Select(
+            causal(d, l, s), spec.gsum_term(_staged(d, r, at(t).head(first(t) + u), l, vl, s, vs), l, s, v),
+            T.float32(0)),
+        pos=_positions(d, lambda t, u: at(t).head(first(t) + u)))
 
 
 def _position_pieces(d: ScanBwdDims, S: Strategy):
@@ -339,7 +363,8 @@ def _crossing_ops(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
 
     return SimpleNamespace(
         g=lambda t, l, p: at(t).g(l, p), x=lambda t, k, p: at(t).x(k, p),
-        weight=lambda t, l, k, gx: spec.ddt_term(at(t), l, k, gx), pair=lambda t, k, v: spec.pair_term(at(t), k, v),
+        weight=lambda t, l, k, gx, vl, vk: spec.ddt_term(_staged(d, r, at(t), l, vl, k, vk), l, k, gx),
+        pair=lambda t, k, v: spec.pair_term(at(t), k, v), pos=_unit_free(_positions(d, lambda t, u: at(t))),
         pre=lambda t, k: spec.prefix_term(at(t), k, o.ddt_out[idx(t, k)]), end=lambda t: at(t).end,
         col_store=lambda t, k, v: T.buffer_store(o.ddt_out, v + spec.ddt_state(at(t), k, o.ddt_out[idx(t, k)]),
                                                  idx(t, k)),

@@ -185,7 +185,10 @@ class Strategy:
         part's heads, each ``units[q]`` deep), lo and hi non-decreasing in i (a causal range); then
         store(t, i, j, v) for the rows i < rows(t) (a ragged last chunk). A *weighted* segment (a, b, n, weigh:
         no lo / hi) adds weigh(t, i, j, u, v) per unit u < n(t) in order, v = its own sum over the unit's k
-        (a weight per output element and unit: a head's decay mask). At most two segments. A task per output
+        (a weight per output element and unit: a head's decay mask). A segment with ``pos`` (per-position
+        readers (reader(t, u, q), dtype): i and k, or i and j, are chunk positions) gets their values as two
+        more arguments: a(t, i, k, v(i), v(k)), weigh(t, i, j, u, v, v(i), v(j)) (read in place here, staged
+        per tile on CUDA). At most two segments. A task per output
         element here; the CUDA strategy stages each segment's operands per output tile (_tiled.py)."""
         S = self
         tasks = self.tasks()
@@ -239,7 +242,8 @@ class Strategy:
         """A macro ``run(extent, ops)``: ssd_chunk_scan_bwd's pass over the causal pairs of each task t's chunk
         (scan_bwd_launch.py; ``ops`` holds the callables below). With gx(l, k) = sum_p g(t, l, p) x(t, k, p)
         (p ascending from 0) and, for the rows l >= start(k) of column k inside the sequence (l < end(t)),
-        v(l, k) = weight(t, l, k, gx(l, k)), rows l from the last up:
+        v(l, k) = weight(t, l, k, gx(l, k), v(l), v(k)) (v(q): the values of the per-position readers ``ops.pos``,
+        (reader(t, q), dtype) pairs, at q: read in place here, staged on CUDA), rows l from the last up:
 
             col_store(t, k, sum_l v(l, k))                                           (l descending)
             row_store(t, q, sum_{k<q} R_q[k], sum_{k<q} pre(t, k))                   (k ascending)
@@ -266,7 +270,7 @@ class Strategy:
                         w.acc[0] = T.float32(0)
                         for p in range(P):
                             w.acc[0] = w.acc[0] + ops.g(t, l, p) * ops.x(t, k, p)
-                        w.acc[0] = ops.weight(t, l, k, w.acc[0])
+                        w.acc[0] = ops.weight(t, l, k, w.acc[0], at(ops.pos, t, l), at(ops.pos, t, k))
                         w.dd[k] = w.dd[k] + w.acc[0]
                         w.rs[k] = w.rs[k] + ops.pair(t, k, w.acc[0])
                 w.acc[1] = T.float32(0)
@@ -308,12 +312,24 @@ def _serial_segment(unit: int):
                 acc[1] = T.float32(0)
                 for k in range(unit):
                     acc[1] = acc[1] + seg.a(t, i, u * unit + k) * seg.b(t, u * unit + k, j)
-                acc[0] = acc[0] + seg.weigh(t, i, j, u, acc[1])
+                if hasattr(seg, "pos"):
+                    acc[0] = acc[0] + seg.weigh(t, i, j, u, acc[1], _pos_at(seg, t, u, i), _pos_at(seg, t, u, j))
+                else:
+                    acc[0] = acc[0] + seg.weigh(t, i, j, u, acc[1])
+        elif hasattr(seg, "pos"):
+            for k in range(seg.lo(t, i), seg.hi(t, i)):
+                acc[0] = acc[0] + seg.a(t, i, k, _pos_at(seg, t, 0, i), _pos_at(seg, t, 0, k)) * seg.b(t, k, j)
         else:
             for k in range(seg.lo(t, i), seg.hi(t, i)):
                 acc[0] = acc[0] + seg.a(t, i, k) * seg.b(t, k, j)
 
     return run
+
+
+def _pos_at(seg, t, u, q):
+    """A ``product`` segment's per-position values (``seg.pos``: (reader(t, u, q), dtype) pairs) at position q of
+    task t, unit u, read in place."""
+    return tuple(read(t, u, q) for read, _ in seg.pos)
 
 
 def at(pos, t, q):
