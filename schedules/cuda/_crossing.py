@@ -7,8 +7,9 @@ pairs' R[k]). The rows are visited from the last up in bands of ``BAND``: the ba
 shared memory (read by every thread: broadcasts), each thread forms the band's g_l . x_k in registers
 (headdim-long, p ascending), then row by row from the band's last its weight (one exp per causal pair), its
 running sums, and R_l[k] into a shared band table (the weight's per-position values: the band's rows staged
-with g, the column's own read in place); after a barrier, thread r of the band sums row l's
-R_l[k] over k < l (and the staged chunk-state prefix terms) in k order and stores d dA_step[l]. Each pair's
+with g, the column's own read in place: kept in registers they pushed the kernel past 255 registers and it
+spilled); after a barrier, thread r of the band sums row l's R_l[k] over k < l (and the staged chunk-state
+prefix terms) in k order and stores d dA_step[l]. Each pair's
 product and exp is computed once, where the per-position launch this replaces recomputed them per (q, l, k)
 triple: O(Q^2 headdim) per task instead of O(Q^3 headdim).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...compute.ssd.strategy import at
 from ._tiled import _buffers, _fill, _stage_positions, _typed, _values, largest_divisor
 
 BAND = 16  # rows per band (the row sums' threads; each thread's band of g . x accumulators)
@@ -62,7 +64,7 @@ def crossing_pass(Q: int, P: int, start):
                         if T.And((NB - 1 - bi) * TB + TB - 1 - rr >= start(tx),
                                  (NB - 1 - bi) * TB + TB - 1 - rr < ops.end(bx)):
                             reg.run[2] = ops.weight(bx, (NB - 1 - bi) * TB + TB - 1 - rr, tx, reg.acc[TB - 1 - rr],
-                                                    _values(vb, TB - 1 - rr), _read(ops.pos, bx, tx))
+                                                    _values(vb, TB - 1 - rr), at(ops.pos, bx, tx))
                             reg.run[0] = reg.run[0] + reg.run[2]
                             reg.run[1] = reg.run[1] + ops.pair(bx, tx, reg.run[2])
                         sh.rs[(TB - 1 - rr) * LR + tx] = reg.run[1]
@@ -84,9 +86,3 @@ class _Threads:
 
     def __init__(self, threads: int):
         self.threads = threads
-
-
-def _read(pos, t, q):
-    """The per-position values of ``pos`` at position q of task t, read in place (the column's own: L1 hits;
-    kept in registers they pushed the kernel past 255 and it spilled)."""
-    return tuple(read(t, q) for read, _ in pos)
