@@ -391,6 +391,12 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
     rows, cols, slice_ = (_stage_positions(_fill(tl, n)) for n in (tl.TM, tl.TW, KT))
 
+    def slices(seg, t, i0):  # the k slices from the tile's first row's lo to its last row's hi
+        return T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0)
+
+    def inside(seg, t, i, k):  # k in row i's range
+        return T.And(k >= seg.lo(t, i), k < seg.hi(t, i))
+
     @T.macro
     def weighted(acc, ops, seg, t, i0, j0, tx):
         for u in range(seg.n(t)):
@@ -421,15 +427,13 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
         elif hasattr(seg, "pos"):
             k0 = T.meta_var(seg.lo(t, i0) // KT * KT)
             rows(ops.vr, _unit_pos(seg.pos, 0), t, i0, tx)  # read after the first slice's barrier
-            product(acc, ops, T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0),
+            product(acc, ops, slices(seg, t, i0),
                     lambda k, i: seg.a(t, i0 + i, k0 + k, _values(ops.vr, i), _values(ops.vc, k % KT)),
-                    lambda k, j: seg.b(t, k0 + k, j0 + j), tx,
-                    lambda k, i: T.And(k0 + k >= seg.lo(t, i0 + i), k0 + k < seg.hi(t, i0 + i)),
+                    lambda k, j: seg.b(t, k0 + k, j0 + j), tx, lambda k, i: inside(seg, t, i0 + i, k0 + k),
                     lambda ko: slice_(ops.vc, _unit_pos(seg.pos, 0), t, k0 + ko * KT, tx))
         else:
             k0 = T.meta_var(seg.lo(t, i0) // KT * KT)
-            product(acc, ops, T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0),
-                    lambda k, i: seg.a(t, i0 + i, k0 + k), lambda k, j: seg.b(t, k0 + k, j0 + j), tx,
-                    lambda k, i: T.And(k0 + k >= seg.lo(t, i0 + i), k0 + k < seg.hi(t, i0 + i)), None)
+            product(acc, ops, slices(seg, t, i0), lambda k, i: seg.a(t, i0 + i, k0 + k),
+                    lambda k, j: seg.b(t, k0 + k, j0 + j), tx, lambda k, i: inside(seg, t, i0 + i, k0 + k), None)
 
     return run

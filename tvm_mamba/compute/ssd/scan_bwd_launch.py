@@ -144,14 +144,27 @@ def _part_heads(o, gp, G: int, R: int):
     return gp // hp * R + gp % hp * (R // hp), R // hp
 
 
+def _bcn(o, t, n):
+    """(batch, chunk, x) of task t of a launch over (batch, chunk, n): n heads or head parts."""
+    return t // (o.nchunks * n), t // n % o.nchunks, t % n
+
+
+def _row_index(o, t, n, Q: int, q, j):
+    """(batch, position, x, j) of chunk position q of task t = (batch, chunk, x), x < n: dx's / dB's / dC's."""
+    b, c, x = _bcn(o, t, n)
+    return (b, c * Q + q, x, j)
+
+
 def _step_index(o, t, H: int, q):
     """(batch, head, chunk, q) of chunk position q of task t = (batch, chunk, head): ddt_out's / ddA_step's."""
-    return (t // (o.nchunks * H), t % H, t // H % o.nchunks, q)
+    b, c, h = _bcn(o, t, H)
+    return (b, h, c, q)
 
 
 def _head_at(o, r: _Reads, t, H: int, R: int) -> SimpleNamespace:
     """The specs' reader of task t = (batch, chunk, head) of a launch over (batch, chunk, head)."""
-    return _at(r, t // (o.nchunks * H), t // H % o.nchunks, t % H // R, t % H)
+    b, c, h = _bcn(o, t, H)
+    return _at(r, b, c, h // R, h)
 
 
 def _positions(d: ScanBwdDims, head) -> tuple:
@@ -191,8 +204,8 @@ def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
 
 def _part_at(o, r: _Reads, t, G: int) -> SimpleNamespace:
     """The specs' part reader (gsum of part gp, ``head(h)`` its heads') of task t = (batch, chunk, part)."""
-    gp = t % o.gparts
-    return _at(r, t // (o.nchunks * o.gparts), t // o.gparts % o.nchunks, gp // (o.gparts // G), None, gp)
+    b, c, gp = _bcn(o, t, o.gparts)
+    return _at(r, b, c, gp // (o.gparts // G), None, gp)
 
 
 def _part_segments(d: ScanBwdDims, o, r: _Reads, piece) -> tuple:
@@ -232,8 +245,8 @@ def _gsum_segment(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
 
 
 def _position_pieces(d: ScanBwdDims, S: Strategy):
-    """dx (a task per (batch, position, head, p)), gsum (per (batch, chunk, part, l, s)), dB and dC (per
-    (batch, position, part, n)): macros ``run(o, r)`` executing scan_bwd_spec.pieces' specs per output element."""
+    """dx (a task per (batch, chunk, head)), gsum, dB and dC (per (batch, chunk, part)): macros ``run(o, r)``
+    executing scan_bwd_spec.pieces' specs by the strategy's ``product``."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
     sp = spec.pieces(d)
@@ -246,8 +259,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         causal range, then the state product with the chunk-state scale folded into its rows (B_s w[s] dt[s])"""
         dx_run(o.batch * o.nchunks * H, lambda t: _head_at(o, r, t, H, R).end, _dx_segments(d, o, r),
                lambda t, s, p: sp.dx.main.init(_head_at(o, r, t, H, R), s, p),
-               lambda t, s, p, v: T.buffer_store(o.dx, v.astype(d.x_dtype),
-                                                 (t // (o.nchunks * H), t // H % o.nchunks * Q + s, t % H, p)))
+               lambda t, s, p, v: T.buffer_store(o.dx, v.astype(d.x_dtype), _row_index(o, t, H, Q, s, p)))
 
     gsum_run = S.product(Q, Q, (P,))
 
@@ -256,8 +268,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         """gsum per (batch, chunk, part) task by the strategy's ``product``: a weighted segment over the part's
         heads in order, each head's g x^T (l, s) weighted by its K[l, s] dt[s] on the causal pairs (0 elsewhere)"""
         gsum_run(o.batch * o.nchunks * o.gparts, lambda t: Q, (_gsum_segment(d, o, r),), lambda t, l, s: T.float32(0),
-                 lambda t, l, s, v: T.buffer_store(o.gsum, v, (t // (o.nchunks * o.gparts), t // o.gparts % o.nchunks,
-                                                               t % o.gparts, l, s)))
+                 lambda t, l, s, v: T.buffer_store(o.gsum, v, _bcn(o, t, o.gparts) + (l, s)))
 
     def part_rows(piece, out: str):
         """dB / dC (spec.pieces' dB, dC) per (batch, chunk, part) task by the strategy's ``product``: the part's
@@ -268,9 +279,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         def at(o, r):
             run(o.batch * o.nchunks * o.gparts, lambda t: _part_at(o, r, t, G).end, _part_segments(d, o, r, piece),
                 lambda t, q, n: T.float32(0),
-                lambda t, q, n, v: T.buffer_store(getattr(o, out), v, (t // (o.nchunks * o.gparts),
-                                                                       t // o.gparts % o.nchunks * Q + q,
-                                                                       t % o.gparts, n)))
+                lambda t, q, n, v: T.buffer_store(getattr(o, out), v, _row_index(o, t, o.gparts, Q, q, n)))
 
         return at
 
@@ -285,8 +294,9 @@ def _bchq(o, i, H: int, Q: int):
 
 
 def _step_pieces(d: ScanBwdDims, S: Strategy):
-    """The per-step gradients, a task per (batch, chunk, head, position) (the reverse cumsum: per (batch, chunk,
-    head)): macros ``run(o, r)``, the summands and ranges of scan_bwd_spec.py (the crossing-pairs form)."""
+    """The per-step gradients: macros ``run(o, r)``, the summands and ranges of scan_bwd_spec.py (the
+    crossing-pairs form): XB and the carried-state term by ``position_dots``, its reverse cumsum a task per
+    (batch, chunk, head), d dt and the rest of d dA_step by ``crossing_pass``, dD a task per element."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
     sp = spec.pieces(d)
@@ -310,7 +320,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
              lambda t, q, n: _head_at(o, r, t, H, R).C(q, n),
              lambda t, p, n: sp.dC.head.b(_head_at(o, r, t, H, R), p, n),
              lambda t, q, v: T.buffer_store(o.ddA_step, T.Select(
-                 t // H % o.nchunks * Q + q < o.seqlen, sp.dC.scale(_head_at(o, r, t, H, R), q) * v, T.float32(0)),
+                 _bcn(o, t, H)[1] * Q + q < o.seqlen, sp.dC.scale(_head_at(o, r, t, H, R), q) * v, T.float32(0)),
                  _step_index(o, t, H, q)))
 
     @T.macro
@@ -359,7 +369,7 @@ def _crossing_ops(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
         return _head_at(o, r, t, H, R)
 
     def idx(t, q):  # (batch, head, chunk, q)
-        return (t // (o.nchunks * H), t % H, t // H % o.nchunks, q)
+        return _step_index(o, t, H, q)
 
     return SimpleNamespace(
         g=lambda t, l, p: at(t).g(l, p), x=lambda t, k, p: at(t).x(k, p),
