@@ -122,30 +122,61 @@ def _fwd(sch: s_tir.Schedule, threads, tile, window: int) -> None:
     bind_flat(sch, sch.get_sblock("final_states"), threads)
 
 
-def _partial(sch: s_tir.Schedule, threads, tile, window: int) -> None:
-    """Stage 1 of dweight / dbias: one block per (batch, channel) row; the block walks the row in tiles of
-    ``tile`` steps (g and x staged in shared memory once per tile, x with its width-1 halo), each thread
-    accumulating its own (width+1) sums over the tiles in registers (rfactor), then a cross-thread sum of
-    the slots in a fixed tree order (warp shuffles): deterministic, no atomics."""
+def _row_tiles(sch: s_tir.Schedule, block, tile, threads):
+    """``block``'s loops (batch, channel, time) as (row, tile, step, thread): the row fused, time split by
+    split_tile. Returns the row loop; nothing bound yet (the rows are merged first)."""
+    b, c, t = sch.get_loops(block)
+    split_tile(sch, t, tile, threads)
+    return sch.fuse(b, c)
+
+
+def _sums(sch: s_tir.Schedule, tile, threads):
+    """Stage 1 of dweight / dbias laid out like the pass's outputs: the time reduction split into (tile, step,
+    thread) and rfactored on the thread, so each thread adds to its own (width+1) sums in registers. Returns
+    the rfactored block, its loops (row, tile, step, thread, slot)."""
     blk = sch.get_sblock("partial")
     _, _, _, t = sch.get_loops(blk)
     _, _, tx = split_tile(sch, t, tile, threads)
     rf = sch.rfactor(tx, factor_axis=2)  # loops (batch, channel, kk, tile, step, thread); keeps t < seqlen
     b, c, kk, to, v, tx = sch.get_loops(rf)
-    row = sch.fuse(b, c)
+    sch.fuse(b, c)
     sch.reorder(to, v, tx, kk)
-    sch.bind(row, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
     sch.set_scope(rf, 0, "local")  # a thread reads back only its own slots (the tree shuffles them)
     sch.unroll(kk)  # the slots stay in registers: every index into them a constant
-    init = sch.decompose_reduction(rf, to)  # every slot zeroed before the tiles (one past a short row too)
-    sch.unroll(sch.get_loops(init)[-1])
-    sch.reverse_compute_at(blk, row)  # (compute_at of rf under blk would rebuild rf's loops without the guard)
-    # the cross-thread sum over the thread slots, in a fixed tree order (loops: thread slot, kk)
-    tx, kk = sorted(sch.get_loops(blk)[1:], key=lambda lp: -int(sch.get(lp).extent))
-    sch.reorder(kk, tx)
-    sch.bind(tx, "threadIdx.x")
-    _stage(sch, rf, to, threads, window)
+    return rf
+
+
+def _ring(sch: s_tir.Schedule, block, window: int) -> None:
+    """The shared buffer ``block`` writes indexed by time mod ``window`` (see _stage)."""
+    sch.transform_layout(block, ("write", 0), lambda *idx: (tvm.tirx.floormod(idx[-1], window),),
+                         assume_injective_transform=True)
+
+
+def _cooperative(sch: s_tir.Schedule, block, at, threads) -> None:
+    """``block``'s loops under ``at`` fused and split over ``threads`` (consecutive threads on consecutive
+    steps)."""
+    loops = sch.get_loops(block)
+    depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
+    loops = loops[depth + 1:]
+    if loops:
+        threads_inner(sch, sch.fuse(*loops) if len(loops) > 1 else loops[0], threads)
+
+
+def _stage_shared(sch: s_tir.Schedule, consumers: list, name: str, at, threads, window: int) -> None:
+    """One shared copy of the global input ``name`` at loop ``at`` for every block in ``consumers`` that
+    reads it (a ring of ``window`` when its last axis is symbolic), loaded cooperatively."""
+    readers = [b for b in consumers if any(rg.source.name == name for rg in sch.get(b).reads)]
+    if not readers:
+        return
+    idx = next(i for i, rg in enumerate(sch.get(readers[0]).reads) if rg.source.name == name)
+    buf = sch.get(readers[0]).reads[idx].source
+    cache = sch.cache_read(readers[0], idx, "shared", consumer_blocks=readers)
+    sch.compute_at(cache, at)
+    if not isinstance(buf.shape[-1], tvm.tirx.IntImm):
+        _ring(sch, cache, window)
+    else:
+        sch.transform_layout(cache, ("write", 0), lambda *idx: (idx[-1],), assume_injective_transform=True)
+    _cooperative(sch, cache, at, threads)
 
 
 def _small(sch: s_tir.Schedule, threads: int) -> None:
@@ -160,9 +191,45 @@ def _small(sch: s_tir.Schedule, threads: int) -> None:
 
 
 def _bwd(sch: s_tir.Schedule, threads, tile, window: int) -> None:
-    staged_conv(sch, "pre_acc", "g", threads, tile, window)
-    staged_conv(sch, "dx_acc", "dx", threads, tile, window)
-    _partial(sch, threads, tile, window)
+    """One pass per (batch, channel) row: a block walks the row in tiles and, per tile, stages x (with both
+    width-1 halos), computes grad = dout * act'(pre) for the tile and the width-1 steps after it into a shared
+    ring (pre in a register, from the staged x), writes the tile's g (the workspace output), dx from the
+    staged grad, and adds g * x and g to each thread's (width+1) register sums (stage 1 of dweight / dbias).
+    The three loop nests (g, dx, the sums) are merged row by row and tile by tile, grad computed at the merged
+    tile loop. After the row, a fixed shuffle tree sums the thread slots; stage 2 sums rows over batch in order.
+    x, dout, g and dx move once each (plus the halos); no atomics."""
+    rows = [_row_tiles(sch, sch.get_sblock(n), tile, threads) for n in ("g", "dx")]
+    rf = _sums(sch, tile, threads)
+    row = sch.merge(*rows, sch.get_loops(rf)[0])
+    blocks = [sch.get_sblock("g"), sch.get_sblock("dx"), rf]
+    tile_loop = sch.merge(*[sch.get_loops(b)[1] for b in blocks])
+    sch.bind(row, "blockIdx.x")
+    for blk in blocks:
+        sch.bind(sch.get_loops(blk)[3], "threadIdx.x")
+    dx_acc = sch.get_sblock("dx_acc")
+    sch.compute_at(dx_acc, sch.get_loops(sch.get_sblock("dx"))[3])
+    sch.set_scope(dx_acc, 0, "local")
+    grad = sch.get_sblock("grad")
+    sch.compute_at(grad, tile_loop)  # the tile's steps and the width-1 after it (dx's forward halo)
+    sch.set_scope(grad, 0, "shared")
+    _ring(sch, grad, window)
+    _cooperative(sch, grad, tile_loop, threads)
+    readers = [rf, dx_acc, grad]
+    if any(rg.source.name == "pre_acc" for rg in sch.get(grad).reads):  # (no pre-activation without SiLU)
+        pre = sch.get_sblock("pre_acc")
+        sch.compute_at(pre, sch.get_loops(grad)[-1])
+        sch.set_scope(pre, 0, "local")
+        readers.append(pre)
+    for name in ("weight", "bias", "initial_states"):  # once per row
+        _stage_shared(sch, readers, name, row, threads, window)
+    _stage_shared(sch, readers, "x", tile_loop, threads, window)  # once per tile, for pre and the sums
+    init = sch.decompose_reduction(rf, tile_loop)  # every slot zeroed before the tiles
+    sch.unroll(sch.get_loops(init)[-1])
+    blk = sch.get_sblock("partial")
+    sch.reverse_compute_at(blk, row)  # the cross-thread sum over the thread slots, in a fixed tree order
+    tx, kk = sorted(sch.get_loops(blk)[1:], key=lambda lp: -int(sch.get(lp).extent))
+    sch.reorder(kk, tx)
+    sch.bind(tx, "threadIdx.x")
     _small(sch, threads)
 
 

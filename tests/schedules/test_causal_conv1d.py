@@ -2,6 +2,8 @@
 main loop really is vectorized, and the CUDA schedule binds threads (no GPU needed)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import tvm
@@ -100,14 +102,18 @@ def test_cuda_forward_stages_the_window_once_per_tile():
     assert body.count("x_ptr[") == 1 and "weight_ptr[" in body.split("__syncthreads")[0]
 
 
-def test_cuda_backward_is_deterministic_and_staged():
-    """g and dx kernels stage their windows (x, dout; g with its forward halo); dweight / dbias: per-thread
-    sums in registers, summed in a fixed shuffle tree, then over batch in order: no float atomics anywhere."""
+def test_cuda_backward_is_one_pass_per_row_deterministic_and_staged():
+    """One kernel walks each row in tiles: x staged once per tile (with its halos), grad = dout * act'(pre)
+    for the tile and its forward halo in a shared ring, then g (written, never read back), dx and the
+    (width+1) per-thread sums from that ring; the sums meet in a fixed shuffle tree, then over batch in order:
+    no float atomics anywhere, x / dout read by one statement each."""
     src = _cuda_source(causal_conv1d_bwd(**STATIC, has_dfinal=False), Decisions())
     assert "atomic" not in src
-    for staged in ("x_shared_ptr", "dout_shared_ptr", "g_shared_ptr"):
-        assert staged in src
-    assert "float partial_rf_local_ptr[5]" in src and "__shfl_down_sync" in src  # (width+1) sums per thread
+    (body,) = [b for b in kernels(src) if "dx_ptr[" in b]
+    assert "g_ptr[" in body and "float partial_rf_local_ptr[5]" in body and "__shfl_down_sync" in body
+    assert "__shared__ alignas(64) float grad_shared_ptr[2048]" in body and "x_shared_ptr[2048]" in body
+    assert len(re.findall(r"\bx_ptr\[", body)) == 1 and len(re.findall(r"\bdout_ptr\[", body)) == 1
+    assert not any(re.search(r"\bg_ptr\[", line.split(" = ", 1)[-1]) for line in body.splitlines() if " = " in line)
 
 
 def test_cuda_small_tiles_in_the_harness():

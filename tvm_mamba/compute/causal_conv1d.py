@@ -125,10 +125,13 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
         s = sigmoid(v)
         return dv * s * (1.0 + v * (1.0 - s))
 
-    g = te.compute((batch, dim, seqlen), grad_pre, name="g")
+    # g: the workspace output (written once; dinit reads it), grad: the same values as an intermediate that
+    # dx and the dweight / dbias sums read, so a schedule may compute it per tile in fast memory
+    grad = te.compute((batch, dim, seqlen), grad_pre, name="grad")
+    g = te.compute((batch, dim, seqlen), lambda b, c, t: grad[b, c, t], name="g")
     zero = tirx.const(0.0, "float32")
 
-    def g_at(b, c, src, s):
+    def g_at(b, c, src, s, g=grad):
         """g[b, c, src] if src is a valid later position in the same sequence as s, else 0."""
         ok = tirx.all(src >= 0, src < seqlen)
         val = g[b, c, tirx.min(tirx.max(src, 0), seqlen - 1)]
@@ -154,7 +157,7 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
     if has_init:
         dinit_acc = te.compute(
             (batch, dim, W - 1),
-            lambda b, c, j: te.sum(f32(weight[c, k3]) * g_at(b, c, j - k3, 0), axis=k3), name="dinit_acc")
+            lambda b, c, j: te.sum(f32(weight[c, k3]) * g_at(b, c, j - k3, 0, g), axis=k3), name="dinit_acc")
         dinit = te.compute((batch, dim, W - 1),
                            lambda b, c, j: (dinit_acc[b, c, j] + final_grad(b, c, j - (W - 1))).astype(x_dtype),
                            name="dinit")
@@ -163,7 +166,7 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
     t_ax = te.reduce_axis((0, seqlen), name="seqlen")
     partial = te.compute(
         (batch, dim, W + 1),
-        lambda b, c, kk: te.sum(g[b, c, t_ax] * tirx.if_then_else(
+        lambda b, c, kk: te.sum(grad[b, c, t_ax] * tirx.if_then_else(
             kk < W, xx(b, c, t_ax - (W - 1) + tirx.min(kk, W - 1), t_ax), tirx.const(1.0, "float32")),
             axis=t_ax),
         name="partial")
