@@ -8,8 +8,8 @@ one partial sum per vector lane (field guide §10), added horizontally once per 
 more pass over the group (the float64 mean first, then the centred squares; the group is in L1 by then).
 SiLU uses the vectorizable exp of compute/_math.py (llvm.exp is scalarized).
 
-Backward: rows are split into ``nparts`` contiguous parts (nparts = the partial buffer's first dim, chosen
-by the torch op from the row count only, so results do not depend on the thread count); each part
+Backward: rows are split into parts of PART_ROWS contiguous rows (as the TE definition; their count, the partial
+buffer's first dim, depends on the row count only, so results do not depend on the thread count); each part
 accumulates its weight/bias partial sums in a fixed row order (stage 1), and a second loop adds the parts
 in order (stage 2): deterministic, no atomics.
 Knobs: ``vector`` (lane count, default the largest dividing group_size).
@@ -22,7 +22,7 @@ import types
 from tvm.script import tirx as T
 
 from tvm_mamba.compute import _math
-from tvm_mamba.compute.rmsnorm_gated import NormDims, dropout_keep
+from tvm_mamba.compute.rmsnorm_gated import PART_ROWS, NormDims, dropout_keep
 from tvm_mamba.schedules import rule
 
 KERNELS = ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")
@@ -340,7 +340,7 @@ def _bwd(d: NormDims, x_dtype, w_dtype, dout_dtype, V):
                 for j in range(HV):
                     for i in T.vectorized(V):
                         part[pi, t, j * V + i] = T.float32(0)
-            chunk = T.meta_var((rows + nparts - 1) // nparts)
+            chunk = T.meta_var(PART_ROWS)
             for q in range(T.max(T.min(chunk, rows - pi * chunk), 0)):
                 row(B, part, pi, acc, tot, pi * chunk + q)
         for j in T.parallel(HV):

@@ -1,20 +1,23 @@
 """CUDA schedule for the causal_conv1d kernels (TE compute from tvm_mamba/compute/causal_conv1d.py).
 
-Forward, and the backward's g and dx kernels: one block per (batch, channel) row and tile of ``tile`` time
-steps (blockIdx.x = row, blockIdx.y = tile). The block first stages in shared memory what its outputs read
-from global memory: the tile's window of x (or dout, or g) with its width-1 halo (the left neighbour's last
-inputs, or the initial states / zeros before t = 0), the row's weights, bias and initial states. Each global
-input is then requested once, plus (width-1) / tile for the halo, instead of width times (every tap
-re-loading x: 5.5x the forward's minimum bytes before). The copies are cooperative (consecutive threads on
-consecutive time steps: a warp's requests fill whole 128-byte lines); a thread then computes tile / threads
-outputs ``threads`` apart (conflict-free shared reads, coalesced stores), its accumulator in a register.
-A staged time axis is a ring indexed by time mod a power of two, so its shared size is static with a
-symbolic seqlen (see _stage).
+Forward: one block per (batch, channel) row and tile of ``tile`` time steps (blockIdx.x = row, blockIdx.y =
+tile). The block first stages in shared memory what its outputs read from global memory: the tile's window
+of x with its width-1 halo (the left neighbour's last inputs, or the initial states / zeros before t = 0),
+the row's weights, bias and initial states. Each global input is then requested once, plus (width-1) / tile
+for the halo, instead of width times (every tap re-loading x: 5.5x the forward's minimum bytes before). The
+copies are cooperative (consecutive threads on consecutive time steps: a warp's requests fill whole 128-byte
+lines); a thread then computes tile / threads outputs ``threads`` apart (conflict-free shared reads,
+coalesced stores), its accumulator in a register. A staged time axis is a ring indexed by time mod a power
+of two, so its shared size is static with a symbolic seqlen (see _stage).
 
-Backward: g = dout * act'(pre) (pre recomputed from the staged x; g is the TE definition's workspace), dx
-from g staged with its forward halo, and dweight / dbias in two deterministic stages: per row, a block walks
-the row in tiles (g and x staged), each thread adding to its own (width+1) sums (rfactor), the slots summed
-by a fixed shuffle tree; then over batch in order. No atomics.
+Backward: one pass per (batch, channel) row (blockIdx.x = row), walking the row in tiles. Per tile the block
+stages x with both width-1 halos, computes grad = dout * act'(pre) for the tile and the width-1 steps after
+it into a shared ring (pre from the staged x, in a register), writes the tile's g (the workspace output),
+dx from the staged grad (its forward halo included), and adds g * x and g to each thread's (width+1)
+register sums: stage 1 of dweight / dbias. The g, dx and sum loop nests are merged row by row and tile by
+tile (s_tir merge), grad computed at the merged tile loop, so x, dout, g and dx move once each. After the
+row a fixed shuffle tree sums the thread slots; stage 2 sums the rows over batch in order. No atomics.
+(Three kernels before, with g written, then read by dx and again, with x, by the sums: 1.78x the minimum.)
 
 The decode step (causal_conv1d_update) is the loop-nest template of compute/_causal_conv1d_update.py laid
 out as one thread per (batch, channel) row, as upstream's kernel.
@@ -33,13 +36,14 @@ from ...compute._causal_conv1d_update import update_template
 from ...compute.causal_conv1d import CausalConv1dUpdate
 from ._common import bind_flat, schedule_acc_chain
 
-# Inputs a tile reads through its window or per output, staged once per block. Not staged: seq_idx (an
+# Inputs a tile reads through its window or per output, staged once per block (the backward stages x per
+# tile and the rest per row, _bwd). Not staged: seq_idx (an
 # initial state carries position 0's id, so its read region spans the row's whole prefix) and dfinal (read
 # at a clamped index TVM cannot bound: the copy would be sized 2^31 - 1); both are read per tap / output.
-STAGED = ("x", "weight", "bias", "initial_states", "dout", "g")
+STAGED = ("x", "weight", "bias", "initial_states")
 THREADS = (64, 128, 256, 512)
-# time steps per tile (a multiple of every threads value); 2048 would need rings of 4096: the backward's
-# partial kernel (x, g rings and a (width+1) x threads slot array) would pass 48 KB of shared memory
+# time steps per tile (a multiple of every threads value); 2048 would need rings of 4096: 32 KB of the
+# backward's shared memory (x and g rings in fp32), fewer blocks per SM
 TILES = (512, 1024)
 
 

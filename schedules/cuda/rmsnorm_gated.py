@@ -8,12 +8,13 @@ writes out (and residual_out, the masks, out1) from the staged row in the same p
 staged once per block. The statistics are outputs, which s_tir cannot compute_at into a consumer: the
 reductions', statistics' and outputs' row loops are merged into one instead, rstd (and mean) go through a
 shared copy.
-Backward: three launches. (1) The same row walk for dx (and dz, dresidual_in, dx1): the per-group
-dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) as cross-thread reductions in registers. (2) Stage 1 of
-dweight/dbias: one block per (row part, ``part_threads`` features), each thread walking the part's rows in
-order, loading its element of each input once per row into a register and adding every term to its own
-register accumulator. (3) Stage 2: one thread per feature adds the parts in order. Deterministic, no atomics.
-Knobs: ``threads`` (threads per row block), ``rows_per_block``, ``part_threads`` (stage 1 / 2).
+Backward: one pass and stage 2. A block per part of PART_ROWS rows (the TE definition's parts of the
+weight gradients) walks them in order with the same row staging; per row the per-group dot(dxhat, xhat)
+(and LayerNorm's sum(dxhat)) are cross-thread reductions in registers, then dx (and dz, dresidual_in, dx1)
+are written and each thread adds its features' weight / bias terms to the part's sums (shared memory, or
+registers when they do not fit), written once per part. Stage 2: one thread per feature adds the parts in
+order. Deterministic, no atomics.
+Knobs: ``threads`` (threads per row block), ``rows_per_block`` (forward), ``part_threads`` (stage 2).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import math
 
 import tvm
 
+from tvm_mamba.compute.rmsnorm_gated import PART_ROWS
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
 
@@ -40,41 +42,63 @@ SHARED_BUDGET = 46 * 1024
 WEIGHTS = ("weight", "bias", "weight1", "bias1")  # (hidden,) inputs, staged once per block of rows
 
 
-def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, hidden: int) -> None:
-    """cache_read into shared memory every global input the ``consumers`` read: (rows, hidden) inputs (x, z,
-    residual, x1, dout, ...) and per-row scalars (rstd, rowscale, seeds) at ``row_loop`` (each element
-    requested once per row, then read from shared memory by both passes over the row), the (hidden,)
-    parameters (weight, bias, ...) at ``outer_loop`` (once per block of rows) while the block's stages fit
-    :data:`SHARED_BUDGET`, else read per row from global memory. A copy is cooperative: its loops fused and
-    split over ``threads`` (consecutive threads on consecutive features: whole 128-byte lines per warp)."""
-    for blk in consumers:  # MetaSchedule's trace simplifier drops a block RV used only as a cache's consumer
-        sch.annotate(blk, "tvm_mamba.staged_row", 1)  # (dxdz_v1, out_v1): an annotation keeps it (no effect)
-    bufs = {}  # every global input the consumers read (absent inputs are placeholders nobody reads)
+def _global_inputs(sch, consumers: list) -> dict:
+    """Every global input the ``consumers`` read, by name (absent inputs are placeholders nobody reads)."""
+    bufs = {}
     for blk in consumers:
         bufs.update({rg.source.name: rg.source for rg in sch.get(blk).reads if rg.source.scope() == "global"})
+    return bufs
 
-    def per_row(buf):  # all but the weight vectors are per row (rows may be static: MetaSchedule's buckets)
-        return buf.name not in WEIGHTS
 
-    def size(buf):  # bytes a block stages: a row of a per-row input, a whole weight vector
-        dims = buf.shape[1:] if per_row(buf) else buf.shape
-        return math.prod(int(n) for n in dims) * buf.dtype.bits // 8
+def _per_row(buf) -> bool:
+    """All but the weight vectors are per row (rows may be static: MetaSchedule's buckets)."""
+    return buf.name not in WEIGHTS
 
-    staged = sum(size(buf) for buf in bufs.values() if per_row(buf))
-    for buf in bufs.values():
-        if not per_row(buf):
-            if staged + size(buf) > SHARED_BUDGET:
-                continue
-            staged += size(buf)
+
+def _stage_bytes(buf) -> int:
+    """Bytes a block stages of ``buf``: a row of a per-row input, a whole weight vector."""
+    dims = buf.shape[1:] if _per_row(buf) else buf.shape
+    return math.prod(int(n) for n in dims) * buf.dtype.bits // 8
+
+
+def _plan(sch, consumers: list, reserve: int = 0) -> list:
+    """The global inputs of ``consumers`` that _stage copies, in order: the per-row inputs, most-read first
+    (a row the reductions and every output read saves the most requests), then the weight vectors, each while
+    the block's shared memory plus ``reserve`` bytes stays within :data:`SHARED_BUDGET`; the rest are read
+    from global memory where used (Mamba-2 2.7B's float32 backward: x, z and dout rows are 60 KB)."""
+    bufs = list(_global_inputs(sch, consumers).values())
+
+    def readers(buf):
+        return sum(any(rg.source.same_as(buf) for rg in sch.get(b).reads) for b in consumers)
+
+    order = sorted((b for b in bufs if _per_row(b)), key=lambda b: -readers(b)) + [b for b in bufs if not _per_row(b)]
+    out, total = [], reserve
+    for buf in order:
+        if total + _stage_bytes(buf) <= SHARED_BUDGET:
+            out.append(buf)
+            total += _stage_bytes(buf)
+    return out
+
+
+def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, reserve: int = 0) -> None:
+    """cache_read into shared memory the global inputs the ``consumers`` read (:func:`_plan`): (rows, hidden)
+    inputs (x, z, residual, x1, dout, ...) and per-row scalars (rstd, rowscale, seeds) at ``row_loop`` (each
+    element requested once per row, then read from shared memory by both passes over the row), the (hidden,)
+    parameters (weight, bias, ...) at ``outer_loop`` (once per block of rows). A copy is cooperative: its loops
+    fused and split over ``threads`` (consecutive threads on consecutive features: whole 128-byte lines per
+    warp)."""
+    for blk in consumers:  # MetaSchedule's trace simplifier drops a block RV used only as a cache's consumer
+        sch.annotate(blk, "tvm_mamba.staged_row", 1)  # (dxdz_v1, out_v1): an annotation keeps it (no effect)
+    for buf in _plan(sch, consumers, reserve):
         readers = [b for b in consumers if any(rg.source.same_as(buf) for rg in sch.get(b).reads)]
         idx = next(i for i, rg in enumerate(sch.get(readers[0]).reads) if rg.source.same_as(buf))
         cache = sch.cache_read(readers[0], idx, "shared", consumer_blocks=readers)
-        at = row_loop if per_row(buf) else outer_loop
+        at = row_loop if _per_row(buf) else outer_loop
         sch.compute_at(cache, at, preserve_unit_loops=True)
         loops = sch.get_loops(cache)
         depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
         loops = loops[depth + 1:]
-        _threads_over(sch, loops, threads, size(buf) * 8 // buf.dtype.bits, buf.dtype.bits)
+        _threads_over(sch, loops, threads, _stage_bytes(buf) * 8 // buf.dtype.bits, buf.dtype.bits)
 
 
 def _threads_over(sch, loops: list, threads, elems: int = 1, bits: int = 32) -> None:
@@ -132,69 +156,93 @@ def _fwd(func, st: dict, decisions):
         _threads_over(sch, sch.get_loops(blk)[-1:], threads)
     _, hi = sch.split(sch.get_loops(outs[0])[-1], [None, threads])
     sch.bind(hi, "threadIdx.x")
-    _stage(sch, reds + outs, r, bx, threads, st["hidden"])
+    _stage(sch, reds + outs, r, bx, threads)
     return sch
 
 
 def _bwd(func, st: dict, decisions):
+    """One pass: a block per part of PART_ROWS rows (compute.rmsnorm_gated) walks its rows in order, each row
+    staged once in shared memory (x, z, dout, ...; the weights once per block). Per row, the per-group
+    dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are cross-thread reductions kept in registers; each thread
+    then writes its dx (and dz, dresidual_in, dx1) elements and adds the row's weight/bias terms (dy*xhat, dy,
+    ...) of its features to register accumulators (stage 1 of the weight gradients, written once per part).
+    The dx loop nest and the partial sums' are merged part by part and row by row. Stage 2: one thread per
+    feature adds the parts in order. Deterministic, no atomics."""
     hidden, gs = st["hidden"], st["group_size"]
     cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
     pthreads = decisions.pick("part_threads", (64, 128, 256), 128)
-    per_block = decisions.pick("rows_per_block", ROWS_PER_BLOCK, 4)
     sch = rule.schedule_of(func, name="rmsnorm_gated_bwd")
-    # kernel 1: a block walks rows_per_block rows, each staged once in shared memory (x, z, dout, ...; the
-    # weights once per block); per row the per-group dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are
-    # cross-thread reductions (warp shuffles + shared memory) kept in registers, then each thread writes its
-    # dx (and dz, dresidual_in) elements from the staged row.
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     outs = [sch.get_sblock(n) for n in names if n == "dx" or n.startswith("dxdz_v")]
-    r, h = sch.get_loops(outs[0])
-    bx, r = _row_blocks(sch, r, per_block)
+    sums, part, r = _part_rows(sch, outs[0], threads)
     # threads divides group_size: each group is gs/threads consecutive chunks, so the group's reductions are
     # computed under the group loop and held in registers (a per-row array of G dots indexed by a runtime
     # loop variable went to local memory: 4 spill stores on sm_90)
-    grp, _, hi = sch.split(h, [hidden // gs, None, threads])
+    grp, _, hi = sch.split(sch.get_loops(outs[0])[-1], [hidden // gs, None, threads])
     sch.bind(hi, "threadIdx.x")
     reds = [sch.get_sblock(n) for n in (("dot",) if st["is_rms_norm"] else ("dot", "dysum"))]
     for blk in reds:
         _cross_thread(sch, blk, grp, threads)
-    _stage(sch, reds + outs, r, bx, threads, hidden)
-    # kernel 2 (stage 1 of dweight/dbias): one block per (row part, `pthreads` features); each thread walks
-    # the part's rows in order (coalesced across the features of a row), loads its element of each input
-    # once per row into registers and adds every term (dy*xhat, dy, ...) to its own register accumulator
-    # (the term loop unrolled innermost), written to the partial buffer once at the end.
-    part = sch.get_sblock("partial")
-    p, s, hh, j = sch.get_loops(part)
-    ho, hi2 = sch.split(hh, [None, pthreads])
-    sch.reorder(p, ho, hi2, j, s)
-    sch.bind(p, "blockIdx.y")
-    sch.bind(ho, "blockIdx.x")
-    sch.bind(hi2, "threadIdx.x")
-    acc = sch.cache_write(part, 0, "local")
-    sch.reverse_compute_at(acc, hi2)
-    sch.decompose_reduction(part, j)
-    i = 0
-    while i < len(sch.get(part).reads):
-        if sch.get(part).reads[i].source.scope() == "global":
-            cache = sch.cache_read(part, i, "local", consumer_blocks=[part])
-            sch.compute_at(cache, j)
-            # one element a row; its row index is clamped (min(p*chunk + j, rows-1)), which TVM cannot bound
-            # (the register array was sized 2^31 - 1): a one-element layout
-            sch.transform_layout(cache, ("write", 0), lambda *idx: (tvm.tirx.const(0, "int32"),),
-                                 assume_injective_transform=True)
-        i += 1
-    sch.unroll(s)
-    # kernel 3 (stage 2): one thread per feature, parts added in order in a register, then cast.
-    w1 = st["has_weight1"]
-    for name, present in (("dweight", True), ("dbias", st["has_bias"]), ("dweight1", w1),
-                          ("dbias1", w1 and st["has_bias1"])):
-        if present:
+    reserve = _sums_scope(sch, sums, reds + outs + [sums], threads, grp)
+    _stage(sch, reds + outs + [sums], r, part, threads, reserve)
+    for name in ("dweight", "dbias", "dweight1", "dbias1"):  # stage 2: a thread per feature, parts in order
+        if name + "_acc" in names:
             acc = sch.get_sblock(name + "_acc")
             tx = threads_over(sch, sch.get_loops(acc)[0], pthreads)
             sch.reverse_compute_at(sch.get_sblock(name), tx)
             sch.set_scope(acc, 0, "local")
     return sch
+
+
+def _part_rows(sch, out, threads: int):
+    """The row loop of ``out`` (the dx loop nest) split into (part, row of the part), merged with the partial
+    sums' (part, row) loops; the part on blockIdx.x. The sums' features split over ``threads`` (each thread
+    its features' terms in registers, unrolled), written back after the part's rows. Returns (the sums' block,
+    part, row)."""
+    blk = sch.get_sblock("partial")
+    acc = sch.cache_write(blk, 0, "local")
+    p, sel, h, j = sch.get_loops(blk)
+    sch.reorder(j, sel, h)
+    po, r = sch.split(sch.get_loops(out)[0], [None, PART_ROWS])
+    part = sch.merge(po, p)
+    r = sch.merge(r, sch.get_loops(blk)[1])
+    sch.bind(part, "blockIdx.x")
+    sel, h = sch.get_loops(blk)[2:]
+    ho, hi = sch.split(h, [None, threads])
+    sch.reorder(ho, hi, sel)
+    sch.bind(hi, "threadIdx.x")
+    sch.unroll(ho)
+    sch.unroll(sel)
+    sch.reverse_compute_at(acc, part)
+    sel, h = sch.get_loops(acc)[-2:]
+    ho, t = sch.split(h, [None, threads])
+    sch.bind(t, "threadIdx.x")
+    sch.unroll(sel)  # constant slot indices: the slots stay in registers
+    sch.unroll(ho)
+    sch.decompose_reduction(blk, r)
+    return blk, part, r
+
+
+def _sums_scope(sch, sums, readers: list, threads, grp) -> int:
+    """Where a block keeps its partial sums (each thread its features' terms): shared memory when they fit
+    beside everything the block stages (:data:`SHARED_BUDGET`), else registers. Registers are the fallback:
+    live across the whole row walk, across the calls of the IEEE division's slow path (SiLU, dropout's
+    1 / (1 - p)), they made ptxas spill a few bytes (8 groups of 256 features: 8-24 bytes at 48 registers on
+    sm_80 / sm_90) where shared memory does not. With registers, the group loop ``grp`` is unrolled by nvcc
+    (#pragma unroll; TVM's own unroll duplicates the cross-thread reductions' buffers and fails in codegen):
+    rolled, it made those configurations spill. Returns the shared bytes the sums take."""
+    acc = sch.get(sums).writes[0].source
+    need = math.prod(int(n) for n in acc.shape[1:]) * 4
+    staged = sum(_stage_bytes(buf) for buf in _global_inputs(sch, readers).values())
+    if staged + need <= SHARED_BUDGET:
+        sch.set_scope(sums, 0, "shared")
+        return need
+    if isinstance(threads, int):  # a thread's own (term, feature / threads) slots, not a row-sized array
+        sch.transform_layout(sums, ("write", 0), lambda p, s, h: (s, h // threads), assume_injective_transform=True)
+    sch.annotate(grp, "pragma_auto_unroll_max_step", 4096)
+    sch.annotate(grp, "pragma_unroll_explicit", 0)
+    return 0
 
 
 def apply(func, target, decisions: rule.Decisions):

@@ -60,8 +60,8 @@ def test_fp32_group_sizes(group_size, gate):
 
 @pytest.mark.parametrize("rows", [64, 70, 129])
 def test_weight_gradient_parts_with_ragged_rows(rows):
-    """dweight / dbias sum min(rows, 64) parts of ceil(rows/64) rows: 70 and 129 leave the last parts short
-    or empty (rows 64*3 > 129), where the stage-1 kernel must mask the missing rows."""
+    """dweight / dbias sum ceil(rows / 32) parts of 32 rows (compute.rmsnorm_gated.PART_ROWS): 70 and 129 end
+    in a short part, where the row walk must mask the missing rows."""
     _check_fp32((rows,), True, "after", 96, seed=2)
 
 

@@ -300,21 +300,29 @@ def _stamp_static(d: NormDims, **dtypes) -> dict:
     return dict(dataclasses.asdict(d), **dtypes)
 
 
-def _weight_grads(rows, hidden: int, nparts, terms: list, weight_dtype: str):
+# rows per part of the weight / bias gradients' first stage: part p sums rows [p*PART_ROWS, (p+1)*PART_ROWS).
+# A constant, so the parts (and the bits of dweight) depend on the row count only, never on the machine; and
+# the row walk of a part is the same loop for dx and for the sums (the CUDA rule runs both in one pass). 32
+# rows keep the workspace at 1/16 of a row's inputs at 2 terms and give a GPU rows / 32 blocks.
+PART_ROWS = 32
+
+
+def _weight_grads(rows, hidden: int, terms: list, weight_dtype: str):
     """Sums over rows of the given terms (name, present, fn(r, h)), e.g. dweight = sum_rows dy*xhat, as a
-    deterministic two-stage reduction: partial: (nparts, len(terms), hidden) f32 (part p sums rows
-    [p*chunk, (p+1)*chunk) in order, chunk = ceil(rows/nparts)), then the parts added in order. Returns
-    (partial, [each term's (hidden,) sum in weight_dtype, or a (1,) placeholder when absent])."""
-    chunk = tirx.indexdiv(rows + nparts - 1, nparts)
-    j = te.reduce_axis((0, chunk), name="chunk")
+    deterministic two-stage reduction: partial: (ceil(rows / PART_ROWS), len(terms), hidden) f32 (part p sums
+    its PART_ROWS rows in order), then the parts added in order. Returns (partial, [each term's (hidden,) sum
+    in weight_dtype, or a (1,) placeholder when absent])."""
+    nparts = tirx.indexdiv(rows + PART_ROWS - 1, PART_ROWS)
+    j = te.reduce_axis((0, PART_ROWS), name="chunk")
 
     def part(p, sel, h):
-        r = tirx.min(p * chunk + j, rows - 1)
+        r = p * PART_ROWS + j  # past the last row only in the last part, where the mask below reads nothing
         val = terms[-1][2](r, h)
         for i in range(len(terms) - 2, -1, -1):
             val = tirx.if_then_else(sel == i, terms[i][2](r, h), val)
-        # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead.
-        return te.sum(tirx.if_then_else(p * chunk + j < rows, val, tirx.const(0.0, "float32")), axis=j)
+        # te.sum(where=...) is silently dropped by create_prim_func in TVM 0.27: mask the value instead (an
+        # if_then_else: the load is made only where the row exists)
+        return te.sum(tirx.if_then_else(r < rows, val, tirx.const(0.0, "float32")), axis=j)
 
     partial = te.compute((nparts, len(terms), hidden), part, name="partial")
 
@@ -336,8 +344,8 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
     ngroups) f32; dresidual: (rows, hidden) x_dtype, the gradient of residual_out; rowscale: (rows,) f32;
     seeds, seeds1: (rows,) int32, the forward's dropout seeds; weight1: (hidden,), dout1: (rows, hidden) the
     gradient of out1. Outputs: dx, dz, dx1: (rows, hidden) dout_dtype; dweight, dbias, dweight1, dbias1:
-    (hidden,); dresidual_in: (rows, hidden) x_dtype (d s, in residual's dtype); partial: (nparts, 2 or 4,
-    hidden) f32, stage 1 of the deterministic weight/bias reductions (:func:`_weight_grads`).
+    (hidden,); dresidual_in: (rows, hidden) x_dtype (d s, in residual's dtype); partial: (ceil(rows / PART_ROWS),
+    2 or 4, hidden) f32, stage 1 of the deterministic weight/bias reductions (:func:`_weight_grads`).
 
     With xhat = (u - mean)*rstd, dy = dout (* silu(z) if norm_before_gate), dxhat = dy*weight (+ dout1*weight1),
     c1 = mean_group(dxhat*xhat), c2 = mean_group(dxhat) (LayerNorm; 0 for RMSNorm):
@@ -363,7 +371,6 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
     weight1 = _maybe(d.has_weight1, (1,), weight_dtype, "weight1", (d.hidden,))
     dout1 = _maybe(d.has_weight1, (1, 1), dout_dtype, "dout1", full)
     seeds1 = _maybe(p > 0 and d.has_x1, (1,), "int32", "seeds1", (rows,))
-    nparts = te.var("nparts")
 
     def zf(r, h):
         return f32(z[r, h])
@@ -419,7 +426,7 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
     if d.has_weight1:
         terms += [("dweight1", True, lambda r, h: f32(dout1[r, h]) * xhat(r, h)),
                   ("dbias1", d.has_bias1, lambda r, h: f32(dout1[r, h]))]
-    partial, sums = _weight_grads(rows, d.hidden, nparts, terms, weight_dtype)
+    partial, sums = _weight_grads(rows, d.hidden, terms, weight_dtype)
     if not d.has_weight1:
         sums += [te.placeholder((1,), weight_dtype, name=n) for n in ("dweight1", "dbias1")]
     func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, weight1, dout1, seeds1,
@@ -430,9 +437,9 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:
-    """(direction, static_dims, dtypes) compiled by the CUDA build-check: Mamba-2 2.7B's gated norm
-    (hidden 5120, groups of 5120/8), both gate orders, bf16 activations with fp32 weights; the gated
-    LayerNorm; and the fused residual-add norm of mixer_seq_simple's Block (prenorm, residual in fp32, RMSNorm
+    """(direction, static_dims, dtypes) compiled by the CUDA build-check: a gated norm of 8 groups (hidden
+    2048, groups of 256), both gate orders, bf16 activations with fp32 weights; a plain one in fp32; the gated
+    LayerNorm; Mamba-2 2.7B's float32 backward (hidden 5120); and the fused residual-add norm of mixer_seq_simple's Block (prenorm, residual in fp32, RMSNorm
     and LayerNorm with bias)."""
     Fwd, Bwd = RMSNormGatedFwd, RMSNormGatedBwd
     bf16 = dict(x_dtype="bfloat16")
@@ -441,6 +448,9 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
         dims += [cls(2048, 256, 1e-5, has_z=True, norm_before_gate=nbg, **bf16) for nbg in (True, False)]
         dims += [cls(2048, 2048, 1e-5, has_bias=True),
                  cls(2048, 256, 1e-5, True, True, False, is_rms_norm=False, **bf16)]
+    # Mamba-2 2.7B's gated norm in float32 (hidden 5120, one group): its rows pass the CUDA backward's shared
+    # memory budget, so some are read from global memory instead (schedules/cuda/rmsnorm_gated.py, _plan)
+    dims += [Bwd(5120, 5120, 1e-5, has_z=True, norm_before_gate=False)]
     for rms in (True, False):  # the fused residual-add norm: prenorm, residual in fp32
         dims += [Fwd(2048, 2048, 1e-5, has_bias=not rms, is_rms_norm=rms, has_residual=True, store_residual=True,
                      residual_dtype="float32", residual_out_dtype="float32", **bf16),
@@ -456,12 +466,6 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     dims += [Fwd(2048, 2048, 1e-5, has_residual=True, store_residual=True, store_dropout_mask=True, **par),
              Bwd(2048, 2048, 1e-5, has_dresidual=True, store_dresidual=True, **par)]
     return [("fwd" if isinstance(d, Fwd) else "bwd", *d.key_parts()) for d in dims]
-
-
-def derived_dims(direction: str, dims: dict, static: dict) -> dict:
-    """Dynamic dims that follow from the others (for tuning-time inputs): the backward's stage-1 part
-    count, min(rows, 64) as torch_ops/rmsnorm_gated.py allocates it."""
-    return {"nparts": min(dims["rows"], 64)} if direction == "bwd" and "rows" in dims else {}
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:

@@ -168,7 +168,7 @@ def footprint(kernels: list[KernelCounts], sizes: dict[str, int]) -> int:
 
 def param_bytes(key: KernelKey, batch: int, seqlen: int, reduced: bool = True) -> dict[str, int]:
     """{parameter: bytes} at (batch, seqlen); ``reduced``: partial-count dims at their minimum
-    (minimum.reduced_dims)."""
+    (minimum.reduced_dims, minimum.PART_AXES)."""
     func = dispatch.build_func(key)
     names = _dims(key)
     bucket = _bucket(key, names, batch, seqlen)
@@ -176,9 +176,12 @@ def param_bytes(key: KernelKey, batch: int, seqlen: int, reduced: bool = True) -
     if reduced:
         bucket.update({k: v for k, v in minimum.reduced_dims(dict(key.static)).items() if k in bucket})
     analyzer = tune.bucket_analyzer(func, bucket)
+    parts = minimum.PART_AXES.get((key.op, key.direction), {}) if reduced else {}
     out = {}
     for p in func.params:
-        shape = tune._shape(p, bucket, analyzer)
+        shape = list(tune._shape(p, bucket, analyzer))
+        if p.name in parts:
+            shape[parts[p.name]] = 1
         out[p.name] = math.prod(shape) * tvm_ffi.dtype(str(p.dtype)).bits // 8
     return out
 

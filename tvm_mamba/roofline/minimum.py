@@ -6,7 +6,8 @@ parameters' sizes at (batch, seqlen), except
 * scratch: buffers the schedule chose to keep (checkpoints saved for the backward, per-block partial sums)
   rather than ones the math needs — listed per kernel in ``SCRATCH``;
 * partial outputs whose parts the caller adds (``gparts`` partial dB / dC of the SSD backward, ``nparts``
-  partial weight gradients): counted at one part per group (``reduced_dims``), what a fused reduction writes;
+  partial weight gradients; ``PART_AXES`` where the part count is an expression of the shape): counted at one
+  part per group (``reduced_dims``), what a fused reduction writes;
 * state updated in place (the decode step's ``state``): read and written, so counted twice (``INOUT``).
 
 Arithmetic: the leading terms of the math, per kernel below (matrix products exactly; element-wise work within
@@ -29,6 +30,9 @@ SCRATCH = {
     ("mamba3", "siso_preprocess_bwd"): {"gdt", "c0"},  # the angles' DT terms / the init term, between passes
 }
 INOUT = {("selective_scan", "update"): {"state"}}
+# partial outputs whose part count is an expression of the shape, not a dim of its own (the norm backward's
+# ceil(rows / PART_ROWS) parts): {parameter: its part axis}, counted at one part like ``reduced_dims``
+PART_AXES = {("rmsnorm_gated", "bwd"): {"partial": 0}}
 
 
 def reduced_dims(static: dict) -> dict[str, int]:

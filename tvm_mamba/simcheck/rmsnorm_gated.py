@@ -2,8 +2,8 @@
 harness via the public function that serves them (``rmsnorm_fn`` / ``layernorm_fn`` for the gated norms,
 ``layer_norm_fn`` with a residual and prenorm for the fused add-norm), against the float64 references.
 
-Model dims are the configuration's (hidden 2048); leading dims (2, 3) give 6 rows (one block per row,
-and for the backward 6 weight/bias parts: min(rows, 64)), about a second per check in the harness.
+Model dims are the configuration's (hidden 2048); leading dims (2, 3) give 6 rows (one block of rows, and
+for the backward one weight/bias part of 32 rows, 6 of them present), about a second per check in the harness.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ Backward memory: the forward saves its inputs (x, weight, bias, z; with a residu
 instead of x, as upstream) and the per-row/group statistics (float32 rstd, and mean for LayerNorm: rows *
 hidden/group_size * 4 bytes each, 1/group_size of an fp32 copy of x) so the backward does not redo the
 reductions over x. The weight/bias gradients use a float32 workspace of (nparts, 2, hidden),
-nparts = min(rows, 64) (a function of the row count only: the same input gives the same bits on any
-machine), summed part by part in a fixed order: deterministic, no atomics.
+nparts = ceil(rows / 32) (compute.rmsnorm_gated.PART_ROWS: a function of the row count only, so the same
+input gives the same bits on any machine), summed part by part in a fixed order: deterministic, no atomics.
 """
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.rmsnorm_gated import RMSNormGatedBwd, RMSNormGatedFwd
+from ..compute.rmsnorm_gated import PART_ROWS, RMSNormGatedBwd, RMSNormGatedFwd
 from ._dlpack import (FLOATS, TORCH_TO_TVM, check_shape, check_tensor, dummy, kernel_for, prepare, run_op,
                       tvm_dtype)
 
 OP = "rmsnorm_gated"
-MAX_PARTS = 64
 
 
 def _dims(cls, x: Tensor, weight: Tensor, bias, z, eps: float, group_size: int, norm_before_gate: bool,
@@ -148,7 +147,7 @@ def rmsnorm_gated_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], z: Opti
     dweight1, dbias1 = _empty(weight, w1).zero_(), _empty(weight, b1).zero_()
     if rows == 0:
         return dx, dz, dweight, dbias, dres_in, dx1, dweight1, dbias1
-    nparts = min(rows, MAX_PARTS)
+    nparts = -(-rows // PART_ROWS)
     partial = torch.empty((nparts, 4 if w1 else 2, hidden), device=x.device, dtype=torch.float32)
     d = _dims(RMSNormGatedBwd, x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm,
               has_dresidual=dresidual is not None, store_dresidual=store_dres, has_rowscale=rowscale is not None,
