@@ -351,10 +351,12 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
             pos = T.meta_var(_first_pos(segs))
             vr = T.meta_var(_typed_or_none("vr", tl.TM, pos))  # the tile's rows
             vc = T.meta_var(_typed_or_none("vc", max(KX, tl.TW), pos))  # a slice / the tile's columns
+            vw = T.meta_var(_typed_or_none("vw", tl.TM, _first_pos(segs, "row_pos")))  # a unit's row weights
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
                 reg = T.meta_var(_buffers("local", acc=(RM, RW), unit=(RM, RW), ar=(RM,), br=(RW,)))
-                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br, unit=reg.unit, vr=vr, vc=vc))
+                ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br, unit=reg.unit, vr=vr, vc=vc,
+                                                 vw=vw))
                 if tx < CM * CW:
                     for r in T.unroll(RM):
                         for c in T.unroll(RW):
@@ -367,9 +369,10 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
     return run
 
 
-def _first_pos(segs):
-    """The per-position readers of the first segment that has them (the staged slots' layout), or None."""
-    return next((seg.pos for seg in segs if hasattr(seg, "pos")), None)
+def _first_pos(segs, attr: str = "pos"):
+    """The per-position readers (``pos``, or a weighted segment's ``row_pos``) of the first segment that has them
+    (the staged slots' layout), or None."""
+    return next((getattr(seg, attr) for seg in segs if hasattr(seg, attr)), None)
 
 
 def _typed_or_none(name: str, n: int, pos):
@@ -386,7 +389,7 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
     """A macro ``run(acc, ops, seg, t, i0, j0, tx)``: one segment of ``tiled_product`` into the register block
     (the same slice count for every thread of the block: its barriers); a weighted segment unit by unit, each
     unit's sum in ``ops.unit`` added through its weight (with ``pos``: the unit's values at the tile's rows and
-    columns staged after its product, behind a barrier)."""
+    columns staged after its product, behind a barrier; with ``row_pos``: its rows' weights, once per row)."""
     product = block_product(tl, KT, a_fast, b_fast)
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
     rows, cols, slice_ = (_stage_positions(_fill(tl, n)) for n in (tl.TM, tl.TW, KT))
@@ -409,6 +412,9 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
                 rows(ops.vr, _unit_pos(seg.pos, u), t, i0, tx)
                 cols(ops.vc, _unit_pos(seg.pos, u), t, j0, tx)
                 T.tvm_storage_sync("shared")
+            elif hasattr(seg, "row_pos"):
+                rows(ops.vw, _unit_pos(seg.row_pos, u), t, i0, tx)
+                T.tvm_storage_sync("shared")
             if tx < CM * CW:
                 for r in T.unroll(RM):
                     for c in T.unroll(RW):
@@ -416,6 +422,9 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
                             acc[r, c] = acc[r, c] + seg.weigh(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, u,
                                                               ops.unit[r, c], _values(ops.vr, tx // CW + r * CM),
                                                               _values(ops.vc, tx % CW + c * CW))
+                        elif hasattr(seg, "row_pos"):
+                            acc[r, c] = acc[r, c] + seg.weigh(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, u,
+                                                              ops.unit[r, c], _values(ops.vw, tx // CW + r * CM))
                         else:
                             acc[r, c] = acc[r, c] + seg.weigh(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, u,
                                                               ops.unit[r, c])

@@ -31,7 +31,7 @@ from ._tiled_tc import TcTiling, tc_causal, tc_matmul
 # 255 (chunk_scan's carry / weight address math takes ~60 registers more than a plain product: at tile 128 it
 # reached 255)
 TILED = {"ssd_bmm_chunk": (256, 128), "ssd_chunk_state": (128, 128), "ssd_chunk_scan_bwd_dstates": (128, 128),
-         "ssd_chunk_scan": (256, 64)}
+         "ssd_chunk_scan": (256, 64), "ssd_chunk_scan_bwd": (256, 128)}
 # the non-causal chunk products, on tensor cores when their operands are 16-bit (``tensor_core_dtype``)
 TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan")
 

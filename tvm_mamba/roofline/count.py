@@ -10,7 +10,8 @@ an ``if`` condition, an ``Evaluate``) is preceded by one call
 whose amounts are the statement's static counts:
 
 * load_bytes / store_bytes: every ``TensorLoad`` / ``BufferStore`` of a ``global``-scope buffer, dtype bytes
-  x lanes (a float4 load is 16 bytes). Shared / local traffic is not counted. These are the bytes the threads
+  x lanes (a float4 load is 16 bytes), a load repeated within one statement once. Shared / local traffic is
+  not counted. These are the bytes the threads
   *request*; on a GPU, L1/L2 hits serve part of a repeated request, so DRAM traffic can be lower;
 * flops: float ``+ - * /`` and min / max, x lanes (an fma written ``a*b + c`` is two); integer index
   arithmetic is not counted;
@@ -111,13 +112,24 @@ def _base_name(name: str) -> str:
 
 def expr_counts(expr, per_buffer: dict | None = None) -> Counts:
     """Static counts of one expression: global loads (bytes), float ops, exp-family and other SFU calls;
-    ``per_buffer`` (if given) gets each global buffer's load bytes added to ``[name][0]``."""
+    ``per_buffer`` (if given) gets each global buffer's load bytes added to ``[name][0]``. A load written
+    twice in the expression (the same buffer and index: silu(z) = z sigmoid(z) names z twice) is one request:
+    an expression stores nothing, and the compiler keeps the value (nvcc merges such loads of __restrict__
+    pointers)."""
     c = Counts()
+    seen: dict[int, list] = {}
+
+    def first(load) -> bool:
+        same = seen.setdefault(tvm_ffi.structural_hash(load), [])
+        if any(tvm_ffi.structural_equal(load, other) for other in same):
+            return False
+        same.append(load)
+        return True
 
     def visit(v):
         kind = type(v).__name__
         if kind == "TensorLoad":
-            if v.source.scope() == "global":
+            if v.source.scope() == "global" and first(v):
                 nbytes = _lanes_bytes(v.ty.dtype)[1]
                 c.load_bytes += nbytes
                 if per_buffer is not None:

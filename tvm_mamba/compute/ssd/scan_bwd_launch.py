@@ -6,8 +6,8 @@ Launch order, each piece by a strategy method (strategy.py) fed the specs of sca
   dx          ``product`` per (batch, chunk, head): D g, the causal main product, the scaled state product;
   gsum        ``product`` per (batch, chunk, part): the part's heads' g x^T, each weighted by its K dt on the
               causal pairs (a weighted segment);
-  dB, dC      ``product`` per (batch, chunk, part): the part's heads (their scales folded into the rows), then
-              the intra-chunk causal product on gsum;
+  dB, dC      ``product`` per (batch, chunk, part): the part's heads (each weighted per row by its scale),
+              then the intra-chunk causal product on gsum;
   XB          ``position_dots``: XB[s] = <x_s, dSo B_s> into ddt_out as scratch;
   carried     ``position_dots``: d dA_step's carried-state term e[q] <g_q, C_q Sin>, then its reverse cumsum
               (a task per (batch, chunk, head));
@@ -189,16 +189,17 @@ def _staged(d: ScanBwdDims, r: _Reads, a: SimpleNamespace, l, vl: tuple, s, vs: 
 
 def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
     """dx's two segments for the strategy's ``product`` (spec.pieces' dx): the main product over the causal
-    positions l >= s inside the sequence, then the state product over dstate, scaled per row."""
+    positions l >= s inside the sequence, then the state product over dstate, one weighted unit: its row sum
+    times the row's scale w[s] dt[s] (``row_pos``: computed once per row, staged per tile on CUDA)."""
     H, R = d.nheads, d.nheads // d.ngroups
     sp = spec.pieces(d)
     at = lambda t: _head_at(o, r, t, H, R)  # noqa: E731
     main = SimpleNamespace(a=lambda t, s, l, vs, vl: spec.cbk(_staged(d, r, at(t), l, vl, s, vs), l, s),
                            b=lambda t, l, p: sp.dx.main.b(at(t), l, p), lo=lambda t, s: causal_start(d, s),
                            hi=lambda t, s: at(t).end, pos=_positions(d, lambda t, u: at(t)))
-    state = SimpleNamespace(a=lambda t, s, n: sp.dx.scale(at(t), s) * sp.dx.state.a(at(t), s, n),
-                            b=lambda t, n, p: sp.dx.state.b(at(t), n, p), lo=lambda t, s: 0,
-                            hi=lambda t, s: d.dstate)
+    state = SimpleNamespace(a=lambda t, s, n: sp.dx.state.a(at(t), s, n), b=lambda t, n, p: sp.dx.state.b(at(t), n, p),
+                            n=lambda t: 1, weigh=lambda t, s, p, u, v, vs: vs[0] * v,
+                            row_pos=((lambda t, u, q: sp.dx.scale(at(t), q), F32),))
     return main, state
 
 
@@ -210,15 +211,17 @@ def _part_at(o, r: _Reads, t, G: int) -> SimpleNamespace:
 
 def _part_segments(d: ScanBwdDims, o, r: _Reads, piece) -> tuple:
     """dB's or dC's two segments for the strategy's ``product`` (``piece``: spec.pieces' dB or dC): the part's
-    heads (k = the head's index in the part x headdim + p, the head's scale folded into its row), then the
-    intra-chunk product's causal range ("ge": positions inside the sequence; "le": row q's)."""
+    heads, a weighted segment (unit u the part's u-th head, k = u x headdim + p: its row sum times the head's
+    scale at the row, ``row_pos``), then the intra-chunk product's causal range ("ge": positions inside the
+    sequence; "le": row q's)."""
     G, P, R = d.ngroups, d.headdim, d.nheads // d.ngroups
     at = lambda t: _part_at(o, r, t, G)  # noqa: E731
-    head = lambda t, k: at(t).head(_part_heads(o, t % o.gparts, G, R)[0] + k // P)  # noqa: E731
+    first = lambda t: _part_heads(o, t % o.gparts, G, R)[0]  # noqa: E731
+    head = lambda t, k: at(t).head(first(t) + k // P)  # noqa: E731
     heads = SimpleNamespace(
-        a=lambda t, q, k: piece.scale(head(t, k), q) * piece.head.a(head(t, k), q, k % P),
-        b=lambda t, k, n: piece.head.b(head(t, k), k % P, n), lo=lambda t, q: 0,
-        hi=lambda t, q: _part_heads(o, t % o.gparts, G, R)[1] * P)
+        a=lambda t, q, k: piece.head.a(head(t, k), q, k % P), b=lambda t, k, n: piece.head.b(head(t, k), k % P, n),
+        n=lambda t: _part_heads(o, t % o.gparts, G, R)[1], weigh=lambda t, q, n, u, v, vq: vq[0] * v,
+        row_pos=((lambda t, u, q: piece.scale(at(t).head(first(t) + u), q), F32),))
     ge = piece.intra.causal == "ge"
     intra = SimpleNamespace(a=lambda t, q, k: piece.intra.a(at(t), q, k), b=lambda t, k, n: piece.intra.b(at(t), k, n),
                             lo=(lambda t, q: causal_start(d, q)) if ge else (lambda t, q: 0),
@@ -256,7 +259,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
     @T.macro
     def dx(o, r):
         """dx per (batch, chunk, head) task by the strategy's ``product``: the init D g, the main product's
-        causal range, then the state product with the chunk-state scale folded into its rows (B_s w[s] dt[s])"""
+        causal range, then the state product weighted per row by the chunk-state scale w[s] dt[s]"""
         dx_run(o.batch * o.nchunks * H, lambda t: _head_at(o, r, t, H, R).end, _dx_segments(d, o, r),
                lambda t, s, p: sp.dx.main.init(_head_at(o, r, t, H, R), s, p),
                lambda t, s, p, v: T.buffer_store(o.dx, v.astype(d.x_dtype), _row_index(o, t, H, Q, s, p)))
@@ -272,7 +275,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
 
     def part_rows(piece, out: str):
         """dB / dC (spec.pieces' dB, dC) per (batch, chunk, part) task by the strategy's ``product``: the part's
-        heads in order (each head's scale folded into its rows), then the intra-chunk product on gsum."""
+        heads in order (each head's sum weighted per row by its scale), then the intra-chunk product on gsum."""
         run = S.product(Q, N, (P, Q))
 
         @T.macro

@@ -188,7 +188,9 @@ class Strategy:
         (a weight per output element and unit: a head's decay mask). A segment with ``pos`` (per-position
         readers (reader(t, u, q), dtype): i and k, or i and j, are chunk positions) gets their values as two
         more arguments: a(t, i, k, v(i), v(k)), weigh(t, i, j, u, v, v(i), v(j)) (read in place here, staged
-        per tile on CUDA). At most two segments. A task per output
+        per tile on CUDA). A weighted segment with ``row_pos`` instead (readers of the rows i only: j is no
+        position) gets weigh(t, i, j, u, v, v(i)): a per-row weight of each unit (a head's chunk-state scale)
+        computed once per row. At most two segments. A task per output
         element here; the CUDA strategy stages each segment's operands per output tile (_tiled.py)."""
         S = self
         tasks = self.tasks()
@@ -314,6 +316,8 @@ def _serial_segment(unit: int):
                     acc[1] = acc[1] + seg.a(t, i, u * unit + k) * seg.b(t, u * unit + k, j)
                 if hasattr(seg, "pos"):
                     acc[0] = acc[0] + seg.weigh(t, i, j, u, acc[1], _pos_at(seg, t, u, i), _pos_at(seg, t, u, j))
+                elif hasattr(seg, "row_pos"):
+                    acc[0] = acc[0] + seg.weigh(t, i, j, u, acc[1], _pos_at(seg, t, u, i, "row_pos"))
                 else:
                     acc[0] = acc[0] + seg.weigh(t, i, j, u, acc[1])
         elif hasattr(seg, "pos"):
@@ -326,10 +330,10 @@ def _serial_segment(unit: int):
     return run
 
 
-def _pos_at(seg, t, u, q):
-    """A ``product`` segment's per-position values (``seg.pos``: (reader(t, u, q), dtype) pairs) at position q of
-    task t, unit u, read in place."""
-    return tuple(read(t, u, q) for read, _ in seg.pos)
+def _pos_at(seg, t, u, q, attr: str = "pos"):
+    """A ``product`` segment's per-position values (``seg.pos`` or ``seg.row_pos``: (reader(t, u, q), dtype)
+    pairs) at position q of task t, unit u, read in place."""
+    return tuple(read(t, u, q) for read, _ in getattr(seg, attr))
 
 
 def at(pos, t, q):
