@@ -7,8 +7,8 @@ pairs' R[k]). The rows are visited from the last up in bands of ``BAND``: the ba
 shared memory (read by every thread: broadcasts), each thread forms the band's g_l . x_k in registers
 (headdim-long, p ascending), then row by row from the band's last its weight (one exp per causal pair), its
 running sums, and R_l[k] into a shared band table (the weight's per-position values: the band's rows staged
-with g, the column's own read in place: kept in registers they pushed the kernel past 255 registers and it
-spilled); after a barrier, thread r of the band sums row l's R_l[k] over k < l (and the staged chunk-state
+with g, every column's once per block, read from shared memory per pair: read in place they were two global
+requests per pair, kept in registers they pushed the kernel past 255 registers and it spilled); after a barrier, thread r of the band sums row l's R_l[k] over k < l (and the staged chunk-state
 prefix terms) in k order and stores d dA_step[l]. Each pair's
 product and exp is computed once, where the per-position launch this replaces recomputed them per (q, l, k)
 triple: O(Q^2 headdim) per task instead of O(Q^3 headdim).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...compute.ssd.strategy import at
 from ._tiled import _buffers, _fill, _stage_positions, _typed, _values, largest_divisor
 
 BAND = 16  # rows per band (the row sums' threads; each thread's band of g . x accumulators)
@@ -35,6 +34,7 @@ def crossing_pass(Q: int, P: int, start):
     NB = Q // TB
     copies = (TB * P + Q - 1) // Q
     stage_band = _stage_positions(_fill(_Threads(Q), TB))
+    stage_columns = _stage_positions(_fill(_Threads(Q), Q))
 
     @T.macro
     def run(extent, ops):
@@ -42,11 +42,13 @@ def crossing_pass(Q: int, P: int, start):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # (_tiled.py: MIN_BLOCKS)
             sh = T.meta_var(_buffers("shared", g=(TB * P,), rs=(TB * LR,), pre=(Q,)))
             vb = T.meta_var(_typed("shared", "vb", TB, ops.pos))  # the band's per-position values
+            vk = T.meta_var(_typed("shared", "vk", Q, ops.pos))  # the columns' (read after the first barrier)
             for tx in T.thread_binding(Q, thread="threadIdx.x"):
                 reg = T.meta_var(_buffers("local", xr=(P,), acc=(TB,), run=(5,)))  # run: d dt, R, v, sums
                 for p in T.unroll(P):
                     reg.xr[p] = ops.x(bx, tx, p)
                 sh.pre[tx] = ops.pre(bx, tx)
+                stage_columns(vk, ops.pos, bx, 0, tx)
                 reg.run[0] = T.float32(0)
                 reg.run[1] = T.float32(0)
                 for bi in range(NB):
@@ -64,9 +66,9 @@ def crossing_pass(Q: int, P: int, start):
                         if T.And((NB - 1 - bi) * TB + TB - 1 - rr >= start(tx),
                                  (NB - 1 - bi) * TB + TB - 1 - rr < ops.end(bx)):
                             reg.run[2] = ops.weight(bx, (NB - 1 - bi) * TB + TB - 1 - rr, tx, reg.acc[TB - 1 - rr],
-                                                    _values(vb, TB - 1 - rr), at(ops.pos, bx, tx))
+                                                    _values(vb, TB - 1 - rr), _values(vk, tx))
                             reg.run[0] = reg.run[0] + reg.run[2]
-                            reg.run[1] = reg.run[1] + ops.pair(bx, tx, reg.run[2])
+                            reg.run[1] = reg.run[1] + ops.pair(bx, tx, reg.run[2], _values(vk, tx))
                         sh.rs[(TB - 1 - rr) * LR + tx] = reg.run[1]
                     T.tvm_storage_sync("shared")
                     if tx < TB:  # row (NB - 1 - bi) TB + tx: its crossing pairs and prefix, k ascending

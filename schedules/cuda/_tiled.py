@@ -385,6 +385,15 @@ def _unit_pos(pos, u):
     return tuple((lambda t, q, rd=rd: rd(t, u, q), dtype) for rd, dtype in pos)
 
 
+def _live_units(seg, t, last_row, j0):
+    """A weighted segment's unit count for the tile whose last row is ``last_row`` and first column ``j0``: 0
+    where every weight of the tile is 0 (its first column at or past the last row's ``col_end``: above the
+    causal diagonal), so the block skips the product and stores its init."""
+    if not hasattr(seg, "col_end"):
+        return seg.n(t)
+    return T.Select(j0 < seg.col_end(t, last_row), seg.n(t), 0)
+
+
 def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
     """A macro ``run(acc, ops, seg, t, i0, j0, tx)``: one segment of ``tiled_product`` into the register block
     (the same slice count for every thread of the block: its barriers); a weighted segment unit by unit, each
@@ -402,7 +411,7 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
 
     @T.macro
     def weighted(acc, ops, seg, t, i0, j0, tx):
-        for u in range(seg.n(t)):
+        for u in range(_live_units(seg, t, i0 + tl.TM - 1, j0)):
             for r in T.unroll(RM):
                 for c in T.unroll(RW):
                     ops.unit[r, c] = T.float32(0)

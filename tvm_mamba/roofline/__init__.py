@@ -17,7 +17,8 @@ covers, fp32 as the blocks call them), at the shape named above.
 
 * **bytes actual**: the global-memory bytes the kernel's threads load and store, counted by running the
   generated CUDA through the CPU harness with a counter before every statement (a TIR pass on the device
-  functions, in a separate counting build). These are *requests*: a GPU serves repeated requests from L1/L2,
+  functions, in a separate counting build; a load written twice in one statement, the same address, once:
+  the compiler keeps it in a register). These are *requests*: a GPU serves repeated requests from L1/L2,
   so DRAM traffic lies between the minimum and this figure. A ratio well above 1 means the kernel re-reads
   global memory (no shared-memory staging) or writes scratch (checkpoints, per-block partial sums).
 * **cached**: the counted traffic with each buffer's loads and stores capped at the buffer's size, over the

@@ -232,7 +232,7 @@ def _part_segments(d: ScanBwdDims, o, r: _Reads, piece) -> tuple:
 def _gsum_segment(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
     """gsum's weighted segment for the strategy's ``product``: unit u the part's u-th head, its g x^T (spec.pieces'
     gx) weighted by spec.gsum_term on the causal pairs; selected, not multiplied by 0 elsewhere (g_l . x_s of a
-    later position s may be non-finite)."""
+    later position s may be non-finite). ``col_end``: row l's weights are 0 from column causal_end(l) on."""
     G, P, R = d.ngroups, d.headdim, d.nheads // d.ngroups
     sp = spec.pieces(d)
     at = lambda t: _part_at(o, r, t, G)  # noqa: E731
@@ -240,7 +240,7 @@ def _gsum_segment(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
     head = lambda t, k: at(t).head(first(t) + k // P)  # noqa: E731
     return SimpleNamespace(
         a=lambda t, l, k: sp.gx.a(head(t, k), l, k % P), b=lambda t, k, s: sp.gx.b(head(t, k), k % P, s),
-        n=lambda t: _part_heads(o, t % o.gparts, G, R)[1],
+        n=lambda t: _part_heads(o, t % o.gparts, G, R)[1], col_end=lambda t, l: causal_end(d, l),
         weigh=lambda t, l, s, u, v, vl, vs: T.Select(
             causal(d, l, s), spec.gsum_term(_staged(d, r, at(t).head(first(t) + u), l, vl, s, vs), l, s, v),
             T.float32(0)),
@@ -377,7 +377,8 @@ def _crossing_ops(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
     return SimpleNamespace(
         g=lambda t, l, p: at(t).g(l, p), x=lambda t, k, p: at(t).x(k, p),
         weight=lambda t, l, k, gx, vl, vk: spec.ddt_term(_staged(d, r, at(t), l, vl, k, vk), l, k, gx),
-        pair=lambda t, k, v: spec.pair_term(at(t), k, v), pos=_unit_free(_positions(d, lambda t, u: at(t))),
+        pair=lambda t, k, v, vk: spec.pair_term(_staged(d, r, at(t), k, vk, k, vk), k, v),
+        pos=_unit_free(_positions(d, lambda t, u: at(t))),
         pre=lambda t, k: spec.prefix_term(at(t), k, o.ddt_out[idx(t, k)]), end=lambda t: at(t).end,
         col_store=lambda t, k, v: T.buffer_store(o.ddt_out, v + spec.ddt_state(at(t), k, o.ddt_out[idx(t, k)]),
                                                  idx(t, k)),

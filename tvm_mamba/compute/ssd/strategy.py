@@ -190,7 +190,9 @@ class Strategy:
         more arguments: a(t, i, k, v(i), v(k)), weigh(t, i, j, u, v, v(i), v(j)) (read in place here, staged
         per tile on CUDA). A weighted segment with ``row_pos`` instead (readers of the rows i only: j is no
         position) gets weigh(t, i, j, u, v, v(i)): a per-row weight of each unit (a head's chunk-state scale)
-        computed once per row. At most two segments. A task per output
+        computed once per row. A weighted segment may say ``col_end(t, i)``: weigh is 0 for the columns j >=
+        col_end(t, i), non-decreasing in i (the CUDA tiles past it skip the product). At most two segments. A
+        task per output
         element here; the CUDA strategy stages each segment's operands per output tile (_tiled.py)."""
         S = self
         tasks = self.tasks()
@@ -249,7 +251,7 @@ class Strategy:
 
             col_store(t, k, sum_l v(l, k))                                           (l descending)
             row_store(t, q, sum_{k<q} R_q[k], sum_{k<q} pre(t, k))                   (k ascending)
-            R_q[k] = sum_{l>=q} pair(t, k, v(l, k))     (l descending: the crossing pairs k < q <= l)
+            R_q[k] = sum_{l>=q} pair(t, k, v(l, k), v(k))     (l descending: the crossing pairs k < q <= l)
 
         with pre(t, k) read before any col_store of the task (col_store may overwrite what pre reads). Each
         gx and weight is computed once per pair and each R_q[k] is a running column sum (the task form's row
@@ -274,7 +276,7 @@ class Strategy:
                             w.acc[0] = w.acc[0] + ops.g(t, l, p) * ops.x(t, k, p)
                         w.acc[0] = ops.weight(t, l, k, w.acc[0], at(ops.pos, t, l), at(ops.pos, t, k))
                         w.dd[k] = w.dd[k] + w.acc[0]
-                        w.rs[k] = w.rs[k] + ops.pair(t, k, w.acc[0])
+                        w.rs[k] = w.rs[k] + ops.pair(t, k, w.acc[0], at(ops.pos, t, k))
                 w.acc[1] = T.float32(0)
                 w.acc[2] = T.float32(0)
                 for k in range(l):
