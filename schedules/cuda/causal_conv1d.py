@@ -57,22 +57,9 @@ def _stage(sch: s_tir.Schedule, block, at, threads: int, window: int, names=STAG
     ``window``: injective over one tile's window, and a static shared size.
     (TVM 0.27's CompactBufferAllocation cannot size a stage clipped against a symbolic seqlen: it fails with
     "Literal value 2147483648 exceeds range of int32".)"""
-    i = 0
-    while i < len(sch.get(block).reads):
-        buf = sch.get(block).reads[i].source
-        if buf.scope() == "global" and buf.name in names:
-            cache = sch.cache_read(block, i, "shared", consumer_blocks=[block])
-            sch.compute_at(cache, at)
-            ring = not isinstance(buf.shape[-1], tvm.tirx.IntImm)
-            sch.transform_layout(cache, ("write", 0),
-                                 lambda *idx: (tvm.tirx.floormod(idx[-1], window) if ring else idx[-1],),
-                                 assume_injective_transform=True)
-            loops = sch.get_loops(cache)
-            depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
-            loops = loops[depth + 1 :]
-            if loops:
-                threads_inner(sch, sch.fuse(*loops) if len(loops) > 1 else loops[0], threads)
-        i += 1
+    names = [rg.source.name for rg in sch.get(block).reads if rg.source.scope() == "global" and rg.source.name in names]
+    for name in dict.fromkeys(names):
+        _stage_shared(sch, [block], name, at, threads, window)
 
 
 def threads_inner(sch: s_tir.Schedule, loop, threads: int) -> None:
@@ -106,23 +93,16 @@ def tile_rows(sch: s_tir.Schedule, block, threads, tile):
     return tile, tx
 
 
-def staged_conv(sch: s_tir.Schedule, acc_name: str, out_name: str, threads, tile, window: int):
-    """The conv accumulator ``acc_name`` in a register inside the thread of its elementwise consumer
-    ``out_name``, both blocks' global inputs staged per tile. Returns (tile loop, thread loop)."""
-    out = sch.get_sblock(out_name)
-    tile, tx = tile_rows(sch, out, threads, tile)
-    names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
-    if acc_name in names:  # (the backward without SiLU has no pre-activation: g = dout)
-        acc = sch.get_sblock(acc_name)
-        sch.compute_at(acc, tx)
-        sch.set_scope(acc, 0, "local")
-        _stage(sch, acc, tile, threads, window)
-    _stage(sch, out, tile, threads, window)
-    return tile, tx
-
-
 def _fwd(sch: s_tir.Schedule, threads, tile, window: int) -> None:
-    staged_conv(sch, "conv_acc", "out", threads, tile, window)
+    """The conv accumulator in a register inside the thread of its elementwise consumer ``out``, both blocks'
+    global inputs staged per tile (see the module docstring); final_states a thread per element."""
+    out = sch.get_sblock("out")
+    tile, tx = tile_rows(sch, out, threads, tile)
+    acc = sch.get_sblock("conv_acc")
+    sch.compute_at(acc, tx)
+    sch.set_scope(acc, 0, "local")
+    _stage(sch, acc, tile, threads, window)
+    _stage(sch, out, tile, threads, window)
     bind_flat(sch, sch.get_sblock("final_states"), threads)
 
 
