@@ -165,7 +165,8 @@ def _bwd(func, st: dict, decisions):
     staged once in shared memory (x, z, dout, ...; the weights once per block). Per row, the per-group
     dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are cross-thread reductions kept in registers; each thread
     then writes its dx (and dz, dresidual_in, dx1) elements and adds the row's weight/bias terms (dy*xhat, dy,
-    ...) of its features to register accumulators (stage 1 of the weight gradients, written once per part).
+    ...) of its features to the part's sums (stage 1 of the weight gradients, in shared memory or registers:
+    _sums_scope; written once per part).
     The dx loop nest and the partial sums' are merged part by part and row by row. Stage 2: one thread per
     feature adds the parts in order. Deterministic, no atomics."""
     hidden, gs = st["hidden"], st["group_size"]
@@ -198,8 +199,8 @@ def _bwd(func, st: dict, decisions):
 def _part_rows(sch, out, threads: int):
     """The row loop of ``out`` (the dx loop nest) split into (part, row of the part), merged with the partial
     sums' (part, row) loops; the part on blockIdx.x. The sums' features split over ``threads`` (each thread
-    its features' terms in registers, unrolled), written back after the part's rows. Returns (the sums' block,
-    part, row)."""
+    its features' terms, unrolled; where they live: _sums_scope), written back after the part's rows. Returns
+    (the sums' block, part, row)."""
     blk = sch.get_sblock("partial")
     acc = sch.cache_write(blk, 0, "local")
     p, sel, h, j = sch.get_loops(blk)
