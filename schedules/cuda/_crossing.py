@@ -8,7 +8,8 @@ shared memory (read by every thread: broadcasts), each thread forms the band's g
 (headdim-long, p ascending), then row by row from the band's last its weight (one exp per causal pair), its
 running sums, and R_l[k] into a shared band table (the weight's per-position values: the band's rows staged
 with g, every column's once per block, read from shared memory per pair: read in place they were two global
-requests per pair, kept in registers they pushed the kernel past 255 registers and it spilled); after a barrier, thread r of the band sums row l's R_l[k] over k < l (and the staged chunk-state
+requests per pair, kept in registers they pushed the kernel past 255 registers and it spilled); after a
+barrier, thread r of the band sums row l's R_l[k] over k < l (and the staged chunk-state
 prefix terms) in k order and stores d dA_step[l]. Each pair's
 product and exp is computed once, where the per-position launch this replaces recomputed them per (q, l, k)
 triple: O(Q^2 headdim) per task instead of O(Q^3 headdim).

@@ -140,7 +140,8 @@ def test_cuda_knobs_in_the_harness():
     e = torch.empty
     target = cuda_target("sm_90")
     for per_block in (8, 1):
-        out, rstd, dx, dz, dw, partial = e(rows, hidden), e(rows, 2), e(rows, hidden), e(rows, hidden), e(hidden), e(1, 2, hidden)
+        out, rstd, dx, dz, dw = e(rows, hidden), e(rows, 2), e(rows, hidden), e(rows, hidden), e(hidden)
+        partial = e(1, 2, hidden)
         one, i1 = e(1), torch.zeros(1, dtype=torch.int32)
         runs = (("rmsnorm_gated_fwd", C.rmsnorm_gated_fwd(hidden, gs, **MAMBA2),
                  (x, w, one, z, e(1, 1), one, i1, e(1, 1), one, one, i1, out, e(1, 1),

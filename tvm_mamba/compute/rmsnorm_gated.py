@@ -439,7 +439,8 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static_dims, dtypes) compiled by the CUDA build-check: a gated norm of 8 groups (hidden
     2048, groups of 256), both gate orders, bf16 activations with fp32 weights; a plain one in fp32; the gated
-    LayerNorm; Mamba-2 2.7B's float32 backward (hidden 5120); and the fused residual-add norm of mixer_seq_simple's Block (prenorm, residual in fp32, RMSNorm
+    LayerNorm; Mamba-2 2.7B's float32 backward (hidden 5120); and the fused residual-add norm of
+    mixer_seq_simple's Block (prenorm, residual in fp32, RMSNorm
     and LayerNorm with bias)."""
     Fwd, Bwd = RMSNormGatedFwd, RMSNormGatedBwd
     bf16 = dict(x_dtype="bfloat16")
