@@ -11,9 +11,10 @@ R rank terms and R output partials each a ``vector``-wide loop inside the dstate
 two-function path (``step_rotate``, ``step_update``: each pass alone) the same way.
 
 Chunked forward's preprocess: the SSD CPU strategy (schedules/cpu/ssd.py ``Cpu``): each pass's tasks a parallel
-loop (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch, head,
-headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs. Its backward (``siso_preprocess_bwd``)
-the same way: init a task per (batch, head) with headdim_qk vectorized, rotate a task per (batch, head) with a
+loop (angles: (batch, head) over the angles' vector, serial over time; rotate: (batch, 16 steps) over the rotary
+pairs' vector; chunk: (batch, head, chunk); skip: (batch, position, head), headdim_qk in vector partials; init:
+(batch, head, headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs.
+Its backward (``siso_preprocess_bwd``) the same way: init a task per (batch, head) with headdim_qk vectorized, rotate a task per (batch, head) with a
 vector sweep over the rotary pairs and one over the pass-through pairs, chunk a task per (batch, head, chunk).
 """
 from __future__ import annotations

@@ -9,8 +9,9 @@ registers, no spills). Upstream's two-function path (``step_rotate``, ``step_upd
 launch each) the same way.
 
 Chunked forward's preprocess: the SSD CUDA strategy (schedules/cuda/ssd.py ``Gpu``): a launch per pass, a thread
-per task (rotate: (batch, head, rotary pair), serial over time; chunk: (batch, head, chunk); init: (batch,
-head, headdim_v row, headdim_qk element)); knob ``threads`` as above. Its backward (``siso_preprocess_bwd``)
+per task (angles: (batch, head, angle), serial over time; rotate: (batch, 16 steps, rotary pair); chunk: (batch,
+head, chunk); skip: (batch, 8 positions, up to 8 heads of one Q / K head); init: (batch, head, headdim_v row,
+headdim_qk element)); knob ``threads`` as above. Its backward (``siso_preprocess_bwd``)
 likewise: a launch per pass, a thread per (batch, head) / (batch, head, pair) / (batch, head, chunk).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """mamba3_siso_step, mamba3_mimo_step and mamba3_siso_combined on their CUDA kernels, run on the CPU by the CUDA
 execution harness (tvm_mamba.simulate_cuda), against the float64 references (mirrors tests/torch_ops/test_mamba3*.py).
 The steps: one thread per (batch, head, headdim_v row) lane, 128 per block: the shapes below leave the last block
-partly empty. The chunked forward: the preprocess (three launches) and the four SSD pieces, a thread per task; the
+partly empty. The chunked forward: the preprocess (five launches) and the four SSD pieces; the
 preprocess backward against autograd of its float64 reference."""
 from __future__ import annotations
 
@@ -96,6 +96,20 @@ def test_preprocess_bwd_matches_autograd(sim, static, dtypes):
     res = sc.preprocess_bwd_results(static, dtypes, batch=2, seqlen=10)
     assert [k.direction for k, _ in sim] == ["siso_preprocess_bwd"]
     assert len(res) == (11 if static["has_init"] else 8)
+    for name, (got, want) in res.items():
+        assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
+
+
+@pytest.mark.parametrize("dtypes", [{}, {"qk": "bfloat16", "vstate": "bfloat16"}])
+def test_preprocess_blocks_match_reference(sim, dtypes):
+    """The forward preprocess's register blocks at their edges: seqlen 37 (three rotate tasks of 16 steps, the
+    last ragged), chunk 8 (five chunks: the skip pass's 8-position blocks reach the padded slots 37..39), 8 heads
+    over 2 Q / K heads (skip blocks of 4 heads), 3 of 4 pairs rotated (a pass-through pair per head), input
+    states: every output against the float64 reference."""
+    static = dict(nheads=8, nheads_qk=2, headdim_qk=8, headdim_v=4, headdim_angles=3, chunk_size=8, has_D=True,
+                  has_init=True)
+    res = sc.preprocess_results(static, dtypes, batch=2, seqlen=37)
+    assert [k.direction for k, _ in sim] == ["siso_preprocess"] and len(res) == 7
     for name, (got, want) in res.items():
         assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
 

@@ -5,6 +5,8 @@ scan's ``diag_skip`` form on both (the CPU's strict triangle ``tri="lt"``); the 
 upstream's two-function decode path (each pass alone)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import tvm
 
@@ -105,13 +107,18 @@ PRE = dict(nheads=4, nheads_qk=2, headdim_qk=16, headdim_v=8, headdim_angles=4, 
 
 
 def test_preprocess_rules():
+    """Five passes (angles, rotate, chunk, skip, init): five parallel loops on a CPU (the angles' and the
+    pairs' lanes, init's headdim_qk lanes vectorized), five launches on CUDA; without input states four."""
     func = m3.mamba3_siso_preprocess(**PRE, qk_dtype="bfloat16")
     cpu = cpu_rule.apply(func, cpu_target(), Decisions()).mod.script()
-    assert cpu.count("T.parallel") == 3 and "T.vectorized(16)" in cpu  # three passes; init's headdim_qk lanes
+    assert cpu.count("T.parallel") == 5
+    assert {"T.vectorized(4)", "T.vectorized(8)", "T.vectorized(16)"} <= set(re.findall(r"T.vectorized\(\d+\)", cpu))
     tvm.compile(cpu_rule.apply(func, cpu_target(), Decisions()).mod, target=cpu_target())
     dec = Decisions({"threads": 64})
     script = cuda_rule.apply(func, tvm.target.Target("rocm"), dec).mod.script()
-    assert dec.used == {"threads": 64} and script.count('thread="blockIdx.x"') == 3
+    assert dec.used == {"threads": 64} and script.count('thread="blockIdx.x"') == 5
+    no_init = m3.mamba3_siso_preprocess(**dict(PRE, has_init=False))
+    assert cuda_rule.apply(no_init, tvm.target.Target("rocm"), Decisions()).mod.script().count("blockIdx.x") == 4
 
 
 def test_preprocess_bwd_rules():

@@ -1,26 +1,38 @@
 """The Mamba-3 SISO chunked forward's preprocess (mamba_ssm's ``mamba3_siso_combined`` before its chunk
 kernels): everything the SSD pieces (compute/ssd/) need that SSD's chunk cumsum does not compute, as one template
 laid out by the SSD strategies (compute/ssd/strategy.py: serial; schedules/<target>/ssd.py: CPU parallel tasks,
-CUDA blockIdx x threadIdx). Three passes (three parallel loops on a CPU, three launches on CUDA; none reads
-what another writes):
+CUDA blockIdx x threadIdx). Five passes (five parallel loops on a CPU, five launches on CUDA, in order: the
+rotate pass reads what the angles pass wrote), so that only the angle recurrence is serial over time:
 
-1. rotate, a task per (batch b, head h, block of rotary pairs i < headdim_qk / 2: every pair as one vector
-   loop on a CPU, one pair per CUDA thread), time t outer (each step reads / writes contiguous rows):
-       theta_t = (theta_{t-1} + pi tanh(Angles_t[i]) DT_t) mod 2 pi     (pairs i < headdim_angles, theta_{-1}
-                                                                         = the angle state or 0; others: 0)
-       q_t, k_t = R(theta_t) (Q_t[hq] + Q_bias[h]), R(theta_t) (K_t[hq] + K_bias[h])  (hq = h // (H / H_qk))
-   q, k float32 per head (the biases are per head, so GQA heads do not share them), and the final theta;
-2. chunk, a task per (batch, head, chunk c), serial over its positions l (s = c Q + l):
+1. angles, a task per (batch b, head h, block of angles i < headdim_angles: all of them as one vector loop on a
+   CPU, one per CUDA thread), serial over time t:
+       theta_t = (theta_{t-1} + pi tanh(Angles_t[i]) DT_t) mod 2 pi     (theta_{-1} = the angle state or 0)
+   cos / sin theta_t into q's slots of pair i (read back by pass 2), the final theta into angle_out;
+2. rotate, a task per (batch, block of STEPS steps, block of rotary pairs: all on a CPU, one per CUDA thread):
+       q_t, k_t = R(theta_t) (Q_t[hq] + Q_bias[h]), R(theta_t) (K_t[hq] + K_bias[h])  (hq = h // (H / H_qk);
+                                                                         theta = 0 for pairs past headdim_angles)
+   q, k float32 per head (the biases are per head, so GQA heads do not share them): the task's Q / K pairs read
+   once for every head of their group, each head's biases once per task;
+3. chunk, a task per (batch, head, chunk c), serial over its positions l (s = c Q + l):
        dA_cs[l] = sum_{l' <= l} max(ADT_s', DA_MIN)                     (chunk-local; 0 past seqlen)
-       scale[l] = gamma_s + DT_{s+1} (1 - lam_{s+1})                     (lam = sigmoid(Trap); 0 past seqlen,
-                                                                         the DT_{s+1} term 0 at s = seqlen - 1)
-       skip[l]  = D[h] + gamma_s (Q_s[hq] + Q_bias[h]) . (K_s[hq] + K_bias[h])   (gamma = DT lam)
+       scale[l] = gamma_s + DT_{s+1} (1 - lam_{s+1})                     (lam = sigmoid(Trap), gamma = DT lam;
+                                                                         0 past seqlen, the DT_{s+1} term 0 at
+                                                                         s = seqlen - 1)
+4. skip, a task per (batch, block of positions, block of heads of one Q / K head; ``skip_block``):
+       skip[l]  = D[h] + gamma_s (Q_s[hq] + Q_bias[h]) . (K_s[hq] + K_bias[h])
    in the SSD pieces' (batch, nheads, nchunks, chunk_size) layout: scale is ssd_chunk_state's / chunk_scan's
-   dt', skip chunk_scan's per-position D (``ScanDims.diag_skip``: the diagonal leaves the causal sum);
-3. init (with input states), a task per (batch, head, headdim_v row p), headdim_qk lanes:
+   dt', skip chunk_scan's per-position D (``ScanDims.diag_skip``: the diagonal leaves the causal sum); on CUDA
+   a register block of 8 positions x up to 8 heads, so Q / K are read once per block of heads and the biases
+   once per block of positions (a thread per (batch, head, chunk) re-read both per head / per position);
+5. init (with input states), a task per (batch, head, headdim_v row p), headdim_qk lanes:
        init[p, n] = ssm[p, n] + DT_0 (1 - lam_0) v_state[p] k_state[n]
    the state entering ssd_state_passing: the input K / V states' trapezoid term (its exp(ADT_0) comes from
    chunk 0's dA_cs).
+
+Why the rotation left the angle recurrence: a thread per (batch, head, pair) serial over time ran 48 blocks of
+128 threads at Mamba-3 130M's batch-4 shape and re-read the GQA-shared Q / K per head; the recurrence alone
+is a thread per angle, and the rotation runs a thread per (batch, 16 steps, pair). The price: cos / sin of
+every rotary pair written and read back once (docs/mamba3.md).
 
 Packed sequences (``has_seq_idx``; seq_idx (batch, seqlen) int32, batch 1): theta restarts at 0 at each
 sequence's first position, angle_out is (nseq, H, A), row seq_idx[t] written at each sequence's last position
@@ -41,48 +53,98 @@ from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
 
 
-def _rotate_macro(d: PreDims, S: Strategy):
-    """Pass 1, task (b, h, block of ``S.lanes`` rotary pairs: all of them on a CPU, one on CUDA): the angle
-    cumsum over time and the rotated q / k pairs, time outer so each step reads and writes contiguous rows.
-    Pairs past headdim_angles keep theta = 0 (cos 1, sin 0: q, k = Q + Q_bias, K + K_bias) without a branch,
-    so the CPU's pair loop stays one vector loop."""
-    H, HPQ, NP, A, m = d.nheads, d.heads_per_qk, d.headdim_qk // 2, d.headdim_angles, S.math
-    V = S.lanes(NP)
+STEPS = 16  # rotate pass: time steps per task (its Q / K pairs read once for every head of their group)
+DOT_STEPS, DOT_HEADS = 8, 8  # skip pass on scalar lanes: a register block of positions x heads of one Q/K head
+
+
+def _angles_macro(d: PreDims, S: Strategy):
+    """Pass 1, task (b, h, block of ``S.lanes`` angles: all of them on a CPU, one on CUDA): the angle cumsum over
+    time, cos / sin of theta_t stored in q[b, t, h, 2 i] / q[b, t, h, 2 i + 1] (the slots of pair i: the rotate
+    pass reads them and overwrites the pair; the cos / sin calls here, off the rotate pass, whose register block
+    spilled around their slow-path calls), and the final theta to angle_out."""
+    H, A, m = d.nheads, d.headdim_angles, S.math
+    V = S.lanes(A)
 
     @T.macro
-    def pairs(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seq, seqlen):
-        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,), qb=(2, V), kb=(2, V), xy=(2, V)))
-        b, h, pb = T.meta_var(unravel(i, (None, H, NP // V)))
-        hq = T.meta_var(h // HPQ)
+    def angles(i, DT, Ang, ast, q, aout, seq, seqlen):
+        w = T.meta_var(S.scratch(th=(V,)))
+        b, h, ab = T.meta_var(unravel(i, (None, H, A // V)))
         for v in S.lane_loop(V):
             w.th[v] = m.zero
-            for e in range(2):  # the pairs' biases, read once per task
-                w.qb[e, v] = Qb[h, 2 * (pb * V + v) + e]
-                w.kb[e, v] = Kb[h, 2 * (pb * V + v) + e]
         if d.has_init:
-            for v in range(V):
-                if pb * V + v < A:
-                    w.th[v] = ast[b, h, pb * V + v]
+            for v in S.lane_loop(V):
+                w.th[v] = ast[b, h, ab * V + v]
         for t in range(seqlen):
             for v in S.lane_loop(V):
-                w.th[v] = T.Select(pb * V + v < A, angle_step(
-                    carried(w.th[v], seq, b, t, d.has_seq_idx, m), m.tanh(Ang[b, t, h, T.min(pb * V + v, A - 1)]),
-                    DT[b, h, t], m), m.zero)
-                w.cs[v] = T.cos(w.th[v])
-                w.sn[v] = T.sin(w.th[v])
-                _rotate(q, Qm, w.qb, w, b, t, h, hq, pb * V + v, v, m)
-                _rotate(k, Km, w.kb, w, b, t, h, hq, pb * V + v, v, m)
+                w.th[v] = angle_step(carried(w.th[v], seq, b, t, d.has_seq_idx, m),
+                                     m.tanh(Ang[b, t, h, ab * V + v]), DT[b, h, t], m)
+                q[b, t, h, 2 * (ab * V + v)] = T.cos(w.th[v])
+                q[b, t, h, 2 * (ab * V + v) + 1] = T.sin(w.th[v])
             if d.has_seq_idx:
                 if b == 0 and seq_ends(seq, b, t, seqlen):
                     for v in range(V):
-                        if pb * V + v < A:
-                            aout[seq[b, t], h, pb * V + v] = w.th[v]
+                        aout[seq[b, t], h, ab * V + v] = w.th[v]
         if not d.has_seq_idx:
-            for v in range(V):
-                if pb * V + v < A:
-                    aout[b, h, pb * V + v] = w.th[v]
+            for v in S.lane_loop(V):
+                aout[b, h, ab * V + v] = w.th[v]
 
-    return pairs
+    return angles
+
+
+def _turn_macro(d: PreDims, S: Strategy):
+    """A macro ``turn(w, q, b, t, h, p, v)``: w.cs / w.sn[v] = cos / sin of pair p's angle at step t, stored by
+    the angles pass in q's slots 2 p / 2 p + 1; 1 / 0 for pairs past headdim_angles. Vector lanes read the slots
+    of min(p, A - 1) and select (one vector load, before the lanes' pairs are overwritten); a scalar lane reads
+    its own slots only where it has an angle (no read of a slot another thread rewrites)."""
+    A, m = d.headdim_angles, S.math
+
+    @T.macro
+    def turn(w, q, b, t, h, p, v):
+        if S.vector:
+            w.cs[v] = T.Select(p < A, q[b, t, h, 2 * T.min(p, A - 1)], m.one)
+            w.sn[v] = T.Select(p < A, q[b, t, h, 2 * T.min(p, A - 1) + 1], m.zero)
+        else:
+            w.cs[v] = m.one
+            w.sn[v] = m.zero
+            if p < A:
+                w.cs[v] = q[b, t, h, 2 * p]
+                w.sn[v] = q[b, t, h, 2 * p + 1]
+
+    return turn
+
+
+def _rotate_macro(d: PreDims, S: Strategy):
+    """Pass 2, task (b, block of STEPS steps, block of ``S.lanes`` rotary pairs: all on a CPU, one on CUDA):
+    q, k = R(theta) (Q + Q_bias[h]), R(theta) (K + K_bias[h]) for every head, each Q / K head's pairs read once
+    per task into w.x / w.y and rotated for each of its heads (GQA), the head's biases once per task. The step
+    loops are unrolled: w.x / w.y stay in registers on CUDA (indexed by a loop variable they went to the stack)."""
+    HQ, HPQ, NP, m = d.nheads_qk, d.heads_per_qk, d.headdim_qk // 2, S.math
+    V, turn = S.lanes(NP), _turn_macro(d, S)
+
+    @T.macro
+    def rotate(i, Qm, Km, Qb, Kb, q, k, seqlen):
+        w = T.meta_var(S.scratch(x=(2, STEPS, V), y=(2, STEPS, V), qb=(2, V), kb=(2, V), cs=(V,), sn=(V,)))
+        b, tb, pb = T.meta_var(unravel(i, (None, (seqlen + STEPS - 1) // STEPS, NP // V)))
+        for hq in range(HQ):
+            for s in T.unroll(STEPS):
+                if tb * STEPS + s < seqlen:
+                    for v in S.lane_loop(V):
+                        for e in T.unroll(2):
+                            w.x[e, s, v] = m.cast(Qm[b, tb * STEPS + s, hq, 2 * (pb * V + v) + e])
+                            w.y[e, s, v] = m.cast(Km[b, tb * STEPS + s, hq, 2 * (pb * V + v) + e])
+            for hh in range(HPQ):
+                for v in S.lane_loop(V):
+                    for e in T.unroll(2):
+                        w.qb[e, v] = Qb[hq * HPQ + hh, 2 * (pb * V + v) + e]
+                        w.kb[e, v] = Kb[hq * HPQ + hh, 2 * (pb * V + v) + e]
+                for s in T.unroll(STEPS):
+                    if tb * STEPS + s < seqlen:
+                        for v in S.lane_loop(V):
+                            turn(w, q, b, tb * STEPS + s, hq * HPQ + hh, pb * V + v, v)
+                            _rotate(q, w.x, w.qb, w, b, tb * STEPS + s, hq * HPQ + hh, s, pb * V + v, v)
+                            _rotate(k, w.y, w.kb, w, b, tb * STEPS + s, hq * HPQ + hh, s, pb * V + v, v)
+
+    return rotate
 
 
 def seq_continues(seq, b, t):
@@ -119,24 +181,20 @@ def rotated(x0, x1, cs, sn):
     return x0 * cs - x1 * sn, x0 * sn + x1 * cs
 
 
-def _rotate(out, X, xb, w, b, t, h, hq, p, v, m):
-    """out[b, t, h, pair p] = R(theta) (X[b, t, hq, pair p] + the pair's bias xb[:, v]), cos / sin in w.cs /
-    w.sn[v]: the biased pair (``biased``) read once into w.xy[:, v], then rotated."""
-    for e in range(2):
-        T.buffer_store(w.xy, biased(X, xb, 0, b, t, hq, p, e, v, m), [e, v])
-    r0, r1 = rotated(w.xy[0, v], w.xy[1, v], w.cs[v], w.sn[v])
+def _rotate(out, xs, xb, w, b, t, h, s, p, v):
+    """out[b, t, h, pair p] = R(theta) (the pair xs[:, s, v] + its bias xb[:, v]), cos / sin in w.cs / w.sn[v]."""
+    r0, r1 = rotated(xs[0, s, v] + xb[0, v], xs[1, s, v] + xb[1, v], w.cs[v], w.sn[v])
     T.buffer_store(out, r0, [b, t, h, 2 * p])
     T.buffer_store(out, r1, [b, t, h, 2 * p + 1])
 
 
 def _chunk_macro(d: PreDims, S: Strategy):
-    """Pass 2, task (b, h, c): dA_cs, scale and skip of the chunk's positions."""
-    H, HPQ, N, Q, m = d.nheads, d.heads_per_qk, d.headdim_qk, d.chunk_size, S.math
-    dot = dot_macro(N, S)
+    """Pass 3, task (b, h, c): dA_cs and scale of the chunk's positions."""
+    H, Q, m = d.nheads, d.chunk_size, S.math
 
     @T.macro
-    def chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seq, seqlen, nchunks):
-        r = T.alloc_buffer((4,), F32, scope=S.scope)  # cumsum, gamma, next step's left weight, q . k
+    def chunk(i, ADT, DT, Trap, dA_cs, scale, seq, seqlen, nchunks):
+        r = T.alloc_buffer((3,), F32, scope=S.scope)  # cumsum, gamma, next step's left weight
         b, h, c = T.meta_var(unravel(i, (None, H, nchunks)))
         r[0] = m.zero
         for l in range(Q):
@@ -149,15 +207,70 @@ def _chunk_macro(d: PreDims, S: Strategy):
                     if d.has_seq_idx:
                         if seq[b, c * Q + l + 1] != seq[b, c * Q + l]:
                             r[2] = m.zero
-                dot(r, 3, qk_dot_term(Qm, Km, Qb, Kb, b, c * Q + l, h // HPQ, h, m))
                 scale[b, h, c, l] = r[1] + r[2]
-                skip[b, h, c, l] = (Dv[h] if d.has_D else m.zero) + r[1] * r[3]
             else:
                 scale[b, h, c, l] = m.zero
-                skip[b, h, c, l] = m.zero
             dA_cs[b, h, c, l] = r[0]
 
     return chunk
+
+
+def skip_block(d: PreDims, S: Strategy) -> tuple[int, int]:
+    """The skip pass's (positions, heads) per task: one of each where the strategy has vector lanes (the dot's
+    lanes run along headdim_qk), else a DOT_STEPS x DOT_HEADS register block, its heads sharing a Q / K head,
+    so each Q / K element is read once per block of heads and each bias once per block of positions."""
+    if S.vector:
+        return 1, 1
+    return DOT_STEPS, max(h for h in range(1, DOT_HEADS + 1) if d.heads_per_qk % h == 0)
+
+
+def _skip_macro(d: PreDims, S: Strategy):
+    """Pass 4, task (b, block of TS positions, block of HB heads of one Q / K head; ``skip_block``): skip =
+    D[h] + gamma_s X_s . Y_s for each (position, head) of the block (0 past seqlen), the dots summed over n
+    ascending (on a CPU in ``VW`` vector partials, then their sum, as ``dot_macro``)."""
+    H, HPQ, N, Q, m = d.nheads, d.heads_per_qk, d.headdim_qk, d.chunk_size, S.math
+    TS, HB = skip_block(d, S)
+    VW = max(w for w in (1, 2, 4, 8, 16) if N % w == 0) if S.vector else 1
+
+    @T.macro
+    def skip(i, Qm, Km, Qb, Kb, DT, Trap, Dv, out, seqlen, nchunks):
+        w = T.meta_var(S.scratch(part=(TS, HB, VW), x=(TS, VW), y=(TS, VW), qb=(HB, VW), kb=(HB, VW), r=(1,)))
+        b, sb, hb = T.meta_var(unravel(i, (None, (nchunks * Q + TS - 1) // TS, H // HB)))
+        hq = T.meta_var(hb * HB // HPQ)
+        for s in T.unroll(TS):
+            for j in T.unroll(HB):
+                for vi in S.lane_loop(VW):
+                    w.part[s, j, vi] = m.zero
+        for no in range(N // VW):
+            for s in T.unroll(TS):
+                for vi in S.lane_loop(VW):
+                    w.x[s, vi] = m.cast(Qm[b, T.min(sb * TS + s, seqlen - 1), hq, no * VW + vi])
+                    w.y[s, vi] = m.cast(Km[b, T.min(sb * TS + s, seqlen - 1), hq, no * VW + vi])
+            for j in T.unroll(HB):
+                for vi in S.lane_loop(VW):
+                    w.qb[j, vi] = Qb[hb * HB + j, no * VW + vi]
+                    w.kb[j, vi] = Kb[hb * HB + j, no * VW + vi]
+            for s in T.unroll(TS):
+                for j in T.unroll(HB):
+                    for vi in S.lane_loop(VW):
+                        w.part[s, j, vi] = w.part[s, j, vi] + (w.x[s, vi] + w.qb[j, vi]) * (w.y[s, vi] + w.kb[j, vi])
+        for s in T.unroll(TS):
+            if sb * TS + s < nchunks * Q:
+                for j in T.unroll(HB):
+                    w.r[0] = m.zero
+                    for vi in range(VW):
+                        w.r[0] = w.r[0] + w.part[s, j, vi]
+                    _put_skip(d, m, out, Dv, DT, Trap, b, hb * HB + j, sb * TS + s, w.r[0], seqlen)
+
+    return skip
+
+
+def _put_skip(d: PreDims, m, out, Dv, DT, Trap, b, h, t, dot, seqlen):
+    """skip[b, h, t // Q, t % Q] = D[h] + gamma_t dot (gamma = DT sigmoid(Trap)), 0 past seqlen."""
+    Q = d.chunk_size
+    gamma = DT[b, h, tirx.min(t, seqlen - 1)] * m.sigmoid(Trap[b, h, tirx.min(t, seqlen - 1)])
+    val = (Dv[h] if d.has_D else m.zero) + gamma * dot
+    T.buffer_store(out, tirx.Select(t < seqlen, val, m.zero), [b, h, t // Q, t % Q])
 
 
 def qk_dot_term(Qm, Km, Qb, Kb, b, s, hq, h, m):
@@ -206,7 +319,7 @@ def _init_macro(d: PreDims, S: Strategy):
 
 
 def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
-    """The preprocess's three passes laid out by ``S`` (module docstring). Parameters in order: Q, K, ADT, DT,
+    """The preprocess's five passes laid out by ``S`` (module docstring). Parameters in order: Q, K, ADT, DT,
     Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state, v_state (absent ones: placeholders of
     ones), then the outputs q, k, dA_cs, scale, skip, angle_out, init, and last seq_idx (batch, seqlen) int32
     (a (1, 1) placeholder without has_seq_idx). With has_seq_idx angle_out is (nseq, H, A): row sid written
@@ -214,7 +327,9 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     without positions are left as they are (the caller zero-fills)."""
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
     KT = d.kstate_dtype or F32
-    pair, chunk, row, tasks = _rotate_macro(d, S), _chunk_macro(d, S), _init_macro(d, S), S.tasks()
+    angles, rotate, chunk, skip, row = (_angles_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S),
+                                        _skip_macro(d, S), _init_macro(d, S))
+    tasks, (TS, HB), NP = S.tasks(), skip_block(d, S), N // 2
     I3 = (1, 1, 1)
 
     @T.prim_func
@@ -243,14 +358,16 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
         k = T.match_buffer(k_h, (batch, seqlen, H, N), F32)
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         scale = T.match_buffer(sc_h, (batch, H, nchunks, Q), F32)
-        skip = T.match_buffer(sk_h, (batch, H, nchunks, Q), F32)
+        skip_out = T.match_buffer(sk_h, (batch, H, nchunks, Q), F32)
         aout = T.match_buffer(aout_h, (nseq if d.has_seq_idx else batch, H, A), F32)
         init = T.match_buffer(init_h, (batch, H, P, N) if d.has_init else Z4, F32)
         seq = T.match_buffer(seq_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
-        tasks(batch * H * (N // 2 // S.lanes(N // 2)),
-              lambda i: pair(i, Qm, Km, DT, Qb, Kb, Ang, ast, q, k, aout, seq, seqlen))
-        tasks(batch * H * nchunks, lambda i: chunk(i, Qm, Km, ADT, DT, Trap, Qb, Kb, Dv, dA_cs, scale, skip, seq,
-                                                   seqlen, nchunks))
+        tasks(batch * H * (A // S.lanes(A)), lambda i: angles(i, DT, Ang, ast, q, aout, seq, seqlen))
+        tasks(batch * ((seqlen + STEPS - 1) // STEPS) * (NP // S.lanes(NP)),
+              lambda i: rotate(i, Qm, Km, Qb, Kb, q, k, seqlen))
+        tasks(batch * H * nchunks, lambda i: chunk(i, ADT, DT, Trap, dA_cs, scale, seq, seqlen, nchunks))
+        tasks(batch * ((nchunks * Q + TS - 1) // TS) * (H // HB),
+              lambda i: skip(i, Qm, Km, Qb, Kb, DT, Trap, Dv, skip_out, seqlen, nchunks))
         if d.has_init:
             tasks(batch * H * P * (N // S.lanes(N)), lambda i: row(i, DT, Trap, ssm, kst, vst, init))
 
