@@ -122,17 +122,17 @@ def test_preprocess_rules():
 
 
 def test_preprocess_bwd_rules():
-    """The backward's three passes: three parallel loops on a CPU (init's headdim_qk lanes, the rotary pairs'
-    and the pass-through pairs' vector sweeps), three launches on CUDA."""
+    """The backward's four passes: four parallel loops on a CPU (init's headdim_qk lanes, the rotary pairs'
+    and the pass-through pairs' vector sweeps, the dots' headdim_qk partials), four launches on CUDA."""
     func = m3.mamba3_siso_preprocess_bwd(**dict(PRE, headdim_angles=3), qk_dtype="bfloat16")
     sch = cpu_rule.apply(func, cpu_target(), Decisions())
     cpu = sch.mod.script()
-    assert cpu.count("T.parallel") == 3
+    assert cpu.count("T.parallel") == 4
     assert "T.vectorized(16)" in cpu and "T.vectorized(3)" in cpu and "T.vectorized(5)" in cpu
     tvm.compile(sch.mod, target=cpu_target())
     dec = Decisions({"threads": 256})
     script = cuda_rule.apply(func, tvm.target.Target("rocm"), dec).mod.script()
-    assert dec.used == {"threads": 256} and script.count('thread="blockIdx.x"') == 3
+    assert dec.used == {"threads": 256} and script.count('thread="blockIdx.x"') == 4
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")

@@ -224,19 +224,23 @@ def skip_block(d: PreDims, S: Strategy) -> tuple[int, int]:
     return DOT_STEPS, max(h for h in range(1, DOT_HEADS + 1) if d.heads_per_qk % h == 0)
 
 
-def _skip_macro(d: PreDims, S: Strategy):
-    """Pass 4, task (b, block of TS positions, block of HB heads of one Q / K head; ``skip_block``): skip =
-    D[h] + gamma_s X_s . Y_s for each (position, head) of the block (0 past seqlen), the dots summed over n
-    ascending (on a CPU in ``VW`` vector partials, then their sum, as ``dot_macro``)."""
-    H, HPQ, N, Q, m = d.nheads, d.heads_per_qk, d.headdim_qk, d.chunk_size, S.math
+def qk_dots_macro(d: PreDims, S: Strategy):
+    """A macro ``dots(i, Qm, Km, Qb, Kb, put, positions)``, task i = (b, block of TS positions, block of HB heads
+    of one Q / K head; ``skip_block``): put(b, h, t, X_t . Y_t) for each position t < ``positions`` and head h
+    of the block (X = Q[hq] + Q_bias[h], Y = K[hq] + K_bias[h]: the unrotated diagonal dot), summed over n
+    ascending (on a CPU in ``VW`` vector partials, then their sum). The forward's skip pass (``put``: the
+    skip) and the backward's dots (preprocess_bwd.py); positions past seqlen read the last row (``put`` masks
+    them)."""
+    H, HPQ, N, m = d.nheads, d.heads_per_qk, d.headdim_qk, S.math
     TS, HB = skip_block(d, S)
     VW = max(w for w in (1, 2, 4, 8, 16) if N % w == 0) if S.vector else 1
 
     @T.macro
-    def skip(i, Qm, Km, Qb, Kb, DT, Trap, Dv, out, seqlen, nchunks):
+    def dots(i, Qm, Km, Qb, Kb, put, positions):
         w = T.meta_var(S.scratch(part=(TS, HB, VW), x=(TS, VW), y=(TS, VW), qb=(HB, VW), kb=(HB, VW), r=(1,)))
-        b, sb, hb = T.meta_var(unravel(i, (None, (nchunks * Q + TS - 1) // TS, H // HB)))
+        b, sb, hb = T.meta_var(unravel(i, (None, (positions + TS - 1) // TS, H // HB)))
         hq = T.meta_var(hb * HB // HPQ)
+        last = T.meta_var(Qm.shape[1] - 1)
         for s in T.unroll(TS):
             for j in T.unroll(HB):
                 for vi in S.lane_loop(VW):
@@ -244,8 +248,8 @@ def _skip_macro(d: PreDims, S: Strategy):
         for no in range(N // VW):
             for s in T.unroll(TS):
                 for vi in S.lane_loop(VW):
-                    w.x[s, vi] = m.cast(Qm[b, T.min(sb * TS + s, seqlen - 1), hq, no * VW + vi])
-                    w.y[s, vi] = m.cast(Km[b, T.min(sb * TS + s, seqlen - 1), hq, no * VW + vi])
+                    w.x[s, vi] = m.cast(Qm[b, T.min(sb * TS + s, last), hq, no * VW + vi])
+                    w.y[s, vi] = m.cast(Km[b, T.min(sb * TS + s, last), hq, no * VW + vi])
             for j in T.unroll(HB):
                 for vi in S.lane_loop(VW):
                     w.qb[j, vi] = Qb[hb * HB + j, no * VW + vi]
@@ -255,14 +259,14 @@ def _skip_macro(d: PreDims, S: Strategy):
                     for vi in S.lane_loop(VW):
                         w.part[s, j, vi] = w.part[s, j, vi] + (w.x[s, vi] + w.qb[j, vi]) * (w.y[s, vi] + w.kb[j, vi])
         for s in T.unroll(TS):
-            if sb * TS + s < nchunks * Q:
+            if sb * TS + s < positions:
                 for j in T.unroll(HB):
                     w.r[0] = m.zero
                     for vi in range(VW):
                         w.r[0] = w.r[0] + w.part[s, j, vi]
-                    _put_skip(d, m, out, Dv, DT, Trap, b, hb * HB + j, sb * TS + s, w.r[0], seqlen)
+                    put(b, hb * HB + j, sb * TS + s, w.r[0])
 
-    return skip
+    return dots
 
 
 def _put_skip(d: PreDims, m, out, Dv, DT, Trap, b, h, t, dot, seqlen):
@@ -271,12 +275,6 @@ def _put_skip(d: PreDims, m, out, Dv, DT, Trap, b, h, t, dot, seqlen):
     gamma = DT[b, h, tirx.min(t, seqlen - 1)] * m.sigmoid(Trap[b, h, tirx.min(t, seqlen - 1)])
     val = (Dv[h] if d.has_D else m.zero) + gamma * dot
     T.buffer_store(out, tirx.Select(t < seqlen, val, m.zero), [b, h, t // Q, t % Q])
-
-
-def qk_dot_term(Qm, Km, Qb, Kb, b, s, hq, h, m):
-    """n -> (Q[b, s, hq, n] + Q_bias[h, n]) (K[b, s, hq, n] + K_bias[h, n]): the terms of the unrotated diagonal
-    dot X_s . Y_s (for ``dot_macro``)."""
-    return lambda n: (m.cast(Qm[b, s, hq, n]) + Qb[h, n]) * (m.cast(Km[b, s, hq, n]) + Kb[h, n])
 
 
 def dot_macro(N: int, S: Strategy):
@@ -328,7 +326,7 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
     KT = d.kstate_dtype or F32
     angles, rotate, chunk, skip, row = (_angles_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S),
-                                        _skip_macro(d, S), _init_macro(d, S))
+                                        qk_dots_macro(d, S), _init_macro(d, S))
     tasks, (TS, HB), NP = S.tasks(), skip_block(d, S), N // 2
     I3 = (1, 1, 1)
 
@@ -367,7 +365,8 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
               lambda i: rotate(i, Qm, Km, Qb, Kb, q, k, seqlen))
         tasks(batch * H * nchunks, lambda i: chunk(i, ADT, DT, Trap, dA_cs, scale, seq, seqlen, nchunks))
         tasks(batch * ((nchunks * Q + TS - 1) // TS) * (H // HB),
-              lambda i: skip(i, Qm, Km, Qb, Kb, DT, Trap, Dv, skip_out, seqlen, nchunks))
+              lambda i: skip(i, Qm, Km, Qb, Kb, lambda b, h, t, dot: _put_skip(d, S.math, skip_out, Dv, DT, Trap, b,
+                                                                                 h, t, dot, seqlen), nchunks * Q))
         if d.has_init:
             tasks(batch * H * P * (N // S.lanes(N)), lambda i: row(i, DT, Trap, ssm, kst, vst, init))
 

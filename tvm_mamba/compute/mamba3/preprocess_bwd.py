@@ -44,7 +44,7 @@ from tvm.script.ir_builder import IRBuilder
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
-from .preprocess import angle_step, biased, carried, dot_macro, qk_dot_term, rotated, seq_ends
+from .preprocess import angle_step, biased, carried, dot_macro, qk_dots_macro, rotated, seq_ends, skip_block
 
 
 def _init_macro(d: PreDims, S: Strategy):
@@ -77,13 +77,16 @@ def _init_macro(d: PreDims, S: Strategy):
 def _pair_grads(io, w, b, t, h, hq, p, v, m, turn: bool):
     """Pair p at step t: dX, dY (R(theta)^T of dq, dk where ``turn``, with cos / sin in w.cs / w.sn[v]; plus
     the skip's dskip gamma Y, X, gamma's product in w.sg[0]) stored in dQh / dKh and added to the bias sums
-    w.acc[0..3, v]; where ``turn``, g (d/dtheta) added to w.G[v]. The pair's biases come from w.bias[:, v]."""
+    w.acc[0..3, v]; where ``turn``, g (d/dtheta) added to w.G[v]. The pair's biases come from w.bias[:, v]; its
+    biased X / Y and dq / dk are read once into w.xy / w.dg (each is used twice: g and R^T)."""
     for e in range(2):  # the biased pairs, read once into w.xy[:, v]
         T.buffer_store(w.xy, biased(io.Qm, w.bias, 0, b, t, hq, p, e, v, m), [e, v])
         T.buffer_store(w.xy, biased(io.Km, w.bias, 2, b, t, hq, p, e, v, m), [2 + e, v])
     x0, x1, y0, y1 = w.xy[0, v], w.xy[1, v], w.xy[2, v], w.xy[3, v]
-    grads = dq0, dq1, dk0, dk1 = (io.dq[b, t, h, 2 * p], io.dq[b, t, h, 2 * p + 1], io.dk[b, t, h, 2 * p],
-                                  io.dk[b, t, h, 2 * p + 1])
+    for e in range(2):  # dq, dk of the pair, read once into w.dg[:, v]
+        T.buffer_store(w.dg, io.dq[b, t, h, 2 * p + e], [e, v])
+        T.buffer_store(w.dg, io.dk[b, t, h, 2 * p + e], [2 + e, v])
+    grads = dq0, dq1, dk0, dk1 = w.dg[0, v], w.dg[1, v], w.dg[2, v], w.dg[3, v]
     if turn:
         q0, q1 = rotated(x0, x1, w.cs[v], w.sn[v])
         k0, k1 = rotated(y0, y1, w.cs[v], w.sn[v])
@@ -106,8 +109,8 @@ def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
 
     @T.macro
     def sweep(b, h, p0, io):
-        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,), ta=(V,), G=(V,), e=(4, V), acc=(4, V), sg=(1,),
-                                 bias=(4, V), xy=(4, V)))
+        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,), ta=(V,), G=(V,), e=(4, V), acc=(4, V), sg=(2,),
+                                 bias=(4, V), xy=(4, V), dg=(4, V)))
         hq = T.meta_var(h // HPQ)
         for v in S.lane_loop(V):  # the pairs' Q / K biases, read once per task
             for e in range(2):
@@ -127,18 +130,20 @@ def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
                 w.acc[j, v] = m.zero
         for tr in range(io.seqlen):
             t = T.meta_var(io.seqlen - 1 - tr)
-            w.sg[0] = io.dskip[b, h, t // Q, t % Q] * (io.DT[b, h, t] * m.sigmoid(io.Trap[b, h, t]))
+            w.sg[1] = io.DT[b, h, t]
+            w.sg[0] = io.dskip[b, h, t // Q, t % Q] * (w.sg[1] * m.sigmoid(io.Trap[b, h, t]))
             for v in S.lane_loop(V):
                 if turn:
                     if d.has_seq_idx:  # a sequence's last step: G restarts from that sequence's daout row
                         w.G[v] = T.Select(seq_ends(io.seq, b, t, io.seqlen), io.daout[io.seq[b, t], h, p0 + v],
                                           w.G[v])
-                    w.cs[v] = T.cos(io.gdt[b, t, h, p0 + v])
-                    w.sn[v] = T.sin(io.gdt[b, t, h, p0 + v])
+                    w.th[v] = io.gdt[b, t, h, p0 + v]
+                    w.cs[v] = T.cos(w.th[v])
+                    w.sn[v] = T.sin(w.th[v])
                 _pair_grads(io, w, b, t, h, hq, p0 + v, v, m, turn)
                 if turn:
                     w.ta[v] = m.tanh(io.Ang[b, t, h, p0 + v])
-                    io.dAng[b, t, h, p0 + v] = w.G[v] * PI * (m.one - w.ta[v] * w.ta[v]) * io.DT[b, h, t]
+                    io.dAng[b, t, h, p0 + v] = w.G[v] * PI * (m.one - w.ta[v] * w.ta[v]) * w.sg[1]
                     io.gdt[b, t, h, p0 + v] = w.G[v] * PI * w.ta[v]
         for v in S.lane_loop(V):
             io.dQb[b, h, 2 * (p0 + v)] = w.acc[0, v]
@@ -180,8 +185,8 @@ def _rotate_macro(d: PreDims, S: Strategy):
 
 def _chunk_macro(d: PreDims, S: Strategy):
     """Pass 3, task (b, h, c): dDT, dTrap, dADT of the chunk's positions (module docstring)."""
-    H, HPQ, N, A, Q, m = d.nheads, d.heads_per_qk, d.headdim_qk, d.headdim_angles, d.chunk_size, S.math
-    dot_qk, dot_g = dot_macro(N, S), dot_macro(A, S)
+    H, A, Q, m = d.nheads, d.headdim_angles, d.chunk_size, S.math
+    dot_g = dot_macro(A, S)
 
     @T.macro
     def chunk(i, io):
@@ -190,7 +195,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
         for l in range(Q):
             if c * Q + l < io.seqlen:
                 w.r[0] = m.sigmoid(io.Trap[b, h, c * Q + l])
-                dot_qk(w.r, 1, qk_dot_term(io.Qm, io.Km, io.Qb, io.Kb, b, c * Q + l, h // HPQ, h, m))
+                w.r[1] = io.dDT[b, h, c * Q + l]  # X . Y, stored there by the dots pass
                 dot_g(w.r, 2, lambda n: io.gdt[b, c * Q + l, h, n])
                 w.r[3] = io.dscale[b, h, c, l] + io.dskip[b, h, c, l] * w.r[1]
                 w.r[4] = m.zero
@@ -208,6 +213,12 @@ def _chunk_macro(d: PreDims, S: Strategy):
                                                     io.ddA[b, h, c, l] + io.ddecay[b, h, c], m.zero)
 
     return chunk
+
+
+def _put_dot(io, b, h, t, dot):
+    """The dots pass's X_t . Y_t into dDT[b, h, t]: the chunk pass reads it there and overwrites it with dDT (the
+    same element, the same task)."""
+    T.buffer_store(io.dDT, dot, [b, h, t])
 
 
 def _bind(**specs) -> SimpleNamespace:
@@ -233,6 +244,7 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
     KT, NP = d.kstate_dtype or F32, N // 2
     init, pairs, chunk, tasks = _init_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S), S.tasks()
+    dots, (TS, HB) = qk_dots_macro(d, S), skip_block(d, S)
     st = lambda *shape: shape if d.has_init else (1,) * len(shape)  # noqa: E731
 
     @T.prim_func
@@ -266,6 +278,8 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
         if d.has_init:
             tasks(batch * H, lambda i: init(i, io))
         tasks(batch * H * (NP // S.lanes(NP)), lambda i: pairs(i, io))
+        tasks(batch * ((seqlen + TS - 1) // TS) * (H // HB),
+              lambda i: dots(i, io.Qm, io.Km, io.Qb, io.Kb, lambda b, h, t, dot: _put_dot(io, b, h, t, dot), seqlen))
         tasks(batch * H * nchunks, lambda i: chunk(i, io))
 
     return func
