@@ -39,6 +39,15 @@ def test_kernel_matches_autograd_of_reference(static, dtypes):
     assert (dadt[:, :, 1] == 0).all() and (dadt[:, :, 0] != 0).all()  # the clamped step passes no gradient
 
 
+def test_kernel_across_pair_blocks():
+    """seqlen 37: three tasks of the pairs pass (16 steps each, the last ragged) and their bias-gradient parts,
+    the dots' blocks over five chunks of 8, 8 heads over 2 Q / K heads, 3 of 4 pairs rotated, input states."""
+    static = dict(BASE, nheads=8, nheads_qk=2, headdim_angles=3, chunk_size=8, has_D=True, has_init=True)
+    res = preprocess_bwd_results(static, {}, batch=2, seqlen=37)
+    _check(res, {"dQh", "dKh", "dADT", "dDT", "dTrap", "dQb_part", "dKb_part", "dAngles", "dangle_state",
+                 "dk_state", "dv_state"})
+
+
 def test_reference_matches_the_forward_kernel():
     """The reference's outputs (q, k, dA_cs with its padded slots, scale, skip, final angle, init) == the
     forward preprocess kernel's in fp32: the backward differentiates the function the forward computes."""

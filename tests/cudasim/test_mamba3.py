@@ -102,14 +102,16 @@ def test_preprocess_bwd_matches_autograd(sim, static, dtypes):
 
 @pytest.mark.parametrize("dtypes", [{}, {"qk": "bfloat16", "vstate": "bfloat16"}])
 def test_preprocess_blocks_match_reference(sim, dtypes):
-    """The forward preprocess's register blocks at their edges: seqlen 37 (three rotate tasks of 16 steps, the
-    last ragged), chunk 8 (five chunks: the skip pass's 8-position blocks reach the padded slots 37..39), 8 heads
-    over 2 Q / K heads (skip blocks of 4 heads), 3 of 4 pairs rotated (a pass-through pair per head), input
-    states: every output against the float64 reference."""
+    """The preprocess's register blocks at their edges, forward and backward: seqlen 37 (three rotate / pairs
+    tasks of 16 steps, the last ragged, and the backward's bias-gradient parts), chunk 8 (five chunks: the skip
+    pass's 8-position blocks reach the padded slots 37..39), 8 heads over 2 Q / K heads (dot blocks of 4 heads),
+    3 of 4 pairs rotated (a pass-through pair per head), input states: every output against the float64
+    reference (the backward's: autograd of it)."""
     static = dict(nheads=8, nheads_qk=2, headdim_qk=8, headdim_v=4, headdim_angles=3, chunk_size=8, has_D=True,
                   has_init=True)
     res = sc.preprocess_results(static, dtypes, batch=2, seqlen=37)
-    assert [k.direction for k, _ in sim] == ["siso_preprocess"] and len(res) == 7
+    res.update(sc.preprocess_bwd_results(static, dtypes, batch=2, seqlen=37))
+    assert [k.direction for k, _ in sim] == ["siso_preprocess", "siso_preprocess_bwd"] and len(res) == 7 + 11
     for name, (got, want) in res.items():
         assert_close_to_ref(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4, name=name)
 

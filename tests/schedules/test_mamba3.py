@@ -122,17 +122,20 @@ def test_preprocess_rules():
 
 
 def test_preprocess_bwd_rules():
-    """The backward's four passes: four parallel loops on a CPU (init's headdim_qk lanes, the rotary pairs'
-    and the pass-through pairs' vector sweeps, the dots' headdim_qk partials), four launches on CUDA."""
+    """The backward's six passes (init, dots, angles, pairs, reverse, chunk): six parallel loops on a CPU
+    (init's headdim_qk lanes, the angles' vectors, the rotary pairs' and the pass-through pairs' vector sweeps),
+    six launches on CUDA; without input states five."""
     func = m3.mamba3_siso_preprocess_bwd(**dict(PRE, headdim_angles=3), qk_dtype="bfloat16")
     sch = cpu_rule.apply(func, cpu_target(), Decisions())
     cpu = sch.mod.script()
-    assert cpu.count("T.parallel") == 4
+    assert cpu.count("T.parallel") == 6
     assert "T.vectorized(16)" in cpu and "T.vectorized(3)" in cpu and "T.vectorized(5)" in cpu
     tvm.compile(sch.mod, target=cpu_target())
     dec = Decisions({"threads": 256})
     script = cuda_rule.apply(func, tvm.target.Target("rocm"), dec).mod.script()
-    assert dec.used == {"threads": 256} and script.count('thread="blockIdx.x"') == 4
+    assert dec.used == {"threads": 256} and script.count('thread="blockIdx.x"') == 6
+    no_init = m3.mamba3_siso_preprocess_bwd(**dict(PRE, has_init=False))
+    assert cuda_rule.apply(no_init, tvm.target.Target("rocm"), Decisions()).mod.script().count("blockIdx.x") == 5
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")

@@ -7,6 +7,9 @@ import dataclasses
 from ._common import OMIT_DEFAULT, Dims, check_dtype
 
 IO_DTYPES = ("float32", "float16", "bfloat16", "float64")
+# the preprocess's pair passes (compute/mamba3/preprocess*.py): time steps per task; the backward's bias
+# gradients come in parts per (batch, block of PAIR_STEPS steps), which torch_ops/mamba3.py allocates and sums
+PAIR_STEPS = 16
 
 
 def acc_dtype(v_dtype: str) -> str:

@@ -32,7 +32,8 @@ SCRATCH = {
 INOUT = {("selective_scan", "update"): {"state"}}
 # partial outputs whose part count is an expression of the shape, not a dim of its own (the norm backward's
 # ceil(rows / PART_ROWS) parts): {parameter: its part axis}, counted at one part like ``reduced_dims``
-PART_AXES = {("rmsnorm_gated", "bwd"): {"partial": 0}}
+# (and the Mamba-3 preprocess backward's bias gradients, per (batch, block of PAIR_STEPS steps))
+PART_AXES = {("rmsnorm_gated", "bwd"): {"partial": 0}, ("mamba3", "siso_preprocess_bwd"): {"dQb": 1, "dKb": 1}}
 
 
 def reduced_dims(static: dict) -> dict[str, int]:

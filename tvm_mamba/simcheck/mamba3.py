@@ -222,6 +222,7 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
     ``mamba3_siso_preprocess_ref`` on Q, K repeated per head (so its Q / K gradients are the kernel's per-head
     dQh / dKh) with the batch-summed bias gradients (the kernel's dQb_part / dKb_part summed over batch).
     ``seq_idx`` (1, seqlen) int32: packed sequences (has_seq_idx; daout then one row per sequence)."""
+    from ..compute._mamba3_dims import PAIR_STEPS
     from ..reference.mamba3 import mamba3_siso_preprocess_ref
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -249,6 +250,7 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
     one = inp["Input_States"] if has_init else [None] * 4
     placeholder = lambda t, ndim, dtype=torch.float32: t if has_init else torch.zeros((1,) * ndim, dtype=dtype)  # noqa
     new = lambda *shape: torch.empty(*shape)  # noqa: E731
+    parts = -(-seqlen // PAIR_STEPS)  # the bias gradients' parts: per (batch, block of PAIR_STEPS steps)
     args = dict(Q=inp["Q"], K=inp["K"], ADT=inp["ADT"], DT=inp["DT"], Trap=inp["Trap"], Q_bias=inp["Q_bias"],
                 K_bias=inp["K_bias"], Angles=inp["Angles"], angle_state=placeholder(one[0], 3),
                 k_state=placeholder(one[2], 3, _DTYPES[dtypes.get("kstate", "float32")]),
@@ -256,7 +258,7 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
                 dk=grads["dk"], dscale=grads["dscale"], ddA_step=ddA, dskip=grads["dskip"], ddecay=ddecay,
                 daout=grads["daout"], dinit=placeholder(grads["dinit"], 4), dQh=new(batch, seqlen, H, N),
                 dKh=new(batch, seqlen, H, N), dADT=new(batch, H, seqlen), dDT=new(batch, H, seqlen),
-                dTrap=new(batch, H, seqlen), dQb_part=new(batch, H, N), dKb_part=new(batch, H, N),
+                dTrap=new(batch, H, seqlen), dQb_part=new(batch, parts, H, N), dKb_part=new(batch, parts, H, N),
                 dAngles=new(batch, seqlen, H, A), dangle_state=placeholder(new(batch, H, A), 3),
                 dk_state=placeholder(new(batch, H, N), 3), dv_state=placeholder(new(batch, H, P), 3),
                 gdt=new(batch, seqlen, H, A), c0=new(batch, H),
@@ -279,7 +281,7 @@ def preprocess_bwd_results(static: dict, dtypes: dict, batch: int, seqlen: int, 
     kernel_for(OP, "siso_preprocess_bwd", torch.device("cpu"), dims, batch=batch, seqlen=seqlen)(*args.values())
     got = {k: args[k] for k in ref}
     for k in ("dQb_part", "dKb_part"):
-        got[k] = got[k].sum(0)
+        got[k] = got[k].sum((0, 1))
     return {k: (got[k], ref[k]) for k in ref}
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute._mamba3_dims import PreDims, StepDims
+from ..compute._mamba3_dims import PAIR_STEPS, PreDims, StepDims
 from ..compute._ssd_dims import (BmmDims, DstatesDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims, ScanDims,
                                  StateDims, VarlenDims)
 from ._dlpack import FLOATS, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
@@ -371,8 +371,8 @@ def mamba3_siso_bwd_op(dout: Tensor, daout: Optional[Tensor], dfinal: Optional[T
     r = preprocess_bwd(c, g, Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, k_state, v_state, daout)
     e = lambda: V.new_empty((0,))  # noqa: E731  (one per absent input: outputs may not alias)
     cast = lambda t, like: t.to(like.dtype) if like is not None else e()  # noqa: E731
-    return [_group_sum(c, r.dQh, Q), _group_sum(c, r.dKh, K), g.dV, r.dADT, r.dDT, r.dTrap, r.dQb.sum(0),
-            r.dKb.sum(0), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e(),
+    return [_group_sum(c, r.dQh, Q), _group_sum(c, r.dKh, K), g.dV, r.dADT, r.dDT, r.dTrap, r.dQb.sum((0, 1)),
+            r.dKb.sum((0, 1)), r.dAngles, cast(g.dskip.sum((0, 2, 3)), D), g.dZ if Z is not None else e(),
             r.dangle if c.has_init else e(), g.dinit if c.has_init else e(),
             cast(r.dkst, k_state) if c.has_init else e(), cast(r.dvst, v_state) if c.has_init else e()]
 
@@ -381,11 +381,11 @@ def preprocess_bwd(c: _Chunked, g, Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, 
                    daout) -> SimpleNamespace:
     """The preprocess's backward kernel from the SSD pieces' gradients g (dq, dk, dscale, ddA, dskip, ddecay,
     dinit, as ``_ssd_bwd`` gives them) and daout (the final angles' gradient, None: zero) -> r with dQh, dKh
-    (per head), dADT, dDT, dTrap, dQb, dKb (per batch row), dAngles and, with input states, dangle, dkst, dvst
-    (float32)."""
-    b, H, S = c.batch, c.H, Angles.shape[3]
+    (per head), dADT, dDT, dTrap, dQb, dKb (parts per batch row and block of PAIR_STEPS steps, the caller sums
+    them), dAngles and, with input states, dangle, dkst, dvst (float32)."""
+    b, H, S, parts = c.batch, c.H, Angles.shape[3], -(-c.seqlen // PAIR_STEPS)
     r = SimpleNamespace(dQh=torch.empty_like(g.dq), dKh=torch.empty_like(g.dk), dAngles=c.new(*Angles.shape),
-                        dQb=c.new(b, H, c.N), dKb=c.new(b, H, c.N))
+                        dQb=c.new(b, parts, H, c.N), dKb=c.new(b, parts, H, c.N))
     r.dADT, r.dDT, r.dTrap = (c.new(*ADT.shape) for _ in range(3))  # ADT may be a (transposed) view
     r.dangle, r.dkst, r.dvst = ((c.new(b, H, S), c.new(b, H, c.N), c.new(b, H, c.P)) if c.has_init
                                 else (None, None, None))

@@ -128,11 +128,12 @@ def mamba3_siso_preprocess_bwd(dims: PreDims | None = None, /, **kwargs) -> tirx
     v_state; gradients of the forward's outputs dq, dk (batch, seqlen, nheads, headdim_qk), dscale, ddA_step,
     dskip (batch, nheads, nchunks, chunk_size), ddecay (batch, nheads, nchunks), daout (batch, nheads,
     headdim_angles), dinit (batch, nheads, headdim_v, headdim_qk) -> dQh, dKh (batch, seqlen, nheads,
-    headdim_qk) per head; dADT, dDT, dTrap (batch, nheads, seqlen); dQb_part, dKb_part (batch, nheads,
-    headdim_qk); dAngles (batch, seqlen, nheads, headdim_angles); dangle_state, dk_state, dv_state; workspaces
-    gdt (batch, seqlen, nheads, headdim_angles), c0 (batch, nheads); all float32 (states and their gradients:
-    placeholders without has_init); last seq_idx (batch, seqlen) int32 (with has_seq_idx: packed sequences,
-    daout then (nseq, nheads, headdim_angles); else a (1, 1) placeholder). ``dims``: a PreDims, or its fields as keywords."""
+    headdim_qk) per head; dADT, dDT, dTrap (batch, nheads, seqlen); dQb_part, dKb_part (batch, ceil(seqlen /
+    PAIR_STEPS), nheads, headdim_qk): the bias gradients in parts per batch row and block of PAIR_STEPS steps;
+    dAngles (batch, seqlen, nheads, headdim_angles); dangle_state, dk_state, dv_state; workspaces gdt (batch,
+    seqlen, nheads, headdim_angles), c0 (batch, nheads); all float32 (states and their gradients: placeholders
+    without has_init); last seq_idx (batch, seqlen) int32 (with has_seq_idx: packed sequences, daout then (nseq,
+    nheads, headdim_angles); else a (1, 1) placeholder). ``dims``: a PreDims, or its fields as keywords."""
     if dims is not None and kwargs:
         raise TypeError(f"mamba3_siso_preprocess_bwd: pass dims or keyword dims, not both ({sorted(kwargs)})")
     d = dims if dims is not None else PreDims(**kwargs)

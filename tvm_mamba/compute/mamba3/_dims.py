@@ -2,6 +2,7 @@
 re-exported here for the builders and the rules."""
 from __future__ import annotations
 
-from .._mamba3_dims import IO_DTYPES, MimoStepDims, PreDims, StepDims, acc_dtype, mimo_chunk_steps  # noqa: F401
+from .._mamba3_dims import (IO_DTYPES, PAIR_STEPS, MimoStepDims, PreDims, StepDims, acc_dtype,  # noqa: F401
+                            mimo_chunk_steps)
 
-__all__ = ["IO_DTYPES", "MimoStepDims", "PreDims", "StepDims", "acc_dtype", "mimo_chunk_steps"]
+__all__ = ["IO_DTYPES", "PAIR_STEPS", "MimoStepDims", "PreDims", "StepDims", "acc_dtype", "mimo_chunk_steps"]

@@ -50,18 +50,19 @@ from tvm.script import tirx as T
 
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
-from ._dims import PreDims
+from ._dims import PAIR_STEPS, PreDims
 
 
-STEPS = 16  # rotate pass: time steps per task (its Q / K pairs read once for every head of their group)
+STEPS = PAIR_STEPS  # rotate pass: time steps per task (its Q / K pairs read once for every head of their group)
 DOT_STEPS, DOT_HEADS = 8, 8  # skip pass on scalar lanes: a register block of positions x heads of one Q/K head
 
 
-def _angles_macro(d: PreDims, S: Strategy):
+def angles_macro(d: PreDims, S: Strategy, final: bool = True):
     """Pass 1, task (b, h, block of ``S.lanes`` angles: all of them on a CPU, one on CUDA): the angle cumsum over
     time, cos / sin of theta_t stored in q[b, t, h, 2 i] / q[b, t, h, 2 i + 1] (the slots of pair i: the rotate
     pass reads them and overwrites the pair; the cos / sin calls here, off the rotate pass, whose register block
-    spilled around their slow-path calls), and the final theta to angle_out."""
+    spilled around their slow-path calls) and, with ``final``, the final theta to angle_out (the backward's
+    pass 3 is this macro without it, ``q`` its dQh)."""
     H, A, m = d.nheads, d.headdim_angles, S.math
     V = S.lanes(A)
 
@@ -80,11 +81,11 @@ def _angles_macro(d: PreDims, S: Strategy):
                                      m.tanh(Ang[b, t, h, ab * V + v]), DT[b, h, t], m)
                 q[b, t, h, 2 * (ab * V + v)] = T.cos(w.th[v])
                 q[b, t, h, 2 * (ab * V + v) + 1] = T.sin(w.th[v])
-            if d.has_seq_idx:
+            if final and d.has_seq_idx:
                 if b == 0 and seq_ends(seq, b, t, seqlen):
                     for v in range(V):
                         aout[seq[b, t], h, ab * V + v] = w.th[v]
-        if not d.has_seq_idx:
+        if final and not d.has_seq_idx:
             for v in S.lane_loop(V):
                 aout[b, h, ab * V + v] = w.th[v]
 
@@ -113,25 +114,40 @@ def _turn_macro(d: PreDims, S: Strategy):
     return turn
 
 
+def load_pairs_macro(d: PreDims, S: Strategy, V: int):
+    """A macro ``load(w, Qm, Km, b, tb, hq, p0, seqlen)``: w.x[e, s, v] / w.y[e, s, v] = element e of pair p0 + v
+    of Q / K[b, tb STEPS + s, hq] (float32) for the task's STEPS steps before seqlen: what the forward's rotate
+    pass and the backward's pairs pass reuse for every head of the Q / K head. The step loop is unrolled: w.x /
+    w.y stay in registers on CUDA (indexed by a loop variable they went to the stack)."""
+    m = S.math
+
+    @T.macro
+    def load(w, Qm, Km, b, tb, hq, p0, seqlen):
+        for s in T.unroll(STEPS):
+            if tb * STEPS + s < seqlen:
+                for v in S.lane_loop(V):
+                    for e in T.unroll(2):
+                        w.x[e, s, v] = m.cast(Qm[b, tb * STEPS + s, hq, 2 * (p0 + v) + e])
+                        w.y[e, s, v] = m.cast(Km[b, tb * STEPS + s, hq, 2 * (p0 + v) + e])
+
+    return load
+
+
 def _rotate_macro(d: PreDims, S: Strategy):
     """Pass 2, task (b, block of STEPS steps, block of ``S.lanes`` rotary pairs: all on a CPU, one on CUDA):
     q, k = R(theta) (Q + Q_bias[h]), R(theta) (K + K_bias[h]) for every head, each Q / K head's pairs read once
-    per task into w.x / w.y and rotated for each of its heads (GQA), the head's biases once per task. The step
-    loops are unrolled: w.x / w.y stay in registers on CUDA (indexed by a loop variable they went to the stack)."""
-    HQ, HPQ, NP, m = d.nheads_qk, d.heads_per_qk, d.headdim_qk // 2, S.math
-    V, turn = S.lanes(NP), _turn_macro(d, S)
+    per task into w.x / w.y (``load_pairs_macro``) and rotated for each of its heads (GQA), the head's biases once
+    per task."""
+    HQ, HPQ, NP = d.nheads_qk, d.heads_per_qk, d.headdim_qk // 2
+    V = S.lanes(NP)
+    turn, load = _turn_macro(d, S), load_pairs_macro(d, S, V)
 
     @T.macro
     def rotate(i, Qm, Km, Qb, Kb, q, k, seqlen):
         w = T.meta_var(S.scratch(x=(2, STEPS, V), y=(2, STEPS, V), qb=(2, V), kb=(2, V), cs=(V,), sn=(V,)))
         b, tb, pb = T.meta_var(unravel(i, (None, (seqlen + STEPS - 1) // STEPS, NP // V)))
         for hq in range(HQ):
-            for s in T.unroll(STEPS):
-                if tb * STEPS + s < seqlen:
-                    for v in S.lane_loop(V):
-                        for e in T.unroll(2):
-                            w.x[e, s, v] = m.cast(Qm[b, tb * STEPS + s, hq, 2 * (pb * V + v) + e])
-                            w.y[e, s, v] = m.cast(Km[b, tb * STEPS + s, hq, 2 * (pb * V + v) + e])
+            load(w, Qm, Km, b, tb, hq, pb * V, seqlen)
             for hh in range(HPQ):
                 for v in S.lane_loop(V):
                     for e in T.unroll(2):
@@ -168,12 +184,6 @@ def angle_step(theta, tanh_angle, dt, m):
     TWO_PI = m.const(2.0 * math.pi)
     x = theta + tanh_angle * m.const(math.pi) * dt
     return x - TWO_PI * T.floor(x / TWO_PI)
-
-
-def biased(X, xb, row, b, t, hq, p, e, v, m):
-    """Element e of rotary pair p of X[b, t, hq] plus its bias xb[row + e, v] (the task's biases, read once
-    per task), float32: the per-head biased Q or K, unrotated."""
-    return m.cast(X[b, t, hq, 2 * p + e]) + xb[row + e, v]
 
 
 def rotated(x0, x1, cs, sn):
@@ -325,7 +335,7 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     without positions are left as they are (the caller zero-fills)."""
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
     KT = d.kstate_dtype or F32
-    angles, rotate, chunk, skip, row = (_angles_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S),
+    angles, rotate, chunk, dots, row = (angles_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S),
                                         qk_dots_macro(d, S), _init_macro(d, S))
     tasks, (TS, HB), NP = S.tasks(), skip_block(d, S), N // 2
     I3 = (1, 1, 1)
@@ -356,7 +366,7 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
         k = T.match_buffer(k_h, (batch, seqlen, H, N), F32)
         dA_cs = T.match_buffer(dac_h, (batch, H, nchunks, Q), F32)
         scale = T.match_buffer(sc_h, (batch, H, nchunks, Q), F32)
-        skip_out = T.match_buffer(sk_h, (batch, H, nchunks, Q), F32)
+        skip = T.match_buffer(sk_h, (batch, H, nchunks, Q), F32)
         aout = T.match_buffer(aout_h, (nseq if d.has_seq_idx else batch, H, A), F32)
         init = T.match_buffer(init_h, (batch, H, P, N) if d.has_init else Z4, F32)
         seq = T.match_buffer(seq_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
@@ -365,7 +375,7 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
               lambda i: rotate(i, Qm, Km, Qb, Kb, q, k, seqlen))
         tasks(batch * H * nchunks, lambda i: chunk(i, ADT, DT, Trap, dA_cs, scale, seq, seqlen, nchunks))
         tasks(batch * ((nchunks * Q + TS - 1) // TS) * (H // HB),
-              lambda i: skip(i, Qm, Km, Qb, Kb, lambda b, h, t, dot: _put_skip(d, S.math, skip_out, Dv, DT, Trap, b,
+              lambda i: dots(i, Qm, Km, Qb, Kb, lambda b, h, t, dot: _put_skip(d, S.math, skip, Dv, DT, Trap, b,
                                                                                  h, t, dot, seqlen), nchunks * Q))
         if d.has_init:
             tasks(batch * H * P * (N // S.lanes(N)), lambda i: row(i, DT, Trap, ssm, kst, vst, init))

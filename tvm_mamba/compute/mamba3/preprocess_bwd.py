@@ -2,23 +2,30 @@
 outputs (q, k, dA_cs, scale, skip, the final angle, init) to those of its inputs, as one template laid out by
 the SSD strategies (compute/ssd/strategy.py; schedules/<target>/ssd.py). Per (batch b, head h; hq = h // (H /
 H_qk)), X_t = Q_t[hq] + Q_bias[h], Y_t = K_t[hq] + K_bias[h], lam = sigmoid(Trap), gamma = DT lam, nu = DT (1 -
-lam); dscale / ddA_step / dskip of position t at chunk t // Q, slot t % Q. Three passes, each reading what the
-previous ones wrote (three parallel loops on a CPU, three launches on CUDA):
+lam); dscale / ddA_step / dskip of position t at chunk t // Q, slot t % Q. Six passes, each reading what the
+previous ones wrote (six parallel loops on a CPU, six launches on CUDA); only the angle recurrences (passes 3
+and 5, a task per angle) are serial over time:
 
 1. init (with input states), a task per (b, h): the trapezoid term nu_0 v_state k_state^T of init,
        c0 = sum_{p,n} dinit[p, n] v_state[p] k_state[n]         (d init / d nu_0, workspace c0[b, h])
        dk_state[n] = nu_0 sum_p dinit[p, n] v_state[p];  dv_state[p] = nu_0 sum_n dinit[p, n] k_state[n]
-2. rotate, a task per (b, h, block of rotary pairs: all of them on a CPU, one per CUDA thread): first the
-   forward's theta_t again (the forward's own expression, step for step), stored in the workspace gdt (the shape of
-   theta: (batch, seqlen, nheads, headdim_angles)); then time reversed, pair i:
-       g_t = dq1 q0 - dq0 q1 + dk1 k0 - dk0 k1        (d/dtheta of the rotated pair; q, k = R(theta_t) X, Y again)
-       G_t = daout + sum_{t' >= t} g_t'                (wrap(x) = x mod 2 pi has derivative 1)
-       dAngles_t = G_t pi (1 - tanh^2 Angles_t) DT_t;  gdt_t = G_t pi tanh(Angles_t)   (overwrites theta_t)
+2. dots, the forward's skip-dot blocks (preprocess.py ``qk_dots_macro``): X_t . Y_t into dDT[b, h, t] and
+   dskip_t gamma_t into dTrap[b, h, t] (both overwritten by pass 6);
+3. angles, the forward's pass 1 (``angles_macro``, the forward's own expression step for step): cos / sin of
+   theta_t into dQh's slots of each rotary pair (overwritten by pass 4);
+4. pairs, a task per (b, block of STEPS steps, block of rotary pairs: all on a CPU, one per CUDA thread), each
+   Q / K pair read once for every head of its Q / K group:
        dX_t = R(theta_t)^T dq_t + dskip_t gamma_t Y_t;  dY_t = R(theta_t)^T dk_t + dskip_t gamma_t X_t
-   -> dQh, dKh (per head: the caller sums each Q/K group's heads), their time sums dQb_part, dKb_part (the
-   bias gradients before the batch sum) and dangle_state = G_0. Pairs past headdim_angles have theta = 0:
-   dX = dq + dskip gamma Y, and no angle work (on a CPU a second vector loop over them).
-3. chunk, a task per (b, h, chunk c), serial over its positions s = c Q + l < seqlen:
+       g_t = dq1 q0 - dq0 q1 + dk1 k0 - dk0 k1        (d/dtheta of the rotated pair; q, k = R(theta_t) X, Y again)
+   -> dQh, dKh (per head: the caller sums each Q/K group's heads), g into the workspace gdt (batch, seqlen,
+   nheads, headdim_angles), and the block's time sums of dX / dY into dQb_part / dKb_part[b, block] (the bias
+   gradients in parts per (batch, block of STEPS steps): the caller sums them). Pairs past headdim_angles have
+   theta = 0: dX = dq + dskip gamma Y, and no g (on a CPU a second vector loop over them);
+5. reverse, a task per (b, h, block of angles), time reversed:
+       G_t = daout + sum_{t' >= t} g_t'                (wrap(x) = x mod 2 pi has derivative 1)
+       dAngles_t = G_t pi (1 - tanh^2 Angles_t) DT_t;  gdt_t = G_t pi tanh(Angles_t)   (overwrites g_t)
+   and dangle_state = G_0;
+6. chunk, a task per (b, h, chunk c), serial over its positions s = c Q + l < seqlen:
        dgamma = dscale_s + dskip_s X_s . Y_s;  dnu = dscale_{s-1} (s >= 1), c0 (s = 0, input states), else 0
        dDT = dgamma lam + dnu (1 - lam) + sum_i gdt_s,i;  dTrap = DT (dgamma - dnu) lam (1 - lam)
        dADT = ddA_step_s + ddecay_c where ADT_s >= DA_MIN, else 0 (the forward's clamp passes no gradient)
@@ -27,10 +34,11 @@ Packed sequences (``has_seq_idx``, no input states): theta restarts as the forwa
 sequence's last position t from daout[seq_idx[t]] (daout (nseq, H, A)), and dnu is 0 at a sequence's first
 position.
 
-Why theta is stored rather than run backwards (theta_{t-1} = theta_t - pi tanh(Angles_t) DT_t): the reverse
-recurrence drifts from the forward's angles by a rounding per step and its wrap can land on the other side of
-2 pi; the stored angles are the forward's own sequence, at no memory cost (gdt is needed anyway, same shape). The
-extra forward sweep reads Angles / DT once more (a tanh per pair and step).
+Why theta is recomputed forward rather than run backwards (theta_{t-1} = theta_t - pi tanh(Angles_t) DT_t): the
+reverse recurrence drifts from the forward's angles by a rounding per step and its wrap can land on the other
+side of 2 pi; pass 3 is the forward's own sequence. Why six passes: a thread per (b, h, pair) running both
+sweeps over time (three passes) ran 48 blocks of 128 threads at Mamba-3 130M's batch-4 shape and re-read the
+GQA-shared Q / K per head and DT / Trap / dskip per pair.
 """
 from __future__ import annotations
 
@@ -44,7 +52,8 @@ from tvm.script.ir_builder import IRBuilder
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
-from .preprocess import angle_step, biased, carried, dot_macro, qk_dots_macro, rotated, seq_ends, skip_block
+from .preprocess import (STEPS, angles_macro, dot_macro, load_pairs_macro, qk_dots_macro, rotated, seq_ends,
+                         skip_block)
 
 
 def _init_macro(d: PreDims, S: Strategy):
@@ -74,23 +83,22 @@ def _init_macro(d: PreDims, S: Strategy):
     return init
 
 
-def _pair_grads(io, w, b, t, h, hq, p, v, m, turn: bool):
-    """Pair p at step t: dX, dY (R(theta)^T of dq, dk where ``turn``, with cos / sin in w.cs / w.sn[v]; plus
-    the skip's dskip gamma Y, X, gamma's product in w.sg[0]) stored in dQh / dKh and added to the bias sums
-    w.acc[0..3, v]; where ``turn``, g (d/dtheta) added to w.G[v]. The pair's biases come from w.bias[:, v]; its
-    biased X / Y and dq / dk are read once into w.xy / w.dg (each is used twice: g and R^T)."""
-    for e in range(2):  # the biased pairs, read once into w.xy[:, v]
-        T.buffer_store(w.xy, biased(io.Qm, w.bias, 0, b, t, hq, p, e, v, m), [e, v])
-        T.buffer_store(w.xy, biased(io.Km, w.bias, 2, b, t, hq, p, e, v, m), [2 + e, v])
-    x0, x1, y0, y1 = w.xy[0, v], w.xy[1, v], w.xy[2, v], w.xy[3, v]
-    for e in range(2):  # dq, dk of the pair, read once into w.dg[:, v]
+def _pair_grads(io, w, b, t, h, s, p, v, turn: bool):
+    """Pair p of head h at step t (the task's step s): dX, dY (R(theta)^T of dq, dk where ``turn``, cos / sin in
+    w.cs / w.sn[v]; plus the skip's dskip gamma Y, X, that product in w.sg[0]) stored in dQh / dKh and added to
+    the bias sums w.acc[0..3, v]; where ``turn``, g (d/dtheta of the rotated pair) into gdt. X / Y: the task's
+    pair w.x / w.y[:, s, v] plus the head's biases w.bias[:, v]; dq / dk read once into w.dg (each is used
+    twice: g and R^T)."""
+    x0, x1 = w.x[0, s, v] + w.bias[0, v], w.x[1, s, v] + w.bias[1, v]
+    y0, y1 = w.y[0, s, v] + w.bias[2, v], w.y[1, s, v] + w.bias[3, v]
+    for e in range(2):
         T.buffer_store(w.dg, io.dq[b, t, h, 2 * p + e], [e, v])
         T.buffer_store(w.dg, io.dk[b, t, h, 2 * p + e], [2 + e, v])
     grads = dq0, dq1, dk0, dk1 = w.dg[0, v], w.dg[1, v], w.dg[2, v], w.dg[3, v]
     if turn:
         q0, q1 = rotated(x0, x1, w.cs[v], w.sn[v])
         k0, k1 = rotated(y0, y1, w.cs[v], w.sn[v])
-        T.buffer_store(w.G, w.G[v] + ((dq1 * q0 - dq0 * q1) + (dk1 * k0 - dk0 * k1)), [v])
+        T.buffer_store(io.gdt, (dq1 * q0 - dq0 * q1) + (dk1 * k0 - dk0 * k1), [b, t, h, p])
         grads = (*rotated(dq0, dq1, w.cs[v], -w.sn[v]), *rotated(dk0, dk1, w.cs[v], -w.sn[v]))
     sg = w.sg[0]
     for j, (out, lane, g, other) in enumerate(((io.dQh, 0, grads[0], y0), (io.dQh, 1, grads[1], y1),
@@ -101,66 +109,48 @@ def _pair_grads(io, w, b, t, h, hq, p, v, m, turn: bool):
 
 
 def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
-    """Pass 2 over ``V`` pairs p0 .. p0 + V - 1 of (b, h): rotary pairs (``turn``: all below headdim_angles) or
-    pass-through ones (theta = 0). Rotary: the forward's theta_t into gdt, then time reversed the pair
-    gradients, G, dAngles and gdt; both: the bias sums and, rotary with input states, dangle_state."""
-    HPQ, Q, m = d.heads_per_qk, d.chunk_size, S.math
-    PI = m.const(math.pi)
+    """Pass 4 over ``V`` pairs p0 .. p0 + V - 1 of the task's (b, STEPS steps): rotary pairs (``turn``: all below
+    headdim_angles; cos / sin from dQh's slots, where pass 3 put them) or pass-through ones (theta = 0). For each
+    Q / K head its pairs are read once (``load_pairs_macro``), then for each of its heads: the pair gradients
+    (``_pair_grads``) and the block's bias sums into dQb / dKb[b, block]."""
+    HQ, HPQ, m = d.nheads_qk, d.heads_per_qk, S.math
+    load = load_pairs_macro(d, S, V)
 
     @T.macro
-    def sweep(b, h, p0, io):
-        w = T.meta_var(S.scratch(th=(V,), cs=(V,), sn=(V,), ta=(V,), G=(V,), e=(4, V), acc=(4, V), sg=(2,),
-                                 bias=(4, V), xy=(4, V), dg=(4, V)))
-        hq = T.meta_var(h // HPQ)
-        for v in S.lane_loop(V):  # the pairs' Q / K biases, read once per task
-            for e in range(2):
-                w.bias[e, v] = io.Qb[h, 2 * (p0 + v) + e]
-                w.bias[2 + e, v] = io.Kb[h, 2 * (p0 + v) + e]
-        if turn:
-            for v in S.lane_loop(V):
-                w.th[v] = io.ast[b, h, p0 + v] if d.has_init else m.zero
-                w.G[v] = m.zero if d.has_seq_idx else io.daout[b, h, p0 + v]  # (packed: set at each end)
-            for t in range(io.seqlen):
+    def sweep(b, tb, p0, io):
+        w = T.meta_var(S.scratch(x=(2, STEPS, V), y=(2, STEPS, V), bias=(4, V), cs=(V,), sn=(V,), dg=(4, V),
+                                 e=(4, V), acc=(4, V), sg=(1,)))
+        for hq in range(HQ):
+            load(w, io.Qm, io.Km, b, tb, hq, p0, io.seqlen)
+            for hh in range(HPQ):
+                for v in S.lane_loop(V):  # the pairs' Q / K biases, read once per task and head
+                    for e in range(2):
+                        w.bias[e, v] = io.Qb[hq * HPQ + hh, 2 * (p0 + v) + e]
+                        w.bias[2 + e, v] = io.Kb[hq * HPQ + hh, 2 * (p0 + v) + e]
+                for j in range(4):
+                    for v in S.lane_loop(V):
+                        w.acc[j, v] = m.zero
+                for s in T.unroll(STEPS):
+                    if tb * STEPS + s < io.seqlen:
+                        w.sg[0] = io.dTrap[b, hq * HPQ + hh, tb * STEPS + s]  # dskip gamma, from the dots pass
+                        for v in S.lane_loop(V):
+                            if turn:
+                                w.cs[v] = io.dQh[b, tb * STEPS + s, hq * HPQ + hh, 2 * (p0 + v)]
+                                w.sn[v] = io.dQh[b, tb * STEPS + s, hq * HPQ + hh, 2 * (p0 + v) + 1]
+                            _pair_grads(io, w, b, tb * STEPS + s, hq * HPQ + hh, s, p0 + v, v, turn)
                 for v in S.lane_loop(V):
-                    w.th[v] = angle_step(carried(w.th[v], io.seq, b, t, d.has_seq_idx, m),
-                                         m.tanh(io.Ang[b, t, h, p0 + v]), io.DT[b, h, t], m)
-                    io.gdt[b, t, h, p0 + v] = w.th[v]
-        for j in range(4):
-            for v in S.lane_loop(V):
-                w.acc[j, v] = m.zero
-        for tr in range(io.seqlen):
-            t = T.meta_var(io.seqlen - 1 - tr)
-            w.sg[1] = io.DT[b, h, t]
-            w.sg[0] = io.dskip[b, h, t // Q, t % Q] * (w.sg[1] * m.sigmoid(io.Trap[b, h, t]))
-            for v in S.lane_loop(V):
-                if turn:
-                    if d.has_seq_idx:  # a sequence's last step: G restarts from that sequence's daout row
-                        w.G[v] = T.Select(seq_ends(io.seq, b, t, io.seqlen), io.daout[io.seq[b, t], h, p0 + v],
-                                          w.G[v])
-                    w.th[v] = io.gdt[b, t, h, p0 + v]
-                    w.cs[v] = T.cos(w.th[v])
-                    w.sn[v] = T.sin(w.th[v])
-                _pair_grads(io, w, b, t, h, hq, p0 + v, v, m, turn)
-                if turn:
-                    w.ta[v] = m.tanh(io.Ang[b, t, h, p0 + v])
-                    io.dAng[b, t, h, p0 + v] = w.G[v] * PI * (m.one - w.ta[v] * w.ta[v]) * w.sg[1]
-                    io.gdt[b, t, h, p0 + v] = w.G[v] * PI * w.ta[v]
-        for v in S.lane_loop(V):
-            io.dQb[b, h, 2 * (p0 + v)] = w.acc[0, v]
-            io.dQb[b, h, 2 * (p0 + v) + 1] = w.acc[1, v]
-            io.dKb[b, h, 2 * (p0 + v)] = w.acc[2, v]
-            io.dKb[b, h, 2 * (p0 + v) + 1] = w.acc[3, v]
-        if turn and d.has_init:
-            for v in S.lane_loop(V):
-                io.dast[b, h, p0 + v] = w.G[v]
+                    for j in range(2):
+                        io.dQb[b, tb, hq * HPQ + hh, 2 * (p0 + v) + j] = w.acc[j, v]
+                        io.dKb[b, tb, hq * HPQ + hh, 2 * (p0 + v) + j] = w.acc[2 + j, v]
 
     return sweep
 
 
-def _rotate_macro(d: PreDims, S: Strategy):
-    """Pass 2, task (b, h, block of ``S.lanes`` pairs): on a CPU (the whole pair axis) a vector sweep over the
-    headdim_angles rotary pairs, then one over the rest; on CUDA (a pair per thread) the pair's own sweep."""
-    H, NP, A = d.nheads, d.headdim_qk // 2, d.headdim_angles
+def _pairs_macro(d: PreDims, S: Strategy):
+    """Pass 4, task (b, block of STEPS steps, block of ``S.lanes`` pairs): on a CPU (the whole pair axis) a vector
+    sweep over the headdim_angles rotary pairs, then one over the rest; on CUDA (a pair per thread) the pair's
+    own sweep."""
+    NP, A = d.headdim_qk // 2, d.headdim_angles
     V = S.lanes(NP)
     if S.vector:
         turn, rest = _sweep_macro(d, S, A, True), _sweep_macro(d, S, NP - A, False) if NP > A else None
@@ -169,22 +159,56 @@ def _rotate_macro(d: PreDims, S: Strategy):
 
     @T.macro
     def task(i, io):
-        b, h, pb = T.meta_var(unravel(i, (None, H, NP // V)))
+        b, tb, pb = T.meta_var(unravel(i, (None, (io.seqlen + STEPS - 1) // STEPS, NP // V)))
         if S.vector:
-            turn(b, h, 0, io)
+            turn(b, tb, 0, io)
             if rest is not None:
-                rest(b, h, A, io)
+                rest(b, tb, A, io)
         else:
             if pb < A:
-                turn(b, h, pb, io)
+                turn(b, tb, pb, io)
             else:
-                rest(b, h, pb, io)
+                rest(b, tb, pb, io)
 
     return task
 
 
+def _reverse_macro(d: PreDims, S: Strategy):
+    """Pass 5, task (b, h, block of ``S.lanes`` angles), time reversed: G_t = daout + sum_{t' >= t} g_t' (g from
+    gdt; packed: restarting at each sequence's last step from its daout row), dAngles = G pi (1 - tanh^2) DT, gdt
+    = G pi tanh(Angles) (overwriting g), and with input states dangle_state = G_0."""
+    H, A, m = d.nheads, d.headdim_angles, S.math
+    V, PI = S.lanes(A), m.const(math.pi)
+
+    @T.macro
+    def reverse(i, io):
+        w = T.meta_var(S.scratch(G=(V,), ta=(V,), dt=(1,)))
+        b, h, ab = T.meta_var(unravel(i, (None, H, A // V)))
+        for v in S.lane_loop(V):
+            w.G[v] = m.zero
+        if not d.has_seq_idx:
+            for v in S.lane_loop(V):
+                w.G[v] = io.daout[b, h, ab * V + v]
+        for tr in range(io.seqlen):
+            t = T.meta_var(io.seqlen - 1 - tr)
+            w.dt[0] = io.DT[b, h, t]
+            for v in S.lane_loop(V):
+                if d.has_seq_idx:  # a sequence's last step: G restarts from that sequence's daout row
+                    w.G[v] = T.Select(seq_ends(io.seq, b, t, io.seqlen), io.daout[io.seq[b, t], h, ab * V + v],
+                                      w.G[v])
+                w.G[v] = w.G[v] + io.gdt[b, t, h, ab * V + v]
+                w.ta[v] = m.tanh(io.Ang[b, t, h, ab * V + v])
+                io.dAng[b, t, h, ab * V + v] = w.G[v] * PI * (m.one - w.ta[v] * w.ta[v]) * w.dt[0]
+                io.gdt[b, t, h, ab * V + v] = w.G[v] * PI * w.ta[v]
+        if d.has_init:
+            for v in S.lane_loop(V):
+                io.dast[b, h, ab * V + v] = w.G[v]
+
+    return reverse
+
+
 def _chunk_macro(d: PreDims, S: Strategy):
-    """Pass 3, task (b, h, c): dDT, dTrap, dADT of the chunk's positions (module docstring)."""
+    """Pass 6, task (b, h, c): dDT, dTrap, dADT of the chunk's positions (module docstring)."""
     H, A, Q, m = d.nheads, d.headdim_angles, d.chunk_size, S.math
     dot_g = dot_macro(A, S)
 
@@ -215,10 +239,12 @@ def _chunk_macro(d: PreDims, S: Strategy):
     return chunk
 
 
-def _put_dot(io, b, h, t, dot):
-    """The dots pass's X_t . Y_t into dDT[b, h, t]: the chunk pass reads it there and overwrites it with dDT (the
-    same element, the same task)."""
+def _put_dot(d: PreDims, m, io, b, h, t, dot):
+    """The dots pass's X_t . Y_t into dDT[b, h, t] and dskip_t gamma_t into dTrap[b, h, t]: the pairs pass reads
+    the latter, the chunk pass both, and overwrites them with dDT / dTrap (the same elements, the same task)."""
+    Q = d.chunk_size
     T.buffer_store(io.dDT, dot, [b, h, t])
+    T.buffer_store(io.dTrap, io.dskip[b, h, t // Q, t % Q] * (io.DT[b, h, t] * m.sigmoid(io.Trap[b, h, t])), [b, h, t])
 
 
 def _bind(**specs) -> SimpleNamespace:
@@ -235,7 +261,7 @@ def _bind(**specs) -> SimpleNamespace:
 
 
 def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
-    """The preprocess backward's three passes laid out by ``S`` (module docstring). Parameters in order: inputs
+    """The preprocess backward's six passes laid out by ``S`` (module docstring). Parameters in order: inputs
     Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, k_state, v_state; gradients dq, dk, dscale,
     ddA_step, dskip, ddecay, daout, dinit; outputs dQh, dKh, dADT, dDT, dTrap, dQb_part, dKb_part, dAngles,
     dangle_state, dk_state, dv_state; workspaces gdt, c0 (absent states / their gradients: placeholders); last
@@ -243,8 +269,9 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     one row per packed sequence, read at each sequence's last position)."""
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
     KT, NP = d.kstate_dtype or F32, N // 2
-    init, pairs, chunk, tasks = _init_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S), S.tasks()
-    dots, (TS, HB) = qk_dots_macro(d, S), skip_block(d, S)
+    init, pairs, chunk, tasks = _init_macro(d, S), _pairs_macro(d, S), _chunk_macro(d, S), S.tasks()
+    dots, angles, reverse = qk_dots_macro(d, S), angles_macro(d, S, final=False), _reverse_macro(d, S)
+    (TS, HB), V = skip_block(d, S), S.lanes(A)
     st = lambda *shape: shape if d.has_init else (1,) * len(shape)  # noqa: E731
 
     @T.prim_func
@@ -271,15 +298,20 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
             ddecay=(ddec_h, (batch, H, nchunks)), daout=(daout_h, (nseq if d.has_seq_idx else batch, H, A)),
             dinit=(dinit_h, (batch, H, P, N) if d.has_init else Z4),
             dQh=(dQh_h, (batch, seqlen, H, N)), dKh=(dKh_h, (batch, seqlen, H, N)), dADT=(dADT_h, (batch, H, seqlen)),
-            dDT=(dDT_h, (batch, H, seqlen)), dTrap=(dTrap_h, (batch, H, seqlen)), dQb=(dQb_h, (batch, H, N)),
-            dKb=(dKb_h, (batch, H, N)), dAng=(dAng_h, (batch, seqlen, H, A)), dast=(dast_h, st(batch, H, A)),
+            dDT=(dDT_h, (batch, H, seqlen)), dTrap=(dTrap_h, (batch, H, seqlen)),
+            dQb=(dQb_h, (batch, (seqlen + STEPS - 1) // STEPS, H, N)),
+            dKb=(dKb_h, (batch, (seqlen + STEPS - 1) // STEPS, H, N)), dAng=(dAng_h, (batch, seqlen, H, A)),
+            dast=(dast_h, st(batch, H, A)),
             dkst=(dkst_h, st(batch, H, N)), dvst=(dvst_h, st(batch, H, P)), gdt=(gdt_h, (batch, seqlen, H, A)),
             c0=(c0_h, (batch, H)), seq=(seq_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)))
         if d.has_init:
             tasks(batch * H, lambda i: init(i, io))
-        tasks(batch * H * (NP // S.lanes(NP)), lambda i: pairs(i, io))
         tasks(batch * ((seqlen + TS - 1) // TS) * (H // HB),
-              lambda i: dots(i, io.Qm, io.Km, io.Qb, io.Kb, lambda b, h, t, dot: _put_dot(io, b, h, t, dot), seqlen))
+              lambda i: dots(i, io.Qm, io.Km, io.Qb, io.Kb, lambda b, h, t, dot: _put_dot(d, S.math, io, b, h, t, dot),
+                             seqlen))
+        tasks(batch * H * (A // V), lambda i: angles(i, io.DT, io.Ang, io.ast, io.dQh, io.dast, io.seq, seqlen))
+        tasks(batch * ((seqlen + STEPS - 1) // STEPS) * (NP // S.lanes(NP)), lambda i: pairs(i, io))
+        tasks(batch * H * (A // V), lambda i: reverse(i, io))
         tasks(batch * H * nchunks, lambda i: chunk(i, io))
 
     return func
