@@ -71,7 +71,8 @@ def _cotangents(inp: dict, seed: int, final_grads: bool) -> list:
 # (nheads_qk, nheads, headdim_qk, headdim_v, headdim_angles, seqlen, chunk, input states, final-state grads);
 # the other tests reuse the first case's dims (its kernels: each new set of dims builds about ten)
 CASES = [(1, 4, 8, 4, 2, 11, 4, True, True),      # GQA 4:1, partial rotary, ragged last chunk, states both ways
-         (2, 2, 16, 8, 8, 16, 8, False, False)]   # full rotary, whole chunks, no states, out's gradient only
+         (2, 2, 16, 8, 8, 24, 8, False, False)]   # full rotary, whole chunks, no states, out's gradient only,
+#                                                    two of the preprocess backward's 16-step blocks
 
 
 @pytest.mark.parametrize("dtype, HQ, H, N, P, S, L, chunk, states, final_grads",

@@ -135,8 +135,9 @@ def _leaves(kw, dtype):
 
 
 @pytest.mark.parametrize("dtype,case", [(F32, dict()), (F32, dict(R=3, out=False, nheads_qk=2, div=2)),
-                                        (F32, dict(D=False, Z=False)), (BF16, dict(seed=3))],
-                         ids=["fp32", "fp32-no-out-gqa-full", "fp32-no-D-Z", "bf16"])
+                                        (F32, dict(D=False, Z=False)), (BF16, dict(seed=3)),
+                                        (F32, dict(batch=1, seqlen=20, nheads=2))],
+                         ids=["fp32", "fp32-no-out-gqa-full", "fp32-no-D-Z", "bf16", "fp32-two-step-blocks"])
 def test_gradients_against_the_reference(dtype, case):
     kw, div = make(**case)
     got_in, ref_in, low_in = _leaves(kw, dtype), _leaves(kw, F64), _leaves(kw, dtype)

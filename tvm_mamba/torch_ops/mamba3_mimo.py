@@ -202,7 +202,7 @@ def mamba3_mimo_bwd_op(dy: Tensor, Q: Tensor, K: Tensor, x: Tensor, ADT: Tensor,
     g = _ssd_bwd(f.flat, fp, dy.reshape(b, L * R, H, f.P), f.x, None, None, None)
     r = preprocess_bwd(pre, f.step_grads(g), *f.args, None, None, None, None)
     per_rank = lambda t: t.view(b, R, H, L).sum(1)  # noqa: E731  (batch, R nheads, seqlen) -> summed over ranks
-    bias = lambda t: t.sum(0).view(R, H, N).transpose(0, 1).contiguous()  # noqa: E731
+    bias = lambda t: t.sum((0, 1)).view(R, H, N).transpose(0, 1).contiguous()  # noqa: E731  (batch, step blocks)
     return [_group_sum(pre, r.dQh, f.args[0]).view(Q.shape), _group_sum(pre, r.dKh, f.args[1]).view(K.shape),
             g.dV.view(x.shape), per_rank(r.dADT), per_rank(r.dDT), per_rank(r.dTrap), bias(r.dQb), bias(r.dKb),
             r.dAngles.view(b, L, R, H, -1).sum(2)]

@@ -54,6 +54,7 @@ from ._dims import PAIR_STEPS, PreDims
 
 
 STEPS = PAIR_STEPS  # rotate pass: time steps per task (its Q / K pairs read once for every head of their group)
+AHEAD = 8  # angle passes: steps whose loads are issued together, ahead of the recurrence
 DOT_STEPS, DOT_HEADS = 8, 8  # skip pass on scalar lanes: a register block of positions x heads of one Q/K head
 
 
@@ -62,29 +63,39 @@ def angles_macro(d: PreDims, S: Strategy, final: bool = True):
     time, cos / sin of theta_t stored in q[b, t, h, 2 i] / q[b, t, h, 2 i + 1] (the slots of pair i: the rotate
     pass reads them and overwrites the pair; the cos / sin calls here, off the rotate pass, whose register block
     spilled around their slow-path calls) and, with ``final``, the final theta to angle_out (the backward's
-    pass 3 is this macro without it, ``q`` its dQh)."""
+    pass 3 is this macro without it, ``q`` its dQh). Time runs in blocks of AHEAD steps, each block's rates
+    (tanh(Angles) DT: loads and a tanh each, independent of theta) first: on CUDA a thread per angle walks the
+    whole sequence with a few warps per SM, and one load in flight per step would wait out the memory latency
+    at every step."""
     H, A, m = d.nheads, d.headdim_angles, S.math
     V = S.lanes(A)
 
     @T.macro
     def angles(i, DT, Ang, ast, q, aout, seq, seqlen):
-        w = T.meta_var(S.scratch(th=(V,)))
+        w = T.meta_var(S.scratch(th=(V,), inc=(AHEAD, V)))
         b, h, ab = T.meta_var(unravel(i, (None, H, A // V)))
         for v in S.lane_loop(V):
             w.th[v] = m.zero
         if d.has_init:
             for v in S.lane_loop(V):
                 w.th[v] = ast[b, h, ab * V + v]
-        for t in range(seqlen):
-            for v in S.lane_loop(V):
-                w.th[v] = angle_step(carried(w.th[v], seq, b, t, d.has_seq_idx, m),
-                                     m.tanh(Ang[b, t, h, ab * V + v]), DT[b, h, t], m)
-                q[b, t, h, 2 * (ab * V + v)] = T.cos(w.th[v])
-                q[b, t, h, 2 * (ab * V + v) + 1] = T.sin(w.th[v])
-            if final and d.has_seq_idx:
-                if b == 0 and seq_ends(seq, b, t, seqlen):
-                    for v in range(V):
-                        aout[seq[b, t], h, ab * V + v] = w.th[v]
+        for tb in range((seqlen + AHEAD - 1) // AHEAD):
+            for s in T.unroll(AHEAD):  # the block's rates first: their loads in flight together
+                if tb * AHEAD + s < seqlen:
+                    for v in S.lane_loop(V):
+                        w.inc[s, v] = angle_rate(m.tanh(Ang[b, tb * AHEAD + s, h, ab * V + v]),
+                                                 DT[b, h, tb * AHEAD + s], m)
+            for s in T.unroll(AHEAD):
+                if tb * AHEAD + s < seqlen:
+                    for v in S.lane_loop(V):
+                        w.th[v] = angle_step(carried(w.th[v], seq, b, tb * AHEAD + s, d.has_seq_idx, m), w.inc[s, v],
+                                             m)
+                        q[b, tb * AHEAD + s, h, 2 * (ab * V + v)] = T.cos(w.th[v])
+                        q[b, tb * AHEAD + s, h, 2 * (ab * V + v) + 1] = T.sin(w.th[v])
+                    if final and d.has_seq_idx:
+                        if b == 0 and seq_ends(seq, b, tb * AHEAD + s, seqlen):
+                            for v in range(V):
+                                aout[seq[b, tb * AHEAD + s], h, ab * V + v] = w.th[v]
         if final and not d.has_seq_idx:
             for v in S.lane_loop(V):
                 aout[b, h, ab * V + v] = w.th[v]
@@ -178,11 +189,16 @@ def carried(theta, seq, b, t, has_seq_idx: bool, m):
     return tirx.Select(seq_continues(seq, b, t), theta, m.zero) if has_seq_idx else theta
 
 
-def angle_step(theta, tanh_angle, dt, m):
-    """(theta + pi tanh(Angles) DT) mod 2 pi, in [0, 2 pi): one step of the angle cumsum (``tanh_angle``: the
-    rate's tanh, already taken; the backward needs it again)."""
+def angle_rate(tanh_angle, dt, m):
+    """pi tanh(Angles) DT: one step's angle increment (``tanh_angle``: the rate's tanh, already taken; the
+    backward needs it again)."""
+    return tanh_angle * m.const(math.pi) * dt
+
+
+def angle_step(theta, inc, m):
+    """(theta + inc) mod 2 pi, in [0, 2 pi): one step of the angle cumsum (inc: ``angle_rate``)."""
     TWO_PI = m.const(2.0 * math.pi)
-    x = theta + tanh_angle * m.const(math.pi) * dt
+    x = theta + inc
     return x - TWO_PI * T.floor(x / TWO_PI)
 
 

@@ -52,7 +52,7 @@ from tvm.script.ir_builder import IRBuilder
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
-from .preprocess import (STEPS, angles_macro, dot_macro, load_pairs_macro, qk_dots_macro, rotated, seq_ends,
+from .preprocess import (AHEAD, STEPS, angles_macro, dot_macro, load_pairs_macro, qk_dots_macro, rotated, seq_ends,
                          skip_block)
 
 
@@ -176,30 +176,37 @@ def _pairs_macro(d: PreDims, S: Strategy):
 def _reverse_macro(d: PreDims, S: Strategy):
     """Pass 5, task (b, h, block of ``S.lanes`` angles), time reversed: G_t = daout + sum_{t' >= t} g_t' (g from
     gdt; packed: restarting at each sequence's last step from its daout row), dAngles = G pi (1 - tanh^2) DT, gdt
-    = G pi tanh(Angles) (overwriting g), and with input states dangle_state = G_0."""
+    = G pi tanh(Angles) (overwriting g), and with input states dangle_state = G_0. Blocks of AHEAD steps, each
+    block's loads first (as the forward's angles pass: a thread per angle walks the whole sequence)."""
     H, A, m = d.nheads, d.headdim_angles, S.math
     V, PI = S.lanes(A), m.const(math.pi)
 
     @T.macro
     def reverse(i, io):
-        w = T.meta_var(S.scratch(G=(V,), ta=(V,), dt=(1,)))
+        w = T.meta_var(S.scratch(G=(V,), g=(AHEAD, V), ta=(AHEAD, V), dt=(AHEAD,)))
         b, h, ab = T.meta_var(unravel(i, (None, H, A // V)))
         for v in S.lane_loop(V):
             w.G[v] = m.zero
         if not d.has_seq_idx:
             for v in S.lane_loop(V):
                 w.G[v] = io.daout[b, h, ab * V + v]
-        for tr in range(io.seqlen):
-            t = T.meta_var(io.seqlen - 1 - tr)
-            w.dt[0] = io.DT[b, h, t]
-            for v in S.lane_loop(V):
-                if d.has_seq_idx:  # a sequence's last step: G restarts from that sequence's daout row
-                    w.G[v] = T.Select(seq_ends(io.seq, b, t, io.seqlen), io.daout[io.seq[b, t], h, ab * V + v],
-                                      w.G[v])
-                w.G[v] = w.G[v] + io.gdt[b, t, h, ab * V + v]
-                w.ta[v] = m.tanh(io.Ang[b, t, h, ab * V + v])
-                io.dAng[b, t, h, ab * V + v] = w.G[v] * PI * (m.one - w.ta[v] * w.ta[v]) * w.dt[0]
-                io.gdt[b, t, h, ab * V + v] = w.G[v] * PI * w.ta[v]
+        for tb in range((io.seqlen + AHEAD - 1) // AHEAD):  # blocks of AHEAD steps from the end, loads first
+            for s in T.unroll(AHEAD):
+                if tb * AHEAD + s < io.seqlen:
+                    w.dt[s] = io.DT[b, h, io.seqlen - 1 - tb * AHEAD - s]
+                    for v in S.lane_loop(V):
+                        w.g[s, v] = io.gdt[b, io.seqlen - 1 - tb * AHEAD - s, h, ab * V + v]
+                        w.ta[s, v] = m.tanh(io.Ang[b, io.seqlen - 1 - tb * AHEAD - s, h, ab * V + v])
+            for s in T.unroll(AHEAD):
+                if tb * AHEAD + s < io.seqlen:
+                    t = T.meta_var(io.seqlen - 1 - tb * AHEAD - s)
+                    for v in S.lane_loop(V):
+                        if d.has_seq_idx:  # a sequence's last step: G restarts from that sequence's daout row
+                            w.G[v] = T.Select(seq_ends(io.seq, b, t, io.seqlen), io.daout[io.seq[b, t], h, ab * V + v],
+                                              w.G[v])
+                        w.G[v] = w.G[v] + w.g[s, v]
+                        io.dAng[b, t, h, ab * V + v] = w.G[v] * PI * (m.one - w.ta[s, v] * w.ta[s, v]) * w.dt[s]
+                        io.gdt[b, t, h, ab * V + v] = w.G[v] * PI * w.ta[s, v]
         if d.has_init:
             for v in S.lane_loop(V):
                 io.dast[b, h, ab * V + v] = w.G[v]
