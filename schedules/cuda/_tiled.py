@@ -292,8 +292,8 @@ def _store_rows(tl: Tiling):
 
 
 def _stage_positions(fill):
-    """A macro ``stage(slots, pos, t, q0, tx)``: every per-position reader p of ``pos`` (at most 3: dA_cs, dt_out,
-    the sequence id) at positions q0 + q of task t into its slot (``_typed``), by ``fill``."""
+    """A macro ``stage(slots, pos, t, q0, tx)``: every per-position reader p of ``pos`` (at most 4: dA_cs, dt_out,
+    the sequence id, D) at positions q0 + q of task t into its slot (``_typed``), by ``fill``."""
 
     @T.macro
     def stage(slots, pos, t, q0, tx):
@@ -302,6 +302,8 @@ def _stage_positions(fill):
             fill(slots[1][0], slots[1][1], lambda q: pos[1][0](t, q0 + q), tx)
         if len(pos) > 2:
             fill(slots[2][0], slots[2][1], lambda q: pos[2][0](t, q0 + q), tx)
+        if len(pos) > 3:
+            fill(slots[3][0], slots[3][1], lambda q: pos[3][0](t, q0 + q), tx)
 
     return stage
 
@@ -316,7 +318,7 @@ def _typed(scope: str, name: str, n: int, pos) -> list:
     the readers of one dtype sharing one flat buffer (name_float32, name_int32). One buffer per reader let
     TVM's storage rewrite give an unread one's memory to a slice buffer while both were still written: a
     race (the rows' dt_out is staged but only the columns' is read)."""
-    assert 1 <= len(pos) <= 3, len(pos)
+    assert 1 <= len(pos) <= 4, len(pos)
     dtypes = sorted({dtype for _, dtype in pos})
     bufs = {}
     for dtype in dtypes:

@@ -31,25 +31,39 @@ def _row(buf, task, l, head, j, Q, seqlen):
     return ld(buf, (b, _pos(c, l, Q, seqlen), head, j), seqlen, c * Q + l)
 
 
-def _positions(d: ScanDims, dA_cs, dt_out, seq_idx, nchunks, H, seqlen):
+def _staged_d(d: ScanDims) -> bool:
+    """Whether D is one of the per-position values (``_positions``): per head or per position (``diag_skip``);
+    not per channel (D[h, p] varies along the output's columns)."""
+    return d.has_D and (d.diag_skip or not d.D_has_hdim)
+
+
+def _positions(d: ScanDims, dA_cs, dt_out, seq_idx, Dm, nchunks, H, seqlen):
     """The per-position values the weights and the carry read, as (reader(t, q), dtype) pairs of task t's chunk
-    position q: dA_cs, dt_out and, with seq_idx, the sequence id (a strategy may stage them per tile)."""
+    position q: dA_cs, dt_out, with seq_idx the sequence id, and D where ``_staged_d`` (last: D[h] is the same
+    at every position, but staged with the row's values a block reads it once per row instead of once per
+    output). A strategy may stage them per tile."""
     Q = d.chunk_size
     pos = [(lambda t, q: dA_cs[t // (nchunks * H), t % H, t // H % nchunks, q], F32),
            (lambda t, q: dt_out[t // (nchunks * H), t % H, t // H % nchunks, q], F32)]
     if d.has_seq_idx:
         pos.append((lambda t, q: seq_idx[t // (nchunks * H), _pos(t // H % nchunks, q, Q, seqlen)], I32))
+    if _staged_d(d) and d.diag_skip:
+        pos.append((lambda t, q: Dm[t // (nchunks * H), t % H, t // H % nchunks, q], F32))
+    elif _staged_d(d):
+        pos.append((lambda t, q: Dm[t % H], F32))
     return tuple(pos)
 
 
 def _carry(m, d: ScanDims, seq_idx, Dm, task, l, p, seqlen, v, xv, vl):
-    """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p], vl: ``_positions`` at l), e[l] =
-    exp(dA_cs[l]) masked by common.carried_decay (0 where the carried state belongs to another sequence than
-    position l)."""
+    """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p], vl: ``_positions`` at l, D its last value
+    where ``_staged_d``), e[l] = exp(dA_cs[l]) masked by common.carried_decay (0 where the carried state belongs to
+    another sequence than position l)."""
     b, c, h = task
     Q = d.chunk_size
     sid = vl[2] if d.has_seq_idx else seq_idx[b, _pos(c, l, Q, seqlen)]
     e = carried_decay(m, vl[0], sid, batch_sids(seq_idx, b), c, Q, d.has_seq_idx)
+    if _staged_d(d):
+        return e * v + vl[-1] * xv
     return e * v + skip_at(d, Dm, b, h, c, l, p, xv) if d.has_D else e * v
 
 
@@ -106,7 +120,7 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
             lambda t, l, s, vl, vs: _weight(m, d, cb, _task(t, nchunks, H), l, s, vl, vs),
             lambda t, s, p: _row(x, _task(t, nchunks, H), s, t % H, p, Q, seqlen),
             lambda t, l, p, v: _put(m, d, y, y_pre, z, _task(t, nchunks, H), l, p, v),
-            _positions(d, dA_cs, dt_out, seq_idx, nchunks, H, seqlen))
+            _positions(d, dA_cs, dt_out, seq_idx, Dm, nchunks, H, seqlen))
 
     return func
 
