@@ -14,8 +14,10 @@ Chunked forward's preprocess: the SSD CPU strategy (schedules/cpu/ssd.py ``Cpu``
 loop (angles: (batch, head) over the angles' vector, serial over time; rotate: (batch, 16 steps) over the rotary
 pairs' vector; chunk: (batch, head, chunk); skip: (batch, position, head), headdim_qk in vector partials; init:
 (batch, head, headdim_v row) with headdim_qk vectorized), the polynomial math (libm cos / sin). No knobs.
-Its backward (``siso_preprocess_bwd``) the same way: init a task per (batch, head) with headdim_qk vectorized, rotate a task per (batch, head) with a
-vector sweep over the rotary pairs and one over the pass-through pairs, chunk a task per (batch, head, chunk).
+Its backward (``siso_preprocess_bwd``) the same way: init a task per (batch, head) with headdim_qk vectorized,
+the dots as the forward's skip, angles and reverse a task per (batch, head) over the angles' vector, pairs a
+task per (batch, 16 steps) with a vector sweep over the rotary pairs and one over the pass-through pairs, chunk
+a task per (batch, head, chunk).
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ launch each) the same way.
 Chunked forward's preprocess: the SSD CUDA strategy (schedules/cuda/ssd.py ``Gpu``): a launch per pass, a thread
 per task (angles: (batch, head, angle), serial over time; rotate: (batch, 16 steps, rotary pair); chunk: (batch,
 head, chunk); skip: (batch, 8 positions, up to 8 heads of one Q / K head); init: (batch, head, headdim_v row,
-headdim_qk element)); knob ``threads`` as above. Its backward (``siso_preprocess_bwd``)
-likewise: a launch per pass, a thread per (batch, head) / (batch, head, pair) / (batch, head, chunk).
+headdim_qk element)); knob ``threads`` as above. Its backward (``siso_preprocess_bwd``) likewise: a launch per
+pass, a thread per task (init: (batch, head); dots: the forward's skip blocks; angles and reverse: (batch, head,
+angle); pairs: (batch, 16 steps, pair); chunk: (batch, head, chunk)).
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ from ._dims import PAIR_STEPS, PreDims
 
 
 STEPS = PAIR_STEPS  # rotate pass: time steps per task (its Q / K pairs read once for every head of their group)
-AHEAD = 8  # angle passes: steps whose loads are issued together, ahead of the recurrence
+AHEAD = 4  # angle passes: steps whose loads are issued together, ahead of the recurrence (8 spilled 4 B on sm_80)
 DOT_STEPS, DOT_HEADS = 8, 8  # skip pass on scalar lanes: a register block of positions x heads of one Q/K head
 
 
