@@ -58,6 +58,36 @@ AHEAD = 4  # angle passes: steps whose loads are issued together, ahead of the r
 DOT_STEPS, DOT_HEADS = 8, 8  # skip pass on scalar lanes: a register block of positions x heads of one Q/K head
 
 
+def step_blocks(seqlen):
+    """The rotate / pairs passes' blocks of STEPS steps: ceil(seqlen / STEPS) (also the backward's bias parts)."""
+    return (seqlen + STEPS - 1) // STEPS
+
+
+def pair_tasks(d: PreDims, S: Strategy, seqlen) -> tuple:
+    """The rotate / pairs passes' task radix (batch, step block, block of ``S.lanes`` pairs) for ``unravel``;
+    the task count is batch times the product of the rest (``count``)."""
+    NP = d.headdim_qk // 2
+    return (None, step_blocks(seqlen), NP // S.lanes(NP))
+
+
+def count(batch, radix: tuple):
+    """The task count of an ``unravel`` radix whose first digit is the batch."""
+    n = batch
+    for e in radix[1:]:
+        n = n * e
+    return n
+
+
+def dot_width(N: int, S: Strategy) -> int:
+    """Vector partials of a dot over N: the largest of 16, 8, 4, 2, 1 dividing N on a vector strategy, else 1."""
+    return max(w for w in (1, 2, 4, 8, 16) if N % w == 0) if S.vector else 1
+
+
+def gamma_at(m, DT, Trap, b, h, t):
+    """gamma_t = DT_t sigmoid(Trap_t): the trapezoid's right weight at step t of (b, h)."""
+    return DT[b, h, t] * m.sigmoid(Trap[b, h, t])
+
+
 def angles_macro(d: PreDims, S: Strategy, final: bool = True):
     """Pass 1, task (b, h, block of ``S.lanes`` angles: all of them on a CPU, one on CUDA): the angle cumsum over
     time, cos / sin of theta_t stored in q[b, t, h, 2 i] / q[b, t, h, 2 i + 1] (the slots of pair i: the rotate
@@ -156,7 +186,7 @@ def _rotate_macro(d: PreDims, S: Strategy):
     @T.macro
     def rotate(i, Qm, Km, Qb, Kb, q, k, seqlen):
         w = T.meta_var(S.scratch(x=(2, STEPS, V), y=(2, STEPS, V), qb=(2, V), kb=(2, V), cs=(V,), sn=(V,)))
-        b, tb, pb = T.meta_var(unravel(i, (None, (seqlen + STEPS - 1) // STEPS, NP // V)))
+        b, tb, pb = T.meta_var(unravel(i, pair_tasks(d, S, seqlen)))
         for hq in range(HQ):
             load(w, Qm, Km, b, tb, hq, pb * V, seqlen)
             for hh in range(HPQ):
@@ -226,7 +256,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
         for l in range(Q):
             if c * Q + l < seqlen:
                 r[0] = r[0] + T.max(ADT[b, h, c * Q + l], T.float32(DA_MIN))
-                r[1] = DT[b, h, c * Q + l] * m.sigmoid(Trap[b, h, c * Q + l])
+                r[1] = gamma_at(m, DT, Trap, b, h, c * Q + l)
                 r[2] = m.zero
                 if c * Q + l + 1 < seqlen:
                     r[2] = DT[b, h, c * Q + l + 1] * (m.one - m.sigmoid(Trap[b, h, c * Q + l + 1]))
@@ -250,6 +280,12 @@ def skip_block(d: PreDims, S: Strategy) -> tuple[int, int]:
     return DOT_STEPS, max(h for h in range(1, DOT_HEADS + 1) if d.heads_per_qk % h == 0)
 
 
+def dot_tasks(d: PreDims, S: Strategy, positions) -> tuple:
+    """The dots' task radix (batch, block of TS positions, block of HB heads; ``skip_block``)."""
+    TS, HB = skip_block(d, S)
+    return (None, (positions + TS - 1) // TS, d.nheads // HB)
+
+
 def qk_dots_macro(d: PreDims, S: Strategy):
     """A macro ``dots(i, Qm, Km, Qb, Kb, put, positions)``, task i = (b, block of TS positions, block of HB heads
     of one Q / K head; ``skip_block``): put(b, h, t, X_t . Y_t) for each position t < ``positions`` and head h
@@ -259,12 +295,12 @@ def qk_dots_macro(d: PreDims, S: Strategy):
     them)."""
     H, HPQ, N, m = d.nheads, d.heads_per_qk, d.headdim_qk, S.math
     TS, HB = skip_block(d, S)
-    VW = max(w for w in (1, 2, 4, 8, 16) if N % w == 0) if S.vector else 1
+    VW = dot_width(N, S)
 
     @T.macro
     def dots(i, Qm, Km, Qb, Kb, put, positions):
         w = T.meta_var(S.scratch(part=(TS, HB, VW), x=(TS, VW), y=(TS, VW), qb=(HB, VW), kb=(HB, VW), r=(1,)))
-        b, sb, hb = T.meta_var(unravel(i, (None, (positions + TS - 1) // TS, H // HB)))
+        b, sb, hb = T.meta_var(unravel(i, dot_tasks(d, S, positions)))
         hq = T.meta_var(hb * HB // HPQ)
         last = T.meta_var(Qm.shape[1] - 1)
         for s in T.unroll(TS):
@@ -298,7 +334,7 @@ def qk_dots_macro(d: PreDims, S: Strategy):
 def _put_skip(d: PreDims, m, out, Dv, DT, Trap, b, h, t, dot, seqlen):
     """skip[b, h, t // Q, t % Q] = D[h] + gamma_t dot (gamma = DT sigmoid(Trap)), 0 past seqlen."""
     Q = d.chunk_size
-    gamma = DT[b, h, tirx.min(t, seqlen - 1)] * m.sigmoid(Trap[b, h, tirx.min(t, seqlen - 1)])
+    gamma = gamma_at(m, DT, Trap, b, h, tirx.min(t, seqlen - 1))
     val = (Dv[h] if d.has_D else m.zero) + gamma * dot
     T.buffer_store(out, tirx.Select(t < seqlen, val, m.zero), [b, h, t // Q, t % Q])
 
@@ -308,7 +344,7 @@ def dot_macro(N: int, S: Strategy):
     strategy has no vector lanes (CUDA); on a CPU ``VW`` vector partial sums (lane vi sums n = vi mod VW, an
     explicit per-lane accumulator), then their sum: the serial scalar chain cost 40 of the kernel's 110 ms at
     upstream's shape, seqlen 2048 (2 threads)."""
-    VW = max(w for w in (1, 2, 4, 8, 16) if N % w == 0) if S.vector else 1
+    VW = dot_width(N, S)
 
     @T.macro
     def dot(r, slot, term):
@@ -353,7 +389,7 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     KT = d.kstate_dtype or F32
     angles, rotate, chunk, dots, row = (angles_macro(d, S), _rotate_macro(d, S), _chunk_macro(d, S),
                                         qk_dots_macro(d, S), _init_macro(d, S))
-    tasks, (TS, HB), NP = S.tasks(), skip_block(d, S), N // 2
+    tasks = S.tasks()
     I3 = (1, 1, 1)
 
     @T.prim_func
@@ -387,10 +423,9 @@ def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
         init = T.match_buffer(init_h, (batch, H, P, N) if d.has_init else Z4, F32)
         seq = T.match_buffer(seq_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)
         tasks(batch * H * (A // S.lanes(A)), lambda i: angles(i, DT, Ang, ast, q, aout, seq, seqlen))
-        tasks(batch * ((seqlen + STEPS - 1) // STEPS) * (NP // S.lanes(NP)),
-              lambda i: rotate(i, Qm, Km, Qb, Kb, q, k, seqlen))
+        tasks(count(batch, pair_tasks(d, S, seqlen)), lambda i: rotate(i, Qm, Km, Qb, Kb, q, k, seqlen))
         tasks(batch * H * nchunks, lambda i: chunk(i, ADT, DT, Trap, dA_cs, scale, seq, seqlen, nchunks))
-        tasks(batch * ((nchunks * Q + TS - 1) // TS) * (H // HB),
+        tasks(count(batch, dot_tasks(d, S, nchunks * Q)),
               lambda i: dots(i, Qm, Km, Qb, Kb, lambda b, h, t, dot: _put_skip(d, S.math, skip, Dv, DT, Trap, b,
                                                                                  h, t, dot, seqlen), nchunks * Q))
         if d.has_init:

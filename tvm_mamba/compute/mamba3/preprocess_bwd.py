@@ -52,8 +52,8 @@ from tvm.script.ir_builder import IRBuilder
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
-from .preprocess import (AHEAD, STEPS, angles_macro, dot_macro, load_pairs_macro, qk_dots_macro, rotated, seq_ends,
-                         skip_block)
+from .preprocess import (AHEAD, STEPS, angles_macro, count, dot_macro, dot_tasks, gamma_at, load_pairs_macro,
+                         pair_tasks, qk_dots_macro, rotated, seq_ends, step_blocks)
 
 
 def _init_macro(d: PreDims, S: Strategy):
@@ -159,7 +159,7 @@ def _pairs_macro(d: PreDims, S: Strategy):
 
     @T.macro
     def task(i, io):
-        b, tb, pb = T.meta_var(unravel(i, (None, (io.seqlen + STEPS - 1) // STEPS, NP // V)))
+        b, tb, pb = T.meta_var(unravel(i, pair_tasks(d, S, io.seqlen)))
         if S.vector:
             turn(b, tb, 0, io)
             if rest is not None:
@@ -251,7 +251,7 @@ def _put_dot(d: PreDims, m, io, b, h, t, dot):
     the latter, the chunk pass both, and overwrites them with dDT / dTrap (the same elements, the same task)."""
     Q = d.chunk_size
     T.buffer_store(io.dDT, dot, [b, h, t])
-    T.buffer_store(io.dTrap, io.dskip[b, h, t // Q, t % Q] * (io.DT[b, h, t] * m.sigmoid(io.Trap[b, h, t])), [b, h, t])
+    T.buffer_store(io.dTrap, io.dskip[b, h, t // Q, t % Q] * gamma_at(m, io.DT, io.Trap, b, h, t), [b, h, t])
 
 
 def _bind(**specs) -> SimpleNamespace:
@@ -275,10 +275,10 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
     seq_idx (batch, seqlen) int32 (a (1, 1) placeholder without has_seq_idx; with it daout is (nseq, H, A),
     one row per packed sequence, read at each sequence's last position)."""
     H, HQ, N, P, A, Q = d.nheads, d.nheads_qk, d.headdim_qk, d.headdim_v, d.headdim_angles, d.chunk_size
-    KT, NP = d.kstate_dtype or F32, N // 2
+    KT = d.kstate_dtype or F32
     init, pairs, chunk, tasks = _init_macro(d, S), _pairs_macro(d, S), _chunk_macro(d, S), S.tasks()
     dots, angles, reverse = qk_dots_macro(d, S), angles_macro(d, S, final=False), _reverse_macro(d, S)
-    (TS, HB), V = skip_block(d, S), S.lanes(A)
+    V = S.lanes(A)
     st = lambda *shape: shape if d.has_init else (1,) * len(shape)  # noqa: E731
 
     @T.prim_func
@@ -306,18 +306,18 @@ def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
             dinit=(dinit_h, (batch, H, P, N) if d.has_init else Z4),
             dQh=(dQh_h, (batch, seqlen, H, N)), dKh=(dKh_h, (batch, seqlen, H, N)), dADT=(dADT_h, (batch, H, seqlen)),
             dDT=(dDT_h, (batch, H, seqlen)), dTrap=(dTrap_h, (batch, H, seqlen)),
-            dQb=(dQb_h, (batch, (seqlen + STEPS - 1) // STEPS, H, N)),
-            dKb=(dKb_h, (batch, (seqlen + STEPS - 1) // STEPS, H, N)), dAng=(dAng_h, (batch, seqlen, H, A)),
+            dQb=(dQb_h, (batch, step_blocks(seqlen), H, N)),
+            dKb=(dKb_h, (batch, step_blocks(seqlen), H, N)), dAng=(dAng_h, (batch, seqlen, H, A)),
             dast=(dast_h, st(batch, H, A)),
             dkst=(dkst_h, st(batch, H, N)), dvst=(dvst_h, st(batch, H, P)), gdt=(gdt_h, (batch, seqlen, H, A)),
             c0=(c0_h, (batch, H)), seq=(seq_h, (batch, seqlen) if d.has_seq_idx else (1, 1), I32)))
         if d.has_init:
             tasks(batch * H, lambda i: init(i, io))
-        tasks(batch * ((seqlen + TS - 1) // TS) * (H // HB),
+        tasks(count(batch, dot_tasks(d, S, seqlen)),
               lambda i: dots(i, io.Qm, io.Km, io.Qb, io.Kb, lambda b, h, t, dot: _put_dot(d, S.math, io, b, h, t, dot),
                              seqlen))
         tasks(batch * H * (A // V), lambda i: angles(i, io.DT, io.Ang, io.ast, io.dQh, io.dast, io.seq, seqlen))
-        tasks(batch * ((seqlen + STEPS - 1) // STEPS) * (NP // S.lanes(NP)), lambda i: pairs(i, io))
+        tasks(count(batch, pair_tasks(d, S, seqlen)), lambda i: pairs(i, io))
         tasks(batch * H * (A // V), lambda i: reverse(i, io))
         tasks(batch * H * nchunks, lambda i: chunk(i, io))
 
