@@ -5,7 +5,8 @@ k of the chunk.
 Thread k keeps x_k (headdim values) in registers and its column's two running sums (d dt's and the crossing
 pairs' R[k]). The rows are visited from the last up in bands of ``BAND``: the band's g rows are staged in
 shared memory (read by every thread: broadcasts), each thread forms the band's g_l . x_k in registers
-(headdim-long, p ascending), then row by row from the band's last its weight (one exp per causal pair), its
+(headdim-long, p ascending; not where the whole band lies before column k's causal rows or past the sequence:
+the warps above the diagonal skip the band's multiply-adds), then row by row from the band's last its weight (one exp per causal pair), its
 running sums, and R_l[k] into a shared band table (the weight's per-position values: the band's rows staged
 with g, every column's once per block, read from shared memory per pair: read in place they were two global
 requests per pair, kept in registers they pushed the kernel past 255 registers and it spilled); after a
@@ -60,9 +61,10 @@ def crossing_pass(Q: int, P: int, start):
                     T.tvm_storage_sync("shared")
                     for r in T.unroll(TB):
                         reg.acc[r] = T.float32(0)
-                    for p in T.unroll(P):
-                        for r in T.unroll(TB):
-                            reg.acc[r] = reg.acc[r] + sh.g[r * P + p] * reg.xr[p]
+                    if T.And((NB - 1 - bi) * TB + TB - 1 >= start(tx), (NB - 1 - bi) * TB < ops.end(bx)):
+                        for p in T.unroll(P):  # (a band wholly before column tx's causal rows: none of it read)
+                            for r in T.unroll(TB):
+                                reg.acc[r] = reg.acc[r] + sh.g[r * P + p] * reg.xr[p]
                     for rr in T.unroll(TB):
                         if T.And((NB - 1 - bi) * TB + TB - 1 - rr >= start(tx),
                                  (NB - 1 - bi) * TB + TB - 1 - rr < ops.end(bx)):

@@ -68,10 +68,14 @@ class Tiling(Tile):
         return self.TW // self.CW
 
     @staticmethod
-    def of(M: int, W: int, K: int, threads: int, cap: int = 64) -> "Tiling":
+    def of(M: int, W: int, K: int, threads: int, cap: int = 64, full_width: bool = False) -> "Tiling":
         """The tile for an M x W x K product: sides the largest divisors <= ``cap``, as many computing threads
-        as fit ``threads`` with the most square register block (fewest operand loads per multiply-add)."""
-        TM, TW, KT = largest_divisor(M, cap), largest_divisor(W, cap), largest_divisor(K, K_SLICE)
+        as fit ``threads`` with the most square register block (fewest operand loads per multiply-add).
+        ``full_width``: the tile spans all W columns (a block then holds whole rows: ``tiled_product``'s row
+        dots), its rows at most cap^2 / W (the register block no larger than a cap x cap tile's)."""
+        TW = W if full_width else largest_divisor(W, cap)
+        TM = largest_divisor(M, max(1, min(cap, cap * cap // W)) if full_width else cap)
+        KT = largest_divisor(K, K_SLICE)
         best = None
         for cw in (d for d in range(1, TW + 1) if TW % d == 0):
             for cm in (d for d in range(1, TM + 1) if TM % d == 0):
@@ -337,12 +341,15 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
     the register block, then each segment's k range over the tile's rows (from its first row's lo to its last
     row's hi, in whole slices of the largest divisor of its unit <= K_SLICE: the reads stay inside the
     segment) staged slice by slice, each row's own range selected per term. A segment's per-position values
-    (``pos``) are staged too: the tile's rows once, each slice's (or, weighted, the tile's columns') with it."""
+    (``pos``) are staged too: the tile's rows once, each slice's (or, weighted, the tile's columns') with it.
+    A weighted segment's row ``dot`` (the tile spans the width: ``Tiling.of(full_width=True)``): each thread
+    sums its columns' terms per row into shared memory, then a thread per row sums the row's threads (in
+    column-thread order) and stores it."""
     KTs = [largest_divisor(u, K_SLICE) for u in units]
     runs = [_segment(tl, u, kt, a_fast, b_fast) for u, kt in zip(units, KTs)]
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
     RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(KTs)
-    SA, SB = KX * stride(tl.TM, a_fast), KX * stride(tl.TW, b_fast)
+    SA, SB = KX * stride(tl.TM, a_fast), max(KX * stride(tl.TW, b_fast), tl.TM * (tl.CW + 1))
     store_rows = _store_rows(tl)
 
     @T.macro
@@ -356,9 +363,9 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
             vw = T.meta_var(_typed_or_none("vw", tl.TM, _first_pos(segs, "row_pos")))  # a unit's row weights
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
-                reg = T.meta_var(_buffers("local", acc=(RM, RW), unit=(RM, RW), ar=(RM,), br=(RW,)))
+                reg = T.meta_var(_buffers("local", acc=(RM, RW), unit=(RM, RW), ar=(RM,), br=(RW,), part=(1,)))
                 ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br, unit=reg.unit, vr=vr, vc=vc,
-                                                 vw=vw))
+                                                 vw=vw, red=_row_parts(tl, segs, sh.b), part=reg.part))
                 if tx < CM * CW:
                     for r in T.unroll(RM):
                         for c in T.unroll(RW):
@@ -369,6 +376,46 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
                 store_rows(reg.acc, t, i0, j0, tx, rows, store)
 
     return run
+
+
+def _row_parts(tl: Tiling, segs, slices):
+    """Where a segment's row ``dot`` keeps its per-(row, column thread) partial sums (rows CW + 1 apart: the
+    row sums' reads hit distinct banks): the right operand's slice buffer ``slices`` (sized for both; between
+    a unit's product and the next one's copies, behind barriers), or None without a dot."""
+    if not any(hasattr(seg, "dot") for seg in segs):
+        return None
+    assert tl.TW == tl.W, "a row dot needs tiles spanning the width (Tiling.of(full_width=True))"
+    return slices
+
+
+def _row_dots(tl: Tiling):
+    """Macros ``parts(ops, seg, t, i0, u, tx)`` and ``sums(ops, seg, t, i0, u, tx)``: a weighted segment's row
+    ``dot`` of unit u's sums (``ops.unit``): each computing thread's terms of its columns per row into
+    ``ops.red``; after a barrier, a thread per row sums them and stores the row's dot (every row of the tile),
+    and a barrier before the next copy into ``ops.red``'s memory (the slices)."""
+    RM, RW, CM, CW, LR = tl.RM, tl.RW, tl.CM, tl.CW, tl.CW + 1
+
+    @T.macro
+    def parts(ops, seg, t, i0, u, tx):
+        if tx < CM * CW:
+            for r in T.unroll(RM):
+                ops.part[0] = T.float32(0)
+                for c in T.unroll(RW):
+                    ops.part[0] = ops.part[0] + seg.dot.term(t, i0 + tx // CW + r * CM, tx % CW + c * CW, u,
+                                                             ops.unit[r, c])
+                ops.red[(tx // CW + r * CM) * LR + tx % CW] = ops.part[0]
+
+    @T.macro
+    def sums(ops, seg, t, i0, u, tx):
+        for e in T.unroll((tl.TM + tl.threads - 1) // tl.threads):
+            if e * tl.threads + tx < tl.TM:
+                ops.part[0] = T.float32(0)
+                for w in range(CW):
+                    ops.part[0] = ops.part[0] + ops.red[(e * tl.threads + tx) * LR + w]
+                seg.dot.store(t, i0 + e * tl.threads + tx, u, ops.part[0])
+        T.tvm_storage_sync("shared")
+
+    return parts, sums
 
 
 def _first_pos(segs, attr: str = "pos"):
@@ -404,6 +451,7 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
     product = block_product(tl, KT, a_fast, b_fast)
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
     rows, cols, slice_ = (_stage_positions(_fill(tl, n)) for n in (tl.TM, tl.TW, KT))
+    dot_parts, dot_sums = _row_dots(tl)
 
     def slices(seg, t, i0):  # the k slices from the tile's first row's lo to its last row's hi
         return T.max((seg.hi(t, i0 + tl.TM - 1) + KT - 1) // KT - seg.lo(t, i0) // KT, 0)
@@ -419,6 +467,8 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
                     ops.unit[r, c] = T.float32(0)
             product(ops.unit, ops, unit // KT, lambda k, i: seg.a(t, i0 + i, u * unit + k),
                     lambda k, j: seg.b(t, u * unit + k, j0 + j), tx, lambda k, i: True, None)
+            if hasattr(seg, "dot"):
+                dot_parts(ops, seg, t, i0, u, tx)
             if hasattr(seg, "pos"):
                 rows(ops.vr, _unit_pos(seg.pos, u), t, i0, tx)
                 cols(ops.vc, _unit_pos(seg.pos, u), t, j0, tx)
@@ -426,6 +476,10 @@ def _segment(tl: Tiling, unit: int, KT: int, a_fast: bool, b_fast: bool):
             elif hasattr(seg, "row_pos"):
                 rows(ops.vw, _unit_pos(seg.row_pos, u), t, i0, tx)
                 T.tvm_storage_sync("shared")
+            elif hasattr(seg, "dot"):
+                T.tvm_storage_sync("shared")
+            if hasattr(seg, "dot"):
+                dot_sums(ops, seg, t, i0, u, tx)
             if tx < CM * CW:
                 for r in T.unroll(RM):
                     for c in T.unroll(RW):

@@ -9,8 +9,8 @@ chunk_state, chunk_scan, chunk_scan_bwd_dstates: the strategy's ``scaled_matmul`
 operands on tensor cores, _tiled_tc.py). ssd_chunk_scan_bwd takes its non-vector form: a launch per piece,
 several launches inside one PrimFunc where a later one reads what an earlier one wrote (launches run in order on
 the stream: the backward's cross-position sums without atomics), its products tiled (``product``: _tiled.py
-``tiled_product``), its per-position dots and its d dt / d dA_step pass a block per (batch, chunk, head)
-(``position_dots``: _dots.py; ``crossing_pass``: _crossing.py). docs/ssd.md.
+``tiled_product``; the per-position dots as row dots of dx's and dC's tiles), its d dt / d dA_step pass a
+block per (batch, chunk, head) (``crossing_pass``: _crossing.py). docs/ssd.md.
 Selected by capability (``"gpu" in target.keys``). Knobs: ``threads`` per block (64 / 128 / 256) and, for the
 tiled kernels, ``tile`` (the largest output tile side, ``TILE_CAP``); defaults in ``TILED``.
 """
@@ -22,7 +22,6 @@ from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
 from ._crossing import crossing_pass
-from ._dots import position_dots
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
 from ._tiled_tc import TcTiling, tc_causal, tc_matmul
 
@@ -68,13 +67,10 @@ class Gpu(Strategy):
             return tc_causal(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), causal_end(strict, group))
         return tiled_causal(Tiling.of(M, W, K, self.threads, self.tile), causal_end(strict, group))
 
-    def product(self, M: int, W: int, units: tuple):
-        """A block per output tile, each segment staged slice by slice (_tiled.py ``tiled_product``)."""
-        return tiled_product(Tiling.of(M, W, min(units), self.threads, self.tile), units)
-
-    def position_dots(self, Q: int, P: int, N: int):
-        """A block per task, a thread per position, the matrix staged in shared memory (_dots.py)."""
-        return position_dots(Q, P, N)
+    def product(self, M: int, W: int, units: tuple, dots: bool = False):
+        """A block per output tile, each segment staged slice by slice (_tiled.py ``tiled_product``); with row
+        ``dots`` a tile spans the whole width (its block sums each row's dot)."""
+        return tiled_product(Tiling.of(M, W, min(units), self.threads, self.tile, full_width=dots), units)
 
     def crossing_pass(self, Q: int, P: int, start):
         """A block per task, a thread per column of the chunk (_crossing.py)."""

@@ -114,8 +114,9 @@ TILED_KERNELS = {
 }
 
 
-def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, step_group=0):
-    """Inputs (and zeroed outputs) of kernel ``name`` at TILED_DIMS (dstate ``N``), in its parameter order."""
+def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, step_group=0, D_per_head=False):
+    """Inputs (and zeroed outputs) of kernel ``name`` at TILED_DIMS (dstate ``N``), in its parameter order; D per
+    (head, channel), per head with ``D_per_head``."""
     g = torch.Generator().manual_seed(seed)
     H, G, P, Q = 4, 2, 48, 64
     C = (seqlen + Q - 1) // Q
@@ -132,7 +133,7 @@ def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, step_group=0):
                                            torch.zeros(batch, seqlen, H, P)),
             # gparts = ngroups (one part of each group's 2 heads); D per position with step_group (Mamba-3 MIMO)
             "ssd_chunk_scan_bwd": (x, torch.zeros(1, 1, 1, 1) if step_group else z, dy, Bm, Cm, r(batch, C, G, Q, Q), dto, dA, r(batch, C, H, P, N),
-                                   r(batch, C, H, P, N), r(batch, H, C, Q) if step_group else r(H, P), seq,
+                                   r(batch, C, H, P, N), r(batch, H, C, Q) if step_group else r(H) if D_per_head else r(H, P), seq,
                                    torch.zeros(batch, seqlen, H, P), torch.zeros(batch, seqlen, G, N),
                                    torch.zeros(batch, seqlen, G, N), torch.zeros(batch, H, C, Q),
                                    torch.zeros(batch, H, C, Q),
@@ -152,9 +153,11 @@ def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
 
 
 # ssd_chunk_scan_bwd's crossing pass (schedules/cuda/_crossing.py: d dt and d dA_step, a block per (batch, chunk,
-# head), bands of 16 rows: 4 per 64-row chunk) and its per-element launches, against the serial layout: the
-# seq_idx change at 70 inside chunk 1, the ragged last chunk of 22; Mamba-3 MIMO's grouped strict sums.
+# head), bands of 16 rows: 4 per 64-row chunk), its products' row dots (XB, the carried-state terms) and its
+# per-element launches, against the serial layout: the seq_idx change at 70 inside chunk 1, the ragged last chunk
+# of 22; D per head (on dx's diagonal, spec.folds_skip); Mamba-3 MIMO's grouped strict sums.
 SCAN_BWD = {"plain": dict(TILED_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=True),
+            "D_per_head": dict(TILED_DIMS, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True),
             "step_group": dict(TILED_DIMS, has_D=True, D_has_hdim=False, has_z=False, has_seq_idx=True,
                                diag_skip=True, step_group=4)}
 
@@ -181,7 +184,8 @@ def _run_both(name, static, decisions, tol, cast, step_group=0):
     template, dims = ssd.template_of(name)
     serial = template(dims(**static), ssd.strategy.Strategy(native_math=True))
     sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"), decisions)
-    got = [cast(t) for t in _tiled_args(name, N=static["dstate"], step_group=step_group)]
+    got = [cast(t) for t in _tiled_args(name, N=static["dstate"], step_group=step_group,
+                                        D_per_head=static.get("has_D") and not static.get("D_has_hdim"))]
     want = [t.clone() for t in got]
     with tempfile.TemporaryDirectory() as tmp:
         built = cudasim.build(sch.mod, cuda_target("sm_90"), label=name)

@@ -3,21 +3,22 @@ serial for tests). A later launch reads only what earlier ones finished (launche
 the cross-position sums need no atomics.
 
 Launch order, each piece by a strategy method (strategy.py) fed the specs of scan_bwd_spec.py:
-  dx          ``product`` per (batch, chunk, head): D g, the causal main product, the scaled state product;
+  dx          ``product`` per (batch, chunk, head): D g (or D on the causal main product's diagonal), the causal
+              main product, the scaled state product;
+              its state product's row dot XB[s] = <x_s, dSo B_s> into ddt_out as scratch;
   gsum        ``product`` per (batch, chunk, part): the part's heads' g x^T, each weighted by its K dt on the
               causal pairs (a weighted segment);
   dB, dC      ``product`` per (batch, chunk, part): the part's heads (each weighted per row by its scale),
-              then the intra-chunk causal product on gsum;
-  XB          ``position_dots``: XB[s] = <x_s, dSo B_s> into ddt_out as scratch;
-  carried     ``position_dots``: d dA_step's carried-state term e[q] <g_q, C_q Sin>, then its reverse cumsum
-              (a task per (batch, chunk, head));
+              then the intra-chunk causal product on gsum; dC's head products' row dots are each head's
+              carried-state term e[q] <g_q, C_q Sin> of d dA_step;
+  cumsum      that term's reverse cumsum, a task per (batch, chunk, head);
   crossing    ``crossing_pass`` per (batch, chunk, head): the task form's row pass, running column sums of the
               causal pairs from the last row up; its rows add the crossing pairs and the chunk-state prefix of
               every XB to d dA_step, its columns overwrite their XB with d dt;
   dD          per element (per position with diag_skip).
 
 On CUDA each method stages its operands per block (shared-memory tiles, registers: schedules/cuda/_tiled.py,
-_dots.py, _crossing.py); the serial strategy runs a task per output element in the same order, terms past
+_crossing.py); the serial strategy runs a task per output element in the same order, terms past
 seqlen (zeros there) left out of the causal ranges.
 """
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _at(r: _Reads, b, c, grp, h=None, gp=None) -> SimpleNamespace:
 def launches(d: ScanBwdDims, S: Strategy):
     """The macro ``body(o)``: every launch in order."""
     dx, gsum, dB, dC = _position_pieces(d, S)
-    xb, ddA_carried, ddA_cumsum, pairs, dD = _step_pieces(d, S)
+    ddA_cumsum, pairs, dD = _step_pieces(d, S)
 
     @T.macro
     def body(o):
@@ -104,8 +105,6 @@ def launches(d: ScanBwdDims, S: Strategy):
         gsum(o, r)
         dB(o, r)
         dC(o, r)
-        xb(o, r)
-        ddA_carried(o, r)
         ddA_cumsum(o, r)
         pairs(o, r)
         if d.has_D:
@@ -161,17 +160,25 @@ def _step_index(o, t, H: int, q):
     return (b, h, c, q)
 
 
+def _carried_index(o, t, h, q):
+    """(batch, head, chunk, q) of head h at chunk position q of task t = (batch, chunk, part): ddA_step's."""
+    b, c, _ = _bcn(o, t, o.gparts)
+    return (b, h, c, q)
+
+
 def _head_at(o, r: _Reads, t, H: int, R: int) -> SimpleNamespace:
     """The specs' reader of task t = (batch, chunk, head) of a launch over (batch, chunk, head)."""
     b, c, h = _bcn(o, t, H)
     return _at(r, b, c, h // R, h)
 
 
-def _positions(d: ScanBwdDims, head) -> tuple:
+def _positions(d: ScanBwdDims, head, skip: bool = False) -> tuple:
     """The per-position values a segment's decays read, as the strategy's ``pos`` ((reader(t, u, q), dtype)
-    pairs; head(t, u): the reader of unit u of task t): dA_cs, dt' and, with seq_idx, the sequence id."""
+    pairs; head(t, u): the reader of unit u of task t): dA_cs, dt' and, with seq_idx, the sequence id; with
+    ``skip`` D last (the head's skip of 1: D[h] at every position, staged with them on CUDA)."""
     pos = ((lambda t, u, q: head(t, u).acs(q), F32), (lambda t, u, q: head(t, u).dt(q), F32))
-    return pos + ((lambda t, u, q: head(t, u).sid(q), I32),) if d.has_seq_idx else pos
+    pos = pos + ((lambda t, u, q: head(t, u).sid(q), I32),) if d.has_seq_idx else pos
+    return pos + ((lambda t, u, q: head(t, u).skip(q, 0, T.float32(1)), F32),) if skip else pos
 
 
 def _unit_free(pos: tuple) -> tuple:
@@ -189,18 +196,34 @@ def _staged(d: ScanBwdDims, r: _Reads, a: SimpleNamespace, l, vl: tuple, s, vs: 
 
 def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
     """dx's two segments for the strategy's ``product`` (spec.pieces' dx): the main product over the causal
-    positions l >= s inside the sequence, then the state product over dstate, one weighted unit: its row sum
-    times the row's scale w[s] dt[s] (``row_pos``: computed once per row, staged per tile on CUDA)."""
+    positions l >= s inside the sequence (where spec.folds_skip, the skip D g[s] as its diagonal term:
+    spec.cbk_skip, D staged with the positions' values), then the state product over dstate, one weighted
+    unit: its row sum times the row's scale w[s] dt[s] (``row_pos``: computed once per row, staged per tile on
+    CUDA), and the row dot XB[s] = x_s . (the unit's row) into ddt_out."""
     H, R = d.nheads, d.nheads // d.ngroups
     sp = spec.pieces(d)
     at = lambda t: _head_at(o, r, t, H, R)  # noqa: E731
-    main = SimpleNamespace(a=lambda t, s, l, vs, vl: spec.cbk(_staged(d, r, at(t), l, vl, s, vs), l, s),
-                           b=lambda t, l, p: sp.dx.main.b(at(t), l, p), lo=lambda t, s: causal_start(d, s),
-                           hi=lambda t, s: at(t).end, pos=_positions(d, lambda t, u: at(t)))
+    if spec.folds_skip(d):
+        weight = lambda t, s, l, vs, vl: spec.cbk_skip(_staged(d, r, at(t), l, vl, s, vs), l, s, vl[-1])  # noqa: E731
+    else:
+        weight = lambda t, s, l, vs, vl: spec.cbk(_staged(d, r, at(t), l, vl, s, vs), l, s)  # noqa: E731
+    main = SimpleNamespace(a=weight, b=lambda t, l, p: sp.dx.main.b(at(t), l, p), lo=lambda t, s: causal_start(d, s),
+                           hi=lambda t, s: at(t).end, pos=_positions(d, lambda t, u: at(t), spec.folds_skip(d)))
     state = SimpleNamespace(a=lambda t, s, n: sp.dx.state.a(at(t), s, n), b=lambda t, n, p: sp.dx.state.b(at(t), n, p),
                             n=lambda t: 1, weigh=lambda t, s, p, u, v, vs: vs[0] * v,
-                            row_pos=((lambda t, u, q: sp.dx.scale(at(t), q), F32),))
+                            row_pos=((lambda t, u, q: sp.dx.scale(at(t), q), F32),),
+                            dot=SimpleNamespace(term=lambda t, s, p, u, v: spec.xb_term(at(t), s, p, v),
+                                                store=lambda t, s, u, v: T.buffer_store(o.ddt_out, v,
+                                                                                        _step_index(o, t, H, s))))
     return main, state
+
+
+def _dx_init(d: ScanBwdDims, o, r: _Reads):
+    """dx's init for the strategy's ``product``: the skip D g[s, p] (spec.pieces' dx.main.init), or 0 where it is
+    the main product's diagonal term (spec.folds_skip)."""
+    if spec.folds_skip(d):
+        return lambda t, s, p: T.float32(0)
+    return lambda t, s, p: spec.pieces(d).dx.main.init(_head_at(o, r, t, d.nheads, d.nheads // d.ngroups), s, p)
 
 
 def _part_at(o, r: _Reads, t, G: int) -> SimpleNamespace:
@@ -209,11 +232,12 @@ def _part_at(o, r: _Reads, t, G: int) -> SimpleNamespace:
     return _at(r, b, c, gp // (o.gparts // G), None, gp)
 
 
-def _part_segments(d: ScanBwdDims, o, r: _Reads, piece) -> tuple:
+def _part_segments(d: ScanBwdDims, o, r: _Reads, piece, carried: bool) -> tuple:
     """dB's or dC's two segments for the strategy's ``product`` (``piece``: spec.pieces' dB or dC): the part's
     heads, a weighted segment (unit u the part's u-th head, k = u x headdim + p: its row sum times the head's
-    scale at the row, ``row_pos``), then the intra-chunk product's causal range ("ge": positions inside the
-    sequence; "le": row q's)."""
+    scale at the row, ``row_pos``; ``carried``: with the dot that stores each head's carried-state term of
+    d dA_step, spec.carried_term over the row, into ddA_step), then the intra-chunk product's causal range ("ge":
+    positions inside the sequence; "le": row q's)."""
     G, P, R = d.ngroups, d.headdim, d.nheads // d.ngroups
     at = lambda t: _part_at(o, r, t, G)  # noqa: E731
     first = lambda t: _part_heads(o, t % o.gparts, G, R)[0]  # noqa: E731
@@ -222,6 +246,12 @@ def _part_segments(d: ScanBwdDims, o, r: _Reads, piece) -> tuple:
         a=lambda t, q, k: piece.head.a(head(t, k), q, k % P), b=lambda t, k, n: piece.head.b(head(t, k), k % P, n),
         n=lambda t: _part_heads(o, t % o.gparts, G, R)[1], weigh=lambda t, q, n, u, v, vq: vq[0] * v,
         row_pos=((lambda t, u, q: piece.scale(at(t).head(first(t) + u), q), F32),))
+    if carried:  # dC's: each head's carried-state term of d dA_step, C_q . (its product's row q)
+        heads.dot = SimpleNamespace(
+            term=lambda t, q, n, u, v: spec.carried_term(at(t), q, n, v),
+            store=lambda t, q, u, v: T.buffer_store(o.ddA_step, T.Select(
+                _bcn(o, t, o.gparts)[1] * d.chunk_size + q < o.seqlen,
+                piece.scale(at(t).head(first(t) + u), q) * v, T.float32(0)), _carried_index(o, t, first(t) + u, q)))
     ge = piece.intra.causal == "ge"
     intra = SimpleNamespace(a=lambda t, q, k: piece.intra.a(at(t), q, k), b=lambda t, k, n: piece.intra.b(at(t), k, n),
                             lo=(lambda t, q: causal_start(d, q)) if ge else (lambda t, q: 0),
@@ -254,14 +284,15 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
     R = H // G
     sp = spec.pieces(d)
 
-    dx_run = S.product(Q, P, (Q, N))
+    dx_run = S.product(Q, P, (Q, N), dots=True)
 
     @T.macro
     def dx(o, r):
-        """dx per (batch, chunk, head) task by the strategy's ``product``: the init D g, the main product's
-        causal range, then the state product weighted per row by the chunk-state scale w[s] dt[s]"""
+        """dx per (batch, chunk, head) task by the strategy's ``product``: the init D g (or 0, D on the main
+        product's diagonal), the main product's causal range, then the state product weighted per row by the
+        chunk-state scale w[s] dt[s]"""
         dx_run(o.batch * o.nchunks * H, lambda t: _head_at(o, r, t, H, R).end, _dx_segments(d, o, r),
-               lambda t, s, p: sp.dx.main.init(_head_at(o, r, t, H, R), s, p),
+               _dx_init(d, o, r),
                lambda t, s, p, v: T.buffer_store(o.dx, v.astype(d.x_dtype), _row_index(o, t, H, Q, s, p)))
 
     gsum_run = S.product(Q, Q, (P,))
@@ -273,14 +304,15 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
         gsum_run(o.batch * o.nchunks * o.gparts, lambda t: Q, (_gsum_segment(d, o, r),), lambda t, l, s: T.float32(0),
                  lambda t, l, s, v: T.buffer_store(o.gsum, v, _bcn(o, t, o.gparts) + (l, s)))
 
-    def part_rows(piece, out: str):
+    def part_rows(piece, out: str, carried: bool):
         """dB / dC (spec.pieces' dB, dC) per (batch, chunk, part) task by the strategy's ``product``: the part's
-        heads in order (each head's sum weighted per row by its scale), then the intra-chunk product on gsum."""
-        run = S.product(Q, N, (P, Q))
+        heads in order (each head's sum weighted per row by its scale; dC's also dotted with C_q per row: the
+        carried-state terms), then the intra-chunk product on gsum."""
+        run = S.product(Q, N, (P, Q), dots=carried)
 
         @T.macro
         def at(o, r):
-            run(o.batch * o.nchunks * o.gparts, lambda t: _part_at(o, r, t, G).end, _part_segments(d, o, r, piece),
+            run(o.batch * o.nchunks * o.gparts, lambda t: _part_at(o, r, t, G).end, _part_segments(d, o, r, piece, carried),
                 lambda t, q, n: T.float32(0),
                 lambda t, q, n, v: T.buffer_store(getattr(o, out), v, _row_index(o, t, o.gparts, Q, q, n)))
 
@@ -288,7 +320,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
 
     return (dx,
             gsum,
-            part_rows(sp.dB, "dBp"), part_rows(sp.dC, "dCp"))
+            part_rows(sp.dB, "dBp", False), part_rows(sp.dC, "dCp", True))
 
 
 def _bchq(o, i, H: int, Q: int):
@@ -298,33 +330,12 @@ def _bchq(o, i, H: int, Q: int):
 
 def _step_pieces(d: ScanBwdDims, S: Strategy):
     """The per-step gradients: macros ``run(o, r)``, the summands and ranges of scan_bwd_spec.py (the
-    crossing-pairs form): XB and the carried-state term by ``position_dots``, its reverse cumsum a task per
-    (batch, chunk, head), d dt and the rest of d dA_step by ``crossing_pass``, dD a task per element."""
+    crossing-pairs form; XB and the carried-state term are dx's and dC's row dots): the carried-state term's
+    reverse cumsum a task per (batch, chunk, head), d dt and the rest of d dA_step by ``crossing_pass``, dD a
+    task per element."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
     sp = spec.pieces(d)
-
-    dots = S.position_dots(Q, P, N)
-
-    @T.macro
-    def xb(o, r):
-        """XB[s] = <x_s, dSo B_s> = B_s . (x_s dSo) -> ddt_out (scratch until d dt), per (batch, chunk, head) task
-        by the strategy's ``position_dots`` (dstate outer: the rows of spec.pieces' dB.head product)"""
-        dots(o.batch * o.nchunks * H, lambda t, s, p: sp.dB.head.a(_head_at(o, r, t, H, R), s, p),
-             lambda t, s, n: sp.dx.state.a(_head_at(o, r, t, H, R), s, n),
-             lambda t, p, n: sp.dB.head.b(_head_at(o, r, t, H, R), p, n),
-             lambda t, s, v: T.buffer_store(o.ddt_out, v, _step_index(o, t, H, s)))
-
-    @T.macro
-    def carried(o, r):
-        """the carried-state term e[q] <g_q, C_q Sin> of d dA_cs[q] -> ddA_step (0 past seqlen), by
-        ``position_dots`` (spec.pieces' dC.head product, then spec.carried_term's C_q . (g_q Sin))"""
-        dots(o.batch * o.nchunks * H, lambda t, q, p: sp.dC.head.a(_head_at(o, r, t, H, R), q, p),
-             lambda t, q, n: _head_at(o, r, t, H, R).C(q, n),
-             lambda t, p, n: sp.dC.head.b(_head_at(o, r, t, H, R), p, n),
-             lambda t, q, v: T.buffer_store(o.ddA_step, T.Select(
-                 _bcn(o, t, H)[1] * Q + q < o.seqlen, sp.dC.scale(_head_at(o, r, t, H, R), q) * v, T.float32(0)),
-                 _step_index(o, t, H, q)))
 
     @T.macro
     def cumsum_at(o, r, i):
@@ -355,8 +366,7 @@ def _step_pieces(d: ScanBwdDims, S: Strategy):
     def pairs(o, r):
         crossing(o.batch * o.nchunks * H, _crossing_ops(d, o, r))
 
-    return (xb, carried,
-            _launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), pairs,
+    return (_launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), pairs,
             _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * J))
 
 

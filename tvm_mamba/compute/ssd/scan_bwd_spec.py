@@ -81,6 +81,18 @@ def cbk(r, l, s):
     return r.cb(l, s) * r.K(l, s) * r.dt(s)
 
 
+def folds_skip(d) -> bool:
+    """Whether dx's skip term D g[s] (its main product's init) may be the product's diagonal term instead:
+    D[h] at l == s added to cbk (``cbk_skip``), the same sum without a second read of g (D per head, the
+    diagonal inside the causal range: not per channel, not ``diag_skip``)."""
+    return d.has_D and not d.D_has_hdim and not d.diag_skip
+
+
+def cbk_skip(r, l, s, D):
+    """dx's main weight with the skip on its diagonal: cbk(l, s) + D at l == s (D: D[h], ``folds_skip``)."""
+    return cbk(r, l, s) + T.Select(l == s, D, T.float32(0))
+
+
 def gsum_term(r, l, s, gx):
     """A head's term of gsum[l, s] (causal pairs only): (g_l . x_s) K[l, s] dt[s]."""
     return gx * r.K(l, s) * r.dt(s)

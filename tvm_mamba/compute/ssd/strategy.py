@@ -24,19 +24,20 @@ innermost axis: dstate or headdim). The strategy decides:
   same-step block goes elsewhere) with a per-(i, s) weight,
   on top of a carried M x W x K product (ssd_chunk_scan's y): a task per output element, or on a CPU the staged
   operands and two register-blocked matmuls (the causal one ``tri="le"``: no term of a later position is added).
-* ``product(M, W, units)``, ``position_dots(Q, P, N)``, ``crossing_pass(Q, P, start)``: the pieces of
-  ssd_chunk_scan_bwd's launch form (compute/ssd/scan_bwd_launch.py): an M x W output per task summed over
-  segments of k (causal ranges; a weighted segment per unit), per-position dots against one matrix per task,
-  and the row pass of the causal pairs with running column sums. A task per output element here, a block per
-  output tile or per task on CUDA (schedules/cuda/_tiled.py, _dots.py, _crossing.py).
+* ``product(M, W, units, dots)``, ``crossing_pass(Q, P, start)``: the pieces of ssd_chunk_scan_bwd's launch
+  form (compute/ssd/scan_bwd_launch.py): an M x W output per task summed over segments of k (causal ranges; a
+  weighted segment per unit, optionally with a per-row dot of each unit's product), and the row pass of the
+  causal pairs with running column sums. A task per output element here, a block per output tile or per task
+  on CUDA (schedules/cuda/_tiled.py, _crossing.py).
 * ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers; ``scratch`` allocates it), and
   ``math`` (``_math.Math``: the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
 * ``vector``: also which form a template with several chunk matmuls takes (ssd_chunk_scan_bwd): a task per
   chunk running them on staged operands (True: whole lane axes, mm.py's blocked matmuls), or a launch per
   piece with a task per output element.
 
-Strategies never change the order in which a sum is taken: the same template gives bitwise-equal float32
-results under every strategy that picks the same math.
+Strategies never change the order in which a sum is taken, but for one: a ``product`` row dot's sum over the
+columns is the layout's (a CUDA tile's columns are spread over threads). Otherwise the same template gives
+bitwise-equal float32 results under every strategy that picks the same math.
 """
 from __future__ import annotations
 
@@ -175,7 +176,7 @@ class Strategy:
 
         return run
 
-    def product(self, M: int, W: int, units: tuple):
+    def product(self, M: int, W: int, units: tuple, dots: bool = False):
         """A macro ``run(extent, rows, segs, init, store)``: per task t the M x W output
 
             out[t, i, j] = init(t, i, j) + sum over the segments in order of
@@ -191,12 +192,18 @@ class Strategy:
         per tile on CUDA). A weighted segment with ``row_pos`` instead (readers of the rows i only: j is no
         position) gets weigh(t, i, j, u, v, v(i)): a per-row weight of each unit (a head's chunk-state scale)
         computed once per row. A weighted segment may say ``col_end(t, i)``: weigh is 0 for the columns j >=
-        col_end(t, i), non-decreasing in i (the CUDA tiles past it skip the product). At most two segments. A
-        task per output
-        element here; the CUDA strategy stages each segment's operands per output tile (_tiled.py)."""
+        col_end(t, i), non-decreasing in i (the CUDA tiles past it skip the product). A weighted segment may
+        say ``dot``, a namespace of term(t, i, j, u, v) and store(t, i, u, v): per unit u and row i < M (every row:
+        past rows(t) too) store(t, i, u, sum_j term(t, i, j, u, v_u(i, j))), v_u the unit's own sum (a per-row dot
+        of the unit's product: ssd_chunk_scan_bwd's XB and carried-state terms without a launch of their own);
+        the sum over j is the one order a strategy may choose (here j ascending; CUDA's tiles sum each thread's
+        columns, then the threads'), and ``dots`` must be True (a CUDA tile then spans the whole width W). At
+        most two segments. A task per output element here; the CUDA strategy stages each segment's operands per
+        output tile (_tiled.py)."""
         S = self
         tasks = self.tasks()
         segment = _serial_segment(units[0]), _serial_segment(units[-1])
+        row_dots = _serial_row_dot(self, W, units[0]), _serial_row_dot(self, W, units[-1])
 
         @T.macro
         def one(rows, segs, init, store, t, r, j):
@@ -211,34 +218,11 @@ class Strategy:
         @T.macro
         def run(extent, rows, segs, init, store):
             tasks(extent * M * W, lambda i: one(rows, segs, init, store, i // (M * W), i // W % M, i % W))
-
-        return run
-
-    def position_dots(self, Q: int, P: int, N: int):
-        """A macro ``run(extent, u, v, m, store)``: per task t and chunk position s < Q
-
-            store(t, s, sum_n v(t, s, n) (sum_p u(t, s, p) m(t, p, n)))          (n ascending, p ascending)
-
-        (ssd_chunk_scan_bwd's per-position dots <x_s, dSo B_s> and <g_s, C_s Sin>: a row of u and of v per
-        position against one P x N matrix m per task). A task per position here; the CUDA strategy runs a block
-        per task, a thread per position, m staged in shared memory slice by slice (schedules/cuda/_dots.py)."""
-        S = self
-        tasks = self.tasks()
-
-        @T.macro
-        def one(u, v, m, store, t, s):
-            w = T.meta_var(S.scratch(acc=(2,)))
-            w.acc[0] = T.float32(0)
-            for n in range(N):
-                w.acc[1] = T.float32(0)
-                for p in range(P):
-                    w.acc[1] = w.acc[1] + u(t, s, p) * m(t, p, n)
-                w.acc[0] = w.acc[0] + v(t, s, n) * w.acc[1]
-            store(t, s, w.acc[0])
-
-        @T.macro
-        def run(extent, u, v, m, store):
-            tasks(extent * Q, lambda i: one(u, v, m, store, i // Q, i % Q))
+            if hasattr(segs[0], "dot"):
+                tasks(extent * M, lambda i: row_dots[0](segs[0], i // M, i % M))
+            if len(segs) > 1:
+                if hasattr(segs[1], "dot"):
+                    tasks(extent * M, lambda i: row_dots[1](segs[1], i // M, i % M))
 
         return run
 
@@ -328,6 +312,25 @@ def _serial_segment(unit: int):
         else:
             for k in range(seg.lo(t, i), seg.hi(t, i)):
                 acc[0] = acc[0] + seg.a(t, i, k) * seg.b(t, k, j)
+
+    return run
+
+
+def _serial_row_dot(S: Strategy, W: int, unit: int):
+    """A macro ``run(seg, t, i)``: a weighted ``Strategy.product`` segment's ``dot`` at row i of task t, per unit:
+    the unit's sums recomputed per column j, j ascending."""
+
+    @T.macro
+    def run(seg, t, i):
+        w = T.meta_var(S.scratch(acc=(2,)))
+        for u in range(seg.n(t)):
+            w.acc[0] = T.float32(0)
+            for j in range(W):
+                w.acc[1] = T.float32(0)
+                for k in range(unit):
+                    w.acc[1] = w.acc[1] + seg.a(t, i, u * unit + k) * seg.b(t, u * unit + k, j)
+                w.acc[0] = w.acc[0] + seg.dot.term(t, i, j, u, w.acc[1])
+            seg.dot.store(t, i, u, w.acc[0])
 
     return run
 
