@@ -37,22 +37,29 @@ def crossing_pass(Q: int, P: int, start):
     copies = (TB * P + Q - 1) // Q
     stage_band = _stage_positions(_fill(_Threads(Q), TB))
     stage_columns = _stage_positions(_fill(_Threads(Q), Q))
+    dd_band, dd_store = _dd(Q, TB, P)
+
+    def first(ops, k):  # column k's first row whose g . x_k the bands read (its own with dD per position)
+        return k if hasattr(ops, "dd") and ops.dd.per_position else start(k)
 
     @T.macro
     def run(extent, ops):
         for bx in T.thread_binding(extent, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # (_tiled.py: MIN_BLOCKS)
-            sh = T.meta_var(_buffers("shared", g=(TB * P,), rs=(TB * LR,), pre=(Q,)))
+            sh = T.meta_var(_buffers("shared", g=(TB * P,), rs=(TB * LR,), pre=(Q,), after=(Q,)))
             vb = T.meta_var(_typed("shared", "vb", TB, ops.pos))  # the band's per-position values
             vk = T.meta_var(_typed("shared", "vk", Q, ops.pos))  # the columns' (read after the first barrier)
             for tx in T.thread_binding(Q, thread="threadIdx.x"):
-                reg = T.meta_var(_buffers("local", xr=(P,), acc=(TB,), run=(5,)))  # run: d dt, R, v, sums
+                reg = T.meta_var(_buffers("local", xr=(P,), acc=(TB,), run=(6,), dc=((P + Q - 1) // Q,)))
                 for p in T.unroll(P):
                     reg.xr[p] = ops.x(bx, tx, p)
                 sh.pre[tx] = ops.pre(bx, tx)
+                sh.after[tx] = ops.after(bx, tx)
                 stage_columns(vk, ops.pos, bx, 0, tx)
                 reg.run[0] = T.float32(0)
                 reg.run[1] = T.float32(0)
+                for e in T.unroll((P + Q - 1) // Q):
+                    reg.dc[e] = T.float32(0)
                 for bi in range(NB):
                     for e in T.unroll(copies):  # the band's g rows
                         if e * Q + tx < TB * P:
@@ -61,10 +68,11 @@ def crossing_pass(Q: int, P: int, start):
                     T.tvm_storage_sync("shared")
                     for r in T.unroll(TB):
                         reg.acc[r] = T.float32(0)
-                    if T.And((NB - 1 - bi) * TB + TB - 1 >= start(tx), (NB - 1 - bi) * TB < ops.end(bx)):
+                    if T.And((NB - 1 - bi) * TB + TB - 1 >= first(ops, tx), (NB - 1 - bi) * TB < ops.end(bx)):
                         for p in T.unroll(P):  # (a band wholly before column tx's causal rows: none of it read)
                             for r in T.unroll(TB):
                                 reg.acc[r] = reg.acc[r] + sh.g[r * P + p] * reg.xr[p]
+                    dd_band(ops, sh, reg, bx, (NB - 1 - bi) * TB, tx)
                     for rr in T.unroll(TB):
                         if T.And((NB - 1 - bi) * TB + TB - 1 - rr >= start(tx),
                                  (NB - 1 - bi) * TB + TB - 1 - rr < ops.end(bx)):
@@ -77,13 +85,49 @@ def crossing_pass(Q: int, P: int, start):
                     if tx < TB:  # row (NB - 1 - bi) TB + tx: its crossing pairs and prefix, k ascending
                         reg.run[3] = T.float32(0)
                         reg.run[4] = T.float32(0)
+                        reg.run[5] = T.float32(0)
                         for k in range((NB - 1 - bi) * TB + tx):
                             reg.run[3] = reg.run[3] + sh.rs[tx * LR + k]
                             reg.run[4] = reg.run[4] + sh.pre[k]
-                        ops.row_store(bx, (NB - 1 - bi) * TB + tx, reg.run[3], reg.run[4])
+                        for lr in range(Q - (NB - 1 - bi) * TB - tx):  # the reverse cumsum, from the last row
+                            reg.run[5] = reg.run[5] + sh.after[Q - 1 - lr]
+                        ops.row_store(bx, (NB - 1 - bi) * TB + tx, reg.run[3], reg.run[4], reg.run[5])
                 ops.col_store(bx, tx, reg.run[0])
+                dd_store(ops, reg, bx, tx)
 
     return run
+
+
+def _dd(Q: int, TB: int, P: int):
+    """Macros ``band(ops, sh, reg, bx, l0, tx)`` and ``store(ops, reg, bx, tx)``: the crossing pass's dD
+    (``ops.dd``, strategy.py). Per position: thread k's own g_k . x_k, the band's product at row k (so the bands
+    from row k on are read, not from its causal start). Per channel: thread p < P adds the band's g (staged)
+    times x at (row, p), rows from the band's last up, then stores its sum (channels Q apart per thread)."""
+    EP = (P + Q - 1) // Q
+
+    @T.macro
+    def band(ops, sh, reg, bx, l0, tx):
+        if hasattr(ops, "dd"):
+            if ops.dd.per_position:
+                for rr in T.unroll(TB):
+                    if l0 + rr == tx:
+                        ops.dd.store(bx, tx, reg.acc[rr])
+            else:
+                for e in T.unroll(EP):
+                    if e * Q + tx < P:
+                        for rr in T.unroll(TB):
+                            reg.dc[e] = reg.dc[e] + sh.g[(TB - 1 - rr) * P + e * Q + tx] * ops.x(
+                                bx, l0 + TB - 1 - rr, e * Q + tx)
+
+    @T.macro
+    def store(ops, reg, bx, tx):
+        if hasattr(ops, "dd"):
+            if not ops.dd.per_position:
+                for e in T.unroll(EP):
+                    if e * Q + tx < P:
+                        ops.dd.store(bx, e * Q + tx, reg.dc[e])
+
+    return band, store
 
 
 class _Threads:

@@ -11,11 +11,11 @@ Launch order, each piece by a strategy method (strategy.py) fed the specs of sca
   dB, dC      ``product`` per (batch, chunk, part): the part's heads (each weighted per row by its scale),
               then the intra-chunk causal product on gsum; dC's head products' row dots are each head's
               carried-state term e[q] <g_q, C_q Sin> of d dA_step;
-  cumsum      that term's reverse cumsum, a task per (batch, chunk, head);
   crossing    ``crossing_pass`` per (batch, chunk, head): the task form's row pass, running column sums of the
-              causal pairs from the last row up; its rows add the crossing pairs and the chunk-state prefix of
-              every XB to d dA_step, its columns overwrite their XB with d dt;
-  dD          per element (per position with diag_skip).
+              causal pairs from the last row up; its rows add the crossing pairs, the chunk-state prefix of
+              every XB and the reverse cumsum of the carried-state terms to d dA_step, its columns overwrite
+              their XB with d dt; with D, dD on the way (per channel: the staged rows of g against x; per
+              position with diag_skip: the diagonal g_l . x_l).
 
 On CUDA each method stages its operands per block (shared-memory tiles, registers: schedules/cuda/_tiled.py,
 _crossing.py); the serial strategy runs a task per output element in the same order, terms past
@@ -96,7 +96,7 @@ def _at(r: _Reads, b, c, grp, h=None, gp=None) -> SimpleNamespace:
 def launches(d: ScanBwdDims, S: Strategy):
     """The macro ``body(o)``: every launch in order."""
     dx, gsum, dB, dC = _position_pieces(d, S)
-    ddA_cumsum, pairs, dD = _step_pieces(d, S)
+    pairs = _step_pieces(d, S)
 
     @T.macro
     def body(o):
@@ -105,36 +105,9 @@ def launches(d: ScanBwdDims, S: Strategy):
         gsum(o, r)
         dB(o, r)
         dC(o, r)
-        ddA_cumsum(o, r)
         pairs(o, r)
-        if d.has_D:
-            dD(o, r)
 
     return body
-
-
-@T.macro
-def _sum(acc, j, lo, hi, term):
-    """acc[j] = sum of term(k) over k in [lo, hi), ascending from 0 (a task's scalar reduction)."""
-    acc[j] = T.float32(0)
-    for k in range(lo, hi):
-        acc[j] = acc[j] + term(k)
-
-
-def _launch(S: Strategy, piece, extent):
-    """The macro ``run(o, r)``: ``piece(o, r, i)`` for every task i < extent(o) (blockIdx x threadIdx on CUDA;
-    the piece allocates its scratch in the thread's scope)."""
-
-    @T.macro
-    def run(o, r):
-        n = T.meta_var(extent(o))
-        for bx in S.outer(n):
-            for tx in S.inner():
-                i = T.meta_var(S.index(bx, tx))
-                if i < n:
-                    piece(o, r, i)
-
-    return run
 
 
 def _part_heads(o, gp, G: int, R: int):
@@ -323,59 +296,26 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             part_rows(sp.dB, "dBp", False), part_rows(sp.dC, "dCp", True))
 
 
-def _bchq(o, i, H: int, Q: int):
-    """(batch, chunk, head, position) of task i of a launch over (batch, chunk, head, position)."""
-    return i // (o.nchunks * H * Q), i // (H * Q) % o.nchunks, i // Q % H, i % Q
-
-
 def _step_pieces(d: ScanBwdDims, S: Strategy):
-    """The per-step gradients: macros ``run(o, r)``, the summands and ranges of scan_bwd_spec.py (the
-    crossing-pairs form; XB and the carried-state term are dx's and dC's row dots): the carried-state term's
-    reverse cumsum a task per (batch, chunk, head), d dt and the rest of d dA_step by ``crossing_pass``, dD a
-    task per element."""
-    H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
-    R = H // G
-    sp = spec.pieces(d)
-
-    @T.macro
-    def cumsum_at(o, r, i):
-        """its reverse cumsum in place, a task per (batch, chunk, head): d dA_cs[l] reaches the steps q <= l"""
-        v = T.meta_var(S.scratch(acc=(1,)))
-        v.acc[0] = T.float32(0)
-        for qr in range(Q):
-            v.acc[0] = v.acc[0] + o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr]
-            o.ddA_step[i // (o.nchunks * H), i % H, i // H % o.nchunks, Q - 1 - qr] = v.acc[0]
-
-    J, K = sp.dd.sizes  # dD per position: a task per l summing over p; else the reverse
-
-    def dd_index(b, c, h, j):  # D's layout per position, else (batch, chunk, head, p)
-        return (b, h, c, j) if d.diag_skip else (b, c, h, j)
-
-    @T.macro
-    def dd_at(o, r, i):
-        """dD partial[j] (spec.pieces' dD), a task per (batch, chunk, head, j), stored in D's layout"""
-        v = T.meta_var(S.scratch(acc=(1,)))
-        b, c, h, j = T.meta_var(_bchq(o, i, H, J))
-        a = T.meta_var(_at(r, b, c, h // R, h))
-        _sum(v.acc, 0, 0, K, lambda k: sp.dd.term(a, j, k))
-        o.dD_part[dd_index(b, c, h, j)] = v.acc[0]
-
-    crossing = S.crossing_pass(Q, P, lambda k: causal_start(d, k))
+    """The per-step gradients and dD: the macro ``run(o, r)`` of ``crossing_pass`` (scan_bwd_spec.py's
+    crossing-pairs form; XB and the carried-state terms are dx's and dC's row dots, read here): d dt, d dA_step
+    (its carried-state part reverse-cumsummed on the way) and dD."""
+    crossing = S.crossing_pass(d.chunk_size, d.headdim, lambda k: causal_start(d, k))
 
     @T.macro
     def pairs(o, r):
-        crossing(o.batch * o.nchunks * H, _crossing_ops(d, o, r))
+        crossing(o.batch * o.nchunks * d.nheads, _crossing_ops(d, o, r))
 
-    return (_launch(S, cumsum_at, lambda o: o.batch * o.nchunks * H), pairs,
-            _launch(S, dd_at, lambda o: o.batch * o.nchunks * H * J))
+    return pairs
 
 
 def _crossing_ops(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
     """The strategy's ``crossing_pass`` (strategy.py) on task t = (batch, chunk, head): v(l, k) = row l's d dt
     term of step k (spec.ddt_term), its pair term G[l, k] (spec.pair_term); per column k d dt[k] = the column
-    sum + the chunk-state term of XB[k] (in ddt_out since the XB launch: read by ``pre`` and ``col_store``
+    sum + the chunk-state term of XB[k] (in ddt_out since dx's launch: read by ``pre`` and ``col_store``
     before it is overwritten), per row q d dA_step[q] = the crossing pairs + the chunk-state prefix
-    sum_{k<q} w[k] dt[k] XB[k] + the carried-state term (in ddA_step since the reverse cumsum)."""
+    sum_{k<q} w[k] dt[k] XB[k] + the reverse cumsum of the carried-state terms (``after``: in ddA_step since
+    dC's launch); with D, dD (``dd``: per channel, per position with diag_skip, in D's layout)."""
     H, Q, R = d.nheads, d.chunk_size, d.nheads // d.ngroups
 
     def at(t):
@@ -384,13 +324,17 @@ def _crossing_ops(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
     def idx(t, q):  # (batch, head, chunk, q)
         return _step_index(o, t, H, q)
 
-    return SimpleNamespace(
+    ops = SimpleNamespace(
         g=lambda t, l, p: at(t).g(l, p), x=lambda t, k, p: at(t).x(k, p),
         weight=lambda t, l, k, gx, vl, vk: spec.ddt_term(_staged(d, r, at(t), l, vl, k, vk), l, k, gx),
         pair=lambda t, k, v, vk: spec.pair_term(_staged(d, r, at(t), k, vk, k, vk), k, v),
         pos=_unit_free(_positions(d, lambda t, u: at(t))),
         pre=lambda t, k: spec.prefix_term(at(t), k, o.ddt_out[idx(t, k)]), end=lambda t: at(t).end,
+        after=lambda t, q: o.ddA_step[idx(t, q)],
         col_store=lambda t, k, v: T.buffer_store(o.ddt_out, v + spec.ddt_state(at(t), k, o.ddt_out[idx(t, k)]),
                                                  idx(t, k)),
-        row_store=lambda t, q, pairs, pre: T.buffer_store(o.ddA_step, pairs + pre + o.ddA_step[idx(t, q)],
-                                                          idx(t, q)))
+        row_store=lambda t, q, pairs, pre, tail: T.buffer_store(o.ddA_step, pairs + pre + tail, idx(t, q)))
+    if d.has_D:  # D's layout: per position (batch, head, chunk, l), else per channel (batch, chunk, head, p)
+        ops.dd = SimpleNamespace(per_position=d.diag_skip, store=lambda t, j, v: T.buffer_store(
+            o.dD_part, v, idx(t, j) if d.diag_skip else _bcn(o, t, H) + (j,)))
+    return ops

@@ -234,23 +234,31 @@ class Strategy:
         (reader(t, q), dtype) pairs, at q: read in place here, staged on CUDA), rows l from the last up:
 
             col_store(t, k, sum_l v(l, k))                                           (l descending)
-            row_store(t, q, sum_{k<q} R_q[k], sum_{k<q} pre(t, k))                   (k ascending)
+            row_store(t, q, sum_{k<q} R_q[k], sum_{k<q} pre(t, k), sum_{l>=q} after(t, l))
+                                                              (k ascending; l descending: a reverse cumsum)
             R_q[k] = sum_{l>=q} pair(t, k, v(l, k), v(k))     (l descending: the crossing pairs k < q <= l)
 
-        with pre(t, k) read before any col_store of the task (col_store may overwrite what pre reads). Each
-        gx and weight is computed once per pair and each R_q[k] is a running column sum (the task form's row
-        pass, scan_bwd_task.py): O(Q^2 P) per task. Here a task runs serially; the CUDA strategy runs a block
-        per task, a thread per column (schedules/cuda/_crossing.py), in the same order."""
+        with pre(t, k) and after(t, l) read before any store of the task (the stores may overwrite what they
+        read). ``ops.dd`` (optional: dD, spec.pieces' dd.term(l, p) = g x at (l, p)): ``dd.per_position``:
+        dd.store(t, l, sum_p g(t, l, p) x(t, l, p)) (p ascending), else dd.store(t, p, sum_l g(t, l, p) x(t, l,
+        p)) (l descending, every row: g and x are 0 past the sequence). Each gx and weight is computed once per
+        pair and each R_q[k] is a running column sum (the task form's row pass, scan_bwd_task.py): O(Q^2 P) per
+        task. Here a task runs serially; the CUDA strategy runs a block per task, a thread per column
+        (schedules/cuda/_crossing.py), in the same order."""
         S = self
         tasks = self.tasks()
 
         @T.macro
         def one(ops, t):
-            w = T.meta_var(S.scratch(dd=(Q,), rs=(Q,), pre=(Q,), acc=(3,)))
+            w = T.meta_var(S.scratch(dd=(Q,), rs=(Q,), pre=(Q,), after=(Q,), dc=(P,), acc=(5,)))
             for k in range(Q):
                 w.dd[k] = T.float32(0)
                 w.rs[k] = T.float32(0)
                 w.pre[k] = ops.pre(t, k)
+                w.after[k] = ops.after(t, k)
+            for p in range(P):
+                w.dc[p] = T.float32(0)
+            w.acc[3] = T.float32(0)
             for lr in range(Q):
                 l = T.meta_var(Q - 1 - lr)
                 for k in range(Q):
@@ -266,9 +274,16 @@ class Strategy:
                 for k in range(l):
                     w.acc[1] = w.acc[1] + w.rs[k]
                     w.acc[2] = w.acc[2] + w.pre[k]
-                ops.row_store(t, l, w.acc[1], w.acc[2])
+                w.acc[3] = w.acc[3] + w.after[l]
+                ops.row_store(t, l, w.acc[1], w.acc[2], w.acc[3])
+                if hasattr(ops, "dd"):
+                    _serial_dd_row(ops, w, t, l, P)
             for k in range(Q):
                 ops.col_store(t, k, w.dd[k])
+            if hasattr(ops, "dd"):
+                if not ops.dd.per_position:
+                    for p in range(P):
+                        ops.dd.store(t, p, w.dc[p])
 
         @T.macro
         def run(extent, ops):
@@ -314,6 +329,20 @@ def _serial_segment(unit: int):
                 acc[0] = acc[0] + seg.a(t, i, k) * seg.b(t, k, j)
 
     return run
+
+
+@T.macro
+def _serial_dd_row(ops, w, t, l, P: int):
+    """``crossing_pass``'s dD at row l: its own dot g_l . x_l (per position), else its terms added to the
+    channels' sums ``w.dc``."""
+    if ops.dd.per_position:
+        w.acc[4] = T.float32(0)
+        for p in range(P):
+            w.acc[4] = w.acc[4] + ops.g(t, l, p) * ops.x(t, l, p)
+        ops.dd.store(t, l, w.acc[4])
+    else:
+        for p in range(P):
+            w.dc[p] = w.dc[p] + ops.g(t, l, p) * ops.x(t, l, p)
 
 
 def _serial_row_dot(S: Strategy, W: int, unit: int):
