@@ -73,9 +73,10 @@ class Cpu(Strategy):
 
         return run
 
-    def matmul_rows(self, M: int, W: int, K: int):
+    def matmul_rows(self, M: int, W: int, K: int, lower: bool = False):
         """A task per matmul: lhs rows staged as they are (vectorized along k), rhs rows transposed into a
-        K x W operand, then the register-blocked matmul (mm.py); no scale pass."""
+        K x W operand, then the register-blocked matmul (mm.py); no scale pass. The whole product, ``lower``
+        or not (the template's store zeroes what lies above the diagonal)."""
         staged = _staged(matmul(M, W, self.rows, self.cols, order=self.order), M, W, K)
 
         @T.macro

@@ -179,9 +179,10 @@ def _tile_of(tl: Tile, bx):
     return bx // (ti * tj), bx // tj % ti * tl.TM, bx % tj * tl.TW
 
 
-def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
+def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool, lower: bool = False):
     """The strategy's ``run(extent, lhs, scale, rhs, store)`` (strategy.py ``scaled_matmul``; ``scaled``
-    False: ``run(extent, lhs, rhs, store)`` of ``matmul_rows``, rhs(t, j, k) read along k), a block per tile."""
+    False: ``run(extent, lhs, rhs, store)`` of ``matmul_rows``, rhs(t, j, k) read along k), a block per tile;
+    ``lower``: the tiles wholly above the diagonal (j > i everywhere) store 0 without their product."""
     product = block_product(tl, tl.KT, k_fast, k_fast)
     fill = _fill(tl, tl.KT)
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
@@ -205,7 +206,7 @@ def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
                             lambda k, j: sh.s[k % tl.KT] * rhs(t, k, j0 + j), tx, lambda k, i: True,
                             lambda ko: fill(sh.s, 0, lambda k: scale(t, ko * tl.KT + k), tx))
                 else:
-                    product(reg.acc, ops, tl.K // tl.KT, lambda k, i: lhs(t, i0 + i, k),
+                    product(reg.acc, ops, upper_skip(lower, tl, i0, j0, tl.K // tl.KT), lambda k, i: lhs(t, i0 + i, k),
                             lambda k, j: rhs(t, j0 + j, k), tx, lambda k, i: True, None)
                 if tx < CM * CW:
                     for r in T.unroll(RM):
@@ -213,6 +214,12 @@ def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool):
                             store(t, i0 + tx // CW + r * CM, j0 + tx % CW + c * CW, reg.acc[r, c])
 
     return _entry(run_any, scaled)
+
+
+def upper_skip(lower: bool, tl: Tile, i0, j0, slices):
+    """The k slices of the tile at (i0, j0): ``slices``, or with ``lower`` 0 for a tile wholly above the diagonal
+    (its first column past its last row; the same for the whole block: its barriers)."""
+    return T.Select(j0 >= i0 + tl.TM, 0, slices) if lower else slices
 
 
 def _entry(run_any, scaled: bool):

@@ -13,7 +13,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._tiled import (K_SLICE, Tile, _copy, _entry, _fill, _stage_positions, _tile_of, _typed, _values,
-                     largest_divisor)
+                     largest_divisor, upper_skip)
 
 TC = 16  # the wmma fragment side (m16n16k16)
 
@@ -66,7 +66,8 @@ class TcTiling(Tile):
         return TcTiling(M, W, K, TM, TW, KT, best[1], best[2], threads, dtype, acc)
 
 
-def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str = "", slices=None):
+def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str = "", slices=None,
+              lower: bool = False):
     """The tiled ``run`` of ``tiled_matmul`` on tensor cores: each k slice of both operands copied into shared
     memory in ``tl.dtype`` (a k-fast operand stored along k, the others along i / j: the fragment loads take
     either layout), each warp's FR x FC accumulator fragments updated by ``mma_sync`` per 16-deep step; then a
@@ -78,7 +79,7 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str
     exactly (``_copy_split``), each multiplied by the other operand (which must be exact in bfloat16, e.g. int8
     codes): float32-accurate products on bf16 tensor cores, three mma per step. ``slices``: the number of k
     slices as a function of the task (a symbolic contraction: lhs / rhs must be zero or harmless past its end),
-    by default ``tl.K // tl.KT``."""
+    by default ``tl.K // tl.KT``. ``lower``: tiles wholly above the diagonal store 0 without their product."""
     TM, TW, KT, FR, FC = tl.TM, tl.TW, tl.KT, tl.FR, tl.FC
     assert not split or (tl.dtype == "bfloat16" and not scaled), "a split operand is bf16 parts, unscaled"
     # a (i, k): row-major [i][k] when k-fast, else column-major [k][i]; b (k, j): column-major [j][k] when
@@ -125,7 +126,7 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str
                 # touched before the slices, so that TVM's storage rewrite does not give ``so`` the 16-bit
                 # slices' memory (its float access_ptr into a bfloat16 buffer fails to lower)
                 out_fill(so, 0, lambda q: zero, tx)
-                for ko in range(n_slices(t)):
+                for ko in range(upper_skip(lower, tl, i0, j0, n_slices(t))):
                     if scaled:
                         fill(ss, 0, lambda k: scale(t, ko * KT + k), tx)
                         T.tvm_storage_sync("shared")

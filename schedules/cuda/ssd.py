@@ -55,11 +55,13 @@ class Gpu(Strategy):
             return tc_matmul(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), False, False, scaled=True)
         return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=False, scaled=True)
 
-    def matmul_rows(self, M: int, W: int, K: int):
-        """As ``scaled_matmul``, both operands copied along k (rows of C and B)."""
+    def matmul_rows(self, M: int, W: int, K: int, lower: bool = False):
+        """As ``scaled_matmul``, both operands copied along k (rows of C and B); ``lower``: the tiles wholly
+        above the diagonal skip their product and store 0."""
         if self.tc and TcTiling.fits(M, W, K):
-            return tc_matmul(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), True, True, scaled=False)
-        return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=True, scaled=False)
+            return tc_matmul(TcTiling.of(M, W, K, self.threads, self.tile, self.tc), True, True, scaled=False,
+                             lower=lower)
+        return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=True, scaled=False, lower=lower)
 
     def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
         """A block per output tile: the carried product and the causal sum staged slice by slice (_tiled.py)."""

@@ -91,7 +91,8 @@ def test_head_sum_against_torch(out_dtype):
 
 @pytest.mark.parametrize("bc_dtype", ["float32", "bfloat16"])
 def test_bmm_chunk_against_torch(bc_dtype):
-    """cb[b, c, g] = C_chunk @ B_chunk^T per (chunk, group), zero rows / columns past seqlen (ragged last chunk)."""
+    """cb[b, c, g] = C_chunk @ B_chunk^T per (chunk, group) on and below the diagonal (s <= l), 0 above it, zero
+    rows / columns past seqlen (ragged last chunk)."""
     g = torch.Generator().manual_seed(3)
     b, L, groups, n, q = 2, 21, 2, 24, 8
     tdt = getattr(torch, bc_dtype)
@@ -101,7 +102,7 @@ def test_bmm_chunk_against_torch(bc_dtype):
     _kernel("bmm_chunk", dict(ngroups=groups, dstate=n, chunk_size=q), {"bc": bc_dtype})(B, C, cb)
     pad = nc * q - L
     Bp, Cp = (torch.nn.functional.pad(t.double(), (0, 0, 0, 0, 0, pad)).view(b, nc, q, groups, n) for t in (B, C))
-    ref = torch.einsum("bclgn,bcsgn->bcgls", Cp, Bp)
+    ref = torch.einsum("bclgn,bcsgn->bcgls", Cp, Bp).tril()
     torch.testing.assert_close(cb.double(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -85,8 +85,8 @@ def _update(s: dict, B: int) -> tuple[int, int, int, int]:
 def _ssd(d: str, s: dict, B: int, L: int) -> tuple[int, int, int, int]:
     Q, N = s["chunk_size"], s["dstate"]
     c = -(-L // Q)
-    if d == "bmm_chunk":  # C_l . B_s over dstate, every (l, s) of each chunk (the full Q x Q output)
-        return 2 * B * c * s["ngroups"] * Q * Q * N, 0, 0, 0
+    if d == "bmm_chunk":  # C_l . B_s over dstate, the causal pairs s <= l of each chunk (all its consumers read)
+        return 2 * B * c * s["ngroups"] * Q * (Q + 1) // 2 * N, 0, 0, 0
     H, P = s["nheads"], s["headdim"]
     tok, pairs = B * L * H, B * c * H * Q * (Q + 1) // 2
     if d == "chunk_state":  # states = sum_t x_t B_t exp(dA_last - dA_t) dt_t

@@ -16,8 +16,9 @@ innermost axis: dstate or headdim). The strategy decides:
   ``extent`` tasks t, k ascending from 0 on every layout: the serial / CUDA layout runs a task per output
   element reading the operands where they are; the CPU layout stages the task's operands (scale once per k)
   and runs the register-blocked matmul of mm.py (knobs rows / cols / order).
-* ``matmul_rows(M, W, K)``: the product of two row-major operands, out[t, i, j] = sum_k lhs(t, i, k) rhs(t, j, k)
-  (C B^T), k ascending: ``scaled_matmul`` with scale 1; the CPU layout stages lhs rows and transposes rhs.
+* ``matmul_rows(M, W, K, lower)``: the product of two row-major operands, out[t, i, j] = sum_k lhs(t, i, k)
+  rhs(t, j, k) (C B^T), k ascending: ``scaled_matmul`` with scale 1; the CPU layout stages lhs rows and
+  transposes rhs. ``lower``: only j <= i is kept (0 above the diagonal; CUDA skips the tiles above it).
 * ``tasks()``: the task loop as a macro taking the task's body (``unravel`` splits the task index).
 * ``causal_matmul(M, W, K, strict, group)``: a chunk's causal product, row i summing positions s <= i
   (``strict``: s < i, Mamba-3's diagonal goes elsewhere; ``group`` G > 1: s // G < i // G, Mamba-3 MIMO's
@@ -106,10 +107,12 @@ class Strategy:
     def key(self) -> tuple:
         return (self.name, self.threads, self.math.native)
 
-    def matmul_rows(self, M: int, W: int, K: int):
+    def matmul_rows(self, M: int, W: int, K: int, lower: bool = False):
         """A macro ``run(extent, lhs, rhs, store)``: out[t, i, j] = sum_k lhs(t, i, k) rhs(t, j, k), both operands
         read as rows along k (C B^T); k ascending from 0. Here ``scaled_matmul`` with scale 1 (x * 1 is x, so
-        the sum is lhs * rhs term by term); the CPU strategy stages the rows without the scale pass."""
+        the sum is lhs * rhs term by term); the CPU strategy stages the rows without the scale pass. ``lower``:
+        the store keeps only j <= i (it stores 0 above the diagonal whatever it is given), so a layout may
+        give it 0 there without the product (CUDA skips the tiles wholly above it)."""
         run = self.scaled_matmul(M, W, K)
 
         @T.macro
