@@ -1,23 +1,26 @@
-"""The CUDA form of the SSD strategy's ``crossing_pass`` (compute/ssd/strategy.py: ssd_chunk_scan_bwd's d dt and
-the crossing pairs of d dA_step, scan_bwd_launch.py): a block per task (batch, chunk, head), a thread per column
-k of the chunk.
+"""The CUDA form of the SSD strategy's ``crossing_pass`` (compute/ssd/strategy.py: ssd_chunk_scan_bwd's d dt, the
+crossing pairs of d dA_step, the carried-state terms' reverse cumsum and dD, scan_bwd_launch.py): a block per
+task (batch, chunk, head), a thread per column k of the chunk.
 
 Thread k keeps x_k (headdim values) in registers and its column's two running sums (d dt's and the crossing
 pairs' R[k]). The rows are visited from the last up in bands of ``BAND``: the band's g rows are staged in
 shared memory (read by every thread: broadcasts), each thread forms the band's g_l . x_k in registers
-(headdim-long, p ascending; not where the whole band lies before column k's causal rows or past the sequence:
-the warps above the diagonal skip the band's multiply-adds), then row by row from the band's last its weight (one exp per causal pair), its
-running sums, and R_l[k] into a shared band table (the weight's per-position values: the band's rows staged
-with g, every column's once per block, read from shared memory per pair: read in place they were two global
-requests per pair, kept in registers they pushed the kernel past 255 registers and it spilled); after a
-barrier, thread r of the band sums row l's R_l[k] over k < l (and the staged chunk-state
-prefix terms) in k order and stores d dA_step[l]. Each pair's
-product and exp is computed once, where the per-position launch this replaces recomputed them per (q, l, k)
-triple: O(Q^2 headdim) per task instead of O(Q^3 headdim).
+(headdim-long, p ascending; not where the whole band lies before column k's causal rows or past the
+sequence: the warps above the diagonal skip the band's multiply-adds), then row by row from the band's last
+its weight (one exp per causal pair), its running sums, and R_l[k] into a shared band table (the weight's
+per-position values: the band's rows staged with g, every column's once per block, read from shared memory
+per pair: read in place they were two global requests per pair, kept in registers they pushed the kernel
+past 255 registers and it spilled); after a barrier, thread r of the band sums row l's R_l[k] over k < l
+(and the staged chunk-state prefix terms) in k order, the staged carried-state terms from the last row down
+to l (their reverse cumsum, in the serial order), and stores d dA_step[l]. Each pair's product and exp is
+computed once, where the per-position launch this replaces recomputed them per (q, l, k) triple: O(Q^2
+headdim) per task instead of O(Q^3 headdim).
 
-The sums are the serial layout's, term for term in the same order; the band's row sums run on ``BAND`` threads
-(a Q-long sum each, beside the band's BAND x headdim multiply-adds per thread). The band table's rows are
-padded by one float (the row sums read down a column of it).
+dD (``_dd``): per position (diag_skip) thread k's own g_k . x_k, the band product's diagonal; per channel
+thread p adds the staged band's g times x at (row, p). The sums are the serial layout's, term for term in the
+same order; the band's row sums run on ``BAND`` threads (Q-long sums each, beside the band's BAND x headdim
+multiply-adds per thread). The band table's rows are padded by one float (the row sums read down a column
+of it).
 """
 from __future__ import annotations
 

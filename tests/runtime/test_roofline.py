@@ -83,12 +83,20 @@ def test_minimum_of_conv_forward_is_the_hand_count():
 
 
 def test_mamba3_preset_kernels_and_their_minimum_bytes():
-    """The Mamba-3 preset runs the step, the preprocess and its backward (no conv, no Mamba-2 kernels); other
-    presets run no Mamba-3 kernel. Their minimum bytes are the hand count (the step's q workspace is scratch,
-    as are the backward's angle-term and init-term workspaces) and the preprocess's per-chunk tensors are sized
-    by nchunks = seqlen / chunk (derived, not a free dim)."""
+    """The Mamba-3 preset runs the step, the preprocess and its backward, and the SSD kernels with chunk
+    matmuls as its chunked forward / backward call them (a group per head, the strict sums: diag_skip; no conv,
+    no Mamba-2 SSD shapes); other presets run no Mamba-3 kernel. Their minimum bytes are the hand count (the
+    step's q workspace is scratch, as are the backward's angle-term and init-term workspaces) and the
+    preprocess's per-chunk tensors are sized by nchunks = seqlen / chunk (derived, not a free dim)."""
     ops = ["causal_conv1d", "selective_scan", "ssd", "mamba3"]
-    step, pre, bwd = report.preset_keys("mamba3-130m", ops, "sm_90")
+    keys = report.preset_keys("mamba3-130m", ops, "sm_90")
+    ssd_keys = [k for k in keys if k.op == "ssd"]
+    assert [k.direction for k in ssd_keys] == ["bmm_chunk", "chunk_state", "chunk_scan", "chunk_scan_bwd_dstates",
+                                               "chunk_scan_bwd"]
+    assert all(k.static["ngroups"] == 24 and k.static["chunk_size"] == 64 for k in ssd_keys)
+    assert ssd_keys[2].static["diag_skip"] and ssd_keys[4].static["diag_skip"]
+    assert "step_group" not in ssd_keys[4].static
+    step, pre, bwd = [k for k in keys if k.op == "mamba3"]
     assert (step.direction, pre.direction, bwd.direction) == ("siso_step", "siso_preprocess", "siso_preprocess_bwd")
     assert not [k for k in report.preset_keys("mamba2-130m", ops, "sm_90") if k.op == "mamba3"]
     B, L, H, P, N, S = 2, 256, 24, 64, 128, 32
@@ -110,6 +118,8 @@ def test_mimo_preset_runs_the_mimo_step_and_virtual_head_preprocesses():
     preprocesses at mamba3_mimo's 4 * 24 rank-major virtual heads over 4 * 1 Q/K heads, without D; the step's
     minimum bytes are every parameter once less the rotated-q workspace (rank 4: Q, K, the K states and q are
     (batch, 4, ...))."""
+    grouped = [k for k in report.preset_keys("mamba3-mimo-130m", ["ssd"], "sm_90") if "diag_skip" in k.static]
+    assert [k.static["step_group"] for k in grouped] == [4, 4]  # the SSD scans over (step, rank) positions
     keys = report.preset_keys("mamba3-mimo-130m", ["mamba3"], "sm_90")
     assert [k.direction for k in keys] == ["mimo_step", "siso_preprocess", "siso_preprocess_bwd"]
     assert all(k.static["nheads"] == 96 and k.static["nheads_qk"] == 4 and not k.static["has_D"] for k in keys[1:])

@@ -114,9 +114,10 @@ TILED_KERNELS = {
 }
 
 
-def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, step_group=0, D_per_head=False):
+def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, per_position=False, D_per_head=False):
     """Inputs (and zeroed outputs) of kernel ``name`` at TILED_DIMS (dstate ``N``), in its parameter order; D per
-    (head, channel), per head with ``D_per_head``."""
+    (head, channel), per head with ``D_per_head``, per position with ``per_position`` (Mamba-3's diag_skip, here
+    without z)."""
     g = torch.Generator().manual_seed(seed)
     H, G, P, Q = 4, 2, 48, 64
     C = (seqlen + Q - 1) // Q
@@ -131,13 +132,13 @@ def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, step_group=0, D_per_hea
                                torch.zeros(batch, seqlen, H, P), torch.zeros(batch, seqlen, H, P)),
             "ssd_chunk_scan_bwd_dstates": (dy, z, yp, Cm, dA, seq, torch.zeros(batch, C, H, P, N),
                                            torch.zeros(batch, seqlen, H, P)),
-            # gparts = ngroups (one part of each group's 2 heads); D per position with step_group (Mamba-3 MIMO)
-            "ssd_chunk_scan_bwd": (x, torch.zeros(1, 1, 1, 1) if step_group else z, dy, Bm, Cm, r(batch, C, G, Q, Q), dto, dA, r(batch, C, H, P, N),
-                                   r(batch, C, H, P, N), r(batch, H, C, Q) if step_group else r(H) if D_per_head else r(H, P), seq,
+            # gparts = ngroups (one part of each group's 2 heads); D per position with diag_skip (Mamba-3)
+            "ssd_chunk_scan_bwd": (x, torch.zeros(1, 1, 1, 1) if per_position else z, dy, Bm, Cm, r(batch, C, G, Q, Q), dto, dA, r(batch, C, H, P, N),
+                                   r(batch, C, H, P, N), r(batch, H, C, Q) if per_position else r(H) if D_per_head else r(H, P), seq,
                                    torch.zeros(batch, seqlen, H, P), torch.zeros(batch, seqlen, G, N),
                                    torch.zeros(batch, seqlen, G, N), torch.zeros(batch, H, C, Q),
                                    torch.zeros(batch, H, C, Q),
-                                   torch.zeros(batch, H, C, Q) if step_group else torch.zeros(batch, C, H, P),
+                                   torch.zeros(batch, H, C, Q) if per_position else torch.zeros(batch, C, H, P),
                                    torch.zeros(batch, C, G, Q, Q))}[name]
 
 
@@ -155,9 +156,11 @@ def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
 # ssd_chunk_scan_bwd's crossing pass (schedules/cuda/_crossing.py: d dt and d dA_step, a block per (batch, chunk,
 # head), bands of 16 rows: 4 per 64-row chunk), its products' row dots (XB, the carried-state terms) and its
 # per-element launches, against the serial layout: the seq_idx change at 70 inside chunk 1, the ragged last chunk
-# of 22; D per head (on dx's diagonal, spec.folds_skip); Mamba-3 MIMO's grouped strict sums.
+# of 22; D per head and Mamba-3's per position (on dx's diagonal, spec.folds_skip); Mamba-3 MIMO's grouped strict
+# sums (D not folded).
 SCAN_BWD = {"plain": dict(TILED_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=True),
             "D_per_head": dict(TILED_DIMS, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=True),
+            "diag_skip": dict(TILED_DIMS, has_D=True, D_has_hdim=False, has_z=False, has_seq_idx=True, diag_skip=True),
             "step_group": dict(TILED_DIMS, has_D=True, D_has_hdim=False, has_z=False, has_seq_idx=True,
                                diag_skip=True, step_group=4)}
 
@@ -165,12 +168,11 @@ SCAN_BWD = {"plain": dict(TILED_DIMS, has_D=True, D_has_hdim=True, has_z=True, h
 @pytest.mark.parametrize("variant", sorted(SCAN_BWD))
 def test_cuda_chunk_scan_bwd_matches_the_serial_layout(variant):
     static = SCAN_BWD[variant]
-    src = _run_both("ssd_chunk_scan_bwd", static, Decisions({}), 1e-5, lambda t: t,
-                    step_group=static.get("step_group", 0))
+    src = _run_both("ssd_chunk_scan_bwd", static, Decisions({}), 1e-5, lambda t: t)
     assert "__syncthreads()" in src
 
 
-def _run_both(name, static, decisions, tol, cast, step_group=0):
+def _run_both(name, static, decisions, tol, cast):
     """Kernel ``name`` at ``static`` laid out by the CUDA rule with ``decisions`` in the harness and by the
     serial layout (CUDA math) on the CPU, on the same inputs (``cast`` applied to each); their outputs agree
     within ``tol`` of the largest. Returns the CUDA source."""
@@ -184,7 +186,7 @@ def _run_both(name, static, decisions, tol, cast, step_group=0):
     template, dims = ssd.template_of(name)
     serial = template(dims(**static), ssd.strategy.Strategy(native_math=True))
     sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"), decisions)
-    got = [cast(t) for t in _tiled_args(name, N=static["dstate"], step_group=step_group,
+    got = [cast(t) for t in _tiled_args(name, N=static["dstate"], per_position=static.get("diag_skip", False),
                                         D_per_head=static.get("has_D") and not static.get("D_has_hdim"))]
     want = [t.clone() for t in got]
     with tempfile.TemporaryDirectory() as tmp:

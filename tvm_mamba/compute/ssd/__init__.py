@@ -86,9 +86,9 @@ def template_of(kernel: str | None):
 
 
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
-    """Tuning workloads: the five kernels with chunk matmuls (the others have no knobs) of each Mamba-2
-    preset (nheads, ngroups, headdim 64, dstate 128, chunk 256) as its block calls them: fp32, D per
-    head, z, no seq_idx."""
+    """Tuning (and roofline) workloads: the five kernels with chunk matmuls (the others have no knobs) of each
+    Mamba-2 preset (nheads, ngroups, headdim 64, dstate 128, chunk 256) as its block calls them: fp32, D per
+    head, z, no seq_idx; then each Mamba-3 preset's (``_mamba3_configs``)."""
     from .._presets import presets
 
     out = []
@@ -104,7 +104,28 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
                 ("chunk_scan", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32),
                 ("chunk_scan_bwd_dstates", dict(dims, has_z=True, has_seq_idx=False), f32),
                 ("chunk_scan_bwd", dict(dims, has_D=True, D_has_hdim=False, has_z=True, has_seq_idx=False), f32)]
+    for _, d in presets(preset, families=("mamba3",)):
+        out += _mamba3_configs(d)
     return out
+
+
+def _mamba3_configs(d: dict) -> list[tuple[str, dict, dict]]:
+    """A Mamba-3 preset's SSD kernels with chunk matmuls as its chunked forward and backward call them
+    (torch_ops/mamba3.py, mamba3_mimo.py): a group per head (B = k, C = q), fp32 x = V and B / C, no seq_idx
+    or input states, the strict causal sums with the per-position skip (diag_skip); SISO with z; MIMO (a
+    ``mimo_rank`` R) over the flattened (step, rank) positions, mimo_chunk_steps(chunk, R) R per chunk,
+    step_group R, no z (its gate is per rank, after the scan)."""
+    from .._mamba3_dims import mimo_chunk_steps
+    from .._ssd_dims import BmmDims, DstatesDims, ScanBwdDims, ScanDims, StateDims
+
+    R = d.get("mimo_rank") or 1
+    Q, H, N = mimo_chunk_steps(d["chunk_size"], R) * R, d["nheads"], d["d_state"]
+    chunk = dict(nheads=H, ngroups=H, headdim=d["headdim"], dstate=N, chunk_size=Q)
+    scan = dict(chunk, has_D=True, has_z=R == 1, diag_skip=True, **({"step_group": R} if R > 1 else {}))
+    return [("bmm_chunk", *BmmDims(H, N, Q).key_parts()), ("chunk_state", *StateDims(**chunk).key_parts()),
+            ("chunk_scan", *ScanDims(**scan).key_parts()),
+            ("chunk_scan_bwd_dstates", *DstatesDims(**chunk, has_z=R == 1).key_parts()),
+            ("chunk_scan_bwd", *ScanBwdDims(**scan).key_parts())]
 
 
 def derived_dims(direction: str, dims: dict, static: dict) -> dict:

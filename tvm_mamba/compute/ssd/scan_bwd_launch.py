@@ -148,7 +148,7 @@ def _head_at(o, r: _Reads, t, H: int, R: int) -> SimpleNamespace:
 def _positions(d: ScanBwdDims, head, skip: bool = False) -> tuple:
     """The per-position values a segment's decays read, as the strategy's ``pos`` ((reader(t, u, q), dtype)
     pairs; head(t, u): the reader of unit u of task t): dA_cs, dt' and, with seq_idx, the sequence id; with
-    ``skip`` D last (the head's skip of 1: D[h] at every position, staged with them on CUDA)."""
+    ``skip`` D last (the head's skip of 1: D[h], or D at q with diag_skip; staged with them on CUDA)."""
     pos = ((lambda t, u, q: head(t, u).acs(q), F32), (lambda t, u, q: head(t, u).dt(q), F32))
     pos = pos + ((lambda t, u, q: head(t, u).sid(q), I32),) if d.has_seq_idx else pos
     return pos + ((lambda t, u, q: head(t, u).skip(q, 0, T.float32(1)), F32),) if skip else pos
@@ -177,11 +177,14 @@ def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
     sp = spec.pieces(d)
     at = lambda t: _head_at(o, r, t, H, R)  # noqa: E731
     if spec.folds_skip(d):
-        weight = lambda t, s, l, vs, vl: spec.cbk_skip(_staged(d, r, at(t), l, vl, s, vs), l, s, vl[-1])  # noqa: E731
+        weight = lambda t, s, l, vs, vl: spec.cbk_skip(  # noqa: E731
+            d, _staged(d, r, at(t), l, vl, s, vs), l, s, vs[-1])
+        lo = lambda t, s: spec.skip_start(d, s)  # noqa: E731
     else:
         weight = lambda t, s, l, vs, vl: spec.cbk(_staged(d, r, at(t), l, vl, s, vs), l, s)  # noqa: E731
-    main = SimpleNamespace(a=weight, b=lambda t, l, p: sp.dx.main.b(at(t), l, p), lo=lambda t, s: causal_start(d, s),
-                           hi=lambda t, s: at(t).end, pos=_positions(d, lambda t, u: at(t), spec.folds_skip(d)))
+        lo = lambda t, s: causal_start(d, s)  # noqa: E731
+    main = SimpleNamespace(a=weight, b=lambda t, l, p: sp.dx.main.b(at(t), l, p), lo=lo, hi=lambda t, s: at(t).end,
+                           pos=_positions(d, lambda t, u: at(t), spec.folds_skip(d)))
     state = SimpleNamespace(a=lambda t, s, n: sp.dx.state.a(at(t), s, n), b=lambda t, n, p: sp.dx.state.b(at(t), n, p),
                             n=lambda t: 1, weigh=lambda t, s, p, u, v, vs: vs[0] * v,
                             row_pos=((lambda t, u, q: sp.dx.scale(at(t), q), F32),),

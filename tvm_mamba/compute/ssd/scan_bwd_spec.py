@@ -82,15 +82,24 @@ def cbk(r, l, s):
 
 
 def folds_skip(d) -> bool:
-    """Whether dx's skip term D g[s] (its main product's init) may be the product's diagonal term instead:
-    D[h] at l == s added to cbk (``cbk_skip``), the same sum without a second read of g (D per head, the
-    diagonal inside the causal range: not per channel, not ``diag_skip``)."""
-    return d.has_D and not d.D_has_hdim and not d.diag_skip
+    """Whether dx's skip term D g[s] (its main product's init) may be the product's diagonal term instead
+    (``cbk_skip``): the same sum without a second read of g. D per head or per position (``diag_skip``), not
+    per channel; not with ``step_group``, whose range would then hold the group's later positions at weight 0
+    (0 times a non-finite g there would reach dx[s])."""
+    return d.has_D and not d.D_has_hdim and d.step_group == 1
 
 
-def cbk_skip(r, l, s, D):
-    """dx's main weight with the skip on its diagonal: cbk(l, s) + D at l == s (D: D[h], ``folds_skip``)."""
+def cbk_skip(d, r, l, s, D):
+    """dx's main weight with the skip on its diagonal (``folds_skip``; D at s): cbk(l, s) + D at l == s, or with
+    ``diag_skip`` D itself there (the strict sum's range then starts at the diagonal: ``skip_start``)."""
+    if d.diag_skip:
+        return T.Select(l == s, D, cbk(r, l, s))
     return cbk(r, l, s) + T.Select(l == s, D, T.float32(0))
+
+
+def skip_start(d, s):
+    """The first position l of dx's main range at column s where the skip is folded in (``folds_skip``): s."""
+    return s if d.diag_skip else causal_start(d, s)
 
 
 def gsum_term(r, l, s, gx):
