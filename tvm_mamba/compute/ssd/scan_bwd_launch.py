@@ -179,7 +179,7 @@ def _dx_segments(d: ScanBwdDims, o, r: _Reads) -> tuple:
     if spec.folds_skip(d):
         weight = lambda t, s, l, vs, vl: spec.cbk_skip(  # noqa: E731
             d, _staged(d, r, at(t), l, vl, s, vs), l, s, vs[-1])
-        lo = lambda t, s: spec.skip_start(d, s)  # noqa: E731
+        lo = lambda t, s: s  # noqa: E731  (from the diagonal, strict or not: spec.cbk_skip)
     else:
         weight = lambda t, s, l, vs, vl: spec.cbk(_staged(d, r, at(t), l, vl, s, vs), l, s)  # noqa: E731
         lo = lambda t, s: causal_start(d, s)  # noqa: E731

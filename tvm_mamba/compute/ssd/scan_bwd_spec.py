@@ -91,15 +91,10 @@ def folds_skip(d) -> bool:
 
 def cbk_skip(d, r, l, s, D):
     """dx's main weight with the skip on its diagonal (``folds_skip``; D at s): cbk(l, s) + D at l == s, or with
-    ``diag_skip`` D itself there (the strict sum's range then starts at the diagonal: ``skip_start``)."""
+    ``diag_skip`` D itself there (the strict sum's range then starts at the diagonal: l >= s either way)."""
     if d.diag_skip:
         return T.Select(l == s, D, cbk(r, l, s))
     return cbk(r, l, s) + T.Select(l == s, D, T.float32(0))
-
-
-def skip_start(d, s):
-    """The first position l of dx's main range at column s where the skip is folded in (``folds_skip``): s."""
-    return s if d.diag_skip else causal_start(d, s)
 
 
 def gsum_term(r, l, s, gx):
