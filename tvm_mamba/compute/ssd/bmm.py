@@ -44,7 +44,8 @@ def ssd_bmm_chunk(dims: BmmDims | None = None, strategy: Strategy = SERIAL, **kw
 
     cb[c, g, l, s] = C_l . B_s within chunk c for s <= l, 0 above the diagonal (positions past seqlen count as
     zero rows): computed once per group and shared by its heads (the decay / sequence masks are applied by the
-    consumers, which read the causal pairs only). The CPU strategy's knobs rows x cols x order: the matmul's register block (mm.py).
+    consumers, which read the causal pairs only). The CPU strategy's knobs rows x cols x order: the matmul's
+    register block (mm.py).
     """
     d = dims_of(BmmDims, dims, kw)
     return stamp(bmm_template(d, strategy), "ssd_bmm_chunk", d.stamp_static())

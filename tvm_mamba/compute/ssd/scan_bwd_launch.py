@@ -288,7 +288,8 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
 
         @T.macro
         def at(o, r):
-            run(o.batch * o.nchunks * o.gparts, lambda t: _part_at(o, r, t, G).end, _part_segments(d, o, r, piece, carried),
+            run(o.batch * o.nchunks * o.gparts, lambda t: _part_at(o, r, t, G).end,
+                _part_segments(d, o, r, piece, carried),
                 lambda t, q, n: T.float32(0),
                 lambda t, q, n, v: T.buffer_store(getattr(o, out), v, _row_index(o, t, o.gparts, Q, q, n)))
 
