@@ -145,6 +145,13 @@ def d_shape(d, batch, nchunks):
     return ((d.nheads, d.headdim) if d.D_has_hdim else (d.nheads,)) if d.has_D else (1,)
 
 
+def d_per_row(d) -> bool:
+    """Whether D is one value per chunk position (per head, or per position with ``diag_skip``), not per
+    channel: a value a layout may stage with a tile row's per-position values (chunk_scan), or put on the
+    diagonal of a causal product (chunk_scan_bwd's dx)."""
+    return d.has_D and (d.diag_skip or not d.D_has_hdim)
+
+
 def skip_at(d, Dm, b, h, c, l, p, v):
     """The skip term of value v at chunk position l (batch b, head h, chunk c, channel p): D[b, h, c, l] v with
     ``diag_skip`` (per position), else ``skip`` (per head or channel; 0 without D)."""

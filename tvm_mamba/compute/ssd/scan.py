@@ -10,7 +10,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .._common import stamp
-from .common import F32, I32, Z4, batch_sids, carried_decay, d_shape, ld, seg_exp_of, skip_at
+from .common import F32, I32, Z4, batch_sids, carried_decay, d_per_row, d_shape, ld, seg_exp_of, skip_at
 from .dims import ScanDims, dims_of
 from .strategy import SERIAL, Strategy
 
@@ -31,15 +31,9 @@ def _row(buf, task, l, head, j, Q, seqlen):
     return ld(buf, (b, _pos(c, l, Q, seqlen), head, j), seqlen, c * Q + l)
 
 
-def _staged_d(d: ScanDims) -> bool:
-    """Whether D is one of the per-position values (``_positions``): per head or per position (``diag_skip``);
-    not per channel (D[h, p] varies along the output's columns)."""
-    return d.has_D and (d.diag_skip or not d.D_has_hdim)
-
-
 def _positions(d: ScanDims, dA_cs, dt_out, seq_idx, Dm, nchunks, H, seqlen):
     """The per-position values the weights and the carry read, as (reader(t, q), dtype) pairs of task t's chunk
-    position q: dA_cs, dt_out, with seq_idx the sequence id, and D where ``_staged_d`` (last: D[h] is the same
+    position q: dA_cs, dt_out, with seq_idx the sequence id, and D where ``d_per_row`` (last: D[h] is the same
     at every position, but staged with the row's values a block reads it once per row instead of once per
     output). A strategy may stage them per tile."""
     Q = d.chunk_size
@@ -47,22 +41,22 @@ def _positions(d: ScanDims, dA_cs, dt_out, seq_idx, Dm, nchunks, H, seqlen):
            (lambda t, q: dt_out[t // (nchunks * H), t % H, t // H % nchunks, q], F32)]
     if d.has_seq_idx:
         pos.append((lambda t, q: seq_idx[t // (nchunks * H), _pos(t // H % nchunks, q, Q, seqlen)], I32))
-    if _staged_d(d) and d.diag_skip:
+    if d_per_row(d) and d.diag_skip:
         pos.append((lambda t, q: Dm[t // (nchunks * H), t % H, t // H % nchunks, q], F32))
-    elif _staged_d(d):
+    elif d_per_row(d):
         pos.append((lambda t, q: Dm[t % H], F32))
     return tuple(pos)
 
 
 def _carry(m, d: ScanDims, seq_idx, Dm, task, l, p, seqlen, v, xv, vl):
     """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p], vl: ``_positions`` at l, D its last value
-    where ``_staged_d``), e[l] = exp(dA_cs[l]) masked by common.carried_decay (0 where the carried state belongs to
+    where ``d_per_row``), e[l] = exp(dA_cs[l]) masked by common.carried_decay (0 where the carried state belongs to
     another sequence than position l)."""
     b, c, h = task
     Q = d.chunk_size
     sid = vl[2] if d.has_seq_idx else seq_idx[b, _pos(c, l, Q, seqlen)]
     e = carried_decay(m, vl[0], sid, batch_sids(seq_idx, b), c, Q, d.has_seq_idx)
-    if _staged_d(d):
+    if d_per_row(d):
         return e * v + vl[-1] * xv
     return e * v + skip_at(d, Dm, b, h, c, l, p, xv) if d.has_D else e * v
 

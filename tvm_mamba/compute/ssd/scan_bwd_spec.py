@@ -57,7 +57,7 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
-from .common import causal_start
+from .common import causal_start, d_per_row
 
 
 class Product:
@@ -84,9 +84,9 @@ def cbk(r, l, s):
 def folds_skip(d) -> bool:
     """Whether dx's skip term D g[s] (its main product's init) may be the product's diagonal term instead
     (``cbk_skip``): the same sum without a second read of g. D per head or per position (``diag_skip``), not
-    per channel; not with ``step_group``, whose range would then hold the group's later positions at weight 0
-    (0 times a non-finite g there would reach dx[s])."""
-    return d.has_D and not d.D_has_hdim and d.step_group == 1
+    per channel: common.d_per_row; not with ``step_group``, whose range would then hold the group's later
+    positions at weight 0: 0 times a non-finite g there would reach dx[s]."""
+    return d_per_row(d) and d.step_group == 1
 
 
 def cbk_skip(d, r, l, s, D):
