@@ -50,11 +50,13 @@ class TcTiling(Tile):
         return M % TC == 0 and W % TC == 0 and K % TC == 0
 
     @staticmethod
-    def of(M: int, W: int, K: int, threads: int, cap: int, dtype: str, acc: str = "float32") -> "TcTiling":
+    def of(M: int, W: int, K: int, threads: int, cap: int, dtype: str, acc: str = "float32",
+           full_width: bool = False) -> "TcTiling":
         """Sides: the largest multiples of 16 dividing M / W up to ``cap``; as many of the threads / 32 warps
-        as divide the tile's fragment grid, each owning as square a block of fragments as they allow."""
-        TM = TC * largest_divisor(M // TC, max(1, cap // TC))
-        TW = TC * largest_divisor(W // TC, max(1, cap // TC))
+        as divide the tile's fragment grid, each owning as square a block of fragments as they allow.
+        ``full_width``: the tile spans all W columns, its rows at most cap^2 / W (as ``Tiling.of``)."""
+        TM = TC * largest_divisor(M // TC, max(1, (min(cap, cap * cap // W) if full_width else cap) // TC))
+        TW = W if full_width else TC * largest_divisor(W // TC, max(1, cap // TC))
         KT = TC * largest_divisor(K // TC, K_SLICE // TC)
         warps = max(1, threads // 32)
         best = None

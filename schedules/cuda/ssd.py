@@ -23,7 +23,8 @@ from ...compute.ssd.strategy import Strategy, causal_end
 from ..rule import Decisions, kernel_attrs, schedule_of
 from ._crossing import crossing_pass
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
-from ._tiled_tc import TcTiling, tc_causal, tc_matmul
+from ._tc_product import tc_product
+from ._tiled_tc import TC, TcTiling, tc_causal, tc_matmul
 
 
 # the tiled kernels' default (threads, tile): the largest tile whose register block stays well below ptxas's
@@ -31,8 +32,8 @@ from ._tiled_tc import TcTiling, tc_causal, tc_matmul
 # reached 255)
 TILED = {"ssd_bmm_chunk": (256, 128), "ssd_chunk_state": (128, 128), "ssd_chunk_scan_bwd_dstates": (128, 128),
          "ssd_chunk_scan": (256, 64), "ssd_chunk_scan_bwd": (256, 128)}
-# the non-causal chunk products, on tensor cores when their operands are 16-bit (``tensor_core_dtype``)
-TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan")
+# the chunk products, on tensor cores when their operands are 16-bit (``tensor_core_dtype``)
+TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan", "ssd_chunk_scan_bwd")
 
 
 class Gpu(Strategy):
@@ -72,6 +73,8 @@ class Gpu(Strategy):
     def product(self, M: int, W: int, units: tuple, dots: bool = False):
         """A block per output tile, each segment staged slice by slice (_tiled.py ``tiled_product``); with row
         ``dots`` a tile spans the whole width (its block sums each row's dot)."""
+        if self.tc and TcTiling.fits(M, W, TC) and all(u % TC == 0 for u in units):
+            return tc_product(TcTiling.of(M, W, min(units), self.threads, self.tile, self.tc, full_width=dots), units)
         return tiled_product(Tiling.of(M, W, min(units), self.threads, self.tile, full_width=dots), units)
 
     def crossing_pass(self, Q: int, P: int, start):

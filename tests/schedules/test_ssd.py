@@ -149,7 +149,7 @@ OUTPUTS = {"ssd_bmm_chunk": (2,), "ssd_chunk_state": (5,), "ssd_chunk_scan": (9,
 @pytest.mark.parametrize("threads, tile", [(64, 32), (256, 32), (128, 64)])
 @pytest.mark.parametrize("name", sorted(TILED_KERNELS))
 def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
-    src = _run_both(name, TILED_KERNELS[name], Decisions({"threads": threads, "tile": tile}), 1e-5, lambda t: t)
+    src = _run_both(name, TILED_KERNELS[name], Decisions({"threads": threads, "tile": tile}), 1e-5)
     assert "__shared__" in src and "wmma" not in src
 
 
@@ -168,14 +168,14 @@ SCAN_BWD = {"plain": dict(TILED_DIMS, has_D=True, D_has_hdim=True, has_z=True, h
 @pytest.mark.parametrize("variant", sorted(SCAN_BWD))
 def test_cuda_chunk_scan_bwd_matches_the_serial_layout(variant):
     static = SCAN_BWD[variant]
-    src = _run_both("ssd_chunk_scan_bwd", static, Decisions({}), 1e-5, lambda t: t)
+    src = _run_both("ssd_chunk_scan_bwd", static, Decisions({}), 1e-5)
     assert "__syncthreads()" in src
 
 
-def _run_both(name, static, decisions, tol, cast):
+def _run_both(name, static, decisions, tol, bf16=()):
     """Kernel ``name`` at ``static`` laid out by the CUDA rule with ``decisions`` in the harness and by the
-    serial layout (CUDA math) on the CPU, on the same inputs (``cast`` applied to each); their outputs agree
-    within ``tol`` of the largest. Returns the CUDA source."""
+    serial layout (CUDA math) on the CPU, on the same inputs (those at the indices ``bf16`` in bfloat16); their
+    outputs agree within ``tol`` of the largest. Returns the CUDA source."""
     import tempfile
 
     import tvm_ffi
@@ -186,8 +186,9 @@ def _run_both(name, static, decisions, tol, cast):
     template, dims = ssd.template_of(name)
     serial = template(dims(**static), ssd.strategy.Strategy(native_math=True))
     sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"), decisions)
-    got = [cast(t) for t in _tiled_args(name, N=static["dstate"], per_position=static.get("diag_skip", False),
-                                        D_per_head=static.get("has_D") and not static.get("D_has_hdim"))]
+    got = [t.bfloat16() if i in bf16 else t
+           for i, t in enumerate(_tiled_args(name, N=static["dstate"], per_position=static.get("diag_skip", False),
+                                             D_per_head=static.get("has_D") and not static.get("D_has_hdim")))]
     want = [t.clone() for t in got]
     with tempfile.TemporaryDirectory() as tmp:
         built = cudasim.build(sch.mod, cuda_target("sm_90"), label=name)
@@ -221,31 +222,75 @@ TC_KERNELS = {"ssd_bmm_chunk": (dict(ngroups=2, dstate=32, chunk_size=64, bc_dty
 def test_cuda_tensor_core_matmuls_match_the_serial_layout(name, threads, tile):
     static, tol = TC_KERNELS[name]
     src = _run_both(name, static, Decisions({"threads": threads, "tile": tile, "tensor_cores": 1}), tol,
-                    lambda t: t.bfloat16() if t.dtype == torch.float32 and t.dim() == 4 and t.shape[1] == 150 else t)
+                    _sequence_args(name))
     assert "nvcuda::wmma::mma_sync" in src
 
 
-def test_cuda_tensor_core_chunk_scan_keeps_a_later_nan_out():
-    """A NaN in x at position 70 (chunk 1, row 6: inside a diagonal fragment) reaches y at 70 and after, never
-    before: the diagonal blocks are summed per element with the causal guard, not by mma (0 * NaN)."""
+def _sequence_args(name):
+    """Indices of kernel ``name``'s (batch, seqlen, ...) activations in ``_tiled_args``: x, z, dy, B, C and the
+    outputs in their dtype (bfloat16 in the tensor-core tests); not chunk_scan_bwd's float32 dB / dC partials."""
+    args = _tiled_args(name, N=32)
+    return tuple(i for i, t in enumerate(args) if t.dim() == 4 and t.shape[1] == 150
+                 and not (name == "ssd_chunk_scan_bwd" and i in (13, 14)))
+
+
+def _run_tensor_cores(name, static, args):
+    """Kernel ``name`` at ``static`` on tensor cores (128 threads, tile 32) in the harness, on ``args`` (written
+    in place). Returns the CUDA source."""
     import tempfile
 
     from tvm_mamba.runtime import cuda_target, cudasim
     from tvm_mamba.schedules.cuda import ssd as cuda_rule
 
-    name = "ssd_chunk_scan"
-    static = dict(TC_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=False, has_init=True)
-    sch = cuda_rule.apply(ssd.ssd_chunk_scan(**static), cuda_target("sm_90"),
+    sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"),
                           Decisions({"threads": 128, "tile": 32, "tensor_cores": 1}))
-    args = [t.bfloat16() if t.dtype == torch.float32 and t.dim() == 4 and t.shape[1] == 150 else t
-            for t in _tiled_args(name, N=32)]
-    args[0][:, 70] = float("nan")
-    args[8] = torch.zeros(1, 1, dtype=torch.int32)  # (no seq_idx)
     with tempfile.TemporaryDirectory() as tmp:
         built = cudasim.build(sch.mod, cuda_target("sm_90"), label=name)
         cudasim.link(built, f"{tmp}/k.so")
         module = cudasim.load(f"{tmp}/k.so")
         cudasim.call(module, module[name], args, label=name)
-    y = args[9].float()
     assert "nvcuda::wmma::mma_sync" in built.source
+    return built.source
+
+
+def test_cuda_tensor_core_chunk_scan_keeps_a_later_nan_out():
+    """A NaN in x at position 70 (chunk 1, row 6: inside a diagonal fragment) reaches y at 70 and after, never
+    before: the diagonal blocks are summed per element with the causal guard, not by mma (0 * NaN)."""
+    name = "ssd_chunk_scan"
+    static = dict(TC_DIMS, has_D=True, D_has_hdim=True, has_z=True, has_seq_idx=False, has_init=True)
+    args = [t.bfloat16() if i in _sequence_args(name) else t for i, t in enumerate(_tiled_args(name, N=32))]
+    args[0][:, 70] = float("nan")
+    args[8] = torch.zeros(1, 1, dtype=torch.int32)  # (no seq_idx)
+    _run_tensor_cores(name, static, args)
+    y = args[9].float()
     assert torch.isfinite(y[:, :70]).all() and torch.isnan(y[:, 70:128]).all()
+
+
+# ssd_chunk_scan_bwd on tensor cores (schedules/cuda/_tc_product.py: dx, gsum, dB, dC; the crossing pass stays
+# on the FMA units): every variant above with bf16 x, dy, z, B, C, against the serial layout on the same inputs;
+# headdim 48 / dstate 32 / chunk 64 give three fragment rows, full-width tiles for the row dots (XB, the carried
+# terms) and partial diagonal blocks; 64 / 128 / 256 threads (one, two, four warps computing).
+@pytest.mark.parametrize("variant, threads, tile", [("plain", 256, 64), ("plain", 64, 32), ("D_per_head", 128, 64),
+                                                    ("diag_skip", 128, 32), ("step_group", 256, 64)])
+def test_cuda_tensor_core_chunk_scan_bwd_matches_the_serial_layout(variant, threads, tile):
+    name = "ssd_chunk_scan_bwd"
+    static = dict(SCAN_BWD[variant], dstate=32, x_dtype="bfloat16", bc_dtype="bfloat16")
+    src = _run_both(name, static, Decisions({"threads": threads, "tile": tile, "tensor_cores": 1}), 1e-2,
+                    _sequence_args(name))
+    assert src.count("nvcuda::wmma::mma_sync") >= 4  # dx, gsum, dB, dC
+
+
+def test_cuda_tensor_core_chunk_scan_bwd_keeps_nans_causal():
+    """A NaN in dy at position 70 (chunk 1, row 6) reaches dx at 64..70 (the positions it follows), dB there and
+    dC at 70 only; never the later positions of its chunk, whose blocks hold it as a non-causal pair (dx's
+    partial diagonal blocks are summed per element with the range guard; gsum selects the causal pairs)."""
+    name = "ssd_chunk_scan_bwd"
+    static = dict(SCAN_BWD["plain"], dstate=32, x_dtype="bfloat16", bc_dtype="bfloat16", has_seq_idx=False)
+    args = [t.bfloat16() if i in _sequence_args(name) else t for i, t in enumerate(_tiled_args(name, N=32))]
+    args[2][:, 70] = float("nan")
+    args[11] = torch.zeros(1, 1, dtype=torch.int32)  # (no seq_idx)
+    _run_tensor_cores(name, static, args)
+    dx, dB, dC = args[12].float(), args[13], args[14]
+    for out, bad in ((dx, slice(64, 71)), (dB, slice(64, 71)), (dC, slice(70, 71))):
+        assert torch.isnan(out[:, bad]).all()
+        assert torch.isfinite(out[:, :bad.start]).all() and torch.isfinite(out[:, bad.stop:]).all()
