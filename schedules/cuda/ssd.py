@@ -64,6 +64,11 @@ class Gpu(Strategy):
                              lower=lower)
         return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=True, scaled=False, lower=lower)
 
+    def folds_diagonal(self, M: int, W: int, K: int, strict: bool = False, group: int = 1) -> bool:
+        """On the FMA tiles, not strict or grouped (strategy.py): D x then reads no x per output. Not on tensor
+        cores, whose weights are rounded to the 16-bit dtype (D would be too)."""
+        return not strict and group == 1 and not (self.tc and TcTiling.fits(M, W, K))
+
     def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
         """A block per output tile: the carried product and the causal sum staged slice by slice (_tiled.py)."""
         if self.tc and TcTiling.fits(M, W, K) and not strict and group == 1:  # (Mamba-3's: on the FMA tiles)

@@ -128,7 +128,8 @@ def _tiled_args(name, batch=2, seqlen=150, seed=0, N=40, per_position=False, D_p
     Bm, Cm, dto = r(batch, seqlen, G, N), r(batch, seqlen, G, N), torch.rand(batch, H, C, Q, generator=g)
     return {"ssd_bmm_chunk": (Bm, Cm, torch.zeros(batch, C, G, Q, Q)),
             "ssd_chunk_state": (x, Bm, dto, dA, seq, torch.zeros(batch, C, H, P, N)),
-            "ssd_chunk_scan": (x, z, r(batch, C, G, Q, Q), Cm, dto, dA, r(batch, C, H, P, N), r(H, P), seq,
+            "ssd_chunk_scan": (x, z, r(batch, C, G, Q, Q), Cm, dto, dA, r(batch, C, H, P, N),
+                               r(H) if D_per_head else r(H, P), seq,
                                torch.zeros(batch, seqlen, H, P), torch.zeros(batch, seqlen, H, P)),
             "ssd_chunk_scan_bwd_dstates": (dy, z, yp, Cm, dA, seq, torch.zeros(batch, C, H, P, N),
                                            torch.zeros(batch, seqlen, H, P)),
@@ -151,6 +152,19 @@ OUTPUTS = {"ssd_bmm_chunk": (2,), "ssd_chunk_state": (5,), "ssd_chunk_scan": (9,
 def test_cuda_tiled_matmuls_match_the_serial_layout(name, threads, tile):
     src = _run_both(name, TILED_KERNELS[name], Decisions({"threads": threads, "tile": tile}), 1e-5)
     assert "__shared__" in src and "wmma" not in src
+
+
+@pytest.mark.parametrize("threads, tile", [(64, 32), (128, 64)])
+def test_cuda_chunk_scan_folds_D_per_head_into_the_diagonal(threads, tile):
+    """D per head on the FMA tiles is the causal weights' diagonal term (``Gpu.folds_diagonal``: x is not read
+    again per output for D x), against the serial layout's D x in the carry; not on tensor cores (D would be
+    rounded with the weights) nor with Mamba-3's strict sums (the diagonal is outside them)."""
+    from tvm_mamba.schedules.cuda.ssd import Gpu
+
+    _run_both("ssd_chunk_scan", dict(TILED_KERNELS["ssd_chunk_scan"], D_has_hdim=False),
+              Decisions({"threads": threads, "tile": tile}), 1e-5)
+    assert Gpu().folds_diagonal(64, 48, 40) and not Gpu().folds_diagonal(64, 48, 40, strict=True)
+    assert not Gpu(tensor_cores="bfloat16").folds_diagonal(64, 48, 32)
 
 
 # ssd_chunk_scan_bwd's crossing pass (schedules/cuda/_crossing.py: d dt and d dA_step, a block per (batch, chunk,

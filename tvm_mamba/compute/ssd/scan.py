@@ -48,25 +48,26 @@ def _positions(d: ScanDims, dA_cs, dt_out, seq_idx, Dm, nchunks, H, seqlen):
     return tuple(pos)
 
 
-def _carry(m, d: ScanDims, seq_idx, Dm, task, l, p, seqlen, v, xv, vl):
+def _carry(m, d: ScanDims, seq_idx, Dm, task, l, p, seqlen, v, xv, vl, fold: bool):
     """e[l] (C_l Sin)[p] + D x[l, p] (v = (C_l Sin)[p], xv = x[l, p], vl: ``_positions`` at l, D its last value
-    where ``d_per_row``), e[l] = exp(dA_cs[l]) masked by common.carried_decay (0 where the carried state belongs to
-    another sequence than position l)."""
+    where ``d_per_row``; ``fold``: D x is the weights' diagonal term instead), e[l] = exp(dA_cs[l]) masked by
+    common.carried_decay (0 where the carried state belongs to another sequence than position l)."""
     b, c, h = task
     Q = d.chunk_size
     sid = vl[2] if d.has_seq_idx else seq_idx[b, _pos(c, l, Q, seqlen)]
     e = carried_decay(m, vl[0], sid, batch_sids(seq_idx, b), c, Q, d.has_seq_idx)
     if d_per_row(d):
-        return e * v + vl[-1] * xv
+        return e * v if fold else e * v + vl[-1] * xv
     return e * v + skip_at(d, Dm, b, h, c, l, p, xv) if d.has_D else e * v
 
 
-def _weight(m, d: ScanDims, cb, task, l, s, vl, vs):
+def _weight(m, d: ScanDims, cb, task, l, s, vl, vs, fold: bool):
     """(C_l.B_s) exp(dA_cs[l] - dA_cs[s]) dt'[s] for s <= l in the same sequence, else 0 (the decay masked
-    before the exp; vl / vs: ``_positions`` at l / s)."""
+    before the exp; vl / vs: ``_positions`` at l / s); ``fold``: plus D (vl's last value) on the diagonal."""
     b, c, h = task
     sids = (vl[2], vs[2]) if d.has_seq_idx else None
-    return cb[b, c, h // d.heads_per_group, l, s] * seg_exp_of(m, vl[0], vs[0], sids, l, s) * vs[1]
+    w = cb[b, c, h // d.heads_per_group, l, s] * seg_exp_of(m, vl[0], vs[0], sids, l, s) * vs[1]
+    return T.Select(l == s, w + vl[-1], w) if fold else w
 
 
 def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
@@ -83,10 +84,12 @@ def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
 def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
     """The ssd_chunk_scan kernel laid out by ``S``: task t = (batch, chunk, head), its chunk_size x headdim
     output by the strategy's ``causal_matmul`` (strategy.py): y0[l, p] = e[l] (C_l Sin)[p] + D x[l, p]
-    + sum_{s<=l} w[l, s] x[s, p], w = (C.B^T) exp(segsum) dt'; then the z gate. Positions past seqlen read as 0
+    + sum_{s<=l} w[l, s] x[s, p], w = (C.B^T) exp(segsum) dt' (D per row: D x as w's diagonal term where the
+    strategy ``folds_diagonal``); then the z gate. Positions past seqlen read as 0
     and are not stored."""
     H, G, P, N, Q, R, m = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, d.heads_per_group, S.math
     run = S.causal_matmul(Q, P, N, strict=d.diag_skip, group=d.step_group)
+    fold = d_per_row(d) and S.folds_diagonal(Q, P, N, strict=d.diag_skip, group=d.step_group)
 
     @T.prim_func
     def func(x_h: T.handle, z_h: T.handle, cb_h: T.handle, c_h: T.handle, dto_h: T.handle, dac_h: T.handle,
@@ -110,8 +113,9 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
             lambda t: t // H % nchunks > 0 if not d.has_init else True,  # without initial states Sin[c=0] = 0
             lambda t, l, n: _row(Cm, _task(t, nchunks, H), l, t % H // R, n, Q, seqlen),
             lambda t, n, p: sin[t // (nchunks * H), t // H % nchunks, t % H, p, n].astype(F32),
-            lambda t, l, p, v, xv, vl: _carry(m, d, seq_idx, Dm, _task(t, nchunks, H), l, p, seqlen, v, xv, vl),
-            lambda t, l, s, vl, vs: _weight(m, d, cb, _task(t, nchunks, H), l, s, vl, vs),
+            lambda t, l, p, v, xv, vl: _carry(m, d, seq_idx, Dm, _task(t, nchunks, H), l, p, seqlen, v, xv, vl,
+                                              fold),
+            lambda t, l, s, vl, vs: _weight(m, d, cb, _task(t, nchunks, H), l, s, vl, vs, fold),
             lambda t, s, p: _row(x, _task(t, nchunks, H), s, t % H, p, Q, seqlen),
             lambda t, l, p, v: _put(m, d, y, y_pre, z, _task(t, nchunks, H), l, p, v),
             _positions(d, dA_cs, dt_out, seq_idx, Dm, nchunks, H, seqlen))

@@ -136,6 +136,13 @@ class Strategy:
 
         return run
 
+    def folds_diagonal(self, M: int, W: int, K: int, strict: bool = False, group: int = 1) -> bool:
+        """Whether a per-row part of ``causal_matmul``'s carry (a value times xs(t, i, j): D x with D per row) is
+        better given as a term of weight(t, i, i), the carry then leaving it out: a layout that stages xs per
+        causal slice but would read xs(t, i, j) again per output for the carry. Not with ``strict`` / ``group``
+        (the diagonal is outside the sum). Here no: xs(t, i, j) is read once per output either way."""
+        return False
+
     def causal_matmul(self, M: int, W: int, K: int, strict: bool = False, group: int = 1):
         """A macro ``run(extent, rows, carried, lhs, rhs, carry, weight, xs, store, pos)``: per task t the M x W
         chunk product
