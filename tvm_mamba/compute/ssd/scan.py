@@ -67,7 +67,7 @@ def _weight(m, d: ScanDims, cb, task, l, s, vl, vs, fold: bool):
     b, c, h = task
     sids = (vl[2], vs[2]) if d.has_seq_idx else None
     w = cb[b, c, h // d.heads_per_group, l, s] * seg_exp_of(m, vl[0], vs[0], sids, l, s) * vs[1]
-    return T.Select(l == s, w + vl[-1], w) if fold else w
+    return w + T.Select(l == s, vl[-1], T.float32(0)) if fold else w  # (w once: a Select of two sums held two exps)
 
 
 def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
