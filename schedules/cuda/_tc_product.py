@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
-from ._tiled import (K_SLICE, _fill, _first_pos, _live_units, _stage_positions, _tile_of, _typed_or_none, _unit_pos,
-                     _values, largest_divisor)
+from ._tiled import (K_SLICE, _fill, _live_units, _stage_positions, _tile_of, _unit_pos, _values, largest_divisor,
+                     segment_slots)
 from ._tiled_tc import TC, TcTiling, _copy16, _mma_step
 
 NQ = TC * TC // 32  # a thread's elements of one fragment
@@ -61,10 +61,7 @@ def tc_product(tl: TcTiling, units: tuple):
             sb = T.alloc_buffer((KX * LB,), tl.dtype, scope="shared")
             so = T.alloc_buffer((warps * TC * TC,), "float32", scope="shared")  # a fragment per warp, out
             red = T.alloc_buffer((tl.TM * (tl.WC + 1),), "float32", scope="shared")  # row dots' warp parts
-            pos = T.meta_var(_first_pos(segs))
-            vr = T.meta_var(_typed_or_none("vr", tl.TM, pos))  # the tile's rows
-            vc = T.meta_var(_typed_or_none("vc", max(KX, tl.TW), pos))  # a slice / the tile's columns
-            vw = T.meta_var(_typed_or_none("vw", tl.TM, _first_pos(segs, "row_pos")))  # a unit's row weights
+            vr, vc, vw = T.meta_var(segment_slots(tl, segs, KX))
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
                 fa = T.alloc_buffer((FR * TC, TC), tl.dtype, scope="wmma.matrix_a")

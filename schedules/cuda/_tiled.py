@@ -364,10 +364,7 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
         for bx in T.thread_binding(extent * blocks, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # see MIN_BLOCKS
             sh = T.meta_var(_buffers("shared", a=(SA,), b=(SB,)))
-            pos = T.meta_var(_first_pos(segs))
-            vr = T.meta_var(_typed_or_none("vr", tl.TM, pos))  # the tile's rows
-            vc = T.meta_var(_typed_or_none("vc", max(KX, tl.TW), pos))  # a slice / the tile's columns
-            vw = T.meta_var(_typed_or_none("vw", tl.TM, _first_pos(segs, "row_pos")))  # a unit's row weights
+            vr, vc, vw = T.meta_var(segment_slots(tl, segs, KX))
             for tx in T.thread_binding(tl.threads, thread="threadIdx.x"):
                 t, i0, j0 = T.meta_var(_tile_of(tl, bx))
                 reg = T.meta_var(_buffers("local", acc=(RM, RW), unit=(RM, RW), ar=(RM,), br=(RW,), part=(1,)))
@@ -423,6 +420,15 @@ def _row_dots(tl: Tiling):
         T.tvm_storage_sync("shared")
 
     return parts, sums
+
+
+def segment_slots(tl: Tile, segs, KX: int) -> tuple:
+    """The shared slots of a product's per-position values (``_typed``; None where no segment has them): the
+    tile's rows (``pos``), a KX-deep slice's or the tile's columns (``pos``), a unit's row weights
+    (``row_pos``). Allocated in that order: call inside the macro at the level that owns them."""
+    pos = _first_pos(segs)
+    return (_typed_or_none("vr", tl.TM, pos), _typed_or_none("vc", max(KX, tl.TW), pos),
+            _typed_or_none("vw", tl.TM, _first_pos(segs, "row_pos")))
 
 
 def _first_pos(segs, attr: str = "pos"):
