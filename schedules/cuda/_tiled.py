@@ -108,6 +108,57 @@ def _copy(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str | None = N
     return copy
 
 
+def _copy_visiting(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str | None = None):
+    """``_copy`` of a *visited* operand (strategy.py ``visits_lhs``; ``operand_at``): ``src`` a namespace of
+    loads (one or two readers (k, c)), value(k, c, vals) and visit(k, c, vals); each element's loads go once
+    into registers, then its value into dst and the visit (an elementwise output of the same loads)."""
+    ld = stride(cols, k_fast)
+    at = at or (lambda k, c: k * ld + c)
+    cast = (lambda v: v.astype(dtype)) if dtype else (lambda v: v)  # noqa: E731
+    n, rounds = rows * cols, (rows * cols + tl.threads - 1) // tl.threads
+
+    @T.macro
+    def copy(dst, src, tx):
+        r = T.alloc_buffer((2,), "float32", scope="local")
+        for e in T.unroll(rounds):
+            if e * tl.threads + tx < n:
+                idx = T.meta_var(e * tl.threads + tx)
+                k, c = T.meta_var((idx % rows, idx // rows) if k_fast else (idx // cols, idx % cols))
+                r[0] = src.loads[0](k, c)
+                if len(src.loads) > 1:
+                    r[1] = src.loads[1](k, c)
+                dst[at(k, c)] = cast(src.value(k, c, r))
+                src.visit(k, c, r)
+
+    return copy
+
+
+@T.macro
+def _visit_if(cond, visit, t, i, k, vals):
+    if cond:
+        visit(t, i, k, vals)
+
+
+def operand_at(lhs, t, i0, j0, k0=0):
+    """Task t's lhs at a tile's rows and a slice from k0: (k, i) -> lhs(t, i0 + i, k0 + k). A visited operand
+    (a namespace: strategy.py ``visits_lhs``) stays one, its loads and value shifted alike and its visit run
+    by the task's first column tile only (j0 == 0: once per element)."""
+    at = (lambda k: k) if isinstance(k0, int) and k0 == 0 else (lambda k: k0 + k)  # noqa: E731
+    if not hasattr(lhs, "visit"):
+        return lambda k, i: lhs(t, i0 + i, at(k))
+    return SimpleNamespace(loads=tuple((lambda k, i, rd=rd: rd(t, i0 + i, at(k))) for rd in lhs.loads),
+                           value=lambda k, i, v: lhs.value(t, i0 + i, at(k), v),
+                           visit=lambda k, i, v: _visit_if(j0 == 0, lhs.visit, t, i0 + i, at(k), v))
+
+
+def _shifted(a, k0):
+    """A tile operand (k, i) of ``operand_at`` read from slice offset k0."""
+    if not hasattr(a, "visit"):
+        return lambda k, i: a(k0 + k, i)
+    return SimpleNamespace(loads=tuple((lambda k, i, rd=rd: rd(k0 + k, i)) for rd in a.loads),
+                           value=lambda k, i, v: a.value(k0 + k, i, v), visit=lambda k, i, v: a.visit(k0 + k, i, v))
+
+
 def stride(cols: int, k_fast: bool) -> int:
     """Row stride of a staged slice: a k-fast copy writes down a column, so its rows are padded by one float
     (consecutive threads then hit consecutive banks). The slices are flat buffers: a 2-D one would be
@@ -117,12 +168,14 @@ def stride(cols: int, k_fast: bool) -> int:
 
 def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
     """A macro ``product(acc, sh, nk, a, b, tx, ok, stage)``: for thread ``tx``'s RM x RW block of the tile,
-    acc[r, c] += a(k, i) b(k, j) for k ascending over ``nk`` slices of ``KT``, the term added only where
+    acc[r, c] += a(k, i) b(k, j) for k ascending over ``nk`` slices of ``KT`` (``a`` may be a visited operand,
+    ``operand_at``: copied by ``_copy_visiting``), the term added only where
     ``ok(k, i)`` (the causal products' range of row i; i / j tile-relative). ``stage(ko)``: what slice ``ko``'s
     operands read from shared memory besides the slices (a per-k scale, per-position values), written
     before them behind a barrier; None: nothing. ``sh``: the block's shared slices (a, b) and the thread's
     operand registers (ar, br). ``nk`` must be the same for every thread of the block (the barriers)."""
     copy_a, copy_b = _copy(tl, KT, tl.TM, a_fast), _copy(tl, KT, tl.TW, b_fast)
+    visit_a = _copy_visiting(tl, KT, tl.TM, a_fast)
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
     LA, LB = stride(tl.TM, a_fast), stride(tl.TW, b_fast)
 
@@ -133,7 +186,10 @@ def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
                 stage(ko)
                 T.tvm_storage_sync("shared")
             copy_b(sh.b, lambda k, j: b(ko * KT + k, j), tx)
-            copy_a(sh.a, lambda k, i: a(ko * KT + k, i), tx)
+            if hasattr(a, "visit"):
+                visit_a(sh.a, _shifted(a, ko * KT), tx)
+            else:
+                copy_a(sh.a, lambda k, i: a(ko * KT + k, i), tx)
             T.tvm_storage_sync("shared")
             if tx < CM * CW:
                 for k in range(KT):
@@ -202,7 +258,7 @@ def tiled_matmul(tl: Tiling, k_fast: bool, scaled: bool, lower: bool = False):
                         reg.acc[r, c] = T.float32(0)
                 ops = T.meta_var(SimpleNamespace(a=sh.a, b=sh.b, ar=reg.ar, br=reg.br))
                 if scaled:  # the k factor (chunk_state's decay weight: an exp) once per slice
-                    product(reg.acc, ops, tl.K // tl.KT, lambda k, i: lhs(t, i0 + i, k),
+                    product(reg.acc, ops, tl.K // tl.KT, operand_at(lhs, t, i0, j0),
                             lambda k, j: sh.s[k % tl.KT] * rhs(t, k, j0 + j), tx, lambda k, i: True,
                             lambda ko: fill(sh.s, 0, lambda k: scale(t, ko * tl.KT + k), tx))
                 else:

@@ -64,6 +64,11 @@ class Gpu(Strategy):
                              lower=lower)
         return tiled_matmul(Tiling.of(M, W, K, self.threads, self.tile), k_fast=True, scaled=False, lower=lower)
 
+    def visits_lhs(self, M: int, W: int, K: int) -> bool:
+        """Yes (strategy.py): the tiles' copies load each lhs element once per tile, the visit runs in a task's
+        first column tile (_tiled.py ``operand_at``), on the FMA tiles and on tensor cores alike."""
+        return True
+
     def folds_diagonal(self, M: int, W: int, K: int, strict: bool = False, group: int = 1) -> bool:
         """On the FMA tiles, not strict or grouped (strategy.py): D x then reads no x per output. Not on tensor
         cores, whose weights are rounded to the 16-bit dtype (D would be too)."""

@@ -194,3 +194,18 @@ def test_tensor_core_products_are_counted_at_the_tensor_core_rate():
     assert launch.counts.mma_flops == 2 * 64 * 64 * 32 * 2
     seconds, unit = hardware.time_bound(0, 0, 0, launch.counts.mma_flops, hardware.H200.tc_bf16_flops)
     assert unit == "arith" and seconds == pytest.approx(launch.counts.mma_flops / hardware.H200.tc_bf16_flops)
+
+
+def test_dstates_writes_dz_once_from_the_gradient_copies():
+    """ssd_chunk_scan_bwd_dstates on CUDA writes dz as the visit of its matmul's lhs g (strategy.py
+    ``visits_lhs``): one launch; with dstate 256 (two 128-column tiles per task) dz is still stored and y_pre
+    read once per element (the first column tile only), dy / z once per tile."""
+    from tvm_mamba.runtime.key import KernelKey
+
+    static = dict(nheads=2, ngroups=1, headdim=64, dstate=256, chunk_size=64, has_z=True, has_seq_idx=False)
+    key = KernelKey.make("ssd", "chunk_scan_bwd_dstates", {"x": "float32", "bc": "float32"}, static,
+                         "cudasim-sm_90")
+    (launch,), _ = measure.counted(key, 2, 256)
+    size = 2 * 256 * 2 * 64 * 4  # bytes of one (batch, seqlen, nheads, headdim) fp32 tensor
+    assert launch.per_buffer["dz"] == (0, size) and launch.per_buffer["y_pre"] == (size, 0)
+    assert launch.per_buffer["dy"] == (2 * size, 0) and launch.per_buffer["z"] == (2 * size, 0)

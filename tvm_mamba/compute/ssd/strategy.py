@@ -15,7 +15,8 @@ innermost axis: dstate or headdim). The strategy decides:
 * ``scaled_matmul(M, W, K)``: a chunk matmul out[t, i, j] = sum_k lhs(t, i, k) (scale(t, k) rhs(t, k, j)) over
   ``extent`` tasks t, k ascending from 0 on every layout: the serial / CUDA layout runs a task per output
   element reading the operands where they are; the CPU layout stages the task's operands (scale once per k)
-  and runs the register-blocked matmul of mm.py (knobs rows / cols / order).
+  and runs the register-blocked matmul of mm.py (knobs rows / cols / order). ``visits_lhs``: whether its lhs
+  may carry an elementwise output of what it reads (CUDA's tiles: yes, their copies load each element once).
 * ``matmul_rows(M, W, K, lower)``: the product of two row-major operands, out[t, i, j] = sum_k lhs(t, i, k)
   rhs(t, j, k) (C B^T), k ascending: ``scaled_matmul`` with scale 1; the CPU layout stages lhs rows and
   transposes rhs. ``lower``: only j <= i is kept (0 above the diagonal; CUDA skips the tiles above it).
@@ -106,6 +107,13 @@ class Strategy:
 
     def key(self) -> tuple:
         return (self.name, self.threads, self.math.native)
+
+    def visits_lhs(self, M: int, W: int, K: int) -> bool:
+        """Whether ``scaled_matmul``'s run takes its lhs as a *visited* operand: a namespace of ``loads`` (one or
+        two readers (t, i, k)), ``value(t, i, k, vals)`` (lhs(t, i, k) from the loads' values) and ``visit(t, i,
+        k, vals)`` (a statement run once per (t, i, k): an elementwise output of what lhs reads, dstates' dz,
+        then written without a pass that reads it all again). Here no: the template runs that pass itself."""
+        return False
 
     def matmul_rows(self, M: int, W: int, K: int, lower: bool = False):
         """A macro ``run(extent, lhs, rhs, store)``: out[t, i, j] = sum_k lhs(t, i, k) rhs(t, j, k), both operands
