@@ -139,24 +139,25 @@ def _visit_if(cond, visit, t, i, k, vals):
         visit(t, i, k, vals)
 
 
+def _mapped(op, args):
+    """An operand (a callable, or a visited namespace of loads / value / visit) read at (k, i) through
+    args(k, i): its own arguments."""
+    if not hasattr(op, "visit"):
+        return lambda k, i: op(*args(k, i))
+    return SimpleNamespace(loads=tuple((lambda k, i, rd=rd: rd(*args(k, i))) for rd in op.loads),
+                           value=lambda k, i, v: op.value(*args(k, i), v),
+                           visit=lambda k, i, v: op.visit(*args(k, i), v))
+
+
 def operand_at(lhs, t, i0, j0, k0=0):
     """Task t's lhs at a tile's rows and a slice from k0: (k, i) -> lhs(t, i0 + i, k0 + k). A visited operand
-    (a namespace: strategy.py ``visits_lhs``) stays one, its loads and value shifted alike and its visit run
-    by the task's first column tile only (j0 == 0: once per element)."""
+    (a namespace: strategy.py ``visits_lhs``) stays one, its visit run by the task's first column tile only
+    (j0 == 0: once per element)."""
+    if hasattr(lhs, "visit"):
+        lhs = SimpleNamespace(loads=lhs.loads, value=lhs.value,
+                              visit=lambda t_, i, k, v, visit=lhs.visit: _visit_if(j0 == 0, visit, t_, i, k, v))
     at = (lambda k: k) if isinstance(k0, int) and k0 == 0 else (lambda k: k0 + k)  # noqa: E731
-    if not hasattr(lhs, "visit"):
-        return lambda k, i: lhs(t, i0 + i, at(k))
-    return SimpleNamespace(loads=tuple((lambda k, i, rd=rd: rd(t, i0 + i, at(k))) for rd in lhs.loads),
-                           value=lambda k, i, v: lhs.value(t, i0 + i, at(k), v),
-                           visit=lambda k, i, v: _visit_if(j0 == 0, lhs.visit, t, i0 + i, at(k), v))
-
-
-def _shifted(a, k0):
-    """A tile operand (k, i) of ``operand_at`` read from slice offset k0."""
-    if not hasattr(a, "visit"):
-        return lambda k, i: a(k0 + k, i)
-    return SimpleNamespace(loads=tuple((lambda k, i, rd=rd: rd(k0 + k, i)) for rd in a.loads),
-                           value=lambda k, i, v: a.value(k0 + k, i, v), visit=lambda k, i, v: a.visit(k0 + k, i, v))
+    return _mapped(lhs, lambda k, i: (t, i0 + i, at(k)))
 
 
 def stride(cols: int, k_fast: bool) -> int:
@@ -187,7 +188,7 @@ def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
                 T.tvm_storage_sync("shared")
             copy_b(sh.b, lambda k, j: b(ko * KT + k, j), tx)
             if hasattr(a, "visit"):
-                visit_a(sh.a, _shifted(a, ko * KT), tx)
+                visit_a(sh.a, _mapped(a, lambda k, i: (ko * KT + k, i)), tx)
             else:
                 copy_a(sh.a, lambda k, i: a(ko * KT + k, i), tx)
             T.tvm_storage_sync("shared")

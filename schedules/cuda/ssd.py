@@ -33,7 +33,8 @@ from ._tiled_tc import TC, TcTiling, tc_causal, tc_matmul
 TILED = {"ssd_bmm_chunk": (256, 128), "ssd_chunk_state": (128, 128), "ssd_chunk_scan_bwd_dstates": (128, 128),
          "ssd_chunk_scan": (256, 64), "ssd_chunk_scan_bwd": (256, 128)}
 # the chunk products, on tensor cores when their operands are 16-bit (``tensor_core_dtype``)
-TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan", "ssd_chunk_scan_bwd")
+TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan",
+                "ssd_chunk_scan_bwd")
 
 
 class Gpu(Strategy):
