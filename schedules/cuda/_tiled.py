@@ -89,14 +89,17 @@ class Tiling(Tile):
 def _copy(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str | None = None):
     """A macro ``copy(dst, src, tx)``: dst[at(k, c)] = src(k, c) for the k x ``cols`` slice (k < ``rows``), the
     block's threads taking consecutive k (``k_fast``) or consecutive c. ``dst`` is flat; ``at`` by default row
-    k at stride ``stride(cols, k_fast)``; ``dtype``: the value rounded to it (a 16-bit tensor-core slice)."""
+    k at stride ``stride(cols, k_fast)``; ``dtype``: the value rounded to it (a 16-bit tensor-core slice).
+    ``src`` may be a visited operand (strategy.py ``visits_lhs``; ``operand_at``): a namespace of loads (one
+    or two readers (k, c)), value(k, c, vals) and visit(k, c, vals); each element's loads then go once into
+    registers, then its value into dst and the visit (an elementwise output of the same loads)."""
     ld = stride(cols, k_fast)
     at = at or (lambda k, c: k * ld + c)
     cast = (lambda v: v.astype(dtype)) if dtype else (lambda v: v)  # noqa: E731
     n, rounds = rows * cols, (rows * cols + tl.threads - 1) // tl.threads
 
     @T.macro
-    def copy(dst, src, tx):
+    def plain(dst, src, tx):
         for e in T.unroll(rounds):
             if e * tl.threads + tx < n:
                 idx = T.meta_var(e * tl.threads + tx)
@@ -105,20 +108,8 @@ def _copy(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str | None = N
                 else:
                     dst[at(idx // cols, idx % cols)] = cast(src(idx // cols, idx % cols))
 
-    return copy
-
-
-def _copy_visiting(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str | None = None):
-    """``_copy`` of a *visited* operand (strategy.py ``visits_lhs``; ``operand_at``): ``src`` a namespace of
-    loads (one or two readers (k, c)), value(k, c, vals) and visit(k, c, vals); each element's loads go once
-    into registers, then its value into dst and the visit (an elementwise output of the same loads)."""
-    ld = stride(cols, k_fast)
-    at = at or (lambda k, c: k * ld + c)
-    cast = (lambda v: v.astype(dtype)) if dtype else (lambda v: v)  # noqa: E731
-    n, rounds = rows * cols, (rows * cols + tl.threads - 1) // tl.threads
-
     @T.macro
-    def copy(dst, src, tx):
+    def visiting(dst, src, tx):
         r = T.alloc_buffer((2,), "float32", scope="local")
         for e in T.unroll(rounds):
             if e * tl.threads + tx < n:
@@ -129,6 +120,13 @@ def _copy_visiting(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str |
                     r[1] = src.loads[1](k, c)
                 dst[at(k, c)] = cast(src.value(k, c, r))
                 src.visit(k, c, r)
+
+    @T.macro
+    def copy(dst, src, tx):
+        if hasattr(src, "visit"):
+            visiting(dst, src, tx)
+        else:
+            plain(dst, src, tx)
 
     return copy
 
@@ -170,13 +168,12 @@ def stride(cols: int, k_fast: bool) -> int:
 def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
     """A macro ``product(acc, sh, nk, a, b, tx, ok, stage)``: for thread ``tx``'s RM x RW block of the tile,
     acc[r, c] += a(k, i) b(k, j) for k ascending over ``nk`` slices of ``KT`` (``a`` may be a visited operand,
-    ``operand_at``: copied by ``_copy_visiting``), the term added only where
+    ``operand_at``), the term added only where
     ``ok(k, i)`` (the causal products' range of row i; i / j tile-relative). ``stage(ko)``: what slice ``ko``'s
     operands read from shared memory besides the slices (a per-k scale, per-position values), written
     before them behind a barrier; None: nothing. ``sh``: the block's shared slices (a, b) and the thread's
     operand registers (ar, br). ``nk`` must be the same for every thread of the block (the barriers)."""
     copy_a, copy_b = _copy(tl, KT, tl.TM, a_fast), _copy(tl, KT, tl.TW, b_fast)
-    visit_a = _copy_visiting(tl, KT, tl.TM, a_fast)
     RM, RW, CM, CW = tl.RM, tl.RW, tl.CM, tl.CW
     LA, LB = stride(tl.TM, a_fast), stride(tl.TW, b_fast)
 
@@ -187,10 +184,7 @@ def block_product(tl: Tiling, KT: int, a_fast: bool, b_fast: bool):
                 stage(ko)
                 T.tvm_storage_sync("shared")
             copy_b(sh.b, lambda k, j: b(ko * KT + k, j), tx)
-            if hasattr(a, "visit"):
-                visit_a(sh.a, _mapped(a, lambda k, i: (ko * KT + k, i)), tx)
-            else:
-                copy_a(sh.a, lambda k, i: a(ko * KT + k, i), tx)
+            copy_a(sh.a, _mapped(a, lambda k, i: (ko * KT + k, i)), tx)
             T.tvm_storage_sync("shared")
             if tx < CM * CW:
                 for k in range(KT):

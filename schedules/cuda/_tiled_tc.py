@@ -12,8 +12,8 @@ import dataclasses
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._tiled import (K_SLICE, Tile, _copy, _copy_visiting, _entry, _fill, _stage_positions, _tile_of, _typed,
-                     _values, largest_divisor, operand_at, upper_skip)
+from ._tiled import (K_SLICE, Tile, _copy, _entry, _fill, _stage_positions, _tile_of, _typed, _values,
+                     largest_divisor, operand_at, upper_skip)
 
 TC = 16  # the wmma fragment side (m16n16k16)
 
@@ -104,7 +104,6 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str
     else:
         copy_a = _copy_split(tl, KT, TM, a_fast, a_at, size_a) if parts_a > 1 else _copy16(tl, KT, TM, a_fast, a_at)
         copy_b = _copy_split(tl, KT, TW, b_fast, b_at, size_b) if parts_b > 1 else _copy16(tl, KT, TW, b_fast, b_at)
-    visit_a = _copy_visiting(tl, KT, TM, a_fast, a_at, tl.dtype)  # (a visited lhs: 16-bit, not split or blocked)
     n_slices = slices or (lambda t: tl.K // KT)  # noqa: E731
     fill = _fill(tl, KT)
     blocks, warps = tl.M // TM * (tl.W // TW), tl.WR * tl.WC
@@ -136,10 +135,7 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str
                         copy_b(sb, lambda k, j: ss[k] * rhs(t, ko * KT + k, j0 + j), tx)
                     else:
                         copy_b(sb, lambda k, j: rhs(t, j0 + j, ko * KT + k), tx)
-                    if hasattr(lhs, "visit"):
-                        visit_a(sa, operand_at(lhs, t, i0, j0, ko * KT), tx)
-                    else:
-                        copy_a(sa, lambda k, i: lhs(t, i0 + i, ko * KT + k), tx)
+                    copy_a(sa, operand_at(lhs, t, i0, j0, ko * KT), tx)  # (a visited lhs: by _copy16 only)
                     T.tvm_storage_sync("shared")
                     for kk in range(KT // TC):
                         if tx // 32 < tl.WR * tl.WC:
