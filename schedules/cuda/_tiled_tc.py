@@ -227,7 +227,8 @@ def _mma_step(tl, fa, fb, acc, sa, sb, wr, wc, kk, a_at, LA, a_lay, b_at, LB, b_
 def _causal_step(tl, fa, fb, acc, diag, sa, sb, wr, wc, tx, i0, s0, kk, end, L2, LX):
     """The causal sum's 16 positions from s0 (the slice's kk-th step) into the warp's fragments: mma where all
     of them precede the fragment's rows, per element with the guard s < end(l) on the diagonal block (into
-    ``diag``, the thread's elements of each fragment), nothing above it."""
+    ``diag``, the thread's elements of each fragment; its second half keeps each element's own x[l], staged
+    here: the carry's), nothing above it."""
     for c in T.unroll(tl.FC):
         T.evaluate(T.tvm_load_matrix_sync(fb.data, TC, TC, TC, c,
                                           sb.access_ptr("r", offset=kk * TC * LX + (wc * tl.FC + c) * TC), LX,
@@ -242,6 +243,9 @@ def _causal_step(tl, fa, fb, acc, diag, sa, sb, wr, wc, tx, i0, s0, kk, end, L2,
         elif s0 == i0 + (wr * tl.FR + r) * TC:
             for c in T.unroll(tl.FC):
                 for q in T.unroll(TC * TC // 32):
+                    diag[(tl.FR * tl.FC + r * tl.FC + c) * (TC * TC // 32) + q] = sb[
+                        (kk * TC + (q * 32 + tx % 32) // TC) * LX + (wc * tl.FC + c) * TC + (q * 32 + tx % 32) % TC
+                    ].astype("float32")
                     for s in range(TC):
                         if s0 + s < end(s0 + (q * 32 + tx % 32) // TC):
                             e = T.meta_var((r * tl.FC + c) * (TC * TC // 32) + q)
@@ -289,7 +293,9 @@ def tc_causal(tl: TcTiling, end):
     the warp's threads per element with the causal guard (s < end(l): a later position's x, even non-finite, is
     never multiplied in) into registers. Blocks above the diagonal are never visited. At the end, per element
     through the per-warp shared tiles: carry(C . Sin) + the causal sum + the diagonal's (wmma cannot load an
-    accumulator back in TVM's codegen: its layout argument is dropped, so carry is not applied in between)."""
+    accumulator back in TVM's codegen: its layout argument is dropped, so carry is not applied in between).
+    The carry's x[l] (D x) is the one the diagonal block staged (exact: x arrives in the 16-bit dtype), not a
+    second read of x per output."""
     TM, TW, KT, FR, FC = tl.TM, tl.TW, tl.KT, tl.FR, tl.FC
     KS = TC * largest_divisor(tl.M // TC, K_SLICE // TC)
     L1, L2, LX = KT + 8, KS + 8, TW + 8  # C / Sin rows along k; weights along s; x rows along j
@@ -320,11 +326,11 @@ def tc_causal(tl: TcTiling, end):
                 fx = T.alloc_buffer((TC, FC * TC), tl.dtype, scope="wmma.matrix_b")  # x (row-major)
                 acc_c = T.alloc_buffer((FR * TC, FC * TC), "float32", scope="wmma.accumulator")  # C . Sin
                 acc = T.alloc_buffer((FR * TC, FC * TC), "float32", scope="wmma.accumulator")  # causal sum
-                diag = T.alloc_buffer((FR * FC * NQ,), "float32", scope="local")
+                diag = T.alloc_buffer((2 * FR * FC * NQ,), "float32", scope="local")  # sums, then x[l]
                 for f in T.unroll(FR * FC):
                     T.evaluate(T.tvm_fill_fragment(acc_c.data, TC, TC, TC, f, T.float32(0)))
                     T.evaluate(T.tvm_fill_fragment(acc.data, TC, TC, TC, f, T.float32(0)))
-                for q in T.unroll(FR * FC * NQ):
+                for q in T.unroll(2 * FR * FC * NQ):
                     diag[q] = T.float32(0)
                 out_fill(so, 0, lambda q: T.float32(0), tx)  # (touched before the slices: see tc_matmul)
                 stage_rows(vr, pos, t, i0, tx)
@@ -353,7 +359,7 @@ def tc_causal(tl: TcTiling, end):
                     for c in T.unroll(FC):
                         _through_shared(tl, (acc_c, acc), so, r, c, tx, lambda q, l, j, e: _store_if(
                             store, rows, t, i0 + l, j0 + j,
-                            carry(t, i0 + l, j0 + j, so[e], xs(t, i0 + l, j0 + j), _values(vr, l))
+                            carry(t, i0 + l, j0 + j, so[e], diag[(FR * FC + r * FC + c) * NQ + q], _values(vr, l))
                             + so[e + TC * TC] + diag[(r * FC + c) * NQ + q]))
 
     return run
