@@ -284,8 +284,8 @@ def test_cuda_tensor_core_chunk_scan_keeps_a_later_nan_out():
 # on the FMA units): every variant above with bf16 x, dy, z, B, C, against the serial layout on the same inputs;
 # headdim 48 / dstate 32 / chunk 64 give three fragment rows, full-width tiles for the row dots (XB, the carried
 # terms) and partial diagonal blocks; 64 / 128 / 256 threads (one, two, four warps computing).
-@pytest.mark.parametrize("variant, threads, tile", [("plain", 256, 64), ("plain", 64, 32), ("D_per_head", 128, 64),
-                                                    ("diag_skip", 128, 32), ("step_group", 256, 64)])
+@pytest.mark.parametrize("variant, threads, tile", [("plain", 256, 64), ("D_per_head", 64, 32), ("diag_skip", 128, 32),
+                                                    ("step_group", 256, 64)])
 def test_cuda_tensor_core_chunk_scan_bwd_matches_the_serial_layout(variant, threads, tile):
     name = "ssd_chunk_scan_bwd"
     static = dict(SCAN_BWD[variant], dstate=32, x_dtype="bfloat16", bc_dtype="bfloat16")
