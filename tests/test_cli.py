@@ -15,6 +15,7 @@ def _run(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "tvm_mamba", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.smoke
 def test_info_runs_a_checked_kernel():
     proc = _run("info")
     assert proc.returncode == 0, proc.stderr[-2000:]

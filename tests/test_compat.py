@@ -52,6 +52,7 @@ def installed():
     compat.uninstall()
 
 
+@pytest.mark.smoke
 def test_upstream_paths_resolve_to_tvm_mamba(installed):
     import importlib
 

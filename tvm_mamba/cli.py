@@ -91,32 +91,38 @@ def _configs(ops: list[str]):
             yield op, direction, static, dtypes
 
 
-MIN_ARCH = 80  # bf16 arithmetic (cuda_bf16.h's operators, __hgt) needs sm_80; older archs fail in nvcc
-
-
 class _UsageError(Exception):
     """A bad command-line value: main prints the one-line message on stderr and returns 2."""
 
 
 def _checked_ops_arch(args, cmd: str):
     """(ops, arch) from --target / --ops / --arch; a _UsageError listing the valid values."""
-    from tvm_mamba.runtime.target import CUDA_ARCHS
-
     if args.target != "cuda":
         raise _UsageError(f"{cmd}: only --target cuda is supported, got {args.target!r}")
+    return _checked_ops(args.ops, cmd), _checked_arch(args.arch, cmd)
 
+
+def _checked_ops(ops_arg: str, cmd: str) -> list[str]:
+    """--ops (comma-separated; empty: every op) -> op names, or a _UsageError listing the valid ones."""
     from tvm_mamba.runtime.rules import compute_ops
 
     valid = compute_ops()
-    ops = [o for o in args.ops.split(",") if o] if args.ops else valid
+    ops = [o for o in ops_arg.split(",") if o] if ops_arg else valid
     unknown = [o for o in ops if o not in valid]
     if unknown:
         raise _UsageError(f"{cmd}: unknown op {', '.join(unknown)}; valid: {', '.join(valid)}")
-    arch = args.arch
+    return ops
+
+
+def _checked_arch(arch: str, cmd: str) -> str:
+    """--arch, or a _UsageError naming the minimum (sm_80) and the known archs."""
+    from tvm_mamba.runtime.cudasim import MIN_ARCH
+    from tvm_mamba.runtime.target import CUDA_ARCHS
+
     if not (arch.startswith("sm_") and arch[3:].isdigit()) or int(arch[3:]) < MIN_ARCH:
         raise _UsageError(f"{cmd}: unsupported --arch {arch!r}; the minimum is sm_{MIN_ARCH} (bf16); known: "
                           f"{', '.join(CUDA_ARCHS)}")
-    return ops, arch
+    return arch
 
 
 def _print_build(key, stats) -> tuple[bool, bool]:
@@ -303,28 +309,55 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+ARCH_HELP = "the CUDA arch whose kernels are built, sm_80 or newer (default: %(default)s)"
+OPS_HELP = "comma-separated op names (default: {default}); valid: {ops}"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Fills ``{ops}`` in a help string with the valid op names when help is printed (only then: listing them
+    imports the op registry, TVM included, seconds every other command line would pay)."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        if "{ops}" in text:
+            from tvm_mamba.runtime.rules import compute_ops
+
+            text = text.replace("{ops}", ", ".join(compute_ops()))
+        return text
+
+
+class _SubParser(argparse.ArgumentParser):
+    """The subcommands' parser: _HelpFormatter unless told otherwise."""
+
+    def __init__(self, *args, formatter_class=_HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subparser per command; every option has help (tests/test_cli_help.py)."""
     ap = argparse.ArgumentParser(prog="python -m tvm_mamba", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_SubParser)
     sub.add_parser("info", help="target, cache, and one checked kernel call")
     checks = (("build-check", "build every kernel for CUDA here (nvcc, ptxas -v)", "nvcc"),
               ("sim-check", "run every build-check kernel on the CPU through the CUDA harness", "g++"))
     for name, helps, jobs in checks:  # the same kernel configurations: the same options
         chk = sub.add_parser(name, help=helps)
-        chk.add_argument("--target", default="cuda")
-        chk.add_argument("--arch", default="sm_90")
-        chk.add_argument("--ops", default="", help="comma-separated op names (default: all)")
-        chk.add_argument("--jobs", type=int, default=2, help=f"parallel {jobs} processes")
+        chk.add_argument("--target", default="cuda", help="the codegen target: cuda, the only one (default: cuda)")
+        chk.add_argument("--arch", default="sm_90", help=ARCH_HELP)
+        chk.add_argument("--ops", default="", help=OPS_HELP.format(default="all", ops="{ops}"))
+        chk.add_argument("--jobs", type=int, default=2,
+                         help=f"how many {jobs} processes run at once (default: %(default)s)")
     rl = sub.add_parser("roofline", help="each CUDA kernel at a preset's shapes against the H200 roofline")
-    rl.add_argument("--target", default="cuda")
-    rl.add_argument("--arch", default="sm_90")
+    rl.add_argument("--target", default="cuda", help="the codegen target: cuda, the only one (default: cuda)")
+    rl.add_argument("--arch", default="sm_90", help=ARCH_HELP)
     rl.add_argument("--preset", action="append", default=None,
                     help="preset or group (repeatable, comma-separated; default: default)")
-    rl.add_argument("--ops", default="", help="comma-separated op names (default: all with preset kernels)")
+    rl.add_argument("--ops", default="", help=OPS_HELP.format(default="all with preset kernels", ops="{ops}"))
     rl.add_argument("--directions", default="", help="comma-separated kernel directions (default: all)")
-    rl.add_argument("--batch", type=int, default=4)
-    rl.add_argument("--seqlen", type=int, default=2048)
+    rl.add_argument("--batch", type=int, default=4, help="batch size the kernels are counted at (default: 4)")
+    rl.add_argument("--seqlen", type=int, default=2048,
+                    help="sequence length the kernels are counted at (default: 2048)")
     rl.add_argument("--dtype", default=None, choices=("bfloat16", "float16"),
                     help="activation dtype of the kernels (default: as the tuning configs, fp32)")
     rl.add_argument("--out", default=None, help="write the report as markdown here (e.g. docs/roofline.md)")
@@ -340,7 +373,7 @@ def main(argv=None) -> int:
                         "(~/.cache/tvm_mamba/tuning_logs). Kernel calls read that folder first, then the logs "
                         "shipped in the package (never written: it may be read-only and upgrades replace it). "
                         "`python -m tvm_mamba info` shows which records apply to this device.")
-    tu.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    tu.add_argument("--ops", default="", help=OPS_HELP.format(default="all", ops="{ops}"))
     tu.add_argument("--preset", default="default", help="model preset or group: default, all, mamba-130m, ...")
     tu.add_argument("--seqlens", default="512,2048", help="sequence-length buckets (powers of two)")
     tu.add_argument("--batches", default="1,4", help="batch buckets (powers of two)")
@@ -352,32 +385,47 @@ def main(argv=None) -> int:
     tu.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
     tu.add_argument("--emit-candidates", type=int, default=0, metavar="N",
                     help="build N schedule candidates per workload into a pack (--out) for a runtime-only device")
-    tu.add_argument("--target", default="cuda", choices=("cuda", "cpu"), help="with --emit-candidates")
+    tu.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
+                    help="with --emit-candidates: build the candidates for a CUDA GPU or a CPU (default: cuda)")
     tu.add_argument("--metaschedule", action="store_true",
                     help="with --emit-candidates: draw candidates from the rule's MetaSchedule design space")
-    tu.add_argument("--arch", default="sm_90", help="with --emit-candidates --target cuda")
+    tu.add_argument("--arch", default="sm_90", help="with --emit-candidates --target cuda: " + ARCH_HELP)
     tu.add_argument("--measure", default=None, metavar="PACK", help="time a candidate pack here (runtime only)")
     tu.add_argument("--timings", default=None, help="with --measure: where to write the timings JSON")
     tu.add_argument("--commit", default=None, metavar="TIMINGS", help="record the best of measured timings")
     tu.add_argument("--recheck", action="store_true",
                     help="re-time every winning record against the default here; demote those that do not hold")
     ao = sub.add_parser("aot", help="build a kernel pack (one .so per kernel + manifest) for a runtime-only machine")
-    ao.add_argument("--target", default="cuda", choices=("cuda", "cpu"))
-    ao.add_argument("--arch", default="sm_90")
-    ao.add_argument("--mcpu", default=None, help="CPU to build for (default: this host's)")
-    ao.add_argument("--out", required=True)
-    ao.add_argument("--ops", default="")
-    ao.add_argument("--preset", default="default")
-    ao.add_argument("--seqlens", default="512,2048")
-    ao.add_argument("--batches", default="1,4")
-    args = ap.parse_args(argv)
+    ao.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
+                    help="build the kernels for a CUDA GPU or for a CPU (default: cuda)")
+    ao.add_argument("--arch", default="sm_90", help="with --target cuda: " + ARCH_HELP)
+    ao.add_argument("--mcpu", default=None,
+                    help="with --target cpu: the LLVM CPU name to build for, e.g. skylake-avx512 "
+                         "(default: this host's)")
+    ao.add_argument("--out", required=True, help="folder to write the pack to (one .so per kernel + manifest)")
+    ao.add_argument("--ops", default="", help=OPS_HELP.format(default="all", ops="{ops}"))
+    ao.add_argument("--preset", default="default",
+                    help="model preset or group whose shapes are built: default, all, mamba-130m, ...")
+    ao.add_argument("--seqlens", default="512,2048",
+                    help="comma-separated sequence-length buckets, powers of two (default: %(default)s)")
+    ao.add_argument("--batches", default="1,4",
+                    help="comma-separated batch buckets, powers of two (default: %(default)s)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd == "roofline" and not args.preset:
         args.preset = ["default"]
-    if args.cmd == "aot":
-        from tvm_mamba import aot
-
-        return aot.main(args)
     try:
+        if args.cmd in ("aot", "tune"):  # their own code reads --ops / --arch: checked here first
+            _checked_ops(args.ops, args.cmd)
+            if args.target == "cuda":
+                _checked_arch(args.arch, args.cmd)
+        if args.cmd == "aot":
+            from tvm_mamba import aot
+
+            return aot.main(args)
         return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check, "cache": cmd_cache,
                 "roofline": cmd_roofline,
                 "tune": cmd_tune}[args.cmd](args)

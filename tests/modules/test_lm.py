@@ -73,7 +73,7 @@ def test_fused_add_norm_and_layernorm_variants():
     assert isinstance(fused.backbone.norm_f, torch.nn.LayerNorm)
 
 
-@pytest.mark.parametrize("ssm_cfg", [M2, M1], ids=["Mamba2", "Mamba1"])
+@pytest.mark.parametrize("ssm_cfg", [pytest.param(M2, marks=pytest.mark.smoke), M1], ids=["Mamba2", "Mamba1"])
 def test_logits_and_every_gradient_vs_reference(ssm_cfg):
     m = _model(ssm_cfg)
     ids = _ids()

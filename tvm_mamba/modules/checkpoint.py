@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import json
 import os
+import zipfile
 
 import torch
 
@@ -42,9 +43,23 @@ def checkpoint_dir(path) -> str:
     return path
 
 
+# transformers' PreTrainedConfig.to_json_string writes a float JSON cannot hold as {"__float__": "Infinity"} (also
+# "-Infinity", "NaN"): Mamba2Config's default time_step_limit (0.0, inf) is saved that way since transformers 5.
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_float(obj: dict):
+    """json object_hook: a {"__float__": tag} object -> its float; any other object as it is."""
+    if obj.keys() == {"__float__"} and obj["__float__"] in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
+    return obj
+
+
 def read_config(path: str) -> dict:
+    """config.json as a dict; infinities and NaN may be written either way transformers' configs do: the tagged
+    object ``{"__float__": "Infinity"}`` (transformers >= 5) or Python's bare ``Infinity`` (older ones)."""
     with open(os.path.join(path, CONFIG_NAME)) as f:
-        return json.load(f)
+        return json.load(f, object_hook=_special_float)
 
 
 def _hf_get(cfg: dict, key: str, default):
@@ -65,6 +80,19 @@ _HF_KEYS = {
 _HF_LAYER = {"mamba": "Mamba1", "mamba2": "Mamba2"}
 
 
+def _dt_limit(value) -> tuple[float, float]:
+    """config.json's time_step_limit -> the block's dt_limit (low, high); anything else is a ValueError that
+    names the key (instead of a TypeError from the first forward pass)."""
+    try:
+        low, high = value
+        if isinstance(low, bool) or isinstance(high, bool):
+            raise TypeError
+        return float(low), float(high)
+    except (TypeError, ValueError):
+        raise ValueError(f"config.json: time_step_limit must be a pair of numbers [low, high], got {value!r}") \
+            from None
+
+
 def config_from_hf(cfg: dict, config_cls):
     """transformers' MambaConfig / Mamba2Config dict -> (our MambaConfig, norm epsilon)."""
     kind = cfg["model_type"]
@@ -77,7 +105,7 @@ def config_from_hf(cfg: dict, config_cls):
     if kind == "mamba":
         tie = _hf_get(cfg, "tie_word_embeddings", True)
     else:
-        ssm_cfg["dt_limit"] = tuple(ssm_cfg["dt_limit"])
+        ssm_cfg["dt_limit"] = _dt_limit(ssm_cfg["dt_limit"])
         heads = _hf_get(cfg, "num_heads", 128)
         if heads * ssm_cfg["headdim"] != ssm_cfg["expand"] * hidden:
             raise ValueError(f"config.json: num_heads * head_dim ({heads * ssm_cfg['headdim']}) must equal expand * "
@@ -138,6 +166,59 @@ def config_from_mamba_ssm(cfg: dict, config_cls):
     return config_cls(**cfg)
 
 
+def _zip_damage(file: str, size: int) -> str | None:
+    """What is wrong with a torch.save zip archive that torch.load refused, or None when its structure is whole
+    (then the error is not the file's: a CUDA tensor without CUDA, a refused pickle global ...)."""
+    with open(file, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":
+        return None if magic[:1] == b"\x80" else "is not a torch.save file (no zip or pickle signature)"
+    if not zipfile.is_zipfile(file):  # the central directory is the archive's last record: cut off first
+        return "is truncated: the zip archive torch.save writes ends before its central directory"
+    with zipfile.ZipFile(file) as z:
+        try:
+            bad = z.testzip()
+        except (OSError, EOFError, zipfile.BadZipFile) as e:
+            return f"is corrupt: its zip archive cannot be read ({e})"
+    return None if bad is None else f"is corrupt: {bad!r} inside it fails its CRC check"
+
+
+def _safetensors_damage(file: str, size: int) -> str | None:
+    """What is wrong with a .safetensors file (8-byte little-endian header length, JSON header giving each
+    tensor's data_offsets, then the data), or None when its layout is whole."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "is truncated: shorter than the 8-byte header length that starts a safetensors file"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"is truncated: its header claims {n} bytes after the first 8"
+        try:
+            header = json.loads(f.read(n))
+            end = max([0] + [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"])
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "is corrupt: its header is not safetensors JSON"
+    if 8 + n + end > size:
+        return f"is truncated: its tensors end at byte {8 + n + end}"
+    return None
+
+
+def _load_checked(file: str, load, diagnose):
+    """load(file); a failure that diagnose(file, size) traces to the file itself -> ValueError naming the file,
+    its size and what is wrong (instead of e.g. a bare ``OSError: [Errno 22]`` from a cut-off zip archive)."""
+    try:
+        return load(file)
+    except Exception as e:  # torch.load: EOFError, OSError, RuntimeError...; safetensors: SafetensorError
+        if not os.path.isfile(file):
+            raise
+        size = os.path.getsize(file)
+        damage = "is empty" if size == 0 else diagnose(file, size)
+        if damage is None:
+            raise
+        raise ValueError(f"checkpoint file {file!r} ({size} bytes) {damage}; download or save it again "
+                         f"({type(e).__name__}: {e})") from e
+
+
 def _load_safetensors(files, device):
     try:
         from safetensors.torch import load_file
@@ -146,15 +227,18 @@ def _load_safetensors(files, device):
                           "pip install 'tvm-mamba[hf]' (or pip install safetensors)") from e
     state = {}
     for f in files:
-        state.update(load_file(f, device=str(device or "cpu")))
+        state.update(_load_checked(f, lambda name: load_file(name, device=str(device or "cpu")),
+                                   _safetensors_damage))
     return state
 
 
 def read_state_dict(path: str, device=None) -> dict:
-    """The checkpoint's tensors: pytorch_model.bin, else model.safetensors (or its sharded index)."""
+    """The checkpoint's tensors: pytorch_model.bin, else model.safetensors (or its sharded index). A truncated
+    or corrupt file is a ValueError naming it."""
     bin_file = os.path.join(path, WEIGHTS_NAME)
     if os.path.isfile(bin_file):
-        return torch.load(bin_file, map_location=device or "cpu", weights_only=True)
+        return _load_checked(bin_file, lambda name: torch.load(name, map_location=device or "cpu",
+                                                               weights_only=True), _zip_damage)
     if os.path.isfile(os.path.join(path, SAFE_WEIGHTS_NAME)):
         return _load_safetensors([os.path.join(path, SAFE_WEIGHTS_NAME)], device)
     index = os.path.join(path, SAFE_INDEX_NAME)

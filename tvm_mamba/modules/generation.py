@@ -9,6 +9,7 @@ vocabulary unless ``vocab_size`` is given. Pure torch glue: the model's kernels 
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -204,14 +205,44 @@ class GenerationMixin:
         raise NotImplementedError(f"{type(self).__name__}.allocate_inference_cache: a model using GenerationMixin "
                                   "must define it (MambaLMHeadModel does)")
 
-    def generate(self, input_ids, max_length, top_k=1, top_p=0.0, min_p=0.0, temperature=1.0,
-                 return_dict_in_generate=False, output_scores=False, **kwargs):
+    def generate(self, input_ids, max_length=None, top_k=1, top_p=0.0, min_p=0.0, temperature=1.0,
+                 return_dict_in_generate=False, output_scores=False, max_new_tokens=None, **kwargs):
         """input_ids: (batch, prompt_len) -> sequences (batch, <= max_length), or with return_dict_in_generate a
-        GenerateDecoderOnlyOutput (scores None unless output_scores). kwargs: decode's (repetition_penalty,
-        eos_token_id, teacher_outputs, vocab_size, cg, enable_timing, streamer, generator); any other
-        keyword is a TypeError."""
+        GenerateDecoderOnlyOutput (scores None unless output_scores). The length is upstream's max_length (the
+        whole sequence, prompt included) or transformers' max_new_tokens (tokens after the prompt:
+        max_length = prompt_len + max_new_tokens); give one of them. kwargs: decode's (repetition_penalty,
+        eos_token_id, teacher_outputs, vocab_size, cg, enable_timing, streamer, generator); any other keyword
+        is a TypeError naming generate()."""
+        unknown = sorted(set(kwargs) - set(_DECODE_OPTIONS))
+        if unknown:
+            raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r} (decoding options: "
+                            f"{', '.join(_DECODE_OPTIONS)})")
+        max_length = _total_length(input_ids, max_length, max_new_tokens)
         output = decode(input_ids, self, max_length, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature,
                         output_scores=output_scores, **kwargs)
         if not output_scores:
             output.scores = None
         return output if return_dict_in_generate else output.sequences
+
+
+# decode's keywords that generate passes through **kwargs (the others are generate's own parameters)
+_DECODE_OPTIONS = tuple(name for name in inspect.signature(decode).parameters
+                        if name not in inspect.signature(GenerationMixin.generate).parameters and name != "model")
+
+
+def _total_length(input_ids, max_length, max_new_tokens):
+    """generate's length: max_length as given, or the prompt length + max_new_tokens (transformers' meaning)."""
+    if max_new_tokens is None:
+        if max_length is None:
+            raise TypeError("generate() missing the length: pass max_length (the whole sequence, mamba_ssm) or "
+                            "max_new_tokens (tokens after the prompt, transformers)")
+        return max_length
+    if max_length is not None:
+        raise ValueError(f"generate(): give max_length ({max_length!r}) or max_new_tokens ({max_new_tokens!r}), "
+                         "not both")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be an int >= 1 (at least one token is generated), got "
+                         f"{max_new_tokens!r}")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        return max_new_tokens  # decode's input check names input_ids
+    return input_ids.shape[1] + max_new_tokens

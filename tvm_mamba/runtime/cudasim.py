@@ -40,6 +40,7 @@ from tvm.target import Target
 PREFIX = "cudasim-"
 _INCLUDE = pathlib.Path(__file__).resolve().parent / "cudasim_include"
 ORDERS = {"random": 0, "forward": 1, "reversed": 2}
+MIN_ARCH = 80  # bf16 arithmetic (cuda_bf16.h's operators, __hgt) needs sm_80; older archs fail in nvcc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,9 @@ class SimConfig:
             raise ValueError(f"order: expected one of {sorted(ORDERS)}, got {self.order!r}")
         if not (isinstance(self.arch, str) and self.arch.startswith("sm_") and self.arch[3:].isdigit()):
             raise ValueError(f"arch: expected a CUDA arch such as 'sm_90', got {self.arch!r}")
+        if int(self.arch[3:]) < MIN_ARCH:
+            raise ValueError(f"arch: {self.arch!r} is below the minimum sm_{MIN_ARCH} (the kernels use sm_80's bf16 "
+                             "arithmetic); use 'sm_80' or newer, e.g. 'sm_90'")
 
     @property
     def target_key(self) -> str:
