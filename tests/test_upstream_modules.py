@@ -2,7 +2,8 @@
 models/mixer_seq_simple.py, utils/generation.py), imported from upstream's sdist with its kernel imports
 aliased to tvm_mamba by ``tvm_mamba.compat.install(upstream=...)``, on the CPU (no triton, no CUDA extension):
 it trains a step and generates, equal to tvm_mamba's own modules loaded (strictly) with the same weights, and
-upstream's decode loop drives tvm_mamba's model.
+upstream's decode loop drives tvm_mamba's model. Upstream's own test_generation_varlen_with_padding
+(tests/test_generation.py) runs too, CPU-sized.
 
 Upstream's sources are read at test time from $TVM_MAMBA_UPSTREAM_DIR (a folder holding
 ``mamba_ssm-2.3.2.post1/`` or ``mamba_ssm-2.3.2.post1.tar.gz``); the tests skip without it. No upstream
@@ -24,6 +25,7 @@ from tvm_mamba import compat
 from tvm_mamba.modules.lm import MambaConfig, MambaLMHeadModel
 
 SDIST = "mamba_ssm-2.3.2.post1"
+UPSTREAM_TEST = "tests/test_generation.py"  # run by test_upstream_varlen_generation_with_padding_passes
 VOCAB = 50  # padded to 56
 M2 = dict(layer="Mamba2", d_state=16, headdim=16, chunk_size=8)  # tests/modules' configs: the same kernels
 M1 = dict(layer="Mamba1", d_state=8)
@@ -41,7 +43,8 @@ def _upstream_source(tmp_path_factory) -> Path:
         pytest.skip(f"neither {folder} nor {archive} exists")
     out = tmp_path_factory.mktemp("upstream")
     with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(f"{SDIST}/mamba_ssm/") and m.isfile()]
+        members = [m for m in tar.getmembers() if m.isfile() and (m.name.startswith(f"{SDIST}/mamba_ssm/")
+                                                                   or m.name == f"{SDIST}/{UPSTREAM_TEST}")]
         if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: refuse links and absolute paths
             tar.extractall(out, members=members, filter="data")
         else:  # members are plain files under the sdist's own folder (selected above)
@@ -225,3 +228,34 @@ def test_mamba2_varlen_prefill_equals_ours(upstream):
         assert_rel_close(ours(u, cu_seqlens=cu, inference_params=mine), results[0][0].double(), 1e-5, "no seq_idx")
     for name, got, want in zip(("out", "conv_state", "ssm_state", "step"), results[1], results[0]):
         assert_rel_close(got, want.double(), 1e-5, name)
+
+
+# upstream's test_generation.py needs CUDA (device, fp16, CUDA graphs) and a 1024-wide model: the lines that set
+# them, each replaced once, so the rest of upstream's test (its sequence lengths, padding, loop and assertion)
+# runs as written on the CPU, at the small Mamba2 config of the tests above
+UPSTREAM_TEST_EDITS = [('device = "cuda"', 'device = "cpu"'), ("dtype = torch.float16", "dtype = torch.float32"),
+                       ("d_model=1024", "d_model=32"), ("n_layer=4", "n_layer=2"),
+                       ('ssm_cfg=dict(layer="Mamba2")', 'ssm_cfg=dict(layer="Mamba2", d_state=16, headdim=16, '
+                                                        'chunk_size=8)'), ("cg=True", "cg=False")]
+
+
+@pytest.mark.parametrize("model", ["upstream", "ours"])
+def test_upstream_varlen_generation_with_padding_passes(upstream, cpu_events, model):
+    """mamba_ssm's own test_generation_varlen_with_padding (prompts packed with padding after the last one:
+    cu_seqlens[-1] < seqlen), its body as upstream wrote it but for UPSTREAM_TEST_EDITS, on upstream's
+    MambaLMHeadModel (our kernels underneath) and on ours (its MambaLMHeadModel, MambaConfig and
+    InferenceParams in the test's namespace). ~10 s each."""
+    path = upstream.src / UPSTREAM_TEST
+    if not path.is_file():
+        pytest.skip(f"{path} is not in the upstream source folder")
+    source = path.read_text()
+    for old, new in UPSTREAM_TEST_EDITS:
+        assert old in source, f"upstream's {UPSTREAM_TEST} no longer has {old!r}"
+        source = source.replace(old, new)
+    ns = {"__name__": "upstream_test_generation"}
+    exec(compile(source, str(path), "exec"), ns)
+    if model == "ours":
+        from tvm_mamba.modules.generation import InferenceParams
+
+        ns.update(MambaLMHeadModel=MambaLMHeadModel, MambaConfig=MambaConfig, InferenceParams=InferenceParams)
+    ns["test_generation_varlen_with_padding"]()

@@ -543,7 +543,7 @@ def test_update_bad_serving_arguments_leave_state_untouched(kw, exc, match):
 
 @pytest.mark.parametrize("cu,exc,match", [
     (torch.tensor([1, 4, 9], dtype=torch.int32), ValueError, "cu_seqlens: must start at 0"),
-    (torch.tensor([0, 4, 8], dtype=torch.int32), ValueError, "end at total_tokens"),
+    (torch.tensor([0, 4, 10], dtype=torch.int32), ValueError, "end at or before total_tokens"),
     (torch.tensor([0, 6, 4, 9], dtype=torch.int32), ValueError, "non-decreasing"),
     (torch.tensor([0, 4, 9], dtype=torch.float32), TypeError, "cu_seqlens: dtype"),
     (torch.zeros(0, dtype=torch.int32), ValueError, "cu_seqlens: expected"),

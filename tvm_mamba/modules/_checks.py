@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..torch_ops.ssd import check_seq_idx, seq_idx_of
+
 
 def check_hidden(name: str, x, d_model: int, seqlen_one: bool = False) -> None:
     """x: (batch, seqlen, d_model) floating tensor (seqlen == 1 when ``seqlen_one``)."""
@@ -37,9 +39,11 @@ FLOAT_STATES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, seqlen: int, seq_idx=None) -> Tensor:
-    """cu_seqlens: (nseq + 1,) int32/int64, 0 = cu[0] <= cu[1] <= ... <= cu[-1] = seqlen, for a batch of one
-    packed row -> seq_idx (1, seqlen) int32 (the given one, checked to agree, or derived: the id of the
-    sequence holding each position)."""
+    """cu_seqlens: (nseq + 1,) int32/int64, 0 = cu[0] <= cu[1] <= ... <= cu[-1] <= seqlen, for a batch of one
+    packed row; the positions from cu[-1] on are padding (mamba_ssm's test_generation_varlen_with_padding)
+    -> seq_idx (1, seqlen) int32: the given one, checked to agree before cu[-1] (the padding's ids are free
+    within seq_idx's own rule: nondecreasing, or negative to the row's end), or derived: the id of the sequence
+    holding each position, and nseq for the padding (a sequence of its own, as upstream's test passes it)."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -48,16 +52,18 @@ def check_cu_seqlens(cu_seqlens, batch: int, seqlen: int, seq_idx=None) -> Tenso
     if batch != 1:
         raise ValueError(f"cu_seqlens: packed sequences need batch 1 (all sequences in one row), got batch {batch}")
     cu = cu_seqlens.to("cpu", torch.int64)
-    if int(cu[0]) != 0 or int(cu[-1]) != seqlen or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens: must start at 0, be nondecreasing and end at seqlen={seqlen}, "
-                         f"got {cu.tolist()}")
-    derived = (torch.searchsorted(cu[1:], torch.arange(seqlen), right=True)).to(torch.int32)[None]
+    end = int(cu[-1])
+    if int(cu[0]) != 0 or end > seqlen or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens: must start at 0, be nondecreasing and end at seqlen={seqlen} or before it "
+                         f"(the positions after its last entry are padding), got {cu.tolist()}")
+    derived = seq_idx_of(cu, seqlen)
     if seq_idx is None:
         return derived.to(cu_seqlens.device)
     if not isinstance(seq_idx, Tensor) or tuple(seq_idx.shape) != (1, seqlen) \
-            or not torch.equal(seq_idx.to("cpu", torch.int32), derived):
+            or not torch.equal(seq_idx[:, :end].to("cpu", torch.int32), derived[:, :end]):
         raise ValueError("seq_idx: does not match cu_seqlens (seq_idx[0, t] must be the index of the sequence "
-                         "holding position t)")
+                         "holding position t, for t < cu_seqlens[-1])")
+    check_seq_idx(seq_idx, 1, seqlen, seq_idx.device, padding=True)
     return seq_idx
 
 

@@ -19,7 +19,8 @@ mamba_chunk_scan_combined(x, dt, A=-exp(A_log), B, C, D, dt_bias, dt_softplus=Tr
 RMSNormGated(y, z) (norm_before_gate=False, group_size = d_ssm/ngroups) -> [silu(z0)*x0, y] -> out_proj.
 Decoding uses causal_conv1d_update and selective_state_update (head layout), one token per call.
 Varlen prefill (cu_seqlens with inference_params) uses causal_conv1d_varlen_states and the scan's
-return_varlen_states. Not supported: tensor/sequence parallelism (process_group).
+return_varlen_states; cu_seqlens may stop before the row's end, the rest being padding (upstream's
+test_generation_varlen_with_padding). Not supported: tensor/sequence parallelism (process_group).
 """
 from __future__ import annotations
 
@@ -136,6 +137,9 @@ class Mamba2(nn.Module):
         (nseq + 1,) int32 boundaries of nseq sequences packed in one row (batch 1): with inference_params,
         the cache rows 0..nseq-1 get each sequence's final conv / ssm state (upstream's varlen prefill); the
         sequences are kept apart by seq_idx, derived from cu_seqlens when not given (upstream needs both).
+        Positions from cu_seqlens[-1] on are padding: they get no cache row and change no sequence's output or
+        state; their own output is upstream's for the seq_idx given there (derived: a sequence of its own;
+        negative ids: the conv gives 0 there, so y is 0 before the gate and norm).
         ``inference_params`` as mamba_ssm (prefill when seqlen_offset == 0, else one :meth:`step`)."""
         if seqlen is not None:  # upstream's (batch*seqlen, d_model) input form
             if u.dim() != 2 or u.shape[0] % seqlen:

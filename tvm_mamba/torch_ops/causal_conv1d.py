@@ -170,11 +170,13 @@ def _(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
-    """ValueError unless cu_seqlens starts at 0, never decreases and ends at total_tokens (data-dependent:
-    checked in the op's implementation, before its kernel runs)."""
+    """ValueError unless cu_seqlens starts at 0, never decreases and ends at or before total_tokens (the tokens
+    after its last entry are padding, read by no state: causal-conv1d 1.7.0's kernel reads only inside each
+    sequence). Data-dependent: checked in the op's implementation, before its kernel runs."""
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-    if first != 0 or last != total:
-        raise ValueError(f"cu_seqlens: must start at 0 and end at total_tokens = {total}, got {first} ... {last}")
+    if first != 0 or last > total:
+        raise ValueError(f"cu_seqlens: must start at 0 and end at or before total_tokens = {total}, got {first} "
+                         f"... {last}")
     if cu_seqlens.numel() > 1 and bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError("cu_seqlens: must be non-decreasing (cumulative sequence lengths)")
 
@@ -304,7 +306,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
 
 def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
     """x: (total_tokens, dim) packed sequences; cu_seqlens: (batch + 1,) int32 or int64, cumulative lengths
-    (0, ..., total_tokens, non-decreasing); state_len: int >= 1 -> states: (batch, dim, state_len) in x's
+    (0, ..., <= total_tokens, non-decreasing: tokens after cu_seqlens[-1] are padding, in no sequence, as
+    upstream allows); state_len: int >= 1 -> states: (batch, dim, state_len) in x's
     dtype (a transposed view with dim innermost, as upstream returns it).
 
     states[b] = the last state_len tokens of sequence b, right-aligned, zeros on the left where it is

@@ -284,7 +284,7 @@ def _validate(t: dict, chunk_size, dt_limit, activation, rmsnorm_eps, headdim, n
         check_tensor("initial_states", t["initial_states"], ndim=4, dtypes=FLOATS, device=dev)
         check_shape("initial_states", t["initial_states"], (batch, nheads, headdim, dstate))
     if t["seq_idx"] is not None:
-        check_seq_idx(t["seq_idx"], batch, seqlen, dev)
+        check_seq_idx(t["seq_idx"], batch, seqlen, dev, padding=True)
     _check_vec("rmsnorm_weight", t["rmsnorm_weight"], dim, (torch.float32, dtype), dev)
     if t["outproj_weight"] is not None:
         check_tensor("outproj_weight", t["outproj_weight"], ndim=2, dtypes=(dtype,), device=dev)
@@ -313,7 +313,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     float32/float16/bfloat16; conv1d_weight: (dim + 2*ngroups*dstate, width) (or with a middle 1), float32 or
     zxbcdt's dtype; conv1d_bias: (dim + 2*ngroups*dstate,); dt_bias, A: (nheads,); D: (nheads, headdim) or
     (nheads,) with headdim given; chunk_size in 1..256; initial_states: (batch, nheads, headdim, dstate);
-    seq_idx: (batch, seqlen) int32, nondecreasing; rmsnorm_weight: (dim,); outproj_weight:
+    seq_idx: (batch, seqlen) int32, nondecreasing or ending in negative ids (padding: conv out 0, a sequence of
+    its own for the SSD, as upstream's kernels); rmsnorm_weight: (dim,); outproj_weight:
     (d_out, d_nonssm + dim) and outproj_bias (d_out,) in zxbcdt's dtype.
     Returns out: (batch, seqlen, d_out) (or d_nonssm + dim without outproj_weight) in zxbcdt's dtype
     [, final_states: (batch, nheads, headdim, dstate) float32].

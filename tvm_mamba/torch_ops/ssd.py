@@ -341,20 +341,30 @@ def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=dev)
         check_shape("initial_states", initial_states, (batch, nheads, headdim, dstate))
     if seq_idx is not None:
-        check_seq_idx(seq_idx, batch, seqlen, dev)
+        check_seq_idx(seq_idx, batch, seqlen, dev, padding=True)
     return dt_limit_pair(dt_limit)
 
 
-def check_seq_idx(seq_idx: Tensor, batch: int, seqlen: int, dev) -> None:
-    """seq_idx: (batch, seqlen) int32 on ``dev``, nondecreasing along seqlen (also mamba_split's check)."""
+def check_seq_idx(seq_idx: Tensor, batch: int, seqlen: int, dev, padding: bool = False) -> None:
+    """seq_idx: (batch, seqlen) int32 on ``dev``, nondecreasing along seqlen (also mamba_split's check). With
+    ``padding`` (the SSD and mamba_split; not Mamba-3, whose kernels take no padding) a row may end in padding
+    marked by negative ids, causal-conv1d's padding marker: from its first negative id on, every id is negative
+    (and nondecreasing), so each id still holds one contiguous run of positions."""
     check_tensor("seq_idx", seq_idx, ndim=2, dtypes=(torch.int32,), device=dev)
     check_shape("seq_idx", seq_idx, (batch, seqlen))
     # upstream documents nondecreasing ids; a decrease (e.g. 0 1 0) gave chunk_size-dependent answers, since
-    # the kernels compare a position's id with its chunk's last id and the previous chunk's last id only.
+    # the kernels compare a position's id with its chunk's last id and the previous chunk's last id only (equal
+    # or not: a trailing run of -1 is a sequence of its own, as in upstream's kernels).
     # A data-dependent check: skipped while torch.compile traces (fake tensors have no values)
-    if seqlen > 1 and not torch.compiler.is_compiling() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-        row = int((seq_idx[:, 1:] < seq_idx[:, :-1]).any(1).nonzero()[0, 0])
-        raise ValueError(f"seq_idx: must be nondecreasing along seqlen, row {row} decreases")
+    if seqlen > 1 and not torch.compiler.is_compiling():
+        ids = seq_idx.long()
+        if padding:  # negative ids order after every sequence id: a trailing run of them is in order
+            ids = torch.where(ids < 0, ids + 2 ** 32, ids)
+        down = ids[:, 1:] < ids[:, :-1]
+        if bool(down.any()):
+            row = int(down.any(1).nonzero()[0, 0])
+            rule = " (negative ids: only as padding to the row's end)" if padding else ""
+            raise ValueError(f"seq_idx: must be nondecreasing along seqlen{rule}, row {row} decreases")
 
 
 def dt_limit_pair(dt_limit) -> tuple[float, float]:
@@ -368,9 +378,11 @@ def dt_limit_pair(dt_limit) -> tuple[float, float]:
     return lo, hi
 
 
-def validate_cu_seqlens(cu_seqlens, seq_idx, x):
-    """cu_seqlens: (num_seqs + 1,) int32 / int64 on x's device, batch 1, 0 = cu[0] <= ... <= cu[-1] = seqlen,
-    and where seq_idx is given too, seq_idx changes exactly at the starts of the (non-empty) sequences.
+def validate_cu_seqlens(cu_seqlens, seq_idx, x, padding: bool = False):
+    """cu_seqlens: (num_seqs + 1,) int32 / int64 on x's device, batch 1, 0 = cu[0] <= ... <= cu[-1] = seqlen
+    (<= seqlen with ``padding``: the positions from cu[-1] on are padding, belonging to no sequence, as in
+    mamba_ssm's test_generation_varlen_with_padding), and where seq_idx is given too, seq_idx changes exactly
+    at the starts of the (non-empty) sequences before cu[-1] (the padding's ids are seq_idx's own business).
     -> cu_seqlens as int32. The value checks are skipped while torch.compile traces (fake tensors)."""
     if cu_seqlens is None:
         raise ValueError("cu_seqlens: required when return_varlen_states=True (the packed sequences' boundaries)")
@@ -383,27 +395,36 @@ def validate_cu_seqlens(cu_seqlens, seq_idx, x):
         raise ValueError(f"cu_seqlens: packed sequences need batch 1 (as mamba_ssm), x has batch {batch}")
     if not torch.compiler.is_compiling():
         cu = cu_seqlens.cpu().long()
+        end = int(cu[-1])
         if int(cu[0]) != 0:
             raise ValueError(f"cu_seqlens: must start at 0, got {int(cu[0])}")
         if bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens: must be non-decreasing, got {cu.tolist()}")
-        if int(cu[-1]) != seqlen:
-            raise ValueError(f"cu_seqlens: must end at seqlen={seqlen}, got {int(cu[-1])}")
-        if seq_idx is not None and seqlen > 1:
-            starts = torch.zeros(seqlen, dtype=torch.bool)
-            inner = cu[(cu > 0) & (cu < seqlen)]
-            starts[inner] = True
-            changes = (seq_idx[0, 1:] != seq_idx[0, :-1]).cpu()
-            if not torch.equal(changes, starts[1:]):
-                t = int((changes != starts[1:]).nonzero()[0, 0]) + 1
-                raise ValueError(f"cu_seqlens: inconsistent with seq_idx at position {t} (seq_idx must change "
-                                 f"exactly where a packed sequence starts)")
+        if end > seqlen or (end < seqlen and not padding):
+            rule = " or before it (the positions after its last entry are padding)" if padding else ""
+            raise ValueError(f"cu_seqlens: must end at seqlen={seqlen}{rule}, got {end}")
+        if seq_idx is not None and end > 1:
+            _check_seq_starts(cu, seq_idx[0, :end].cpu())
     return cu_seqlens.to(torch.int32)
+
+
+def _check_seq_starts(cu: Tensor, ids: Tensor) -> None:
+    """ValueError unless ids (the seq_idx of positions 0 .. cu[-1]-1) change exactly where a non-empty
+    sequence of cu starts."""
+    end = ids.shape[0]
+    starts = torch.zeros(end, dtype=torch.bool)
+    starts[cu[(cu > 0) & (cu < end)]] = True
+    changes = ids[1:] != ids[:-1]
+    if not torch.equal(changes, starts[1:]):
+        t = int((changes != starts[1:]).nonzero()[0, 0]) + 1
+        raise ValueError(f"cu_seqlens: inconsistent with seq_idx at position {t} (seq_idx must change "
+                         f"exactly where a packed sequence starts)")
 
 
 def seq_idx_of(cu_seqlens: Tensor, seqlen: int) -> Tensor:
     """(1, seqlen) int32 sequence index of each position of packed sequences (validated cu_seqlens): the
-    number of sequences ending at or before it, so an empty sequence takes an index no position has."""
+    number of sequences ending at or before it, so an empty sequence takes an index no position has, and
+    padding after cu_seqlens[-1] takes num_seqs (a sequence of its own)."""
     t = torch.arange(seqlen, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.searchsorted(cu_seqlens[1:].contiguous(), t, right=True).to(torch.int32)[None]
 
@@ -422,8 +443,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     x, z: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,); B, C:
     (batch, seqlen, ngroups, dstate) of one dtype, ngroups | nheads; D: (nheads,) or (nheads, headdim); dt_bias:
     (nheads,); initial_states: (batch, nheads, headdim, dstate); seq_idx: (batch, seqlen) int32,
-    nondecreasing per row; cu_seqlens: (num_sequences + 1,) int32/int64, batch 1, only used with
-    return_varlen_states (as upstream); chunk_size in 1..256 (any seqlen).
+    nondecreasing per row, or ending in negative ids (padding); cu_seqlens: (num_sequences + 1,) int32/int64,
+    batch 1, 0 = cu[0] <= ... <= cu[-1] <= seqlen, only used with return_varlen_states (as upstream): the
+    positions from cu[-1] on are padding (no varlen state; y there follows seq_idx, as upstream's, which
+    ignores cu_seqlens for y); chunk_size in 1..256 (any seqlen).
     Returns y: (batch, seqlen, nheads, headdim) in x's dtype; then final_states (batch, nheads, headdim,
     dstate) float32 when return_final_states; then varlen_states (num_sequences, nheads, headdim, dstate),
     the state after each packed sequence's last position, in state_dtype (default C's dtype, as upstream),
@@ -440,7 +463,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     """
     lo, hi = _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
     _check_state_dtype(state_dtype)
-    cu = validate_cu_seqlens(cu_seqlens, seq_idx, x) if return_varlen_states else None
+    cu = validate_cu_seqlens(cu_seqlens, seq_idx, x, padding=True) if return_varlen_states else None
     y, final, *_, varlen = run_op(ssd_fwd, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                   bool(dt_softplus), [lo, hi], bool(keep_chunk_states), cu, state_dtype)
     out = (y, final) if return_final_states else (y,)
