@@ -184,7 +184,8 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
 
 
 def causal_conv1d_varlen_states(*dims, **fields) -> tirx.PrimFunc:
-    """x: (total_tokens, dim) packed sequences; cu_seqlens: (batch + 1,) int32, 0 = cu[0] <= ... = total_tokens
+    """x: (total_tokens, dim) packed sequences; cu_seqlens: (batch + 1,) int32, 0 = cu[0] <= ... <= total_tokens
+    (tokens after cu[-1] are padding and never read)
     -> states: (batch, state_len, dim) (the torch op returns its (batch, dim, state_len) transpose, as
     causal-conv1d 1.7.0's causal_conv1d_varlen_states does).
 
