@@ -99,7 +99,8 @@ def varlen_template(d: VarlenDims, S: Strategy) -> tirx.PrimFunc:
 def ssd_chunk_state_varlen(dims: VarlenDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
     """x: (seqlen, nheads, headdim); B: (seqlen, ngroups, dstate); dt_out, dA_cumsum: (nheads, nchunks,
     chunk_size) f32; states_in: (nchunks, nheads, headdim, dstate) in state_dtype; cu_seqlens: (num_seqs + 1,)
-    int32 (validated by the caller: 0 = cu[0] <= cu[1] <= ... <= cu[-1] <= seqlen, the tail padding); seq_idx: (seqlen,) int32
+    int32 (validated by the caller: 0 = cu[0] <= cu[1] <= ... <= cu[-1] <= seqlen, the tail padding);
+    seq_idx: (seqlen,) int32
     -> varlen_states: (num_seqs, nheads, headdim, dstate) in out_dtype.
 
     V_i = sum over the last chunk's tokens of sequence i of x dt' exp(dA_cs[l_e] - dA_cs[l]) B^T, plus the
