@@ -17,6 +17,7 @@ why build-check runs nvcc itself. The CPU harness (cudasim.py) mirrors what thes
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -69,7 +70,7 @@ def _run_nvcc(cuda_source: str, arch: str, timeout: float) -> tuple[int, str, by
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
             return 124, f"nvcc timed out after {timeout}s", b""
-        cubin = open(out, "rb").read() if proc.returncode == 0 and os.path.exists(out) else b""
+        cubin = pathlib.Path(out).read_bytes() if proc.returncode == 0 and os.path.exists(out) else b""
     return proc.returncode, proc.stdout + proc.stderr, cubin
 
 
