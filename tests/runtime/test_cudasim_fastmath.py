@@ -77,9 +77,9 @@ def test_logf_absolute_error_near_one(fm, precise):
     x = _f32(np.concatenate([np.linspace(0.5, 2.0, 3001), 1 + np.arange(1, 200) * 2.0 ** -23])).astype(np.float64)
     got = _call(fm, "logf", x)
     assert np.abs(got - np.log(x)).max() <= 2 ** -21.41  # documented on [0.5, 2]
-    near = (np.abs(x - 1) < 2 ** -16) & (x != 1)
-    assert (np.abs(got - np.log(x)) / np.abs(np.log(x)))[near].max() > 1e-3  # not libm's relative accuracy
-    assert (np.abs(_call(precise, "logf", x) - np.log(x)) / np.abs(np.log(x)))[near].max() < 1e-6
+    near = x[(np.abs(x - 1) < 2 ** -16) & (x != 1)]
+    assert (np.abs(_call(fm, "logf", near) / np.log(near) - 1)).max() > 1e-3  # not libm's relative accuracy
+    assert (np.abs(_call(precise, "logf", near) / np.log(near) - 1)).max() < 1e-6
     far = _f32(np.geomspace(1e-30, 1e30, 2001)).astype(np.float64)
     far = far[(far < 0.5) | (far > 2)]
     assert _ulp_err(_call(fm, "logf", far), np.log(far)).max() <= 3
