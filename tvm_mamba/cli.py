@@ -3,13 +3,15 @@
 info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
              against the float64 reference).
 build-check  builds every registered kernel configuration (each compute module's build_check_configs())
-             for CUDA with no GPU: TVM codegen, then nvcc --cubin with ptxas -v; prints registers, shared
+             for CUDA with no GPU: TVM codegen, then nvcc --cubin with the packs' flags (runtime/nvcc.py
+             NVCC_FLAGS: -O3 --use_fast_math, ptxas -v); prints registers, shared
              memory and spill bytes per kernel and ends with exactly one line
              ``build-check: N kernels, F failed, S spilling (cuda sm_XY)``. Exit 1 if F > 0.
 sim-check    runs every configuration build-check builds (same flags) on the CPU through the CUDA execution
              harness (runtime/cudasim.py: TVM's CUDA source, g++, the CUDA execution model) against its
              float64 reference (tvm_mamba/simcheck/<op>.py), and ends with exactly one line
-             ``sim-check: N kernels, F failed (cuda sm_XY)``. Exit 1 if F > 0.
+             ``sim-check: N kernels, F failed (cuda sm_XY)``. Exit 1 if F > 0. ``--full``: each check with
+             two whole production tiles / chunks and a ragged tail (simcheck.extent; CPU-heavy).
 tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
              through a TVM RPC tracker) and appends the best to the user tuning folder (tvm_mamba/tune.py).
 cache        lists the kernel cache per version folder; --clear removes it, --prune other versions' folders.
@@ -218,13 +220,14 @@ def cmd_sim_check(args) -> int:
     for i, ((op, direction, static, dtypes), key, err) in enumerate(zip(configs, keys, warm)):
         t0 = time.perf_counter()
         if err is None:
-            err = _try(simcheck.run_config, op, direction, static, dtypes, arch)
+            with simcheck.full_shapes(args.full):
+                err = _try(simcheck.run_config, op, direction, static, dtypes, arch)
         status = "ok  " if err is None else "FAIL"
         print(f"[{i + 1}/{len(keys)}] {status} {key}  ({time.perf_counter() - t0:.1f} s)", flush=True)
         if err is not None:
             failed += 1
             print("      " + err.replace("\n", "\n      ")[:1500], flush=True)
-    print(f"sim-check: {len(keys)} kernels, {failed} failed (cuda {arch})")
+    print(f"sim-check: {len(keys)} kernels, {failed} failed (cuda {arch}{', full shapes' if args.full else ''})")
     return 1 if failed else 0
 
 
@@ -348,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         chk.add_argument("--ops", default="", help=OPS_HELP.format(default="all", ops="{ops}"))
         chk.add_argument("--jobs", type=int, default=2,
                          help=f"how many {jobs} processes run at once (default: %(default)s)")
+        if name == "sim-check":
+            chk.add_argument("--full", action="store_true",
+                             help="run each check with its sequence (or row) axis at two whole production tiles "
+                                  "and a ragged tail (SSD / Mamba-3 chunk 256: seqlen 515; conv tile 1024: 2051): "
+                                  "CPU-heavy, hours for all ops; not part of the default check")
     rl = sub.add_parser("roofline", help="each CUDA kernel at a preset's shapes against the H200 roofline")
     rl.add_argument("--target", default="cuda", help="the codegen target: cuda, the only one (default: cuda)")
     rl.add_argument("--arch", default="sm_90", help=ARCH_HELP)

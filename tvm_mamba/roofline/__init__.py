@@ -31,8 +31,9 @@ covers, fp32 as the blocks call them), at the shape named above.
   Both arms of a select are counted.
 * **grid x block, regs, occ**: the launch of the kernel moving the most bytes (blocks fitted like the
   counts, `?` when not affine), ptxas's registers (the largest of the key's kernels) from build-check's
-  source, and the resulting occupancy on sm_90 (65,536 registers, 228 KB shared memory, 2,048 threads,
-  32 blocks per SM; static shared memory only).
+  source and nvcc command, the packs' own (docs/design.md, "Compiler flags"), and the resulting
+  occupancy on sm_90 (65,536 registers, 228 KB shared memory, 2,048 threads, 32 blocks per SM; static
+  shared memory only).
 * **TC**: tensor-core instructions in the source (wmma / mma / ldmatrix).
 * **bound**: max(bytes / 4.8 TB/s, flops / 66.9 TFLOPS fp32 + tensor-core flops / their rate, SFU ops /
   4.18e12 per s) with the counted figures; **roofline-min**: the same with the minimum figures and the best unit (matrix products on tensor

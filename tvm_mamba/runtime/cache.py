@@ -87,10 +87,15 @@ stats = {"builds": 0, "disk_loads": 0, "discarded": 0}
 
 def compile_module(key: KernelKey, mod: tvm.IRModule):
     """tvm.compile for the key's target (CUDA inside ``with target:``, which nvcc mode reads the arch from); for
-    a ``cudasim-`` key, TVM's host code and CUDA source for the CPU harness (cudasim.py)."""
+    a ``cudasim-`` key, TVM's host code and CUDA source for the CPU harness (cudasim.py). A CUDA cubin is
+    compiled with nvcc.nvcc_command, build-check's flags (nvcc.install_cuda_compile_hook)."""
     target = dispatch.target_from_key(key.target)
     if cudasim.is_sim(key.target):
         return cudasim.build(mod, target, label=str(key))
+    if target.kind.name == "cuda":
+        from .nvcc import install_cuda_compile_hook
+
+        install_cuda_compile_hook()
     with target:
         return tvm.compile(mod, target=target)
 

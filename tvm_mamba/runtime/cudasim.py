@@ -163,6 +163,7 @@ def entry_points(kernels) -> str:
             f'extern "C" __attribute__((visibility("default"))) int __tvm_ffi_{name}(void*, const TVMFFIAny* args,',
             "    int32_t nargs, TVMFFIAny*) {",
             f"  static const char* const tags[] = {{{tag_list}}};",
+            "  ::tvm_mamba_sim::FpMode fp_mode;  // the nvcc flags' fp mode (-ftz) while the kernel runs",
             f'  return ::tvm_mamba_sim::launch("{name}", &{name}, args, nargs, tags, {len(tags)});',
             "}",
         ]
@@ -189,7 +190,17 @@ def compile_flags(arch: str) -> list[str]:
     return ["-std=c++17", "-O1", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fwrapv",
             "-fsanitize=bounds", "-fsanitize-undefined-trap-on-error", "-w",
             f"-D__CUDA_ARCH__={int(arch[3:]) * 10}", f"-D__CUDACC_VER_MAJOR__={major}",
-            f"-D__CUDACC_VER_MINOR__={minor}", f"-I{_INCLUDE}", f"-I{ffi_inc}", "-include", "tvm_mamba_cudasim.h"]
+            f"-D__CUDACC_VER_MINOR__={minor}", *fast_math_defines(), f"-I{_INCLUDE}", f"-I{ffi_inc}",
+            "-include", "tvm_mamba_cudasim.h"]
+
+
+def fast_math_defines() -> list[str]:
+    """``-D__USE_FAST_MATH__`` exactly when nvcc's flag set (nvcc.NVCC_FLAGS) holds --use_fast_math, as nvcc
+    defines it: the harness then computes expf, logf, tanhf, ... and flushes subnormals as the GPU binary does
+    (cudasim_include/tvm_mamba_cudasim_fastmath.h)."""
+    from .nvcc import NVCC_FLAGS
+
+    return ["-D__USE_FAST_MATH__"] if "--use_fast_math" in NVCC_FLAGS else []
 
 
 def _explain_compile_error(log: str, label: str) -> str:

@@ -10,10 +10,15 @@ which builds small inputs whose model dims are ``static``'s, calls the op's publ
 for a backward direction, the gradients) inside ``tvm_mamba.simulate_cuda(arch)``, compares every output with
 the float64 reference (:func:`compare`), and checks with :func:`ran` that the configuration's own kernel
 served the call. It raises :class:`CheckFailed` (or any error the kernel raised) on a failure.
+
+``sim-check --full`` (:func:`full_shapes`) runs the same checks with the sequence (or row) axis that a kernel
+tiles at :data:`FULL_TILES` whole production tiles plus a ragged tail (:func:`extent`): SSD and Mamba-3 chunk
+256 at seqlen 515, conv's 1024-step tile at 2051, the scan's chunk, the norms' row parts.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 
 import torch
@@ -70,3 +75,49 @@ def run_config(op: str, direction: str, static: dict, dtypes: dict, arch: str) -
     """Run one build-check configuration through the harness (see the module docstring)."""
     module = importlib.import_module(f"tvm_mamba.simcheck.{op}")
     module.check(direction, dict(static), dict(dtypes), arch)
+
+
+FULL_TILES, FULL_TAIL = 2, 3  # --full: whole production tiles per sequence, then a ragged tail (not a tile multiple)
+_FULL = contextvars.ContextVar("tvm_mamba_simcheck_full", default=False)
+
+
+@contextlib.contextmanager
+def full_shapes(on: bool = True):
+    """``with full_shapes():`` the checks inside run at :func:`extent`'s full lengths (``sim-check --full``)."""
+    token = _FULL.set(on)
+    try:
+        yield
+    finally:
+        _FULL.reset(token)
+
+
+def full() -> bool:
+    return _FULL.get()
+
+
+def extent(quick: int, tile) -> int:
+    """A check's length along the axis a kernel tiles by ``tile`` (time steps per chunk / block tile, or rows
+    per block part; or a function giving it, asked only under --full, e.g. a :func:`production_knob` lookup):
+    ``quick`` in the default sim-check; under :func:`full_shapes`, FULL_TILES whole tiles and a ragged
+    FULL_TAIL, so tile-to-tile carries (chunk states, conv halos, row parts) and a partial last tile both run
+    at the production tile size."""
+    if not full():
+        return quick
+    tile = tile() if callable(tile) else tile
+    if tile < 1:
+        raise ValueError(f"tile: expected a positive tile size, got {tile}")
+    return FULL_TILES * tile + FULL_TAIL
+
+
+def production_knob(op: str, direction: str, static: dict, dtypes: dict, arch: str, name: str):
+    """The value of schedule knob ``name`` (e.g. causal_conv1d's ``tile``) that the configuration's production
+    plan uses: its tuning record's, else the schedule's hand default (read as the schedule picks it)."""
+    from ..runtime import KernelKey, dispatch
+    from ..schedules.rule import Decisions
+
+    key = KernelKey.make(op, direction, dtypes, static, "cudasim-" + arch)
+    decisions = Decisions(dict(dispatch.plan(key).decisions))
+    dispatch.schedule(key, decisions)
+    if name not in decisions.used:
+        raise KeyError(f"{op}.{direction}: its schedule reads no knob {name!r} (read: {sorted(decisions.used)})")
+    return decisions.used[name]

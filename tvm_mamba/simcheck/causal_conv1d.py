@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, extent, production_knob, ran, recording, tolerance
 
 OP = "causal_conv1d"
 BATCH, SEQLEN = 2, 19
@@ -33,17 +33,22 @@ def _seq_idx(batch: int, seqlen: int, gen: torch.Generator) -> torch.Tensor:
     return seq_idx
 
 
-def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
+def _seqlen(direction: str, static: dict, dtypes: dict, arch: str) -> int:
+    """SEQLEN; under sim-check --full two of the production plan's time tiles (``tile``) and a ragged tail."""
+    return extent(SEQLEN, lambda: production_knob(OP, direction, static, dtypes, arch, "tile"))
+
+
+def _inputs(static: dict, dtypes: dict, gen: torch.Generator, seqlen: int = SEQLEN) -> dict:
     """Tensors for one configuration, already rounded to their kernel dtypes (the reference sees the same
     values in float64)."""
     xdt, wdt = DTYPES[dtypes["x"]], DTYPES[dtypes["weight"]]
     dim, width = static["dim"], static["width"]
-    t = {"x": torch.randn(BATCH, dim, SEQLEN, generator=gen).to(xdt),
+    t = {"x": torch.randn(BATCH, dim, seqlen, generator=gen).to(xdt),
          "weight": (torch.randn(dim, width, generator=gen) / width ** 0.5).to(wdt)}
     if static["has_bias"]:
         t["bias"] = torch.randn(dim, generator=gen).to(wdt)
     if static.get("has_seq_idx"):
-        t["seq_idx"] = _seq_idx(BATCH, SEQLEN, gen)
+        t["seq_idx"] = _seq_idx(BATCH, seqlen, gen)
     if static.get("has_init"):
         t["initial_states"] = torch.randn(BATCH, dim, width - 1, generator=gen).to(xdt)
     return t
@@ -77,7 +82,7 @@ def _reference(t64: dict, static: dict, return_final: bool):
 def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
     import tvm_mamba
 
-    t = _inputs(static, dtypes, gen)
+    t = _inputs(static, dtypes, gen, _seqlen("fwd", static, dtypes, arch))
     with recording() as keys, tvm_mamba.simulate_cuda(arch):
         outs = _call(tvm_mamba.causal_conv1d_fn, t, static, static["return_final"])
     ran(keys, OP, "fwd", static, dtypes)
@@ -93,7 +98,7 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
     import tvm_mamba
     from ..reference.causal_conv1d import causal_conv1d_ref
 
-    t = _inputs(static, dtypes, gen)
+    t = _inputs(static, dtypes, gen, _seqlen("bwd", static, dtypes, arch))
     grad_names = [n for n in ("x", "weight", "bias", "initial_states") if n in t]
     leaves = {k: (v.clone().requires_grad_() if k in grad_names else v) for k, v in t.items()}
     refs = {k: (v.double().requires_grad_() if k in grad_names else v) for k, v in t.items()}

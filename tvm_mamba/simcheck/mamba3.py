@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, extent, ran, recording, tolerance
 
 OP = "mamba3"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -112,7 +112,7 @@ def combined_results(static: dict, dtypes: dict, arch: str, has_z: bool = True, 
     from ..reference.mamba3 import mamba3_siso_combined_ref
 
     Q = static["chunk_size"]
-    args = combined_inputs(static, dtypes, batch, Q + 3, has_z)
+    args = combined_inputs(static, dtypes, batch, extent(Q + 3, Q), has_z)
     with recording() as keys:
         with tvm_mamba.simulate_cuda(arch):
             got = tvm_mamba.mamba3_siso_combined(**args, chunk_size=Q, return_final_states=True)
@@ -128,7 +128,7 @@ def backward_results(static: dict, dtypes: dict, arch: str, batch: int = 2) -> t
     from ..reference.mamba3 import mamba3_siso_combined_ref
 
     Q = static["chunk_size"]
-    args = combined_inputs(static, dtypes, batch, Q + 3, has_z=True, seed=1)
+    args = combined_inputs(static, dtypes, batch, extent(Q + 3, Q), has_z=True, seed=1)
     g = torch.Generator().manual_seed(2)
 
     def grads(fn, dtype):
@@ -328,7 +328,7 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     if direction == "siso_preprocess_bwd":
         with recording() as keys:
             with tvm_mamba.simulate_cuda(arch):
-                res = preprocess_bwd_results(static, dtypes, 2, static["chunk_size"] + 3)
+                res = preprocess_bwd_results(static, dtypes, 2, extent(static["chunk_size"] + 3, static["chunk_size"]))
         ran(keys, OP, direction, static, dtypes)
         _compare_all(res, f"{OP}.{direction}", arch)
         return

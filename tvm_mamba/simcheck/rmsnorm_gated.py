@@ -9,30 +9,39 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, extent, ran, recording, tolerance
 
 OP = "rmsnorm_gated"
 LEAD = (2, 3)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _lead() -> tuple:
+    """The leading dims: LEAD; under sim-check --full one dim of two whole backward parts of PART_ROWS rows and
+    a ragged tail (67 rows: also eight forward blocks of up to 8 rows_per_block, and a partial one)."""
+    from ..compute.rmsnorm_gated import PART_ROWS
+
+    rows = extent(LEAD[0] * LEAD[1], PART_ROWS)
+    return LEAD if rows == LEAD[0] * LEAD[1] else (1, rows)
+
+
 def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
     """x, weight (, bias, z), already in their kernel dtypes; weight near 1 and z spread over silu's bend."""
     xdt, wdt = DTYPES[dtypes["x"]], DTYPES[dtypes["weight"]]
-    hidden = static["hidden"]
-    t = {"x": torch.randn(*LEAD, hidden, generator=gen).to(xdt),
+    hidden, lead = static["hidden"], _lead()
+    t = {"x": torch.randn(*lead, hidden, generator=gen).to(xdt),
          "weight": (1 + 0.5 * torch.randn(hidden, generator=gen)).to(wdt)}
     if static["has_bias"]:
         t["bias"] = (0.3 * torch.randn(hidden, generator=gen)).to(wdt)
     if static["has_z"]:
-        t["z"] = (2 * torch.randn(*LEAD, hidden, generator=gen)).to(xdt)
+        t["z"] = (2 * torch.randn(*lead, hidden, generator=gen)).to(xdt)
     if _fused(static):  # the fused add-norm's residual, in the forward's residual dtype (the bwd's x dtype)
         rdt = DTYPES[dtypes.get("residual", dtypes["x"])] if "dout" not in dtypes else DTYPES[dtypes["x"]]
-        t["residual"] = torch.randn(*LEAD, hidden, generator=gen).to(rdt)
+        t["residual"] = torch.randn(*lead, hidden, generator=gen).to(rdt)
         if "dout" in dtypes:
             t["x"] = t["x"].to(DTYPES[dtypes["dout"]])
     if static.get("has_x1"):  # upstream's parallel norm: a second input and a second weight (and bias)
-        t["x1"] = torch.randn(*LEAD, hidden, generator=gen).to(t["x"].dtype)
+        t["x1"] = torch.randn(*lead, hidden, generator=gen).to(t["x"].dtype)
     if static.get("has_weight1"):
         t["weight1"] = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(wdt)
     if static.get("has_bias1"):
@@ -42,7 +51,7 @@ def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
 
 def _rowscale(static: dict, gen: torch.Generator):
     """The fused add-norm's rowscale (not a gradient leaf: upstream gives it none), or None."""
-    return torch.rand(*LEAD, generator=gen) + 0.5 if static.get("has_rowscale") else None
+    return torch.rand(*_lead(), generator=gen) + 0.5 if static.get("has_rowscale") else None
 
 
 def _fused(static: dict) -> bool:

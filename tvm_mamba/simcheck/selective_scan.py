@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, extent, ran, recording, tolerance
 from ..compute._selective_scan_dims import block_size, chunk_size
 
 OP = "selective_scan"
@@ -127,7 +127,7 @@ def _check_scan(direction: str, static: dict, dtypes: dict, arch: str) -> None:
         want_block = block_size(static["dim"], static["b_groups"], static["c_groups"])
         if static.get("block") != want_block:
             raise CheckFailed(f"{OP}: block={static.get('block')} is not the torch op's choice {want_block}")
-    inputs = scan_inputs(static, dtypes, batch=2 if static["dim"] <= 256 else 1, seqlen=want_chunk + 3,
+    inputs = scan_inputs(static, dtypes, batch=2 if static["dim"] <= 256 else 1, seqlen=extent(want_chunk + 3, want_chunk),
                          complex_A=cplx)
     res, keys = scan_results(inputs, grads=direction.startswith("bwd"), arch=arch)
     ran(keys, OP, direction, static, dtypes)

@@ -214,6 +214,7 @@ inline T shfl_call(Coll c, int line, unsigned mask, T var, int arg, int width = 
 
 #include "tvm_mamba_cudasim_types.h"
 #include "tvm_mamba_cudasim_launch.h"
+#include "tvm_mamba_cudasim_fastmath.h"
 
 // nvcc accepts `__shared__ alignas(64) float buf[8];`; g++ rejects a standard attribute after the `static` that
 // __shared__ becomes, so the generated source's alignas is spelled as the GNU attribute (every standard header
