@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import pathlib
+import sys
 
 FORMAT = "gpu_check-configs/1"
 CASES_FILE = "gpu_check_configs.json"  # the configs file's name inside a pack (aot --configs copies it)
@@ -97,22 +98,24 @@ def kernel_configs(cases: list[Case], device_type: str, arch: str) -> list[dict]
     from . import runner
 
     found: dict[str, dict] = {}
-    with runner.dry_kernels():
+    with runner.dry_kernels() as resolved:
         for case in cases:
-            with simcheck.on_device(None if device_type == "cuda" else "cpu", case.sizes, dry=True), \
-                    simcheck.recording() as keys:
+            with simcheck.on_device(None if device_type == "cuda" else "cpu", case.sizes, dry=True):
                 try:
                     runner.call_case(case, arch)
                 except simcheck.DryStop:
                     pass
-            for k in keys:
-                e = found.setdefault(json.dumps([k.op, k.direction, k.static, k.dtype], sort_keys=True),
-                                     dict(op=k.op, direction=k.direction, static=dict(k.static),
-                                          dtypes=dict(k.dtype), batches=[], seqlens=[]))
-                bucket = dict(k.shape_bucket)
-                for name, field in (("batch", "batches"), ("seqlen", "seqlens")):
-                    if name in bucket and bucket[name] not in e[field]:
-                        e[field].append(bucket[name])
+                except Exception as err:  # noqa: BLE001 - its kernels up to the error are listed; say so
+                    print(f"gpu_check configs: {case.op}.{case.direction} {case.shape()} stopped early: "
+                          f"{type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
+    for k in resolved:
+        e = found.setdefault(runner.ident(k.op, k.direction, k.static, k.dtype),
+                             dict(op=k.op, direction=k.direction, static=dict(k.static), dtypes=dict(k.dtype),
+                                  batches=[], seqlens=[]))
+        bucket = dict(k.shape_bucket)
+        for name, field in (("batch", "batches"), ("seqlen", "seqlens")):
+            if name in bucket and bucket[name] not in e[field]:
+                e[field].append(bucket[name])
     return list(found.values())
 
 

@@ -116,12 +116,13 @@ def run_case(case, device: torch.device, repeats: int, time_it: bool, estimates:
 
 
 class _DryKernel:
-    """A kernel that records its key and does nothing (kernel_configs' dry runs)."""
+    """A kernel that does nothing; the keys resolved are appended to ``resolved`` (kernel_configs' dry runs)."""
 
-    def __init__(self, key):
+    def __init__(self, key, resolved: list):
         from tvm_mamba.runtime import dispatch
 
         self.key, self.plan = key, dispatch.plan(key)
+        resolved.append(key)
 
     def __call__(self, *args):
         from tvm_mamba.runtime import dispatch
@@ -134,12 +135,15 @@ class _DryKernel:
 
 @contextlib.contextmanager
 def dry_kernels():
-    """Every kernel resolved inside is a :class:`_DryKernel` (nothing compiles, nothing runs)."""
+    """``with dry_kernels() as resolved:`` every kernel resolved inside is a :class:`_DryKernel` (nothing
+    compiles, nothing runs) and its key is appended to ``resolved`` (whatever captures or records launches,
+    e.g. an LM's decode plan)."""
     from tvm_mamba.runtime import cache
 
+    resolved: list = []
     saved, fast = cache._resolve, getattr(cache._fast, "memo", None)
-    cache._resolve, cache._fast.memo = _DryKernel, {}
+    cache._resolve, cache._fast.memo = (lambda key: _DryKernel(key, resolved)), {}
     try:
-        yield
+        yield resolved
     finally:
         cache._resolve, cache._fast.memo = saved, fast

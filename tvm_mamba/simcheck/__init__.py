@@ -46,10 +46,13 @@ def recording():
 class Where:
     """Where the cases run: ``device`` None is the CUDA harness (sim-check); else a torch device, with
     ``sizes`` ({"batch": .., "seqlen": ..}) overriding the modules' small defaults, and what the run saw:
-    ``errors`` [(name, max |err|, worst |err| / tolerance)] and ``launches`` (torch_ops' Launch records)."""
+    ``errors`` [(name, max |err|, worst |err| / tolerance)] and ``launches`` (torch_ops' Launch records).
+    ``dry``: stop each case (:class:`DryStop`) when its first kernel block ends (listing the kernels a case
+    hits without its reference's cost)."""
 
     device: object = None
     sizes: dict = dataclasses.field(default_factory=dict)
+    dry: bool = False
     errors: list = dataclasses.field(default_factory=list)
     launches: list = dataclasses.field(default_factory=list)
 
@@ -57,14 +60,18 @@ class Where:
 _where = Where()
 
 
+class DryStop(Exception):
+    """Raised after a case's first kernel block in a ``dry`` :func:`on_device` run."""
+
+
 @contextlib.contextmanager
-def on_device(device, sizes: dict | None = None):
+def on_device(device, sizes: dict | None = None, dry: bool = False):
     """``with on_device("cuda", {"seqlen": 2048}) as where:`` run cases natively on ``device`` (torch's default
-    device inside); ``where`` collects their comparisons and kernel launches."""
+    device inside; None: in the harness, at ``sizes``); ``where`` collects their comparisons and launches."""
     global _where
-    prev, _where = _where, Where(torch.device(device), dict(sizes or {}))
+    prev, _where = _where, Where(torch.device(device) if device is not None else None, dict(sizes or {}), dry)
     try:
-        with torch.device(_where.device):
+        with torch.device(_where.device) if device is not None else contextlib.nullcontext():
             yield _where
     finally:
         _where = prev
@@ -83,19 +90,23 @@ def size(name: str, default: int) -> int:
 def target(arch: str, **sim):
     """The context kernel calls run in: ``simulate_cuda(arch, **sim)`` in the harness; on a device, a block that
     records every kernel launch into :func:`on_device`'s ``launches`` (replayed there to time each kernel)."""
-    if _where.device is None:
-        import tvm_mamba
-
-        return tvm_mamba.simulate_cuda(arch, **sim)
     from ..torch_ops._dlpack import capture_launches
 
     @contextlib.contextmanager
-    def capture():
-        with capture_launches() as launches:
-            yield
-        _where.launches.extend(launches)
+    def block():
+        if _where.device is None:
+            import tvm_mamba
 
-    return capture()
+            with tvm_mamba.simulate_cuda(arch, **sim):
+                yield
+        else:
+            with capture_launches() as launches:
+                yield
+            _where.launches.extend(launches)
+        if _where.dry:
+            raise DryStop
+
+    return block()
 
 
 def ran(keys, op: str, direction: str, static: dict, dtypes: dict) -> None:
