@@ -101,3 +101,25 @@ def test_cases_cover_every_op_and_the_lms():
                  ("causal_conv1d", "update"), ("causal_conv1d", "varlen_states"), ("mamba3", "mimo_step"),
                  ("int8_dot", "wgrad"), ("int8_dot", "dgrad"), ("ssd", "head_sum"), ("ssd", "chunk_scan_bwd")]:
         assert want in directions, want
+
+
+def test_upstream_side_by_side_on_the_same_tensors(monkeypatch):
+    """Where upstream imports, its function runs on clones of the case's first call and the row records its
+    time and its distance from our output; here the float64 reference stands in for mamba_ssm's Triton
+    layernorm_fn (no Triton, no CUDA on this machine: the real row says "not available")."""
+    import torch
+
+    from gpu_checks import runner, upstream
+
+    case = next(c for c in cases.enumerate_cases("cpu", small=True, ops=["rmsnorm_gated"])
+                if c.direction == "fwd" and c.dtypes["x"] == "float32" and c.static.get("has_z"))
+    monkeypatch.setattr(upstream, "available", lambda device: None)
+    monkeypatch.setattr(upstream, "UPSTREAM",
+                        {"layernorm_fn": ("tvm_mamba.reference.rmsnorm_gated", "layernorm_gated_ref")})
+    (row,) = runner.run_case(case, torch.device("cpu"), repeats=1, time_it=False, estimates={})
+    up = row["upstream"]
+    assert row["ok"] and up["function"].endswith("layernorm_gated_ref") and up["time_ms"] > 0
+    assert 0 < up["max_diff_vs_tvm_mamba"] < 1e-4  # fp32 kernel vs the reference run on fp32 inputs
+    monkeypatch.setattr(upstream, "available", lambda device: "no CUDA device (cpu)")
+    (row,) = runner.run_case(case, torch.device("cpu"), repeats=1, time_it=False, estimates={})
+    assert row["upstream"] == "not available (no CUDA device (cpu))"
