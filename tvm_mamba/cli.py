@@ -418,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated sequence-length buckets, powers of two (default: %(default)s)")
     ao.add_argument("--batches", default="1,4",
                     help="comma-separated batch buckets, powers of two (default: %(default)s)")
+    ao.add_argument("--configs", default=None, metavar="FILE.json",
+                    help="build exactly these kernel configurations (scripts/gpu_check.py configs writes one)")
     return ap
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, extent, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, extent, generator, size, target
 
 OP = "rmsnorm_gated"
 LEAD = (2, 3)
@@ -18,11 +18,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _lead() -> tuple:
     """The leading dims: LEAD; under sim-check --full one dim of two whole backward parts of PART_ROWS rows and
-    a ragged tail (67 rows: also eight forward blocks of up to 8 rows_per_block, and a partial one)."""
+    a ragged tail (67 rows: also eight forward blocks of up to 8 rows_per_block, and a partial one); on a
+    device (gpu_check) the sizes on_device gives."""
     from ..compute.rmsnorm_gated import PART_ROWS
 
     rows = extent(LEAD[0] * LEAD[1], PART_ROWS)
-    return LEAD if rows == LEAD[0] * LEAD[1] else (1, rows)
+    lead = LEAD if rows == LEAD[0] * LEAD[1] else (1, rows)
+    return size("batch", lead[0]), size("seqlen", lead[1])
 
 
 def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
@@ -99,11 +101,10 @@ def _outputs(res) -> dict:
 
 
 def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
-    import tvm_mamba
 
     t = _inputs(static, dtypes, gen)
     extra = {"rowscale": _rowscale(static, gen)}
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         got = _outputs(_call(t, static, extra=extra))
     ran(keys, OP, "fwd", static, dtypes)
     ref = _outputs(_call({k: v.double() for k, v in t.items()}, static, kernel=False, extra=extra))
@@ -114,13 +115,12 @@ def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
 def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
     """Forward then autograd backward with a random cotangent in x's dtype; dx, dweight (, dbias, dz)
     against the float64 reference's autograd."""
-    import tvm_mamba
 
     t = _inputs(static, dtypes, gen)
     leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
     refs = {k: v.double().requires_grad_() for k, v in t.items()}
     extra = {"rowscale": _rowscale(static, gen)}
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         got = _outputs(_call(leaves, static, extra=extra))
         douts = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in got.items()}
         torch.autograd.backward(list(got.values()), list(douts.values()))
@@ -146,4 +146,4 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of rmsnorm_gated through the harness (see the package docstring)."""
     if direction not in CHECKS:
         raise CheckFailed(f"rmsnorm_gated: unknown direction {direction!r} (expected one of {sorted(CHECKS)})")
-    CHECKS[direction](dict(static), dict(dtypes), arch, torch.Generator().manual_seed(0))
+    CHECKS[direction](dict(static), dict(dtypes), arch, generator(0))
