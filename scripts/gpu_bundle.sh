@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build host (no GPU needed): everything the runtime-only GPU machine needs for scripts/gpu_check.sh, in one
 # gitignored folder that travels as the device call's `carry` (docs/gpu.md):
-#   configs.json   the kernel configurations gpu_check.py hits (its `configs`, the --small ones included)
-#   pack_sm90/     AOT CUDA pack of exactly those (python -m tvm_mamba aot --configs)
+#   configs_sm90.json  gpu_check.py's cases and the kernel configurations they hit (`gpu_check.py configs`)
+#   pack_sm90/     AOT CUDA pack of exactly those (python -m tvm_mamba aot --configs; the cases travel inside)
 #   cand_sm90/     a candidate pack for one tuning round (tune --measure there, tune --commit here)
 #   estimates.json the roofline report's estimate per kernel (gpu_check.py estimates), printed beside timings
 #   site/tvm       the tvm Python package without libtvm_compiler.so (runtime + CUDA sidecar only)
@@ -12,13 +12,14 @@
 # Usage: bash scripts/gpu_bundle.sh [OUT=gpu_bundle] [ARCH=sm_90]
 #   GPU_BUNDLE_TARGETS="cuda" (default) | "cpu" | "cuda cpu": which packs; the CPU pack (pack_cpu/, cand_cpu/,
 #   built from the --small configs) rehearses gpu_check.sh here (GPU_CHECK_DEVICE=cpu). PYTHON=python.
+#   GPU_BUNDLE_ESTIMATES=0 leaves the roofline estimates out (the run then prints no estimate column).
 # Exit non-zero (after building everything else) if any kernel failed to build, or the bundle plus this
 # checkout exceed the device call's 64 MiB.
 set -euo pipefail
 OUT=${1:-gpu_bundle}
 ARCH=${2:-sm_90}
 PY=${PYTHON:-python}
-TARGETS=${GPU_BUNDLE_TARGETS:-cuda}
+TARGETS=${GPU_BUNDLE_TARGETS-cuda}  # "" : no packs (the runtime and upstream only)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MAMBA_SSM=mamba-ssm==2.3.2.post1
 LIMIT_MIB=64
@@ -28,40 +29,16 @@ FAILED=()
 T0=$SECONDS
 took() { echo "gpu_bundle: $1 took $((SECONDS - ${2}))s"; }
 
-# the configurations gpu_check.py runs: full (GPU timings) and --small (sanitizers, CPU rehearsal)
-t=$SECONDS
-"$PY" "$REPO/scripts/gpu_check.py" configs --out "$OUT/configs_full.json"
-"$PY" "$REPO/scripts/gpu_check.py" configs --small --out "$OUT/configs_small.json"
-"$PY" - "$OUT/configs.json" "$OUT/configs_full.json" "$OUT/configs_small.json" <<'PYEOF'
-import json, sys
-def items(path):  # a list of configurations, or {"configs": [...]} (gpu_check.py configs)
-    data = json.load(open(path))
-    lst = data["configs"] if isinstance(data, dict) else data
-    if not isinstance(lst, list):
-        sys.exit(f"gpu_bundle: {path}: expected a list of configurations")
-    return lst
-seen, merged = set(), []
-for path in sys.argv[2:]:
-    for c in items(path):
-        mark = json.dumps(c, sort_keys=True)
-        if mark not in seen:
-            seen.add(mark)
-            merged.append(c)
-json.dump({"configs": merged} if isinstance(json.load(open(sys.argv[2])), dict) else merged, open(sys.argv[1], "w"), indent=1)
-print(f"gpu_bundle: {len(merged)} configurations (full and --small)")
-PYEOF
-took configs $t
-
 for target in $TARGETS; do
     t=$SECONDS
-    if [ "$target" = cuda ]; then
-        pack="$OUT/pack_${ARCH/_/}" cand="$OUT/cand_${ARCH/_/}" configs="$OUT/configs.json"
-        tflags=(--target cuda --arch "$ARCH")
-    else
-        pack="$OUT/pack_cpu" cand="$OUT/cand_cpu" configs="$OUT/configs_small.json"
-        tflags=(--target cpu)
+    if [ "$target" = cuda ]; then  # every case (presets, ragged, small, LMs): run and run --small
+        suffix=${ARCH/_/} tflags=(--target cuda --arch "$ARCH") cflags=(--device cuda --arch "$ARCH")
+    else  # the rehearsal: the small cases only
+        suffix=cpu tflags=(--target cpu) cflags=(--device cpu --small)
     fi
+    pack="$OUT/pack_$suffix" cand="$OUT/cand_$suffix" configs="$OUT/configs_$suffix.json"
     rm -rf "$pack" "$cand"
+    "$PY" "$REPO/scripts/gpu_check.py" configs "${cflags[@]}" --out "$configs"
     "$PY" -m tvm_mamba aot "${tflags[@]}" --configs "$configs" --out "$pack" || FAILED+=("$target pack (aot, above)")
     took "$target pack" $t
     t=$SECONDS
@@ -70,9 +47,11 @@ for target in $TARGETS; do
     took "$target candidate pack" $t
 done
 
-t=$SECONDS
-"$PY" "$REPO/scripts/gpu_check.py" estimates --out "$OUT/estimates.json" || FAILED+=("roofline estimates")
-took estimates $t
+if [ "${GPU_BUNDLE_ESTIMATES:-1}" = 1 ]; then
+    t=$SECONDS
+    "$PY" "$REPO/scripts/gpu_check.py" estimates --arch "$ARCH" --out "$OUT/estimates.json" || FAILED+=("estimates")
+    took estimates $t
+fi
 
 # the runtime: tvm without its compiler, tvm-ffi wheels (3.12 for the GPU machine, this Python for rehearsals)
 "$PY" - "$OUT/site/tvm" <<'PYEOF'
@@ -90,6 +69,8 @@ done
 
 # upstream's pure-Python package, from its sdist (CUDA extensions skipped; no build isolation: no torch download)
 t=$SECONDS
+"$PY" -c 'import setuptools, wheel, packaging, torch' 2>/dev/null || { echo "gpu_bundle: FATAL: downloading" \
+    "$MAMBA_SSM's sdist runs its setup.py here: pip install setuptools wheel packaging (torch too)" >&2; exit 1; }
 dl=$(mktemp -d)
 MAMBA_SKIP_CUDA_BUILD=TRUE "$PY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d "$dl" "$MAMBA_SSM"
 tar -xzf "$dl"/mamba_ssm-*.tar.gz -C "$dl"

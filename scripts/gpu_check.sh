@@ -24,8 +24,9 @@ if [ "$DEVICE" = cuda ]; then BUDGET=${GPU_CHECK_BUDGET_S:-330}; else BUDGET=${G
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee -a "$OUT/log.txt") 2>&1
+TEE=$!
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+trap 'rm -rf "$WORK"; exec >&- 2>&-; wait $TEE 2>/dev/null' EXIT  # tee's last lines reach log.txt
 T0=$SECONDS
 STEPS=""
 
@@ -72,7 +73,13 @@ WHEEL=$(ls "$BUNDLE"/wheels/apache_tvm_ffi-*-"$PYV"-*.whl 2>/dev/null | head -1)
 step install 120 "$PY" -m pip install -q --no-index --no-deps --target "$WORK/ffi" "$WHEEL" || stop "installing $WHEEL failed" 3
 export PYTHONPATH="$BUNDLE/site:$WORK/ffi:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export TVM_USE_RUNTIME_LIB=1
-[ -d "$BUNDLE/upstream" ] && export TVM_MAMBA_UPSTREAM_DIR="$BUNDLE/upstream"
+if [ -d "$BUNDLE/upstream" ]; then
+    export TVM_MAMBA_UPSTREAM_DIR="$BUNDLE/upstream"
+    echo "upstream: $(ls "$BUNDLE/upstream") (pure-Python parts: its Triton kernels); its CUDA extensions" \
+         "(selective_scan_cuda, causal_conv1d_cuda) not built: a compile here does not fit the budget (docs/gpu.md)"
+else
+    echo "upstream: not in the bundle (no mamba_ssm comparison)"
+fi | tee -a "$OUT/env.txt"
 if [ "$DEVICE" = cuda ]; then
     PACK=$(ls -d "$BUNDLE"/pack_sm* 2>/dev/null | head -1); CAND=$(ls -d "$BUNDLE"/cand_sm* 2>/dev/null | head -1)
     CUDART_DIR=$("$PY" "$REPO/scripts/gpu_env.py" cudart) || stop "libcudart.so.13 not found (see above)" 3
