@@ -2,11 +2,18 @@
 
     python -m tvm_mamba aot --target cuda --arch sm_90 --out packs/sm_90
     python -m tvm_mamba aot --target cpu --out packs/cpu
+    python -m tvm_mamba aot --target cuda --configs FILE.json --out packs/sm_90   # exactly FILE's kernels
+
+``--configs FILE.json``: a list of {op, direction, static, dtypes[, batches, seqlens]} (the shape buckets each
+is built for; default --batches / --seqlens), or scripts/gpu_check.py's configs file ({"configs": that list,
+"cases": ...}), which is also copied into the pack as ``gpu_check_configs.json`` (where gpu_check's ``run``
+reads its case list on a machine without TVM's compiler).
 """
 from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import os
 import pathlib
 import subprocess
@@ -17,6 +24,8 @@ import time
 from .runtime import KernelKey, cpu_target, cuda_target, target_key
 from .runtime import dispatch, pack, rules, threads
 from .runtime.cache import PACK_THREADS, compile_module
+
+CASES_COPY = "gpu_check_configs.json"  # the name scripts/gpu_checks/cases.py looks for in a pack
 
 
 def _configs(op: str, preset: str):
@@ -45,7 +54,8 @@ def _needs_stub_reexec(target_kind: str) -> bool:
 
 def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", preset: str = "default",
                seqlens=(512, 2048), batches=(1, 4), mcpu: str | None = None, configs=None) -> pathlib.Path:
-    """Build the pack into ``out``; ``configs`` ([(op, direction, static, dtypes)]) overrides the ops' lists."""
+    """Build the pack into ``out``; ``configs`` ([(op, direction, static, dtypes[, batches, seqlens])]) overrides
+    the ops' lists (an entry's own batches / seqlens, where given, replace ``batches`` / ``seqlens``)."""
     target = cuda_target(arch) if target_kind == "cuda" else cpu_target(mcpu)
     tkey = target_key(target)
     folder = pathlib.Path(out)
@@ -53,8 +63,9 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
     entries, built, failed = [], {}, []
     configs = configs if configs is not None else [(op, *c) for op in ops for c in _configs(op, preset)]
     t0 = time.perf_counter()
-    for i, (op, direction, static, dtypes) in enumerate(configs):
-        for b, L in itertools.product(batches, seqlens):
+    for i, (op, direction, static, dtypes, *buckets) in enumerate(configs):
+        bs, Ls = (buckets + [None, None])[:2]
+        for b, L in itertools.product(bs or batches, Ls or seqlens):
             key = KernelKey.make(op, direction, dtypes, static, tkey, {"batch": b, "seqlen": L})
             plan = dispatch.plan(key)
             ident = (key.workload(), plan.digest())
@@ -80,6 +91,21 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
     return folder
 
 
+def read_configs(path: str) -> list[tuple]:
+    """``--configs`` FILE (module docstring) -> build_pack's configs: [(op, direction, static, dtypes, batches,
+    seqlens)]; ValueError naming the file for anything else."""
+    data = json.loads(pathlib.Path(path).read_text())
+    entries = data.get("configs") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(f"--configs {path}: expected a list of kernel configurations or a gpu_check configs file")
+    out = []
+    for e in entries:
+        if not isinstance(e, dict) or not {"op", "direction", "static", "dtypes"} <= set(e):
+            raise ValueError(f"--configs {path}: an entry needs op, direction, static, dtypes; got {e!r:.200}")
+        out.append((e["op"], e["direction"], e["static"], e["dtypes"], e.get("batches"), e.get("seqlens")))
+    return out
+
+
 def main(args) -> int:
     ops = args.ops.split(",") if args.ops else rules.compute_ops()
     if _needs_stub_reexec(args.target):
@@ -90,7 +116,10 @@ def main(args) -> int:
             return subprocess.run([sys.executable, "-m", "tvm_mamba", *sys.argv[1:]], env=env).returncode
     seqlens = tuple(int(v) for v in args.seqlens.split(","))
     batches = tuple(int(v) for v in args.batches.split(","))
-    folder = build_pack(ops, args.out, args.target, args.arch, args.preset, seqlens, batches, args.mcpu)
+    configs = read_configs(args.configs) if getattr(args, "configs", None) else None
+    folder = build_pack(ops, args.out, args.target, args.arch, args.preset, seqlens, batches, args.mcpu, configs)
+    if configs is not None and "cases" in json.loads(pathlib.Path(args.configs).read_text()):
+        (folder / CASES_COPY).write_text(pathlib.Path(args.configs).read_text())
     n = len(list(folder.glob("*.so")))
     failed = getattr(build_pack, "failed", [])
     print(f"aot: {n} kernel files for {args.target} {args.arch if args.target == 'cuda' else ''} in {folder} "

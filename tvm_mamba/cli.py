@@ -370,6 +370,8 @@ def main(argv=None) -> int:
     ao.add_argument("--preset", default="default")
     ao.add_argument("--seqlens", default="512,2048")
     ao.add_argument("--batches", default="1,4")
+    ao.add_argument("--configs", default=None, metavar="FILE.json",
+                    help="build exactly these kernel configurations (scripts/gpu_check.py configs writes one)")
     args = ap.parse_args(argv)
     if args.cmd == "roofline" and not args.preset:
         args.preset = ["default"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, generator, size, target
 
 OP = "causal_conv1d"
 BATCH, SEQLEN = 2, 19
@@ -38,14 +38,15 @@ def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
     values in float64)."""
     xdt, wdt = DTYPES[dtypes["x"]], DTYPES[dtypes["weight"]]
     dim, width = static["dim"], static["width"]
-    t = {"x": torch.randn(BATCH, dim, SEQLEN, generator=gen).to(xdt),
+    batch, seqlen = size("batch", BATCH), size("seqlen", SEQLEN)
+    t = {"x": torch.randn(batch, dim, seqlen, generator=gen).to(xdt),
          "weight": (torch.randn(dim, width, generator=gen) / width ** 0.5).to(wdt)}
     if static["has_bias"]:
         t["bias"] = torch.randn(dim, generator=gen).to(wdt)
     if static.get("has_seq_idx"):
-        t["seq_idx"] = _seq_idx(BATCH, SEQLEN, gen)
+        t["seq_idx"] = _seq_idx(batch, seqlen, gen)
     if static.get("has_init"):
-        t["initial_states"] = torch.randn(BATCH, dim, width - 1, generator=gen).to(xdt)
+        t["initial_states"] = torch.randn(batch, dim, width - 1, generator=gen).to(xdt)
     return t
 
 
@@ -78,7 +79,7 @@ def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
     import tvm_mamba
 
     t = _inputs(static, dtypes, gen)
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         outs = _call(tvm_mamba.causal_conv1d_fn, t, static, static["return_final"])
     ran(keys, OP, "fwd", static, dtypes)
     t64 = {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}
@@ -97,7 +98,7 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
     grad_names = [n for n in ("x", "weight", "bias", "initial_states") if n in t]
     leaves = {k: (v.clone().requires_grad_() if k in grad_names else v) for k, v in t.items()}
     refs = {k: (v.double().requires_grad_() if k in grad_names else v) for k, v in t.items()}
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         outs = _call(tvm_mamba.causal_conv1d_fn, leaves, static, static["has_dfinal"])
         cots = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
         torch.autograd.backward(outs, cots)
@@ -126,13 +127,14 @@ def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -
     weight = (torch.randn(dim, width, generator=gen) / width ** 0.5).to(wdt)
     bias = torch.randn(dim, generator=gen).to(wdt) if static["has_bias"] else None
     indexed, circular = static.get("has_indices", False), static.get("has_cache_seqlens", False)
-    state = torch.randn(BATCH + 3 if indexed else BATCH, dim, state_len, generator=gen).to(sdt)
-    idx = torch.tensor([BATCH + 2] + [-1] * (BATCH - 1), dtype=torch.int32) if indexed else None
-    cs = torch.tensor([state_len - 1] + [5 * state_len] * (BATCH - 1), dtype=torch.int32) if circular else None
-    for shape in ((BATCH, dim), (BATCH, dim, 3)):
+    batch = size("batch", BATCH)
+    state = torch.randn(batch + 3 if indexed else batch, dim, state_len, generator=gen).to(sdt)
+    idx = torch.tensor([batch + 2] + [-1] * (batch - 1), dtype=torch.int32) if indexed else None
+    cs = torch.tensor([state_len - 1] + [5 * state_len] * (batch - 1), dtype=torch.int32) if circular else None
+    for shape in ((batch, dim), (batch, dim, 3)):
         x = torch.randn(shape, generator=gen).to(xdt)
         before = state.clone()
-        with recording() as keys, tvm_mamba.simulate_cuda(arch):
+        with recording() as keys, target(arch):
             out = tvm_mamba.causal_conv1d_update(x, state, weight, bias, activation=_activation(static),
                                                  cache_seqlens=cs, conv_state_indices=idx)
         ran(keys, OP, "update", static, dtypes)
@@ -151,7 +153,7 @@ def _check_varlen_states(static: dict, dtypes: dict, arch: str, gen: torch.Gener
     lens = torch.tensor([0, 7, 1, static["state_len"], 2], dtype=torch.int32)
     x = torch.randn(int(lens.sum()), static["dim"], generator=gen).to(DTYPES[dtypes["x"]])
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         states = tvm_mamba.causal_conv1d_varlen_states(x, cu, static["state_len"])
     ran(keys, OP, "varlen_states", static, dtypes)
     compare("states", states, causal_conv1d_varlen_states_ref(x, cu, static["state_len"]), 0.0, 0.0)
@@ -164,4 +166,4 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of causal_conv1d through the harness (see the package docstring)."""
     if direction not in CHECKS:
         raise CheckFailed(f"causal_conv1d: unknown direction {direction!r} (expected one of {sorted(CHECKS)})")
-    CHECKS[direction](dict(static), dict(dtypes), arch, torch.Generator().manual_seed(0))
+    CHECKS[direction](dict(static), dict(dtypes), arch, generator(0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, generator, size, target
 
 OP = "linear"
 ROWS = 3
@@ -19,9 +19,9 @@ ROWS = 3
 def _inputs(d, seed: int = 0):
     from ..torch_ops.linear import quantize_weight
 
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     xdt = getattr(torch, d.x_dtype)
-    x = torch.randn(ROWS, d.in_features, generator=g).to(xdt)
+    x = torch.randn(size("rows", ROWS), d.in_features, generator=g).to(xdt)
     w, s = quantize_weight(torch.randn(d.out_features, d.in_features, generator=g) / d.in_features ** 0.5,
                            d.weight_dtype)
     b = torch.randn(d.out_features, generator=g) if d.has_bias else None
@@ -37,7 +37,6 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of linear in the harness (module docstring)."""
-    import tvm_mamba
     from ..compute.linear import LinearDims
     from ..reference.linear import linear_grad_input_ref, linear_ref
     from ..torch_ops.linear import linear
@@ -47,10 +46,10 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     d = LinearDims.from_key(static, dtypes)
     x, w, b, s = _inputs(d)
     x.requires_grad_(direction == "bwd")
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         y = linear(x, w, b, s)
         if direction == "bwd":
-            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+            dy = torch.randn(y.shape, generator=generator(1)).to(y.dtype)
             y.backward(dy)
     ran(keys, OP, direction, static, dtypes)
     if direction == "fwd":

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, generator, size, target
 
 OP = "mamba3"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -26,7 +26,7 @@ def step_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> tuple[
     """(mamba3_siso_step keyword arguments without Input_States, [angle, ssm, k, v] states) of a
     configuration: Q / K in ``qk``, V in ``v``, Z / K state / V state in their key dtypes (defaults: v's,
     the accumulation dtype, v's), the rest in the accumulation dtype; Trap as logits, ADT = A DT < 0."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     H, HQ, N, P, S = (static[k] for k in ("nheads", "nheads_qk", "headdim_qk", "headdim_v", "headdim_angles"))
     qk, v = _DTYPES[dtypes["qk"]], _DTYPES[dtypes["v"]]
     acc = torch.float64 if v == torch.float64 else torch.float32
@@ -48,7 +48,7 @@ def mimo_step_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> t
     MIMO_Out (nheads, R, headdim_v) around upstream's init (1 / R, 1, 1 / R; MIMO_Z None without has_z, MIMO_Out
     None without has_outproj), the K state (batch, R, nheads, headdim_qk); the rest as ``step_inputs``."""
     args, states = step_inputs(static, dtypes, batch, seed)
-    g = torch.Generator().manual_seed(seed + 7919)
+    g = generator(seed + 7919)
     R, H, P = static["mimo_rank"], static["nheads"], static["headdim_v"]
     (_, HQ, N), acc = args["Q"].shape, args["DT"].dtype
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -76,7 +76,7 @@ def step_results(static: dict, dtypes: dict, arch: str, batch: int = 2, steps: i
     res = {}
     with recording() as keys:
         for i in range(steps):
-            with tvm_mamba.simulate_cuda(arch, **sim):
+            with target(arch, **sim):
                 out, new = step(**args, Input_States=states)
             ref, ref_new = ref_step(**args, Input_States=states)
             res[f"out[{i}]"] = (out, ref)
@@ -90,7 +90,7 @@ def combined_inputs(static: dict, dtypes: dict, batch: int, seqlen: int, has_z: 
     """mamba3_siso_combined keyword arguments for preprocess dims ``static`` (PreDims' fields): Q / K in ``qk``,
     V and Z in ``vstate`` (V's dtype is the V state's), the K state in ``kstate`` (default float32), the rest
     float32; Trap as logits, ADT = A DT < 0, input states with ``has_init``."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     H, HQ, N, P, S = (static[k] for k in ("nheads", "nheads_qk", "headdim_qk", "headdim_v", "headdim_angles"))
     qk, v, ks = (_DTYPES[dtypes.get(k, "float32")] for k in ("qk", "vstate", "kstate"))
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -112,9 +112,9 @@ def combined_results(static: dict, dtypes: dict, arch: str, has_z: bool = True, 
     from ..reference.mamba3 import mamba3_siso_combined_ref
 
     Q = static["chunk_size"]
-    args = combined_inputs(static, dtypes, batch, Q + 3, has_z)
+    args = combined_inputs(static, dtypes, size("batch", batch), size("seqlen", Q + 3), has_z)
     with recording() as keys:
-        with tvm_mamba.simulate_cuda(arch):
+        with target(arch):
             got = tvm_mamba.mamba3_siso_combined(**args, chunk_size=Q, return_final_states=True)
     want = mamba3_siso_combined_ref(**args, return_final_states=True)
     return dict(zip(("out", "angle_state", "ssm_state", "k_state"), zip(got, want))), keys
@@ -128,8 +128,8 @@ def backward_results(static: dict, dtypes: dict, arch: str, batch: int = 2) -> t
     from ..reference.mamba3 import mamba3_siso_combined_ref
 
     Q = static["chunk_size"]
-    args = combined_inputs(static, dtypes, batch, Q + 3, has_z=True, seed=1)
-    g = torch.Generator().manual_seed(2)
+    args = combined_inputs(static, dtypes, size("batch", batch), size("seqlen", Q + 3), has_z=True, seed=1)
+    g = generator(2)
 
     def grads(fn, dtype):
         leaves = {k: v.detach().to(dtype if dtype == torch.float64 else v.dtype).requires_grad_()
@@ -148,7 +148,7 @@ def backward_results(static: dict, dtypes: dict, arch: str, batch: int = 2) -> t
         shapes = [o.shape for o in mamba3_siso_combined_ref(**args, return_final_states=True)]
     cot = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
     with recording() as keys:
-        with tvm_mamba.simulate_cuda(arch):
+        with target(arch):
             got = grads(tvm_mamba.mamba3_siso_combined, None)
     want = grads(mamba3_siso_combined_ref, torch.float64)
     return {f"d{k}": (got[k], want[k]) for k in got}, keys
@@ -203,7 +203,7 @@ def preprocess_results(static: dict, dtypes: dict, batch: int, seqlen: int, seq_
     opt += list(inp["Input_States"]) if static.get("has_init") else [
         one(3), one(4), one(3, dtypes.get("kstate", "float32")), one(3, dtypes.get("vstate", "float32"))]
     dims = PreDims(**static, **{f"{k}_dtype": v for k, v in dtypes.items()})
-    kernel_for(OP, "siso_preprocess", torch.device("cpu"), dims, batch=batch, seqlen=seqlen)(
+    kernel_for(OP, "siso_preprocess", inp["Q"].device, dims, batch=batch, seqlen=seqlen)(
         *(inp[k] for k in ("Q", "K", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles")), *opt, *outs,
         seq_idx if seq_idx is not None else torch.zeros(1, 1, dtype=torch.int32))
     ref = mamba3_siso_preprocess_ref(**{k: v for k, v in inp.items() if k not in ("V", "Z")}, chunk_size=Qc,
@@ -225,7 +225,7 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
     from ..compute._mamba3_dims import PAIR_STEPS
     from ..reference.mamba3 import mamba3_siso_preprocess_ref
 
-    g = torch.Generator().manual_seed(seed + 1)
+    g = generator(seed + 1)
     H, HQ, N, P, A, Qc = (static[k] for k in ("nheads", "nheads_qk", "headdim_qk", "headdim_v", "headdim_angles",
                                                "chunk_size"))
     inp = combined_inputs(dict(static, has_D=True), dtypes, batch, seqlen, has_z=False, seed=seed)
@@ -278,7 +278,7 @@ def preprocess_bwd_results(static: dict, dtypes: dict, batch: int, seqlen: int, 
 
     args, ref = preprocess_bwd_case(static, dtypes, batch, seqlen, seed, seq_idx)
     dims = PreDims(**static, **{f"{k}_dtype": v for k, v in dtypes.items()})
-    kernel_for(OP, "siso_preprocess_bwd", torch.device("cpu"), dims, batch=batch, seqlen=seqlen)(*args.values())
+    kernel_for(OP, "siso_preprocess_bwd", next(iter(args.values())).device, dims, batch=batch, seqlen=seqlen)(*args.values())
     got = {k: args[k] for k in ref}
     for k in ("dQb_part", "dKb_part"):
         got[k] = got[k].sum((0, 1))
@@ -301,12 +301,11 @@ def packed_seq_idx(chunk_size: int) -> torch.Tensor:
 def _check_packed(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """A has_seq_idx preprocess configuration: the kernel alone in the harness (batch 1, three packed
     sequences) against the float64 reference (forward) or its autograd (backward)."""
-    import tvm_mamba
 
     Q = static["chunk_size"]
     run = preprocess_results if direction == "siso_preprocess" else preprocess_bwd_results
     with recording() as keys:
-        with tvm_mamba.simulate_cuda(arch):
+        with target(arch):
             res = run(static, dtypes, 1, Q + 3, seq_idx=packed_seq_idx(Q))
     ran(keys, OP, direction, static, dtypes)
     _compare_all(res, f"{OP}.{direction}", arch)
@@ -314,7 +313,6 @@ def _check_packed(direction: str, static: dict, dtypes: dict, arch: str) -> None
 
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of Mamba-3 in the harness (module docstring)."""
-    import tvm_mamba
 
     if direction in ("siso_preprocess", "siso_preprocess_bwd") and static.get("has_seq_idx"):
         _check_packed(direction, static, dtypes, arch)
@@ -327,8 +325,8 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
         return
     if direction == "siso_preprocess_bwd":
         with recording() as keys:
-            with tvm_mamba.simulate_cuda(arch):
-                res = preprocess_bwd_results(static, dtypes, 2, static["chunk_size"] + 3)
+            with target(arch):
+                res = preprocess_bwd_results(static, dtypes, size("batch", 2), size("seqlen", static["chunk_size"] + 3))
         ran(keys, OP, direction, static, dtypes)
         _compare_all(res, f"{OP}.{direction}", arch)
         return
@@ -340,6 +338,6 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     if direction not in ("siso_step", "mimo_step"):
         raise CheckFailed(f"{OP}: unknown direction {direction!r} (CUDA runs siso_step, mimo_step, step_rotate, "
                           "step_update, siso_preprocess, siso_preprocess_bwd)")
-    res, keys = step_results(static, dtypes, arch)
+    res, keys = step_results(static, dtypes, arch, batch=size("batch", 2))
     ran(keys, OP, direction, static, dtypes)
     _compare_all(res, f"{OP}.{direction}", arch)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, generator, size, target
 
 OP = "mamba3"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -18,7 +18,7 @@ def rotate_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
     """apply_rotary_qk_inference_fwd keyword arguments of a ``step_rotate`` configuration: q, k (batch, R,
     nheads, headdim) in ``qk``, one head broadcast (stride 0) when nheads_qk is 1 (upstream's module passes B / C
     so); the angle state past 2 pi (not reduced), proj, dt, biases (R, nheads, headdim) in the acc dtype."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     R, H, HQ, N, S = (static[k] for k in ("mimo_rank", "nheads", "nheads_qk", "headdim_qk", "headdim_angles"))
     if HQ not in (1, H):
         raise CheckFailed(f"{OP}.step_rotate: nheads_qk must be 1 (broadcast) or nheads, got {HQ}")
@@ -36,7 +36,7 @@ def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
     """mamba3_step_fn keyword arguments of a ``step_update`` configuration (without ``out``): B, C in ``qk``, x in
     ``v``, z / Bstate / Xstate / state in their key dtypes (defaults v's, acc, v's, acc); A < 0, dt, trap in
     (0, 1), D, projections around upstream's init in acc; a state_out unless the configuration is in place."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     R, H, N, P = (static[k] for k in ("mimo_rank", "nheads", "headdim_qk", "headdim_v"))
     v = _DTYPES[dtypes["v"]]
     acc = torch.float64 if v == torch.float64 else torch.float32
@@ -56,20 +56,19 @@ def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
 
 def parts_results(direction: str, static: dict, dtypes: dict, arch: str, batch: int = 2) -> tuple[dict, list]:
     """One call of ``direction``'s function in the harness: {name: (simulated, float64 reference)}, keys run."""
-    import tvm_mamba
     from ..reference.mamba3_mimo import apply_rotary_qk_inference_ref, mamba3_step_fn_ref
     from ..torch_ops.mamba3_step_parts import apply_rotary_qk_inference_fwd, mamba3_step_fn
 
     if direction == "step_rotate":
         args = rotate_inputs(static, dtypes, batch)
-        with recording() as keys, tvm_mamba.simulate_cuda(arch):
+        with recording() as keys, target(arch):
             got = apply_rotary_qk_inference_fwd(**args)
         return dict(zip(("q_out", "k_out", "angle_out"), zip(got, apply_rotary_qk_inference_ref(**args)))), keys
     args = update_inputs(static, dtypes, batch)
     R, H, P = static["mimo_rank"], static["nheads"], static["headdim_v"]
     out = args["x"].new_empty((batch, H, P) if static["has_outproj"] else (batch, R, H, P))
     ref_out, ref_state = mamba3_step_fn_ref(**{k: v for k, v in args.items() if k != "state_out"})
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         mamba3_step_fn(**args, out=out)
     new = args["state"] if args["state_out"] is None else args["state_out"]
     return {"out": (out, ref_out), "state": (new, ref_state)}, keys
@@ -77,7 +76,7 @@ def parts_results(direction: str, static: dict, dtypes: dict, arch: str, batch: 
 
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one ``step_rotate`` / ``step_update`` build-check configuration in the harness (module docstring)."""
-    res, keys = parts_results(direction, static, dtypes, arch)
+    res, keys = parts_results(direction, static, dtypes, arch, batch=size("batch", 2))
     ran(keys, OP, direction, static, dtypes)
     for name, (got, want) in res.items():
         rtol, atol = tolerance(got.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, generator, size, target
 
 OP = "rmsnorm_gated"
 LEAD = (2, 3)
@@ -20,6 +20,7 @@ def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
     """x, weight (, bias, z), already in their kernel dtypes; weight near 1 and z spread over silu's bend."""
     xdt, wdt = DTYPES[dtypes["x"]], DTYPES[dtypes["weight"]]
     hidden = static["hidden"]
+    LEAD = _lead()
     t = {"x": torch.randn(*LEAD, hidden, generator=gen).to(xdt),
          "weight": (1 + 0.5 * torch.randn(hidden, generator=gen)).to(wdt)}
     if static["has_bias"]:
@@ -42,7 +43,12 @@ def _inputs(static: dict, dtypes: dict, gen: torch.Generator) -> dict:
 
 def _rowscale(static: dict, gen: torch.Generator):
     """The fused add-norm's rowscale (not a gradient leaf: upstream gives it none), or None."""
-    return torch.rand(*LEAD, generator=gen) + 0.5 if static.get("has_rowscale") else None
+    return torch.rand(*_lead(), generator=gen) + 0.5 if static.get("has_rowscale") else None
+
+
+def _lead() -> tuple:
+    """The leading (batch, seqlen) dims: LEAD in the harness, on_device's sizes on a device."""
+    return size("batch", LEAD[0]), size("seqlen", LEAD[1])
 
 
 def _fused(static: dict) -> bool:
@@ -90,11 +96,10 @@ def _outputs(res) -> dict:
 
 
 def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
-    import tvm_mamba
 
     t = _inputs(static, dtypes, gen)
     extra = {"rowscale": _rowscale(static, gen)}
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         got = _outputs(_call(t, static, extra=extra))
     ran(keys, OP, "fwd", static, dtypes)
     ref = _outputs(_call({k: v.double() for k, v in t.items()}, static, kernel=False, extra=extra))
@@ -105,13 +110,12 @@ def _check_fwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
 def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
     """Forward then autograd backward with a random cotangent in x's dtype; dx, dweight (, dbias, dz)
     against the float64 reference's autograd."""
-    import tvm_mamba
 
     t = _inputs(static, dtypes, gen)
     leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
     refs = {k: v.double().requires_grad_() for k, v in t.items()}
     extra = {"rowscale": _rowscale(static, gen)}
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         got = _outputs(_call(leaves, static, extra=extra))
         douts = {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in got.items()}
         torch.autograd.backward(list(got.values()), list(douts.values()))
@@ -137,4 +141,4 @@ def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of rmsnorm_gated through the harness (see the package docstring)."""
     if direction not in CHECKS:
         raise CheckFailed(f"rmsnorm_gated: unknown direction {direction!r} (expected one of {sorted(CHECKS)})")
-    CHECKS[direction](dict(static), dict(dtypes), arch, torch.Generator().manual_seed(0))
+    CHECKS[direction](dict(static), dict(dtypes), arch, generator(0))

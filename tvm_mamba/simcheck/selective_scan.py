@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, generator, size, target
 from ..compute._selective_scan_dims import block_size, chunk_size
 
 OP = "selective_scan"
@@ -41,7 +41,7 @@ def scan_inputs(static: dict, dtypes: dict, batch: int, seqlen: int, seed: int =
     """selective_scan_fn keyword arguments with ``static``'s dims and flags (A in [-1.2, -0.2], small dt).
     complex_A: A with imaginary parts in [-pi, pi]; time-invariant B/C, initial_state complex; varying B/C
     real (batch, [groups,] dstate, 2 seqlen) ((re, im) interleaved in time, mamba_ssm's layout)."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     dim, dstate = static["dim"], static["dstate"]
     u_dt = _dtype(dtypes["u"])
     acc = torch.float64 if u_dt == torch.float64 else torch.float32
@@ -90,10 +90,10 @@ def scan_results(inputs: dict, grads: bool, arch: str, grad_seed: int = 1, **sim
 
     ours = {k: (v.clone().requires_grad_(grads) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     ref = {k: (_to64(v).requires_grad_(grads) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    with recording() as keys, tvm_mamba.simulate_cuda(arch, **sim):
+    with recording() as keys, target(arch, **sim):
         out, last = tvm_mamba.selective_scan_fn(**ours, return_last_state=True)
         if grads:
-            g = torch.Generator().manual_seed(grad_seed)
+            g = generator(grad_seed)
             dout = torch.randn(out.shape, generator=g).to(out.dtype)
             dlast = torch.randn(last.shape, generator=g, dtype=last.dtype)
             torch.autograd.backward([out, last], [dout, dlast])
@@ -127,7 +127,8 @@ def _check_scan(direction: str, static: dict, dtypes: dict, arch: str) -> None:
         want_block = block_size(static["dim"], static["b_groups"], static["c_groups"])
         if static.get("block") != want_block:
             raise CheckFailed(f"{OP}: block={static.get('block')} is not the torch op's choice {want_block}")
-    inputs = scan_inputs(static, dtypes, batch=2 if static["dim"] <= 256 else 1, seqlen=want_chunk + 3,
+    inputs = scan_inputs(static, dtypes, batch=size("batch", 2 if static["dim"] <= 256 else 1),
+                         seqlen=size("seqlen", want_chunk + 3),
                          complex_A=cplx)
     res, keys = scan_results(inputs, grads=direction.startswith("bwd"), arch=arch)
     ran(keys, OP, direction, static, dtypes)
@@ -140,7 +141,7 @@ def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
     state), ``dt``, ``z``, and ``idx``: a pool of batch + 2 state slots, rows mapped to them in reverse
     order, the second row (when batch > 1) a padding row (index -1). ``tie_hdim``: A, dt, D, dt_bias one value
     per head, passed as expanded stride-0 views (Mamba2.step's call)."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     H, P, N, G = static["nheads"], static["headdim"], static["dstate"], static["ngroups"]
     x_dt = _dtype(dtypes["x"])
     acc = torch.float64 if x_dt == torch.float64 else torch.float32
@@ -200,7 +201,7 @@ def update_results(inputs: dict, arch: str, steps: int = 2, **sim) -> tuple[dict
     low = inputs["state"].dtype in (torch.float16, torch.bfloat16)
     rest = {k: v for k, v in inputs.items() if k != "state"}
     res = {}
-    with recording() as keys, tvm_mamba.simulate_cuda(arch, **sim):
+    with recording() as keys, target(arch, **sim):
         outs = [tvm_mamba.selective_state_update(state, **rest) for _ in range(steps)]
     for i, out in enumerate(outs):
         ref_out, ref_state = selective_state_update_ref(ref_state, **rest,
@@ -211,7 +212,7 @@ def update_results(inputs: dict, arch: str, steps: int = 2, **sim) -> tuple[dict
 
 
 def _check_update(static: dict, dtypes: dict, arch: str) -> None:
-    res, keys = update_results(update_inputs(static, dtypes, batch=2), arch)
+    res, keys = update_results(update_inputs(static, dtypes, batch=size("batch", 2)), arch)
     ran(keys, OP, "update", static, dtypes)
     compare_all(res, f"{OP}.update {arch}")
 

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance
+from . import CheckFailed, compare, ran, recording, tolerance, generator, size, target
 
 OP = "ssd"
 FORWARD = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan", "chunk_state_varlen")
@@ -72,7 +72,7 @@ def case_of(direction: str, static: dict, dtypes: dict) -> Case:
     state = dtypes.get("state")  # chunk states in another dtype than float32 (state_passing / chunk_scan / varlen)
     if varlen and state is None and dtypes.get("out", bcd) != bcd:  # varlen states out in state_dtype, else C's
         state = dtypes["out"]
-    return Case(**dims, flags=flags, x_dtype=xd, bc_dtype=bcd, backward=direction in BACKWARD, varlen=varlen,
+    return Case(**dims, flags=flags, batch=size("batch", BATCH), seqlen=size("seqlen", SEQLEN), x_dtype=xd, bc_dtype=bcd, backward=direction in BACKWARD, varlen=varlen,
                 state_dtype=state)
 
 
@@ -82,7 +82,7 @@ def make_inputs(case: Case, seed: int = 0) -> dict:
     dstate); D (nheads,) or (nheads, headdim) f32; initial_states (batch, nheads, headdim, dstate) f32;
     seq_idx (batch, seqlen) int32; and the loss weights gy (like y, exact in x's dtype) and gf (like the
     final states), so that the kernel and the reference see the same cotangents."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     b, L, H, G, P, N = case.batch, case.seqlen, case.nheads, case.ngroups, case.headdim, case.dstate
     xd, bcd = DTYPES[case.x_dtype], DTYPES[case.bc_dtype]
 
@@ -186,7 +186,7 @@ def run_simulated(case: Case, t: dict, arch: str) -> tuple[dict, list]:
     """:func:`run` of mamba_chunk_scan_combined inside simulate_cuda(arch) -> (results, kernel keys run)."""
     import tvm_mamba
 
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         got = run(tvm_mamba.mamba_chunk_scan_combined, case, t)
     return got, keys
 
@@ -222,7 +222,7 @@ def scan_bwd_inputs(dims, batch: int, seqlen: int, seed: int = 0) -> dict:
     (dt' times an A in [-1.5, -0.5)), D: (batch, nheads, nchunks, chunk_size) f32, dt and the steps 0 past
     seqlen; Sin, dSo (the state entering each chunk and the gradient of the one leaving it): (batch, nchunks,
     nheads, headdim, dstate) f32."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     H, G, P, N, Q = dims.nheads, dims.ngroups, dims.headdim, dims.dstate, dims.chunk_size
     nc = -(-seqlen // Q)
     xd, bcd = DTYPES[dims.x_dtype], DTYPES[dims.bc_dtype]
@@ -299,13 +299,12 @@ def check_scan_fwd(static: dict, dtypes: dict, arch: str) -> None:
     (the second ragged, 3 long), against the float64 strict (grouped) chunk scan."""
     from ..compute._ssd_dims import ScanDims
     from ..reference.ssd import ssd_chunk_scan_strict_ref
-    import tvm_mamba
 
     dims = ScanDims.from_key(static, dtypes)
-    t = scan_bwd_inputs(dims, 1, dims.chunk_size + 3)
+    t = scan_bwd_inputs(dims, size("batch", 1), size("seqlen", dims.chunk_size + 3))
     if not dims.has_init:
         t["Sin"][:, 0] = 0  # no state enters chunk 0 (the kernel does not read it)
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    with recording() as keys, target(arch):
         got = scan_fwd_run(dims, t)
     ran(keys, OP, "chunk_scan", static, dtypes)
     d64 = {k: t[k].double() for k in SCAN_BWD_GRADS}
@@ -318,11 +317,10 @@ def check_scan_fwd(static: dict, dtypes: dict, arch: str) -> None:
 def check_scan_bwd(static: dict, dtypes: dict, arch: str) -> None:
     """The ssd_chunk_scan_bwd configuration with diag_skip: batch 1, two chunks (the second ragged, 3 long)."""
     from ..compute._ssd_dims import ScanBwdDims
-    import tvm_mamba
 
     dims = ScanBwdDims.from_key(static, dtypes)
-    t = scan_bwd_inputs(dims, 1, dims.chunk_size + 3)
-    with recording() as keys, tvm_mamba.simulate_cuda(arch):
+    t = scan_bwd_inputs(dims, size("batch", 1), size("seqlen", dims.chunk_size + 3))
+    with recording() as keys, target(arch):
         got = scan_bwd_run(dims, t)
     ran(keys, OP, "chunk_scan_bwd", static, dtypes)
     for name, r in scan_bwd_reference(t, step_group=dims.step_group).items():
