@@ -12,6 +12,7 @@
 # Usage: bash scripts/gpu_bundle.sh [OUT=gpu_bundle] [ARCH=sm_90]
 #   GPU_BUNDLE_TARGETS="cuda" (default) | "cpu" | "cuda cpu": which packs; the CPU pack (pack_cpu/, cand_cpu/,
 #   built from the --small configs) rehearses gpu_check.sh here (GPU_CHECK_DEVICE=cpu). PYTHON=python.
+#   GPU_CHECK_OPS=op,op: only those ops' cases (default all; gpu_check.sh takes the same variable).
 #   GPU_BUNDLE_ESTIMATES=0 leaves the roofline estimates out (the run then prints no estimate column).
 # Exit non-zero (after building everything else) if any kernel failed to build, or the bundle plus this
 # checkout exceed the device call's 64 MiB.
@@ -38,7 +39,7 @@ for target in $TARGETS; do
     fi
     pack="$OUT/pack_$suffix" cand="$OUT/cand_$suffix" configs="$OUT/configs_$suffix.json"
     rm -rf "$pack" "$cand"
-    "$PY" "$REPO/scripts/gpu_check.py" configs "${cflags[@]}" --out "$configs"
+    "$PY" "$REPO/scripts/gpu_check.py" configs "${cflags[@]}" ${GPU_CHECK_OPS:+--ops "$GPU_CHECK_OPS"} --out "$configs"
     "$PY" -m tvm_mamba aot "${tflags[@]}" --configs "$configs" --out "$pack" || FAILED+=("$target pack (aot, above)")
     took "$target pack" $t
     t=$SECONDS

@@ -11,7 +11,8 @@
 # Every step runs under `timeout`, inside one budget (GPU_CHECK_BUDGET_S, default 330 s on CUDA): a step that
 # would start with too little budget left is skipped with a line saying so. OUT gets at most 7 files: env.txt,
 # log.txt (everything printed), gpu_check.json, gpu_check.md, sanitizer.txt, timings.json (+ what run writes).
-#   bash scripts/gpu_check.sh [OUT]        (BUNDLE=gpu_bundle, PYTHON=python3, GPU_CHECK_DEVICE=cuda|cpu)
+#   bash scripts/gpu_check.sh [OUT]        (BUNDLE=gpu_bundle, PYTHON=python3, GPU_CHECK_DEVICE=cuda|cpu,
+#                                           GPU_CHECK_OPS=op,op: only those ops, e.g. a rerun of the failed ones)
 # GPU_CHECK_DEVICE=cpu rehearses every step here with the bundle's CPU pack (tests/test_gpu_rehearsal.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,7 +21,8 @@ BUNDLE=$(cd "${BUNDLE:-$REPO/gpu_bundle}" 2>/dev/null && pwd) || { echo "gpu_che
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 PY=${PYTHON:-python3}
 export PYTHON=$PY
-if [ "$DEVICE" = cuda ]; then BUDGET=${GPU_CHECK_BUDGET_S:-330}; else BUDGET=${GPU_CHECK_BUDGET_S:-1200}; fi
+# the caps below are the GPU's; a CPU rehearsal (2 shared cores) gets 4x each and a larger budget
+if [ "$DEVICE" = cuda ]; then BUDGET=${GPU_CHECK_BUDGET_S:-330} SCALE=1; else BUDGET=${GPU_CHECK_BUDGET_S:-1500} SCALE=4; fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -30,10 +32,10 @@ trap 'rm -rf "$WORK"; exec >&- 2>&-; wait $TEE 2>/dev/null' EXIT  # tee's last l
 T0=$SECONDS
 STEPS=""
 
-# step NAME CAP CMD...: CMD under `timeout` for min(CAP, budget left) seconds; its exit status is returned
+# step NAME CAP CMD...: CMD under `timeout` for min(CAP * SCALE, budget left) seconds; its exit status is returned
 # (99: skipped, too little budget left; 124: timed out) and a line goes into the summary.
 step() {
-    local name=$1 cap=$2 left t t0 rc
+    local name=$1 cap=$(($2 * SCALE)) left t t0 rc
     shift 2
     left=$((BUDGET - (SECONDS - T0)))
     t=$((left < cap ? left : cap))
@@ -102,7 +104,8 @@ SMALL=()
 EST=()
 [ -f "$BUNDLE/estimates.json" ] && EST=(--estimates "$BUNDLE/estimates.json")
 RC=0
-step check 200 "$PY" "$REPO/scripts/gpu_check.py" run --out "$OUT" --device "$DEVICE" "${SMALL[@]}" "${EST[@]}" || RC=$?
+step check 200 "$PY" "$REPO/scripts/gpu_check.py" run --out "$OUT" --device "$DEVICE" "${SMALL[@]}" "${EST[@]}" \
+    ${GPU_CHECK_OPS:+--ops "$GPU_CHECK_OPS"} || RC=$?
 
 # 4. sanitizers (scripts/gpu_sanitize.sh: a probe first; each tool under its own timeout inside SAN_S)
 SAN_S=$((BUDGET - (SECONDS - T0) - 50))  # keep 50 s for the tuning round

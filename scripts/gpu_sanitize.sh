@@ -52,7 +52,8 @@ for i in "${!TOOLS[@]}"; do
     t0=$SECONDS
     log="$WORK/sanitizer_$tool.log"
     env -u TVM_MAMBA_UPSTREAM_DIR timeout -k 5 "$share" "$SAN" --tool "$tool" --error-exitcode 9 --print-limit 20 \
-        "$PY" "$REPO/scripts/gpu_check.py" run --small --device cuda --out "$WORK/sanitize_$tool" >"$log" 2>&1
+        "$PY" "$REPO/scripts/gpu_check.py" run --small --device cuda \
+        ${GPU_CHECK_OPS:+--ops "$GPU_CHECK_OPS"} --out "$WORK/sanitize_$tool" >"$log" 2>&1
     rc=$?
     summary_line=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
     case $rc in

@@ -145,7 +145,7 @@ def _bash(script: str, *args, timeout: int, **extra) -> subprocess.CompletedProc
 @pytest.fixture(scope="module")
 def cpu_bundle(tmp_path_factory):
     bundle = tmp_path_factory.mktemp("bundle") / "gpu_bundle"
-    proc = _bash("gpu_bundle.sh", str(bundle), timeout=3000, GPU_BUNDLE_TARGETS="cpu")
+    proc = _bash("gpu_bundle.sh", str(bundle), timeout=2400, GPU_BUNDLE_TARGETS="cpu")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return bundle
 
