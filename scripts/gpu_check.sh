@@ -75,7 +75,9 @@ WHEEL=$(ls "$BUNDLE"/wheels/apache_tvm_ffi-*-"$PYV"-*.whl 2>/dev/null | head -1)
 step install 120 "$PY" -m pip install -q --no-index --no-deps --target "$WORK/ffi" "$WHEEL" || stop "installing $WHEEL failed" 3
 export PYTHONPATH="$BUNDLE/site:$WORK/ffi:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export TVM_USE_RUNTIME_LIB=1
-[ -d "$BUNDLE/upstream" ] && export TVM_MAMBA_UPSTREAM_DIR="$BUNDLE/upstream"
+if [ -d "$BUNDLE/upstream" ]; then  # `import mamba_ssm` = upstream's folder, its __init__ not run (gpu_upstream/)
+    export TVM_MAMBA_UPSTREAM_DIR="$BUNDLE/upstream" PYTHONPATH="$PYTHONPATH:$REPO/scripts/gpu_upstream"
+fi
 if [ -d "$BUNDLE/upstream" ]; then  # (a pipeline's subshell: no exports in here)
     echo "upstream: $(ls "$BUNDLE/upstream") (pure-Python parts: its Triton kernels); its CUDA extensions" \
          "(selective_scan_cuda, causal_conv1d_cuda) not built: a compile here does not fit the budget (docs/gpu.md)"

@@ -135,6 +135,26 @@ def test_pack_for_another_target_is_refused(one_kernel_pack, tmp_path):
     assert proc.returncode == gpu_env.EXIT_PACK and "built for cuda-sm_90" in proc.stderr
 
 
+def test_upstream_package_imports_without_its_init(tmp_path):
+    """gpu_check.sh's ``mamba_ssm``: upstream's submodules from the bundle, its __init__ (which imports the CUDA
+    extension the bundle lacks) never run; without TVM_MAMBA_UPSTREAM_DIR the import fails."""
+    pkg = tmp_path / "upstream" / "mamba_ssm-2.3.2.post1" / "mamba_ssm"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import selective_scan_cuda\n")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "kernel.py").write_text("WHERE = __file__\n")
+    code = "import mamba_ssm.ops.kernel as k, mamba_ssm; print(mamba_ssm.__version__, k.WHERE)"
+    path = str(REPO / "scripts" / "gpu_upstream")
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                        env=dict(os.environ, PYTHONPATH=path, TVM_MAMBA_UPSTREAM_DIR=str(tmp_path / "upstream")))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["2.3.2.post1", str(pkg / "ops" / "kernel.py")]
+    env = {k: v for k, v in os.environ.items() if k != "TVM_MAMBA_UPSTREAM_DIR"}
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(env, PYTHONPATH=path))
+    assert off.returncode != 0 and "TVM_MAMBA_UPSTREAM_DIR" in off.stderr
+
+
 # ---- the whole call, rehearsed on the CPU (.ci/run step 3; minutes: deselected in the main run) ----
 
 def _bash(script: str, *args, timeout: int, **extra) -> subprocess.CompletedProcess:
@@ -144,6 +164,10 @@ def _bash(script: str, *args, timeout: int, **extra) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def cpu_bundle(tmp_path_factory):
+    """The CPU bundle (gpu_bundle.sh, GPU_BUNDLE_TARGETS=cpu), or $GPU_REHEARSAL_BUNDLE: one built before (with
+    the same GPU_CHECK_OPS, which the scripts read from the environment), to rerun the check alone."""
+    if os.environ.get("GPU_REHEARSAL_BUNDLE"):
+        return pathlib.Path(os.environ["GPU_REHEARSAL_BUNDLE"])
     bundle = tmp_path_factory.mktemp("bundle") / "gpu_bundle"
     proc = _bash("gpu_bundle.sh", str(bundle), timeout=2400, GPU_BUNDLE_TARGETS="cpu")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
