@@ -52,7 +52,7 @@ class SimConfig:
     arch: str = "sm_90"
     order: str = "random"
     seed: int = 0
-    checks: bool = True
+    checks: bool = dataclasses.field(default_factory=lambda: os.environ.get("TVM_MAMBA_SIM_CHECKS", "1") != "0")
 
     def __post_init__(self):
         if self.order not in ORDERS:
@@ -69,11 +69,11 @@ _active: list[SimConfig] = []
 
 
 @contextlib.contextmanager
-def simulate(arch: str = "sm_90", order: str = "random", seed: int = 0, checks: bool = True):
+def simulate(arch: str = "sm_90", order: str = "random", seed: int = 0, checks: bool | None = None):
     """``with simulate("sm_90"):`` every kernel call on CPU tensors runs the CUDA kernels of ``arch`` through
     this harness instead of the CPU kernels (the kernel keys say ``cudasim-sm_90``; ``explain`` shows it).
     ``checks=False`` turns the race and alignment checker off (SimConfig)."""
-    cfg = SimConfig(arch, order, seed, checks)
+    cfg = SimConfig(arch, order, seed) if checks is None else SimConfig(arch, order, seed, checks)
     _active.append(cfg)
     try:
         yield cfg
