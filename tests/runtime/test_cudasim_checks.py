@@ -9,16 +9,15 @@ launch: its grid, block and arguments) and tvm_callback_cuda_postproc replaces t
 hand-written kernels of the same names."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import tvm
-import tvm_ffi
 from tvm.script import tirx as T
 
 from tvm_mamba.runtime import cuda_target, cudasim
 from tvm_mamba.runtime.cudasim import SimConfig, SimError
+
+from .test_cudasim import postproc
 
 _CTYPE = {"float32": "float", "bfloat16": "nv_bfloat16"}
 
@@ -132,19 +131,10 @@ def _device_source(code: str) -> str:
     return code[:code.index('extern "C" __global__')] + WMMA + "\n".join(kernels)
 
 
-@contextlib.contextmanager
-def _postproc(fn):
-    tvm_ffi.register_global_func("tvm_callback_cuda_postproc", fn, override=True)
-    try:
-        yield
-    finally:
-        tvm_ffi.registry.remove_global_func("tvm_callback_cuda_postproc")
-
-
 @pytest.fixture(scope="module")
 def hand(tmp_path_factory):
     mod = tvm.IRModule({name: _host(name, *spec[:4]) for name, spec in KERNELS.items()})
-    with _postproc(lambda code, target: _device_source(code)):
+    with postproc(lambda code, target: _device_source(code)):
         built = cudasim.build(mod, cuda_target("sm_90"), label="hand")
     path = str(tmp_path_factory.mktemp("hand") / "hand.so")
     built.export_library(path)
@@ -266,6 +256,6 @@ def test_generated_kernel_without_its_barrier(tmp_path, monkeypatch):
     monkeypatch.setenv("TVM_MAMBA_CACHE_DIR", str(tmp_path))  # the mutant must not enter the kernel cache
     monkeypatch.setattr(cache, "_memo", {})
     op, direction, static, dtypes = next(iter(_configs(["rmsnorm_gated"])))
-    with _postproc(drop_barrier), pytest.raises(SimError, match=r"race \(read-write hazard\) on __shared__ array "
+    with postproc(drop_barrier), pytest.raises(SimError, match=r"race \(read-write hazard\) on __shared__ array "
                                                                 r"red_buf_staging_ptr \(byte \d+\)"):
         simcheck.run_config(op, direction, static, dtypes, "sm_90")
