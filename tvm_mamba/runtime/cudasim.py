@@ -46,11 +46,14 @@ MIN_ARCH = 80  # bf16 arithmetic (cuda_bf16.h's operators, __hgt) needs sm_80; o
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
     """arch: the CUDA arch whose source is run (``sm_90``); order: the order threads and blocks run in
-    (``random``: seeded by ``seed``, ``forward``, ``reversed``)."""
+    (``random``: seeded by ``seed``, ``forward``, ``reversed``); checks: the race and alignment checker
+    (tvm_mamba_cudasim_checks.h: every access to shared memory and the argument buffers recorded per barrier
+    interval; it changes nothing in the build, only what a run records)."""
 
     arch: str = "sm_90"
     order: str = "random"
     seed: int = 0
+    checks: bool = dataclasses.field(default_factory=lambda: os.environ.get("TVM_MAMBA_SIM_CHECKS", "1") != "0")
 
     def __post_init__(self):
         if self.order not in ORDERS:
@@ -70,10 +73,11 @@ _active: list[SimConfig] = []
 
 
 @contextlib.contextmanager
-def simulate(arch: str = "sm_90", order: str = "random", seed: int = 0):
+def simulate(arch: str = "sm_90", order: str = "random", seed: int = 0, checks: bool | None = None):
     """``with simulate("sm_90"):`` every kernel call on CPU tensors runs the CUDA kernels of ``arch`` through
-    this harness instead of the CPU kernels (the kernel keys say ``cudasim-sm_90``; ``explain`` shows it)."""
-    cfg = SimConfig(arch, order, seed)
+    this harness instead of the CPU kernels (the kernel keys say ``cudasim-sm_90``; ``explain`` shows it).
+    ``checks=False`` turns the race and alignment checker off (SimConfig)."""
+    cfg = SimConfig(arch, order, seed) if checks is None else SimConfig(arch, order, seed, checks)
     _active.append(cfg)
     try:
         yield cfg
@@ -215,8 +219,16 @@ def _explain_compile_error(log: str, label: str) -> str:
     return head + "\n" + "\n".join(l for l in log.splitlines() if "error" in l.lower())[:3000]
 
 
+# g++'s ThreadSanitizer instrumentation, used only as a hook: a call to __tsan_read4(addr), __tsan_write16(addr),
+# ... before every memory access, which tvm_mamba_cudasim_checks.h implements (libtsan is never linked: the
+# link step has no -fsanitize=thread). -fno-tree-sra keeps a float4 / uint4 copy one 16-byte access (else g++
+# splits it into four 4-byte ones before instrumenting, and a misaligned vector access could not be seen).
+CHECK_FLAGS = ["-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "-fno-tree-sra"]
+
+
 def link(b: SimBuild, path: str) -> None:
-    """Compile the kernels with g++ and link them with the host object into one shared library at ``path``."""
+    """Compile the kernels with g++ (instrumented for the checker) and link them with the host object into one
+    shared library at ``path``."""
     cxx = os.environ.get("CXX") or "g++"
     ffi_lib = pathlib.Path(tvm_ffi.__file__).resolve().parent / "lib"
     with tempfile.TemporaryDirectory(prefix="tvm_mamba_cudasim_") as tmp:
@@ -226,11 +238,13 @@ def link(b: SimBuild, path: str) -> None:
         wrap.write_text('#include "kernels.cu"\n' + entry_points(b.kernels))
         host_o = pathlib.Path(tmp, "host.o")
         b.host.write_to_file(str(host_o))
-        cmd = [cxx, *compile_flags(b.arch), "-shared", "-o", path, str(wrap), str(host_o),
-               f"-L{ffi_lib}", "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=dict(os.environ, LC_ALL="C"))
-        if proc.returncode != 0:
-            raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, b.label or "kernel"))
+        kernels_o = pathlib.Path(tmp, "kernels.o")
+        for cmd in ([cxx, *compile_flags(b.arch), *CHECK_FLAGS, "-c", "-o", str(kernels_o), str(wrap)],
+                    [cxx, "-shared", "-o", path, str(kernels_o), str(host_o), f"-L{ffi_lib}", "-ltvm_ffi",
+                     f"-Wl,-rpath,{ffi_lib}"]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=dict(os.environ, LC_ALL="C"))
+            if proc.returncode != 0:
+                raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, b.label or "kernel"))
 
 
 # ---- call: guarded copies presented as CUDA tensors -----------------------------------------------------------
@@ -376,7 +390,8 @@ def call(module, fn, args, cfg: SimConfig | None = None, label: str = "") -> Non
         tensors = [(i, _dltensor_of(a)) for i, a in enumerate(args)]
         first = None
         for run, head in enumerate((False, True)):
-            guarded = _run_once(module, fn, args, tensors, head, cfg.seed + run, ORDERS[cfg.order], label)
+            guarded = _run_once(module, fn, args, tensors, head, cfg.seed + run, ORDERS[cfg.order], label,
+                                checks=cfg.checks)
             try:
                 if first is None:
                     first = [ctypes.string_at(g.data, g.nbytes) for g in guarded]
@@ -392,7 +407,9 @@ def call(module, fn, args, cfg: SimConfig | None = None, label: str = "") -> Non
                     g.free()
 
 
-def _run_once(module, fn, args, tensors, head: bool, seed: int, order: int, label: str) -> list[_Guarded]:
+def _run_once(module, fn, args, tensors, head: bool, seed: int, order: int, label: str,
+              checks: bool = False) -> list[_Guarded]:
+    """One run on fresh guarded copies; ``checks``: with the race / alignment checker watching those copies."""
     guarded, passed = [], []
     try:
         for (i, dl), a in zip(tensors, args):
@@ -403,10 +420,14 @@ def _run_once(module, fn, args, tensors, head: bool, seed: int, order: int, labe
             guarded.append(g)
             passed.append(g.tensor())
         module["tvm_mamba_sim_config"](order, seed)
+        watched = [v for g in guarded for v in (g.index, g.data, g.nbytes)] if checks else []
+        module["tvm_mamba_sim_checks"](int(checks), *watched)
         try:
             fn(*passed)
         except Exception as err:  # noqa: BLE001 - re-raised with the argument the fault hit
             raise SimError(_locate(str(err), guarded, label)) from None
+        finally:
+            module["tvm_mamba_sim_checks"](0)
         for g in guarded:
             bad = g.check_canaries()
             if bad:

@@ -5,11 +5,12 @@
 // the whole tile (a fragment is only ever read through these functions, so no code can tell) and runs each
 // operation on it itself: a load reads the whole tile, mma_sync computes the whole product (float products of
 // the 16-bit inputs, exact; summed over k in ascending order into the accumulator, in float), a store writes
-// the whole tile (the warp's threads write the same values). 8-bit operands and int accumulators (the s8 / u8
-// wmma, int32 accumulate) are held as integers: products and sums exact, the int32 sum wrapping as the GPU's
-// does. What this does not check: that all 32 threads
-// of a warp reach the operation together (it does not rendezvous them) and the GPU's own summation order
-// inside one mma (results differ in the last bits).
+// the lane's share of the tile (elements lane, lane + 32, ...), so a tile is whole only if the warp agreed.
+// 8-bit operands and int accumulators (the s8 / u8 wmma, int32 accumulate) are held as integers: products and
+// sums exact, the int32 sum wrapping as the GPU's does. load / store / mma_sync are warp collectives: the 32
+// lanes meet at the call and the contract is checked (all lanes converged, one pointer and ldm, a 32-byte
+// aligned pointer, ldm a multiple of 16 bytes). Not modelled: the GPU's own summation order inside one mma
+// (results differ in the last bits).
 #pragma once
 #include <type_traits>
 
@@ -49,26 +50,67 @@ struct fragment {
 template <typename Use, int M, int N, int K, typename T, typename L>
 inline bool col_layout(const fragment<Use, M, N, K, T, L>&) { return std::is_same<L, col_major>::value; }
 
+// The warp contract, checked by the scheduler (tvm_mamba_cudasim_launch.h, resolve_wmma): the warp's 32 lanes meet
+// here, at the same call, with one pointer and ldm; the pointer 32-byte aligned, ldm a multiple of 16 bytes.
+inline void converge(const char* op, int line, const void* p, unsigned ldm, int elem) {
+  ::tvm_mamba_sim::Fiber* f = ::tvm_mamba_sim::cur();
+  f->op = op;
+  f->elem = elem;
+  ::tvm_mamba_sim::warp_collective(::tvm_mamba_sim::Coll::kWmma, 0xffffffffu, reinterpret_cast<uintptr_t>(p),
+                                   static_cast<int>(ldm), 32, line);
+}
+
+// Every lane copies the whole tile, unobserved by the race checker, then records the reads of its share (elements
+// lane, lane + 32, ...: on a GPU each lane loads part of the tile, in a layout CUDA leaves unspecified).
+struct Unobserved {
+  ::tvm_mamba_sim::Fiber* f = ::tvm_mamba_sim::g_chk.cur;
+  Unobserved() { ::tvm_mamba_sim::g_chk.cur = nullptr; }
+  ~Unobserved() { ::tvm_mamba_sim::g_chk.cur = f; }
+};
+
+template <typename P>
+inline void note_share(const P* p, int rows, int cols, unsigned ldm, bool col, bool write) {
+  for (int e = ::tvm_mamba_sim::cur()->lane; e < rows * cols; e += 32) {
+    const int r = e / cols, c = e % cols;
+    ::tvm_mamba_sim::note_access(col ? &p[c * ldm + r] : &p[r * ldm + c], sizeof(P), write, 1, true);
+  }
+}
+
 template <typename Use, int M, int N, int K, typename T, typename L, typename P>
-inline void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm) {
+inline void load_matrix_sync_at(int line, fragment<Use, M, N, K, T, L>& f, const P* p, unsigned ldm) {
   using F = fragment<Use, M, N, K, T, L>;
-  for (int r = 0; r < F::rows; ++r)
-    for (int c = 0; c < F::cols; ++c)
-      f.v[r * F::cols + c] = static_cast<held_t<T>>(col_layout(f) ? p[c * ldm + r] : p[r * ldm + c]);
+  converge("load_matrix_sync", line, p, ldm, sizeof(P));
+  {
+    Unobserved quiet;
+    for (int r = 0; r < F::rows; ++r)
+      for (int c = 0; c < F::cols; ++c)
+        f.v[r * F::cols + c] = static_cast<held_t<T>>(col_layout(f) ? p[c * ldm + r] : p[r * ldm + c]);
+  }
+  note_share(p, F::rows, F::cols, ldm, col_layout(f), false);
 }
 
 template <int M, int N, int K, typename T>
-inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* p, unsigned ldm, layout_t layout) {
-  for (int r = 0; r < M; ++r)
-    for (int c = 0; c < N; ++c)
-      f.v[r * N + c] = static_cast<held_t<T>>(layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]);
+inline void load_matrix_sync_at(int line, fragment<accumulator, M, N, K, T>& f, const T* p, unsigned ldm,
+                                layout_t layout) {
+  converge("load_matrix_sync", line, p, ldm, sizeof(T));
+  {
+    Unobserved quiet;
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < N; ++c)
+        f.v[r * N + c] = static_cast<held_t<T>>(layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]);
+  }
+  note_share(p, M, N, ldm, layout == mem_col_major, false);
 }
 
+// Each lane stores its share of the tile (elements lane, lane + 32, ...), as the GPU's lanes each store theirs.
 template <int M, int N, int K, typename T>
-inline void store_matrix_sync(T* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
-  for (int r = 0; r < M; ++r)
-    for (int c = 0; c < N; ++c)
-      (layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]) = static_cast<T>(f.v[r * N + c]);
+inline void store_matrix_sync_at(int line, T* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm,
+                                 layout_t layout) {
+  converge("store_matrix_sync", line, p, ldm, sizeof(T));
+  for (int e = ::tvm_mamba_sim::cur()->lane; e < M * N; e += 32) {
+    const int r = e / N, c = e % N;
+    (layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]) = static_cast<T>(f.v[e]);
+  }
 }
 
 template <typename Use, int M, int N, int K, typename T, typename L, typename V>
@@ -77,8 +119,9 @@ inline void fill_fragment(fragment<Use, M, N, K, T, L>& f, V value) {
 }
 
 template <int M, int N, int K, typename TA, typename LA, typename TB, typename LB, typename TC>
-inline void mma_sync(fragment<accumulator, M, N, K, TC>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
-                     const fragment<matrix_b, M, N, K, TB, LB>& b, const fragment<accumulator, M, N, K, TC>& c) {
+inline void mma_sync_at(int line, fragment<accumulator, M, N, K, TC>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
+                        const fragment<matrix_b, M, N, K, TB, LB>& b, const fragment<accumulator, M, N, K, TC>& c) {
+  converge("mma_sync", line, nullptr, 0, 0);
   held_t<TC> out[M * N];
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
@@ -96,3 +139,9 @@ inline void mma_sync(fragment<accumulator, M, N, K, TC>& d, const fragment<matri
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+// The source line of each call, for the contract's messages (nvcuda::wmma::load_matrix_sync(...) becomes
+// nvcuda::wmma::load_matrix_sync_at(__LINE__, ...)).
+#define load_matrix_sync(...) load_matrix_sync_at(__LINE__, __VA_ARGS__)
+#define store_matrix_sync(...) store_matrix_sync_at(__LINE__, __VA_ARGS__)
+#define mma_sync(...) mma_sync_at(__LINE__, __VA_ARGS__)

@@ -53,7 +53,7 @@ namespace tvm_mamba_sim {
 struct uint3_ { unsigned int x, y, z; };
 
 enum class Wait : int { kReady, kBarrier, kWarp, kActiveMask, kDone };
-enum class Coll : int { kShfl, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll, kSyncWarp };
+enum class Coll : int { kShfl, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll, kSyncWarp, kWmma };
 
 struct Fiber {
   void* sp = nullptr;          // saved stack pointer while switched out
@@ -67,6 +67,8 @@ struct Fiber {
   unsigned mask = 0;
   int arg = 0, width = 32;
   uint64_t value = 0, result = 0;
+  const char* op = "";         // kWmma: the operation (load_matrix_sync, ...); value: its pointer, arg: ldm
+  int elem = 0;                // kWmma: the element size in bytes (ldm's unit)
 };
 
 struct Launch {
@@ -185,12 +187,15 @@ inline unsigned activemask_at(int line) {
 
 #define __syncthreads() ::tvm_mamba_sim::syncthreads_at(__LINE__)
 #define __activemask() ::tvm_mamba_sim::activemask_at(__LINE__)
-#define __syncwarp(...) ::tvm_mamba_sim::syncwarp_at(__LINE__, ##__VA_ARGS__)
+// __syncwarp() and __syncwarp(mask): a functor carrying the line (`, ##__VA_ARGS__` does not drop the comma of an
+// empty argument in -std=c++17)
+#define __syncwarp(...) ::tvm_mamba_sim::SyncWarp{__LINE__}(__VA_ARGS__)
 
 namespace tvm_mamba_sim {
-inline void syncwarp_at(int line, unsigned mask = 0xffffffffu) {
-  warp_collective(Coll::kSyncWarp, mask, 0, 0, 32, line);
-}
+struct SyncWarp {
+  int line;
+  void operator()(unsigned mask = 0xffffffffu) const { warp_collective(Coll::kSyncWarp, mask, 0, 0, 32, line); }
+};
 template <typename T>
 inline T shfl(Coll c, unsigned mask, T var, int arg, int width, int line) {
   return from_bits<T>(warp_collective(c, mask, to_bits(var), arg, width, line));
@@ -212,6 +217,7 @@ inline T shfl_call(Coll c, int line, unsigned mask, T var, int arg, int width = 
 }
 }  // namespace tvm_mamba_sim
 
+#include "tvm_mamba_cudasim_checks.h"
 #include "tvm_mamba_cudasim_types.h"
 #include "tvm_mamba_cudasim_launch.h"
 #include "tvm_mamba_cudasim_fastmath.h"

@@ -16,6 +16,24 @@ constexpr size_t kStack = 256 << 10;  // per thread; kernels keep small local ar
 struct Config { int order = 0; uint64_t seed = 0; };
 inline Config& config() { static Config c; return c; }
 
+// The checker's view of a launch (tvm_mamba_cudasim_checks.h): the static __shared__ section (its shadow mapped once
+// per library) and this launch's dynamic shared memory.
+inline void checks_begin(const Launch* l) {
+  g_chk.launch = l;
+  if (!g_chk.on) return;
+  Region& s = g_chk.regions[kStatic];
+  if (s.shadow == nullptr && __start_tvm_mamba_sim_shared != nullptr)
+    set_region(s, reinterpret_cast<uintptr_t>(__start_tvm_mamba_sim_shared),
+               static_cast<size_t>(__stop_tvm_mamba_sim_shared - __start_tvm_mamba_sim_shared), Mem::kStaticShared, 0, "");
+  if (l->dyn_shared_bytes)
+    set_region(g_chk.regions[kDyn], reinterpret_cast<uintptr_t>(l->dyn_shared), l->dyn_shared_bytes, Mem::kDynShared, 0,
+               g_chk.regions[kDyn].name);
+}
+inline void checks_end() {
+  if (g_chk.regions[kDyn].shadow) set_region(g_chk.regions[kDyn], 0, 0, Mem::kDynShared, 0, "");
+  g_chk.launch = nullptr;
+}
+
 inline size_t page() { static size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE)); return p; }
 
 // One mmap'd stack per thread slot, each above a PROT_NONE guard page; kept across launches.
@@ -50,7 +68,9 @@ inline void on_fault(int sig, siginfo_t* info, void*) {
   }
   char buf[200];
   const char* what = sig == SIGILL ? "index out of the bounds of a local or __shared__ array (-fsanitize=bounds)"
-                     : sig == SIGFPE ? "arithmetic fault (integer division by zero?)" : "invalid memory access";
+                     : sig == SIGFPE ? "arithmetic fault (integer division by zero?)"
+                     : info->si_code == SI_KERNEL ? "general protection fault (a misaligned vector access?)"
+                                                  : "invalid memory access";
   std::snprintf(buf, sizeof(buf), "%s at address 0x%llx", what,
                 static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(info->si_addr)));
   l->error = buf;
@@ -96,6 +116,55 @@ inline void permute(Launch* l, std::vector<int>& perm) {
 
 inline int lanes_in_warp(const Launch* l, int w) { return std::min(32, l->nthreads - 32 * w); }
 
+inline std::string block_name(const Launch* l) {
+  return "block (" + std::to_string(l->bid.x) + "," + std::to_string(l->bid.y) + "," + std::to_string(l->bid.z) + ")";
+}
+
+inline std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// A wmma operation (mma.h) is a collective of the whole warp: all 32 lanes at the same call, with one pointer and
+// one leading dimension; the pointer 32-byte aligned, ldm a multiple of 16 bytes (CUDA's wmma contract; a GPU
+// gives undefined results otherwise). Returns whether lane i's operation completed.
+inline bool resolve_wmma(Launch* l, int w, int i) {
+  Fiber* lanes = &l->fibers[32 * w];
+  const Fiber& a = lanes[i];
+  const std::string what = std::string("wmma contract: ") + a.op + " at line " + std::to_string(a.line) +
+                           " in warp " + std::to_string(w) + " of " + block_name(l);
+  const int nl = lanes_in_warp(l, w);
+  if (nl < 32)
+    fail_here(what + ": the warp has " + std::to_string(nl) + " threads; a wmma operation needs all 32 lanes");
+  for (int j = 0; j < 32; ++j) {
+    const Fiber& b = lanes[j];
+    if (b.wait == Wait::kDone)
+      fail_here(what + ": lane " + std::to_string(j) + " has exited (all 32 lanes must call it together)");
+    if (b.wait != Wait::kWarp) return false;  // not there yet
+    if (b.coll != Coll::kWmma || b.line != a.line)
+      fail_here(what + ": lane " + std::to_string(j) + " waits at another warp operation (line " +
+                std::to_string(b.line) + "); the warp must call it converged");
+  }
+  for (int j = 0; j < 32; ++j) {
+    const Fiber& b = lanes[j];
+    if (b.value != a.value || b.arg != a.arg)
+      fail_here(what + ": lane " + std::to_string(i) + " passes pointer " + hex(a.value) + ", ldm " +
+                std::to_string(a.arg) + " but lane " + std::to_string(j) + " passes " + hex(b.value) + ", ldm " +
+                std::to_string(b.arg) + " (the warp must pass one pointer and one leading dimension)");
+  }
+  if (a.value % 32 != 0) {
+    const Region* r = region_of(a.value);
+    fail_here(what + ": misaligned wmma pointer " + hex(a.value) + " (needs 32-byte alignment; it is " +
+              std::to_string(a.value % 32) + " past it)" + (r ? " on " + where(*r, a.value) : std::string()));
+  }
+  if (a.elem && (static_cast<long long>(a.arg) * a.elem) % 16 != 0)
+    fail_here(what + ": ldm " + std::to_string(a.arg) + " is not a multiple of 16 bytes (" +
+              std::to_string(16 / a.elem) + " elements of " + std::to_string(a.elem) + " bytes)");
+  for (int j = 0; j < 32; ++j) lanes[j].wait = Wait::kReady;
+  return true;
+}
+
 // Resolve one warp's collectives; returns true if any completed.
 inline bool resolve_warp(Launch* l, int w) {
   bool progress = false;
@@ -114,6 +183,10 @@ inline bool resolve_warp(Launch* l, int w) {
   for (int i = 0; i < nl; ++i) {
     Fiber& a = lanes[i];
     if (a.wait != Wait::kWarp) continue;
+    if (a.coll == Coll::kWmma) {
+      progress |= resolve_wmma(l, w, i);
+      continue;
+    }
     unsigned m = a.mask;
     if (!(m >> i & 1u)) fail_here("warp collective at line " + std::to_string(a.line) + ": lane " +
                                   std::to_string(i) + " is not in its own mask 0x" + std::to_string(m));
@@ -162,6 +235,11 @@ inline bool resolve_warp(Launch* l, int w) {
         b.result = (ballot == (static_cast<uint64_t>(m)));
       }
     }
+    if (a.coll == Coll::kSyncWarp) {  // orders the warp's memory accesses if it names every live lane
+      unsigned live = 0;
+      for (int j = 0; j < nl; ++j) live |= static_cast<unsigned>(lanes[j].wait != Wait::kDone) << j;
+      if ((m & live) == live) chk_warp_sync(w);
+    }
     for (int j = 0; j < 32; ++j) if (m >> j & 1u) lanes[j].wait = Wait::kReady;
     progress = true;
   }
@@ -202,8 +280,14 @@ inline void resolve_block(Launch* l) {
   }
   if (at_barrier + done == l->nthreads && at_barrier > 0 && done == 0 && same_line) {
     for (Fiber& f : l->fibers) f.wait = Wait::kReady;
+    chk_barrier();
     return;
   }
+  for (const Fiber& f : l->fibers)  // a wmma operation some lanes of its warp never reach
+    if (f.wait == Wait::kWarp && f.coll == Coll::kWmma)
+      fail_here(std::string("wmma contract: ") + f.op + " at line " + std::to_string(f.line) + " in warp " +
+                std::to_string(f.warp) + " of " + block_name(l) + " is not reached by all 32 lanes of the warp: " +
+                describe_waits(l));
   std::string why = at_barrier + done == l->nthreads && done > 0
                         ? "barrier divergence: some threads exited while others wait at __syncthreads"
                     : at_barrier + done == l->nthreads ? "barrier divergence: threads wait at different __syncthreads"
@@ -238,6 +322,7 @@ inline void run_block(Launch* l, char* stacks) {
   if (l->dyn_shared_bytes) std::memset(l->dyn_shared, 0xff, l->dyn_shared_bytes);
   for (int i = 0; i < l->nthreads; ++i)
     init_fiber(l, l->fibers[i], stacks + static_cast<size_t>(i) * (kStack + page()) + page());
+  chk_barrier();  // a new block: nothing of the previous one can race with it
   std::vector<int> perm(l->nthreads);
   int live = l->nthreads;
   while (live > 0) {
@@ -245,9 +330,9 @@ inline void run_block(Launch* l, char* stacks) {
     for (int k : perm) {
       Fiber& f = l->fibers[k];
       if (f.wait != Wait::kReady) continue;
-      l->cur = &f;
+      l->cur = g_chk.cur = &f;
       tvm_mamba_sim_switch(&l->sched_sp, f.sp);
-      l->cur = nullptr;
+      l->cur = g_chk.cur = nullptr;
     }
     live = 0;
     for (Fiber& f : l->fibers) live += f.wait != Wait::kDone;
@@ -333,6 +418,7 @@ int launch(const char* name, void (*kernel)(P...), const TVMFFIAny* args, int na
   if (stacks == nullptr) return report(name, "could not map the thread stacks");
   std::vector<char> dyn(l.dyn_shared_bytes + 1);
   l.dyn_shared = dyn.data();
+  checks_begin(&l);
   long long nblocks = 1LL * l.grid.x * l.grid.y * l.grid.z;
   std::vector<long long> border(nblocks);
   for (long long i = 0; i < nblocks; ++i) border[i] = l.order == 2 ? nblocks - 1 - i : i;
@@ -358,15 +444,19 @@ int launch(const char* name, void (*kernel)(P...), const TVMFFIAny* args, int na
     }
   }
   current() = prev;
+  checks_end();
   if (rc != 0) return report(name, l.error);
   return 0;
 }
 
-inline char* dyn_shared() { return current()->dyn_shared; }
+inline char* dyn_shared(const char* name) {
+  g_chk.regions[kDyn].name = name;
+  return current()->dyn_shared;
+}
 
 }  // namespace tvm_mamba_sim
 
-#define TVM_MAMBA_SIM_DYN_SHARED(T, NAME) T* NAME = reinterpret_cast<T*>(::tvm_mamba_sim::dyn_shared())
+#define TVM_MAMBA_SIM_DYN_SHARED(T, NAME) T* NAME = reinterpret_cast<T*>(::tvm_mamba_sim::dyn_shared(#NAME))
 
 // __tvm_set_device: TVM's host code selects the device before launching; there is one simulated device.
 extern "C" __attribute__((visibility("default"))) int __tvm_ffi___tvm_set_device(void*, const TVMFFIAny*, int32_t,
@@ -379,5 +469,13 @@ extern "C" __attribute__((visibility("default"))) int __tvm_ffi_tvm_mamba_sim_co
   if (nargs != 2) return tvm_mamba_sim::report("tvm_mamba_sim_config", "expected (order, seed)");
   tvm_mamba_sim::config().order = static_cast<int>(args[0].v_int64);
   tvm_mamba_sim::config().seed = static_cast<uint64_t>(args[1].v_int64);
+  return 0;
+}
+// tvm_mamba_sim_checks(on, [argument index, address, bytes]...): turn the race / alignment checks on for the
+// given buffers (cudasim.py calls it before each run), or off (0).
+extern "C" __attribute__((visibility("default"))) int __tvm_ffi_tvm_mamba_sim_checks(void*, const TVMFFIAny* args,
+                                                                                     int32_t nargs, TVMFFIAny*) {
+  if (tvm_mamba_sim::set_checks(args, nargs) != 0)
+    return tvm_mamba_sim::report("tvm_mamba_sim_checks", "expected (on, [index, address, bytes]...)");
   return 0;
 }

@@ -197,12 +197,27 @@ inline void __threadfence() {}
 inline void __threadfence_block() {}
 
 // Atomics: the threads of a block are fibers of one OS thread and blocks run one after another, so a plain
-// read-modify-write is atomic here.
-template <typename T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
-template <typename T> inline T atomicSub(T* p, T v) { T old = *p; *p = old - v; return old; }
-template <typename T> inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
-template <typename T> inline T atomicMax(T* p, T v) { T old = *p; *p = old > v ? old : v; return old; }
-template <typename T> inline T atomicMin(T* p, T v) { T old = *p; *p = old < v ? old : v; return old; }
-template <typename T> inline T atomicCAS(T* p, T cmp, T v) { T old = *p; if (old == cmp) *p = v; return old; }
-template <typename T> inline T atomicAnd(T* p, T v) { T old = *p; *p = old & v; return old; }
-template <typename T> inline T atomicOr(T* p, T v) { T old = *p; *p = old | v; return old; }
+// read-modify-write is atomic here. Not instrumented (an atomic is no race): only the alignment is checked.
+#define TVM_MAMBA_SIM_ATOMIC(NAME, NEW)                                                                      \
+  template <typename T>                                                                                     \
+  TVM_MAMBA_SIM_NOTSAN inline T NAME(T* p, T v) {                                                           \
+    ::tvm_mamba_sim::note_access(p, sizeof(T), true, sizeof(T), false);                                     \
+    T old = *p;                                                                                             \
+    *p = NEW;                                                                                               \
+    return old;                                                                                             \
+  }
+TVM_MAMBA_SIM_ATOMIC(atomicAdd, old + v)
+TVM_MAMBA_SIM_ATOMIC(atomicSub, old - v)
+TVM_MAMBA_SIM_ATOMIC(atomicExch, v)
+TVM_MAMBA_SIM_ATOMIC(atomicMax, old > v ? old : v)
+TVM_MAMBA_SIM_ATOMIC(atomicMin, old < v ? old : v)
+TVM_MAMBA_SIM_ATOMIC(atomicAnd, old & v)
+TVM_MAMBA_SIM_ATOMIC(atomicOr, old | v)
+#undef TVM_MAMBA_SIM_ATOMIC
+template <typename T>
+TVM_MAMBA_SIM_NOTSAN inline T atomicCAS(T* p, T cmp, T v) {
+  ::tvm_mamba_sim::note_access(p, sizeof(T), true, sizeof(T), false);
+  T old = *p;
+  if (old == cmp) *p = v;
+  return old;
+}
