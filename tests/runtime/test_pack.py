@@ -44,7 +44,7 @@ print("routed", threads._state.get("addr") is not None)
 def test_cpu_pack_runs_with_only_the_tvm_runtime(tmp_path):
     folder = build_pack([], str(tmp_path / "pack"), "cpu", seqlens=(64,), batches=(1, 4), configs=CONFIGS)
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["format"] == 1 and len(manifest["entries"]) == 4 and len(list(folder.glob("*.so"))) == 2
+    assert manifest["format"] == 2 and len(manifest["entries"]) == 4 and len(list(folder.glob("*.so"))) == 2
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder),
                TVM_MAMBA_CACHE_DIR=str(tmp_path / "no-cache"))
     proc = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=300)
