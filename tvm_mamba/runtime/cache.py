@@ -135,6 +135,8 @@ def _try_load(path: pathlib.Path, key: KernelKey, plan: Plan, may_discard: bool)
     try:
         return verified.load(path, _map, facts=_facts(key, plan))
     except verified.BadLibrary as err:
+        if err.path != path:  # not this file (the pack launcher its mapper loads): not ours to discard
+            raise
         if may_discard and path.exists():
             warnings.warn(f"tvm_mamba: discarding cached kernel {path} ({err.why}); rebuilding", RuntimeWarning,
                           stacklevel=4)
@@ -164,6 +166,8 @@ def _from_pack(key: KernelKey) -> Kernel | None:
         try:  # not the user's cache: packs are named by the user, like PYTHONPATH, so not owner-checked
             module = verified.load(path, lambda p: load_library(p, pk.folder), sha256=sha256, private=False)
         except verified.BadLibrary as err:
+            if err.path != path:  # the pack's launcher: threads.py names it
+                raise
             raise verified.BadLibrary(path, f"{err.why}; refusing the kernel pack {pk.folder} (a pack is not "
                                             f"rebuilt in place: copy it again, or rebuild it with `python -m "
                                             f"tvm_mamba aot`)") from err

@@ -94,6 +94,8 @@ def load(path: pathlib.Path, mapper: Callable[[pathlib.Path], Any], *, facts: di
     verify(path, facts=facts, sha256=sha256, private=private)
     try:
         return mapper(path)
+    except (BadLibrary, cache_dir.UntrustedPath):  # another library the mapper loads (the launcher): as is
+        raise
     except Exception as err:  # noqa: BLE001 - a library that verifies but does not load is a bad file too
         msg = str(err).strip().splitlines()[-1][:160] if str(err).strip() else ""
         raise BadLibrary(path, f"{type(err).__name__}: {msg}") from err
