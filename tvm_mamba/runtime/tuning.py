@@ -40,6 +40,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import stat
 import threading
 import warnings
 
@@ -306,7 +307,7 @@ def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
         except OSError:
             stamp.append((str(p), -1, -1, 0))
             continue
-        if user:
+        if user and stat.S_ISREG(st.st_mode):  # what is read (a FIFO or device is skipped unread: records.py)
             require_trusted(p, "tuning log", ENV, st=st)
         stamp.append((str(p), st.st_mtime_ns, st.st_size, st.st_mode))
     _stamps[(str(root), dev)] = (now, tuple(stamp))
@@ -519,7 +520,6 @@ def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s:
 def _require_regular(path: pathlib.Path) -> None:
     """Refuse to append to a FIFO / directory / device where the log file should be (opening a FIFO
     waits for a reader; the others fail mid-write): the tuner says which path to remove instead."""
-    import stat
 
     try:
         mode = path.stat().st_mode
