@@ -520,7 +520,6 @@ def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s:
 def _require_regular(path: pathlib.Path) -> None:
     """Refuse to append to a FIFO / directory / device where the log file should be (opening a FIFO
     waits for a reader; the others fail mid-write): the tuner says which path to remove instead."""
-
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
