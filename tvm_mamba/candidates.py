@@ -23,7 +23,7 @@ import time
 
 from . import metaschedule as msd
 from .runtime import KernelKey, cpu_target, cuda_target, target_key
-from .runtime import dispatch, pack, tuning
+from .runtime import dispatch, pack, tuning, verified
 from .runtime.cache import compile_module
 from .schedules.rule import Decisions
 
@@ -78,7 +78,7 @@ def measure(pack_dir: str, timings: str, repeats: int = 20) -> pathlib.Path:
     import tvm
 
     folder = pathlib.Path(pack_dir)
-    manifest = json.loads((folder / pack.MANIFEST).read_text())
+    manifest = pack.read_manifest(folder)
     cuda = manifest["target"].startswith("cuda-")
     device = "cuda" if cuda else "cpu"
     if cuda:
@@ -87,7 +87,9 @@ def measure(pack_dir: str, timings: str, repeats: int = 20) -> pathlib.Path:
     results = []
     for i, e in enumerate(manifest["entries"]):
         key = KernelKey.from_json(e["key"])
-        fn = tvm.runtime.load_module(str(folder / e["file"]))[f"{key.op}_{key.direction}"]
+        lib = verified.load(folder / e["file"], lambda p: tvm.runtime.load_module(str(p)), sha256=e["sha256"],
+                            private=False)  # mapped only if its bytes are the ones the manifest lists
+        fn = lib[f"{key.op}_{key.direction}"]
         args = [_tensor(torch, spec, device, gen) for spec in e["params"]]
         times = []
         for r in range(repeats + 3):

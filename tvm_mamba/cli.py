@@ -186,7 +186,9 @@ def cmd_cache(args) -> int:
     from tvm_mamba.runtime import cache
 
     base, current = cache.cache_base(), cache.cache_root()
-    folders = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    # version folders only: the default user tuning logs (tuning_logs/) live in the same base folder
+    folders = sorted(p for p in base.iterdir() if p.is_dir() and p.name.startswith("tvm_mamba-")) \
+        if base.is_dir() else []
 
     def size(p):
         return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())

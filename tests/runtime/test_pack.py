@@ -44,7 +44,7 @@ print("routed", threads._state.get("addr") is not None)
 def test_cpu_pack_runs_with_only_the_tvm_runtime(tmp_path):
     folder = build_pack([], str(tmp_path / "pack"), "cpu", seqlens=(64,), batches=(1, 4), configs=CONFIGS)
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["format"] == 1 and len(manifest["entries"]) == 4 and len(list(folder.glob("*.so"))) == 2
+    assert manifest["format"] == 2 and len(manifest["entries"]) == 4 and len(list(folder.glob("*.so"))) == 2
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder),
                TVM_MAMBA_CACHE_DIR=str(tmp_path / "no-cache"))
     proc = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=300)
@@ -105,3 +105,74 @@ def test_gpu_check_script_on_cpu_with_runtime_only(tmp_path):
     data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert len(data["rows"]) == 2 and all(r["ok"] for r in data["rows"])
     assert "gpu_check: 2 checks, 0 failed" in proc.stdout
+
+
+def _good_manifest() -> dict:
+    from tvm_mamba.runtime import KernelKey
+
+    key = KernelKey.make("causal_conv1d", "fwd", DT, CONFIGS[0][2], "llvm-x", {"batch": 1, "seqlen": 64})
+    return {"format": 2, "target": "llvm-x", "entries": [{"key": key.to_json(), "file": "k.so",
+                                                           "plan": "default", "sha256": "ab" * 32}]}
+
+
+def _entry(**change):
+    def mutate(m):
+        for name, value in change.items():
+            if value is None:
+                del m["entries"][0][name]
+            else:
+                m["entries"][0][name] = value
+    return mutate
+
+
+MALFORMED = {  # name: (how the manifest is spoiled, what the error says)
+    "missing": (None, "unreadable (No such file or directory)"),
+    "not JSON": ('{"format": 2, ', "not JSON"),
+    "a list": ("[1, 2]", "the top level is list, not an object"),
+    "format 1": (lambda m: m.update(format=1), "format 1, expected 2 (a pack made before file digests"),
+    "no format": (lambda m: m.pop("format"), "format None, expected 2"),
+    "target not a string": (lambda m: m.update(target=3), "target is not a string"),
+    "entries not a list": (lambda m: m.update(entries=3), "entries is not a list"),
+    "entry not an object": (lambda m: m.update(entries=[1]), "entries[0] is int, not an object"),
+    "entry without sha256": (_entry(sha256=None), "entries[0] has no 'sha256'"),
+    "key not an object": (_entry(key=[1]), "entries[0] key is not an object"),
+    "key with a bad field": (_entry(key={"op": 1}), "entries[0] key.op is not a string"),
+    "file outside the pack": (_entry(file="../x.so"), "entries[0] file '../x.so' is not a file name inside"),
+    "file not a string": (_entry(file=5), "entries[0] file 5 is not a file name"),
+    "plan not a string": (_entry(plan=None), "entries[0] has no 'plan'"),
+    "sha256 not hex": (_entry(sha256="xyz"), "entries[0] sha256 is not 64 lowercase hex digits"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED))
+def test_malformed_manifest_is_refused_naming_the_file(tmp_path, kind):
+    """Each way a manifest can be malformed gives BadManifest (a ValueError) naming manifest.json and what is
+    wrong, never a TypeError from deep inside the loader (the issue's ``'int' object is not subscriptable``)."""
+    from tvm_mamba.runtime import pack
+
+    spoil, says = MALFORMED[kind]
+    if spoil is not None:
+        data = _good_manifest()
+        text = spoil if isinstance(spoil, str) else (spoil(data), json.dumps(data))[1]
+        (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(pack.BadManifest) as err:
+        pack.Pack(tmp_path)
+    assert str(err.value).startswith(f"kernel pack manifest {tmp_path / 'manifest.json'}: ") and says in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_good_manifest_reads_and_the_public_call_names_a_bad_one(tmp_path):
+    from tvm_mamba.runtime import pack
+
+    (tmp_path / "manifest.json").write_text(json.dumps(_good_manifest()))
+    assert pack.Pack(tmp_path).target == "llvm-x"  # the base of the malformed cases is itself valid
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text(json.dumps(dict(_good_manifest(), entries=[1])))
+    code = ("import torch, tvm_mamba\n"
+            "tvm_mamba.causal_conv1d_fn(torch.randn(1, 24, 8), torch.randn(24, 4))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TVM_MAMBA_KERNEL_PACK=str(bad)))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last == (f"tvm_mamba.runtime.pack.BadManifest: kernel pack manifest "
+                                             f"{bad / 'manifest.json'}: entries[0] is int, not an object"), last

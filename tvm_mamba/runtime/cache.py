@@ -3,8 +3,12 @@
 memo (in process) -> disk cache (verify, then load) -> file lock -> re-check -> build -> atomic write (temp
 file + rename, then a stamp: the sha256 of the file's bytes, the key and the plan) -> load.
 
-A cached file is loaded only when its bytes match its stamp and the stamp names this key and plan, so a
-truncated, overwritten or swapped file is never mapped: it is removed with a warning and rebuilt.
+Every library is mapped through verified.load: a cached file is loaded only when its bytes match its stamp
+and the stamp names this key and plan, so a truncated, overwritten or swapped file is never mapped: it is
+removed with a warning and rebuilt (a pack's file is refused instead: a pack is not rebuilt in place). The
+cache folders must be the user's own (cache_dir: ``UntrustedPath`` otherwise). A ``cache --clear`` in
+another process while a kernel builds removes the folder under the build: the compiled library is kept in
+memory and written again into a recreated folder (CLEAR_RETRIES times).
 
 The cache lives in ``$TVM_MAMBA_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tvm_mamba`` or ``~/.cache/tvm_mamba``),
 under a folder named by the package, TVM and tvm-ffi versions and a digest of the package's compute/schedule
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import os
 import pathlib
 import tempfile
@@ -30,8 +33,9 @@ import filelock
 import tvm
 import tvm_ffi
 
-from . import cudasim, dispatch, pack, threads
-from .cache_dir import _source_digest, cache_base, cache_root  # noqa: F401  (cache's API)
+from . import cudasim, dispatch, pack, threads, verified
+from .cache_dir import (_source_digest, build_root, cache_base, cache_root, private_mkdir,  # noqa: F401
+                        UntrustedPath)
 from .key import KernelKey, Plan
 
 
@@ -72,12 +76,14 @@ class Kernel:
         return f"Kernel({self.key}, {self.plan.source})"
 
 
-def cache_path(key: KernelKey, plan: Plan) -> pathlib.Path:
+def cache_path(key: KernelKey, plan: Plan, root: pathlib.Path | None = None) -> pathlib.Path:
+    """The kernel's file under ``root`` (default cache_root(); build_root() is where this process writes)."""
     tag = hashlib.sha256((key.workload().digest() + plan.digest()).encode()).hexdigest()[:16]
-    return cache_root() / key.target / f"{key.op}-{key.direction}-{tag}.so"
+    return (root or cache_root()) / key.target / f"{key.op}-{key.direction}-{tag}.so"
 
 
 LOCK_TIMEOUT_S = 600.0  # longer than any one build here (the largest CUDA + nvcc builds take ~30 s)
+CLEAR_RETRIES = 3  # a concurrent `cache --clear` removing the folder mid-build: write it again this often
 _build_lock = threading.Lock()
 _memo: dict[tuple[KernelKey, str], Kernel] = {}
 _memo_lock = threading.Lock()
@@ -100,7 +106,8 @@ def compile_module(key: KernelKey, mod: tvm.IRModule):
         return tvm.compile(mod, target=target)
 
 
-def _load(path: pathlib.Path):
+def _map(path: pathlib.Path):
+    """The mapper verified.load calls for a cache file (never call it on an unverified file)."""
     if path.parent.name.startswith(cudasim.PREFIX):
         return cudasim.load(str(path))
     return load_library(path)
@@ -108,9 +115,10 @@ def _load(path: pathlib.Path):
 
 def load_library(path: pathlib.Path, pack_folder: pathlib.Path | None = None):
     """tvm.runtime.load_module, a CPU library's parallel loops then put on torch's OpenMP team (threads.py:
-    the launcher a kernel pack ships, else one built into the cache, never with only the TVM runtime)."""
+    the launcher a kernel pack ships, else one built into the cache, never with only the TVM runtime).
+    A mapper for verified.load: the file has been verified before this is called."""
     module = tvm.runtime.load_module(str(path))
-    threads.route(path, None if pack.runtime_only() else cache_root(),
+    threads.route(path, None if pack.runtime_only() else build_root(),
                   pack_folder / PACK_THREADS if pack_folder is not None else None)
     return module
 
@@ -118,51 +126,27 @@ def load_library(path: pathlib.Path, pack_folder: pathlib.Path | None = None):
 PACK_THREADS = "threads"  # a kernel pack's subfolder holding the OpenMP launcher (aot.build_pack)
 
 
-def _stamp_path(path: pathlib.Path) -> pathlib.Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def _stamp(path: pathlib.Path, key: KernelKey, plan: Plan) -> dict:
-    return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "key": key.workload().digest(),
-            "plan": hashlib.sha256(plan.digest().encode()).hexdigest()[:16]}
-
-
-def _verified(path: pathlib.Path, key: KernelKey, plan: Plan) -> bool:
-    """True if ``path`` is the file this key's build wrote: its stamp (written at the atomic write) names this
-    key and plan and the sha256 of these exact bytes. A truncated, overwritten or swapped file is never mapped
-    (mapping a truncated .so faults when touched past its end)."""
-    try:
-        stamp = json.loads(_stamp_path(path).read_text())
-        return isinstance(stamp, dict) and stamp == _stamp(path, key, plan)
-    except (OSError, ValueError):
-        return False
-
-
-def _discard(path: pathlib.Path, why: str) -> None:
-    warnings.warn(f"tvm_mamba: discarding cached kernel {path} ({why}); rebuilding", RuntimeWarning, stacklevel=4)
-    stats["discarded"] += 1
-    for p in (path, _stamp_path(path)):
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
+def _facts(key: KernelKey, plan: Plan) -> dict:
+    """What a kernel file's stamp says it was built for, beside its sha256 (verified.py)."""
+    return {"key": key.workload().digest(), "plan": hashlib.sha256(plan.digest().encode()).hexdigest()[:16]}
 
 
 def _try_load(path: pathlib.Path, key: KernelKey, plan: Plan, may_discard: bool):
-    """The module at ``path`` if it verifies and loads; else None (removing the file only when
-    ``may_discard``: under the build lock, so a reader never removes a file a writer is finishing)."""
+    """The module at ``path`` if it verifies and loads (verified.load: a truncated, overwritten or swapped
+    file is never mapped); else None, removing the file with a warning only when ``may_discard``: under the
+    build lock, so a reader never removes a file a writer is finishing."""
     if not path.exists():
         return None
-    if not _verified(path, key, plan):
-        if may_discard:
-            _discard(path, "its bytes do not match the stamp written with it")
-        return None
     try:
-        return _load(path)
-    except Exception as err:  # noqa: BLE001 - any load failure means a bad file
-        if may_discard:
-            msg = str(err).strip().splitlines()[-1][:160] if str(err).strip() else ""
-            _discard(path, f"{type(err).__name__}: {msg}")
+        return verified.load(path, _map, facts=_facts(key, plan))
+    except verified.BadLibrary as err:
+        if err.path != path:  # not this file (the pack launcher its mapper loads): not ours to discard
+            raise
+        if may_discard and path.exists():
+            warnings.warn(f"tvm_mamba: discarding cached kernel {path} ({err.why}); rebuilding", RuntimeWarning,
+                          stacklevel=4)
+            stats["discarded"] += 1
+            verified.discard(path)
         return None
 
 
@@ -177,14 +161,21 @@ def _from_pack(key: KernelKey) -> Kernel | None:
             raise RuntimeError(f"kernel {key} is not in the kernel pack {pk.folder} and this TVM has no compiler "
                                f"(TVM_USE_RUNTIME_LIB=1); add it with `python -m tvm_mamba aot` on a build host")
         return None
-    path, source = found
+    path, source, sha256 = found
     memo_key = (key.workload(), str(path))
     kern = _memo.get(memo_key)
     if kern is None:
         if key.target.startswith("cuda-"):
             pack.load_cuda_runtime()
         t0 = time.perf_counter()
-        module = load_library(path, pk.folder)
+        try:  # not the user's cache: packs are named by the user, like PYTHONPATH, so not owner-checked
+            module = verified.load(path, lambda p: load_library(p, pk.folder), sha256=sha256, private=False)
+        except verified.BadLibrary as err:
+            if err.path != path:  # the pack's launcher: threads.py names it
+                raise
+            raise verified.BadLibrary(path, f"{err.why}; refusing the kernel pack {pk.folder} (a pack is not "
+                                            f"rebuilt in place: copy it again, or rebuild it with `python -m "
+                                            f"tvm_mamba aot`)") from err
         kern = Kernel(key, Plan(key, (), f"pack: {path.name} ({source})"), module, path, 0.0,
                       time.perf_counter() - t0)
         _memo[memo_key] = kern
@@ -239,14 +230,13 @@ def _resolve(key: KernelKey) -> Kernel:
         if kern is not None:
             return _serving(kern, key, plan)
         path = cache_path(key, plan)
-        path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         module = _try_load(path, key, plan, may_discard=False)
         build_s = 0.0
         if module is not None:
             stats["disk_loads"] += 1
-        else:
-            module, path, build_s = _locked_build(key, plan, path)
+        else:  # build_root() is cache_root() unless the cache is shared read-only
+            module, path, build_s = _locked_build(key, plan, cache_path(key, plan, build_root()))
         kern = Kernel(key, plan, module, path, build_s, time.perf_counter() - t0 - build_s)
         _memo[memo_key] = kern
         return kern
@@ -273,42 +263,49 @@ def _serving(kern: Kernel, key: KernelKey, plan: Plan) -> Kernel:
 
 def _locked_build(key: KernelKey, plan: Plan, path: pathlib.Path):
     """Under the cross-process lock: load what another process built, or build and write atomically. If the
-    lock is not had within LOCK_TIMEOUT_S (a process stuck holding it), build privately with a warning."""
-    try:
-        with filelock.FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
-            module = _try_load(path, key, plan, may_discard=True)  # another process built it
-            if module is not None:
-                stats["disk_loads"] += 1
-                return module, path, 0.0
-            tb = time.perf_counter()
-            _write(key, plan, path)
-            return _load(path), path, time.perf_counter() - tb
-    except filelock.Timeout:
-        warnings.warn(f"tvm_mamba: the build lock {path}.lock has been held for over {LOCK_TIMEOUT_S:.0f} s by "
-                      f"another process; building {key.op}.{key.direction} privately", RuntimeWarning, stacklevel=3)
-        private = pathlib.Path(tempfile.mkdtemp(prefix="tvm_mamba_private_")) / path.parent.name / path.name
-        private.parent.mkdir(parents=True)
-        tb = time.perf_counter()
-        _write(key, plan, private)
-        return _load(private), private, time.perf_counter() - tb
+    lock is not had within LOCK_TIMEOUT_S (a process stuck holding it), build privately with a warning. If the
+    folder or file vanishes meanwhile (another process ran ``cache --clear``), the folder is recreated and the
+    library, compiled once and kept in memory, written again."""
+    built, last = None, None
+    for _ in range(CLEAR_RETRIES):
+        try:
+            private_mkdir(path.parent)
+            with filelock.FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
+                module = _try_load(path, key, plan, may_discard=True)  # another process built it
+                if module is not None:
+                    stats["disk_loads"] += 1
+                    return module, path, 0.0
+                built = built or _compile(key)
+                verified.write(path, built[0], _facts(key, plan))
+                return verified.load(path, _map, facts=_facts(key, plan)), path, built[1]
+        except filelock.Timeout:
+            warnings.warn(f"tvm_mamba: the build lock {path}.lock has been held for over {LOCK_TIMEOUT_S:.0f} s "
+                          f"by another process; building {key.op}.{key.direction} privately", RuntimeWarning,
+                          stacklevel=3)
+            private = pathlib.Path(tempfile.mkdtemp(prefix="tvm_mamba_private_")) / path.parent.name / path.name
+            private_mkdir(private.parent)
+            built = built or _compile(key)
+            verified.write(private, built[0], _facts(key, plan))
+            return verified.load(private, _map, facts=_facts(key, plan)), private, built[1]
+        except (OSError, verified.BadLibrary) as err:
+            if isinstance(err, UntrustedPath) or path.exists():
+                raise  # not a vanished folder or file: a real failure
+            last = err
+    raise last
 
 
-def _write(key: KernelKey, plan: Plan, path: pathlib.Path) -> None:
-    """Build ``key`` and write it atomically (temp file + rename), then its stamp."""
+def _compile(key: KernelKey) -> tuple[bytes, float]:
+    """(the library's bytes, seconds): compiled and exported in a private temporary folder, so that a
+    cleared cache folder costs a rewrite, not a rebuild."""
+    tb = time.perf_counter()
     with _build_lock:  # TVMScript parsing is not thread-safe in CPython 3.11 (AST recursion-depth mismatch)
         ex = compile_module(key, dispatch.schedule(key))
-    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        ex.export_library(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    stamp_tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{path.name}.sha256")
-    stamp_tmp.write_text(json.dumps(_stamp(path, key, plan)))
-    os.replace(stamp_tmp, _stamp_path(path))
+    with tempfile.TemporaryDirectory(prefix="tvm_mamba_build_") as tmp:
+        out = os.path.join(tmp, "kernel.so")
+        ex.export_library(out)
+        data = pathlib.Path(out).read_bytes()
     stats["builds"] += 1
+    return data, time.perf_counter() - tb
 
 
 def clear_memo() -> None:

@@ -17,6 +17,11 @@ section calling back) the lambda runs serially.
 When: only when torch is already loaded (no torch, no second pool to cooperate with), for CPU libraries, and
 unless ``TVM_MAMBA_CPU_POOL=tvm`` keeps TVM's pool. A launcher that cannot be built or loaded (no C compiler,
 no libgomp) leaves TVM's pool in place with one warning.
+
+The launcher is a shared library in the cache like a kernel, and is mapped the same way: through
+verified.load, against the stamp written with it. A cached one that does not verify (truncated: mapping it
+would SIGBUS) is removed with a warning and rebuilt, under a file lock; a pack's is refused (an error naming
+it), as a pack's kernels are. An untrusted cache folder raises (cache_dir.UntrustedPath).
 """
 from __future__ import annotations
 
@@ -25,8 +30,11 @@ import hashlib
 import os
 import pathlib
 import sys
+import tempfile
 import threading
 import warnings
+
+from . import cache_dir, verified
 
 ENV = "TVM_MAMBA_CPU_POOL"  # "openmp" (default) or "tvm"
 SYMBOL = "__TVMBackendParallelLaunch"
@@ -76,7 +84,9 @@ int tvm_mamba_parallel_launch(Lambda f, void* cdata, int num_task) {
 """
 
 _lock = threading.Lock()
-_state: dict = {}  # "launcher": ctypes.CDLL | None once decided, "addr": int
+_state: dict = {}  # "lib": the launcher's ctypes.CDLL, "addr": int | None once decided
+FACTS = {"launcher": hashlib.sha256(LAUNCHER_C.encode()).hexdigest()[:12]}  # what its stamp says it is
+LOCK_TIMEOUT_S = 120.0  # building the launcher takes ~0.3 s; past this a stuck process is assumed
 
 
 def enabled() -> bool:
@@ -91,49 +101,89 @@ def launcher_file(folder: pathlib.Path) -> pathlib.Path:
     return folder / f"omp_launch-{hashlib.sha256(LAUNCHER_C.encode()).hexdigest()[:12]}.so"
 
 
-def build_launcher(folder: pathlib.Path) -> pathlib.Path:
-    """The launcher library in ``folder`` (built there with TVM's C compiler unless already present)."""
+def _compile_launcher() -> bytes:
+    """The launcher library's bytes, compiled in a private temporary folder with TVM's C compiler."""
     from tvm.support import cc
 
-    path = launcher_file(folder)
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        src = folder / f".omp_launch-{os.getpid()}-{threading.get_ident()}.c"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        src.write_text(LAUNCHER_C)
+    with tempfile.TemporaryDirectory(prefix="tvm_mamba_launcher_") as tmp:
+        src, out = os.path.join(tmp, "omp_launch.c"), os.path.join(tmp, "omp_launch.so")
+        pathlib.Path(src).write_text(LAUNCHER_C)
+        cc.create_shared(out, [src], options=["-O2", "-fPIC"])
+        return pathlib.Path(out).read_bytes()
+
+
+def build_launcher(folder: pathlib.Path, private: bool = False) -> pathlib.Path:
+    """The launcher library in ``folder``, verified: kept if it matches its stamp, else (missing, or removed
+    with a warning when it does not verify) compiled and written there with its stamp, under a file lock.
+    ``private`` (the cache): ``folder`` is created 0700 and must be trusted (cache_dir); else it is an AOT
+    pack's folder, made for others to read. Survives a concurrent ``cache --clear`` (the folder is made
+    again)."""
+    import filelock
+
+    path, last = launcher_file(folder), None
+    for _ in range(3):
         try:
-            cc.create_shared(str(tmp), [str(src)], options=["-O2", "-fPIC"])
-            tmp.replace(path)  # atomic: a concurrent process sees no half-written library
-        finally:
-            src.unlink(missing_ok=True)
-            tmp.unlink(missing_ok=True)
-    return path
+            cache_dir.private_mkdir(folder) if private else folder.mkdir(parents=True, exist_ok=True)
+            with filelock.FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
+                try:
+                    verified.verify(path, facts=FACTS, private=private)
+                    return path
+                except verified.BadLibrary as err:
+                    if path.exists():
+                        warnings.warn(f"tvm_mamba: discarding the cached thread launcher {path} ({err.why}); "
+                                      f"rebuilding", RuntimeWarning, stacklevel=3)
+                        verified.discard(path)
+                verified.write(path, _compile_launcher(), FACTS)
+                return path
+        except FileNotFoundError as err:  # the folder was removed meanwhile (`cache --clear`): make it again
+            last = err
+    raise last
 
 
-def _find_or_build(shipped: pathlib.Path | None, build_in: pathlib.Path | None) -> pathlib.Path | None:
+def _open(shipped: pathlib.Path | None, build_in: pathlib.Path | None):
+    """The launcher, mapped through verified.load: a pack's (``shipped``; a bad one raises BadLibrary: a pack
+    is not rebuilt in place), else the one in the cache folder ``build_in`` (built or rebuilt there); None
+    for a runtime-only install whose pack has no launcher."""
     if shipped is not None and launcher_file(shipped).exists():
-        return launcher_file(shipped)
-    return build_launcher(build_in) if build_in is not None else None
+        try:
+            return verified.load(launcher_file(shipped), ctypes.CDLL, facts=FACTS, private=False)
+        except verified.BadLibrary as err:
+            raise verified.BadLibrary(err.path, f"{err.why}; refusing the kernel pack's thread launcher (a pack "
+                                                f"is not rebuilt in place: copy it again, or rebuild it with "
+                                                f"`python -m tvm_mamba aot`)") from err
+    if build_in is None:
+        return None
+    why = None
+    for _ in range(3):
+        try:
+            return verified.load(build_launcher(build_in, private=True), ctypes.CDLL, facts=FACTS)
+        except verified.BadLibrary as err:  # replaced or removed since it was checked: check (rebuild) again
+            why = err
+    raise RuntimeError(f"no thread launcher that verifies in {build_in} ({why})")  # TVM's pool, with a warning
 
 
 def launcher_address(build_in: pathlib.Path | None, shipped: pathlib.Path | None = None) -> int | None:
     """Address of the OpenMP launcher: the one in ``shipped`` (a kernel pack's), else built into
-    ``build_in`` on first use; None where it cannot be had (decided once per process)."""
+    ``build_in`` on first use; None where it cannot be had (decided once per process). A damaged pack
+    launcher (BadLibrary) or an untrusted cache (cache_dir.UntrustedPath) raises, and is decided again on
+    the next call."""
     with _lock:
         if "addr" not in _state:
-            _state["addr"] = None
             try:
-                path = _find_or_build(shipped, build_in)
-                if path is None:  # a runtime-only install whose pack has no launcher: TVM's pool
+                lib = _open(shipped, build_in)
+                if lib is None:  # a runtime-only install whose pack has no launcher: TVM's pool
+                    _state["addr"] = None
                     return None
                 gomp = ctypes.CDLL("libgomp.so.1")  # torch's, already loaded: one libgomp per process
-                lib = ctypes.CDLL(str(path))
                 lib.tvm_mamba_set_omp(*(ctypes.cast(getattr(gomp, n), ctypes.c_void_p) for n in (
                     "GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel",
                     "omp_get_max_threads")))
                 _state["lib"] = lib
                 _state["addr"] = ctypes.cast(lib.tvm_mamba_parallel_launch, ctypes.c_void_p).value
+            except (cache_dir.UntrustedPath, verified.BadLibrary):  # a damaged pack, an untrusted cache
+                raise
             except Exception as err:  # noqa: BLE001 - no compiler / no libgomp: keep TVM's pool
+                _state["addr"] = None
                 warnings.warn(f"tvm_mamba: CPU kernels keep TVM's thread pool ({type(err).__name__}: {err}); "
                               f"set {ENV}=tvm to silence this", RuntimeWarning, stacklevel=3)
         return _state["addr"]

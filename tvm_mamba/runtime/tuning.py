@@ -25,6 +25,11 @@ validate against the KernelKey schema is skipped, and a record whose knob values
 does not accept (``32.0`` for ``32``, a value outside the knob's list, a knob the rule does not read) is
 skipped when it would be served; each with one warning naming the file. The hand default (or the next
 usable record) serves instead, and ``explain()`` says so.
+
+Trust: the user folder is created 0700 and, like the kernel cache (cache_dir), refused (``UntrustedPath``
+naming it and the fix) when it, a device folder in it or a log file is owned by another user or writable
+by group/others: records choose which schedule builds, so they are not taken from someone else. The
+shipped logs are trusted as the package's code is.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import stat
 import threading
 import warnings
 
@@ -43,7 +49,7 @@ import tvm_ffi
 
 from ..schedules.rule import Decisions
 from . import records, rules
-from .cache_dir import cache_root
+from .cache_dir import UntrustedPath, build_root, private_mkdir, require_trusted
 from .key import KernelKey, Plan, bucket_distance
 
 ENV = "TVM_MAMBA_TUNING_LOGS"
@@ -291,12 +297,19 @@ def _folder_stamp(root: pathlib.Path, dev: str) -> tuple:
     if cached is not None and now - cached[0] < _STAMP_TTL_S:
         return cached[1]
     stamp = []
+    user = root != package_logs_dir()  # the shipped logs are trusted as the package's code is
+    if user:
+        for folder in (root, root / dev):
+            require_trusted(folder, "tuning logs directory", ENV)
     for p in sorted((root / dev).rglob("*.json*")) if (root / dev).is_dir() else ():
         try:  # stat, not open: safe on a FIFO; a vanished or dangling entry counts as changed
             st = p.stat()
-            stamp.append((str(p), st.st_mtime_ns, st.st_size, st.st_mode))
         except OSError:
             stamp.append((str(p), -1, -1, 0))
+            continue
+        if user and stat.S_ISREG(st.st_mode):  # what is read (a FIFO or device is skipped unread: records.py)
+            require_trusted(p, "tuning log", ENV, st=st)
+        stamp.append((str(p), st.st_mtime_ns, st.st_size, st.st_mode))
     _stamps[(str(root), dev)] = (now, tuple(stamp))
     return tuple(stamp)
 
@@ -342,19 +355,21 @@ _checked: dict[str, str | None] = {}
 def _rule_problem(workload: KernelKey, values: dict) -> str | None:
     """_check_decisions, memoized in the process and on disk beside the compiled kernels: applying a rule
     takes 0.1-3 s, and a warm start (kernels loaded from disk) should not pay it on every run. The disk
-    entry lives under cache_root(), whose name includes the schedule sources' digest, so editing a rule
-    re-checks."""
+    entry lives under build_root() (the cache's version folder), whose name includes the schedule sources'
+    digest, so editing a rule re-checks."""
     tag = hashlib.sha256((workload.digest() + json.dumps(values, sort_keys=True)).encode()).hexdigest()[:24]
     if tag in _checked:
         return _checked[tag]
     path = None
     try:
-        path = cache_root() / "tuning_checks" / f"{tag}.json"
+        path = build_root() / "tuning_checks" / f"{tag}.json"
         text, _ = records.read_text(path)
         obj, _ = records.parse_json(text) if text is not None else (None, None)
         if isinstance(obj, dict) and (obj.get("problem") is None or isinstance(obj.get("problem"), str)):
             _checked[tag] = obj.get("problem")
             return _checked[tag]
+    except UntrustedPath:
+        raise
     except OSError:
         path = None
     problem = _checked[tag] = _check_decisions(workload, values)
@@ -365,7 +380,7 @@ def _rule_problem(workload: KernelKey, values: dict) -> str | None:
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_mkdir(path.parent)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(text)
         tmp.replace(path)
@@ -467,7 +482,7 @@ def _count(root: pathlib.Path, dev: str) -> int:
 def write_meta(folder: pathlib.Path, device: str, budget: dict) -> None:
     import datetime
 
-    folder.mkdir(parents=True, exist_ok=True)
+    private_mkdir(folder)
     refresh()
     today = datetime.date.today().isoformat()
     old, _ = _read_meta(folder)  # keep the history of runs made with these versions (the latest also as "budget")
@@ -486,7 +501,7 @@ def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s:
     JSON fields kept beside (``tune_s``: seconds spent tuning it; ``source``: "metaschedule" when the
     candidates came from the op's MetaSchedule JSONDatabase)."""
     path = folder / key.op / RECORDS
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(path.parent)
     _require_regular(path)
     refresh()
     line = json.dumps({"key": key.to_json(), "decisions": decisions, "time_s": time_s,
@@ -505,8 +520,6 @@ def append_record(folder: pathlib.Path, key: KernelKey, decisions: dict, time_s:
 def _require_regular(path: pathlib.Path) -> None:
     """Refuse to append to a FIFO / directory / device where the log file should be (opening a FIFO
     waits for a reader; the others fail mid-write): the tuner says which path to remove instead."""
-    import stat
-
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
