@@ -89,22 +89,24 @@ def test_candidate_round_emit_measure_runtime_only_commit(tmp_path):
 
 
 def test_gpu_check_script_on_cpu_with_runtime_only(tmp_path):
-    """scripts/gpu_check.py is the GPU machine's check; rehearse it on this CPU, runtime-only, from a pack
-    holding exactly the kernels it needs (the GPU run itself needs the lent GPU: scripts/gpu_check.sh)."""
-    from tvm_mamba.compute.causal_conv1d import build_check_configs
-
-    configs = [("causal_conv1d", d, s, t) for d, s, t in build_check_configs()
-               if s.get("width") == 4 and not s.get("has_seq_idx") and d in ("fwd", "bwd")]
-    assert len(configs) == 4  # fp32 and bf16, forward and backward
-    folder = build_pack([], str(tmp_path / "pack"), "cpu", seqlens=(2048,), batches=(2,), configs=configs)
-    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder))
+    """scripts/gpu_check.py is the GPU machine's check; rehearse it on this CPU, runtime-only (no TVM compiler:
+    a kernel missing from the pack fails), from a pack built from the check's own ``configs`` list (the GPU run
+    itself needs the lent GPU: scripts/gpu_check.sh)."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu_check.py")
-    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "out"), "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert len(data["rows"]) == 2 and all(r["ok"] for r in data["rows"])
-    assert "gpu_check: 2 checks, 0 failed" in proc.stdout
+    cfg, folder, out = tmp_path / "configs.json", tmp_path / "pack", tmp_path / "out"
+
+    def run(*args, env=None):
+        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc
+
+    run(script, "configs", "--device", "cpu", "--small", "--ops", "linear", "--out", str(cfg))
+    run("-m", "tvm_mamba", "aot", "--target", "cpu", "--configs", str(cfg), "--out", str(folder))
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder))
+    proc = run(script, "run", "--device", "cpu", "--small", "--ops", "linear", "--out", str(out), env=env)
+    rows = json.loads((out / "gpu_check.json").read_text())["rows"]
+    assert rows and all(r["ok"] for r in rows)
+    assert f"gpu_check: {len(rows)} checks, 0 failed" in proc.stdout
 
 
 def _good_manifest() -> dict:
