@@ -202,10 +202,10 @@ def test_siso_step_nan_float64(bad):
 
 
 # ---------------------------------------------------------------- MIMO
-def mimo_inputs(bad: str):
-    """mimo_make's float64 arguments (and rotary divisor) with a NaN in ``bad`` at MIMO_SITES[bad]; input
-    states (for the step) in zero_mimo_states' layout."""
-    kw, div = mimo_make()
+def mimo_inputs(bad: str, **dims):
+    """mimo_make's float64 arguments (``dims``: its keywords; and the rotary divisor) with a NaN in ``bad`` at
+    MIMO_SITES[bad]; input states (for the step) in zero_mimo_states' layout."""
+    kw, div = mimo_make(**dims)
     g = torch.Generator().manual_seed(5)
     batch, _, R, _, N = kw["Q"].shape
     H, P, S = kw["V"].shape[2], kw["V"].shape[3], kw["Angles"].shape[3]
@@ -219,9 +219,9 @@ def mimo_inputs(bad: str):
     return kw, div, states
 
 
-def check_mimo(bad: str):
-    """Forward (out, final states) and every gradient of out."""
-    kw, div, _ = mimo_inputs(bad)
+def check_mimo(bad: str, **dims):
+    """Forward (out, final states) and every gradient of out (``dims``: mimo_make's keywords)."""
+    kw, div, _ = mimo_inputs(bad, **dims)
     got_in = {k: v.detach().requires_grad_() for k, v in mimo_cast(kw, F32).items()}
     ref_in = {k: v.detach().requires_grad_() for k, v in kw.items()}
     out, *final = mamba3_mimo(**got_in, chunk_size=MIMO_CHUNK, rotary_dim_divisor=div, dtype=F32, return_state=True)
