@@ -40,7 +40,8 @@ sequence's first position, angle_out is (nseq, H, A), row seq_idx[t] written at 
 t (batch row 0), and scale's DT_{s+1} term is 0 where s + 1 starts another sequence.
 
 The diagonal uses the unrotated dot, as upstream (rotation preserves it). ADT is clamped below at the SSD
-pieces' DA_MIN, so ADT = -inf gives a decay of 0 rather than NaN differences (issue #16's rule).
+pieces' DA_MIN, so ADT = -inf gives a decay of 0 rather than NaN differences (issue #16's rule); a NaN in ADT,
+Trap or Angles stays NaN (``clamped_adt``, ``trap_weight``, ``rate_tanh``), as the recurrence's (issue #41).
 """
 from __future__ import annotations
 
