@@ -135,10 +135,12 @@ def _leaves(inp: dict, dtype) -> dict:
 
 
 def _named(leaves: dict) -> list:
+    """(name, tensor) of every differentiable argument, the input states by their names."""
     return [(k, v) for k, v in leaves.items() if k != "Input_States"] + list(zip(STATES, leaves["Input_States"]))
 
 
 def _siso_run(fn, leaves: dict, cot: list):
+    """fn's five outputs and {name: gradient} of sum_i <output_i, cot_i>."""
     outs = fn(**leaves)
     loss = sum((o.double() * c).sum() for o, c in zip(outs, cot))
     named = _named(leaves)
@@ -150,11 +152,8 @@ def check_siso_combined(bad: str):
     """Forward (out, four final states) and every gradient for random cotangents of all five outputs."""
     inp = siso_inputs(bad)
     g = torch.Generator().manual_seed(7)
-    cot = None
-    ref_outs, ref_grads = None, None
     ref_fn = lambda **kw: mamba3_siso_combined_ref(**kw, return_final_states=True)  # noqa: E731
-    ref_out0 = ref_fn(**inp)
-    cot = [torch.randn(o.shape, generator=g, dtype=F64) for o in ref_out0]
+    cot = [torch.randn(o.shape, generator=g, dtype=F64) for o in ref_fn(**inp)]
     ref_outs, ref_grads = _siso_run(ref_fn, _leaves(inp, F64), cot)
     outs, grads = _siso_run(lambda **kw: mamba3_siso_combined(**kw, chunk_size=SISO_CHUNK, return_final_states=True),
                             _leaves(inp, F32), cot)
@@ -170,16 +169,23 @@ def check_siso_step(bad: str, dtype=F32):
     """The decode step chained over the sequence (each step fed its returned states) against the float64 step
     reference chained alike: out at every step and the final states."""
     inp = siso_inputs(bad)
-    states = [s.to(dtype) for s in inp["Input_States"]]
-    ref_states, reached = list(inp["Input_States"]), False
-    for t in range(SISO_DIMS["seqlen"]):
-        args = step_inputs(inp, t)
-        out, states = mamba3_siso_step(**{k: v.to(dtype) for k, v in args.items()}, Input_States=states)
-        ref, ref_states = mamba3_siso_step_ref(**args, Input_States=ref_states)
+    steps = [step_inputs(inp, t) for t in range(SISO_DIMS["seqlen"])]
+    kernel = lambda args, st: mamba3_siso_step(**{k: v.to(dtype) for k, v in args.items()},  # noqa: E731
+                                               Input_States=st)
+    chain_steps(steps, kernel, mamba3_siso_step_ref, inp["Input_States"], T_BAD if time_axis(bad) else 0, dtype)
+
+
+def chain_steps(steps: list, kernel, reference, states, t_bad: int, dtype):
+    """Each step's float64 arguments in ``steps`` through ``kernel(args, states)`` and the float64 ``reference``,
+    each chain fed its own returned states (from ``states``, float64; the kernel's in ``dtype``): out's masks at
+    every step, finite before ``t_bad`` (the NaN's step; 0 for an input of every step), then the final states'."""
+    states, ref_states, reached = [s.to(dtype) for s in states], list(states), False
+    for t, args in enumerate(steps):
+        out, states = kernel(args, states)
+        ref, ref_states = reference(**args, Input_States=ref_states)
         same_finiteness(out, ref, f"out[{t}]")
         reached = reached or not torch.isfinite(ref).all()
-        if t < T_BAD and time_axis(bad) is not None:
-            assert torch.isfinite(out).all(), f"out[{t}]: non-finite before the NaN's step"
+        assert t >= t_bad or torch.isfinite(out).all(), f"out[{t}]: non-finite before the NaN's step"
     assert reached, "the NaN must reach out"
     for name, s, r in zip(STATES, states, ref_states):
         same_finiteness(s, r, name)
@@ -242,19 +248,10 @@ def check_mimo(bad: str, **dims):
 def check_mimo_step(bad: str):
     """mamba3_mimo_step chained over the sequence against mamba3_mimo_step_ref chained alike."""
     kw, _, states = mimo_inputs(bad)
-    ref_states, reached = list(states), False
-    states = [s.float() for s in states]
-    for t in range(kw["Q"].shape[1]):
-        args = {k: v if time_axis(k) is None else v.select(time_axis(k), t) for k, v in kw.items()}
-        out, states = mamba3_mimo_step(**mimo_cast(args, F32), Input_States=states)
-        ref, ref_states = mamba3_mimo_step_ref(**args, Input_States=ref_states)
-        same_finiteness(out, ref, f"out[{t}]")
-        reached = reached or not torch.isfinite(ref).all()
-        if t < MIMO_T and time_axis(bad) is not None:
-            assert torch.isfinite(out).all(), f"out[{t}]: non-finite before the NaN's step"
-    assert reached, "the NaN must reach out"
-    for name, s, r in zip(STATES, states, ref_states):
-        same_finiteness(s, r, name)
+    steps = [{k: v if time_axis(k) is None else v.select(time_axis(k), t) for k, v in kw.items()}
+             for t in range(kw["Q"].shape[1])]
+    kernel = lambda args, st: mamba3_mimo_step(**mimo_cast(args, F32), Input_States=st)  # noqa: E731
+    chain_steps(steps, kernel, mamba3_mimo_step_ref, states, MIMO_T if time_axis(bad) else 0, F32)
 
 
 @pytest.mark.parametrize("bad", MIMO_SEQ_INPUTS)
