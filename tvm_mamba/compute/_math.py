@@ -32,11 +32,17 @@ def exp(x):
     for coef in _COEFFS[1:]:
         p = p * r + _c(coef)
     scale = tirx.reinterpret("float32", tirx.shift_left(n.astype("int32") + 127, tirx.const(23, "int32")))
-    # NaN in, NaN out (the clamp above would drop it; an `x != x` test is folded away under LLVM's
-    # fast-math flags, so test the bits); below -87 return 0 instead of ~1e-38.
-    bits = tirx.reinterpret("int32", x) & tirx.const(0x7FFFFFFF, "int32")
+    # NaN in, NaN out (the clamp above would drop it); below -87 return 0 instead of ~1e-38.
     res = tirx.Select(x < _c(-87.0), _c(0.0), p * scale)
-    return tirx.Select(bits > tirx.const(0x7F800000, "int32"), x, res)
+    return tirx.Select(is_nan(x), x, res)
+
+
+def is_nan(x, dtype: str = "float32"):
+    """Whether x (a float32 or float64 PrimExpr, ``dtype``) is NaN, from its bits: an ``x != x`` test is folded
+    away under LLVM's fast-math flags."""
+    ib, mag, inf = (("int64", 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000) if dtype == "float64" else
+                    ("int32", 0x7FFFFFFF, 0x7F800000))
+    return (tirx.reinterpret(ib, x) & tirx.const(mag, ib)) > tirx.const(inf, ib)
 
 
 def reciprocal(d):
@@ -134,6 +140,11 @@ class Math:
 
     def const(self, v: float):
         return tirx.const(v, self.acc)
+
+    def keep_nan(self, x, y):
+        """y, or x where x is NaN: around a clamp, which maps NaN to a bound (max / min on a CPU and fmaxf /
+        fminf on CUDA return the other operand), and the polynomial sigmoid / tanh, which clamp their input."""
+        return tirx.Select(is_nan(x, self.acc), x, y)
 
     def cast(self, x):
         dtype = getattr(x, "dtype", None)  # a TVMScript buffer load (TensorLoad) has no .dtype here

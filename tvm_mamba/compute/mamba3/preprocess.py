@@ -14,7 +14,8 @@ rotate pass reads what the angles pass wrote), so that only the angle recurrence
    q, k float32 per head (the biases are per head, so GQA heads do not share them): the task's Q / K pairs read
    once for every head of their group, each head's biases once per task;
 3. chunk, a task per (batch, head, chunk c), serial over its positions l (s = c Q + l):
-       dA_cs[l] = sum_{l' <= l} max(ADT_s', DA_MIN)                     (chunk-local; 0 past seqlen)
+       dA_cs[l] = sum_{l' <= l} max(ADT_s', DA_MIN)                     (chunk-local; 0 past seqlen;
+                                                                         NaN kept: clamped_adt)
        scale[l] = gamma_s + DT_{s+1} (1 - lam_{s+1})                     (lam = sigmoid(Trap), gamma = DT lam;
                                                                          0 past seqlen, the DT_{s+1} term 0 at
                                                                          s = seqlen - 1)
@@ -39,7 +40,8 @@ sequence's first position, angle_out is (nseq, H, A), row seq_idx[t] written at 
 t (batch row 0), and scale's DT_{s+1} term is 0 where s + 1 starts another sequence.
 
 The diagonal uses the unrotated dot, as upstream (rotation preserves it). ADT is clamped below at the SSD
-pieces' DA_MIN, so ADT = -inf gives a decay of 0 rather than NaN differences (issue #16's rule).
+pieces' DA_MIN, so ADT = -inf gives a decay of 0 rather than NaN differences (issue #16's rule); a NaN in ADT,
+Trap or Angles stays NaN (``clamped_adt``, ``trap_weight``, ``rate_tanh``), as the recurrence's (issue #41).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .._math import is_nan
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PAIR_STEPS, PreDims
@@ -85,7 +88,29 @@ def dot_width(N: int, S: Strategy) -> int:
 
 def gamma_at(m, DT, Trap, b, h, t):
     """gamma_t = DT_t sigmoid(Trap_t): the trapezoid's right weight at step t of (b, h)."""
-    return DT[b, h, t] * m.sigmoid(Trap[b, h, t])
+    return DT[b, h, t] * trap_weight(m, Trap[b, h, t])
+
+
+def trap_weight(m, trap):
+    """lam = sigmoid(Trap), NaN for a NaN Trap (the recurrence's rule for every input: a NaN reaches everything
+    after it). The CPU's polynomial sigmoid clamps its input and would give 0; native exp keeps NaN."""
+    return m.keep_nan(trap, m.sigmoid(trap)) if m.poly else m.sigmoid(trap)
+
+
+def rate_tanh(m, angle):
+    """tanh(Angles), NaN for a NaN angle rate (the CPU's polynomial tanh clamps its input to +-9)."""
+    return m.keep_nan(angle, m.tanh(angle)) if m.poly else m.tanh(angle)
+
+
+def clamped_adt(m, adt):
+    """max(ADT, DA_MIN), the decay step the SSD pieces take: ADT = -inf is a decay of 0 (issue #16), a NaN stays
+    NaN (max / fmaxf return the bound for it, which erased the state history as -inf does: issue #41)."""
+    return m.keep_nan(adt, T.max(adt, T.float32(DA_MIN)))
+
+
+def adt_passes(m, adt):
+    """Whether ``clamped_adt`` passes ADT's gradient: ADT >= DA_MIN, or NaN (a clamped step passes none)."""
+    return tirx.any(is_nan(adt, m.acc), adt >= T.float32(DA_MIN))
 
 
 def angles_macro(d: PreDims, S: Strategy, final: bool = True):
@@ -113,7 +138,7 @@ def angles_macro(d: PreDims, S: Strategy, final: bool = True):
             for s in T.unroll(AHEAD):  # the block's rates first: their loads in flight together
                 if tb * AHEAD + s < seqlen:
                     for v in S.lane_loop(V):
-                        w.inc[s, v] = angle_rate(m.tanh(Ang[b, tb * AHEAD + s, h, ab * V + v]),
+                        w.inc[s, v] = angle_rate(rate_tanh(m, Ang[b, tb * AHEAD + s, h, ab * V + v]),
                                                  DT[b, h, tb * AHEAD + s], m)
             for s in T.unroll(AHEAD):
                 if tb * AHEAD + s < seqlen:
@@ -255,11 +280,11 @@ def _chunk_macro(d: PreDims, S: Strategy):
         r[0] = m.zero
         for l in range(Q):
             if c * Q + l < seqlen:
-                r[0] = r[0] + T.max(ADT[b, h, c * Q + l], T.float32(DA_MIN))
+                r[0] = r[0] + clamped_adt(m, ADT[b, h, c * Q + l])
                 r[1] = gamma_at(m, DT, Trap, b, h, c * Q + l)
                 r[2] = m.zero
                 if c * Q + l + 1 < seqlen:
-                    r[2] = DT[b, h, c * Q + l + 1] * (m.one - m.sigmoid(Trap[b, h, c * Q + l + 1]))
+                    r[2] = DT[b, h, c * Q + l + 1] * (m.one - trap_weight(m, Trap[b, h, c * Q + l + 1]))
                     if d.has_seq_idx:
                         if seq[b, c * Q + l + 1] != seq[b, c * Q + l]:
                             r[2] = m.zero
@@ -371,7 +396,7 @@ def _init_macro(d: PreDims, S: Strategy):
     def row(i, DT, Trap, ssm, kst, vst, init):
         w = T.alloc_buffer((1,), F32, scope=S.scope)
         b, h, p, nb = T.meta_var(unravel(i, (None, H, P, N // V)))
-        w[0] = DT[b, h, 0] * (m.one - m.sigmoid(Trap[b, h, 0])) * m.cast(vst[b, h, p])
+        w[0] = DT[b, h, 0] * (m.one - trap_weight(m, Trap[b, h, 0])) * m.cast(vst[b, h, p])
         for v in S.lane_loop(V):
             init[b, h, p, nb * V + v] = ssm[b, h, p, nb * V + v] + w[0] * m.cast(kst[b, h, nb * V + v])
 

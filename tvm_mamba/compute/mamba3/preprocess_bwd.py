@@ -28,7 +28,7 @@ and 5, a task per angle) are serial over time:
 6. chunk, a task per (b, h, chunk c), serial over its positions s = c Q + l < seqlen:
        dgamma = dscale_s + dskip_s X_s . Y_s;  dnu = dscale_{s-1} (s >= 1), c0 (s = 0, input states), else 0
        dDT = dgamma lam + dnu (1 - lam) + sum_i gdt_s,i;  dTrap = DT (dgamma - dnu) lam (1 - lam)
-       dADT = ddA_step_s + ddecay_c where ADT_s >= DA_MIN, else 0 (the forward's clamp passes no gradient)
+       dADT = ddA_step_s + ddecay_c where ADT_s >= DA_MIN or NaN, else 0 (the forward's clamp passes none)
 
 Packed sequences (``has_seq_idx``, no input states): theta restarts as the forward's, G restarts at each
 sequence's last position t from daout[seq_idx[t]] (daout (nseq, H, A)), and dnu is 0 at a sequence's first
@@ -49,11 +49,12 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from ..ssd.common import DA_MIN, F32, I32, Z4
+from ..ssd.common import F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
 from ._dims import PreDims
-from .preprocess import (AHEAD, STEPS, angles_macro, count, dot_macro, dot_tasks, gamma_at, load_pairs_macro,
-                         pair_tasks, qk_dots_macro, rotated, seq_ends, step_blocks)
+from .preprocess import (AHEAD, STEPS, adt_passes, angles_macro, count, dot_macro, dot_tasks, gamma_at,
+                         load_pairs_macro, pair_tasks, qk_dots_macro, rate_tanh, rotated, seq_ends, step_blocks,
+                         trap_weight)
 
 
 def _init_macro(d: PreDims, S: Strategy):
@@ -66,7 +67,7 @@ def _init_macro(d: PreDims, S: Strategy):
     def init(i, io):
         w = T.meta_var(S.scratch(r=(3,)))  # nu_0, c0, the row's dinit . k_state
         b, h = T.meta_var(unravel(i, (None, H)))
-        w.r[0] = io.DT[b, h, 0] * (m.one - m.sigmoid(io.Trap[b, h, 0]))
+        w.r[0] = io.DT[b, h, 0] * (m.one - trap_weight(m, io.Trap[b, h, 0]))
         w.r[1] = m.zero
         for n in S.vloop(N):
             io.dkst[b, h, n] = m.zero
@@ -196,7 +197,7 @@ def _reverse_macro(d: PreDims, S: Strategy):
                     w.dt[s] = io.DT[b, h, io.seqlen - 1 - tb * AHEAD - s]
                     for v in S.lane_loop(V):
                         w.g[s, v] = io.gdt[b, io.seqlen - 1 - tb * AHEAD - s, h, ab * V + v]
-                        w.ta[s, v] = m.tanh(io.Ang[b, io.seqlen - 1 - tb * AHEAD - s, h, ab * V + v])
+                        w.ta[s, v] = rate_tanh(m, io.Ang[b, io.seqlen - 1 - tb * AHEAD - s, h, ab * V + v])
             for s in T.unroll(AHEAD):
                 if tb * AHEAD + s < io.seqlen:
                     t = T.meta_var(io.seqlen - 1 - tb * AHEAD - s)
@@ -225,7 +226,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
         b, h, c = T.meta_var(unravel(i, (None, H, io.nchunks)))
         for l in range(Q):
             if c * Q + l < io.seqlen:
-                w.r[0] = m.sigmoid(io.Trap[b, h, c * Q + l])
+                w.r[0] = trap_weight(m, io.Trap[b, h, c * Q + l])
                 w.r[1] = io.dDT[b, h, c * Q + l]  # X . Y, stored there by the dots pass
                 dot_g(w.r, 2, lambda n: io.gdt[b, c * Q + l, h, n])
                 w.r[3] = io.dscale[b, h, c, l] + io.dskip[b, h, c, l] * w.r[1]
@@ -240,7 +241,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
                         w.r[4] = io.c0[b, h]
                 io.dDT[b, h, c * Q + l] = w.r[3] * w.r[0] + w.r[4] * (m.one - w.r[0]) + w.r[2]
                 io.dTrap[b, h, c * Q + l] = io.DT[b, h, c * Q + l] * (w.r[3] - w.r[4]) * w.r[0] * (m.one - w.r[0])
-                io.dADT[b, h, c * Q + l] = T.Select(io.ADT[b, h, c * Q + l] >= tirx.const(DA_MIN, F32),
+                io.dADT[b, h, c * Q + l] = T.Select(adt_passes(m, io.ADT[b, h, c * Q + l]),
                                                     io.ddA[b, h, c, l] + io.ddecay[b, h, c], m.zero)
 
     return chunk

@@ -35,6 +35,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._dims import StepDims
+from .preprocess import rate_tanh, trap_weight
 
 
 class _Ix:
@@ -91,7 +92,7 @@ def _rotate_macro(dims: StepDims, L, rot: str):
     def pair(Q, K, DT, Qb, Kb, Ang, ast, aout, qrot, kout, b, r, hh, i):
         t = T.alloc_buffer((7,), ACC, scope=SCOPE)  # cos, sin, theta, q pair, k pair
         if i < S:
-            t[2] = m.tanh(Ang[b, hh, i]) * PI * DT[b, hh] + ast[b, hh, i]
+            t[2] = rate_tanh(m, Ang[b, hh, i]) * PI * DT[b, hh] + ast[b, hh, i]
             if MOD:
                 t[2] = t[2] - TWO_PI * T.floor(t[2] / TWO_PI)
             if first(r):
@@ -123,7 +124,7 @@ def _row_macro(dims: StepDims, L):
     OUT, SD = dims.v_dtype, dims.state_dtype or dims.acc
     to_state = (lambda x: x) if SD == ACC else (lambda x: x.astype(SD))  # noqa: E731
     alpha = (lambda a, dt: m.exp(a * dt)) if dims.raw_a else (lambda a, dt: m.exp(a))  # noqa: E731
-    lam = m.sigmoid if dims.trap_logit else (lambda p: p)  # noqa: E731  (Trap a logit, or the probability)
+    lam = (lambda x: trap_weight(m, x)) if dims.trap_logit else (lambda p: p)  # noqa: E731  (a logit, or lam)
 
     @T.macro
     def row(V_, ADT, DT, Trap, MV, MZ, MO, Dv, Z, h_in, kst, vst, qrot, kout, out, h_out, b, hh, p, stg, j, ok):
