@@ -138,12 +138,14 @@ def _ring(sch: s_tir.Schedule, block, window: int) -> None:
 
 def _cooperative(sch: s_tir.Schedule, block, at, threads) -> None:
     """``block``'s loops under ``at`` fused and split over ``threads`` (consecutive threads on consecutive
-    steps)."""
+    steps). A one-element copy (the bias) gets a unit loop first, so that thread 0 alone writes it: without a
+    loop to bind, every thread would store the same word (a write-write race, racecheck's and the harness's)."""
     loops = sch.get_loops(block)
     depth = next(j for j, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(at)))
     loops = loops[depth + 1:]
-    if loops:
-        threads_inner(sch, sch.fuse(*loops) if len(loops) > 1 else loops[0], threads)
+    if not loops:
+        loops = [sch.add_unit_loop(block)]
+    threads_inner(sch, sch.fuse(*loops) if len(loops) > 1 else loops[0], threads)
 
 
 def _stage_shared(sch: s_tir.Schedule, consumers: list, name: str, at, threads, window: int) -> None:

@@ -254,8 +254,24 @@ def test_generated_kernel_without_its_barrier(tmp_path, monkeypatch):
         return code[:j] + code[j + len("__syncthreads();"):]
 
     monkeypatch.setenv("TVM_MAMBA_CACHE_DIR", str(tmp_path))  # the mutant must not enter the kernel cache
+    monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "1")  # the suite's default is off (tests/conftest.py)
     monkeypatch.setattr(cache, "_memo", {})
     op, direction, static, dtypes = next(iter(_configs(["rmsnorm_gated"])))
     with postproc(drop_barrier), pytest.raises(SimError, match=r"race \(read-write hazard\) on __shared__ array "
                                                                 r"red_buf_staging_ptr \(byte \d+\)"):
+        simcheck.run_config(op, direction, static, dtypes, "sm_90")
+
+
+def test_conv_bias_is_staged_by_one_thread(monkeypatch):
+    """causal_conv1d's one-element bias copy had no loop to bind, so every thread of the block stored the same
+    word: a write-write race the checker reported (schedules/cuda/causal_conv1d.py ``_cooperative`` now gives
+    it a unit loop, thread 0 alone writes it). Every conv forward / backward configuration with a bias runs
+    clean with the checker on."""
+    from tvm_mamba import simcheck
+    from tvm_mamba.cli import _configs
+
+    monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "1")
+    configs = [c for c in _configs(["causal_conv1d"]) if c[1] in ("fwd", "bwd") and c[2].get("has_bias")]
+    assert {c[1] for c in configs} == {"fwd", "bwd"}
+    for op, direction, static, dtypes in configs[:1] + [c for c in configs if c[1] == "bwd"][:1]:
         simcheck.run_config(op, direction, static, dtypes, "sm_90")
