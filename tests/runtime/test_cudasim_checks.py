@@ -135,10 +135,41 @@ def _device_source(code: str) -> str:
 def hand(tmp_path_factory):
     mod = tvm.IRModule({name: _host(name, *spec[:4]) for name, spec in KERNELS.items()})
     with postproc(lambda code, target: _device_source(code)):
-        built = cudasim.build(mod, cuda_target("sm_90"), label="hand")
+        built = cudasim.build(mod, cuda_target("sm_90"), label="hand", checks=True)
     path = str(tmp_path_factory.mktemp("hand") / "hand.so")
     built.export_library(path)
     return cudasim.load(path)
+
+
+def test_checks_need_the_instrumented_build(tmp_path):
+    """A library built with checks off has no hooks on its memory accesses: asking it to check is an error
+    naming the cause, never a run that records nothing and passes."""
+    mod = tvm.IRModule({"lost_update": _host("lost_update", *KERNELS["lost_update"][:4])})
+    with postproc(lambda code, target: _device_source(code)):
+        built = cudasim.build(mod, cuda_target("sm_90"), label="plain")
+    built.export_library(str(tmp_path / "plain.so"))
+    plain = cudasim.load(str(tmp_path / "plain.so"))
+    run(plain, "lost_update", checks=False)
+    with pytest.raises(SimError, match="built without the checker's instrumentation"):
+        run(plain, "lost_update", checks=True)
+
+
+def test_checked_builds_have_their_own_cache_files(monkeypatch):
+    """The instrumented and the plain build of one simulated kernel are two cache files (and two memo
+    entries); a CPU kernel's file does not depend on the checks setting."""
+    from tvm_mamba.runtime import cache, dispatch
+    from tvm_mamba.runtime.key import KernelKey
+
+    def path(target, checks):
+        monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "1" if checks else "0")
+        key = KernelKey("rmsnorm_gated", "fwd", (("x", "float32"),), (("hidden", 64),), target, ())
+        return cache.cache_path(key, dispatch.Plan(key, (), "default"))
+
+    assert path("cudasim-sm_90", True) != path("cudasim-sm_90", False)
+    assert path("llvm-test", True) == path("llvm-test", False)
+    with cudasim.simulate("sm_90", checks=True):
+        monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "0")
+        assert cudasim.variant("cudasim-sm_90") == "checks"
 
 
 def _inputs(name, seed=0):

@@ -77,8 +77,10 @@ class Kernel:
 
 
 def cache_path(key: KernelKey, plan: Plan, root: pathlib.Path | None = None) -> pathlib.Path:
-    """The kernel's file under ``root`` (default cache_root(); build_root() is where this process writes)."""
-    tag = hashlib.sha256((key.workload().digest() + plan.digest()).encode()).hexdigest()[:16]
+    """The kernel's file under ``root`` (default cache_root(); build_root() is where this process writes); a
+    simulated kernel built for the checker has its own (cudasim.variant)."""
+    tag = hashlib.sha256((key.workload().digest() + plan.digest() + cudasim.variant(key.target)).encode())
+    tag = tag.hexdigest()[:16]
     return (root or cache_root()) / key.target / f"{key.op}-{key.direction}-{tag}.so"
 
 
@@ -97,7 +99,7 @@ def compile_module(key: KernelKey, mod: tvm.IRModule):
     compiled with nvcc.nvcc_command, build-check's flags (nvcc.install_cuda_compile_hook)."""
     target = dispatch.target_from_key(key.target)
     if cudasim.is_sim(key.target):
-        return cudasim.build(mod, target, label=str(key))
+        return cudasim.build(mod, target, label=str(key), checks=bool(cudasim.variant(key.target)))
     if target.kind.name == "cuda":
         from .nvcc import install_cuda_compile_hook
 
@@ -198,7 +200,7 @@ def build_and_load(key: KernelKey) -> Kernel:
     variables above, dispatch.generation(): tuning refreshes and ``tuning_logs`` blocks)."""
     now = time.monotonic()
     env = os.environ
-    ctx = (dispatch.generation(), *(env.get(name) for name in _ENVS))
+    ctx = (dispatch.generation(), cudasim.variant(key.target), *(env.get(name) for name in _ENVS))
     memo = getattr(_fast, "memo", None)
     if memo is None:
         memo = _fast.memo = {}
@@ -219,7 +221,7 @@ def _resolve(key: KernelKey) -> Kernel:
     if kern is not None:
         return kern
     plan = dispatch.plan(key)
-    memo_key = (key.workload(), plan.digest())
+    memo_key = (key.workload(), plan.digest(), cudasim.variant(key.target))
     kern = _memo.get(memo_key)
     if kern is not None:
         return _serving(kern, key, plan)

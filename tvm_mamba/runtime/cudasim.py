@@ -48,7 +48,8 @@ class SimConfig:
     """arch: the CUDA arch whose source is run (``sm_90``); order: the order threads and blocks run in
     (``random``: seeded by ``seed``, ``forward``, ``reversed``); checks: the race and alignment checker
     (tvm_mamba_cudasim_checks.h: every access to shared memory and the argument buffers recorded per barrier
-    interval; it changes nothing in the build, only what a run records)."""
+    interval; a kernel is built with the checker's instrumentation only when they are on: cache.cache_path
+    keeps the two builds apart, and turning them on for a build without it is an error, not a silent pass)."""
 
     arch: str = "sm_90"
     order: str = "random"
@@ -89,6 +90,19 @@ def active() -> SimConfig | None:
     return _active[-1] if _active else None
 
 
+def current() -> SimConfig:
+    """The configuration a simulated kernel is built and called under: the innermost ``simulate``, else the
+    defaults (checks from $TVM_MAMBA_SIM_CHECKS)."""
+    return _active[-1] if _active else SimConfig()
+
+
+def variant(target_key: str) -> str:
+    """What a simulated build of ``target_key`` depends on beyond the kernel (a part of its cache file's
+    name): "checks" when the checker is on, whose instrumentation slows every memory access, "" otherwise
+    and for any other target."""
+    return "checks" if target_key.startswith(PREFIX) and current().checks else ""
+
+
 def is_sim(target_key: str) -> bool:
     return target_key.startswith(PREFIX)
 
@@ -121,6 +135,7 @@ class SimBuild:
     kernels: tuple  # ((name, (launch tags...)), ...)
     arch: str
     label: str = ""
+    checks: bool = False  # compiled with the checker's instrumentation (CHECK_FLAGS)
 
     def export_library(self, path: str) -> None:
         link(self, path)
@@ -137,8 +152,9 @@ def load(path: str):
     return host
 
 
-def build(mod: tvm.IRModule, target: Target, label: str = "") -> SimBuild:
-    """Lower ``mod`` (scheduled for the CUDA ``target``) and generate host code and CUDA source."""
+def build(mod: tvm.IRModule, target: Target, label: str = "", checks: bool = False) -> SimBuild:
+    """Lower ``mod`` (scheduled for the CUDA ``target``) and generate host code and CUDA source; ``checks``:
+    link() instruments the kernels for the race and alignment checker."""
     from tvm.tirx.build import codegen_build
 
     with target:
@@ -147,7 +163,7 @@ def build(mod: tvm.IRModule, target: Target, label: str = "") -> SimBuild:
         host = codegen_build(host_mod, target_host)
     kernels = tuple((str(gv.name_hint), tuple(str(t) for t in f.attrs["tirx.kernel_launch_params"]))
                     for gv, f in device_mod.functions.items())
-    return SimBuild(host, source, kernels, str(target.attrs["arch"]), label)
+    return SimBuild(host, source, kernels, str(target.attrs["arch"]), label, checks)
 
 
 # extern __shared__ T name[];  ->  T* name = <the block's dynamic shared memory>;  (the one textual rewrite:
@@ -219,7 +235,7 @@ def _explain_compile_error(log: str, label: str) -> str:
     return head + "\n" + "\n".join(l for l in log.splitlines() if "error" in l.lower())[:3000]
 
 
-# g++'s ThreadSanitizer instrumentation, used only as a hook: a call to __tsan_read4(addr), __tsan_write16(addr),
+# g++'s ThreadSanitizer instrumentation (only for a build with checks on: SimBuild.checks), used only as a hook: a call to __tsan_read4(addr), __tsan_write16(addr),
 # ... before every memory access, which tvm_mamba_cudasim_checks.h implements (libtsan is never linked: the
 # link step has no -fsanitize=thread). -fno-tree-sra keeps a float4 / uint4 copy one 16-byte access (else g++
 # splits it into four 4-byte ones before instrumenting, and a misaligned vector access could not be seen).
@@ -227,7 +243,7 @@ CHECK_FLAGS = ["-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=
 
 
 def link(b: SimBuild, path: str) -> None:
-    """Compile the kernels with g++ (instrumented for the checker) and link them with the host object into one
+    """Compile the kernels with g++ (instrumented for the checker when ``b.checks``) and link them with the host object into one
     shared library at ``path``."""
     cxx = os.environ.get("CXX") or "g++"
     ffi_lib = pathlib.Path(tvm_ffi.__file__).resolve().parent / "lib"
@@ -239,7 +255,7 @@ def link(b: SimBuild, path: str) -> None:
         host_o = pathlib.Path(tmp, "host.o")
         b.host.write_to_file(str(host_o))
         kernels_o = pathlib.Path(tmp, "kernels.o")
-        for cmd in ([cxx, *compile_flags(b.arch), *CHECK_FLAGS, "-c", "-o", str(kernels_o), str(wrap)],
+        for cmd in ([cxx, *compile_flags(b.arch), *(CHECK_FLAGS if b.checks else []), "-c", "-o", str(kernels_o), str(wrap)],
                     [cxx, "-shared", "-o", path, str(kernels_o), str(host_o), f"-L{ffi_lib}", "-ltvm_ffi",
                      f"-Wl,-rpath,{ffi_lib}"]):
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=dict(os.environ, LC_ALL="C"))
@@ -385,7 +401,7 @@ def call(module, fn, args, cfg: SimConfig | None = None, label: str = "") -> Non
     leading guard page and seed + 1. A fault in either, a written canary, or a result that differs between the two runs (a race:
     the answer depends on the order threads or blocks run in) raises SimError. The second run's results are
     copied back into ``args``."""
-    cfg = cfg or active() or SimConfig()
+    cfg = cfg or current()
     with _call_lock:
         tensors = [(i, _dltensor_of(a)) for i, a in enumerate(args)]
         first = None
@@ -421,7 +437,10 @@ def _run_once(module, fn, args, tensors, head: bool, seed: int, order: int, labe
             passed.append(g.tensor())
         module["tvm_mamba_sim_config"](order, seed)
         watched = [v for g in guarded for v in (g.index, g.data, g.nbytes)] if checks else []
-        module["tvm_mamba_sim_checks"](int(checks), *watched)
+        try:
+            module["tvm_mamba_sim_checks"](int(checks), *watched)
+        except RuntimeError as err:  # checks asked of a library built without them
+            raise SimError(f"cudasim: {label}: {err}") from None
         try:
             fn(*passed)
         except Exception as err:  # noqa: BLE001 - re-raised with the argument the fault hit

@@ -475,7 +475,11 @@ extern "C" __attribute__((visibility("default"))) int __tvm_ffi_tvm_mamba_sim_co
 // given buffers (cudasim.py calls it before each run), or off (0).
 extern "C" __attribute__((visibility("default"))) int __tvm_ffi_tvm_mamba_sim_checks(void*, const TVMFFIAny* args,
                                                                                      int32_t nargs, TVMFFIAny*) {
-  if (tvm_mamba_sim::set_checks(args, nargs) != 0)
+  int rc = tvm_mamba_sim::set_checks(args, nargs);
+  if (rc == -2)
+    return tvm_mamba_sim::report("tvm_mamba_sim_checks", "this kernel library was built without the checker's "
+                                 "instrumentation (checks off); build it with checks on");
+  if (rc != 0)
     return tvm_mamba_sim::report("tvm_mamba_sim_checks", "expected (on, [index, address, bytes]...)");
   return 0;
 }
