@@ -11,11 +11,15 @@ reads its case list on a machine without TVM's compiler).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import importlib
 import itertools
+import multiprocessing
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,41 +56,99 @@ def _needs_stub_reexec(target_kind: str) -> bool:
     return not (has_cuda and os.environ.get("TVM_CUDA_COMPILE_MODE") == "nvcc")
 
 
-def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", preset: str = "default",
-               seqlens=(512, 2048), batches=(1, 4), mcpu: str | None = None, configs=None) -> pathlib.Path:
-    """Build the pack into ``out``; ``configs`` ([(op, direction, static, dtypes[, batches, seqlens])]) overrides
-    the ops' lists (an entry's own batches / seqlens, where given, replace ``batches`` / ``seqlens``)."""
-    target = cuda_target(arch) if target_kind == "cuda" else cpu_target(mcpu)
-    tkey = target_key(target)
-    folder = pathlib.Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    entries, built, failed = [], {}, []
-    configs = configs if configs is not None else [(op, *c) for op in ops for c in _configs(op, preset)]
-    t0 = time.perf_counter()
-    for i, (op, direction, static, dtypes, *buckets) in enumerate(configs):
+def _plan(configs, tkey: str, batches, seqlens):
+    """[(key, plan)] for every configuration and shape bucket (a configuration's own buckets, where given,
+    replace ``batches`` / ``seqlens``)."""
+    out = []
+    for op, direction, static, dtypes, *buckets in configs:
         bs, Ls = (buckets + [None, None])[:2]
         for b, L in itertools.product(bs or batches, Ls or seqlens):
             key = KernelKey.make(op, direction, dtypes, static, tkey, {"batch": b, "seqlen": L})
-            plan = dispatch.plan(key)
-            ident = (key.workload(), plan.digest())
-            if ident not in built:
-                try:
-                    ex = compile_module(key, dispatch.schedule(key))
-                except Exception as err:  # noqa: BLE001 - report it, build the rest
-                    failed.append(f"{key.workload()}: {type(err).__name__}: {str(err).strip()[-300:]}")
-                    break
-                name = f"{key.workload().slug()}-{len(built)}.so"
-                ex.export_library(str(folder / name))
-                built[ident] = name
-            entries.append({"key": key.to_json(), "file": built[ident], "plan": plan.source})
-        sys.stderr.write(f"\raot: {i + 1}/{len(configs)} configurations, {len(built)} files, "
-                         f"{time.perf_counter() - t0:.0f}s")
-    sys.stderr.write("\n")
+            out.append((key, dispatch.plan(key)))
+    return out
+
+
+def _cached_file(key_json: dict) -> str:
+    """A CPU kernel's file in this user's kernel cache, built there if missing (a worker of _build_cpu: the
+    cache's lock keeps two processes from building one kernel twice)."""
+    from .runtime import cache
+
+    return str(cache.build_and_load(KernelKey.from_json(key_json)).path)
+
+
+def _build_cpu(keys, jobs: int) -> dict:
+    """{key: its file in the kernel cache | the exception}: what the test suite or an earlier call built is
+    reused, the rest built ``jobs`` at a time (processes: TVM's build holds the GIL)."""
+    with _no_pack():  # the cache, not a pack this process may have been pointed at
+        if jobs <= 1:
+            return {k: _attempt(_cached_file, k.to_json()) for k in keys}
+        ctx = multiprocessing.get_context("spawn")  # not fork: TVM and torch start threads at import
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            futures = {k: pool.submit(_cached_file, k.to_json()) for k in keys}
+            return {k: _attempt(f.result) for k, f in futures.items()}
+
+
+@contextlib.contextmanager
+def _no_pack():
+    saved = os.environ.pop(pack.ENV, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[pack.ENV] = saved
+
+
+def _attempt(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - reported by build_pack, the rest still built
+        return err
+
+
+def _build_cuda(keys, folder: pathlib.Path) -> dict:
+    """{key: a cubin library compiled into ``folder`` | the exception}, one at a time (nvcc is the cost)."""
+    out = {}
+    for i, key in enumerate(keys):
+        path = folder / f"{key.workload().slug()}-{i}.so"
+        out[key] = _attempt(lambda k=key, p=path: (compile_module(k, dispatch.schedule(k)).export_library(str(p)),
+                                                   str(p))[1])
+    return out
+
+
+def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", preset: str = "default",
+               seqlens=(512, 2048), batches=(1, 4), mcpu: str | None = None, configs=None,
+               jobs: int = 1) -> pathlib.Path:
+    """Build the pack into ``out``; ``configs`` ([(op, direction, static, dtypes[, batches, seqlens])]) overrides
+    the ops' lists. CPU kernels come from (and go into) the kernel cache, ``jobs`` processes at a time; CUDA
+    kernels are compiled here (this machine cannot load them, so the cache, which loads, is not used)."""
+    target = cuda_target(arch) if target_kind == "cuda" else cpu_target(mcpu)
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    configs = configs if configs is not None else [(op, *c) for op in ops for c in _configs(op, preset)]
+    t0 = time.perf_counter()
+    planned = _plan(configs, target_key(target), batches, seqlens)
+    unique = list({(k.workload(), p.digest()): k for k, p in planned}.values())
+    made = _build_cuda(unique, folder) if target_kind == "cuda" else _build_cpu(unique, jobs)
+    names, failed = {}, []
+    for i, key in enumerate(unique):
+        got = made[key]
+        ident = (key.workload(), dispatch.plan(key).digest())
+        if isinstance(got, Exception):
+            failed.append(f"{key.workload()}: {type(got).__name__}: {str(got).strip()[-300:]}")
+            continue
+        name = pathlib.Path(got).name if target_kind == "cuda" else f"{key.workload().slug()}-{i}.so"
+        if target_kind != "cuda":
+            shutil.copyfile(got, folder / name)
+        names[ident] = name
+    entries = [{"key": k.to_json(), "file": names[(k.workload(), p.digest())], "plan": p.source}
+               for k, p in planned if (k.workload(), p.digest()) in names]
+    print(f"aot: {len(configs)} configurations, {len(names)} files, {time.perf_counter() - t0:.0f}s",
+          file=sys.stderr)
     for line in failed:
         print(f"aot: FAILED {line}", file=sys.stderr)
     if target_kind != "cuda":  # the OpenMP launcher, for hosts with only the TVM runtime (runtime/threads.py)
         threads.build_launcher(folder / PACK_THREADS)
-    pack.write_manifest(folder, tkey, entries)
+    pack.write_manifest(folder, target_key(target), entries)
     build_pack.failed = failed
     return folder
 
@@ -117,7 +179,8 @@ def main(args) -> int:
     seqlens = tuple(int(v) for v in args.seqlens.split(","))
     batches = tuple(int(v) for v in args.batches.split(","))
     configs = read_configs(args.configs) if getattr(args, "configs", None) else None
-    folder = build_pack(ops, args.out, args.target, args.arch, args.preset, seqlens, batches, args.mcpu, configs)
+    folder = build_pack(ops, args.out, args.target, args.arch, args.preset, seqlens, batches, args.mcpu, configs,
+                        jobs=args.jobs or os.cpu_count() or 1)
     if configs is not None and "cases" in json.loads(pathlib.Path(args.configs).read_text()):
         (folder / CASES_COPY).write_text(pathlib.Path(args.configs).read_text())
     n = len(list(folder.glob("*.so")))

@@ -422,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated batch buckets, powers of two (default: %(default)s)")
     ao.add_argument("--configs", default=None, metavar="FILE.json",
                     help="build exactly these kernel configurations (scripts/gpu_check.py configs writes one)")
+    ao.add_argument("--jobs", type=int, default=0,
+                    help="with --target cpu: kernels built at once, in processes (default: one per core); "
+                         "kernels already in this user's kernel cache are copied, not rebuilt")
     return ap
 
 

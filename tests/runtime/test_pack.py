@@ -54,6 +54,26 @@ def test_cpu_pack_runs_with_only_the_tvm_runtime(tmp_path):
     assert "routed True" in proc.stdout  # the pack's OpenMP launcher serves its kernels' parallel loops
 
 
+def test_cpu_pack_reuses_the_kernel_cache(tmp_path, monkeypatch):
+    """A CPU pack's kernels come from the kernel cache: a second pack (two worker processes) builds nothing,
+    and its files are the cache's bytes."""
+    from tvm_mamba.runtime import cache
+
+    monkeypatch.setenv("TVM_MAMBA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "_memo", {})
+    first = build_pack([], str(tmp_path / "one"), "cpu", seqlens=(64,), batches=(1,), configs=CONFIGS)
+    cached = sorted((tmp_path / "cache").rglob("causal_conv1d-*.so"))
+    assert len(cached) == 2
+    stamps = {p: p.stat().st_mtime_ns for p in cached}
+    second = build_pack([], str(tmp_path / "two"), "cpu", seqlens=(64,), batches=(1,), configs=CONFIGS, jobs=2)
+    after = sorted((tmp_path / "cache").rglob("causal_conv1d-*.so"))
+    assert after == cached and {p: p.stat().st_mtime_ns for p in after} == stamps  # nothing rewritten
+    blobs = sorted(p.read_bytes() for p in cached)
+    for folder in (first, second):
+        assert sorted(p.read_bytes() for p in folder.glob("causal_conv1d*.so")) == blobs
+    assert json.loads((second / "manifest.json").read_text())["entries"]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")
 def test_cuda_pack_contains_cubins(tmp_path):
     out = tmp_path / "sm90"
