@@ -7,9 +7,8 @@ import pytest
 import torch
 
 # The harness's race / alignment checker (docs/cuda_sim.md) is on by default for users and in `sim-check`, and
-# reports hazards not sorted yet (selective_scan_update's padding threads read the last row's state at a clamped
-# index while its own thread writes it: a discarded value, but a race). Until they are, the suite runs the harness
-# without the checker;
+# reports hazards in harness test files not sorted yet into real ones and false positives. Until they are, the
+# suite runs the harness without the checker (its kernels then built without the instrumentation, faster);
 # tests/runtime/test_cudasim_checks.py turns it on for its own kernels.
 os.environ.setdefault("TVM_MAMBA_SIM_CHECKS", "0")
 

@@ -306,3 +306,19 @@ def test_conv_bias_is_staged_by_one_thread(monkeypatch):
     assert {c[1] for c in configs} == {"fwd", "bwd"}
     for op, direction, static, dtypes in configs[:1] + [c for c in configs if c[1] == "bwd"][:1]:
         simcheck.run_config(op, direction, static, dtypes, "sm_90")
+
+
+def test_update_padding_lanes_read_no_state(monkeypatch):
+    """selective_state_update's warp layout runs the lanes past the last row (clamped to it) only so that they
+    join the warp's shuffles. They read the last row's state while that row's own lane updates it in place:
+    a read-write race the checker reported (in block (1,0,0), 3 heads x 3 rows x batch 3), until their load
+    was guarded (compute/selective_scan/update.py ``_if_ok``). Mamba-2's layout (heads, groups), checks on."""
+    from tests.cudasim.test_selective_scan import sc, X32
+    from tvm_mamba import simcheck
+
+    monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "1")
+    static = dict(nheads=4, headdim=3, dstate=8, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,
+                  dt_softplus=True)
+    res, keys = sc.update_results(sc.update_inputs(static, X32, batch=3, seed=3), "sm_90", steps=3)
+    simcheck.ran(keys, "selective_scan", "update", static, X32)
+    assert res

@@ -43,6 +43,14 @@ def _scalars_macro(dims: UpdateDims, L: Layout):
     return scalars
 
 
+def _if_ok(ok, value, zero):
+    """``value``, or ``zero`` on a clamped lane (``ok`` false; Python True: every lane is real). A clamped
+    lane runs the row only to join its warp's shuffles; reading the state there would read the last real
+    row's state while that row's own lane updates it in place: a read-write race (the value was discarded,
+    but the harness's checker and a GPU race detector see it). The guarded load is not issued."""
+    return value if ok is True else tirx.if_then_else(ok, value, zero)
+
+
 def _row_macro(dims: UpdateDims, L: Layout):
     """One (batch, head, headdim row p) row given its dt' (hs[1]) and, tied, its head's exp(dt' A) (hs[2]), on
     lane thread ``j`` (its states n = L.state(ko, ki, j)); B / C from ``bc`` when the layout stages them
@@ -72,7 +80,7 @@ def _row_macro(dims: UpdateDims, L: Layout):
                 if not TIE:  # exp(dt' A[n]), its argument bound first (as the tied head's)
                     hv[ki] = hs[1] * A[hh, p, L.state(ko, ki, j)]
                 hv[ki] = ScanMath.h_next(hs[2] if TIE else m.exp(hv[ki]),
-                                         m.cast(state[sb, hh, p, L.state(ko, ki, j)]), s[0],
+                                         _if_ok(ok, m.cast(state[sb, hh, p, L.state(ko, ki, j)]), m.zero), s[0],
                                          bc[0, L.reg(ko, ki)] if STAGE
                                          else m.cast(Bm[b, hh // HPG, L.state(ko, ki, j)]))
                 if ok:
