@@ -107,12 +107,13 @@ def _attempt(fn, *args):
 
 def _build_cuda(keys, folder: pathlib.Path) -> dict:
     """{key: a cubin library compiled into ``folder`` | the exception}, one at a time (nvcc is the cost)."""
-    out = {}
-    for i, key in enumerate(keys):
-        path = folder / f"{key.workload().slug()}-{i}.so"
-        out[key] = _attempt(lambda k=key, p=path: (compile_module(k, dispatch.schedule(k)).export_library(str(p)),
-                                                   str(p))[1])
-    return out
+    return {key: _attempt(_compile_into, key, folder / f"{key.workload().slug()}-{i}.so")
+            for i, key in enumerate(keys)}
+
+
+def _compile_into(key: KernelKey, path: pathlib.Path) -> str:
+    compile_module(key, dispatch.schedule(key)).export_library(str(path))
+    return str(path)
 
 
 def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", preset: str = "default",
@@ -127,12 +128,12 @@ def build_pack(ops, out: str, target_kind: str = "cpu", arch: str = "sm_90", pre
     configs = configs if configs is not None else [(op, *c) for op in ops for c in _configs(op, preset)]
     t0 = time.perf_counter()
     planned = _plan(configs, target_key(target), batches, seqlens)
-    unique = list({(k.workload(), p.digest()): k for k, p in planned}.values())
-    made = _build_cuda(unique, folder) if target_kind == "cuda" else _build_cpu(unique, jobs)
+    unique = {(k.workload(), p.digest()): k for k, p in planned}  # one file per (workload, plan)
+    keys = list(unique.values())
+    made = _build_cuda(keys, folder) if target_kind == "cuda" else _build_cpu(keys, jobs)
     names, failed = {}, []
-    for i, key in enumerate(unique):
+    for i, (ident, key) in enumerate(unique.items()):
         got = made[key]
-        ident = (key.workload(), dispatch.plan(key).digest())
         if isinstance(got, Exception):
             failed.append(f"{key.workload()}: {type(got).__name__}: {str(got).strip()[-300:]}")
             continue
