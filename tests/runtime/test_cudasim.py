@@ -273,3 +273,24 @@ def test_source_is_build_checks_after_postproc(tmp_path):
     nvcc_source = gpu.mod.imports[0].inspect_source("cuda")
     assert sim.source == nvcc_source
     assert sim.source.endswith("// postproc was here\n")
+
+
+def test_harness_header_is_precompiled_once_per_flag_set(tmp_path, monkeypatch):
+    """g++ uses the cache's precompiled harness header (``-H`` marks a used PCH with "!"); another flag set
+    gets its own; a damaged .gch costs a compile from the header, not a failed build."""
+    import subprocess
+
+    monkeypatch.setenv("TVM_MAMBA_CACHE_DIR", str(tmp_path / "cache"))
+    flags = cudasim.compile_flags("sm_90")
+    stub = cudasim.precompiled_header("g++", flags)
+    assert stub is not None and stub.with_suffix(".h.gch").is_file()
+    assert cudasim.precompiled_header("g++", flags) == stub
+    assert cudasim.precompiled_header("g++", cudasim.compile_flags("sm_80")).parent != stub.parent
+    src = tmp_path / "k.cc"
+    src.write_text("__global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n")
+    cmd = cudasim._with_pch(["g++", *flags, "-H", "-c", "-o", str(tmp_path / "k.o"), str(src)], stub)
+    used = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert used.returncode == 0 and f"! {stub}.gch" in used.stderr
+    stub.with_suffix(".h.gch").write_bytes(b"not a precompiled header")
+    fallback = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert fallback.returncode == 0 and f"! {stub}.gch" not in fallback.stderr
