@@ -315,11 +315,11 @@ def link(b: SimBuild, path: str) -> None:
         proc = _run(_with_pch(compile_cmd, pch), tmp) if pch else None
         if proc is None or proc.returncode != 0:  # a failure is judged, and explained, without the PCH
             proc = _run(compile_cmd, tmp)
-        for cmd in (None, [cxx, "-shared", "-o", path, str(kernels_o), str(host_o), f"-L{ffi_lib}", "-ltvm_ffi",
-                           f"-Wl,-rpath,{ffi_lib}"]):
-            proc = proc if cmd is None else _run(cmd, tmp)
-            if proc.returncode != 0:
-                raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, b.label or "kernel"))
+        if proc.returncode == 0:
+            proc = _run([cxx, "-shared", "-o", path, str(kernels_o), str(host_o), f"-L{ffi_lib}", "-ltvm_ffi",
+                         f"-Wl,-rpath,{ffi_lib}"], tmp)
+        if proc.returncode != 0:
+            raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, b.label or "kernel"))
 
 
 def _with_pch(cmd: list[str], stub: pathlib.Path) -> list[str]:
