@@ -4,4 +4,6 @@ One module per op (``causal_conv1d.py``, ...) with builders named ``<op>_<direct
 length are symbolic; model dims are static. Each PrimFunc is stamped (``_common.stamp``) with the kernel
 name and its static parameters so that schedule rules can recognise it.
 """
-from tvm_mamba.compute import _tvmscript  # noqa: E402,F401 - TVMScript macros without per-frame source reads
+from tvm_mamba.compute import _tvmscript  # noqa: E402 - TVMScript parsing without per-frame source reads
+
+_tvmscript.install()

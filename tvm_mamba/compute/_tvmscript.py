@@ -14,21 +14,21 @@ record's ``frame``, and the third record's ``code_context`` / ``lineno`` (is the
 ``@I.ir_module`` class?). Its ``inspect`` is given a ``stack`` whose records compute their source context
 only when it is read.
 
-Applied once, from ``tvm_mamba.compute`` and ``tvm_mamba.schedules`` (the layers that write macros); a TVM
-without ``ScriptMacro._find_parser_def`` is left as it is.
+``install()`` runs when ``tvm_mamba.compute`` and ``tvm_mamba.schedules`` (the layers that write TVMScript)
+are imported.
 """
 from __future__ import annotations
 
 import inspect
 import sys
 
-from tvm.script.parser.core import parser as _parser
-
 
 def _find_parser_def(self):  # noqa: ARG001 - the method's signature
     """The innermost frame's script parser, as ``ScriptMacro._find_parser_def`` finds it (same frames,
     same order, starting at this function's own frame)."""
-    name = _parser.ScriptMacro.parser_object_name
+    from tvm.script.parser.core.parser import ScriptMacro
+
+    name = ScriptMacro.parser_object_name
     frame = sys._getframe(0)
     while frame is not None:
         found = frame.f_globals.get(name)
@@ -77,16 +77,17 @@ class _Inspect:
 
 
 def install() -> None:
-    """Replace ``ScriptMacro._find_parser_def`` and ``T.prim_func``'s ``inspect`` (idempotent)."""
-    macro = getattr(_parser, "ScriptMacro", None)
-    if macro is not None and hasattr(macro, "_find_parser_def"):
-        macro._find_parser_def = _find_parser_def
-    try:
-        from tvm.tirx.script.parser import entry
-    except ImportError:
+    """Replace ``ScriptMacro._find_parser_def`` and ``T.prim_func``'s ``inspect`` (idempotent). Nothing on a
+    runtime-only TVM (``TVM_USE_RUNTIME_LIB=1``, the GPU machine's bundle), whose TVMScript does not import
+    and where nothing is parsed: importing it there would fail and leave half its modules behind."""
+    import tvm.base
+
+    if getattr(tvm.base, "_RUNTIME_ONLY", False):
         return
+    from tvm.script.parser.core import parser
+    from tvm.tirx.script.parser import entry
+
+    if hasattr(parser.ScriptMacro, "_find_parser_def"):
+        parser.ScriptMacro._find_parser_def = _find_parser_def
     if getattr(entry, "inspect", None) is inspect:
         entry.inspect = _Inspect()
-
-
-install()
