@@ -275,22 +275,29 @@ def test_source_is_build_checks_after_postproc(tmp_path):
     assert sim.source.endswith("// postproc was here\n")
 
 
-def test_harness_header_is_precompiled_once_per_flag_set(tmp_path, monkeypatch):
-    """g++ uses the cache's precompiled harness header (``-H`` marks a used PCH with "!"); another flag set
-    gets its own; a damaged .gch costs a compile from the header, not a failed build."""
+def test_harness_is_built_once_per_flag_set(tmp_path, monkeypatch):
+    """The harness runtime object and precompiled header are built once per flag set into the cache; a kernel
+    compiled against them holds none of the runtime (the scheduler, the checker), uses the PCH (``-H`` marks it
+    with "!"), and links into a library that runs; a damaged .gch costs a compile from the header, not a failed
+    build."""
     import subprocess
 
     monkeypatch.setenv("TVM_MAMBA_CACHE_DIR", str(tmp_path / "cache"))
     flags = cudasim.compile_flags("sm_90")
-    stub = cudasim.precompiled_header("g++", flags)
-    assert stub is not None and stub.with_suffix(".h.gch").is_file()
-    assert cudasim.precompiled_header("g++", flags) == stub
-    assert cudasim.precompiled_header("g++", cudasim.compile_flags("sm_80")).parent != stub.parent
+    h = cudasim.harness("g++", flags)
+    assert h.runtime.is_file() and h.header is not None and h.header.with_suffix(".h.gch").is_file()
+    stamp = h.runtime.stat().st_mtime_ns
+    assert cudasim.harness("g++", flags) == h and h.runtime.stat().st_mtime_ns == stamp
+    assert cudasim.harness("g++", cudasim.compile_flags("sm_80")).runtime.parent != h.runtime.parent
+    assert cudasim.harness("g++", [*flags, *cudasim.CHECK_FLAGS]).runtime.parent != h.runtime.parent
     src = tmp_path / "k.cc"
     src.write_text("__global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n")
-    cmd = cudasim._with_pch(["g++", *flags, "-H", "-c", "-o", str(tmp_path / "k.o"), str(src)], stub)
+    cmd = cudasim._with_header(["g++", *flags, "-H", "-c", "-o", str(tmp_path / "k.o"), str(src)], h.header)
     used = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert used.returncode == 0 and f"! {stub}.gch" in used.stderr
-    stub.with_suffix(".h.gch").write_bytes(b"not a precompiled header")
+    assert used.returncode == 0 and f"! {h.header}.gch" in used.stderr
+    symbols = subprocess.run(["nm", "-C", str(tmp_path / "k.o")], capture_output=True, text=True).stdout
+    assert "resolve_warp" not in symbols and "run_block" not in symbols and "k(float*)" in symbols
+    assert "resolve_warp" in subprocess.run(["nm", "-C", str(h.runtime)], capture_output=True, text=True).stdout
+    h.header.with_suffix(".h.gch").write_bytes(b"not a precompiled header")
     fallback = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert fallback.returncode == 0 and f"! {stub}.gch" not in fallback.stderr
+    assert fallback.returncode == 0 and f"! {h.header}.gch" not in fallback.stderr

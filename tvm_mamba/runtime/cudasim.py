@@ -244,51 +244,72 @@ def _explain_compile_error(log: str, label: str) -> str:
 CHECK_FLAGS = ["-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "-fno-tree-sra"]
 
 
-PCH_DIR = "cudasim-pch"  # in the kernel cache: the harness header precompiled, one folder per flag set
+HARNESS_DIR = "cudasim-harness"  # in the kernel cache: the harness's runtime object and header, per flag set
 
 
 def _run(cmd: list[str], cwd: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=dict(os.environ, LC_ALL="C"))
 
 
-def precompiled_header(cxx: str, flags: list[str]) -> pathlib.Path | None:
-    """The harness header (``-include tvm_mamba_cudasim.h``, ~57,000 lines once preprocessed: ~0.7 s of every
-    kernel's g++ run) precompiled for exactly ``flags``: a stub header in the kernel cache that includes the
-    real one, with its ``.gch`` beside it, which g++ uses in its place. The folder is named by the digest of
-    the compiler, the flags and every file the header includes, so an edited header or another flag set gets
-    its own. None (compile from the header) where it cannot be built."""
+@dataclasses.dataclass(frozen=True)
+class Harness:
+    """The harness compiled once for one flag set: ``runtime`` (the object every kernel library links: the
+    scheduler, the checker, the entry points; ``TVM_MAMBA_SIM_RUNTIME`` in tvm_mamba_cudasim.h) and ``header``
+    (a stub that includes the real header, with the precompiled ``.gch`` beside it; None where g++ could not
+    precompile it, then the kernels include the header itself)."""
+
+    runtime: pathlib.Path
+    header: pathlib.Path | None
+
+
+def harness(cxx: str, flags: list[str]) -> Harness:
+    """The harness for exactly ``flags`` (the kernels' compile flags), built on first use into the kernel cache,
+    in a folder named by the digest of the compiler, the flags and every file the header includes (an edited
+    header or another flag set gets its own). The runtime is thousands of lines that g++ would otherwise
+    optimize again for every kernel; the precompiled header saves parsing it (~57,000 lines preprocessed)."""
     base = [f for f in flags if f not in ("-include", "tvm_mamba_cudasim.h")]
-    key = _pch_key(cxx, tuple(base))
-    if key is None:
-        return None
+    key = _harness_key(cxx, tuple(base))
     from .cache_dir import build_root, private_mkdir
 
-    folder = build_root() / PCH_DIR / key
-    stub, gch = folder / "tvm_mamba_cudasim.h", folder / "tvm_mamba_cudasim.h.gch"
-    if gch.is_file():
-        return stub
-    private_mkdir(folder)
-    with filelock.FileLock(str(folder / "build.lock"), timeout=600):
-        if gch.is_file():
-            return stub
-        stub.write_text(f'#include "{_INCLUDE / "tvm_mamba_cudasim.h"}"\n')
-        tmp = folder / f"{gch.name}.{os.getpid()}.tmp"
-        if _run([cxx, *base, "-x", "c++-header", "-o", str(tmp), str(stub)], str(folder)).returncode != 0:
-            tmp.unlink(missing_ok=True)
-            return None
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, gch)
-    return stub
+    folder = build_root() / HARNESS_DIR / key
+    runtime, stub, gch = folder / "runtime.o", folder / "tvm_mamba_cudasim.h", folder / "tvm_mamba_cudasim.h.gch"
+    if not runtime.is_file():
+        private_mkdir(folder)
+        with filelock.FileLock(str(folder / "build.lock"), timeout=600):
+            if not runtime.is_file():
+                _build_harness(cxx, flags, base, folder, runtime, stub, gch)
+    return Harness(runtime, stub if gch.is_file() else None)
+
+
+def _build_harness(cxx, flags, base, folder, runtime, stub, gch) -> None:
+    """Compile the runtime object (an error if it does not compile) and precompile the header (skipped if it
+    does not), each to a temporary name first, so a reader never sees half a file."""
+    empty = folder / "runtime.cc"
+    empty.write_text("// the harness runtime: everything tvm_mamba_cudasim.h guards by TVM_MAMBA_SIM_RUNTIME\n")
+    tmp = folder / f"runtime.o.{os.getpid()}.tmp"
+    proc = _run([cxx, *flags, "-DTVM_MAMBA_SIM_RUNTIME", "-c", "-o", str(tmp), str(empty)], str(folder))
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, "the harness runtime"))
+    stub.write_text(f'#include "{_INCLUDE / "tvm_mamba_cudasim.h"}"\n')
+    tmp_gch = folder / f"{gch.name}.{os.getpid()}.tmp"
+    if _run([cxx, *base, "-x", "c++-header", "-o", str(tmp_gch), str(stub)], str(folder)).returncode == 0:
+        os.chmod(tmp_gch, 0o600)
+        os.replace(tmp_gch, gch)
+    else:
+        tmp_gch.unlink(missing_ok=True)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, runtime)  # last: its presence says the folder is complete
 
 
 @functools.lru_cache(maxsize=None)
-def _pch_key(cxx: str, base: tuple) -> str | None:
+def _harness_key(cxx: str, base: tuple) -> str:
     """sha256 (16 hex digits) of the compiler's version, ``base`` and the contents of every file the harness
-    header includes (g++ -M), or None if g++ cannot list them."""
+    header includes (g++ -M)."""
     proc = _run([cxx, *base, "-M", "-x", "c++", str(_INCLUDE / "tvm_mamba_cudasim.h")], str(_INCLUDE))
     ver = _run([cxx, "--version"], str(_INCLUDE))
     if proc.returncode != 0 or ver.returncode != 0:
-        return None
+        raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr + ver.stderr, "the harness header"))
     deps = sorted(set(proc.stdout.replace("\\\n", " ").split()[1:]))
     h = hashlib.sha256(ver.stdout.encode() + repr(base).encode())
     for dep in deps:
@@ -297,8 +318,8 @@ def _pch_key(cxx: str, base: tuple) -> str | None:
 
 
 def link(b: SimBuild, path: str) -> None:
-    """Compile the kernels with g++ (instrumented for the checker when ``b.checks``) and link them with the host object into one
-    shared library at ``path``."""
+    """Compile the kernels with g++ (instrumented for the checker when ``b.checks``) and link them with the
+    host object and the harness runtime (built once per flag set) into one shared library at ``path``."""
     cxx = os.environ.get("CXX") or "g++"
     ffi_lib = pathlib.Path(tvm_ffi.__file__).resolve().parent / "lib"
     with tempfile.TemporaryDirectory(prefix="tvm_mamba_cudasim_") as tmp:
@@ -310,19 +331,19 @@ def link(b: SimBuild, path: str) -> None:
         b.host.write_to_file(str(host_o))
         kernels_o = pathlib.Path(tmp, "kernels.o")
         flags = [*compile_flags(b.arch), *(CHECK_FLAGS if b.checks else [])]
-        pch = precompiled_header(cxx, flags)
+        h = harness(cxx, flags)
         compile_cmd = [cxx, *flags, "-c", "-o", str(kernels_o), str(wrap)]
-        proc = _run(_with_pch(compile_cmd, pch), tmp) if pch else None
+        proc = _run(_with_header(compile_cmd, h.header), tmp) if h.header else None
         if proc is None or proc.returncode != 0:  # a failure is judged, and explained, without the PCH
             proc = _run(compile_cmd, tmp)
         if proc.returncode == 0:
-            proc = _run([cxx, "-shared", "-o", path, str(kernels_o), str(host_o), f"-L{ffi_lib}", "-ltvm_ffi",
-                         f"-Wl,-rpath,{ffi_lib}"], tmp)
+            proc = _run([cxx, "-shared", "-o", path, str(kernels_o), str(h.runtime), str(host_o), f"-L{ffi_lib}",
+                         "-ltvm_ffi", f"-Wl,-rpath,{ffi_lib}"], tmp)
         if proc.returncode != 0:
             raise RuntimeError(_explain_compile_error(proc.stdout + proc.stderr, b.label or "kernel"))
 
 
-def _with_pch(cmd: list[str], stub: pathlib.Path) -> list[str]:
+def _with_header(cmd: list[str], stub: pathlib.Path) -> list[str]:
     """``cmd`` with ``-include tvm_mamba_cudasim.h`` pointing at the precompiled header's stub."""
     i = cmd.index("tvm_mamba_cudasim.h")
     return [*cmd[:i], str(stub), *cmd[i + 1:]]

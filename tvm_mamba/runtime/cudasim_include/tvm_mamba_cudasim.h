@@ -12,6 +12,13 @@
 //  * bfloat16 / half convert with round-to-nearest-even as the GPU does; __dp4a, atomics, __ldg and the
 //    fast-math intrinsics are implemented; anything else fails to compile, naming the intrinsic.
 // The launcher entry points are generated per kernel by tvm_mamba/runtime/cudasim.py.
+//
+// Two parts, each compiled with the same flags (cudasim.link): the runtime -- scheduler, warp and wmma resolution,
+// the race checker, fault handling and the library's own entry points, everything below guarded by
+// TVM_MAMBA_SIM_RUNTIME -- once per flag set into an object that every kernel library links, and the kernels'
+// source, which sees only what the kernels call. The runtime's state is hidden in each library, as if the whole
+// header were compiled with every kernel (the runtime is thousands of lines that g++ would otherwise optimize
+// again for every kernel).
 #pragma once
 #ifndef TVM_MAMBA_CUDASIM_H_
 #define TVM_MAMBA_CUDASIM_H_
@@ -103,8 +110,9 @@ inline Fiber* cur() { return current()->cur; }
 #define warpSize 32
 
 // ---- context switch (x86-64 System V; callee-saved registers, MXCSR and the x87 control word) ----------------
-extern "C" void tvm_mamba_sim_switch(void** save_sp, void* new_sp);
-extern "C" void tvm_mamba_sim_trampoline();
+extern "C" __attribute__((visibility("hidden"))) void tvm_mamba_sim_switch(void** save_sp, void* new_sp);
+extern "C" __attribute__((visibility("hidden"))) void tvm_mamba_sim_trampoline();
+#ifdef TVM_MAMBA_SIM_RUNTIME
 __asm__(
     ".text\n"
     ".hidden tvm_mamba_sim_switch\n.globl tvm_mamba_sim_switch\n.type tvm_mamba_sim_switch,@function\n"
@@ -117,6 +125,7 @@ __asm__(
     ".hidden tvm_mamba_sim_trampoline\n.globl tvm_mamba_sim_trampoline\n"
     ".type tvm_mamba_sim_trampoline,@function\n"
     "tvm_mamba_sim_trampoline:\n  movq %r12, %rdi\n  call *%r13\n  ud2\n");
+#endif
 
 namespace tvm_mamba_sim {
 

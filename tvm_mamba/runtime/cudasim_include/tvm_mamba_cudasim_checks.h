@@ -61,7 +61,20 @@ struct Checks {
   int nregions = 2;
   Region regions[kMaxRegions];
 };
-static Checks g_chk;  // one per kernel library (this header is compiled into exactly one object)
+// One per kernel library: defined in the harness runtime (compiled once per flag set into the runtime object that
+// every kernel library links), hidden, so each library keeps its own.
+extern Checks g_chk __attribute__((visibility("hidden")));
+
+// A wmma fragment element or an atomic: shadow (if `shadow`) and alignment as given, outside the instrumentation.
+TVM_MAMBA_SIM_NOTSAN __attribute__((visibility("hidden"))) void note_access(const volatile void* p, size_t n,
+                                                                            bool write, size_t align, bool shadow);
+
+}  // namespace tvm_mamba_sim
+
+#ifdef TVM_MAMBA_SIM_RUNTIME
+namespace tvm_mamba_sim {
+
+Checks g_chk;
 
 TVM_MAMBA_SIM_NOTSAN inline Cell* map_shadow(size_t nbytes, size_t* mapped) {
   *mapped = nbytes * sizeof(Cell);
@@ -230,8 +243,7 @@ TVM_MAMBA_SIM_NOTSAN inline void on_access(const volatile void* p, size_t n, boo
   if (Region* r = region_of(a)) record(*r, a, n, write, align);
 }
 
-// A wmma fragment element or an atomic: shadow (if `shadow`) and alignment as given, outside the instrumentation.
-TVM_MAMBA_SIM_NOTSAN inline void note_access(const volatile void* p, size_t n, bool write, size_t align, bool shadow) {
+TVM_MAMBA_SIM_NOTSAN void note_access(const volatile void* p, size_t n, bool write, size_t align, bool shadow) {
   if (g_chk.cur == nullptr || !g_chk.on) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   Region* r = region_of(a);
@@ -311,3 +323,4 @@ TVM_MAMBA_SIM_HOOK void __tsan_init() {}
 TVM_MAMBA_SIM_HOOK void __tsan_func_entry(void*) {}
 TVM_MAMBA_SIM_HOOK void __tsan_func_exit() {}
 #undef TVM_MAMBA_SIM_HOOK
+#endif  // TVM_MAMBA_SIM_RUNTIME

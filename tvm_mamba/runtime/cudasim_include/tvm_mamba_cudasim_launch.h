@@ -11,6 +11,58 @@ extern "C" char __stop_tvm_mamba_sim_shared[] __attribute__((weak, visibility("h
 
 namespace tvm_mamba_sim {
 
+template <typename T>
+inline T arg_as(const TVMFFIAny& a) {
+  if constexpr (std::is_pointer<T>::value) {
+    return a.type_index == kTVMFFINone ? nullptr : static_cast<T>(a.v_ptr);
+  } else if constexpr (std::is_floating_point<T>::value) {
+    return a.type_index == kTVMFFIFloat ? static_cast<T>(a.v_float64) : static_cast<T>(a.v_int64);
+  } else {
+    return a.type_index == kTVMFFIFloat ? static_cast<T>(a.v_float64) : static_cast<T>(a.v_int64);
+  }
+}
+
+template <typename... P, size_t... I>
+inline std::tuple<P...> convert_args(const TVMFFIAny* args, std::index_sequence<I...>) {
+  return std::tuple<P...>(arg_as<P>(args[I])...);
+}
+
+inline int report(const char* kernel, const std::string& what) {
+  std::string msg = std::string("cudasim: kernel ") + kernel + ": " + what;
+  TVMFFIErrorSetRaisedFromCStr("RuntimeError", msg.c_str());
+  return -1;
+}
+
+// Defined by the runtime part (hidden: each kernel library calls its own).
+__attribute__((visibility("hidden"))) int run_launch(const char* name, void (*run)(void*), void* ctx,
+                                                     const TVMFFIAny* tag_values, const char* const* tags, int ntags);
+__attribute__((visibility("hidden"))) char* dyn_shared(const char* name);
+
+// Run one launch of ``kernel``: the packed arguments are its parameters, then one value per launch tag
+// ("blockIdx.x" ... "threadIdx.z", "tirx.use_dyn_shared_memory"), exactly what TVM's host code passes to the
+// CUDA module's function of the same name.
+template <typename... P>
+int launch(const char* name, void (*kernel)(P...), const TVMFFIAny* args, int nargs, const char* const* tags,
+           int ntags) {
+  constexpr int np = sizeof...(P);
+  if (nargs != np + ntags)
+    return report(name, "expected " + std::to_string(np + ntags) + " packed arguments, got " + std::to_string(nargs));
+  std::tuple<P...> params = convert_args<P...>(args, std::index_sequence_for<P...>{});
+  struct Body {
+    void (*k)(P...);
+    std::tuple<P...>* p;
+    static void run(void* ctx) { Body* b = static_cast<Body*>(ctx); std::apply(b->k, *b->p); }
+  } body{kernel, &params};
+  return run_launch(name, &Body::run, &body, args + np, tags, ntags);
+}
+
+}  // namespace tvm_mamba_sim
+
+#define TVM_MAMBA_SIM_DYN_SHARED(T, NAME) T* NAME = reinterpret_cast<T*>(::tvm_mamba_sim::dyn_shared(#NAME))
+
+#ifdef TVM_MAMBA_SIM_RUNTIME
+namespace tvm_mamba_sim {
+
 constexpr size_t kStack = 256 << 10;  // per thread; kernels keep small local arrays (ptxas: <= 1 KiB stack)
 
 struct Config { int order = 0; uint64_t seed = 0; };
@@ -340,43 +392,16 @@ inline void run_block(Launch* l, char* stacks) {
   }
 }
 
-template <typename T>
-inline T arg_as(const TVMFFIAny& a) {
-  if constexpr (std::is_pointer<T>::value) {
-    return a.type_index == kTVMFFINone ? nullptr : static_cast<T>(a.v_ptr);
-  } else if constexpr (std::is_floating_point<T>::value) {
-    return a.type_index == kTVMFFIFloat ? static_cast<T>(a.v_float64) : static_cast<T>(a.v_int64);
-  } else {
-    return a.type_index == kTVMFFIFloat ? static_cast<T>(a.v_float64) : static_cast<T>(a.v_int64);
-  }
-}
-
-template <typename... P, size_t... I>
-inline std::tuple<P...> convert_args(const TVMFFIAny* args, std::index_sequence<I...>) {
-  return std::tuple<P...>(arg_as<P>(args[I])...);
-}
-
-inline int report(const char* kernel, const std::string& what) {
-  std::string msg = std::string("cudasim: kernel ") + kernel + ": " + what;
-  TVMFFIErrorSetRaisedFromCStr("RuntimeError", msg.c_str());
-  return -1;
-}
-
-// Run one launch of ``kernel``: the packed arguments are its parameters, then one value per launch tag
-// ("blockIdx.x" ... "threadIdx.z", "tirx.use_dyn_shared_memory"), exactly what TVM's host code passes to the
-// CUDA module's function of the same name.
-template <typename... P>
-int launch(const char* name, void (*kernel)(P...), const TVMFFIAny* args, int nargs, const char* const* tags,
-           int ntags) {
-  constexpr int np = sizeof...(P);
-  if (nargs != np + ntags)
-    return report(name, "expected " + std::to_string(np + ntags) + " packed arguments, got " + std::to_string(nargs));
+// One launch of the kernel whose parameters `run(ctx)` applies, given its launch tags' values (the template
+// `launch` below converts the packed arguments; everything else is here, compiled once).
+int run_launch(const char* name, void (*run)(void*), void* ctx, const TVMFFIAny* tag_values,
+               const char* const* tags, int ntags) {
   Launch l;
   l.kernel = name;
   unsigned* dims[6] = {&l.grid.x, &l.grid.y, &l.grid.z, &l.block.x, &l.block.y, &l.block.z};
   const char* dim_tags[6] = {"blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z"};
   for (int t = 0; t < ntags; ++t) {
-    int64_t v = args[np + t].v_int64;
+    int64_t v = tag_values[t].v_int64;
     bool found = false;
     for (int d = 0; d < 6; ++d) {
       if (std::strcmp(tags[t], dim_tags[d]) == 0) {
@@ -405,14 +430,8 @@ int launch(const char* name, void (*kernel)(P...), const TVMFFIAny* args, int na
     f.tid = {static_cast<unsigned>(i % l.block.x), static_cast<unsigned>(i / l.block.x % l.block.y),
              static_cast<unsigned>(i / (l.block.x * l.block.y))};
   }
-  std::tuple<P...> params = convert_args<P...>(args, std::index_sequence_for<P...>{});
-  struct Body {
-    void (*k)(P...);
-    std::tuple<P...>* p;
-    static void run(void* ctx) { Body* b = static_cast<Body*>(ctx); std::apply(b->k, *b->p); }
-  } body{kernel, &params};
-  l.body = &Body::run;
-  l.body_ctx = &body;
+  l.body = run;
+  l.body_ctx = ctx;
   l.order = config().order;
   char* stacks = stack_pool(l.nthreads);
   if (stacks == nullptr) return report(name, "could not map the thread stacks");
@@ -449,14 +468,13 @@ int launch(const char* name, void (*kernel)(P...), const TVMFFIAny* args, int na
   return 0;
 }
 
-inline char* dyn_shared(const char* name) {
+
+char* dyn_shared(const char* name) {
   g_chk.regions[kDyn].name = name;
   return current()->dyn_shared;
 }
 
 }  // namespace tvm_mamba_sim
-
-#define TVM_MAMBA_SIM_DYN_SHARED(T, NAME) T* NAME = reinterpret_cast<T*>(::tvm_mamba_sim::dyn_shared(#NAME))
 
 // __tvm_set_device: TVM's host code selects the device before launching; there is one simulated device.
 extern "C" __attribute__((visibility("default"))) int __tvm_ffi___tvm_set_device(void*, const TVMFFIAny*, int32_t,
@@ -483,3 +501,4 @@ extern "C" __attribute__((visibility("default"))) int __tvm_ffi_tvm_mamba_sim_ch
     return tvm_mamba_sim::report("tvm_mamba_sim_checks", "expected (on, [index, address, bytes]...)");
   return 0;
 }
+#endif  // TVM_MAMBA_SIM_RUNTIME
