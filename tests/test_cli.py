@@ -73,6 +73,8 @@ def test_sim_check_runs_what_build_check_builds(arch):
     assert int(m.group(1)) == len(build_check_configs()) and m.group(2) == "0"
     assert proc.returncode == 0
     assert proc.stdout.count(" ok   ") == len(build_check_configs())
+    n = len(build_check_configs())
+    assert f"sim-check: compiled {n}/{n} (" in proc.stdout  # progress while the kernels compile
 
 
 def test_sim_and_build_check_refuse_bad_flags():

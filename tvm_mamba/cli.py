@@ -216,8 +216,7 @@ def cmd_sim_check(args) -> int:
     configs = list(_configs(ops))
     keys = [KernelKey.make(op, d, dt, st, "cudasim-" + arch) for op, d, st, dt in configs]
     print(f"sim-check: compiling {len(keys)} kernels for the harness ({args.jobs} jobs) ...", flush=True)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        warm = list(pool.map(lambda k: _try(build_and_load, k), keys))
+    warm = _compile_all(keys, args.jobs, build_and_load)
     failed = 0
     for i, ((op, direction, static, dtypes), key, err) in enumerate(zip(configs, keys, warm)):
         t0 = time.perf_counter()
@@ -231,6 +230,21 @@ def cmd_sim_check(args) -> int:
             print("      " + err.replace("\n", "\n      ")[:1500], flush=True)
     print(f"sim-check: {len(keys)} kernels, {failed} failed (cuda {arch}{', full shapes' if args.full else ''})")
     return 1 if failed else 0
+
+
+def _compile_all(keys, jobs: int, build) -> list[str | None]:
+    """``build`` every key, ``jobs`` at a time; each key's error or None, in order. A line every tenth of the
+    way: a cold sim-check compiles for minutes before its first result."""
+    t0, done, step = time.perf_counter(), 0, max(1, len(keys) // 10)
+    errors: list[str | None] = [None] * len(keys)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        pending = {pool.submit(_try, build, key): i for i, key in enumerate(keys)}
+        for fut in concurrent.futures.as_completed(pending):
+            errors[pending[fut]] = fut.result()
+            done += 1
+            if done % step == 0 or done == len(keys):
+                print(f"sim-check: compiled {done}/{len(keys)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return errors
 
 
 def _try(fn, *args) -> str | None:
