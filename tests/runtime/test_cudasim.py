@@ -301,3 +301,6 @@ def test_harness_is_built_once_per_flag_set(tmp_path, monkeypatch):
     h.header.with_suffix(".h.gch").write_bytes(b"not a precompiled header")
     fallback = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert fallback.returncode == 0 and f"! {h.header}.gch" not in fallback.stderr
+    h.runtime.chmod(0o664)  # the cache's trust model (docs/design.md): nobody else may write what is linked
+    with pytest.raises(PermissionError, match="runtime.o"):
+        cudasim.harness("g++", flags)

@@ -269,7 +269,7 @@ def harness(cxx: str, flags: list[str]) -> Harness:
     optimize again for every kernel; the precompiled header saves parsing it (~57,000 lines preprocessed)."""
     base = [f for f in flags if f not in ("-include", "tvm_mamba_cudasim.h")]
     key = _harness_key(cxx, tuple(base))
-    from .cache_dir import build_root, private_mkdir
+    from .cache_dir import build_root, private_mkdir, require_trusted
 
     folder = build_root() / HARNESS_DIR / key
     runtime, stub, gch = folder / "runtime.o", folder / "tvm_mamba_cudasim.h", folder / "tvm_mamba_cudasim.h.gch"
@@ -278,6 +278,8 @@ def harness(cxx: str, flags: list[str]) -> Harness:
         with filelock.FileLock(str(folder / "build.lock"), timeout=600):
             if not runtime.is_file():
                 _build_harness(cxx, flags, base, folder, runtime, stub, gch)
+    for path in (folder.parent, folder, runtime, stub, gch):  # linked into, or read for, code this process runs
+        require_trusted(path, "CUDA harness file")
     return Harness(runtime, stub if gch.is_file() else None)
 
 
