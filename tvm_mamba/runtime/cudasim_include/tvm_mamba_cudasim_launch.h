@@ -393,7 +393,7 @@ inline void run_block(Launch* l, char* stacks) {
 }
 
 // One launch of the kernel whose parameters `run(ctx)` applies, given its launch tags' values (the template
-// `launch` below converts the packed arguments; everything else is here, compiled once).
+// `launch` above converts the packed arguments; everything else is here, compiled once).
 int run_launch(const char* name, void (*run)(void*), void* ctx, const TVMFFIAny* tag_values,
                const char* const* tags, int ntags) {
   Launch l;
