@@ -23,12 +23,13 @@ import inspect
 import sys
 
 
+_PARSER_NAME = "__current_script_parser__"  # ScriptMacro.parser_object_name, read by install()
+
+
 def _find_parser_def(self):  # noqa: ARG001 - the method's signature
     """The innermost frame's script parser, as ``ScriptMacro._find_parser_def`` finds it (same frames,
     same order, starting at this function's own frame)."""
-    from tvm.script.parser.core.parser import ScriptMacro
-
-    name = ScriptMacro.parser_object_name
+    name = _PARSER_NAME
     frame = sys._getframe(0)
     while frame is not None:
         found = frame.f_globals.get(name)
@@ -87,7 +88,9 @@ def install() -> None:
     from tvm.script.parser.core import parser
     from tvm.tirx.script.parser import entry
 
+    global _PARSER_NAME
     if hasattr(parser.ScriptMacro, "_find_parser_def"):
+        _PARSER_NAME = parser.ScriptMacro.parser_object_name
         parser.ScriptMacro._find_parser_def = _find_parser_def
     if getattr(entry, "inspect", None) is inspect:
         entry.inspect = _Inspect()

@@ -272,20 +272,26 @@ def harness(cxx: str, flags: list[str]) -> Harness:
     from .cache_dir import build_root, private_mkdir, require_trusted
 
     folder = build_root() / HARNESS_DIR / key
-    runtime, stub, gch = folder / "runtime.o", folder / "tvm_mamba_cudasim.h", folder / "tvm_mamba_cudasim.h.gch"
+    runtime, stub, gch = _harness_files(folder)
     if not runtime.is_file():
         private_mkdir(folder)
         with filelock.FileLock(str(folder / "build.lock"), timeout=600):
             if not runtime.is_file():
-                _build_harness(cxx, flags, base, folder, runtime, stub, gch)
+                _build_harness(cxx, flags, base, folder)
     for path in (folder.parent, folder, runtime, stub, gch):  # linked into, or read for, code this process runs
         require_trusted(path, "CUDA harness file")
     return Harness(runtime, stub if gch.is_file() else None)
 
 
-def _build_harness(cxx, flags, base, folder, runtime, stub, gch) -> None:
+def _harness_files(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """(runtime object, header stub, its precompiled .gch) in a harness folder."""
+    return folder / "runtime.o", folder / "tvm_mamba_cudasim.h", folder / "tvm_mamba_cudasim.h.gch"
+
+
+def _build_harness(cxx: str, flags: list[str], base: list[str], folder: pathlib.Path) -> None:
     """Compile the runtime object (an error if it does not compile) and precompile the header (skipped if it
     does not), each to a temporary name first, so a reader never sees half a file."""
+    runtime, stub, gch = _harness_files(folder)
     empty = folder / "runtime.cc"
     empty.write_text("// the harness runtime: everything tvm_mamba_cudasim.h guards by TVM_MAMBA_SIM_RUNTIME\n")
     tmp = folder / f"runtime.o.{os.getpid()}.tmp"
