@@ -97,3 +97,52 @@ def test_install_is_idempotent():
     assert isinstance(entry.inspect, _tvmscript._Inspect)
     with pytest.raises(AttributeError):
         entry.inspect.no_such_function
+
+
+def _accumulate(n: int):
+    """A template with an ``AugAssign``, whose target's ``ctx`` TVM's parser flips to Load and back in the
+    tree it parses."""
+    @T.macro
+    def add(acc, a, i):
+        acc[0] += a[i]
+
+    @T.prim_func
+    def f(a: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), acc: T.Buffer((1,), "float32")):
+        acc[0] = T.float32(0)
+        for i in range(n):
+            add(acc, a, i)
+        for i in range(n):
+            b[i] = a[i] - acc[0]
+
+    return f
+
+
+def test_cached_trees_and_lines_give_the_same_ir_as_tvms_own(monkeypatch):
+    """Parsed three times from the cached tree (the parser's in-place writes are the same each time) equals
+    the IR from TVM's own ``as_ast`` and ``getsourcelines``."""
+    from tvm.script.parser.core import diagnostics, doc
+
+    ours = [_accumulate(6) for _ in range(3)]
+    monkeypatch.setattr(diagnostics.Source, "as_ast", lambda self: doc.parse(self.source))
+    monkeypatch.setattr(diagnostics, "getsourcelines", diagnostics.getsourcelines.original)
+    theirs = _accumulate(6)
+    for func in ours:
+        tvm.ir.assert_structural_equal(func, theirs)
+    assert "acc = acc + a[i]" in theirs.script()  # the AugAssign, read and stored
+
+
+def test_a_template_is_parsed_once_per_thread(monkeypatch):
+    import threading
+
+    from tvm.script.parser.core import doc
+
+    _accumulate(7)  # the trees of this thread
+    parsed = []
+    parse = doc.parse
+    monkeypatch.setattr(doc, "parse", lambda source, *a, **k: parsed.append(source) or parse(source, *a, **k))
+    _accumulate(9)
+    assert parsed == []  # another size, the same source text: no parse
+    other = threading.Thread(target=_accumulate, args=(9,))
+    other.start()
+    other.join()
+    assert len(parsed) == 2  # the other thread parses its own trees: the macro's and the prim_func's

@@ -14,6 +14,15 @@ record's ``frame``, and the third record's ``code_context`` / ``lineno`` (is the
 ``@I.ir_module`` class?). Its ``inspect`` is given a ``stack`` whose records compute their source context
 only when it is read.
 
+Every ``@T.macro`` expansion (dozens per kernel) and every ``T.prim_func`` re-reads its function's source
+lines (``inspect.getblock`` tokenizes the file from the definition on) and converts Python's AST of it into
+TVMScript's doc AST, node by node; the same template functions are parsed for every kernel. Both are pure
+functions of the source: the lines are kept per code object (a closure re-made per call shares one), the doc
+AST per source text and thread. TVM's parser changes a parsed tree in two places only, each time to the same
+value (an ``AugAssign`` target's ``ctx`` set to ``Load`` while its value is read and back to ``Store``; a
+slice without a step given ``Constant(1)``), so a tree parsed before gives the same IR; the flip makes one tree
+unsafe to share between threads that parse at once, hence a tree per thread.
+
 ``install()`` runs when ``tvm_mamba.compute`` and ``tvm_mamba.schedules`` (the layers that write TVMScript)
 are imported.
 """
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 
 
 _PARSER_NAME = "__current_script_parser__"  # ScriptMacro.parser_object_name, read by install()
@@ -68,6 +78,39 @@ def _stack(context: int = 1) -> list[_FrameRecord]:
     return records
 
 
+_trees = threading.local()  # .by_source: {source text: doc AST}
+_lines: dict = {}  # {code object: (lines, first line number)}
+
+
+def _as_ast(self):
+    """``Source.as_ast``: ``doc.parse(self.source)``, parsed once per source text and thread."""
+    cache = getattr(_trees, "by_source", None)
+    if cache is None:
+        cache = _trees.by_source = {}
+    tree = cache.get(self.source)
+    if tree is None:
+        from tvm.script.parser.core import doc
+
+        tree = cache[self.source] = doc.parse(self.source)
+    return tree
+
+
+def _getsourcelines(getsourcelines):
+    """TVM's ``diagnostics.getsourcelines``, its answer for a function kept per code object."""
+
+    def cached(obj):
+        code = getattr(inspect.unwrap(obj), "__code__", None)
+        if code is None:  # a class (an @I.ir_module): read as TVM does
+            return getsourcelines(obj)
+        found = _lines.get(code)
+        if found is None:
+            found = _lines[code] = getsourcelines(obj)
+        return list(found[0]), found[1]
+
+    cached.tvm_mamba_cached, cached.original = True, getsourcelines
+    return cached
+
+
 class _Inspect:
     """The ``inspect`` module, but with the lazy ``stack``."""
 
@@ -78,14 +121,15 @@ class _Inspect:
 
 
 def install() -> None:
-    """Replace ``ScriptMacro._find_parser_def`` and ``T.prim_func``'s ``inspect`` (idempotent). Nothing on a
+    """Replace ``ScriptMacro._find_parser_def``, ``T.prim_func``'s ``inspect``, ``Source.as_ast`` and
+    ``diagnostics.getsourcelines`` (idempotent). Nothing on a
     runtime-only TVM (``TVM_USE_RUNTIME_LIB=1``, the GPU machine's bundle), whose TVMScript does not import
     and where nothing is parsed: importing it there would fail and leave half its modules behind."""
     import tvm.base
 
     if getattr(tvm.base, "_RUNTIME_ONLY", False):
         return
-    from tvm.script.parser.core import parser
+    from tvm.script.parser.core import diagnostics, parser
     from tvm.tirx.script.parser import entry
 
     global _PARSER_NAME
@@ -94,3 +138,7 @@ def install() -> None:
         parser.ScriptMacro._find_parser_def = _find_parser_def
     if getattr(entry, "inspect", None) is inspect:
         entry.inspect = _Inspect()
+    if hasattr(diagnostics.Source, "as_ast"):
+        diagnostics.Source.as_ast = _as_ast
+    if not getattr(diagnostics.getsourcelines, "tvm_mamba_cached", False):
+        diagnostics.getsourcelines = _getsourcelines(diagnostics.getsourcelines)
