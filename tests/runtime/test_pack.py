@@ -108,27 +108,6 @@ def test_candidate_round_emit_measure_runtime_only_commit(tmp_path):
     assert len(records) == 2 and all(r["candidates"] == 2 for r in records)
 
 
-def test_gpu_check_script_on_cpu_with_runtime_only(tmp_path):
-    """scripts/gpu_check.py is the GPU machine's check; rehearse it on this CPU, runtime-only (no TVM compiler:
-    a kernel missing from the pack fails), from a pack built from the check's own ``configs`` list (the GPU run
-    itself needs the lent GPU: scripts/gpu_check.sh)."""
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu_check.py")
-    cfg, folder, out = tmp_path / "configs.json", tmp_path / "pack", tmp_path / "out"
-
-    def run(*args, env=None):
-        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        return proc
-
-    run(script, "configs", "--device", "cpu", "--small", "--ops", "linear", "--out", str(cfg))
-    run("-m", "tvm_mamba", "aot", "--target", "cpu", "--configs", str(cfg), "--out", str(folder))
-    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", TVM_MAMBA_KERNEL_PACK=str(folder))
-    proc = run(script, "run", "--device", "cpu", "--small", "--ops", "linear", "--out", str(out), env=env)
-    rows = json.loads((out / "gpu_check.json").read_text())["rows"]
-    assert rows and all(r["ok"] for r in rows)
-    assert f"gpu_check: {len(rows)} checks, 0 failed" in proc.stdout
-
-
 def _good_manifest() -> dict:
     from tvm_mamba.runtime import KernelKey
 
