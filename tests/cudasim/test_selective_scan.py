@@ -230,6 +230,23 @@ def test_decode_step_state_pool_and_16bit_state(dtypes):
         assert torch.equal(res["state"][0][untouched], inp["state"][untouched])
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_step_padding_row_inside_a_shared_warp(tie):
+    """dstate 8: a warp is four 8-thread lanes; headdim 4 in lanes of four rows makes two lanes per (batch, head),
+    so one warp holds rows of batch 0 and of the padding batch row 1. The padding row's threads must still
+    reach the warp's shuffles (a thread skipping a __shfl_xor_sync its mask names is undefined behaviour,
+    which the harness reports); its out is 0 and its slot untouched."""
+    static = dict(nheads=2, headdim=4, dstate=8, ngroups=1, has_D=True, has_z=True, has_dt_bias=True,
+                  dt_softplus=True, **({"tie_hdim": True} if tie else {}))
+    dtypes = {"x": "float32", "B": "float32", "C": "float32", "idx": "int32"}
+    inp = sc.update_inputs(static, dtypes, batch=3, seed=3)
+    res, keys = sc.update_results(inp, "sm_90", steps=2)  # the checker on (its default)
+    simcheck.ran(keys, "selective_scan", "update", static, dtypes)
+    for key, (mine, ref) in res.items():
+        assert (mine.double() - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()), key
+    assert torch.equal(res["out[0]"][0][1], torch.zeros_like(res["out[0]"][0][1]))
+
+
 @pytest.mark.parametrize("dtypes, headdim", [(X32, 3), ({"x": "bfloat16", "B": "bfloat16", "C": "bfloat16",
                                                               "idx": "int32"}, 3), (X32, 8)])
 def test_decode_step_tied_heads(dtypes, headdim):

@@ -7,10 +7,10 @@ guide §6), so every input goes through :func:`prepare` first.
 """
 from __future__ import annotations
 
-import functools
 import threading
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..runtime import KernelKey, build_and_load, shape_bucket
@@ -36,9 +36,7 @@ def prepare(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@functools.lru_cache(maxsize=None)
-def _dummy(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    return torch.zeros((1,) * ndim, device=device, dtype=dtype)
+_dummies: dict[tuple, torch.Tensor] = {}  # (device, dtype, ndim) -> placeholder
 
 
 def dummy(device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
@@ -46,7 +44,16 @@ def dummy(device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
     ignore it; kernels never write one). Cached: a fresh 4-byte tensor allocated per call after a large
     output sat on top of glibc's heap and made every next large allocation page-fault (conv1d forward at
     (4, 768, 2048): 245-980 faults per call, +0.1-0.2 ms)."""
-    return _dummy(torch.device(device), dtype, ndim)
+    key = (torch.device(device), dtype, ndim)
+    t = _dummies.get(key)
+    if t is None:
+        t = _dummies.setdefault(key, torch.zeros((1,) * ndim, device=key[0], dtype=dtype))
+    return t
+
+
+def is_dummy(t: torch.Tensor) -> bool:
+    """``t`` is one of :func:`dummy`'s cached placeholders."""
+    return t.numel() == 1 and _dummies.get((t.device, t.dtype, t.dim())) is t
 
 
 def kernel_for(op: str, direction: str, device, dims, static: dict | None = None, **dynamic: int):
@@ -102,6 +109,11 @@ class _Recording:
         out = self.kernel(*args)
         self.launches.append(Launch(self.kernel, args))
         return out
+
+
+def recording() -> list | None:
+    """The launch list of the innermost :class:`capture_launches` block on this thread, or None."""
+    return _capture.launches
 
 
 class capture_launches(collect_into):
@@ -177,6 +189,21 @@ def check_no_overlap(name: str, t: torch.Tensor) -> None:
     if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
         raise ValueError(f"{name}: it is updated in place, but it is an expanded (stride-0) view whose elements "
                          f"share memory (strides {t.stride()}); pass a tensor of its own (e.g. .clone())")
+
+
+def slot_stats(idx: torch.Tensor) -> tuple[int, bool]:
+    """(largest entry, whether two non-negative entries are equal) of a 1-D slot index tensor (non-empty): what
+    the in-place pool ops check before their kernel runs. A CPU tensor is read through numpy (a few us at
+    decode sizes; torch's max/unique cost ~20 us there)."""
+    if idx.device.type == "cpu":
+        a = idx.numpy()
+        used = a[a >= 0]
+        distinct = len(set(used.tolist())) if used.size <= 256 else np.unique(used).size
+        return int(a.max()), distinct != used.size
+    used = idx[idx >= 0]
+    hi, dup = torch.stack([idx.max().to(torch.int64),
+                           torch.tensor(used.numel(), device=idx.device) - used.unique().numel()]).tolist()
+    return hi, bool(dup)
 
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:

@@ -28,7 +28,8 @@ from torch import Tensor
 from ..compute._selective_scan_dims import ScanBwdDims, ScanDims, UpdateDims, block_size, chunk_size
 from ._selective_scan_complex import complex_scan
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
-                      prepare, run_op, tvm_dtype)
+                      prepare, run_op, slot_stats, tvm_dtype)
+from ._fastpath import FastPath
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
 
@@ -216,9 +217,7 @@ def _check_slots(idx: Tensor, nstate: int) -> None:
     run inside the op (also under torch.compile), before the kernel, so a refused call writes nothing."""
     if idx.numel() == 0:
         return
-    used = idx[idx >= 0]
-    hi, dup = torch.stack([idx.max().to(torch.int64),
-                           torch.tensor(used.numel(), device=idx.device) - used.unique().numel()]).tolist()
+    hi, dup = slot_stats(idx)
     if hi >= nstate:
         raise ValueError(f"state_batch_indices: index {hi} is out of range for a state pool of {nstate} slots "
                          f"(state.shape[0]); valid: 0..{nstate - 1}, or negative for a padding row")
@@ -464,8 +463,23 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     A, D, dt_bias any float (widened to float32). A 16-bit state stays in its dtype: the math runs in
     float32 and the new state is rounded once per step. float64 x needs every tensor float64.
 
+    A call with the same shapes, strides, dtypes and flags as an earlier one runs the launch prepared then
+    (torch_ops/_fastpath.py): only the index values are checked again.
+
     dt' = softplus?(dt + dt_bias); state = exp(dt' A) state + dt' B x; out = (C . state + D x) * silu(z).
     """
+    return _SSU_FAST.call((state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices), (bool(dt_softplus),),
+                          state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+
+
+def _ssu_values(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices):
+    if state_batch_indices is not None:
+        _check_slots(state_batch_indices, state.shape[0])
+
+
+def _selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                            state_batch_indices=None):
+    """The full path of :func:`selective_state_update`: checks, layout, kernel key, launch."""
     check_tensor("x", x, dtypes=FLOATS + (torch.float64,))
     acc = acc_of(x)
     if x.dim() not in (2, 3):
@@ -496,3 +510,6 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         return out.squeeze(-1)
     return run_op(selective_state_update_op, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
                   state_batch_indices)
+
+
+_SSU_FAST = FastPath(_selective_state_update, _ssu_values)

@@ -109,11 +109,16 @@ def head_rows(dims: UpdateDims, L: Layout) -> int:
 
 
 def _lane_macro(dims: UpdateDims, L: Layout):
-    """One lane: ``R`` = head_rows consecutive rows p = pb R + r of head (b, hh), the slot-index test first;
-    thread ``j`` of the lane, its writes guarded by ``ok`` (see _row_macro)."""
+    """One lane: ``R`` = head_rows consecutive rows p = pb R + r of head (b, hh), the slot-index test first
+    (a padding row: out = 0, its state slot neither read nor written); thread ``j`` of the lane, its writes
+    guarded by ``ok`` (see _row_macro)."""
     H, P, R, m, N = dims.nheads, dims.headdim, head_rows(dims, L), L.math, dims.dstate
     ACC, TIE, IDX, idx_dtype, SCOPE = dims.acc, dims.tie_hdim, dims.idx_dtype is not None, dims.idx_dtype, L.scope
     HPG, STAGE = dims.nheads // dims.ngroups, L.stage_bc
+    # lanes of several threads (a CUDA warp split into dstate-wide lanes) meet in shuffles over the whole warp:
+    # a padding row's threads must reach them too (a thread that skips a __shfl_xor_sync its mask names is
+    # undefined behaviour), so its row runs with ``ok`` false, as a clamped lane's does
+    SHARED = getattr(L, "W", 1) > 1
     scalars, row = _scalars_macro(dims, L), _row_macro(dims, L)
 
     @T.macro
@@ -143,7 +148,14 @@ def _lane_macro(dims: UpdateDims, L: Layout):
         b = T.meta_var(li // (H * (P // R)))
         hh = T.meta_var(li // (P // R) % H)
         pb = T.meta_var(li % (P // R))
-        if IDX:
+        if IDX and SHARED:  # padding rows run with their writes off: every thread reaches its warp's shuffles
+            rows(state, x, dt, A, Bm, Cm, Dv, z, dtb, out, b, T.Cast("int32", sidx[b]), hh, pb, j,
+                 tirx.And(ok, sidx[b] >= T.Cast(idx_dtype, 0)))
+            if sidx[b] < T.Cast(idx_dtype, 0):
+                if L.leader(ok, j):
+                    for r in T.serial(R):
+                        out[b, hh, pb * R + r] = m.zero.astype(dims.x_dtype)
+        elif IDX:
             if sidx[b] < T.Cast(idx_dtype, 0):  # padding row (mamba_ssm: skip it, out = 0)
                 if L.leader(ok, j):
                     for r in T.serial(R):

@@ -1,0 +1,159 @@
+"""torch_ops/_fastpath.py: a repeated decode-step call runs its prepared launch, bitwise equal to the full path,
+checking index values every time; anything the recipe cannot stand for takes the full path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tvm_mamba
+from tvm_mamba.reference.causal_conv1d import causal_conv1d_update_ref
+from tvm_mamba.reference.selective_scan import selective_state_update_ref
+from tvm_mamba.runtime import dispatch
+from tvm_mamba.torch_ops import causal_conv1d as conv_ops
+from tvm_mamba.torch_ops import selective_scan as scan_ops
+from tvm_mamba.torch_ops._dlpack import capture_launches
+
+
+@pytest.fixture
+def full_calls(monkeypatch):
+    """Counts the full-path calls of both ops (a recipe call makes none)."""
+    calls = []
+    for fast in (scan_ops._SSU_FAST, conv_ops._UPDATE_FAST):
+        fast.clear()
+        full = fast.full
+        monkeypatch.setattr(fast, "full", lambda *a, _full=full: calls.append(_full) or _full(*a))
+    yield calls
+    for fast in (scan_ops._SSU_FAST, conv_ops._UPDATE_FAST):
+        fast.clear()
+
+
+def _ssu_inputs(batch=3, pool=5, H=2, P=4, N=8, G=1, dtype=torch.float32, tied=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    state = r(pool, H, P, N).to(dtype)
+    x, z, B, C = r(batch, H, P).to(dtype), r(batch, H, P).to(dtype), r(batch, G, N).to(dtype), r(batch, G, N).to(dtype)
+    if tied:
+        dt = torch.rand(batch, H, generator=g).to(dtype)[:, :, None].expand(-1, -1, P)
+        A = (-torch.rand(H, generator=g))[:, None, None].expand(-1, P, N)
+        D, dt_bias = r(H)[:, None].expand(-1, P), r(H)[:, None].expand(-1, P)
+    else:
+        dt, A = torch.rand(batch, H, P, generator=g).to(dtype), -torch.rand(H, P, N, generator=g)
+        D, dt_bias = r(H, P), r(H, P)
+    idx = torch.tensor([4, -1, 1][:batch], dtype=torch.int32)
+    return state, (x, dt, A, B, C, D, z, dt_bias)
+
+
+def _ssu(state, rest, idx, **kw):
+    x, dt, A, B, C, D, z, dt_bias = rest
+    return tvm_mamba.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=True,
+                                            state_batch_indices=idx, **kw)
+
+
+@pytest.mark.parametrize("dtype, tied", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_selective_state_update_recipe_equals_the_full_path(full_calls, dtype, tied):
+    state, rest = _ssu_inputs(dtype=dtype, tied=tied)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    states, outs = [], []
+    for _ in range(3):  # the first call watched, the next two from the recipe
+        s = state.clone()
+        outs.append(_ssu(s, rest, idx))
+        states.append(s)
+    assert len(full_calls) == 1
+    for s, o in zip(states[1:], outs[1:]):
+        assert torch.equal(s, states[0]) and torch.equal(o, outs[0])
+    want_out, want_state = selective_state_update_ref(state.double(), *[t.double() for t in rest[:3]],
+                                                      *[t.double() for t in rest[3:5]], rest[5].double(),
+                                                      rest[6].double(), rest[7].double(), dt_softplus=True,
+                                                      state_batch_indices=idx)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1].double(), want_out, **tol)
+    torch.testing.assert_close(states[1].double(), want_state, **tol)
+    assert torch.equal(outs[1][1], torch.zeros_like(outs[1][1]))  # the padding row
+    assert torch.equal(states[1][[0, 2, 3]], state[[0, 2, 3]])  # slots no row names: untouched
+
+
+def test_mamba1_layout_returns_a_view_of_the_fresh_output(full_calls):
+    g = torch.Generator().manual_seed(1)
+    state, x, dt = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, generator=g), torch.rand(2, 6, generator=g)
+    A, B, C, D = -torch.rand(6, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g), \
+        torch.randn(6, generator=g)
+    first, s1 = tvm_mamba.selective_state_update(s0 := state.clone(), x, dt, A, B, C, D), None
+    s1 = state.clone()
+    second = tvm_mamba.selective_state_update(s1, x, dt, A, B, C, D)
+    assert len(full_calls) == 1 and second.shape == (2, 6) and torch.equal(first, second) and torch.equal(s0, s1)
+    assert second.data_ptr() != first.data_ptr()  # a fresh output per call
+
+
+def test_index_values_are_checked_on_every_recipe_call(full_calls):
+    state, rest = _ssu_inputs()
+    _ssu(state.clone(), rest, torch.tensor([4, -1, 1], dtype=torch.int32))
+    for bad, match in ((torch.tensor([5, -1, 1], dtype=torch.int32), "out of range"),
+                       (torch.tensor([1, -1, 1], dtype=torch.int32), "same state slot")):
+        s = state.clone()
+        with pytest.raises(ValueError, match=match):
+            _ssu(s, rest, bad)
+        assert torch.equal(s, state)  # refused before the kernel ran
+    assert len(full_calls) == 1
+
+
+def test_copies_autograd_and_new_contexts_take_the_full_path(full_calls):
+    state, rest = _ssu_inputs()
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    x_strided = torch.randn(3, 2, 8)[:, :, ::2]  # a copy the op makes: no recipe for this signature
+    for _ in range(2):
+        _ssu(state.clone(), (x_strided,) + rest[1:], idx)
+    assert len(full_calls) == 2
+    full_calls.clear()
+    _ssu(state.clone(), rest, idx)
+    dispatch.invalidate()  # what picks kernels changed: watched again
+    _ssu(state.clone(), rest, idx)
+    with tvm_mamba.simulate_cuda("sm_90"):  # another target for CPU tensors
+        _ssu(state.clone(), rest, idx)
+    assert len(full_calls) == 3
+    full_calls.clear()
+    leaf = rest[0].clone().requires_grad_()
+    with torch.no_grad():
+        _ssu(state.clone(), (leaf,) + rest[1:], idx)
+    _ssu(state.clone(), (leaf,) + rest[1:], idx)  # a gradient may be needed: the dispatcher's path
+    assert len(full_calls) == 2
+
+
+def test_launches_are_captured_from_recipes_too(full_calls):
+    """modules/_decode.py records a step's launches with capture_launches: recipe calls must show up."""
+    state, rest = _ssu_inputs()
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    for _ in range(2):
+        with capture_launches() as launches:
+            _ssu(state.clone(), rest, idx)
+        assert len(launches) == 1 and launches[0].kernel.key.op == "selective_scan"
+    assert len(full_calls) == 1
+
+
+@pytest.mark.parametrize("squeeze", [True, False])
+def test_conv_update_recipe_equals_the_full_path_and_checks_values(full_calls, squeeze):
+    g = torch.Generator().manual_seed(2)
+    pool, batch, dim, width = 5, 3, 8, 4
+    x = torch.randn(batch, dim, *(() if squeeze else (2,)), generator=g)
+    state, w, b = torch.randn(pool, dim, width - 1, generator=g), torch.randn(dim, width, generator=g), \
+        torch.randn(dim, generator=g)
+    idx = torch.tensor([3, -1, 0], dtype=torch.int32)
+    seqlens = torch.tensor([2, -7, 5], dtype=torch.int32)  # a padding row's value is never read
+    runs = []
+    for _ in range(3):
+        s = state.clone()
+        runs.append((tvm_mamba.causal_conv1d_update(x, s, w, b, "silu", seqlens, idx), s))
+    assert len(full_calls) == 1
+    for out, s in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(s, runs[0][1])
+    want_out, want_state = causal_conv1d_update_ref(x.double(), state.double(), w.double(), b.double(), "silu",
+                                                    seqlens, idx)
+    torch.testing.assert_close(runs[1][0].double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[1][1].double(), want_state, rtol=1e-5, atol=1e-5)
+    for bad_idx, bad_len, match in ((torch.tensor([3, -1, 5], dtype=torch.int32), seqlens, "must be < conv_state"),
+                                    (torch.tensor([3, -1, 3], dtype=torch.int32), seqlens, "same conv_state slot"),
+                                    (idx, torch.tensor([2, 0, -1], dtype=torch.int32), "must be >= 0")):
+        s = state.clone()
+        with pytest.raises(ValueError, match=match):
+            tvm_mamba.causal_conv1d_update(x, s, w, b, "silu", bad_len, bad_idx)
+        assert torch.equal(s, state)
+    assert len(full_calls) == 1

@@ -1,0 +1,205 @@
+"""Prepared launches for the small ops a server calls once per layer and token (the decode steps).
+
+A decode-step op's Python (argument checks, kernel key, cache lookup, layout, placeholders) costs tens of
+microseconds, its kernel at decode shapes a few. Everything the Python decides is a function of the call's
+*signature*: each tensor's shape, strides, dtype, device and address modulo 64 (the alignment the kernels
+need), the flags, and what selects kernels (tuning state, ``simulate_cuda``, the environment variables the
+kernel cache reads). :class:`FastPath` runs an op's full implementation the first time it sees a signature,
+watches the launches it makes (:class:`~._dlpack.capture_launches`) and keeps a *recipe*: per launch, the
+kernel and where each argument comes from — an input (or a view of it, rebuilt with ``as_strided``), a
+cached placeholder, or a fresh output. The next call with that signature runs only the op's data checks
+(index ranges: values, not shapes) and the launches.
+
+An op qualifies when its implementation touches memory only through kernels (no torch writes beside them)
+and its kernels take tensors only; a signature whose launches read a temporary (a copy the op made: a
+strided or unaligned input, a dtype conversion) gets no recipe and keeps the full path. Autograd, torch.compile,
+tensor subclasses and dispatch modes always take the full path (:func:`~._dlpack.eager_direct`).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..runtime import dispatch
+from ..runtime.cache import _ENVS, FAST_TTL_S
+from ..runtime.cudasim import current as sim_config
+from ..runtime.target import cudasim_active
+from . import _dlpack
+
+_SLOW = object()  # a signature whose launches read a temporary: no recipe
+_MAX_ENTRIES = 4096  # signatures kept per op (a server sees a few per batch size)
+
+
+def _environ_reader() -> Callable[[], tuple]:
+    """The kernel cache's environment variables, read as ``os.environ``'s own dict holds them (a dict
+    lookup each; ``os.environ.get`` encodes the name first, ~1 us apiece)."""
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return lambda: tuple(os.environ.get(name) for name in _ENVS)
+    keys = tuple(encode(name) for name in _ENVS)
+    return lambda: tuple(data.get(k) for k in keys)
+
+
+_environ = _environ_reader()
+
+
+def context() -> tuple:
+    """What picks kernels beyond the call itself; a recipe serves only under the context it was made in."""
+    sim = cudasim_active()
+    return (dispatch.generation(), None if sim is None else (sim.target_key, sim_config().checks), _environ())
+
+
+def signature(tensors: Sequence[Optional[torch.Tensor]], flags: tuple) -> tuple:
+    return (flags, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 63)
+                     for t in tensors])
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses ``t`` reads (strides >= 0)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _source(a: torch.Tensor, inputs, outputs: list):
+    """Where launch argument ``a`` comes from: ("in", j, size, stride, offset delta) for a view inside input
+    j, ("out", k, size, stride, offset) for a view of fresh output storage k, ("const", a) for a cached
+    placeholder; None for anything else (a temporary)."""
+    if _dlpack.is_dummy(a):
+        return ("const", a)
+    if any(s < 0 for s in a.stride()):
+        return None
+    storage = a.untyped_storage().data_ptr()
+    lo, hi = _span(a)
+    for j, t in enumerate(inputs):
+        if t is None or t.dtype != a.dtype or t.untyped_storage().data_ptr() != storage:
+            continue
+        t_lo, t_hi = _span(t)
+        if t_lo <= lo and hi <= t_hi and min(t.stride(), default=0) >= 0:
+            return ("in", j, tuple(a.shape), tuple(a.stride()), a.storage_offset() - t.storage_offset())
+    for k, (ptr, _numel, dtype, _device) in enumerate(outputs):
+        if ptr == storage and dtype == a.dtype:
+            return ("out", k, tuple(a.shape), tuple(a.stride()), a.storage_offset())
+    return None
+
+
+class _Recipe:
+    """Launches (kernel, argument sources), fresh outputs (numel, dtype, device), the result's source(s);
+    served under ``context`` until ``expires`` (then the op runs in full once more: the kernel cache's own
+    re-resolution interval, so tuning records written meanwhile are picked up)."""
+    __slots__ = ("context", "expires", "launches", "outputs", "result")
+
+    def __init__(self, context, launches, outputs, result):
+        self.context, self.launches, self.outputs, self.result = context, launches, outputs, result
+        self.expires = time.monotonic() + FAST_TTL_S
+
+
+def _make_recipe(ctx, inputs, launches, result) -> Optional[_Recipe]:
+    """The recipe of one watched call, or None when a launch reads a temporary or takes a non-tensor."""
+    results = result if isinstance(result, tuple) else (result,)
+    if not all(isinstance(r, torch.Tensor) for r in results):
+        return None
+    outputs, seen = [], set()
+    for r in results:  # the op's fresh outputs: storage no input shares
+        ptr = r.untyped_storage().data_ptr()
+        if ptr not in seen and all(t is None or t.untyped_storage().data_ptr() != ptr for t in inputs):
+            seen.add(ptr)
+            outputs.append((ptr, r.untyped_storage().nbytes() // r.element_size(), r.dtype, r.device))
+    steps = []
+    for launch in launches:
+        if not all(isinstance(a, torch.Tensor) for a in launch.args):
+            return None
+        sources = [_source(a, inputs, outputs) for a in launch.args]
+        if any(s is None for s in sources):
+            return None
+        steps.append((launch.kernel, tuple(sources)))
+    returned = [_source(r, inputs, outputs) for r in results]
+    if any(s is None or s[0] == "const" for s in returned):
+        return None
+    result_spec = tuple(returned) if isinstance(result, tuple) else returned[0]
+    return _Recipe(ctx, tuple(steps), tuple((numel, dtype, device) for _, numel, dtype, device in outputs),
+                   result_spec)
+
+
+def _build(src, inputs, fresh):
+    kind = src[0]
+    if kind == "const":
+        return src[1]
+    if kind == "in":
+        _, j, size, stride, delta = src
+        t = inputs[j]
+        if delta == 0 and t.shape == size and t.stride() == stride:
+            return t
+        return t.as_strided(size, stride, t.storage_offset() + delta)
+    _, k, size, stride, offset = src
+    base = fresh[k]
+    if offset == 0 and base.shape == size:
+        return base
+    return base.as_strided(size, stride, offset)
+
+
+class FastPath:
+    """``FastPath(full, checks)``: ``call(tensors, flags, *args)`` runs ``full(*args)`` (the op's public
+    implementation) the first time a signature of ``tensors`` (every tensor argument, None where absent) and
+    ``flags`` (every non-tensor argument) is seen, and its recipe after; ``checks(*args)`` runs first on
+    every recipe call (the value checks: indices in range, distinct slots), raising as ``full`` would."""
+
+    def __init__(self, full: Callable, checks: Callable | None = None):
+        self.full, self.checks = full, checks
+        self._recipes: dict = {}
+        self._lock = threading.Lock()
+
+    def call(self, tensors: Sequence[Optional[torch.Tensor]], flags: tuple, *args):
+        if not _dlpack.eager_direct(*tensors):
+            return self.full(*args)
+        sig = signature(tensors, flags)
+        try:
+            recipe = self._recipes.get(sig)
+        except TypeError:  # an unhashable flag: the full path says what is wrong with it
+            return self.full(*args)
+        if recipe is not None and recipe is not _SLOW:
+            if recipe.context == context() and time.monotonic() < recipe.expires:
+                if self.checks is not None:
+                    self.checks(*args)
+                return self._run(recipe, tensors)
+            recipe = None
+        if recipe is _SLOW:
+            return self.full(*args)
+        return self._watch(sig, tensors, args)
+
+    def _watch(self, sig, tensors, args):
+        ctx, outer = context(), _dlpack.recording()
+        with _dlpack.capture_launches() as launches:
+            result = self.full(*args)
+        if outer is not None:  # a capture around this call (a decode plan's) sees these launches too
+            outer.extend(launches)
+        made = _make_recipe(ctx, tensors, launches, result)
+        with self._lock:
+            if len(self._recipes) >= _MAX_ENTRIES:
+                self._recipes.clear()
+            self._recipes[sig] = _SLOW if made is None else made
+        return result
+
+    @staticmethod
+    def _run(recipe: _Recipe, inputs):
+        fresh = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in recipe.outputs]
+        record = _dlpack.recording()
+        for kernel, sources in recipe.launches:
+            args = tuple([_build(s, inputs, fresh) for s in sources])
+            kernel(*args)
+            if record is not None:
+                record.append(_dlpack.Launch(kernel, args))
+        spec = recipe.result
+        if isinstance(spec, tuple) and spec and isinstance(spec[0], tuple):
+            return tuple(_build(s, inputs, fresh) for s in spec)
+        return _build(spec, inputs, fresh)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._recipes.clear()
