@@ -26,6 +26,8 @@ row (a null is an empty field). Each ROW:
                           not a meaningful floor (compute-bound matmuls, whole blocks)
     tvm_over_copy  float | null  tvm_s / copy_s (1.0 would be copy speed)
     note           str    free text (throughput, exp rate, tokens/s)
+    overhead_s     float | null  seconds a call costs above its kernel launched alone on the same tensors
+                          (bench_overhead.py's decode-step rows; null elsewhere)
 
 New fields may be added at the end; existing ones keep their names, units and meaning while "schema" is 1.
 """

@@ -28,7 +28,7 @@ import torch
 
 # The columns of --csv and the keys of each --json row, in order (see bench.py's docstring for meanings).
 ROW_FIELDS = ("op", "case", "shape", "tvm_s", "ref_s", "ref_name", "ref_over_tvm", "copy_s", "tvm_over_copy",
-              "note")
+              "note", "overhead_s")
 SCHEMA_VERSION = 1
 
 
@@ -42,6 +42,7 @@ class Row:
     copy_ms: float | None = None  # memory-copy baseline, same direction(s) as the row (None: not meaningful)
     ref_name: str = "torch eager"
     note: str = ""
+    overhead_ms: float | None = None  # bench_overhead.py's rows: the call minus its kernel launched alone
 
     def record(self) -> dict:
         """The row in the --json / --csv schema: seconds, ratios precomputed, None where not measured."""
@@ -49,7 +50,8 @@ class Row:
                     ref_s=None if self.ref_ms is None else self.ref_ms * 1e-3, ref_name=self.ref_name,
                     ref_over_tvm=None if self.ref_ms is None else self.ref_ms / self.tvm_ms,
                     copy_s=None if self.copy_ms is None else self.copy_ms * 1e-3,
-                    tvm_over_copy=None if not self.copy_ms else self.tvm_ms / self.copy_ms, note=self.note)
+                    tvm_over_copy=None if not self.copy_ms else self.tvm_ms / self.copy_ms, note=self.note,
+                    overhead_s=None if self.overhead_ms is None else self.overhead_ms * 1e-3)
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20, min_time_s: float = 0.2) -> float:

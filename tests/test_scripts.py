@@ -63,6 +63,19 @@ def test_row_record_schema_and_writers(scripts_path, tmp_path):
     assert lines[2][bl.ROW_FIELDS.index("copy_s")] == ""
 
 
+def test_bench_overhead_quick_rows(scripts_path, monkeypatch, tmp_path):
+    """bench.py --ops overhead: each decode-step op against its own kernel launched alone, the difference in
+    overhead_s (what the public function adds: checks, recipe lookup, output allocation, argument passing)."""
+    bench = _load("bench", monkeypatch)
+    assert bench.main(["--quick", "--ops", "overhead", "--json", str(tmp_path / "o.json")]) == 0
+    rows = json.loads((tmp_path / "o.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == ["selective_state_update", "causal_conv1d_update"] * 2 + \
+        ["selective_state_update"]
+    for r in rows:
+        assert r["ref_name"] == "kernel launch alone" and 0 < r["ref_s"] and r["tvm_s"] > 0
+        assert r["overhead_s"] == pytest.approx(r["tvm_s"] - r["ref_s"]) and "full path" in r["note"]
+
+
 def test_copy_fwd_bwd_copies_both_ways(scripts_path):
     import torch
 

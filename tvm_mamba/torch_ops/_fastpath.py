@@ -68,9 +68,9 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _source(a: torch.Tensor, inputs, outputs: list):
-    """Where launch argument ``a`` comes from: ("in", j, size, stride, offset delta) for a view inside input
-    j, ("out", k, size, stride, offset) for a view of fresh output storage k, ("const", a) for a cached
-    placeholder; None for anything else (a temporary)."""
+    """Where launch argument ``a`` comes from: ("id", j) input j itself; ("in", j, size, stride, offset delta,
+    [last view made]) a view inside input j; ("new", k) fresh output storage k (flat), ("out", k, size, stride,
+    offset) a view of it; ("const", a) a cached placeholder; None for anything else (a temporary)."""
     if _dlpack.is_dummy(a):
         return ("const", a)
     if any(s < 0 for s in a.stride()):
@@ -82,9 +82,13 @@ def _source(a: torch.Tensor, inputs, outputs: list):
             continue
         t_lo, t_hi = _span(t)
         if t_lo <= lo and hi <= t_hi and min(t.stride(), default=0) >= 0:
-            return ("in", j, tuple(a.shape), tuple(a.stride()), a.storage_offset() - t.storage_offset())
-    for k, (ptr, _numel, dtype, _device) in enumerate(outputs):
+            if a.shape == t.shape and a.stride() == t.stride() and lo == t_lo:
+                return ("id", j)  # the input itself: so for every call of this signature
+            return ("in", j, tuple(a.shape), tuple(a.stride()), a.storage_offset() - t.storage_offset(), [None])
+    for k, (ptr, numel, dtype, _device) in enumerate(outputs):
         if ptr == storage and dtype == a.dtype:
+            if a.storage_offset() == 0 and a.dim() == 1 and a.numel() == numel:
+                return ("new", k)
             return ("out", k, tuple(a.shape), tuple(a.stride()), a.storage_offset())
     return None
 
@@ -129,19 +133,23 @@ def _make_recipe(ctx, inputs, launches, result) -> Optional[_Recipe]:
 
 def _build(src, inputs, fresh):
     kind = src[0]
+    if kind == "id":
+        return inputs[src[1]]
     if kind == "const":
         return src[1]
+    if kind == "new":
+        return fresh[src[1]]
     if kind == "in":
-        _, j, size, stride, delta = src
+        _, j, size, stride, delta, memo = src
         t = inputs[j]
-        if delta == 0 and t.shape == size and t.stride() == stride:
-            return t
-        return t.as_strided(size, stride, t.storage_offset() + delta)
+        seen = memo[0]  # (input, its address, the view): parameters (A, D, ...) come back as the same tensors
+        if seen is not None and seen[0] is t and seen[1] == t.data_ptr():
+            return seen[2]
+        view = t.as_strided(size, stride, t.storage_offset() + delta)
+        memo[0] = (t, t.data_ptr(), view)
+        return view
     _, k, size, stride, offset = src
-    base = fresh[k]
-    if offset == 0 and base.shape == size:
-        return base
-    return base.as_strided(size, stride, offset)
+    return fresh[k].as_strided(size, stride, offset)
 
 
 class FastPath:
