@@ -160,21 +160,25 @@ def test_step_after_an_optimizer_update_uses_the_new_weights(name):
     assert torch.equal(got[0], _unplanned_steps(m, xs[:1], *ref_states)[0])
 
 
-def test_strided_state_runs_the_ops_each_step():
-    """A conv_state the kernel cannot update in place (a strided view): the op copies it, so the plan's capture
-    refuses to replay and the step stays right through the op's own path."""
+@pytest.mark.parametrize("layout", ["strided", "unaligned"])
+def test_conv_state_views_replay_only_when_updated_in_place(layout):
+    """A strided conv_state view (every other element of a wider buffer) is updated in place by the kernel (it
+    takes the pool's strides), so the plan replays it; an unaligned one is copied by the op, so the plan's
+    capture refuses to replay and the step stays right through the op's own path."""
     m = _block("mamba")
     xs = [torch.randn(2, 1, D_MODEL) for _ in range(3)]
     conv_ref, ssm_ref = _states(m, 2)
     ref = _unplanned_steps(m, xs, conv_ref, ssm_ref)
     conv, ssm = _states(m, 2)
-    wide = torch.zeros(2, conv.shape[1], 2 * conv.shape[2])
-    strided = wide[..., ::2]
-    strided.copy_(conv)
-    got = _planned_steps(m, xs, strided, ssm)
-    assert _decode.plan_of(m).conv.launches == []
+    if layout == "strided":
+        view = torch.zeros(2, conv.shape[1], 2 * conv.shape[2])[..., ::2]
+    else:  # 4 bytes past an aligned start
+        view = torch.zeros(conv.numel() + 1)[1:].view(conv.shape)
+    view.copy_(conv)
+    got = _planned_steps(m, xs, view, ssm)
+    assert (_decode.plan_of(m).conv.launches == []) == (layout == "unaligned")
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
-    assert torch.equal(strided, conv_ref) and torch.equal(ssm, ssm_ref)
+    assert torch.equal(view, conv_ref) and torch.equal(ssm, ssm_ref)
 
 
 def test_parameters_without_version_counter_get_no_cached_plan():

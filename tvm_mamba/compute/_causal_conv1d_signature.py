@@ -32,12 +32,13 @@ def conv_kernel(d: CausalConv1dFwd | CausalConv1dBwd | CausalConv1dUpdate, body)
     has_seq_idx, has_init = (False, False) if update else (d.has_seq_idx, d.has_init)
 
     @T.macro
-    def declare(h, B, L, P):  # h: the kernel's handles, in signature order; P: the state pool (update)
+    def declare(h, B, L, P, PS):  # h: the kernel's handles, in signature order; P: the state pool (update),
+        # PS its strides (slots a page apart in a server's pool; vLLM's (state_len, dim) pages transposed)
         x = T.match_buffer(h[0], (B, D, L), XT)
         weight = T.match_buffer(h[iw], (D, W), WT)
         bias = T.match_buffer(h[iw + 1], _opt(d.has_bias, (D,)), WT)
         if update:
-            state = T.match_buffer(h[1], (P, D, d.state_len), d.state_dtype)
+            state = T.match_buffer(h[1], (P, D, d.state_len), d.state_dtype, strides=PS)
             idx = T.match_buffer(h[4], _opt(d.has_indices, (B,)), "int32")
             cseq = T.match_buffer(h[5], _opt(d.has_cache_seqlens, (B,)), "int32")
             out = T.match_buffer(h[6], (B, D, L), XT)
@@ -69,7 +70,7 @@ def conv_kernel(d: CausalConv1dFwd | CausalConv1dBwd | CausalConv1dUpdate, body)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             B = T.int32()
             L = T.int32()
-            declare((x_h, w_h, b_h, s_h, i_h, do_h, df_h, dx_h, dw_h, db_h, di_h, g_h, p_h), B, L, 0)
+            declare((x_h, w_h, b_h, s_h, i_h, do_h, df_h, dx_h, dw_h, db_h, di_h, g_h, p_h), B, L, 0, None)
 
         return bwd
 
@@ -82,6 +83,9 @@ def conv_kernel(d: CausalConv1dFwd | CausalConv1dBwd | CausalConv1dUpdate, body)
         B = T.int32()
         L = T.int32()
         P = T.int32()  # the decode step's state pool; the forward has none (unused)
-        declare((h0, h1, h2, h3, h4, h5, h6), B, L, P)
+        slot_stride = T.int32()
+        dim_stride = T.int32()
+        pos_stride = T.int32()
+        declare((h0, h1, h2, h3, h4, h5, h6), B, L, P, (slot_stride, dim_stride, pos_stride))
 
     return fwd_or_update

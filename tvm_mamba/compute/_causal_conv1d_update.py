@@ -11,7 +11,8 @@ Per row b, channel c, with slot = conv_state_indices[b] (or b) and S = state_len
     circular state: conv_state[slot, c, (base + i) mod S] <- x[b, c, i], i ascending (a later token wins)
 
 A row whose slot is negative is padding: its out is 0 and no slot is touched. conv_state is a pool
-(pool, dim, S) updated in place: each row reads its window before it writes, and a slot belongs to one
+(pool, dim, S) of any strides (a server's pages: slots apart, vLLM's (S, dim) storage transposed) updated in
+place: each row reads its window before it writes, and a slot belongs to one
 row (the torch op refuses duplicate slots), so the in-place update is race-free on every target.
 """
 from __future__ import annotations

@@ -394,22 +394,23 @@ _KDLCUDA = 2
 
 class _Guarded:
     """One argument's copy between two PROT_NONE guard pages, the bytes around it 0xFF canaries:
-    [guard][data][canaries][guard] (``head``) or [guard][canaries][data][< 64 B canaries][guard]."""
+    [guard][data][canaries][guard] (``head``) or [guard][canaries][data][< 64 B canaries][guard]. A strided
+    argument (a serving pool's slots a page apart, a transposed view) is copied as the whole span its elements
+    cover, with its strides; the bytes of the span that are no element (the rest of each page) must come back
+    unchanged."""
 
     def __init__(self, index: int, src: _DLTensor, head: bool = False):
         self.index, self.ndim = index, src.ndim
         self.shape = [src.shape[i] for i in range(src.ndim)]
-        if src.strides:
-            expect, compact = 1, True
-            for i in reversed(range(src.ndim)):
-                compact &= self.shape[i] == 1 or src.strides[i] == expect
-                expect *= self.shape[i]
-            if not compact:
-                raise ValueError(f"cudasim: argument #{index} is not compact")
-        n = 1
-        for s in self.shape:
-            n *= s
-        self.nbytes = n * src.dtype.bits * src.dtype.lanes // 8
+        itemsize = src.dtype.bits * src.dtype.lanes // 8
+        self.strides, self.gaps = _strides(index, src, self.shape), None
+        if self.strides is None:
+            n = 1
+            for d in self.shape:
+                n *= d
+        else:  # the span from the first element to one past the last
+            n = 0 if 0 in self.shape else 1 + sum((d - 1) * st for d, st in zip(self.shape, self.strides))
+        self.nbytes = n * itemsize
         self.src_ptr = (src.data or 0) + src.byte_offset
         body = -(-max(self.nbytes, 1) // _PAGE) * _PAGE + _PAGE  # room for the alignment slack
         self.total = body + 2 * _PAGE
@@ -426,11 +427,17 @@ class _Guarded:
         ctypes.memset(base + _PAGE, _CANARY, body)
         if self.nbytes:
             ctypes.memmove(self.data, self.src_ptr, self.nbytes)
+        if self.strides is not None and self.nbytes:
+            import numpy as np
+
+            self.gaps = _gap_bytes(self.shape, self.strides, itemsize, self.nbytes)
+            self.gap_before = np.frombuffer(ctypes.string_at(self.data, self.nbytes), dtype=np.uint8)
         self.dl = _DLManagedTensor()
         self._shape = (ctypes.c_int64 * max(self.ndim, 1))(*self.shape)
+        self._strides = None if self.strides is None else (ctypes.c_int64 * max(self.ndim, 1))(*self.strides)
         t = self.dl.dl_tensor
         t.data, t.device, t.ndim, t.dtype = self.data, _DLDevice(_KDLCUDA, 0), src.ndim, src.dtype
-        t.shape, t.strides, t.byte_offset = self._shape, None, 0
+        t.shape, t.strides, t.byte_offset = self._shape, self._strides, 0
 
     def tensor(self):
         capsule = _capi.PyCapsule_New(ctypes.addressof(self.dl), b"dltensor", None)
@@ -445,7 +452,8 @@ class _Guarded:
         return f"{addr - (self.data + self.nbytes)} bytes past the end of argument #{self.index} {self.describe()}"
 
     def describe(self) -> str:
-        return f"(shape {tuple(self.shape)}, {self.nbytes} bytes)"
+        strided = "" if self.strides is None else f", strides {tuple(self.strides)}"
+        return f"(shape {tuple(self.shape)}{strided}, {self.nbytes} bytes)"
 
     def check_canaries(self) -> str | None:
         lo = self.base + _PAGE
@@ -457,6 +465,14 @@ class _Guarded:
         bad = [i for i, b in enumerate(after) if b != _CANARY]
         if bad:
             return f"the kernel wrote {bad[-1] + 1} bytes past the end of argument #{self.index} {self.describe()}"
+        if self.gaps is not None and self.gaps.size:
+            import numpy as np
+
+            now = np.frombuffer(ctypes.string_at(self.data, self.nbytes), dtype=np.uint8)
+            bad = np.flatnonzero(now[self.gaps] != self.gap_before[self.gaps])
+            if bad.size:
+                return (f"the kernel wrote byte {int(self.gaps[bad[0]])} of argument #{self.index} {self.describe()}, "
+                        "which lies between its elements")
         return None
 
     def copy_back(self) -> None:
@@ -465,6 +481,35 @@ class _Guarded:
 
     def free(self) -> None:
         _libc.munmap(self.base, self.total)
+
+
+def _strides(index: int, src: _DLTensor, shape: list[int]) -> list[int] | None:
+    """The argument's strides in elements, or None when it is compact (row-major)."""
+    if not src.strides:
+        return None
+    strides = [src.strides[i] for i in range(src.ndim)]
+    expect, compact = 1, True
+    for i in reversed(range(src.ndim)):
+        compact &= shape[i] == 1 or strides[i] == expect
+        expect *= shape[i]
+    if compact:
+        return None
+    if any(st < 0 for st in strides):
+        raise ValueError(f"cudasim: argument #{index} has a negative stride {tuple(strides)}")
+    return strides
+
+
+def _gap_bytes(shape: list[int], strides: list[int], itemsize: int, nbytes: int):
+    """Byte offsets in a strided argument's span that belong to no element."""
+    import numpy as np
+
+    offsets = np.zeros(1, dtype=np.int64)
+    for d, st in zip(shape, strides):
+        offsets = (offsets[:, None] + np.arange(d, dtype=np.int64)[None, :] * st).reshape(-1)
+    covered = np.zeros(nbytes, dtype=bool)
+    for b in range(itemsize):
+        covered[offsets * itemsize + b] = True
+    return np.flatnonzero(~covered)
 
 
 def _dltensor_of(obj) -> _DLTensor | None:

@@ -36,6 +36,35 @@ def prepare(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def prepare_pool(t: torch.Tensor, compact_slots: bool) -> torch.Tensor:
+    """A state pool a kernel updates in place, kept as it is (no copy of the whole pool) when its slots (dim 0)
+    do not overlap, each slot is compact (``compact_slots``) or merely has no two elements in one place, and
+    its base is aligned: the kernel takes the pool's strides (a server's pool: slots a page apart; vLLM's conv
+    state stored (state_len, dim) and passed transposed). Else a compact copy, which the caller writes back."""
+    inner = t[0] if t.dim() and t.shape[0] else None
+    inner_ok = inner is None or (inner.is_contiguous() if compact_slots else _disjoint(inner))
+    slots_apart = t.shape[0] <= 1 or t.stride(0) >= (_extent(inner) if inner is not None else 0)
+    if inner_ok and slots_apart and t.stride(0) >= 0 and not (t.numel() and t.data_ptr() % ALIGN):
+        return t
+    return prepare(t)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to one past its last (strides >= 0)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def _disjoint(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory (strides >= 0): sorted by stride, each dim steps past the
+    extent of the finer ones."""
+    span = 1
+    for n, s in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
+        if s < span:
+            return False
+        span = s * (n - 1) + span
+    return all(s >= 0 for s in t.stride())
+
+
 _dummies: dict[tuple, torch.Tensor] = {}  # (device, dtype, ndim) -> placeholder
 
 

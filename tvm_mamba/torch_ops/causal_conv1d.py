@@ -21,7 +21,7 @@ from ..compute._causal_conv1d_dims import (CausalConv1dBwd, CausalConv1dFwd, Cau
                                            CausalConv1dVarlenStates)
 from ._fastpath import FastPath
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, kernel_for, prepare,
-                      run_op, slot_stats, tvm_dtype)
+                      prepare_pool, run_op, slot_stats, tvm_dtype)
 
 OP = "causal_conv1d"
 
@@ -162,7 +162,7 @@ def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias:
     out = torch.empty_like(xk)
     if batch * dim == 0 or seqlen == 0:
         return out
-    state = prepare(conv_state)  # conv_state itself when compact and aligned: the kernel updates it in place
+    state = prepare_pool(conv_state, False)  # conv_state itself unless its elements overlap or it is unaligned
     dims = CausalConv1dUpdate.cached(dim, weight.shape[1], state.shape[2], "silu" if silu else "none",
                                      bias is not None, conv_state_indices is not None, cache_seqlens is not None,
                                      tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state))

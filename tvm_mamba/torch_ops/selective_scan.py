@@ -28,7 +28,7 @@ from torch import Tensor
 from ..compute._selective_scan_dims import ScanBwdDims, ScanDims, UpdateDims, block_size, chunk_size
 from ._selective_scan_complex import complex_scan
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
-                      prepare, run_op, slot_stats, tvm_dtype)
+                      prepare, prepare_pool, run_op, slot_stats, tvm_dtype)
 from ._fastpath import FastPath
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
@@ -255,7 +255,7 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     acc = acc_of(x)
     if state_batch_indices is not None:
         _check_slots(state_batch_indices, nstate)
-    xk, st = prepare(x), prepare(state)
+    xk, st = prepare(x), prepare_pool(state, True)  # the pool itself when its slots are compact
     out = torch.empty_like(xk)
     if x.shape[0] * nheads * headdim == 0:
         return out

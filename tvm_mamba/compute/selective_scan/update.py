@@ -12,7 +12,9 @@ softplus(dt + dt_bias) and exp(dt' A) once: 1,536 times a layer -> 24 at Mamba-2
 the CPU, 32-35 -> 21-26 us a layer in its decode step (2 threads). Each row's arithmetic is unchanged (same
 bits). Same math.
 Row b's state is slot ``state_batch_indices[b]`` of the pool when indices are given (continuous batching;
-a negative index is a padding row: out = 0, no state touched, as mamba_ssm 2.3.2), else slot b.
+a negative index is a padding row: out = 0, no state touched, as mamba_ssm 2.3.2), else slot b. Slots may lie
+any distance apart (the slot stride is the tensor's own; each slot compact): a server's pool pages hold a
+layer's conv state and SSM state together, and the kernel updates the SSM state in place there.
 A 16-bit state is loaded, updated in the accumulation dtype and rounded to its own dtype once per step;
 the output reads the unrounded value (as mamba_ssm's Triton kernel, whose ``out`` uses the fp32 state).
 """
@@ -201,7 +203,8 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
                D_h: T.handle, z_h: T.handle, dtb_h: T.handle, sidx_h: T.handle, out_h: T.handle):
         batch = T.int32()
         nstate = T.int32()  # state slots in the pool (== batch without indices)
-        state = T.match_buffer(state_h, (nstate if IDX else batch, H, P, N), ST)
+        slot_stride = T.int32()  # elements between slots: a serving pool's pages hold more than this state
+        state = T.match_buffer(state_h, (nstate if IDX else batch, H, P, N), ST, strides=(slot_stride, P * N, N, 1))
         x = T.match_buffer(x_h, (batch, H, P), dims.x_dtype)
         dt = T.match_buffer(dt_h, (batch, H) if TIE else (batch, H, P), DT)
         A = T.match_buffer(A_h, (H,) if TIE else (H, P, N), ACC)
