@@ -1,0 +1,119 @@
+"""torch_ops/serving.py: vLLM's call forms of the decode steps (block ids, the null block, dst slots, out=,
+speculative decoding), against float64 references that apply vLLM's documented semantics row by row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tvm_mamba.reference.causal_conv1d import causal_conv1d_update_ref
+from tvm_mamba.reference.selective_scan import selective_state_update_ref
+from tvm_mamba.torch_ops import serving
+
+POOL, H, P, N = 8, 2, 4, 16
+
+
+def _inputs(tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(state=r(POOL, H, P, N), x=r(tokens, H, P), dt=torch.rand(tokens, H, P, generator=g),
+                A=-torch.rand(H, P, N, generator=g), B=r(tokens, 1, N), C=r(tokens, 1, N), D=r(H, P), z=r(tokens, H, P),
+                dt_bias=r(H, P))
+
+
+def _ref_step(state_row, inp, t):
+    """One token of one sequence from a (H, P, N) state, float64: (out (H, P), new state)."""
+    d = lambda k: inp[k].double()  # noqa: E731
+    out, new = selective_state_update_ref(state_row[None].double(), d("x")[t:t + 1], d("dt")[t:t + 1], d("A"),
+                                          d("B")[t:t + 1], d("C")[t:t + 1], d("D"), d("z")[t:t + 1], d("dt_bias"),
+                                          dt_softplus=True)
+    return out[0], new[0]
+
+
+def _call(inp, **kw):
+    return serving.selective_state_update(inp["state"], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
+                                          inp["z"], inp["dt_bias"], dt_softplus=True, **kw)
+
+
+@pytest.mark.parametrize("dst_differs", [False, True])
+def test_decode_with_block_ids_null_block_dst_and_out(dst_differs):
+    inp = _inputs(4)
+    pool0 = inp["state"].clone()
+    src = torch.tensor([[3, 9], [0, 9], [5, 9], [1, 9]], dtype=torch.int32)  # 2-D; row 1 is the null block
+    dst = torch.tensor([[6], [0], [7], [1]], dtype=torch.int32) if dst_differs else None
+    out = torch.full((4, H, P), 99.0)
+    got = _call(inp, state_batch_indices=src, dst_state_batch_indices=dst, out=out)
+    assert got is out
+    want_pool = pool0.double()
+    for b, (s, d) in enumerate(zip([3, 0, 5, 1], [6, 0, 7, 1] if dst_differs else [3, 0, 5, 1])):
+        if s == serving.NULL_BLOCK_ID:
+            assert torch.equal(out[b], torch.zeros(H, P))
+            continue
+        o, new = _ref_step(pool0[s], inp, b)
+        torch.testing.assert_close(out[b].double(), o, rtol=1e-5, atol=1e-5)
+        want_pool[d] = new
+    torch.testing.assert_close(inp["state"].double(), want_pool, rtol=1e-5, atol=1e-5)  # src slots kept when dst
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_speculative_decoding_writes_the_state_after_each_token(varlen):
+    """num_accepted_tokens picks each sequence's starting slot among its blocks; each token's state goes to its
+    dst block (the null block: not kept). varlen: 3, 1 and 2 tokens per sequence; else one token each."""
+    lens = [3, 1, 2] if varlen else [1, 1, 1]
+    inp = _inputs(sum(lens), seed=1)
+    pool0 = inp["state"].clone()
+    src = torch.tensor([[2, 3, 4], [5, 0, 0], [0, 6, 7]], dtype=torch.int32)
+    dst = torch.tensor([[2, 3, 4], [5, 0, 0], [1, 6, 0]], dtype=torch.int32)
+    accepted = torch.tensor([2, 1, 1], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) if varlen else None
+    out = _call(inp, state_batch_indices=src, dst_state_batch_indices=dst, num_accepted_tokens=accepted,
+                cu_seqlens=cu)
+    want_pool, bos = pool0.double(), 0
+    for b, n in enumerate(lens):
+        s = int(src[b, max(int(accepted[b]) - 1, 0)])
+        state = pool0[s].double() if s != serving.NULL_BLOCK_ID else torch.zeros(H, P, N, dtype=torch.float64)
+        for i in range(n):
+            o, state = _ref_step(state, inp, bos + i)
+            torch.testing.assert_close(out[bos + i].double(), o, rtol=1e-5, atol=1e-5)
+            if int(dst[b, i]) != serving.NULL_BLOCK_ID:
+                want_pool[int(dst[b, i])] = state
+        bos += n
+    torch.testing.assert_close(inp["state"].double(), want_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_update_block_ids_prefix_pointers_and_in_place_x():
+    g = torch.Generator().manual_seed(2)
+    D, W = 16, 4
+    page = torch.randn(POOL, W - 1, D + 8, generator=g)
+    state = page[:, :, :D].transpose(1, 2)  # vLLM's SD layout: (state_len, dim) stored, (dim, state_len) passed
+    pool0, page0 = state.clone(), page.clone()
+    x, w, b = torch.randn(3, D, generator=g), torch.randn(D, W, generator=g), torch.randn(D, generator=g)
+    x0 = x.clone()
+    blocks = torch.tensor([[4, 5], [0, 0], [2, 6]], dtype=torch.int32)
+    first, last = torch.tensor([0, 0, 0], dtype=torch.int32), torch.tensor([1, 0, 1], dtype=torch.int32)
+    got = serving.causal_conv1d_update(x, state, w, b, True, blocks, initial_state_idx=first,
+                                       block_idx_last_scheduled_token=last)
+    assert got is x  # out=None: vLLM overwrites x
+    for row, (s, d) in enumerate([(4, 5), (0, 0), (2, 6)]):
+        if s == serving.NULL_BLOCK_ID:
+            assert torch.equal(x[row], torch.zeros(D))
+            continue
+        o, new = causal_conv1d_update_ref(x0[row:row + 1].double(), pool0[s:s + 1].double(), w.double(), b.double(),
+                                          "silu")
+        torch.testing.assert_close(x[row].double(), o[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state[d].double(), new[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(state[s], pool0[s])  # read from the first block, written to the last
+    assert torch.equal(page[:, :, D:], page0[:, :, D:])  # the rest of each page
+    assert torch.equal(state[[1, 3, 7]], pool0[[1, 3, 7]])  # blocks no row names
+
+
+def test_refusals_name_the_argument():
+    inp = _inputs(2)
+    with pytest.raises(ValueError, match="enable_stochastic_rounding"):
+        _call(inp, enable_stochastic_rounding=True)
+    with pytest.raises(TypeError, match="state_batch_indices"):
+        _call(inp, state_batch_indices=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="out"):
+        _call(inp, out=torch.empty(3, H, P))
+    x, state, w = torch.randn(2, 8), torch.randn(4, 8, 3), torch.randn(8, 4)
+    with pytest.raises(ValueError, match="num_accepted_tokens"):
+        serving.causal_conv1d_update(x, state, w, num_accepted_tokens=torch.ones(2, dtype=torch.int32))

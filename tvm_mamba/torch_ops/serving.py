@@ -1,0 +1,149 @@
+"""vLLM's call forms of the decode steps, on tvm_mamba's kernels (names and semantics of vLLM 0.32's
+``vllm.model_executor.layers.mamba.ops``; mamba_ssm's forms stay in selective_scan.py / causal_conv1d.py).
+
+vLLM keeps every sequence's states in pools of pages and names slots with block ids: indices may be 2-D
+(sequence, token) for speculative decoding, a row whose slot is ``null_block_id`` (block 0, which vLLM never
+hands out) is padding, a step may read its state from one slot and write it to another (``dst`` indices,
+prefix caching) and writes its output into a tensor the caller owns (``out``). These functions translate
+that into the kernels' own conventions (1-D slots, negative = padding) and run them on the pools in place
+(the kernels take a pool's strides). Padding rows' outputs are 0 (vLLM leaves them unspecified).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .causal_conv1d import causal_conv1d_update as _conv_update
+from .selective_scan import selective_state_update as _ssu
+
+NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID
+
+
+def _slots(name: str, idx: Optional[Tensor], rows: int) -> Optional[Tensor]:
+    """``idx`` as a (rows, tokens) int tensor (a 1-D one is one token per row); None stays None."""
+    if idx is None:
+        return None
+    if not isinstance(idx, Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.dim() not in (1, 2):
+        raise TypeError(f"{name}: expected a 1-D or 2-D int32/int64 tensor")
+    idx = idx if idx.dim() == 2 else idx[:, None]
+    if idx.shape[0] < rows or idx.shape[1] < 1:
+        raise ValueError(f"{name}: expected at least ({rows}, 1) entries, got shape {tuple(idx.shape)}")
+    return idx
+
+
+def _kernel_slots(src: Tensor, null_block_id: int) -> Tensor:
+    """vLLM's slots -> the kernels': the null block becomes -1 (a padding row)."""
+    return torch.where(src == null_block_id, -1, src).to(torch.int32)
+
+
+def _write_out(out: Optional[Tensor], result: Tensor, like: Tensor) -> Tensor:
+    if out is None:
+        return result
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"out: expected shape {tuple(like.shape)}, dtype {like.dtype} on {like.device} (x's), got "
+                         f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+    out.copy_(result)
+    return out
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None, dst_state_batch_indices=None, null_block_id=NULL_BLOCK_ID,
+                           out=None, num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False,
+                           enable_stochastic_rounding=False, cache_philox_rounds=0):
+    """vLLM's ``selective_state_update``: shapes as mamba_ssm's (state (pool, nheads, headdim, dstate) or
+    (pool, dim, dstate), x (batch, nheads, headdim) or (batch, dim), ...), plus:
+
+    state_batch_indices / dst_state_batch_indices: (batch,) or (batch, tokens) block ids; a row reads slot
+    ``state_batch_indices[b, 0]`` and writes ``dst[b, 0]`` (default: the same slot); a row whose source is
+    ``null_block_id`` is padding (nothing read or written, out 0). With ``num_accepted_tokens`` (batch,)
+    (speculative decoding), sequence b starts from slot ``state_batch_indices[b, max(n_b - 1, 0)]`` and runs
+    its tokens in order (rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` of x, or row b when ``cu_seqlens`` is None),
+    the state after its i-th token written to ``dst[b, i]`` unless that is the null block. out: written and
+    returned when given (x's shape and dtype). ``is_blackwell`` (a CUDA tuning hint) is accepted and ignored.
+    """
+    if enable_stochastic_rounding:
+        raise ValueError("enable_stochastic_rounding: stochastic rounding of the state is not supported")
+    if num_accepted_tokens is None and cu_seqlens is None:
+        src = _slots("state_batch_indices", state_batch_indices, x.shape[0])
+        dst = _slots("dst_state_batch_indices", dst_state_batch_indices, x.shape[0])
+        if src is None:
+            if dst is not None:
+                raise ValueError("dst_state_batch_indices: given without state_batch_indices")
+            return _write_out(out, _ssu(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus), x)
+        src = src[:x.shape[0], 0]
+        if dst is not None and not torch.equal(dst[:x.shape[0], 0], src):
+            _copy_slots(state, src, dst[:x.shape[0], 0], null_block_id)  # read at src, update in place at dst
+            src = dst[:x.shape[0], 0]
+        idx = _kernel_slots(src, null_block_id)
+        return _write_out(out, _ssu(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices=idx), x)
+    return _write_out(out, _speculative(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+                                        dst_state_batch_indices, null_block_id, num_accepted_tokens, cu_seqlens), x)
+
+
+def _copy_slots(state: Tensor, src: Tensor, dst: Tensor, null_block_id: int) -> None:
+    """state[dst[b]] = state[src[b]] for the rows that are not padding."""
+    live = (src != null_block_id) & (dst != null_block_id)
+    state[dst[live].long()] = state[src[live].long()]
+
+
+def _speculative(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, src_idx, dst_idx, null_block_id,
+                 num_accepted_tokens, cu_seqlens) -> Tensor:
+    """Several tokens per sequence: each sequence's state taken from its accepted slot into a working copy,
+    stepped token by token through the kernel, the state after each token written to its dst slot."""
+    nseq = num_accepted_tokens.shape[0] if num_accepted_tokens is not None else cu_seqlens.shape[0] - 1
+    src = _slots("state_batch_indices", src_idx, nseq)
+    if src is None:
+        raise ValueError("state_batch_indices: speculative decoding (num_accepted_tokens / cu_seqlens) needs it")
+    dst = _slots("dst_state_batch_indices", dst_idx, nseq) if dst_idx is not None else src
+    bounds = (cu_seqlens.tolist() if cu_seqlens is not None else list(range(nseq + 1)))
+    if len(bounds) != nseq + 1 or bounds[-1] > x.shape[0] or any(b > e for b, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens: expected {nseq + 1} non-decreasing offsets ending at most at {x.shape[0]}")
+    first = (num_accepted_tokens.long().clamp(min=1) - 1) if num_accepted_tokens is not None \
+        else torch.zeros(nseq, dtype=torch.long)
+    start = src[torch.arange(nseq), first.to(src.device)].long()
+    work = torch.where((start != null_block_id).view(-1, *[1] * (state.dim() - 1)), state[start],
+                       torch.zeros((), dtype=state.dtype))
+    out = torch.zeros_like(x)
+    longest = max((e - b for b, e in zip(bounds, bounds[1:])), default=0)
+    for i in range(longest):
+        rows = [s for s in range(nseq) if bounds[s] + i < bounds[s + 1]]
+        tok, sel = torch.tensor([bounds[s] + i for s in rows]), torch.tensor(rows)
+        part = lambda t: None if t is None else t[tok]  # noqa: E731  (this step's token of each live sequence)
+        out[tok] = _ssu(work, part(x), part(dt), A, part(B), part(C), D, part(z), dt_bias, dt_softplus,
+                        state_batch_indices=sel.to(torch.int32))
+        keep = dst[sel, i].long() if dst.shape[1] > i else torch.full((len(rows),), null_block_id)
+        live = keep != null_block_id
+        state[keep[live]] = work[sel[live]]
+    return out
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                         num_accepted_tokens=None, query_start_loc=None, max_query_len=-1,
+                         null_block_id=NULL_BLOCK_ID, block_idx_last_scheduled_token=None, initial_state_idx=None,
+                         validate_data=False, out=None):
+    """vLLM's ``causal_conv1d_update``: x (batch, dim) or (batch, dim, seqlen); conv_state (pool, dim, state_len)
+    in any strides (vLLM's (state_len, dim) pages transposed); conv_state_indices (batch,) or (batch, blocks)
+    block ids, ``null_block_id`` rows padding (out 0, nothing touched). With prefix caching,
+    ``initial_state_idx`` / ``block_idx_last_scheduled_token`` (batch,) point into each row's blocks: the
+    state is read from the first and written to the second. The result is written into ``out``, or into x
+    itself when ``out`` is None (vLLM's convention), and returned. Speculative decoding
+    (``num_accepted_tokens``) and packed rows (``query_start_loc``) are refused with a ValueError."""
+    if num_accepted_tokens is not None or query_start_loc is not None:
+        name = "num_accepted_tokens" if num_accepted_tokens is not None else "query_start_loc"
+        raise ValueError(f"{name}: speculative / packed decode steps of the conv are not supported yet")
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    elif activation == "swish":
+        activation = "silu"
+    idx = _slots("conv_state_indices", conv_state_indices, x.shape[0])
+    if idx is not None:
+        rows = torch.arange(x.shape[0], device=idx.device)
+        pick = lambda p: idx[rows, p.long()] if p is not None else idx[: x.shape[0], 0]  # noqa: E731
+        src, dst = pick(initial_state_idx), pick(block_idx_last_scheduled_token)
+        if not torch.equal(src, dst):
+            _copy_slots(conv_state, src, dst, null_block_id)
+        idx = _kernel_slots(dst, null_block_id)
+    result = _conv_update(x, conv_state, weight, bias, activation, None, idx)
+    return _write_out(x if out is None else out, result, x)
