@@ -156,6 +156,13 @@ class capture_launches(collect_into):
         super().__init__(_capture, "launches")
 
 
+def modes_allow_direct() -> bool:
+    """Not compiling, and no dispatch or function mode active: what :func:`eager_direct` asks of the process
+    before it looks at the tensors."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled())
+
+
 def eager_direct(*tensors) -> bool:
     """True when an op call may run its implementation directly instead of through the torch dispatcher:
     eager mode (not compiling, no dispatch or function modes), plain tensors (no subclasses such as
@@ -163,8 +170,7 @@ def eager_direct(*tensors) -> bool:
     0.1-0.2 ms per call for large tensors here (conv1d forward at (4, 768, 2048): 1.30 vs 1.15 ms), more than
     the whole dispatch of a small call; everything else (autograd, torch.compile, opcheck, fake tensors) goes
     through the registered op. Used by :func:`run_op` for every public function's forward call."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
-            torch._C._is_torch_function_mode_enabled():
+    if not modes_allow_direct():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

@@ -54,9 +54,22 @@ def context() -> tuple:
     return (dispatch.generation(), None if sim is None else (sim.target_key, sim_config().checks), _environ())
 
 
-def signature(tensors: Sequence[Optional[torch.Tensor]], flags: tuple) -> tuple:
-    return (flags, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 63)
-                     for t in tensors])
+def signature(tensors: Sequence[Optional[torch.Tensor]], flags: tuple) -> Optional[tuple]:
+    """The call's signature, or None when the call must take the full path (what
+    :func:`~._dlpack.eager_direct` refuses: compiling, dispatch or function modes, a tensor subclass or
+    functorch wrapper, a tensor that needs a gradient). One pass over the tensors: the two checks cost a
+    decode step's call more than its kernel when made apart."""
+    if not _dlpack.modes_allow_direct():
+        return None
+    grad, wrapped, parts = torch.is_grad_enabled(), torch._C._functorch.is_functorch_wrapped_tensor, [flags]
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+            continue
+        if type(t) is not torch.Tensor or (grad and t.requires_grad) or wrapped(t):
+            return None
+        parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 63))
+    return tuple(parts)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -164,21 +177,21 @@ class FastPath:
         self._lock = threading.Lock()
 
     def call(self, tensors: Sequence[Optional[torch.Tensor]], flags: tuple, *args):
-        if not _dlpack.eager_direct(*tensors):
-            return self.full(*args)
+        if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+            return self.full(*args)  # the full path names the argument that is no tensor
         sig = signature(tensors, flags)
+        if sig is None:
+            return self.full(*args)
         try:
             recipe = self._recipes.get(sig)
         except TypeError:  # an unhashable flag: the full path says what is wrong with it
             return self.full(*args)
-        if recipe is not None and recipe is not _SLOW:
-            if recipe.context == context() and time.monotonic() < recipe.expires:
-                if self.checks is not None:
-                    self.checks(*args)
-                return self._run(recipe, tensors)
-            recipe = None
         if recipe is _SLOW:
             return self.full(*args)
+        if recipe is not None and recipe.context == context() and time.monotonic() < recipe.expires:
+            if self.checks is not None:
+                self.checks(*args)
+            return self._run(recipe, tensors)
         return self._watch(sig, tensors, args)
 
     def _watch(self, sig, tensors, args):
@@ -199,10 +212,14 @@ class FastPath:
         fresh = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in recipe.outputs]
         record = _dlpack.recording()
         for kernel, sources in recipe.launches:
-            args = tuple([_build(s, inputs, fresh) for s in sources])
+            args = []
+            for src in sources:  # the common kinds inline: a call passes about ten arguments
+                kind = src[0]
+                args.append(inputs[src[1]] if kind == "id" else fresh[src[1]] if kind == "new"
+                            else src[1] if kind == "const" else _build(src, inputs, fresh))
             kernel(*args)
             if record is not None:
-                record.append(_dlpack.Launch(kernel, args))
+                record.append(_dlpack.Launch(kernel, tuple(args)))
         spec = recipe.result
         if isinstance(spec, tuple) and spec and isinstance(spec[0], tuple):
             return tuple(_build(s, inputs, fresh) for s in spec)
