@@ -185,7 +185,8 @@ def _from_pack(key: KernelKey) -> Kernel | None:
 
 
 FAST_TTL_S = 1.0  # as tuning's stamp TTL: a record written by another process is served within ~1 s
-_ENVS = ("TVM_MAMBA_KERNEL_PACK", "TVM_MAMBA_TUNING_LOGS", "TVM_MAMBA_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
+# the environment variables that change which kernel a key is served by (a pack, the tuning logs, the cache)
+KERNEL_ENV_VARS = ("TVM_MAMBA_KERNEL_PACK", "TVM_MAMBA_TUNING_LOGS", "TVM_MAMBA_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
 class _Fast(threading.local):
     memo = None  # per thread; a class default, not a missing attribute (see dispatch._Recording)
 
@@ -200,7 +201,7 @@ def build_and_load(key: KernelKey) -> Kernel:
     variables above, dispatch.generation(): tuning refreshes and ``tuning_logs`` blocks)."""
     now = time.monotonic()
     env = os.environ
-    ctx = (dispatch.generation(), cudasim.variant(key.target), *(env.get(name) for name in _ENVS))
+    ctx = (dispatch.generation(), cudasim.variant(key.target), *(env.get(name) for name in KERNEL_ENV_VARS))
     memo = getattr(_fast, "memo", None)
     if memo is None:
         memo = _fast.memo = {}

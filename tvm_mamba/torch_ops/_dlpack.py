@@ -43,14 +43,14 @@ def prepare_pool(t: torch.Tensor, compact_slots: bool) -> torch.Tensor:
     state stored (state_len, dim) and passed transposed). Else a compact copy, which the caller writes back."""
     inner = t[0] if t.dim() and t.shape[0] else None
     inner_ok = inner is None or (inner.is_contiguous() if compact_slots else _disjoint(inner))
-    slots_apart = t.shape[0] <= 1 or t.stride(0) >= (_extent(inner) if inner is not None else 0)
+    slots_apart = t.shape[0] <= 1 or t.stride(0) >= (extent(inner) if inner is not None else 0)
     if inner_ok and slots_apart and t.stride(0) >= 0 and not (t.numel() and t.data_ptr() % ALIGN):
         return t
     return prepare(t)
 
 
-def _extent(t: torch.Tensor) -> int:
-    """Elements from ``t``'s first to one past its last (strides >= 0)."""
+def extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to one past its last (strides >= 0): the span a strided view covers."""
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
 
 

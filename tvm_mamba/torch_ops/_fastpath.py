@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..runtime import dispatch
-from ..runtime.cache import _ENVS, FAST_TTL_S
+from ..runtime.cache import FAST_TTL_S, KERNEL_ENV_VARS
 from ..runtime.cudasim import current as sim_config
 from ..runtime.target import cudasim_active
 from . import _dlpack
@@ -40,8 +40,8 @@ def _environ_reader() -> Callable[[], tuple]:
     data = getattr(os.environ, "_data", None)
     encode = getattr(os.environ, "encodekey", None)
     if not isinstance(data, dict) or encode is None:
-        return lambda: tuple(os.environ.get(name) for name in _ENVS)
-    keys = tuple(encode(name) for name in _ENVS)
+        return lambda: tuple(os.environ.get(name) for name in KERNEL_ENV_VARS)
+    keys = tuple(encode(name) for name in KERNEL_ENV_VARS)
     return lambda: tuple(data.get(k) for k in keys)
 
 
@@ -74,10 +74,7 @@ def signature(tensors: Sequence[Optional[torch.Tensor]], flags: tuple) -> Option
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte addresses ``t`` reads (strides >= 0)."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    return t.data_ptr(), t.data_ptr() + _dlpack.extent(t) * t.element_size()
 
 
 def _source(a: torch.Tensor, inputs, outputs: list):
