@@ -74,6 +74,9 @@ def tc_product(tl: TcTiling, units: tuple):
                 # touched before the slices, so that TVM's storage rewrite does not give ``so`` the 16-bit
                 # slices' memory (tc_matmul's reason)
                 out_fill(so, 0, lambda q: T.float32(0), tx)
+                # before any warp stores a fragment there: a tile with no slices (above the causal diagonal)
+                # reaches that store with no barrier between (a write-write race the harness's checker reports)
+                T.tvm_storage_sync("shared")
                 if tx // 32 < warps:
                     for f in T.unroll(FR * FC * NQ):
                         racc[f] = init(t, i0 + _row(tl, tx, f // NQ // FC, f % NQ),

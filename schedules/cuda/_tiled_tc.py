@@ -128,6 +128,9 @@ def tc_matmul(tl: TcTiling, a_fast: bool, b_fast: bool, scaled: bool, split: str
                 # touched before the slices, so that TVM's storage rewrite does not give ``so`` the 16-bit
                 # slices' memory (its float access_ptr into a bfloat16 buffer fails to lower)
                 out_fill(so, 0, lambda q: zero, tx)
+                # before any warp stores a fragment there: a tile with no slices (above the causal diagonal)
+                # reaches that store with no barrier between (a write-write race the harness's checker reports)
+                T.tvm_storage_sync("shared")
                 for ko in range(upper_skip(lower, tl, i0, j0, n_slices(t))):
                     if scaled:
                         fill(ss, 0, lambda k: scale(t, ko * KT + k), tx)

@@ -330,3 +330,21 @@ def test_simcheck_varlen_config():
     static = dict(nheads=H, ngroups=G, headdim=P, dstate=N, chunk_size=Q, has_seq_idx=False)
     simcheck.check("chunk_state_varlen", static, {"x": "float32", "bc": "float32", "state": "bfloat16",
                                                   "out": "bfloat16"}, "sm_90")
+
+
+def test_tensor_core_tiles_above_the_causal_diagonal_race_free():
+    """bf16 at chunk 256 (the production chunk) with 40 positions: most of bmm_chunk's tensor-core tiles lie
+    above the causal diagonal and run no k slice, so the warps' fragment stores into shared memory follow the
+    block's zero fill of that memory with no slice barrier between; the checker (on) reported the write-write
+    race until a barrier followed the fill (schedules/cuda/_tiled_tc.py, _tc_product.py)."""
+    from tvm_mamba.reference.ssd import ssd_recurrence_ref
+
+    g = torch.Generator().manual_seed(0)
+    b, L, H, P, G, N, Q = 1, 40, 2, 16, 1, 16, 256
+    x, dt = torch.randn(b, L, H, P, generator=g).bfloat16(), torch.rand(b, L, H, generator=g) * 0.5
+    A = -torch.rand(H, generator=g) - 0.5
+    B, C = torch.randn(b, L, G, N, generator=g).bfloat16(), torch.randn(b, L, G, N, generator=g).bfloat16()
+    with tvm_mamba.simulate_cuda("sm_90", checks=True):
+        y = tvm_mamba.mamba_chunk_scan_combined(x, dt, A, B, C, Q)
+    ref = ssd_recurrence_ref(x.double(), dt.double(), A.double(), B.double(), C.double())
+    assert (y.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
