@@ -117,3 +117,30 @@ def test_refusals_name_the_argument():
     x, state, w = torch.randn(2, 8), torch.randn(4, 8, 3), torch.randn(8, 4)
     with pytest.raises(ValueError, match="num_accepted_tokens"):
         serving.causal_conv1d_update(x, state, w, num_accepted_tokens=torch.ones(2, dtype=torch.int32))
+    blocks = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_idx_last_scheduled_token"):
+        serving.causal_conv1d_update(x, state, w, conv_state_indices=blocks,
+                                     block_idx_last_scheduled_token=torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="conv_state_indices: block ids"):
+        serving.causal_conv1d_update(x, state, w, conv_state_indices=torch.tensor([[1, 9], [3, 0]], dtype=torch.int32),
+                                     block_idx_last_scheduled_token=torch.tensor([1, 0], dtype=torch.int32))
+
+
+def test_block_ids_out_of_the_pool_are_refused_before_anything_is_written():
+    inp = _inputs(2)
+    pool0 = inp["state"].clone()
+    src = torch.tensor([[3], [2]], dtype=torch.int32)
+    cases = [(dict(state_batch_indices=src, dst_state_batch_indices=torch.tensor([[4], [POOL]], dtype=torch.int32)),
+              "dst_state_batch_indices: block ids"),
+             (dict(state_batch_indices=torch.tensor([[3], [-2]], dtype=torch.int32),
+                   dst_state_batch_indices=torch.tensor([[4], [5]], dtype=torch.int32)), "state_batch_indices: block"),
+             (dict(state_batch_indices=src, dst_state_batch_indices=torch.tensor([[4], [4]], dtype=torch.int32)),
+              "same block"),
+             (dict(state_batch_indices=torch.tensor([[3, POOL + 1], [2, 1]], dtype=torch.int32),
+                   num_accepted_tokens=torch.tensor([1, 1], dtype=torch.int32)), "state_batch_indices: block ids"),
+             (dict(state_batch_indices=torch.tensor([[3], [2]], dtype=torch.int32),
+                   num_accepted_tokens=torch.tensor([2, 1], dtype=torch.int32)), "num_accepted_tokens")]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _call(inp, **kw)
+        assert torch.equal(inp["state"], pool0)

@@ -87,9 +87,21 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                                         dst_state_batch_indices, null_block_id, num_accepted_tokens, cu_seqlens), x)
 
 
-def _copy_slots(state: Tensor, src: Tensor, dst: Tensor, null_block_id: int) -> None:
-    """state[dst[b]] = state[src[b]] for the rows that are not padding."""
+def _check_blocks(name: str, ids: Tensor, pool: int) -> None:
+    """ValueError unless every block id lies in the pool (before anything is read or written)."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pool):
+        raise ValueError(f"{name}: block ids must lie in 0..{pool - 1} (the pool's blocks), got "
+                         f"{int(ids.min())}..{int(ids.max())}")
+
+
+def _copy_slots(state: Tensor, src: Tensor, dst: Tensor, null_block_id: int, names=("state_batch_indices",
+                "dst_state_batch_indices")) -> None:
+    """state[dst[b]] = state[src[b]] for the rows that are not padding (ids checked first)."""
     live = (src != null_block_id) & (dst != null_block_id)
+    _check_blocks(names[0], src[live], state.shape[0])
+    _check_blocks(names[1], dst[live], state.shape[0])
+    if dst[live].unique().numel() != int(live.sum()):
+        raise ValueError(f"{names[1]}: two rows write the same block")
     state[dst[live].long()] = state[src[live].long()]
 
 
@@ -107,6 +119,11 @@ def _speculative(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, src_idx, dst
         raise ValueError(f"cu_seqlens: expected {nseq + 1} non-decreasing offsets ending at most at {x.shape[0]}")
     first = (num_accepted_tokens.long().clamp(min=1) - 1) if num_accepted_tokens is not None \
         else torch.zeros(nseq, dtype=torch.long)
+    if nseq and int(first.max()) >= src.shape[1]:
+        raise ValueError(f"num_accepted_tokens: {int(first.max()) + 1} accepted, but state_batch_indices has "
+                         f"{src.shape[1]} blocks per sequence")
+    _check_blocks("state_batch_indices", src[:nseq], state.shape[0])
+    _check_blocks("dst_state_batch_indices", dst[:nseq], state.shape[0])
     start = src[torch.arange(nseq), first.to(src.device)].long()
     work = torch.where((start != null_block_id).view(-1, *[1] * (state.dim() - 1)), state[start],
                        torch.zeros((), dtype=state.dtype))
@@ -120,6 +137,8 @@ def _speculative(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, src_idx, dst
                         state_batch_indices=sel.to(torch.int32))
         keep = dst[sel, i].long() if dst.shape[1] > i else torch.full((len(rows),), null_block_id)
         live = keep != null_block_id
+        if keep[live].unique().numel() != int(live.sum()):
+            raise ValueError("dst_state_batch_indices: two sequences write the same block at one token position")
         state[keep[live]] = work[sel[live]]
     return out
 
@@ -144,14 +163,19 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
         activation = "silu"
     idx = _slots("conv_state_indices", conv_state_indices, x.shape[0])
     if idx is not None:
-        def pick(pointer):  # each row's block at ``pointer`` (per row), or its first one
+        def pick(name, pointer):  # each row's block at ``pointer`` (per row), or its first one
             if pointer is None:
                 return idx[: x.shape[0], 0]
+            if pointer.numel() != x.shape[0] or (pointer.numel() and (int(pointer.min()) < 0
+                                                                       or int(pointer.max()) >= idx.shape[1])):
+                raise ValueError(f"{name}: expected ({x.shape[0]},) positions in 0..{idx.shape[1] - 1} "
+                                 "(conv_state_indices' columns)")
             return idx[torch.arange(x.shape[0], device=idx.device), pointer.long()]
 
-        src, dst = pick(initial_state_idx), pick(block_idx_last_scheduled_token)
+        src = pick("initial_state_idx", initial_state_idx)
+        dst = pick("block_idx_last_scheduled_token", block_idx_last_scheduled_token)
         if initial_state_idx is not block_idx_last_scheduled_token and not torch.equal(src, dst):
-            _copy_slots(conv_state, src, dst, null_block_id)
+            _copy_slots(conv_state, src, dst, null_block_id, ("conv_state_indices", "conv_state_indices"))
         idx = _kernel_slots(dst, null_block_id)
     result = _conv_update(x, conv_state, weight, bias, activation, None, idx)
     return _write_out(x if out is None else out, result, x)
