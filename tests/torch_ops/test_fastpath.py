@@ -157,3 +157,23 @@ def test_conv_update_recipe_equals_the_full_path_and_checks_values(full_calls, s
             tvm_mamba.causal_conv1d_update(x, s, w, b, "silu", bad_len, bad_idx)
         assert torch.equal(s, state)
     assert len(full_calls) == 1
+
+
+def test_inputs_sharing_memory_make_no_recipe_the_next_separate_call_does(full_calls):
+    """B and C one tensor: which input the op passed where cannot be told from memory, so nothing is kept; a
+    call with separate B and C makes the recipe, which then serves shared ones correctly too."""
+    state, rest = _ssu_inputs()
+    x, dt, A, B, C, D, z, dt_bias = rest
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    shared = (x, dt, A, B, B, D, z, dt_bias)
+    for _ in range(2):
+        _ssu(state.clone(), shared, idx)
+    assert len(full_calls) == 2 and not scan_ops._SSU_FAST._recipes
+    s_sep, s_shared = state.clone(), state.clone()
+    sep_out = _ssu(s_sep, rest, idx)  # watched: the recipe
+    shared_out = _ssu(s_shared, shared, idx)  # from the recipe, C's argument from C's position
+    assert len(full_calls) == 3
+    want, _ = selective_state_update_ref(state.double(), x.double(), dt.double(), A.double(), B.double(),
+                                         B.double(), D.double(), z.double(), dt_bias.double(), True, idx)
+    torch.testing.assert_close(shared_out.double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(sep_out, shared_out)

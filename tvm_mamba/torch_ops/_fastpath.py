@@ -31,6 +31,7 @@ from ..runtime.target import cudasim_active
 from . import _dlpack
 
 _SLOW = object()  # a signature whose launches read a temporary: no recipe
+_AMBIGUOUS = object()  # a launch argument inside two inputs (they share memory in this call): not kept
 _MAX_ENTRIES = 4096  # signatures kept per op (a server sees a few per batch size)
 
 
@@ -87,14 +88,20 @@ def _source(a: torch.Tensor, inputs, outputs: list):
         return None
     storage = a.untyped_storage().data_ptr()
     lo, hi = _span(a)
+    found = None
     for j, t in enumerate(inputs):
         if t is None or t.dtype != a.dtype or t.untyped_storage().data_ptr() != storage:
             continue
         t_lo, t_hi = _span(t)
         if t_lo <= lo and hi <= t_hi and min(t.stride(), default=0) >= 0:
+            if found is not None:  # e.g. B and C the same tensor: which one the op passed is not knowable here
+                return _AMBIGUOUS
             if a.shape == t.shape and a.stride() == t.stride() and lo == t_lo:
-                return ("id", j)  # the input itself: so for every call of this signature
-            return ("in", j, tuple(a.shape), tuple(a.stride()), a.storage_offset() - t.storage_offset(), [None])
+                found = ("id", j)  # the input itself: so for every call of this signature
+            else:
+                found = ("in", j, tuple(a.shape), tuple(a.stride()), a.storage_offset() - t.storage_offset(), [None])
+    if found is not None:
+        return found
     for k, (ptr, numel, dtype, _device) in enumerate(outputs):
         if ptr == storage and dtype == a.dtype:
             if a.storage_offset() == 0 and a.dim() == 1 and a.numel() == numel:
@@ -114,8 +121,10 @@ class _Recipe:
         self.expires = time.monotonic() + FAST_TTL_S
 
 
-def _make_recipe(ctx, inputs, launches, result) -> Optional[_Recipe]:
-    """The recipe of one watched call, or None when a launch reads a temporary or takes a non-tensor."""
+def _make_recipe(ctx, inputs, launches, result):
+    """The recipe of one watched call; None when a launch reads a temporary or takes a non-tensor (the
+    signature keeps the full path); _AMBIGUOUS when inputs shared memory in this call (nothing is kept: a
+    later call of the signature with separate inputs makes the recipe, which then serves shared ones too)."""
     results = result if isinstance(result, tuple) else (result,)
     if not all(isinstance(r, torch.Tensor) for r in results):
         return None
@@ -130,10 +139,12 @@ def _make_recipe(ctx, inputs, launches, result) -> Optional[_Recipe]:
         if not all(isinstance(a, torch.Tensor) for a in launch.args):
             return None
         sources = [_source(a, inputs, outputs) for a in launch.args]
-        if any(s is None for s in sources):
-            return None
+        if any(s is None or s is _AMBIGUOUS for s in sources):
+            return _AMBIGUOUS if _AMBIGUOUS in sources else None
         steps.append((launch.kernel, tuple(sources)))
     returned = [_source(r, inputs, outputs) for r in results]
+    if any(s is _AMBIGUOUS for s in returned):
+        return _AMBIGUOUS
     if any(s is None or s[0] == "const" for s in returned):
         return None
     result_spec = tuple(returned) if isinstance(result, tuple) else returned[0]
@@ -198,6 +209,8 @@ class FastPath:
         if outer is not None:  # a capture around this call (a decode plan's) sees these launches too
             outer.extend(launches)
         made = _make_recipe(ctx, tensors, launches, result)
+        if made is _AMBIGUOUS:
+            return result
         with self._lock:
             if len(self._recipes) >= _MAX_ENTRIES:
                 self._recipes.clear()
