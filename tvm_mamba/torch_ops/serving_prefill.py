@@ -1,0 +1,217 @@
+"""vLLM's call forms of the prefill ops, on tvm_mamba's kernels (names and semantics of vLLM 0.32's
+``vllm.model_executor.layers.mamba.ops``: ``causal_conv1d_fn``, ``mamba_chunk_scan_combined_varlen`` and
+Mamba-1's ``selective_scan_fn``; mamba_ssm's forms of the same names stay in causal_conv1d.py / ssd.py /
+selective_scan.py).
+
+vLLM packs a step's prefill sequences along the token axis (``query_start_loc`` / ``cu_seqlens``: (batch + 1,)
+offsets) and keeps each sequence's states in a pool slot (``cache_indices``). A sequence continued from an
+earlier chunk (chunked prefill) starts from its slot's state (``has_initial_state``); every sequence's final
+state is written back to its slot. The kernels continue an initial state only for the first sequence of a
+row, so: with no initial state in play the whole step is one packed call (sequences apart through seq_idx);
+otherwise each sequence is one call of the batch-1 kernel from its own initial state. A prefill sequence is
+long, so a call per sequence costs little beside its compute.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._dlpack import FLOATS, check_shape, check_tensor
+from .causal_conv1d import causal_conv1d_fn as _conv_fn, causal_conv1d_varlen_states as _conv_varlen_states
+from .selective_scan import selective_scan_fn as _scan_fn
+from .ssd import mamba_chunk_scan_combined as _ssd
+
+PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils.PAD_SLOT_ID
+NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID
+_INTS = (torch.int32, torch.int64)
+
+
+def _bounds(name: str, loc, tokens: int) -> list[int]:
+    """(batch + 1,) offsets -> a list, checked: starts at 0, non-decreasing, ends at most at ``tokens``."""
+    check_tensor(name, loc, ndim=1, dtypes=_INTS)
+    b = loc.tolist()
+    if not b or b[0] != 0 or any(e < s for s, e in zip(b, b[1:])) or b[-1] > tokens:
+        raise ValueError(f"{name}: expected (batch + 1,) non-decreasing offsets from 0 to at most {tokens}, got {b}")
+    return b
+
+
+def _slot_list(name: str, idx, batch: int, pool: int, skip: int) -> list[int]:
+    """Each sequence's pool slot (``skip``: padding, the sequence is not run); ValueError for a slot outside
+    the pool or two sequences sharing one, before anything is written."""
+    if idx is None:
+        if batch > pool:
+            raise ValueError(f"{name}: {batch} sequences but the pool has {pool} slots")
+        return list(range(batch))
+    check_tensor(name, idx, dtypes=_INTS)
+    if idx.dim() == 2:  # vLLM's (batch, blocks) table without prefix caching: each sequence's first block
+        idx = idx[:, 0]
+    if idx.dim() != 1 or idx.shape[0] < batch:
+        raise ValueError(f"{name}: expected ({batch},) slots, got shape {tuple(idx.shape)}")
+    slots = idx[:batch].tolist()
+    live = [s for s in slots if s != skip]
+    if any(s < 0 or s >= pool for s in live):
+        raise ValueError(f"{name}: slots must lie in 0..{pool - 1} (the pool's slots) or be {skip} (padding), "
+                         f"got {slots}")
+    if len(set(live)) != len(live):
+        raise ValueError(f"{name}: two sequences name the same slot: {slots}")
+    return slots
+
+
+def _has_init(has_initial_state, batch: int) -> list[bool]:
+    if has_initial_state is None:
+        return [False] * batch
+    check_tensor("has_initial_state", has_initial_state, ndim=1)
+    if has_initial_state.shape[0] < batch:
+        raise ValueError(f"has_initial_state: expected ({batch},), got shape {tuple(has_initial_state.shape)}")
+    return [bool(v) for v in has_initial_state[:batch].tolist()]
+
+
+def _refuse_prefix_caching(**pointers) -> None:
+    for name, value in pointers.items():
+        if value is not None:
+            raise ValueError(f"{name}: prefix caching's per-block states are not supported on the prefill path "
+                             "(run vLLM with enable_prefix_caching=False for Mamba layers)")
+
+
+def _seq_idx(bounds: list[int], tokens: int, device) -> Tensor:
+    """(1, tokens) int32: sequence i's positions hold i, the tokens past the last offset -1 (padding)."""
+    lens = torch.tensor([e - s for s, e in zip(bounds, bounds[1:])] + [tokens - bounds[-1]])
+    ids = torch.arange(len(bounds), dtype=torch.int32)
+    ids[-1] = -1
+    return torch.repeat_interleave(ids, lens)[None].to(device)
+
+
+def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None, has_initial_state=None,
+                     activation="silu", pad_slot_id=PAD_SLOT_ID, null_block_id=NULL_BLOCK_ID,
+                     block_idx_first_scheduled_token=None, block_idx_last_scheduled_token=None,
+                     initial_state_idx=None, num_computed_tokens=None, block_size_to_align=0, metadata=None,
+                     validate_data=False):
+    """vLLM's packed prefill conv: x (dim, tokens) (vLLM passes it channel-last), weight (dim, width), bias
+    (dim,) or None, conv_states (pool, dim, width - 1) in any strides, query_start_loc (batch + 1,),
+    cache_indices (batch,) slots (``pad_slot_id``: skipped), has_initial_state (batch,) bool. Sequence i
+    starts from ``conv_states[cache_indices[i]]`` when ``has_initial_state[i]`` (else zeros), and its last
+    width - 1 inputs are written there. x is computed in conv_states' dtype, as vLLM does. Returns out with
+    x's shape, strides and dtype (positions of skipped sequences and past the last offset: 0).
+    ``metadata`` / ``validate_data`` (Triton launch hints) are accepted and ignored; the prefix-caching
+    pointers are refused (ValueError)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOATS)
+    dim, tokens = x.shape
+    check_tensor("weight", weight, ndim=2, dtypes=FLOATS, device=x.device)
+    check_tensor("conv_states", conv_states, ndim=3, dtypes=FLOATS, device=x.device)
+    check_shape("conv_states", conv_states[:0], (0, dim, weight.shape[1] - 1))
+    _refuse_prefix_caching(block_idx_first_scheduled_token=block_idx_first_scheduled_token,
+                           block_idx_last_scheduled_token=block_idx_last_scheduled_token,
+                           initial_state_idx=initial_state_idx)
+    bounds = _bounds("query_start_loc", query_start_loc, tokens)
+    batch = len(bounds) - 1
+    slots = _slot_list("cache_indices", cache_indices, batch, conv_states.shape[0], pad_slot_id)
+    init = _has_init(has_initial_state, batch)
+    activation = "silu" if activation is True or activation == "swish" else (activation or None)
+    xs = x.to(conv_states.dtype)
+    out = torch.zeros_like(xs)
+    weight = weight.to(xs.dtype) if weight.dtype not in (torch.float32, xs.dtype) else weight
+    bias = bias.to(weight.dtype) if bias is not None else None
+    live = [i for i in range(batch) if slots[i] != pad_slot_id and bounds[i + 1] > bounds[i]]
+    if not any(init[i] for i in live) and len(live) == batch:
+        y = _conv_fn(xs[None], weight, bias, seq_idx=_seq_idx(bounds, tokens, x.device), activation=activation)
+        out.copy_(y[0])
+        finals = _conv_varlen_states(xs.t(), query_start_loc, weight.shape[1] - 1)
+        for i in live:
+            conv_states[slots[i]].copy_(finals[i])
+    else:
+        for i in live:
+            s, e = bounds[i], bounds[i + 1]
+            start = conv_states[slots[i]][None].to(xs.dtype) if init[i] else None
+            y, final = _conv_fn(xs[None, :, s:e], weight, bias, initial_states=start, return_final_states=True,
+                                activation=activation)
+            out[:, s:e] = y[0]
+            conv_states[slots[i]].copy_(final[0])
+    return out.to(x.dtype)
+
+
+def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, cu_chunk_seqlens=None,
+                                     last_chunk_indices=None, seq_idx=None, out=None, D=None, z=None, dt_bias=None,
+                                     initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                                     return_intermediate_states=False, state_dtype=None):
+    """vLLM's packed prefill SSD: x (tokens, nheads, headdim), dt (tokens, nheads), A (nheads,), B, C (tokens,
+    ngroups, dstate), cu_seqlens (batch + 1,), out (tokens, nheads, headdim) written in place, D (nheads,) or
+    (nheads, headdim), z as x or None, dt_bias (nheads,), initial_states (batch, nheads, headdim, dstate) or
+    None (sequence i continues initial_states[i]). Returns varlen_states (batch, nheads, headdim, dstate),
+    each sequence's final state, in ``state_dtype`` (default x's dtype, as vLLM). vLLM's chunk layout
+    (``cu_chunk_seqlens``, ``last_chunk_indices``, its per-chunk ``seq_idx``) is not needed: the kernels
+    chunk each sequence themselves; ``return_intermediate_states`` (prefix caching) is refused."""
+    check_tensor("x", x, ndim=3, dtypes=FLOATS)
+    tokens = x.shape[0]
+    if return_intermediate_states:
+        raise ValueError("return_intermediate_states: prefix caching's per-chunk states are not supported "
+                         "(run vLLM with enable_prefix_caching=False for Mamba layers)")
+    check_tensor("out", out, ndim=3, dtypes=(x.dtype,), device=x.device)
+    check_shape("out", out, x.shape)
+    bounds = _bounds("cu_seqlens", cu_seqlens, tokens)
+    batch = len(bounds) - 1
+    if initial_states is not None:
+        check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=x.device)
+        check_shape("initial_states", initial_states, (batch,) + tuple(initial_states.shape[1:]))
+    out_dtype = state_dtype if state_dtype is not None else x.dtype
+    opt = lambda t: None if t is None else t[None]  # noqa: E731  (batch-1 views)
+    if initial_states is None:
+        y, varlen = _ssd(x[None], dt[None], A, B[None], C[None], chunk_size, D, opt(z), dt_bias,
+                         seq_idx=_seq_idx(bounds, tokens, x.device), cu_seqlens=cu_seqlens, dt_softplus=dt_softplus,
+                         dt_limit=dt_limit, return_varlen_states=True, state_dtype=torch.float32)
+        out.copy_(y[0])
+        return varlen.to(out_dtype)
+    finals = initial_states.to(out_dtype, copy=True)
+    for i in range(batch):
+        s, e = bounds[i], bounds[i + 1]
+        if e == s:
+            continue
+        part = lambda t: None if t is None else t[None, s:e]  # noqa: E731
+        y, final = _ssd(part(x), part(dt), A, part(B), part(C), chunk_size, D, part(z), dt_bias,
+                        initial_states=initial_states[i:i + 1], dt_softplus=dt_softplus, dt_limit=dt_limit,
+                        return_final_states=True)
+        out[s:e] = y[0]
+        finals[i] = final[0]
+    return finals
+
+
+def selective_scan_fn(u, ssm_states, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      query_start_loc=None, cache_indices=None, has_initial_state=None, null_block_id=NULL_BLOCK_ID,
+                      block_size=1024, block_idx_first_scheduled_token=None, block_idx_last_scheduled_token=None,
+                      initial_state_idx=None, cu_chunk_seqlen=None, last_chunk_indices=None):
+    """vLLM's Mamba-1 prefill scan (packed): u, delta, z (dim, tokens); ssm_states (pool, dim, dstate) updated
+    in place; A (dim, dstate); B, C (ngroups, dstate, tokens) or (dstate, tokens); D, delta_bias (dim,);
+    query_start_loc (batch + 1,); cache_indices (batch,) slots (``null_block_id``: padding, skipped);
+    has_initial_state (batch,). Sequence i starts from ``ssm_states[cache_indices[i]]`` when
+    ``has_initial_state[i]`` (else zeros) and its final state is written there. The output is written into
+    z (into delta when z is None) and that tensor returned, as vLLM's op does."""
+    check_tensor("u", u, ndim=2, dtypes=FLOATS)
+    dim, tokens = u.shape
+    check_tensor("ssm_states", ssm_states, ndim=3, dtypes=FLOATS, device=u.device)
+    _refuse_prefix_caching(block_idx_first_scheduled_token=block_idx_first_scheduled_token,
+                           block_idx_last_scheduled_token=block_idx_last_scheduled_token,
+                           initial_state_idx=initial_state_idx)
+    if query_start_loc is None:
+        raise ValueError("query_start_loc: the packed form needs it (for batched rows call "
+                         "tvm_mamba.selective_scan_fn)")
+    bounds = _bounds("query_start_loc", query_start_loc, tokens)
+    batch = len(bounds) - 1
+    slots = _slot_list("cache_indices", cache_indices, batch, ssm_states.shape[0], null_block_id)
+    init = _has_init(has_initial_state, batch)
+    B4, C4 = (M if M.dim() == 3 else M[None] for M in (B, C))
+    dest = z if z is not None else delta
+    results = []
+    for i in range(batch):
+        s, e = bounds[i], bounds[i + 1]
+        if slots[i] == null_block_id or e == s:
+            continue
+        part = lambda t: None if t is None else t[None, ..., s:e]  # noqa: E731
+        start = ssm_states[slots[i]][None].float() if init[i] else None
+        y, last = _scan_fn(part(u), part(delta), A, part(B4), part(C4), D, part(z), delta_bias, delta_softplus,
+                           return_last_state=True, initial_state=start)
+        results.append((s, e, y[0], slots[i], last[0]))
+    for s, e, y, slot, last in results:  # written after every sequence ran: z / delta are inputs above
+        dest[:, s:e] = y
+        ssm_states[slot].copy_(last)
+    return dest
