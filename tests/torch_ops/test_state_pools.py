@@ -33,16 +33,19 @@ def _pages(inner: int, extra: int, dtype, g):
 @pytest.mark.parametrize("sim", [False, True], ids=["cpu", "cudasim"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0, 64])  # the SSM state first in its page, or after 64 elements of it
-def test_selective_state_update_on_a_page_strided_pool(sim, dtype, offset):
+@pytest.mark.parametrize("layer", ["mamba2", "mamba1"])  # (pool, H, P, N) heads, or Mamba-1's (pool, dim, N)
+def test_selective_state_update_on_a_page_strided_pool(sim, dtype, offset, layer):
     g = torch.Generator().manual_seed(offset)
     H, P, N = 2, 4, 16
+    hp = (H, P) if layer == "mamba2" else (H * P,)
     page = _pages(H * P * N, 64 + 5, dtype, g)
     before = page.clone()
-    state = page[:, offset:offset + H * P * N].view(POOL, H, P, N)
-    x, z = torch.randn(BATCH, H, P, generator=g).to(dtype), torch.randn(BATCH, H, P, generator=g).to(dtype)
-    dt, A = torch.rand(BATCH, H, P, generator=g).to(dtype), -torch.rand(H, P, N, generator=g)
-    B, C = torch.randn(BATCH, 1, N, generator=g).to(dtype), torch.randn(BATCH, 1, N, generator=g).to(dtype)
-    D, dt_bias = torch.randn(H, P, generator=g), torch.randn(H, P, generator=g)
+    state = page[:, offset:offset + H * P * N].view(POOL, *hp, N)
+    x, z = torch.randn(BATCH, *hp, generator=g).to(dtype), torch.randn(BATCH, *hp, generator=g).to(dtype)
+    dt, A = torch.rand(BATCH, *hp, generator=g).to(dtype), -torch.rand(*hp, N, generator=g)
+    bc = (BATCH, 1, N) if layer == "mamba2" else (BATCH, N)
+    B, C = torch.randn(*bc, generator=g).to(dtype), torch.randn(*bc, generator=g).to(dtype)
+    D, dt_bias = torch.randn(*hp, generator=g), torch.randn(*hp, generator=g)
     want_out, want_state = selective_state_update_ref(
         state.double(), x.double(), dt.double(), A.double(), B.double(), C.double(), D.double(), z.double(),
         dt_bias.double(), True, IDX, state_dtype=dtype)

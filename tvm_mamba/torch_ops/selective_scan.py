@@ -503,8 +503,6 @@ def _selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         B3 = B if B.dim() == 3 else B.unsqueeze(1)
         C3 = C if C.dim() == 3 else C.unsqueeze(1)
         u = lambda t: t.unsqueeze(-1) if t is not None else None  # noqa: E731
-        if not state.is_contiguous():
-            raise ValueError("state: must be contiguous (it is updated in place)")
         out = run_op(selective_state_update_op, state.unsqueeze(2), u(x), u(dt), A.unsqueeze(1), B3, C3, u(D), u(z),
                      u(dt_bias), bool(dt_softplus), state_batch_indices)
         return out.squeeze(-1)

@@ -87,6 +87,19 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                                         dst_state_batch_indices, null_block_id, num_accepted_tokens, cu_seqlens), x)
 
 
+def selective_state_update_dispatch(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False,
+                                    state_batch_indices=None, dst_state_batch_indices=None,
+                                    null_block_id=NULL_BLOCK_ID, out=None, num_accepted_tokens=None, cu_seqlens=None,
+                                    is_blackwell=False) -> None:
+    """The form vLLM's layers call (``vllm.model_executor.layers.mamba.ops.ssu_dispatch.selective_state_update``):
+    D and dt_bias come before z, the result goes only into ``out`` (required), nothing is returned. Otherwise
+    :func:`selective_state_update`."""
+    if out is None:
+        raise ValueError("out: vLLM's dispatch form writes its result into out; pass it")
+    selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+                           dst_state_batch_indices, null_block_id, out, num_accepted_tokens, cu_seqlens, is_blackwell)
+
+
 def _check_blocks(name: str, ids: Tensor, pool: int) -> None:
     """ValueError unless every block id lies in the pool (before anything is read or written)."""
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pool):
