@@ -43,7 +43,8 @@ def bindings() -> dict[str, dict[str, object]]:
     decode = {"causal_conv1d_update": serving.causal_conv1d_update,
               "selective_state_update": serving.selective_state_update_dispatch,
               "causal_conv1d_fn": serving_prefill.causal_conv1d_fn}
-    return {_MIXER2: dict(decode, mamba_chunk_scan_combined_varlen=serving_prefill.mamba_chunk_scan_combined_varlen),
+    return {_MIXER2: dict(decode, mamba_chunk_scan_combined_varlen=serving_prefill.mamba_chunk_scan_combined_varlen,
+                          store_prefill_checkpoint=serving_prefill.store_prefill_checkpoint),
             _MIXER1: dict(decode, selective_scan_fn=serving_prefill.selective_scan_fn)}
 
 

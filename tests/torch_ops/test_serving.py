@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tvm_mamba.reference.causal_conv1d import causal_conv1d_update_ref
+from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from tvm_mamba.reference.selective_scan import selective_state_update_ref
 from tvm_mamba.torch_ops import serving
 
@@ -115,8 +115,11 @@ def test_refusals_name_the_argument():
     with pytest.raises(ValueError, match="out"):
         _call(inp, out=torch.empty(3, H, P))
     x, state, w = torch.randn(2, 8), torch.randn(4, 8, 3), torch.randn(8, 4)
-    with pytest.raises(ValueError, match="num_accepted_tokens"):
+    with pytest.raises(ValueError, match="conv_state_indices"):
         serving.causal_conv1d_update(x, state, w, num_accepted_tokens=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_accepted_tokens"):  # a window past the state's columns
+        serving.causal_conv1d_update(x, state, w, conv_state_indices=torch.tensor([1, 2], dtype=torch.int32),
+                                     num_accepted_tokens=torch.tensor([1, 3], dtype=torch.int32))
     blocks = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_idx_last_scheduled_token"):
         serving.causal_conv1d_update(x, state, w, conv_state_indices=blocks,
@@ -144,3 +147,47 @@ def test_block_ids_out_of_the_pool_are_refused_before_anything_is_written():
         with pytest.raises(ValueError, match=match):
             _call(inp, **kw)
         assert torch.equal(inp["state"], pool0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["speculative", "packed"])
+def test_conv_update_sliding_window_of_speculative_and_packed_steps(form, dtype):
+    """vLLM's multi-token conv step: each sequence's window starts num_accepted - 1 columns into its slot (a
+    state of width - 1 + num_spec columns), its tokens follow; the slot becomes the window less its first column
+    then the tokens (speculative), or shifts by its token count (packed), over state_len - (max_query_len -
+    tokens) columns (vLLM's Triton kernel's rules). Reference: float64 causal_conv1d_ref from the window's
+    columns; the new state cut from old columns + tokens."""
+    g = torch.Generator().manual_seed(7)
+    D, W, spec = 8, 4, 2
+    state_len = W - 1 + spec if form == "speculative" else W - 1
+    pool = torch.randn(6, state_len, D, generator=g).to(dtype).transpose(1, 2)  # vLLM's SD layout
+    pool0 = pool.clone()
+    lens = [3, 3, 1, 2] if form == "speculative" else [1, 3, 2, 2]
+    loc = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(sum(lens), D, generator=g).to(dtype)
+    w, bias = torch.randn(D, W, generator=g), torch.randn(D, generator=g)
+    slots = torch.tensor([[4, 0, 0], [0, 0, 0], [2, 0, 0], [5, 0, 0]], dtype=torch.int32)  # row 1: null block
+    accepted = torch.tensor([2, 1, 1, 3], dtype=torch.int32) if form == "speculative" else None
+    out = torch.full_like(x, float("nan"))
+    res = serving.causal_conv1d_update(x, pool, w, bias, "silu", conv_state_indices=slots,
+                                       num_accepted_tokens=accepted, query_start_loc=loc, max_query_len=3, out=out)
+    assert res is out
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for b, n in enumerate(lens):
+        s, e, slot = int(loc[b]), int(loc[b + 1]), int(slots[b, 0])
+        if slot == 0:
+            assert torch.equal(out[s:e], torch.zeros_like(out[s:e]))
+            continue
+        o = int(accepted[b]) - 1 if accepted is not None else 0
+        old = pool0[slot].double()
+        y = causal_conv1d_ref(x[s:e].t()[None].double(), w.double(), bias.double(),
+                              initial_states=old[None, :, o:o + W - 1], activation="silu")
+        torch.testing.assert_close(out[s:e].double(), y[0].t(), **tol)
+        span = state_len - (3 - n)
+        if form == "speculative":  # the window without its first column, then the tokens
+            want = torch.cat([old[:, o:o + W - 1], x[s:e].t().double()], -1)[:, 1:1 + span]
+        else:  # shifted by the token count
+            want = torch.cat([old[:, :span], x[s:e].t().double()], -1)[:, n:n + span]
+        torch.testing.assert_close(pool[slot, :, :span].double(), want, **tol)
+        assert torch.equal(pool[slot, :, span:], pool0[slot, :, span:])
+    assert torch.equal(pool[[0, 1, 3]], pool0[[0, 1, 3]])

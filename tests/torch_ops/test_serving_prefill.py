@@ -120,7 +120,7 @@ def test_ssd_prefill_refusals():
     g = torch.Generator().manual_seed(3)
     inp = _ssd_inputs(torch.float32, g, 8)
     out = torch.empty(8, 4, 8)
-    with pytest.raises(ValueError, match="return_intermediate_states"):
+    with pytest.raises(ValueError, match="cu_chunk_seqlens"):
         sp.mamba_chunk_scan_combined_varlen(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16, _loc([8]),
                                             out=out, return_intermediate_states=True)
     with pytest.raises(ValueError, match="out"):
@@ -163,3 +163,51 @@ def test_mamba1_prefill_scan_writes_z_and_pool(dtype):
     with pytest.raises(ValueError, match="cache_indices"):
         sp.selective_scan_fn(u, pool, delta, A, B, C, D, z, bias, True, query_start_loc=_loc(LENS),
                              cache_indices=torch.tensor([2, 9, 5, 4], dtype=torch.int32))
+
+
+def test_ssd_prefill_intermediate_states_at_vllms_chunk_ends():
+    """Prefix caching: the state at the end of each logical chunk (vLLM's cu_chunk_seqlens: a continued
+    sequence's first chunk is partial, chunks never cross sequences), then the checkpoint store."""
+    g = torch.Generator().manual_seed(5)
+    lens = [21, 9]
+    inp = _ssd_inputs(torch.float32, g, sum(lens))
+    H, P, N = 4, 8, 16
+    init = torch.randn(2, H, P, N, generator=g)
+    edges = [0, 5, 13, 21, 24, 30]  # sequence 0: 5 (finishing a chunk of 8), 8, 8; sequence 1: 3, 6
+    out = torch.empty(30, H, P)
+    states = sp.mamba_chunk_scan_combined_varlen(
+        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 8, _loc(lens),
+        cu_chunk_seqlens=torch.tensor(edges, dtype=torch.int32), out=out, D=inp["D"], dt_bias=inp["dt_bias"],
+        initial_states=init, dt_softplus=True, return_intermediate_states=True, state_dtype=torch.float32)
+    assert states.shape == (5, H, P, N)
+    d = lambda t, s, e: t[None, s:e].double()  # noqa: E731
+    for c, (s, e) in enumerate(zip(edges, edges[1:])):
+        seq, first = (0, 0) if s < 21 else (1, 21)
+        y, final = ssd_recurrence_ref(d(inp["x"], first, e), d(inp["dt"], first, e), inp["A"].double(),
+                                      d(inp["B"], first, e), d(inp["C"], first, e), inp["D"].double(), None,
+                                      inp["dt_bias"].double(), initial_states=init[seq:seq + 1].double(),
+                                      dt_softplus=True, return_final_states=True)
+        torch.testing.assert_close(states[c].double(), final[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[s:e].double(), y[0, s - first:], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="cu_chunk_seqlens"):  # a chunk across the sequence boundary
+        sp.mamba_chunk_scan_combined_varlen(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 8, _loc(lens),
+                                            cu_chunk_seqlens=torch.tensor([0, 16, 30], dtype=torch.int32), out=out,
+                                            return_intermediate_states=True)
+
+    class Checkpoint:  # vLLM's MambaPrefillCheckpointMetadata: per row, its offset (0: none) and block
+        checkpoint_offsets = torch.tensor([13, 0], dtype=torch.int32)
+        state_indices = torch.tensor([3, 1], dtype=torch.int32)
+
+    x = torch.randn(12, 30, generator=g)  # the pre-conv input (dim, tokens)
+    conv, ssm = torch.randn(5, 12, 5, generator=g), torch.randn(5, H, P, N, generator=g)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    sp.store_prefill_checkpoint(Checkpoint, torch.tensor([1, -1], dtype=torch.int32), x, conv, states, ssm,
+                                _loc(lens), state_len=3)
+    assert torch.equal(conv[3, :, :3], x[:, 10:13]) and torch.equal(conv[3, :, 3:], conv0[3, :, 3:])
+    assert torch.equal(ssm[3], states[1])
+    keep = [0, 1, 2, 4]
+    assert torch.equal(conv[keep], conv0[keep]) and torch.equal(ssm[keep], ssm0[keep])
+    Checkpoint.state_indices = torch.tensor([7, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="checkpoint"):
+        sp.store_prefill_checkpoint(Checkpoint, torch.tensor([1, -1], dtype=torch.int32), x, conv, states, ssm,
+                                    _loc(lens), state_len=3)

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .causal_conv1d import causal_conv1d_update as _conv_update
+from .causal_conv1d import causal_conv1d_fn as _conv_fn, causal_conv1d_update as _conv_update
 from .selective_scan import selective_state_update as _ssu
 
 NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID
@@ -166,14 +166,17 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     ``initial_state_idx`` / ``block_idx_last_scheduled_token`` (batch,) point into each row's blocks: the
     state is read from the first and written to the second. The result is written into ``out``, or into x
     itself when ``out`` is None (vLLM's convention), and returned. Speculative decoding
-    (``num_accepted_tokens``) and packed rows (``query_start_loc``) are refused with a ValueError."""
-    if num_accepted_tokens is not None or query_start_loc is not None:
-        name = "num_accepted_tokens" if num_accepted_tokens is not None else "query_start_loc"
-        raise ValueError(f"{name}: speculative / packed decode steps of the conv are not supported yet")
+    (``num_accepted_tokens``) and packed rows (``query_start_loc``): see :func:`_conv_window`."""
     if isinstance(activation, bool):
         activation = "silu" if activation else None
     elif activation == "swish":
         activation = "silu"
+    if num_accepted_tokens is not None or query_start_loc is not None:
+        if initial_state_idx is not None or block_idx_last_scheduled_token is not None:
+            raise ValueError("initial_state_idx: prefix caching with speculative / packed conv steps is not supported")
+        result = _conv_window(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+                              query_start_loc, max_query_len, null_block_id)
+        return _write_out(x if out is None else out, result, x)
     idx = _slots("conv_state_indices", conv_state_indices, x.shape[0])
     if idx is not None:
         def pick(name, pointer):  # each row's block at ``pointer`` (per row), or its first one
@@ -192,3 +195,63 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
         idx = _kernel_slots(dst, null_block_id)
     result = _conv_update(x, conv_state, weight, bias, activation, None, idx)
     return _write_out(x if out is None else out, result, x)
+
+
+def _conv_window(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens, query_start_loc,
+                 max_query_len, null_block_id) -> Tensor:
+    """Several tokens per sequence (vLLM's Triton ``causal_conv1d_update`` rules): x (batch, dim, seqlen), or
+    (tokens, dim) packed by ``query_start_loc``; conv_state (pool, dim, state_len), state_len >= width - 1.
+    Sequence b's window starts ``o = num_accepted_tokens[b] - 1`` columns into its slot (0 without it): its
+    tokens are convolved after columns o .. o + width - 2, and the slot becomes columns o + s .. of the old
+    state then its tokens (s = 1 with num_accepted_tokens, a sliding window; else its token count), over its
+    first ``state_len - (max_query_len - tokens)`` columns (the rest stays). One kernel call for all
+    sequences, each padded to the longest (later positions never feed earlier ones)."""
+    dt = conv_state.dtype
+    width, state_len = weight.shape[1], conv_state.shape[-1]
+    if query_start_loc is not None:
+        bounds = query_start_loc.tolist()
+        lens = [e - b for b, e in zip(bounds, bounds[1:])]
+        if not lens or bounds[0] != 0 or min(lens) < 0 or bounds[-1] > x.shape[0]:
+            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to at most {x.shape[0]}")
+        tokens = lambda b: x[bounds[b]:bounds[b + 1]].t()  # noqa: E731  (dim, len)
+    else:
+        x3 = x if x.dim() == 3 else x[..., None]
+        lens = [x3.shape[-1]] * x3.shape[0]
+        tokens = lambda b: x3[b]  # noqa: E731
+    nseq, longest = len(lens), max(lens, default=0)
+    span = max_query_len if max_query_len is not None and max_query_len > 0 else longest
+    idx = _slots("conv_state_indices", conv_state_indices, nseq)
+    if idx is None:
+        raise ValueError("conv_state_indices: speculative / packed conv steps need it")
+    slots = idx[:nseq, 0].long()
+    offs = (num_accepted_tokens[:nseq].long() - 1).tolist() if num_accepted_tokens is not None else [0] * nseq
+    live = [b for b in range(nseq) if int(slots[b]) != null_block_id and lens[b] > 0]
+    _check_blocks("conv_state_indices", slots[live], conv_state.shape[0])
+    if len(set(slots[live].tolist())) != len(live):
+        raise ValueError("conv_state_indices: two sequences write the same block")
+    if any(not 0 <= offs[b] <= state_len - width + 1 for b in live) or longest > span:
+        raise ValueError(f"num_accepted_tokens: each window (offset n - 1, then width - 1 = {width - 1} columns) "
+                         f"must fit the conv state's {state_len} columns, and no sequence exceed max_query_len")
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    if not live:
+        return out
+    old = conv_state[slots[live]]  # (live, dim, state_len): a copy, read before any slot is written
+    prior = torch.stack([old[i, :, offs[b]:offs[b] + width - 1] for i, b in enumerate(live)])
+    xs = torch.zeros(len(live), x.shape[-1] if query_start_loc is not None else x.shape[1], longest, dtype=dt,
+                     device=x.device)
+    for i, b in enumerate(live):
+        xs[i, :, :lens[b]] = tokens(b)
+    y = _conv_fn(xs, weight, bias, initial_states=prior, activation=activation)
+    shift = 1 if num_accepted_tokens is not None else None
+    for i, b in enumerate(live):
+        n, o = lens[b], offs[b]
+        keep_to = state_len - (span - n) if query_start_loc is not None else state_len
+        keep = max(keep_to - n, 0)
+        s = o + (shift if shift is not None else n)
+        new = torch.cat([old[i, :, s:s + keep], xs[i, :, max(n - keep_to, 0):n]], dim=-1)
+        conv_state[int(slots[b]), :, :keep_to] = new
+        if query_start_loc is not None:
+            out[bounds[b]:bounds[b + 1]] = y[i, :, :n].t()
+        else:
+            out[b] = y[i, :, :n].reshape(out[b].shape)
+    return out

@@ -71,8 +71,8 @@ def _has_init(has_initial_state, batch: int) -> list[bool]:
 def _refuse_prefix_caching(**pointers) -> None:
     for name, value in pointers.items():
         if value is not None:
-            raise ValueError(f"{name}: prefix caching's per-block states are not supported on the prefill path "
-                             "(run vLLM with enable_prefix_caching=False for Mamba layers)")
+            raise ValueError(f"{name}: prefix caching's per-block pointers (vLLM's mamba_cache_mode 'all') are "
+                             "not supported on the prefill path ('align', Mamba-2's default, is)")
 
 
 def _seq_idx(bounds: list[int], tokens: int, device) -> Tensor:
@@ -89,7 +89,8 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
                      initial_state_idx=None, num_computed_tokens=None, block_size_to_align=0, metadata=None,
                      validate_data=False):
     """vLLM's packed prefill conv: x (dim, tokens) (vLLM passes it channel-last), weight (dim, width), bias
-    (dim,) or None, conv_states (pool, dim, width - 1) in any strides, query_start_loc (batch + 1,),
+    (dim,) or None, conv_states (pool, dim, state_len >= width - 1) in any strides (the first width - 1
+    columns are the state; speculative decoding keeps more), query_start_loc (batch + 1,),
     cache_indices (batch,) slots (``pad_slot_id``: skipped), has_initial_state (batch,) bool. Sequence i
     starts from ``conv_states[cache_indices[i]]`` when ``has_initial_state[i]`` (else zeros), and its last
     width - 1 inputs are written there. x is computed in conv_states' dtype, as vLLM does. Returns out with
@@ -100,7 +101,10 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     dim, tokens = x.shape
     check_tensor("weight", weight, ndim=2, dtypes=FLOATS, device=x.device)
     check_tensor("conv_states", conv_states, ndim=3, dtypes=FLOATS, device=x.device)
-    check_shape("conv_states", conv_states[:0], (0, dim, weight.shape[1] - 1))
+    if conv_states.shape[1] != dim or conv_states.shape[2] < weight.shape[1] - 1:
+        raise ValueError(f"conv_states: expected (pool, {dim}, >= {weight.shape[1] - 1}) (x's dim, width - 1 or more "
+                         f"columns), got {tuple(conv_states.shape)}")
+    conv_states = conv_states[..., :weight.shape[1] - 1]  # with speculative decoding vLLM's state is longer
     _refuse_prefix_caching(block_idx_first_scheduled_token=block_idx_first_scheduled_token,
                            block_idx_last_scheduled_token=block_idx_last_scheduled_token,
                            initial_state_idx=initial_state_idx)
@@ -139,14 +143,12 @@ def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, cu_
     ngroups, dstate), cu_seqlens (batch + 1,), out (tokens, nheads, headdim) written in place, D (nheads,) or
     (nheads, headdim), z as x or None, dt_bias (nheads,), initial_states (batch, nheads, headdim, dstate) or
     None (sequence i continues initial_states[i]). Returns varlen_states (batch, nheads, headdim, dstate),
-    each sequence's final state, in ``state_dtype`` (default x's dtype, as vLLM). vLLM's chunk layout
-    (``cu_chunk_seqlens``, ``last_chunk_indices``, its per-chunk ``seq_idx``) is not needed: the kernels
-    chunk each sequence themselves; ``return_intermediate_states`` (prefix caching) is refused."""
+    each sequence's final state, in ``state_dtype`` (default x's dtype, as vLLM); with
+    ``return_intermediate_states`` (prefix caching) the state at the end of each of vLLM's logical chunks
+    instead: (nchunks, nheads, headdim, dstate), the chunks given by ``cu_chunk_seqlens`` (nchunks + 1,), each
+    inside one sequence. ``last_chunk_indices`` and vLLM's per-chunk ``seq_idx`` are not needed."""
     check_tensor("x", x, ndim=3, dtypes=FLOATS)
     tokens = x.shape[0]
-    if return_intermediate_states:
-        raise ValueError("return_intermediate_states: prefix caching's per-chunk states are not supported "
-                         "(run vLLM with enable_prefix_caching=False for Mamba layers)")
     check_tensor("out", out, ndim=3, dtypes=(x.dtype,), device=x.device)
     check_shape("out", out, x.shape)
     bounds = _bounds("cu_seqlens", cu_seqlens, tokens)
@@ -155,25 +157,73 @@ def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, cu_
         check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=x.device)
         check_shape("initial_states", initial_states, (batch,) + tuple(initial_states.shape[1:]))
     out_dtype = state_dtype if state_dtype is not None else x.dtype
-    opt = lambda t: None if t is None else t[None]  # noqa: E731  (batch-1 views)
-    if initial_states is None:
-        y, varlen = _ssd(x[None], dt[None], A, B[None], C[None], chunk_size, D, opt(z), dt_bias,
-                         seq_idx=_seq_idx(bounds, tokens, x.device), cu_seqlens=cu_seqlens, dt_softplus=dt_softplus,
-                         dt_limit=dt_limit, return_varlen_states=True, state_dtype=torch.float32)
+    if initial_states is None and not return_intermediate_states:
+        y, varlen = _ssd(x[None], dt[None], A, B[None], C[None], chunk_size, D, None if z is None else z[None],
+                         dt_bias, seq_idx=_seq_idx(bounds, tokens, x.device), cu_seqlens=cu_seqlens,
+                         dt_softplus=dt_softplus, dt_limit=dt_limit, return_varlen_states=True,
+                         state_dtype=torch.float32)
         out.copy_(y[0])
         return varlen.to(out_dtype)
-    finals = initial_states.to(out_dtype, copy=True)
-    for i in range(batch):
-        s, e = bounds[i], bounds[i + 1]
-        if e == s:
-            continue
-        part = lambda t: None if t is None else t[None, s:e]  # noqa: E731
-        y, final = _ssd(part(x), part(dt), A, part(B), part(C), chunk_size, D, part(z), dt_bias,
-                        initial_states=initial_states[i:i + 1], dt_softplus=dt_softplus, dt_limit=dt_limit,
-                        return_final_states=True)
-        out[s:e] = y[0]
-        finals[i] = final[0]
-    return finals
+    pieces = _chunk_pieces(cu_chunk_seqlens, bounds, tokens) if return_intermediate_states \
+        else [[(s, e)] if e > s else [] for s, e in zip(bounds, bounds[1:])]
+    states = []
+    for i, seq_pieces in enumerate(pieces):
+        state = initial_states[i:i + 1] if initial_states is not None else None
+        for s, e in seq_pieces:  # one call per piece, each continuing the state the previous one left
+            part = lambda t: None if t is None else t[None, s:e]  # noqa: E731
+            y, state = _ssd(part(x), part(dt), A, part(B), part(C), chunk_size, D, part(z), dt_bias,
+                            initial_states=state, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                            return_final_states=True)
+            out[s:e] = y[0]
+            states.append(state[0])
+        if not seq_pieces and not return_intermediate_states:  # an empty sequence keeps its state
+            states.append(initial_states[i].float() if initial_states is not None
+                          else x.new_zeros(x.shape[1:] + B.shape[-1:], dtype=torch.float32))
+    if not states:
+        return x.new_zeros((0,) + tuple(x.shape[1:]) + (B.shape[-1],), dtype=out_dtype)
+    return torch.stack(states).to(out_dtype)
+
+
+def _chunk_pieces(cu_chunk_seqlens, bounds: list[int], tokens: int) -> list[list[tuple[int, int]]]:
+    """vLLM's logical chunks grouped by sequence: [[(start, end), ...] per sequence]; ValueError unless the
+    chunks cover the packed tokens and every sequence starts at a chunk boundary."""
+    if cu_chunk_seqlens is None:
+        raise ValueError("cu_chunk_seqlens: return_intermediate_states needs vLLM's logical chunks")
+    edges = _bounds("cu_chunk_seqlens", cu_chunk_seqlens, tokens)
+    if edges[-1] != bounds[-1] or not set(bounds) <= set(edges):
+        raise ValueError(f"cu_chunk_seqlens: every sequence boundary {bounds} must be a chunk boundary, got {edges}")
+    pieces = [[] for _ in range(len(bounds) - 1)]
+    seq = 0
+    for s, e in zip(edges, edges[1:]):
+        while bounds[seq + 1] <= s:
+            seq += 1
+        pieces[seq].append((s, e))
+    return pieces
+
+
+def store_prefill_checkpoint(checkpoint, chunk_idx, x, conv_state, chunk_states, ssm_state, query_start_loc, *,
+                             state_len):
+    """vLLM's prefix-caching checkpoint store (``ops.ssd_checkpoint.store_prefill_checkpoint``, a Triton kernel
+    in vLLM): for each prefill row r with ``checkpoint.checkpoint_offsets[r] = k > 0``, block
+    ``d = checkpoint.state_indices[r]`` receives the conv state after the row's first k tokens (x's columns
+    ``query_start_loc[r] + k - state_len`` .. ``+ k``: x is the pre-conv input (dim, tokens)) and the SSM state
+    ``chunk_states[chunk_idx[r]]``. Blocks and chunk indices are checked before anything is written."""
+    offsets = checkpoint.checkpoint_offsets.tolist()
+    dst = checkpoint.state_indices.tolist()
+    src = chunk_idx.tolist()
+    starts = query_start_loc.tolist()
+    rows = [r for r, k in enumerate(offsets) if k > 0]
+    for r in rows:
+        a = starts[r] + offsets[r] - state_len
+        if not 0 <= dst[r] < ssm_state.shape[0] or not 0 <= src[r] < chunk_states.shape[0] or a < 0 \
+                or starts[r] + offsets[r] > x.shape[1]:
+            raise ValueError(f"checkpoint: row {r} (block {dst[r]}, chunk {src[r]}, offset {offsets[r]}) lies "
+                             f"outside the pools ({ssm_state.shape[0]} blocks), the chunk states "
+                             f"({chunk_states.shape[0]}) or x's {x.shape[1]} tokens")
+    for r in rows:
+        a = starts[r] + offsets[r] - state_len
+        conv_state[dst[r], :, :state_len] = x[:, a:a + state_len]
+        ssm_state[dst[r]] = chunk_states[src[r]]
 
 
 def selective_scan_fn(u, ssm_states, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
