@@ -37,11 +37,11 @@ def _save(path: pathlib.Path, kind: str) -> str:
     else:
         model = Mamba2ForCausalLM(Mamba2Config(vocab_size=512, hidden_size=256, num_hidden_layers=2, state_size=32,
                                                expand=2, head_dim=32, num_heads=16, n_groups=1, conv_kernel=4,
-                                               chunk_size=64, tie_word_embeddings=kind == "mamba2_repeating"))
-        if kind == "mamba2_repeating":  # tied embeddings, a quiet mixer: each token mostly predicts itself, so
-            with torch.no_grad():      # ngram drafts get accepted (speculative steps of several tokens)
+                                               chunk_size=64, tie_word_embeddings=kind == "mamba2_echo"))
+        if kind == "mamba2_echo":  # tied embeddings, a quieter mixer: a token often predicts itself, so ngram
+            with torch.no_grad():  # drafts get accepted, while the state still decides the rest
                 for layer in model.backbone.layers:
-                    layer.mixer.out_proj.weight.mul_(0.3)
+                    layer.mixer.out_proj.weight.mul_(0.7)
     model.save_pretrained(path / kind)
     return str(path / kind)
 
@@ -49,7 +49,7 @@ def _save(path: pathlib.Path, kind: str) -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_models")
-    return {kind: _save(root, kind) for kind in ("mamba1", "mamba2", "mamba2_repeating")}
+    return {kind: _save(root, kind) for kind in ("mamba1", "mamba2", "mamba2_echo")}
 
 
 def _greedy(model_dir: str, prompts, max_tokens):
@@ -67,8 +67,10 @@ def _greedy(model_dir: str, prompts, max_tokens):
     return result
 
 
-def _engine(model_dir: str, prompts, max_tokens, plugin: bool = True, warm=None, **engine) -> dict:
-    spec = dict(model=model_dir, prompts=prompts, max_tokens=list(max_tokens), engine=engine, warm=warm)
+def _engine(model_dir: str, prompts, max_tokens, plugin: bool = True, warm=None, record_accepted_tokens=False,
+            **engine) -> dict:
+    spec = dict(model=model_dir, prompts=prompts, max_tokens=list(max_tokens), engine=engine, warm=warm,
+                record_accepted_tokens=record_accepted_tokens)
     env = dict(os.environ, TVM_MAMBA_VLLM="1" if plugin else "0")
     run = subprocess.run([sys.executable, str(ENGINE), json.dumps(spec)], capture_output=True, text=True, env=env,
                          timeout=900)
@@ -96,13 +98,30 @@ def test_mamba1_serves_on_vllm_cpu_and_matches_transformers(models):
     assert ours["tokens"] == _greedy(models["mamba1"], prompts, MAX_TOKENS)
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+SPEC_PROMPTS = (7, 40, 90, 23, 55)
+
+
 def test_speculative_decoding_ngram_keeps_the_greedy_tokens(models):
-    prompts, max_tokens = _prompts((7, 40, 90)), (16, 16, 16)
-    ours = _engine(models["mamba2_repeating"], prompts, max_tokens, max_model_len=256, enable_prefix_caching=False,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                                       "prompt_lookup_min": 2})
-    assert ours["seen"]["longest_decode_query"] == 3  # the target token and two accepted-or-not drafts
-    assert ours["tokens"] == _greedy(models["mamba2_repeating"], prompts, max_tokens)
+    """Steps of three tokens (target + two ngram drafts), accepted drafts continuing from the state after the
+    last accepted token. vLLM 0.32 counts accepted tokens only for hybrid models (see engine.py's
+    _record_accepted_tokens, which this run uses); the next test shows what happens without the count."""
+    prompts, max_tokens = _prompts(SPEC_PROMPTS), (24,) * len(SPEC_PROMPTS)
+    ours = _engine(models["mamba2_echo"], prompts, max_tokens, record_accepted_tokens=True, max_model_len=256,
+                   enable_prefix_caching=False, speculative_config=NGRAM)
+    assert ours["seen"]["longest_decode_query"] == 3 and ours["seen"]["most_accepted"] == 3
+    assert ours["tokens"] == _greedy(models["mamba2_echo"], prompts, max_tokens)
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32 passes num_accepted_tokens = 1 to attention-free Mamba models "
+                   "after accepted drafts (GPUModelRunner._update_states_after_model_execute skips non-hybrid "
+                   "models): the next step starts from the state after the first token")
+def test_speculative_decoding_without_vllms_accepted_count(models):
+    prompts, max_tokens = _prompts(SPEC_PROMPTS), (24,) * len(SPEC_PROMPTS)
+    ours = _engine(models["mamba2_echo"], prompts, max_tokens, max_model_len=256, enable_prefix_caching=False,
+                   speculative_config=NGRAM)
+    assert ours["seen"]["most_accepted"] == 1
+    assert ours["tokens"] == _greedy(models["mamba2_echo"], prompts, max_tokens)
 
 
 def test_prefix_caching_continues_from_cached_states(models):
