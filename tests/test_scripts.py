@@ -85,6 +85,15 @@ def test_bench_vs_vllm_needs_vllm_and_says_so(scripts_path, monkeypatch):
         bench.main(["--vs", "vllm"])
 
 
+def test_bench_vllm_needs_vllm_and_says_so(scripts_path, monkeypatch):
+    """scripts/bench_vllm.py (engine throughput with and without the plugin) stops with the install line where
+    vLLM is missing; it runs in .ci/run's vLLM step (tests/vllm/test_scripts_vllm.py)."""
+    bench_vllm = _load("bench_vllm", monkeypatch)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(SystemExit, match=r"tvm-mamba\[vllm-cpu\]"):
+        bench_vllm.main(["--quick"])
+
+
 def test_copy_fwd_bwd_copies_both_ways(scripts_path):
     import torch
 

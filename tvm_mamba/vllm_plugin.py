@@ -17,18 +17,22 @@ What it changes:
   projection receives a row-major input: vLLM's Mamba-1 layer hands it a transposed (column-major) view,
   which vLLM's CPU GEMM (oneDNN) rejects, so Mamba-1 did not run on vLLM's CPU build at all.
 
-Prefix caching's per-block states are not supported yet: a prefill with them raises a ValueError naming the
-argument (run Mamba models with ``enable_prefix_caching=False``).
+Written for vLLM 0.32; with another version the plugin logs a warning and leaves vLLM's kernels in place.
+Prefix caching's per-block pointers (``mamba_cache_mode='all'``) are refused with a ValueError naming the
+argument; Mamba-2's default ``'align'`` mode runs. docs/vllm.md.
 """
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 
 ENV = "TVM_MAMBA_VLLM"
 _MIXER2 = "vllm.model_executor.layers.mamba.mamba_mixer2"
 _MIXER1 = "vllm.model_executor.layers.mamba.mamba_mixer"
+SUPPORTED = "0.32."  # the vLLM release whose Mamba layers' call forms this plugin mirrors
 _state = {"registered": False}
+_log = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
@@ -51,6 +55,12 @@ def bindings() -> dict[str, dict[str, object]]:
 def register() -> None:
     """The entry point vLLM calls (in each of its processes; a second call does nothing)."""
     if not enabled() or _state["registered"]:
+        return
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED):
+        _log.warning("tvm_mamba's vLLM plugin is written for vLLM %sx, this is %s: vLLM's own Mamba kernels stay "
+                     "in place", SUPPORTED, vllm.__version__)
         return
     for module_name, names in bindings().items():
         module = importlib.import_module(module_name)

@@ -96,14 +96,38 @@ def test_index_values_are_checked_on_every_recipe_call(full_calls):
     assert len(full_calls) == 1
 
 
-def test_copies_autograd_and_new_contexts_take_the_full_path(full_calls):
+def test_strided_inputs_are_copied_by_the_recipe_a_copied_pool_takes_the_full_path(full_calls):
+    """A server's activations are row slices of a projection's output: the op copies them compact, and so does
+    its recipe (bitwise the full path's result). A pool the op must copy and write back keeps the full path."""
     state, rest = _ssu_inputs()
     idx = torch.tensor([4, -1, 1], dtype=torch.int32)
-    x_strided = torch.randn(3, 2, 8)[:, :, ::2]  # a copy the op makes: no recipe for this signature
+    wide = torch.randn(3, 2, 8)
+    x_strided = wide[:, :, ::2]
+    want_state = state.clone()
+    want = scan_ops._selective_state_update(want_state, x_strided, *rest[1:], dt_softplus=True,
+                                            state_batch_indices=idx)
+    for _ in range(3):
+        got_state = state.clone()
+        got = _ssu(got_state, (x_strided,) + rest[1:], idx)
+        assert torch.equal(got, want) and torch.equal(got_state, want_state)
+        wide.add_(0)  # same values: the recipe reads the input anew each call
+    assert len(full_calls) == 1
+    x_new = torch.randn(3, 2, 8)
+    got = _ssu(state.clone(), (x_new[:, :, ::2],) + rest[1:], idx)  # new values through the same recipe
+    assert len(full_calls) == 1
+    assert torch.equal(got, scan_ops._selective_state_update(state.clone(), x_new[:, :, ::2], *rest[1:],
+                                                             dt_softplus=True, state_batch_indices=idx))
+    full_calls.clear()
+    loose = torch.randn(5, 2, 8, 8)[:, :, ::2]  # slots not compact: copied, updated, written back
     for _ in range(2):
-        _ssu(state.clone(), (x_strided,) + rest[1:], idx)
+        _ssu(loose, rest, idx)
     assert len(full_calls) == 2
     full_calls.clear()
+
+
+def test_autograd_and_new_contexts_take_the_full_path(full_calls):
+    state, rest = _ssu_inputs()
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
     _ssu(state.clone(), rest, idx)
     dispatch.invalidate()  # what picks kernels changed: watched again
     _ssu(state.clone(), rest, idx)
@@ -157,6 +181,30 @@ def test_conv_update_recipe_equals_the_full_path_and_checks_values(full_calls, s
             tvm_mamba.causal_conv1d_update(x, s, w, b, "silu", bad_len, bad_idx)
         assert torch.equal(s, state)
     assert len(full_calls) == 1
+
+
+def test_a_servers_call_strided_rows_and_parameters_gets_a_recipe(full_calls):
+    """As vLLM's Mamba-2 layer calls the conv step: x a row slice of the projection's output, the weight a view
+    of a Parameter, the bias a Parameter (inference, no gradient); the result written back into x."""
+    g = torch.Generator().manual_seed(3)
+    proj = torch.randn(3, 40, generator=g)
+    conv = torch.nn.Conv1d(16, 16, 4, groups=16)
+    state = torch.randn(5, 16, 3, generator=g)
+    idx = torch.tensor([3, 0, 1], dtype=torch.int32)
+    with torch.inference_mode():
+        runs = []
+        for _ in range(3):
+            s = state.clone()
+            runs.append((tvm_mamba.causal_conv1d_update(proj[:, 8:24], s, conv.weight.view(16, 4), conv.bias,
+                                                        "silu", None, idx), s))
+    assert len(full_calls) == 1
+    for out, s in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(s, runs[0][1])
+    want_out, want_state = causal_conv1d_update_ref(proj[:, 8:24].double(), state.double(),
+                                                    conv.weight.view(16, 4).double(), conv.bias.double(), "silu",
+                                                    None, idx)
+    torch.testing.assert_close(runs[2][0].double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[2][1].double(), want_state, rtol=1e-5, atol=1e-5)
 
 
 def test_inputs_sharing_memory_make_no_recipe_the_next_separate_call_does(full_calls):

@@ -28,11 +28,16 @@ def tvm_dtype(t: torch.Tensor) -> str:
 
 
 def prepare(t: torch.Tensor) -> torch.Tensor:
-    """Compact (contiguous) and 64-byte aligned; copies only when needed."""
+    """Compact (contiguous) and 64-byte aligned; copies only when needed. A copy made while a fast path
+    watches the call (``_capture.copies``) is noted with its original: torch_ops/_fastpath.py makes it again
+    on later calls instead of running the whole op."""
+    original = t
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() and t.data_ptr() % ALIGN:
         t = t.clone()  # torch's allocator returns aligned storage
+    if t is not original and _capture.copies is not None:
+        _capture.copies.append((t, original))
     return t
 
 
@@ -40,13 +45,15 @@ def prepare_pool(t: torch.Tensor, compact_slots: bool) -> torch.Tensor:
     """A state pool a kernel updates in place, kept as it is (no copy of the whole pool) when its slots (dim 0)
     do not overlap, each slot is compact (``compact_slots``) or merely has no two elements in one place, and
     its base is aligned: the kernel takes the pool's strides (a server's pool: slots a page apart; vLLM's conv
-    state stored (state_len, dim) and passed transposed). Else a compact copy, which the caller writes back."""
+    state stored (state_len, dim) and passed transposed). Else a compact copy, which the caller writes back
+    (not noted as an input's copy: a fast path must not replay it without the write-back)."""
     inner = t[0] if t.dim() and t.shape[0] else None
     inner_ok = inner is None or (inner.is_contiguous() if compact_slots else _disjoint(inner))
     slots_apart = t.shape[0] <= 1 or t.stride(0) >= (extent(inner) if inner is not None else 0)
     if inner_ok and slots_apart and t.stride(0) >= 0 and not (t.numel() and t.data_ptr() % ALIGN):
         return t
-    return prepare(t)
+    copy = t.contiguous() if not t.is_contiguous() else t
+    return copy.clone() if copy is t or (copy.numel() and copy.data_ptr() % ALIGN) else copy
 
 
 def extent(t: torch.Tensor) -> int:
@@ -117,6 +124,7 @@ def kernel_device_type(device) -> str:
 _keys: dict[tuple, KernelKey] = {}  # call signature -> its KernelKey (building one costs ~5 us per call)
 class _Capture(threading.local):
     launches = None  # per thread; a class default, not a missing attribute (see runtime.dispatch._Recording)
+    copies = None  # (copy, original) pairs made by prepare() while a fast path watches a call
 
 
 _capture = _Capture()
@@ -163,9 +171,14 @@ def modes_allow_direct() -> bool:
                 or torch._C._is_torch_function_mode_enabled())
 
 
+# torch.Tensor, and nn.Parameter (a model's weights and biases, passed as they are by servers such as vLLM:
+# it disables __torch_function__, so it behaves as a plain tensor); other subclasses go through the dispatcher
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def eager_direct(*tensors) -> bool:
     """True when an op call may run its implementation directly instead of through the torch dispatcher:
-    eager mode (not compiling, no dispatch or function modes), plain tensors (no subclasses such as
+    eager mode (not compiling, no dispatch or function modes), plain tensors (``PLAIN``: no subclasses such as
     FakeTensor, no functorch wrappers) and no gradient needed. The dispatcher and custom-op wrapper cost
     0.1-0.2 ms per call for large tensors here (conv1d forward at (4, 768, 2048): 1.30 vs 1.15 ms), more than
     the whole dispatch of a small call; everything else (autograd, torch.compile, opcheck, fake tensors) goes
@@ -176,7 +189,7 @@ def eager_direct(*tensors) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad) or \
+        if type(t) not in PLAIN or (grad and t.requires_grad) or \
                 torch._C._functorch.is_functorch_wrapped_tensor(t):
             return False
     return True

@@ -11,8 +11,9 @@ cached placeholder, or a fresh output. The next call with that signature runs on
 (index ranges: values, not shapes) and the launches.
 
 An op qualifies when its implementation touches memory only through kernels (no torch writes beside them)
-and its kernels take tensors only; a signature whose launches read a temporary (a copy the op made: a
-strided or unaligned input, a dtype conversion) gets no recipe and keeps the full path. Autograd, torch.compile,
+and its kernels take tensors only. A signature whose launches read a temporary gets no recipe and keeps the
+full path, except the op's compact copies of read-only inputs when the op opts in (``copies``: a server's
+activations are strided slices of a projection's output; the recipe copies them again, as the op would). Autograd, torch.compile,
 tensor subclasses and dispatch modes always take the full path (:func:`~._dlpack.eager_direct`).
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def signature(tensors: Sequence[Optional[torch.Tensor]], flags: tuple) -> Option
         if t is None:
             parts.append(None)
             continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad) or wrapped(t):
+        if type(t) not in _dlpack.PLAIN or (grad and t.requires_grad) or wrapped(t):
             return None
         parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 63))
     return tuple(parts)
@@ -78,10 +79,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + _dlpack.extent(t) * t.element_size()
 
 
-def _source(a: torch.Tensor, inputs, outputs: list):
+def _source(a: torch.Tensor, inputs, outputs: list, copies=()):
     """Where launch argument ``a`` comes from: ("id", j) input j itself; ("in", j, size, stride, offset delta,
     [last view made]) a view inside input j; ("new", k) fresh output storage k (flat), ("out", k, size, stride,
-    offset) a view of it; ("const", a) a cached placeholder; None for anything else (a temporary)."""
+    offset) a view of it; ("const", a) a cached placeholder; ("copy", k, source, size, stride, offset delta) a
+    view of the k-th compact copy the op made (``copies``: (copy, original) pairs) of ``source`` (an input or
+    a view inside one); None for anything else (a temporary)."""
     if _dlpack.is_dummy(a):
         return ("const", a)
     if any(s < 0 for s in a.stride()):
@@ -107,6 +110,12 @@ def _source(a: torch.Tensor, inputs, outputs: list):
             if a.storage_offset() == 0 and a.dim() == 1 and a.numel() == numel:
                 return ("new", k)
             return ("out", k, tuple(a.shape), tuple(a.stride()), a.storage_offset())
+    for k, (copy, original) in enumerate(copies):
+        if copy.untyped_storage().data_ptr() == storage and copy.dtype == a.dtype:
+            src = _source(original, inputs, outputs)
+            if src is None or src is _AMBIGUOUS or src[0] not in ("id", "in"):
+                return src if src is _AMBIGUOUS else None
+            return ("copy", k, src, tuple(a.shape), tuple(a.stride()), a.storage_offset() - copy.storage_offset())
     return None
 
 
@@ -121,7 +130,7 @@ class _Recipe:
         self.expires = time.monotonic() + FAST_TTL_S
 
 
-def _make_recipe(ctx, inputs, launches, result):
+def _make_recipe(ctx, inputs, launches, result, copies=()):
     """The recipe of one watched call; None when a launch reads a temporary or takes a non-tensor (the
     signature keeps the full path); _AMBIGUOUS when inputs shared memory in this call (nothing is kept: a
     later call of the signature with separate inputs makes the recipe, which then serves shared ones too)."""
@@ -138,7 +147,7 @@ def _make_recipe(ctx, inputs, launches, result):
     for launch in launches:
         if not all(isinstance(a, torch.Tensor) for a in launch.args):
             return None
-        sources = [_source(a, inputs, outputs) for a in launch.args]
+        sources = [_source(a, inputs, outputs, copies) for a in launch.args]
         if any(s is None or s is _AMBIGUOUS for s in sources):
             return _AMBIGUOUS if _AMBIGUOUS in sources else None
         steps.append((launch.kernel, tuple(sources)))
@@ -152,8 +161,14 @@ def _make_recipe(ctx, inputs, launches, result):
                    result_spec)
 
 
-def _build(src, inputs, fresh):
+def _build(src, inputs, fresh, made=None):
     kind = src[0]
+    if kind == "copy":  # the op's copy of an input (made once per call, shared by the launches reading it)
+        _, k, inner, size, stride, delta = src
+        if k not in made:
+            made[k] = _dlpack.prepare(_build(inner, inputs, fresh))
+        copy = made[k]
+        return copy.as_strided(size, stride, copy.storage_offset() + delta)
     if kind == "id":
         return inputs[src[1]]
     if kind == "const":
@@ -177,10 +192,13 @@ class FastPath:
     """``FastPath(full, checks)``: ``call(tensors, flags, *args)`` runs ``full(*args)`` (the op's public
     implementation) the first time a signature of ``tensors`` (every tensor argument, None where absent) and
     ``flags`` (every non-tensor argument) is seen, and its recipe after; ``checks(*args)`` runs first on
-    every recipe call (the value checks: indices in range, distinct slots), raising as ``full`` would."""
+    every recipe call (the value checks: indices in range, distinct slots), raising as ``full`` would.
+    ``copies``: the op's compact copies of read-only inputs (``_dlpack.prepare``: a strided ``x``, as a
+    server's sliced activations are) are made again by the recipe; only for ops whose kernels write no such
+    copy (their in-place pools go through ``prepare_pool``, which is never replayed)."""
 
-    def __init__(self, full: Callable, checks: Callable | None = None):
-        self.full, self.checks = full, checks
+    def __init__(self, full: Callable, checks: Callable | None = None, copies: bool = False):
+        self.full, self.checks, self.copies = full, checks, copies
         self._recipes: dict = {}
         self._lock = threading.Lock()
 
@@ -204,11 +222,16 @@ class FastPath:
 
     def _watch(self, sig, tensors, args):
         ctx, outer = context(), _dlpack.recording()
-        with _dlpack.capture_launches() as launches:
-            result = self.full(*args)
+        copies, saved = ([] if self.copies else None), _dlpack._capture.copies
+        _dlpack._capture.copies = copies
+        try:
+            with _dlpack.capture_launches() as launches:
+                result = self.full(*args)
+        finally:
+            _dlpack._capture.copies = saved
         if outer is not None:  # a capture around this call (a decode plan's) sees these launches too
             outer.extend(launches)
-        made = _make_recipe(ctx, tensors, launches, result)
+        made = _make_recipe(ctx, tensors, launches, result, copies or ())
         if made is _AMBIGUOUS:
             return result
         with self._lock:
@@ -220,13 +243,13 @@ class FastPath:
     @staticmethod
     def _run(recipe: _Recipe, inputs):
         fresh = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in recipe.outputs]
-        record = _dlpack.recording()
+        record, made = _dlpack.recording(), {}
         for kernel, sources in recipe.launches:
             args = []
             for src in sources:  # the common kinds inline: a call passes about ten arguments
                 kind = src[0]
                 args.append(inputs[src[1]] if kind == "id" else fresh[src[1]] if kind == "new"
-                            else src[1] if kind == "const" else _build(src, inputs, fresh))
+                            else src[1] if kind == "const" else _build(src, inputs, fresh, made))
             kernel(*args)
             if record is not None:
                 record.append(_dlpack.Launch(kernel, tuple(args)))

@@ -510,4 +510,4 @@ def _selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                   state_batch_indices)
 
 
-_SSU_FAST = FastPath(_selective_state_update, _ssu_values)
+_SSU_FAST = FastPath(_selective_state_update, _ssu_values, copies=True)
