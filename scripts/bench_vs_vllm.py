@@ -37,7 +37,8 @@ def _pages(blocks: int, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _agree(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
+    """Equal up to float32 rounding, relative to the largest value (a 2048-token scan sums large terms)."""
+    if not torch.allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, b.abs().max().item())):
         raise RuntimeError(f"bench vs_vllm: {what} disagrees with vLLM's ({(a - b).abs().max().item():.3g})")
 
 

@@ -7,9 +7,10 @@ vLLM packs a step's prefill sequences along the token axis (``query_start_loc`` 
 offsets) and keeps each sequence's states in a pool slot (``cache_indices``). A sequence continued from an
 earlier chunk (chunked prefill) starts from its slot's state (``has_initial_state``); every sequence's final
 state is written back to its slot. The kernels continue an initial state only for the first sequence of a
-row, so: with no initial state in play the whole step is one packed call (sequences apart through seq_idx);
-otherwise each sequence is one call of the batch-1 kernel from its own initial state. A prefill sequence is
-long, so a call per sequence costs little beside its compute.
+row, so each sequence is one call of the batch-1 kernel from its own initial state, except that many short
+fresh sequences (no initial state, under ``PACK_BELOW`` tokens each on average) are one packed call
+(sequences apart through seq_idx): a call per sequence costs ~0.1 ms of Python, little beside a long
+sequence's compute, and a long packed row parallelizes worse than a sequence of its own.
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from .ssd import mamba_chunk_scan_combined as _ssd
 PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils.PAD_SLOT_ID
 NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID
 _INTS = (torch.int32, torch.int64)
+PACK_BELOW = 64  # mean tokens per sequence under which a fresh prefill step is one packed call
+
+
+def _pack(bounds: list[int]) -> bool:
+    return len(bounds) > 2 and bounds[-1] < PACK_BELOW * (len(bounds) - 1)
 
 
 def _bounds(name: str, loc, tokens: int) -> list[int]:
@@ -118,7 +124,7 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     weight = weight.to(xs.dtype) if weight.dtype not in (torch.float32, xs.dtype) else weight
     bias = bias.to(weight.dtype) if bias is not None else None
     live = [i for i in range(batch) if slots[i] != pad_slot_id and bounds[i + 1] > bounds[i]]
-    if not any(init[i] for i in live) and len(live) == batch:
+    if not any(init[i] for i in live) and len(live) == batch and _pack(bounds):
         y = _conv_fn(xs[None], weight, bias, seq_idx=_seq_idx(bounds, tokens, x.device), activation=activation)
         out.copy_(y[0])
         finals = _conv_varlen_states(xs.t(), query_start_loc, weight.shape[1] - 1)
@@ -157,7 +163,7 @@ def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, cu_
         check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=x.device)
         check_shape("initial_states", initial_states, (batch,) + tuple(initial_states.shape[1:]))
     out_dtype = state_dtype if state_dtype is not None else x.dtype
-    if initial_states is None and not return_intermediate_states:
+    if initial_states is None and not return_intermediate_states and _pack(bounds):
         y, varlen = _ssd(x[None], dt[None], A, B[None], C[None], chunk_size, D, None if z is None else z[None],
                          dt_bias, seq_idx=_seq_idx(bounds, tokens, x.device), cu_seqlens=cu_seqlens,
                          dt_softplus=dt_softplus, dt_limit=dt_limit, return_varlen_states=True,
