@@ -32,3 +32,7 @@ def test_wheel_contains_schedules_and_tuning_logs(tmp_path):
                 for f in (ROOT / "schedules").rglob("*.py")]
     missing = [f for f in sources if "__pycache__" not in f and f not in names]
     assert not missing, missing
+    # the vLLM plugin's entry point (vLLM loads every vllm.general_plugins entry in each of its processes)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[vllm.general_plugins]\ntvm_mamba = tvm_mamba.vllm_plugin:register" in text
