@@ -19,7 +19,7 @@ What it changes:
 
 Written for vLLM 0.32; with another version the plugin logs a warning and leaves vLLM's kernels in place.
 Prefix caching's per-block pointers (``mamba_cache_mode='all'``) are refused with a ValueError naming the
-argument; Mamba-2's default ``'align'`` mode runs. docs/vllm.md.
+argument; the default ``'align'`` mode runs. docs/vllm.md.
 """
 from __future__ import annotations
 

@@ -124,14 +124,16 @@ def test_speculative_decoding_without_vllms_accepted_count(models):
     assert ours["tokens"] == _greedy(models["mamba2_echo"], prompts, max_tokens)
 
 
-def test_prefix_caching_continues_from_cached_states(models):
-    """vLLM's 'align' mode (Mamba-2's default with prefix caching): the prefill stores states at chunk ends;
-    a later prompt sharing the prefix starts from them. vLLM's own CPU path fails here (IndexError)."""
+@pytest.mark.parametrize("kind", ["mamba2", "mamba1"])
+def test_prefix_caching_continues_from_cached_states(models, kind):
+    """vLLM's 'align' mode (its default with prefix caching): the prefill stores states at block ends (Mamba-2:
+    per-chunk states and the checkpoint store); a later prompt sharing the prefix starts from them. vLLM's own
+    CPU path fails here (Mamba-2: IndexError; Mamba-1 does not run at all)."""
     base = torch.randint(1, 500, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts, max_tokens = [base + [7, 8, 9], base[:130] + [1, 2]], (12, 12)
-    ours = _engine(models["mamba2"], prompts, max_tokens, warm=[base], max_model_len=256, enable_prefix_caching=True)
+    ours = _engine(models[kind], prompts, max_tokens, warm=[base], max_model_len=256, enable_prefix_caching=True)
     assert ours["seen"]["continued_prefills"] >= 1  # cache hits: prefills that start from a stored state
-    assert ours["tokens"] == _greedy(models["mamba2"], prompts, max_tokens)
+    assert ours["tokens"] == _greedy(models[kind], prompts, max_tokens)
 
 
 def test_plugin_is_an_entry_point_and_registers_once():
