@@ -2,8 +2,12 @@
 speculative decoding), against float64 references that apply vLLM's documented semantics row by row."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+
+import tvm_mamba
 
 from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from tvm_mamba.reference.selective_scan import selective_state_update_ref
@@ -149,9 +153,10 @@ def test_block_ids_out_of_the_pool_are_refused_before_anything_is_written():
         assert torch.equal(inp["state"], pool0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, sim", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["fp32-cpu", "bf16-cpu", "fp32-cudasim"])
 @pytest.mark.parametrize("form", ["speculative", "packed"])
-def test_conv_update_sliding_window_of_speculative_and_packed_steps(form, dtype):
+def test_conv_update_sliding_window_of_speculative_and_packed_steps(form, dtype, sim):
     """vLLM's multi-token conv step: each sequence's window starts num_accepted - 1 columns into its slot (a
     state of width - 1 + num_spec columns), its tokens follow; the slot becomes the window less its first column
     then the tokens (speculative), or shifts by its token count (packed), over state_len - (max_query_len -
@@ -169,8 +174,10 @@ def test_conv_update_sliding_window_of_speculative_and_packed_steps(form, dtype)
     slots = torch.tensor([[4, 0, 0], [0, 0, 0], [2, 0, 0], [5, 0, 0]], dtype=torch.int32)  # row 1: null block
     accepted = torch.tensor([2, 1, 1, 3], dtype=torch.int32) if form == "speculative" else None
     out = torch.full_like(x, float("nan"))
-    res = serving.causal_conv1d_update(x, pool, w, bias, "silu", conv_state_indices=slots,
-                                       num_accepted_tokens=accepted, query_start_loc=loc, max_query_len=3, out=out)
+    with tvm_mamba.simulate_cuda("sm_90") if sim else contextlib.nullcontext():
+        res = serving.causal_conv1d_update(x, pool, w, bias, "silu", conv_state_indices=slots,
+                                           num_accepted_tokens=accepted, query_start_loc=loc, max_query_len=3,
+                                           out=out)
     assert res is out
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for b, n in enumerate(lens):

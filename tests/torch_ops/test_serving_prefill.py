@@ -3,9 +3,12 @@ per-sequence initial states read from pool slots and final states written back, 
 references run sequence by sequence from the math."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+import tvm_mamba
 from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
 from tvm_mamba.reference.selective_scan import selective_scan_ref
 from tvm_mamba.reference.ssd import ssd_recurrence_ref
@@ -13,6 +16,16 @@ from tvm_mamba.torch_ops import serving_prefill as sp
 
 LENS = [5, 1, 9, 3]  # one sequence shorter than the conv's state
 POOL = 6
+
+
+def _target(sim: bool):
+    """The CUDA kernels through the CPU harness, or the CPU kernels."""
+    return tvm_mamba.simulate_cuda("sm_90") if sim else contextlib.nullcontext()
+
+
+# (dtype, sim): both dtypes on the CPU kernels, float32 on the CUDA kernels through the harness
+CASES = [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+CASE_IDS = ["fp32-cpu", "bf16-cpu", "fp32-cudasim"]
 
 
 def _loc(lens):
@@ -29,9 +42,9 @@ def _page_pool(pool, *shape, dtype, g):
     return pages, pages[:, 7:].view(pool, *shape)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, sim", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("with_init", [False, True])
-def test_conv_prefill_continues_slots_and_writes_final_states(dtype, with_init):
+def test_conv_prefill_continues_slots_and_writes_final_states(dtype, sim, with_init):
     g = torch.Generator().manual_seed(0)
     dim, width, tokens = 16, 4, sum(LENS)
     x = torch.randn(tokens, dim, generator=g).to(dtype).t()  # (dim, tokens), channel-last as vLLM passes it
@@ -41,8 +54,9 @@ def test_conv_prefill_continues_slots_and_writes_final_states(dtype, with_init):
     before, pages0 = conv_states.clone(), pages.clone()
     slots = torch.tensor([4, 1, 5, 2], dtype=torch.int32)
     init = torch.tensor([True, False, True, True]) if with_init else torch.zeros(4, dtype=torch.bool)
-    out = sp.causal_conv1d_fn(x, weight, bias, conv_states, _loc(LENS), cache_indices=slots,
-                              has_initial_state=init, activation="silu")
+    with _target(sim):
+        out = sp.causal_conv1d_fn(x, weight, bias, conv_states, _loc(LENS), cache_indices=slots,
+                                  has_initial_state=init, activation="silu")
     assert out.shape == x.shape and out.stride() == x.stride() and out.dtype == dtype
     bounds = _loc(LENS).tolist()
     for i, slot in enumerate(slots.tolist()):
@@ -88,9 +102,9 @@ def _ssd_inputs(dtype, g, tokens, H=4, P=8, G=2, N=16):
                 B=r(tokens, G, N).to(dtype), C=r(tokens, G, N).to(dtype), D=r(H), dt_bias=r(H))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, sim", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("with_init", [False, True])
-def test_ssd_prefill_per_sequence_initial_states(dtype, with_init):
+def test_ssd_prefill_per_sequence_initial_states(dtype, sim, with_init):
     g = torch.Generator().manual_seed(2)
     lens = [40, 3, 17]
     tokens = sum(lens)
@@ -100,9 +114,10 @@ def test_ssd_prefill_per_sequence_initial_states(dtype, with_init):
     if init is not None:
         init[1] = 0  # vLLM passes zeros for a sequence without a state (torch.where(has_initial_states, ...))
     out = torch.full((tokens, H, P), float("nan"), dtype=dtype)
-    states = sp.mamba_chunk_scan_combined_varlen(
-        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16, _loc(lens), out=out, D=inp["D"],
-        dt_bias=inp["dt_bias"], initial_states=init, dt_softplus=True, state_dtype=torch.float32)
+    with _target(sim):
+        states = sp.mamba_chunk_scan_combined_varlen(
+            inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16, _loc(lens), out=out, D=inp["D"],
+            dt_bias=inp["dt_bias"], initial_states=init, dt_softplus=True, state_dtype=torch.float32)
     assert states.shape == (3, H, P, N) and states.dtype == torch.float32
     bounds = _loc(lens).tolist()
     d = lambda t, s, e: t[None, s:e].double()  # noqa: E731
@@ -131,8 +146,8 @@ def test_ssd_prefill_refusals():
                                             torch.tensor([0, 9], dtype=torch.int32), out=out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba1_prefill_scan_writes_z_and_pool(dtype):
+@pytest.mark.parametrize("dtype, sim", CASES, ids=CASE_IDS)
+def test_mamba1_prefill_scan_writes_z_and_pool(dtype, sim):
     g = torch.Generator().manual_seed(4)
     dim, N, tokens = 12, 8, sum(LENS)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -144,8 +159,9 @@ def test_mamba1_prefill_scan_writes_z_and_pool(dtype):
     slots = torch.tensor([2, 0, 5, 4], dtype=torch.int32)  # sequence 1 on the null block: padding
     init = torch.tensor([True, True, False, True])
     z0 = z.clone()
-    res = sp.selective_scan_fn(u, pool, delta, A, B, C, D, z, bias, True, query_start_loc=_loc(LENS),
-                               cache_indices=slots, has_initial_state=init)
+    with _target(sim):
+        res = sp.selective_scan_fn(u, pool, delta, A, B, C, D, z, bias, True, query_start_loc=_loc(LENS),
+                                   cache_indices=slots, has_initial_state=init)
     assert res is z
     bounds = _loc(LENS).tolist()
     for i, slot in enumerate(slots.tolist()):
