@@ -4,7 +4,8 @@ vLLM's CPU engine is process-wide): ``python tests/vllm/engine.py SPEC_JSON`` pr
 
 SPEC: model (a directory saved by transformers), prompts (token ids), max_tokens (one per prompt), engine
 (keyword arguments of vllm.LLM), warm (prompts generated first, for prefix-cache hits), record_accepted_tokens
-(fill in vLLM 0.32's missing accepted-token counts for attention-free models: _record_accepted_tokens). ``seen`` counts what
+(fill in vLLM 0.32's missing accepted-token counts for attention-free models: _record_accepted_tokens),
+simulate_cuda (tvm_mamba's CUDA kernels run through the CPU harness instead of its CPU kernels). ``seen`` counts what
 the Mamba layers were called with: prefills continuing a state (chunked prefill, prefix-cache hits), the
 longest decode query (speculative decoding), and whether tvm_mamba's functions were the ones called.
 """
@@ -28,6 +29,9 @@ def _watch(seen: dict) -> None:
         update, prefill = mod.causal_conv1d_update, mod.causal_conv1d_fn
 
         def on_update(*a, _f=update, **k):
+            from tvm_mamba.runtime.target import cudasim_active
+
+            seen["cuda_kernels_simulated"] = cudasim_active() is not None
             loc, accepted = k.get("query_start_loc"), k.get("num_accepted_tokens")
             if loc is not None and loc.numel() > 1:
                 seen["longest_decode_query"] = max(seen["longest_decode_query"], int(loc.diff().max()))
@@ -69,9 +73,15 @@ def main(spec: dict) -> dict:
 
     if spec.get("record_accepted_tokens"):
         _record_accepted_tokens()
+    if spec.get("simulate_cuda"):  # every tvm_mamba kernel of this process: the CUDA one, through the harness
+        import tvm_mamba
+
+        spec["_simulation"] = tvm_mamba.simulate_cuda("sm_90")  # kept: a dropped one would close at once
+        spec["_simulation"].__enter__()
 
     llm = LLM(model=spec["model"], dtype="float32", skip_tokenizer_init=True, seed=0, **spec.get("engine", {}))
-    seen = {"continued_prefills": 0, "longest_decode_query": 1, "most_accepted": 0, "tvm_mamba": False}
+    seen = {"continued_prefills": 0, "longest_decode_query": 1, "most_accepted": 0, "tvm_mamba": False,
+            "cuda_kernels_simulated": False}
     _watch(seen)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, detokenize=False)  # noqa: E731
     if spec.get("warm"):

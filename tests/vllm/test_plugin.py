@@ -68,9 +68,9 @@ def _greedy(model_dir: str, prompts, max_tokens):
 
 
 def _engine(model_dir: str, prompts, max_tokens, plugin: bool = True, warm=None, record_accepted_tokens=False,
-            **engine) -> dict:
+            simulate_cuda=False, **engine) -> dict:
     spec = dict(model=model_dir, prompts=prompts, max_tokens=list(max_tokens), engine=engine, warm=warm,
-                record_accepted_tokens=record_accepted_tokens)
+                record_accepted_tokens=record_accepted_tokens, simulate_cuda=simulate_cuda)
     env = dict(os.environ, TVM_MAMBA_VLLM="1" if plugin else "0")
     run = subprocess.run([sys.executable, str(ENGINE), json.dumps(spec)], capture_output=True, text=True, env=env,
                          timeout=900)
@@ -96,6 +96,19 @@ def test_mamba1_serves_on_vllm_cpu_and_matches_transformers(models):
     ours = _engine(models["mamba1"], prompts, MAX_TOKENS, **BATCHING)
     assert ours["seen"]["tvm_mamba"] and ours["seen"]["continued_prefills"] >= 2
     assert ours["tokens"] == _greedy(models["mamba1"], prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "mamba1"])
+def test_cuda_kernels_through_the_harness_serve_the_same_tokens(models, kind):
+    """The plugin's CUDA side without a GPU: vLLM's calls (packed prefill from pool slots, chunked prefill,
+    decode steps on vLLM's pools) run tvm_mamba's CUDA kernels through the CPU harness (docs/cuda_sim.md)."""
+    prompts, max_tokens = _prompts((7, 90)), (6, 6)
+    # a pool of 8 blocks: the harness copies each pool argument's whole span, with a shadow for its checks
+    ours = _engine(models[kind], prompts, max_tokens, simulate_cuda=True, max_model_len=256, max_num_seqs=2,
+                   max_num_batched_tokens=64, enable_prefix_caching=False, num_gpu_blocks_override=8)
+    assert ours["seen"]["tvm_mamba"] and ours["seen"]["continued_prefills"] >= 1
+    assert ours["seen"]["cuda_kernels_simulated"]
+    assert ours["tokens"] == _greedy(models[kind], prompts, max_tokens)
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
