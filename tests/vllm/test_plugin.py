@@ -68,10 +68,12 @@ def _greedy(model_dir: str, prompts, max_tokens):
 
 
 def _engine(model_dir: str, prompts, max_tokens, plugin: bool = True, warm=None, record_accepted_tokens=False,
-            simulate_cuda=False, **engine) -> dict:
+            simulate_cuda=False, processes=False, **engine) -> dict:
     spec = dict(model=model_dir, prompts=prompts, max_tokens=list(max_tokens), engine=engine, warm=warm,
                 record_accepted_tokens=record_accepted_tokens, simulate_cuda=simulate_cuda)
     env = dict(os.environ, TVM_MAMBA_VLLM="1" if plugin else "0")
+    if processes:  # vLLM's default: the engine core (and the model) in a process of its own
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     run = subprocess.run([sys.executable, str(ENGINE), json.dumps(spec)], capture_output=True, text=True, env=env,
                          timeout=900)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -113,6 +115,15 @@ def test_cuda_kernels_through_the_harness_serve_the_same_tokens(models, kind):
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 SPEC_PROMPTS = (7, 40, 90, 23, 55)
+
+
+def test_plugin_loads_in_vllms_engine_process(models):
+    """As `vllm serve` runs: the model lives in vLLM's engine-core process, which loads the plugin itself
+    (entry point). Mamba-1 only runs on vLLM's CPU build with the plugin, so its tokens show it was loaded."""
+    prompts, max_tokens = _prompts((7, 40)), (8, 8)
+    ours = _engine(models["mamba1"], prompts, max_tokens, processes=True, max_model_len=256,
+                   enable_prefix_caching=False)
+    assert ours["tokens"] == _greedy(models["mamba1"], prompts, max_tokens)
 
 
 def test_speculative_decoding_ngram_keeps_the_greedy_tokens(models):
