@@ -33,6 +33,17 @@ def _slots(name: str, idx: Optional[Tensor], rows: int) -> Optional[Tensor]:
     return idx
 
 
+def offsets(name: str, loc, tokens: int) -> list[int]:
+    """vLLM's (batch + 1,) cumulative offsets (``query_start_loc`` / ``cu_seqlens``) as a list, checked: int,
+    1-D, from 0, non-decreasing, ending at most at ``tokens`` (ValueError / TypeError naming ``name``)."""
+    if not isinstance(loc, Tensor) or loc.dtype not in (torch.int32, torch.int64) or loc.dim() != 1:
+        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor")
+    b = loc.tolist()
+    if not b or b[0] != 0 or any(e < s for s, e in zip(b, b[1:])) or b[-1] > tokens:
+        raise ValueError(f"{name}: expected (batch + 1,) non-decreasing offsets from 0 to at most {tokens}, got {b}")
+    return b
+
+
 def _kernel_slots(src: Tensor, null_block_id: int) -> Tensor:
     """vLLM's slots -> the kernels': the null block becomes -1 (a padding row). ``src`` itself when no row is
     padding and it is int32 (a CPU decode step's usual case: checked through numpy, ~1 us)."""
@@ -127,9 +138,9 @@ def _speculative(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, src_idx, dst
     if src is None:
         raise ValueError("state_batch_indices: speculative decoding (num_accepted_tokens / cu_seqlens) needs it")
     dst = _slots("dst_state_batch_indices", dst_idx, nseq) if dst_idx is not None else src
-    bounds = (cu_seqlens.tolist() if cu_seqlens is not None else list(range(nseq + 1)))
-    if len(bounds) != nseq + 1 or bounds[-1] > x.shape[0] or any(b > e for b, e in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens: expected {nseq + 1} non-decreasing offsets ending at most at {x.shape[0]}")
+    bounds = offsets("cu_seqlens", cu_seqlens, x.shape[0]) if cu_seqlens is not None else list(range(nseq + 1))
+    if len(bounds) != nseq + 1:
+        raise ValueError(f"cu_seqlens: expected {nseq + 1} offsets (one more than the sequences), got {len(bounds)}")
     first = (num_accepted_tokens.long().clamp(min=1) - 1) if num_accepted_tokens is not None \
         else torch.zeros(nseq, dtype=torch.long)
     if nseq and int(first.max()) >= src.shape[1]:
@@ -209,10 +220,8 @@ def _conv_window(x, conv_state, weight, bias, activation, conv_state_indices, nu
     dt = conv_state.dtype
     width, state_len = weight.shape[1], conv_state.shape[-1]
     if query_start_loc is not None:
-        bounds = query_start_loc.tolist()
+        bounds = offsets("query_start_loc", query_start_loc, x.shape[0])
         lens = [e - b for b, e in zip(bounds, bounds[1:])]
-        if not lens or bounds[0] != 0 or min(lens) < 0 or bounds[-1] > x.shape[0]:
-            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to at most {x.shape[0]}")
         tokens = lambda b: x[bounds[b]:bounds[b + 1]].t()  # noqa: E731  (dim, len)
     else:
         x3 = x if x.dim() == 3 else x[..., None]

@@ -22,6 +22,7 @@ from torch import Tensor
 from ._dlpack import FLOATS, check_shape, check_tensor
 from .causal_conv1d import causal_conv1d_fn as _conv_fn, causal_conv1d_varlen_states as _conv_varlen_states
 from .selective_scan import selective_scan_fn as _scan_fn
+from .serving import offsets
 from .ssd import mamba_chunk_scan_combined as _ssd
 
 PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils.PAD_SLOT_ID
@@ -32,15 +33,6 @@ PACK_BELOW = 64  # mean tokens per sequence under which a fresh prefill step is 
 
 def _pack(bounds: list[int]) -> bool:
     return len(bounds) > 2 and bounds[-1] < PACK_BELOW * (len(bounds) - 1)
-
-
-def _bounds(name: str, loc, tokens: int) -> list[int]:
-    """(batch + 1,) offsets -> a list, checked: starts at 0, non-decreasing, ends at most at ``tokens``."""
-    check_tensor(name, loc, ndim=1, dtypes=_INTS)
-    b = loc.tolist()
-    if not b or b[0] != 0 or any(e < s for s, e in zip(b, b[1:])) or b[-1] > tokens:
-        raise ValueError(f"{name}: expected (batch + 1,) non-decreasing offsets from 0 to at most {tokens}, got {b}")
-    return b
 
 
 def _slot_list(name: str, idx, batch: int, pool: int, skip: int) -> list[int]:
@@ -114,7 +106,7 @@ def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indice
     _refuse_prefix_caching(block_idx_first_scheduled_token=block_idx_first_scheduled_token,
                            block_idx_last_scheduled_token=block_idx_last_scheduled_token,
                            initial_state_idx=initial_state_idx)
-    bounds = _bounds("query_start_loc", query_start_loc, tokens)
+    bounds = offsets("query_start_loc", query_start_loc, tokens)
     batch = len(bounds) - 1
     slots = _slot_list("cache_indices", cache_indices, batch, conv_states.shape[0], pad_slot_id)
     init = _has_init(has_initial_state, batch)
@@ -157,7 +149,7 @@ def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, cu_
     tokens = x.shape[0]
     check_tensor("out", out, ndim=3, dtypes=(x.dtype,), device=x.device)
     check_shape("out", out, x.shape)
-    bounds = _bounds("cu_seqlens", cu_seqlens, tokens)
+    bounds = offsets("cu_seqlens", cu_seqlens, tokens)
     batch = len(bounds) - 1
     if initial_states is not None:
         check_tensor("initial_states", initial_states, ndim=4, dtypes=FLOATS, device=x.device)
@@ -195,7 +187,7 @@ def _chunk_pieces(cu_chunk_seqlens, bounds: list[int], tokens: int) -> list[list
     chunks cover the packed tokens and every sequence starts at a chunk boundary."""
     if cu_chunk_seqlens is None:
         raise ValueError("cu_chunk_seqlens: return_intermediate_states needs vLLM's logical chunks")
-    edges = _bounds("cu_chunk_seqlens", cu_chunk_seqlens, tokens)
+    edges = offsets("cu_chunk_seqlens", cu_chunk_seqlens, tokens)
     if edges[-1] != bounds[-1] or not set(bounds) <= set(edges):
         raise ValueError(f"cu_chunk_seqlens: every sequence boundary {bounds} must be a chunk boundary, got {edges}")
     pieces = [[] for _ in range(len(bounds) - 1)]
@@ -214,20 +206,20 @@ def store_prefill_checkpoint(checkpoint, chunk_idx, x, conv_state, chunk_states,
     ``d = checkpoint.state_indices[r]`` receives the conv state after the row's first k tokens (x's columns
     ``query_start_loc[r] + k - state_len`` .. ``+ k``: x is the pre-conv input (dim, tokens)) and the SSM state
     ``chunk_states[chunk_idx[r]]``. Blocks and chunk indices are checked before anything is written."""
-    offsets = checkpoint.checkpoint_offsets.tolist()
+    at = checkpoint.checkpoint_offsets.tolist()
     dst = checkpoint.state_indices.tolist()
     src = chunk_idx.tolist()
     starts = query_start_loc.tolist()
-    rows = [r for r, k in enumerate(offsets) if k > 0]
+    rows = [r for r, k in enumerate(at) if k > 0]
     for r in rows:
-        a = starts[r] + offsets[r] - state_len
+        a = starts[r] + at[r] - state_len
         if not 0 <= dst[r] < ssm_state.shape[0] or not 0 <= src[r] < chunk_states.shape[0] or a < 0 \
-                or starts[r] + offsets[r] > x.shape[1]:
-            raise ValueError(f"checkpoint: row {r} (block {dst[r]}, chunk {src[r]}, offset {offsets[r]}) lies "
+                or starts[r] + at[r] > x.shape[1]:
+            raise ValueError(f"checkpoint: row {r} (block {dst[r]}, chunk {src[r]}, offset {at[r]}) lies "
                              f"outside the pools ({ssm_state.shape[0]} blocks), the chunk states "
                              f"({chunk_states.shape[0]}) or x's {x.shape[1]} tokens")
     for r in rows:
-        a = starts[r] + offsets[r] - state_len
+        a = starts[r] + at[r] - state_len
         conv_state[dst[r], :, :state_len] = x[:, a:a + state_len]
         ssm_state[dst[r]] = chunk_states[src[r]]
 
@@ -251,7 +243,7 @@ def selective_scan_fn(u, ssm_states, delta, A, B, C, D=None, z=None, delta_bias=
     if query_start_loc is None:
         raise ValueError("query_start_loc: the packed form needs it (for batched rows call "
                          "tvm_mamba.selective_scan_fn)")
-    bounds = _bounds("query_start_loc", query_start_loc, tokens)
+    bounds = offsets("query_start_loc", query_start_loc, tokens)
     batch = len(bounds) - 1
     slots = _slot_list("cache_indices", cache_indices, batch, ssm_states.shape[0], null_block_id)
     init = _has_init(has_initial_state, batch)
@@ -267,7 +259,7 @@ def selective_scan_fn(u, ssm_states, delta, A, B, C, D=None, z=None, delta_bias=
         y, last = _scan_fn(part(u), part(delta), A, part(B4), part(C4), D, part(z), delta_bias, delta_softplus,
                            return_last_state=True, initial_state=start)
         results.append((s, e, y[0], slots[i], last[0]))
-    for s, e, y, slot, last in results:  # written after every sequence ran: z / delta are inputs above
+    for s, e, y, slot, last in results:  # written once every sequence has run: nothing half-written on an error
         dest[:, s:e] = y
         ssm_states[slot].copy_(last)
     return dest
