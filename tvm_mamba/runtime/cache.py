@@ -33,7 +33,7 @@ import filelock
 import tvm
 import tvm_ffi
 
-from . import cudasim, dispatch, pack, threads, verified
+from . import cudasim, dispatch, pack, progress, threads, verified
 from .cache_dir import (_source_digest, build_root, cache_base, cache_root, private_mkdir,  # noqa: F401
                         UntrustedPath)
 from .key import KernelKey, Plan
@@ -301,8 +301,8 @@ def _compile(key: KernelKey) -> tuple[bytes, float]:
     """(the library's bytes, seconds): compiled and exported in a private temporary folder, so that a
     cleared cache folder costs a rewrite, not a rebuild."""
     tb = time.perf_counter()
-    with _build_lock:  # TVMScript parsing is not thread-safe in CPython 3.11 (AST recursion-depth mismatch)
-        ex = compile_module(key, dispatch.schedule(key))
+    with _build_lock, progress.compiling(f"{key.op}.{key.direction}", key.target, str(build_root())):
+        ex = compile_module(key, dispatch.schedule(key))  # the lock: TVMScript parsing is not thread-safe in 3.11
     with tempfile.TemporaryDirectory(prefix="tvm_mamba_build_") as tmp:
         out = os.path.join(tmp, "kernel.so")
         ex.export_library(out)
