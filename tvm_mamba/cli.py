@@ -68,7 +68,8 @@ def cmd_info(args) -> int:
 
 def _print_tuning(tkey: str, gpu_name: str | None = None) -> None:
     """``device key:`` and ``tuning:`` lines: which records (user folder first, then shipped) apply here, and
-    the nearest device's when none do (tuning.nearest_device: same ISA, then vendor, then model)."""
+    the stand-in class whose records serve when none do (tuning.stand_in: same ISA class required, then vendor,
+    then model), else the nearest device's, which does not serve."""
     from tvm_mamba.runtime import tuning
 
     s = tuning.device_summary(tkey, gpu_name)
@@ -78,8 +79,13 @@ def _print_tuning(tkey: str, gpu_name: str | None = None) -> None:
         print(f"tuning:      shipped records for this device: {n_shipped} ({shipped}); "
               f"user records: {n_user} ({user})")
         return
-    near = s["nearest"]
-    where = f"nearest: {near[0]} ({near[1]}, {near[2]} records)" if near else "no records for a similar device"
+    near, sub = s["nearest"], s["stand_in"]
+    if sub:
+        print(f"tuning:      none for this device (shipped: {shipped}, user: {user}); the records of {sub} "
+              f"serve (stand-in: the same ISA class)")
+        return
+    where = f"nearest: {near[0]} ({near[1]}, {near[2]} records; another ISA class, not served)" if near \
+        else "no records for a similar device"
     print(f"tuning:      none for this device (shipped: {shipped}, user: {user}); {where}; hand defaults serve")
 
 

@@ -4,6 +4,7 @@ warning naming the bad file, and explain() saying "default"; special files are n
 the tuner's progress lines. Every test writes its own log for the current device: they run on any CPU."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -260,6 +261,54 @@ def test_info_names_the_nearest_device_when_none_apply(tmp_path, monkeypatch):
     summary = tuning.device_summary("llvm-rocketlake")
     assert summary["device"] == "cpu-intel-rocketlake-avx512" and summary["shipped"][0] == 0
     assert summary["nearest"] == ("cpu-amd-znver5-avx512", "shipped", 1)
+
+
+def _other_class(root: pathlib.Path, dev: str, target: str, decisions: dict) -> None:
+    """``root``/``dev`` holding one record for the call below, keyed by another CPU class's ``target``."""
+    (root / dev / "causal_conv1d").mkdir(parents=True)
+    (root / dev / "meta.json").write_text(json.dumps(tuning.running_meta()))
+    line = _line(key=dataclasses.replace(_key(), target=target), decisions=decisions)
+    (root / dev / "causal_conv1d" / tuning.RECORDS).write_text(line + "\n")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_a_stand_in_class_of_the_same_isa_serves_a_device_with_no_records(tmp_path, monkeypatch, cache, isa):
+    """This device has no log: the same-ISA class's record serves (looked up under its target key) and
+    explain() names it; another ISA class's record does not; the device's own log, once it has one, wins."""
+    shipped = tmp_path / "shipped"
+    _other_class(shipped, f"cpu-zzz-model-{isa}", "llvm-model", {"vector": 8})
+    other = "avx512" if isa == "avx2" else "avx2"
+    _other_class(shipped, f"cpu-aaa-model-{other}", "llvm-othermodel", {"vector": 32})
+    monkeypatch.setattr(tuning, "package_logs_dir", lambda: shipped)
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "user"))
+    monkeypatch.setattr(tuning, "_cpu_isa", lambda: isa)
+    tuning.refresh()
+    plan = dispatch.plan(_key())
+    assert dict(plan.decisions) == {"vector": 8}
+    assert f"cpu-zzz-model-{isa}" in plan.source and "stand-in class" in plan.source
+    assert tuning.device_summary(_key().target)["stand_in"] == f"cpu-zzz-model-{isa}"
+    x, w, b = torch.randn(2, 16, 50), torch.randn(16, 4), torch.randn(16)
+    text = tvm_mamba.explain(tvm_mamba.causal_conv1d_fn, x, w, b, activation="silu")
+    assert "stand-in class" in text and f"cpu-zzz-model-{isa}" in text
+    out = tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu")
+    torch.testing.assert_close(out.double(), causal_conv1d_ref(x.double(), w.double(), b.double(), activation="silu"),
+                               atol=1e-5, rtol=1e-5)
+    _other_class(tmp_path / "user", tuning.device_key(_key().target), _key().target, {"vector": 16})  # its own
+    tuning.refresh()
+    assert dict(dispatch.plan(_key()).decisions) == {"vector": 16}
+    assert "stand-in" not in dispatch.plan(_key()).source
+
+
+def test_no_stand_in_across_isa_classes(tmp_path, monkeypatch, cache):
+    shipped = tmp_path / "shipped"
+    _other_class(shipped, "cpu-intel-rocketlake-avx512", "llvm-rocketlake", {"vector": 8})
+    monkeypatch.setattr(tuning, "package_logs_dir", lambda: shipped)
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "user"))
+    monkeypatch.setattr(tuning, "_cpu_isa", lambda: "avx2")
+    tuning.refresh()
+    assert dispatch.plan(_key()).source == "default"
+    summary = tuning.device_summary(_key().target)
+    assert summary["stand_in"] is None and summary["nearest"][0] == "cpu-intel-rocketlake-avx512"
 
 
 def test_nearest_device_order():

@@ -34,6 +34,7 @@ shipped logs are trusted as the package's code is.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -389,7 +390,7 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 
 
 # --- lookup ----------------------------------------------------------------------------------------
-_dev_memo: dict[tuple[str, str], str] = {}
+_dev_memo: dict[tuple, object] = {}  # device folder per (root, target); stand_in per target
 _found_memo: dict[tuple, object] = {}  # (key, roots and stamps) -> find_record's answer (runs on every call)
 
 
@@ -406,21 +407,55 @@ def _device_folder(root: pathlib.Path, target_key: str) -> str:
 
 
 def find_record(key: KernelKey, dev: str | None = None):
-    """(record dict, file) serving ``key``, or None: the first of search_roots() with a usable record."""
-    where = tuple((root, d, _folder_stamp(root, d)) for root in search_roots()
-                  for d in (dev or _device_folder(root, key.target),))
-    memo = (key, tuple((str(r), d, s) for r, d, s in where))
+    """(record dict, file) serving ``key``, or None: the first of search_roots() with a usable record; when
+    this device has no records at all (no folder, or empty ones), a stand-in class's (``stand_in``), whose
+    records are looked up under its own target key."""
+    roots = search_roots()
+    own = tuple((root, d, _folder_stamp(root, d), key) for root in roots
+                for d in (dev or _device_folder(root, key.target),))
+    where = own
+    if dev is None and not any(_load(str(r), d, st) for r, d, st, _ in own):
+        near = stand_in(key.target)
+        if near is not None:
+            where = tuple((root, near[0], _folder_stamp(root, near[0]), dataclasses.replace(key, target=near[1]))
+                          for root in roots)
+    memo = (key, tuple((str(r), d, s) for r, d, s, _ in where))
     if memo in _found_memo:
         return _found_memo[memo]
     if len(_found_memo) > 4096:
         _found_memo.clear()
     found = None
-    for root, d, stamp in where:
-        found = _find(key, root, d, stamp)
+    for root, d, stamp, k in where:
+        found = _find(k, root, d, stamp)
         if found is not None:
             break
     _found_memo[memo] = found
     return found
+
+
+def stand_in(target_key: str) -> tuple[str, str] | None:
+    """(device key, its records' target key) of the tuned CPU class whose records serve a device that has
+    none, or None. The rule: same kind and the same ISA class (``avx512`` / ``avx2`` / ...: the vector
+    width, which most knobs are fitted to: lanes, register blocks, accumulator counts) are required; among
+    those, the same vendor, then the same model (``nearest_device``). A record's knobs are still checked
+    against this target's rule before one serves. GPUs need none: their folder is found by arch."""
+    memo = ("stand-in", target_key, tuple(str(r) for r in search_roots()))
+    if memo in _dev_memo:
+        return _dev_memo[memo]
+    dev = device_key(target_key)
+    found = {}  # device key -> target key of its records, over every root
+    for root in search_roots():
+        for meta in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
+            other = meta.parent.name
+            if other in found or _parts(other)[::3] != _parts(dev)[::3] or other == dev:
+                continue  # [::3]: (kind, isa)
+            targets = {k.target for k in _load(str(root), other, _folder_stamp(root, other))}
+            if len(targets) == 1:
+                found[other] = targets.pop()
+    near = nearest_device(dev, found)
+    out = (near, found[near]) if near else None
+    _dev_memo[memo] = out
+    return out
 
 
 def _find(key: KernelKey, root: pathlib.Path, dev: str, stamp: tuple):
@@ -450,6 +485,8 @@ def lookup(key: KernelKey) -> Plan | None:
     decisions = tuple(sorted(rec["decisions"].items()))
     bucket = ",".join(f"{k}={v}" for k, v in sorted(rec["key"].get("shape_bucket", {}).items()))
     how = ", MetaSchedule" if rec.get("source") == "metaschedule" else ""
+    if rec["key"]["target"] != key.target:
+        how += f", stand-in class for {device_key(key.target)}"
     return Plan(key, decisions, f"tuned: {file} [{bucket}] ({1e3 * rec['time_s']:.3f} ms vs default "
                                          f"{1e3 * rec['default_time_s']:.3f} ms{how})")
 
@@ -457,10 +494,11 @@ def lookup(key: KernelKey) -> Plan | None:
 
 def device_summary(target_key: str, gpu_name: str | None = None) -> dict:
     """What ``info`` prints: {"device": key, "user": (records, folder), "shipped": (records, folder),
-    "nearest": (device key, "user" | "shipped", records) or None}; nearest only when neither folder has
-    records for this device (see nearest_device for the order)."""
+    "nearest": (device key, "user" | "shipped", records) or None, "stand_in": device key or None}; nearest
+    and stand_in only when neither folder has records for this device (nearest_device gives the order;
+    stand_in the class whose records serve, which must share the ISA class)."""
     dev = device_key(target_key, gpu_name)
-    out = {"device": dev, "nearest": None}
+    out = {"device": dev, "nearest": None, "stand_in": None}
     others: dict[str, tuple[str, int]] = {}
     for name, root in (("user", logs_dir()), ("shipped", package_logs_dir())):
         out[name] = (_count(root, dev), root / dev)
@@ -471,6 +509,7 @@ def device_summary(target_key: str, gpu_name: str | None = None) -> dict:
     if not out["user"][0] and not out["shipped"][0]:
         near = nearest_device(dev, [d for d, (_, n) in others.items() if n])
         out["nearest"] = (near, *others[near]) if near else None
+        out["stand_in"] = (stand_in(target_key) or (None,))[0] if target_key.startswith("llvm") else None
     return out
 
 
