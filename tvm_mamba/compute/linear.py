@@ -115,3 +115,25 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     out += [("bwd", *d.key_parts()) for d in (LinearDims(768, 3072, weight_dtype="int8"),
                                               LinearDims(131, 40, x_dtype="bfloat16", weight_dtype="bfloat16"))]
     return out
+
+
+VOCAB = 50280  # the released checkpoints' padded vocabulary (GPT-NeoX tokenizer): the LM head's out_features
+
+
+def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
+    """Tuning workloads: the projections a decode step of each preset model streams, for every weight dtype
+    (fp32 x): in_proj (Mamba: d_model -> 2 d_inner; Mamba-2: -> 2 d_inner + 2 ngroups d_state + nheads),
+    out_proj (d_inner -> d_model), the LM head (d_model -> VOCAB), and Mamba's x_proj (d_inner -> dt_rank +
+    2 d_state) and dt_proj (dt_rank -> d_inner)."""
+    from ._presets import presets
+
+    shapes = []
+    for _, p in presets(preset, families=("mamba", "mamba2")):
+        d, di = p["d_model"], p["d_inner"]
+        if "nheads" in p:
+            shapes.append((d, 2 * di + 2 * p["ngroups"] * p["d_state"] + p["nheads"]))
+        else:
+            shapes += [(d, 2 * di), (di, p["dt_rank"] + 2 * p["d_state"]), (p["dt_rank"], di)]
+        shapes += [(di, d), (d, VOCAB)]
+    seen = list(dict.fromkeys(shapes))
+    return [("fwd", *LinearDims(k, n, weight_dtype=w).key_parts()) for k, n in seen for w in WEIGHT_DTYPES]
