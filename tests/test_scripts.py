@@ -295,3 +295,14 @@ def test_profile_decode_names_every_kernel_of_the_step():
         got = {ln.split()[0]: (float(ln.split()[1]), int(ln.split("(")[1].split()[0])) for ln in lines}
         assert {k: v[1] for k, v in got.items() if k in rows} == rows, out
         assert 0 < sum(v[0] for v in got.values()) < 10 * step_ms
+
+
+def test_cold_start_empty_upgrade_warm():
+    """scripts/cold_start.py on a tiny Mamba-2 LM: the empty cache compiles in the process, the warm one does
+    not, and the upgrade case (kernel set kept) compiles no more than the empty one."""
+    run = subprocess.run([sys.executable, str(SCRIPTS / "cold_start.py"), "--models", "mamba2", "--size", "tiny",
+                          "--runs", "1"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {ln.split()[1]: ln.split() for ln in run.stdout.splitlines()[1:]}
+    empty, upgrade, warm = (int(rows[c][-1]) for c in ("empty", "upgrade", "warm"))
+    assert empty >= 5 and warm == 0 and upgrade <= empty, run.stdout

@@ -3,6 +3,12 @@
     python -m tvm_mamba aot --target cuda --arch sm_90 --out packs/sm_90
     python -m tvm_mamba aot --target cpu --out packs/cpu
     python -m tvm_mamba aot --target cuda --configs FILE.json --out packs/sm_90   # exactly FILE's kernels
+    python -m tvm_mamba aot --target cpu --model CHECKPOINT_DIR [--dtype bfloat16] [--weights int8]
+
+``--model``: the kernels a model's ``generate`` runs, into this user's kernel cache (no pack), ``--jobs``
+processes at a time. The model is loaded as ``MambaLMHeadModel.from_pretrained(DIR)`` in a child process that
+runs a short generate as a dry run (``runtime/kernel_sets.dry_run``: no kernel runs or compiles) to learn its
+kernel set, which is saved as the model's (so a later cold start of that model is pooled too) and then built.
 
 ``--configs FILE.json``: a list of {op, direction, static, dtypes[, batches, seqlens]} (the shape buckets each
 is built for; default --batches / --seqlens), or scripts/gpu_check.py's configs file ({"configs": that list,
@@ -68,24 +74,15 @@ def _plan(configs, tkey: str, batches, seqlens):
     return out
 
 
-def _cached_file(key_json: dict) -> str:
-    """A CPU kernel's file in this user's kernel cache, built there if missing (a worker of _build_cpu: the
-    cache's lock keeps two processes from building one kernel twice)."""
-    from .runtime import cache
-
-    return str(cache.build_and_load(KernelKey.from_json(key_json)).path)
-
-
 def _build_cpu(keys, jobs: int) -> dict:
     """{key: its file in the kernel cache | the exception}: what the test suite or an earlier call built is
-    reused, the rest built ``jobs`` at a time (processes: TVM's build holds the GIL)."""
+    reused, the rest built ``jobs`` at a time (kernel_sets.build_in_pool)."""
+    from .runtime import kernel_sets
+
     with _no_pack():  # the cache, not a pack this process may have been pointed at
         if jobs <= 1:
-            return {k: _attempt(_cached_file, k.to_json()) for k in keys}
-        ctx = multiprocessing.get_context("spawn")  # not fork: TVM and torch start threads at import
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = {k: pool.submit(_cached_file, k.to_json()) for k in keys}
-            return {k: _attempt(f.result) for k, f in futures.items()}
+            return {k: _attempt(kernel_sets.cached_file, k.to_json()) for k in keys}
+        return kernel_sets.build_in_pool(keys, jobs)
 
 
 @contextlib.contextmanager
@@ -169,7 +166,50 @@ def read_configs(path: str) -> list[tuple]:
     return out
 
 
+DRY_PROMPT, DRY_NEW_TOKENS = 16, 2  # the dry run's generate: a prefill, then decode steps
+
+
+def model_kernels(model_dir: str, dtype: str, weights: str | None) -> list[dict]:
+    """(in a spawned child) The kernel keys (JSON) of a short generate of the checkpoint in ``model_dir``, cast
+    to ``dtype`` and quantized to ``weights`` ("int8" / "bfloat16") if given; saved as its kernel set."""
+    import torch
+
+    from .modules.generation import model_signature
+    from .modules.lm import MambaLMHeadModel
+    from .modules.quantize import quantize_weights
+    from .runtime import kernel_sets
+
+    model = MambaLMHeadModel.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if weights:
+        quantize_weights(model, weights)
+    with torch.no_grad(), kernel_sets.dry_run():
+        model.generate(torch.zeros(1, DRY_PROMPT, dtype=torch.long), max_new_tokens=DRY_NEW_TOKENS)
+    return [k.to_json() for k in kernel_sets.load(model_signature(model))]
+
+
+def build_model(args) -> int:
+    """``aot --model``: learn the model's kernel set in a child process, then build what the cache lacks."""
+    from .runtime import kernel_sets
+
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")  # a fresh process: the dry run leaves stubs in its memos
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as child:
+        found = child.submit(model_kernels, args.model, args.dtype, args.weights).result()
+    keys = [KernelKey.from_json(k) for k in found]
+    with _no_pack():
+        todo = kernel_sets.missing(keys)
+        made = kernel_sets.build_in_pool(todo, args.jobs or os.cpu_count() or 1) if todo else {}
+    failed = [f"{k}: {type(v).__name__}: {str(v).strip()[-300:]}" for k, v in made.items() if isinstance(v, Exception)]
+    print(f"aot: {args.model}: {len(keys)} kernels, {len(todo) - len(failed)} built into the kernel cache, "
+          f"{len(keys) - len(todo)} already there, {len(failed)} failed ({time.perf_counter() - t0:.0f}s)")
+    for line in failed:
+        print(f"aot: FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(args) -> int:
+    if getattr(args, "model", None):
+        return build_model(args)
     ops = args.ops.split(",") if args.ops else rules.compute_ops()
     if _needs_stub_reexec(args.target):
         with tempfile.TemporaryDirectory(prefix="tvm_mamba_stub_") as tmp:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import importlib
+import re
 import sys
 import time
 
@@ -105,8 +106,10 @@ class _UsageError(Exception):
 
 def _checked_ops_arch(args, cmd: str):
     """(ops, arch) from --target / --ops / --arch; a _UsageError listing the valid values."""
-    if args.target != "cuda":
-        raise _UsageError(f"{cmd}: only --target cuda is supported, got {args.target!r}")
+    if args.target != "cuda" and not (cmd == "build-check" and args.target == "cpu"):
+        raise _UsageError(f"{cmd}: --target must be cuda{' or cpu' * (cmd == 'build-check')}, got {args.target!r}")
+    if args.target == "cpu":
+        return _checked_ops(args.ops, cmd), None
     return _checked_ops(args.ops, cmd), _checked_arch(args.arch, cmd)
 
 
@@ -154,6 +157,8 @@ def cmd_build_check(args) -> int:
     from tvm_mamba.runtime.nvcc import ptxas_stats
 
     ops, arch = _checked_ops_arch(args, "build-check")
+    if args.target == "cpu":
+        return _build_check_cpu(ops, args.mcpu)
     tkey = target_key(cuda_target(arch))
     pending: list = []
     failed = spilling = total = 0
@@ -182,6 +187,35 @@ def cmd_build_check(args) -> int:
     drain(block=True)
     pool.shutdown()
     print(f"build-check: {total} kernels, {failed} failed, {spilling} spilling (cuda {arch})")
+    return 1 if failed else 0
+
+
+VECTOR_FMA = {"aarch64": re.compile(r"\bfml[as]\s+(v\d+\.\d+s|z\d+\.s)"), "x86": re.compile(r"\bvfn?madd\w*ps\b")}
+
+
+def _build_check_cpu(ops: list[str], mcpu: str | None) -> int:
+    """``build-check --target cpu [--mcpu NAME]``: every configuration through the CPU rules and LLVM's codegen
+    for that CPU (an AArch64 one for an ARM name: runtime/target.py), no linking; per kernel the assembly's
+    vector FMA count (NEON / SVE ``fmla``, x86 ``vfmadd..ps``), which shows the strategy vectorized there."""
+    from tvm_mamba.runtime import KernelKey, cpu_target, dispatch, target_key
+    from tvm_mamba.runtime.cache import compile_module
+
+    target = cpu_target(mcpu)
+    tkey, triple = target_key(target), str(target.attrs["mtriple"])
+    fma = VECTOR_FMA["aarch64" if triple.startswith("aarch64") else "x86"]
+    failed = total = 0
+    for op, direction, static, dtypes in _configs(ops):
+        key = KernelKey.make(op, direction, dtypes, static, tkey)
+        total += 1
+        try:
+            asm = compile_module(key, dispatch.schedule(key)).mod.inspect_source("asm")
+            print(f"ok    {key}\n      {len(asm.splitlines())} asm lines, {len(fma.findall(asm))} vector FMAs",
+                  flush=True)
+        except Exception as err:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            msg = str(err).strip().splitlines()[-1][:200] if str(err).strip() else type(err).__name__
+            print(f"FAIL  {key}\n      codegen: {msg}", flush=True)
+    print(f"build-check: {total} kernels, {failed} failed (llvm {target.attrs['mcpu']}, {triple})")
     return 1 if failed else 0
 
 
@@ -368,7 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
               ("sim-check", "run every build-check kernel on the CPU through the CUDA harness", "g++"))
     for name, helps, jobs in checks:  # the same kernel configurations: the same options
         chk = sub.add_parser(name, help=helps)
-        chk.add_argument("--target", default="cuda", help="the codegen target: cuda, the only one (default: cuda)")
+        if name == "build-check":
+            chk.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
+                             help="cuda (nvcc, ptxas -v), or cpu: LLVM codegen for --mcpu (default: cuda)")
+            chk.add_argument("--mcpu", default=None,
+                             help="with --target cpu: the LLVM CPU, x86 (znver3, skylake-avx512) or AArch64 "
+                                  "(neoverse-v1, cortex-a76, apple-m1) (default: this host's)")
+        else:
+            chk.add_argument("--target", default="cuda", help="the codegen target: cuda, the only one (default: cuda)")
         chk.add_argument("--arch", default="sm_90", help=ARCH_HELP)
         chk.add_argument("--ops", default="", help=OPS_HELP.format(default="all", ops="{ops}"))
         chk.add_argument("--jobs", type=int, default=2,
@@ -432,7 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     ao.add_argument("--mcpu", default=None,
                     help="with --target cpu: the LLVM CPU name to build for, e.g. skylake-avx512 "
                          "(default: this host's)")
-    ao.add_argument("--out", required=True, help="folder to write the pack to (one .so per kernel + manifest)")
+    ao.add_argument("--out", default=None, help="folder to write the pack to (one .so per kernel + manifest); "
+                                                 "required unless --model")
+    ao.add_argument("--model", default=None, metavar="CHECKPOINT_DIR",
+                    help="with --target cpu: build the kernels this checkpoint's generate runs into your kernel "
+                         "cache (a dry run learns them), --jobs at a time")
+    ao.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="with --model: the dtype the model is loaded in (default: float32)")
+    ao.add_argument("--weights", default=None, choices=("int8", "bfloat16"),
+                    help="with --model: the model's projections quantized as quantize_weights does")
     ao.add_argument("--ops", default="", help=OPS_HELP.format(default="all", ops="{ops}"))
     ao.add_argument("--preset", default="default",
                     help="model preset or group whose shapes are built: default, all, mamba-130m, ...")
@@ -459,6 +508,12 @@ def main(argv=None) -> int:
                 _checked_arch(args.arch, args.cmd)
         if args.cmd == "aot":
             from tvm_mamba import aot
+
+            if args.model and (args.target != "cpu" or args.out or args.configs):
+                raise _UsageError("aot --model: builds CPU kernels into your kernel cache; give --target cpu, "
+                                  "and no --out or --configs")
+            if not args.model and not args.out:
+                raise _UsageError("aot: --out is required (or --model CHECKPOINT_DIR with --target cpu)")
 
             return aot.main(args)
         return {"info": cmd_info, "build-check": cmd_build_check, "sim-check": cmd_sim_check, "cache": cmd_cache,

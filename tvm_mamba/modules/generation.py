@@ -9,13 +9,18 @@ vocabulary unless ``vocab_size`` is given. Pure torch glue: the model's kernels 
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import inspect
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ..runtime import kernel_sets
 
 
 @dataclass
@@ -176,24 +181,36 @@ def decode(input_ids, model, max_length, top_k=1, top_p=0.0, min_p=0.0, temperat
 
     start = time.perf_counter()
     scores, sequences, seen = [], [input_ids], input_ids
-    while not should_stop(sequences[-1]):
-        logits = get_logits(sequences[-1])
-        if output_scores:
-            scores.append(logits.clone())
-        params.seqlen_offset += sequences[-1].shape[1]
-        if repetition_penalty != 1.0:
-            logits = modify_logit_for_repetition_penalty(logits.clone(), seen, repetition_penalty)
-        tokens = next_tokens(logits).to(input_ids.dtype)
-        if repetition_penalty != 1.0:
-            seen = torch.cat([seen, tokens], dim=1)
-        sequences.append(tokens)
-        if streamer is not None:
-            streamer.put(tokens.cpu())
+    with kernel_sets.recording(model_signature(model)):  # a cold cache compiles the model's kernels in a pool
+        while not should_stop(sequences[-1]):
+            logits = get_logits(sequences[-1])
+            if output_scores:
+                scores.append(logits.clone())
+            params.seqlen_offset += sequences[-1].shape[1]
+            if repetition_penalty != 1.0:
+                logits = modify_logit_for_repetition_penalty(logits.clone(), seen, repetition_penalty)
+            tokens = next_tokens(logits).to(input_ids.dtype)
+            if repetition_penalty != 1.0:
+                seen = torch.cat([seen, tokens], dim=1)
+            sequences.append(tokens)
+            if streamer is not None:
+                streamer.put(tokens.cpu())
     if streamer is not None:
         streamer.end()
     if enable_timing:
         print(f"Prompt processing + decoding time: {(time.perf_counter() - start) * 1000:.0f}ms")
     return GenerateDecoderOnlyOutput(sequences=torch.cat(sequences, dim=1), scores=tuple(scores))
+
+
+def model_signature(model) -> str:
+    """What names a model's kernel set (runtime/kernel_sets.py): its class, its config's fields, the dtypes of
+    its parameters and buffers (a quantized model runs other kernels) and its device type; 24 hex digits."""
+    cfg = getattr(model, "config", None)
+    fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else repr(cfg)
+    tensors = [*model.parameters(), *model.buffers()]
+    facts = [type(model).__name__, fields, sorted({str(t.dtype) for t in tensors}),
+             sorted({t.device.type for t in tensors})]
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 class GenerationMixin:

@@ -33,7 +33,7 @@ import filelock
 import tvm
 import tvm_ffi
 
-from . import cudasim, dispatch, pack, progress, threads, verified
+from . import cudasim, dispatch, kernel_sets, pack, progress, threads, verified
 from .cache_dir import (_source_digest, build_root, cache_base, cache_root, private_mkdir,  # noqa: F401
                         UntrustedPath)
 from .key import KernelKey, Plan
@@ -218,7 +218,8 @@ def build_and_load(key: KernelKey) -> Kernel:
 def _resolve(key: KernelKey) -> Kernel:
     """An AOT pack's kernel if one is active, else memo -> disk (verified) -> lock -> re-check -> build ->
     atomic write."""
-    kern = _from_pack(key)
+    kernel_sets.note(key)
+    kern = kernel_sets.stub_for(key) or _from_pack(key)
     if kern is not None:
         return kern
     plan = dispatch.plan(key)

@@ -51,13 +51,21 @@ def num_cores() -> int:
     return int(os.environ.get("TVM_NUM_THREADS") or usable_cpus())
 
 
+# LLVM AArch64 CPU names (``llc -mtriple=aarch64 -mcpu=help``) by prefix: a key ``llvm-neoverse-v1`` is built for
+# aarch64-linux-gnu, so ``build-check --target cpu --mcpu neoverse-v1`` checks the CPU strategies' ARM codegen
+ARM_CPU_PREFIXES = ("neoverse-", "cortex-a", "cortex-x", "apple-", "a64fx", "ampere", "thunderx", "oryon", "grace")
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_target(mcpu: str | None = None) -> Target:
-    """The llvm target for this host (or for ``mcpu`` when cross-compiling for another x86 CPU)."""
+    """The llvm target for this host (or for ``mcpu`` when cross-compiling for another CPU: an x86 one with the
+    host's triple, an AArch64 one (ARM_CPU_PREFIXES) with ``aarch64-linux-gnu``)."""
+    mcpu = mcpu or host_cpu()
+    arm = mcpu.startswith(ARM_CPU_PREFIXES)
     return Target({
         "kind": "llvm",
-        "mtriple": str(tvm.target.codegen.llvm_get_system_triple()),
-        "mcpu": mcpu or host_cpu(),
+        "mtriple": "aarch64-linux-gnu" if arm else str(tvm.target.codegen.llvm_get_system_triple()),
+        "mcpu": mcpu,
         "num-cores": num_cores(),
     })
 
