@@ -13,14 +13,6 @@ import pytest
 from tvm_mamba.runtime import KernelKey, cache, cpu_target, dispatch, kernel_sets, target_key
 
 
-@pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TVM_MAMBA_CACHE_DIR", str(tmp_path / "cache"))
-    cache.clear_memo()
-    yield tmp_path / "cache"
-    cache.clear_memo()
-
-
 def _key(dim: int) -> KernelKey:
     return KernelKey.make("causal_conv1d", "fwd", {"x": "float32", "weight": "float32"},
                           dict(dim=dim, width=4, activation="silu", has_bias=False, has_seq_idx=False, has_init=False,
