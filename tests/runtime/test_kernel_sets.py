@@ -141,3 +141,21 @@ def test_aot_model_usage_errors():
     assert cli.main(["aot", "--target", "cuda", "--model", "x"]) == 2
     assert cli.main(["aot", "--target", "cpu", "--model", "x", "--out", "y"]) == 2
     assert cli.main(["aot", "--target", "cpu"]) == 2
+
+
+def test_model_signature_names_config_dtype_and_device():
+    import torch
+
+    from tvm_mamba.modules.generation import model_signature
+    from tvm_mamba.modules.lm import MambaConfig, MambaLMHeadModel
+
+    cfg = dict(d_model=32, n_layer=1, vocab_size=64, ssm_cfg=dict(layer="Mamba1", d_state=4))
+    a, b = MambaLMHeadModel(MambaConfig(**cfg)), MambaLMHeadModel(MambaConfig(**cfg))
+    assert model_signature(a) == model_signature(b) and model_signature(a).isalnum()
+    assert model_signature(a) != model_signature(MambaLMHeadModel(MambaConfig(**dict(cfg, n_layer=2))))
+    assert model_signature(a) != model_signature(b.to(torch.bfloat16))
+
+    class Plain(torch.nn.Module):  # a config object without fields of a dataclass: no address in the name
+        config = object()
+
+    assert model_signature(Plain()) == model_signature(Plain())

@@ -206,7 +206,12 @@ def model_signature(model) -> str:
     """What names a model's kernel set (runtime/kernel_sets.py): its class, its config's fields, the dtypes of
     its parameters and buffers (a quantized model runs other kernels) and its device type; 24 hex digits."""
     cfg = getattr(model, "config", None)
-    fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else repr(cfg)
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        fields = dataclasses.asdict(cfg)
+    elif callable(getattr(cfg, "to_dict", None)):  # a transformers PretrainedConfig
+        fields = cfg.to_dict()
+    else:  # never a repr: one with an object's address would name a new set in every process
+        fields = vars(cfg) if hasattr(cfg, "__dict__") else type(cfg).__name__
     tensors = [*model.parameters(), *model.buffers()]
     facts = [type(model).__name__, fields, sorted({str(t.dtype) for t in tensors}),
              sorted({t.device.type for t in tensors})]
