@@ -3,7 +3,7 @@ greedy steps after an 8-token prompt), then the step's recorded program (modules
 replayed kernel launches and in-place copies of one whole-model step) run action by action with a timer
 around each, medians over steps.
 
-    python scripts/profile_decode.py [--model mamba2-130m] [--batch 1] [--steps 60]
+    python scripts/profile_decode.py [--model mamba2-130m] [--batch 1] [--steps 60] [--weights int8]
 
 Rows: ``<op>.<direction>`` sums one kernel's launches over the layers (``linear.fwd``: the projections and the
 LM head on tvm_mamba's GEMV; ``rmsnorm_gated.fwd`` also the blocks' fused add + RMSNorm), ``copy`` the program's
@@ -30,13 +30,14 @@ def _label(action) -> str:
     return f"{key.op}.{key.direction}" if key is not None else action.__qualname__
 
 
-def profile(model_name: str, batch: int, steps: int) -> tuple[float, dict[str, float], collections.Counter]:
+def profile(model_name: str, batch: int, steps: int, weights: str = "fp32") -> tuple[float, dict[str, float],
+                                                                                  collections.Counter]:
     """-> (median step seconds, {row: median seconds per step}, {row: actions per step})."""
     import torch
 
     from tvm_mamba.modules import _decode
 
-    model, _ = bench_lm.build_models(model_name, hf=False)
+    model, _ = bench_lm.build_models(model_name, hf=False, weights=weights)
     runner = bench_lm.Runner(model, "ours")
     vocab = model.backbone.embedding.weight.shape[0]
     with torch.inference_mode():
@@ -71,8 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="mamba2-130m", choices=sorted(bench_lm.MODELS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--weights", default="fp32", choices=sorted(bench_lm.WEIGHTS),
+                    help="the projections' weights, as bench_lm.py --weights (default: fp32)")
     args = ap.parse_args(argv)
-    step, rows, counts = profile(args.model, args.batch, args.steps)
+    step, rows, counts = profile(args.model, args.batch, args.steps, args.weights)
     print(f"{args.model} b={args.batch}: step {step * 1e3:.2f} ms (median of {args.steps}), "
           f"{sum(counts.values())} actions")
     for label, sec in sorted(rows.items(), key=lambda kv: -kv[1]):
