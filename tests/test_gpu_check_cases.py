@@ -16,7 +16,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 from gpu_checks import cases  # noqa: E402
 
-OPS = "linear,int8_dot"  # two cheap ops: 17 small cases, a few seconds once their kernels are built
+OPS = "linear,int8_dot"  # two cheap ops: ~30 small cases, seconds once their kernels are built
+
+
+def _shipped(op: str) -> list:
+    """An op's small cases: its build-check configurations and its presets' tuning configurations."""
+    return cases._configs(op, "build_check_configs") + [c for p in cases.PRESETS
+                                                         for c in cases._configs(op, "tuning_configs", p)]
 
 
 def _run(tmp_path, capsys, *extra) -> tuple[int, list[dict], str]:
@@ -28,7 +34,7 @@ def _run(tmp_path, capsys, *extra) -> tuple[int, list[dict], str]:
 def test_run_cpu_small_rows(tmp_path, capsys):
     rc, rows, out = _run(tmp_path, capsys)
     shipped = {(op, d, json.dumps(s, sort_keys=True)) for op in OPS.split(",")
-               for d, s, _ in cases._configs(op, "build_check_configs")}
+               for d, s, _ in _shipped(op)}
     assert {(r["op"], r["direction"], json.dumps(r["static"], sort_keys=True)) for r in rows} == shipped
     for r in rows:
         assert r["ok"], r
@@ -66,7 +72,8 @@ def test_configs_cover_every_kernel_the_run_resolves(tmp_path, capsys, monkeypat
     data = json.loads(cfg.read_text())
     listed = {(c["op"], c["direction"], json.dumps(c["static"], sort_keys=True), json.dumps(c["dtypes"],
               sort_keys=True)): c for c in data["configs"]}
-    assert len(data["cases"]) == 17
+    assert len(data["cases"]) == len({(op, d, json.dumps(st, sort_keys=True), json.dumps(dt, sort_keys=True))
+                                      for op in OPS.split(",") for d, st, dt in _shipped(op)})
     resolved = []
     real = cache._resolve
     monkeypatch.setattr(cache, "_resolve", lambda key: resolved.append(key) or real(key))

@@ -76,13 +76,13 @@ def _plan(configs, tkey: str, batches, seqlens):
 
 def _build_cpu(keys, jobs: int) -> dict:
     """{key: its file in the kernel cache | the exception}: what the test suite or an earlier call built is
-    reused, the rest built ``jobs`` at a time (kernel_sets.build_in_pool)."""
-    from .runtime import kernel_sets
+    reused, the rest built ``jobs`` at a time (prebuild.build_in_pool)."""
+    from .runtime import prebuild
 
     with _no_pack():  # the cache, not a pack this process may have been pointed at
         if jobs <= 1:
-            return {k: _attempt(kernel_sets.cached_file, k.to_json()) for k in keys}
-        return kernel_sets.build_in_pool(keys, jobs)
+            return {k: _attempt(prebuild.cached_file, k.to_json()) for k in keys}
+        return prebuild.build_in_pool(keys, jobs)
 
 
 @contextlib.contextmanager
@@ -189,7 +189,7 @@ def model_kernels(model_dir: str, dtype: str, weights: str | None) -> list[dict]
 
 def build_model(args) -> int:
     """``aot --model``: learn the model's kernel set in a child process, then build what the cache lacks."""
-    from .runtime import kernel_sets
+    from .runtime import prebuild
 
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # a fresh process: the dry run leaves stubs in its memos
@@ -197,8 +197,8 @@ def build_model(args) -> int:
         found = child.submit(model_kernels, args.model, args.dtype, args.weights).result()
     keys = [KernelKey.from_json(k) for k in found]
     with _no_pack():
-        todo = kernel_sets.missing(keys)
-        made = kernel_sets.build_in_pool(todo, args.jobs or os.cpu_count() or 1) if todo else {}
+        todo = prebuild.missing(keys)
+        made = prebuild.build_in_pool(todo, args.jobs or os.cpu_count() or 1) if todo else {}
     failed = [f"{k}: {type(v).__name__}: {str(v).strip()[-300:]}" for k, v in made.items() if isinstance(v, Exception)]
     print(f"aot: {args.model}: {len(keys)} kernels, {len(todo) - len(failed)} built into the kernel cache, "
           f"{len(keys) - len(todo)} already there, {len(failed)} failed ({time.perf_counter() - t0:.0f}s)")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tvm_mamba.runtime import KernelKey, cache, cpu_target, dispatch, kernel_sets, target_key
+from tvm_mamba.runtime import KernelKey, cache, cpu_target, dispatch, kernel_sets, prebuild, target_key
 
 
 def _key(dim: int) -> KernelKey:
@@ -20,15 +20,15 @@ def _key(dim: int) -> KernelKey:
 
 
 def test_recording_saves_the_keys_resolved_and_merges(fresh_cache):
-    with kernel_sets.recording("abc123", jobs=0):
+    with kernel_sets.recording("abc123"):
         cache.build_and_load(_key(8))
     assert kernel_sets.load("abc123") == [_key(8)]
-    with kernel_sets.recording("abc123", jobs=0):
+    with kernel_sets.recording("abc123"):
         cache.build_and_load(_key(16))
         cache.build_and_load(_key(8))
     assert kernel_sets.load("abc123") == [_key(8), _key(16)]  # first-use order kept, nothing twice
     assert kernel_sets.path("abc123").parent == fresh_cache / kernel_sets.FOLDER  # outside the version folder
-    assert kernel_sets.missing(kernel_sets.load("abc123")) == []
+    assert prebuild.missing(kernel_sets.load("abc123")) == []
 
 
 def test_a_set_file_is_data(fresh_cache):
@@ -49,28 +49,28 @@ def test_prefetch_builds_the_missing_keys_in_another_process(fresh_cache):
     kernel_sets.save("pool1", keys)
     cache.build_and_load(keys[0])  # already in the cache: not rebuilt
     builds = cache.stats["builds"]
-    worker = kernel_sets.prefetch("pool1", jobs=1)
+    worker = prebuild.prefetch("pool1", jobs=1)
     assert worker is not None
     worker.join(timeout=300)
     assert not worker.is_alive()
     assert cache.stats["builds"] == builds  # built by the worker process, not here
-    assert kernel_sets.missing(keys) == []
+    assert prebuild.missing(keys) == []
     for k in keys[1:]:  # this process now loads the worker's files
         assert cache.cache_path(k, dispatch.plan(k)).exists()
-    assert kernel_sets.prefetch("pool1", jobs=1) is None  # nothing left to build
+    assert prebuild.prefetch("pool1", jobs=1) is None  # nothing left to build
 
 
 GENERATE = """
 import sys, torch
 from tvm_mamba.modules.lm import MambaConfig, MambaLMHeadModel
-from tvm_mamba.runtime import cache, kernel_sets
+from tvm_mamba.runtime import cache, kernel_sets, prebuild
 torch.manual_seed(0)
 cfg = MambaConfig(d_model=64, n_layer=2, vocab_size=128, ssm_cfg=dict(layer="Mamba2", d_state=16, headdim=16,
                   chunk_size=16))
 model = MambaLMHeadModel(cfg).eval()
 from tvm_mamba.modules.generation import model_signature
 if sys.argv[1:] == ["wait"]:  # let the pool finish first: then every kernel comes from it
-    worker = kernel_sets.prefetch(model_signature(model), jobs=2)
+    worker = prebuild.prefetch(model_signature(model), jobs=2)
     worker.join()
 out = model.generate(torch.randint(0, 128, (1, 5)), max_new_tokens=3)
 print("RESULT", cache.stats["builds"], len(kernel_sets.load(model_signature(model))), out.tolist())

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..runtime import kernel_sets
+from ..runtime import kernel_sets, prebuild
 
 
 @dataclass
@@ -181,7 +181,9 @@ def decode(input_ids, model, max_length, top_k=1, top_p=0.0, min_p=0.0, temperat
 
     start = time.perf_counter()
     scores, sequences, seen = [], [input_ids], input_ids
-    with kernel_sets.recording(model_signature(model)):  # a cold cache compiles the model's kernels in a pool
+    signature = model_signature(model)
+    prebuild.prefetch(signature)  # a cold cache: the model's saved kernel set compiled by a pool meanwhile
+    with kernel_sets.recording(signature):
         while not should_stop(sequences[-1]):
             logits = get_logits(sequences[-1])
             if output_scores:

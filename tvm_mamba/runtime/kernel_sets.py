@@ -1,25 +1,23 @@
 """A model's kernel set: the kernel keys one of its runs resolved, kept per model signature, so that the next
-cold start (an empty cache, a new version of the package or of TVM: the cache folder is per version) compiles
-them together in a pool of processes instead of one after another as the first forward reaches each.
+cold start (an empty cache, a new version of the package or of TVM: the cache folder is per version) can compile
+them together (runtime/prebuild.py: a pool of processes) instead of one after another as the first forward
+reaches each.
 
-    with kernel_sets.recording(signature):   # modules: around a model's generate
-        ...                                   # every key resolved in this thread is noted, then saved
+    prebuild.prefetch(signature)             # modules: before a model's generate
+    with kernel_sets.recording(signature):   # every key resolved in this thread is noted, then saved
+        ...
 
-``recording`` first starts ``prefetch(signature)``: the keys of the saved set whose file is not in the cache
-are built by ``jobs`` worker processes (default: one per core but one, the caller compiling too) in reverse
-order of first use, while the caller builds from the front as its forward reaches each; the cache's file lock
-makes whichever comes second load the other's file. A set is saved in ``<cache base>/kernel_sets/<signature>
-.json`` (outside the per-version folder, so an upgrade's cold start is pooled), a JSON list of KernelKey
-objects merged with what was saved before; ``python -m tvm_mamba aot --model`` writes the same file (from a
-dry run of the model) and builds it. Files are data: a key that does not parse is skipped; the folder is the
-kernel cache's, so it is held to the same trust rules (cache_dir.require_trusted).
+A set is saved in ``<cache base>/kernel_sets/<signature>.json`` (outside the per-version folder, so an upgrade's
+cold start is pooled), a JSON list of KernelKey objects merged with what was saved before; ``python -m tvm_mamba
+aot --model`` writes the same file from a ``dry_run`` of the model (stub kernels: nothing compiles or runs).
+Files are data: a key that does not parse is skipped; the folder is the kernel cache's, so it is held to the
+same trust rules (cache_dir.require_trusted). cache.build_and_load calls ``note`` and ``stub_for``; this
+module imports nothing above the cache.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
-import multiprocessing
 import os
 import pathlib
 import threading
@@ -31,7 +29,6 @@ from .key import KernelKey
 FOLDER = "kernel_sets"
 MAX_KEYS = 512  # a set larger than this is cut (its first keys kept): a model runs tens of kernels
 _local = threading.local()
-_prefetching: dict[str, threading.Thread] = {}
 _settled: dict[tuple, frozenset] = {}  # (cache base, signature) -> keys saved and resolved in this process
 
 
@@ -92,9 +89,13 @@ class _Stub:
         return self
 
 
+def in_dry_run() -> bool:
+    return getattr(_local, "dry", False)
+
+
 def stub_for(key: KernelKey):
     """A stub kernel when this thread is in a dry run (``dry_run``), else None (cache._resolve asks)."""
-    return _Stub(key) if getattr(_local, "dry", False) else None
+    return _Stub(key) if in_dry_run() else None
 
 
 @contextlib.contextmanager
@@ -116,11 +117,16 @@ def note(key: KernelKey) -> None:
         got.setdefault(key, None)
 
 
+def settled(signature: str) -> bool:
+    """Whether this process has saved ``signature``'s set and resolved its kernels (with this cache): a later
+    run of the model needs no prefetch (runtime/prebuild.py) and no rewrite of the file."""
+    return (str(cache_base()), signature) in _settled
+
+
 @contextlib.contextmanager
-def recording(signature: str, jobs: int | None = None):
-    """Prefetch ``signature``'s saved set, then note the keys this thread resolves in the block and save
-    them (also when the block raises: what ran is still the model's)."""
-    prefetch(signature, jobs)
+def recording(signature: str):
+    """Note the keys this thread resolves in the block and save them to ``signature``'s set (also when the
+    block raises: what ran is still the model's)."""
     outer = getattr(_local, "keys", None)
     _local.keys = {}
     try:
@@ -134,66 +140,3 @@ def recording(signature: str, jobs: int | None = None):
             with contextlib.suppress(OSError):
                 save(signature, got)
                 _settled[settled] = _settled.get(settled, frozenset()) | frozenset(got)
-
-
-def missing(keys) -> list[KernelKey]:
-    """The keys whose kernel (with the plan dispatch picks now) is in neither the cache nor a pack."""
-    from . import cache, dispatch, pack
-
-    pk = pack.active_pack()
-    return [k for k in keys if not (pk is not None and pk.find(k) is not None)
-            and not cache.cache_path(k, dispatch.plan(k)).exists()]
-
-
-def prefetch(signature: str, jobs: int | None = None) -> threading.Thread | None:
-    """Start building the missing part of ``signature``'s saved set in the background (module docstring);
-    the thread, or None when there is nothing (or too little) to build or it already runs."""
-    running = _prefetching.get(signature)
-    if (getattr(_local, "dry", False) or (str(cache_base()), signature) in _settled
-            or (running is not None and running.is_alive())):
-        return None
-    todo = missing([k for k in load(signature) if k.target.startswith("llvm")])  # CPU kernels: the GPU's
-    # are compiled by nvcc, and a simulated kernel's build is the checker's business
-    jobs = max(1, (os.cpu_count() or 2) - 1) if jobs is None else jobs
-    if len(todo) < 2 or jobs < 1:
-        return None
-    worker = threading.Thread(target=build_in_pool, args=(todo[::-1], jobs, True), daemon=True,
-                              name=f"tvm_mamba-prefetch-{signature[:8]}")
-    _prefetching[signature] = worker
-    worker.start()
-    return worker
-
-
-def build_in_pool(keys, jobs: int, while_main_runs: bool = False) -> dict:
-    """{key: its file in the kernel cache | the exception}, built ``jobs`` processes at a time (spawned: TVM's
-    build holds the GIL, and TVM and torch start threads at import, so no fork). ``while_main_runs``: submit
-    no further key once the main thread has ended (an exiting program does not wait for a prefetch)."""
-    out: dict = {}
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        running: dict = {}
-        for key in keys:
-            if while_main_runs and not threading.main_thread().is_alive():
-                break
-            if len(running) >= jobs:
-                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-                for f in done:
-                    out[running.pop(f)] = _outcome(f)
-            running[pool.submit(cached_file, key.to_json())] = key
-        for f in running:
-            out[running[f]] = _outcome(f)
-    return out
-
-
-def _outcome(future):
-    try:
-        return future.result()
-    except Exception as err:  # noqa: BLE001 - one key's failure is reported, the rest still built
-        return err
-
-
-def cached_file(key_json: dict) -> str:
-    """A worker's task: the kernel's file in this user's kernel cache, built there if missing."""
-    from . import cache
-
-    return str(cache.build_and_load(KernelKey.from_json(key_json)).path)
