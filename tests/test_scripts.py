@@ -297,6 +297,7 @@ def test_profile_decode_names_every_kernel_of_the_step():
         assert 0 < sum(v[0] for v in got.values()) < 10 * step_ms
 
 
+@pytest.mark.cold_start
 def test_cold_start_empty_upgrade_warm():
     """scripts/cold_start.py on a tiny Mamba-2 LM: the empty cache compiles in the process, the warm one does
     not, and the upgrade case (kernel set kept) compiles no more than the empty one."""

@@ -84,6 +84,7 @@ def _generate(env, *args) -> tuple[int, int, list]:
     return int(line[1]), int(line[2]), json.loads(line[3])
 
 
+@pytest.mark.cold_start
 def test_an_upgrade_s_cold_start_compiles_the_model_s_set_in_a_pool(tmp_path):
     """The first generate builds every kernel itself and records the set; with the version folder gone (what an
     upgrade leaves), the set is built by the pool (generate starts it; here it is waited for, so that every
@@ -117,6 +118,7 @@ print("BUILDS", cache.stats["builds"])
 """
 
 
+@pytest.mark.cold_start
 def test_aot_model_builds_a_checkpoint_s_kernels_before_its_first_generate(tmp_path):
     """`aot --model DIR` learns the kernel set by a dry run and builds it into the cache: the checkpoint's first
     generate then compiles nothing; a second aot finds everything there."""

@@ -85,6 +85,7 @@ def test_silenced(err, monkeypatch, how):
     assert err.getvalue() == ""
 
 
+@pytest.mark.cold_start
 def test_a_cold_process_says_so_and_a_warm_one_does_not(tmp_path):
     """A real kernel build (fresh cache) prints the notice; the next process loads it and prints nothing."""
     code = ("from tvm_mamba.runtime import progress; progress.NOTICE_S = 0.0\n"
