@@ -225,3 +225,93 @@ def test_inputs_sharing_memory_make_no_recipe_the_next_separate_call_does(full_c
                                          B.double(), D.double(), z.double(), dt_bias.double(), True, idx)
     torch.testing.assert_close(shared_out.double(), want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(sep_out, shared_out)
+
+
+def _fresh_tied_call(state, A_h, D_h, dtb_h, g, batch=3, H=2, P=4, N=8):
+    """One decode step's call as vLLM's Mamba-2 layer makes it: new activations, A / D / dt_bias new expanded
+    views of the same parameters."""
+    x, B, C = torch.randn(batch, H, P, generator=g), torch.randn(batch, 1, N, generator=g), \
+        torch.randn(batch, 1, N, generator=g)
+    dt = torch.rand(batch, H, generator=g)[:, :, None].expand(-1, -1, P)
+    return (x, dt, A_h[:, None, None].expand(-1, P, N), B, C, D_h[:, None].expand(-1, P), None,
+            dtb_h[:, None].expand(-1, P))
+
+
+def test_a_repeated_signature_is_served_by_its_guard_and_fresh_views_read_the_new_call(full_calls, monkeypatch):
+    """The guard serves a repeated signature without building it; each call's views are of that call's
+    tensors (activations at new addresses), parameters' views are reused, and every result is the full
+    path's on the same inputs."""
+    from tvm_mamba.torch_ops import _fastpath
+
+    g = torch.Generator().manual_seed(4)
+    state = torch.randn(5, 2, 4, 8, generator=g)
+    A_h, D_h, dtb_h = -torch.rand(2, generator=g), torch.randn(2, generator=g), torch.randn(2, generator=g)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    _ssu(state.clone(), _fresh_tied_call(state, A_h, D_h, dtb_h, g), idx)  # watched
+    built = []
+    signature = _fastpath.signature
+    monkeypatch.setattr(_fastpath, "signature", lambda *a: built.append(1) or signature(*a))
+    for _ in range(4):
+        rest = _fresh_tied_call(state, A_h, D_h, dtb_h, g)
+        got_state, want_state = state.clone(), state.clone()
+        got = _ssu(got_state, rest, idx)
+        want = scan_ops._selective_state_update(want_state, *rest, True, idx)
+        assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    assert not built and len(full_calls) == 1
+    monkeypatch.setattr(_fastpath, "signature", signature)
+
+
+@pytest.mark.parametrize("change", ["stride", "dtype", "none", "alignment", "grad"])
+def test_a_call_the_guard_does_not_cover_takes_its_own_path(full_calls, change):
+    """A different signature never runs another signature's recipe: a transposed state, another dtype, an
+    argument given where it was None, an address of another alignment, a tensor needing a gradient."""
+    state, rest = _ssu_inputs()
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    _ssu(state.clone(), rest, idx)
+    x, dt, A, B, C, D, z, dt_bias = rest
+    s = state.clone()
+    if change == "stride":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif change == "dtype":
+        x = x.to(torch.bfloat16)
+    elif change == "none":
+        z = None
+    elif change == "alignment":
+        x = torch.empty(x.numel() + 1)[1:].view(x.shape).copy_(x)
+    else:
+        x = x.clone().requires_grad_()
+    got = _ssu(s, (x, dt, A, B, C, D, z, dt_bias), idx)
+    assert len(full_calls) == 2
+    want_state = state.clone()
+    with torch.no_grad():
+        want = scan_ops._selective_state_update(want_state, x, dt, A, B, C, D, z, dt_bias, True, idx)
+    assert torch.equal(got.detach(), want) and torch.equal(s, want_state)
+
+
+def test_recipes_of_several_signatures_serve_in_turn(full_calls):
+    """Batch sizes alternate in a server: each signature's recipe serves its calls, the others' guards say no."""
+    runs = {}
+    for _ in range(3):
+        for batch in (1, 2, 3):
+            state, rest = _ssu_inputs(batch=batch)
+            idx = torch.tensor([4, -1, 1][:batch], dtype=torch.int32)
+            s = state.clone()
+            runs.setdefault(batch, []).append((_ssu(s, rest, idx), s))
+    assert len(full_calls) == 3
+    for batch, results in runs.items():
+        assert all(torch.equal(o, results[0][0]) and torch.equal(s, results[0][1]) for o, s in results[1:])
+
+
+@pytest.mark.parametrize("n", [8, 300])
+def test_slot_stats_small_and_large(n):
+    """slot_stats' list path (decode batches) and numpy path (longer) agree with a plain reading."""
+    from tvm_mamba.torch_ops._dlpack import slot_stats
+
+    g = torch.Generator().manual_seed(n)
+    for dup in (False, True):
+        idx = torch.randperm(2 * n, generator=g)[:n].to(torch.int32)
+        idx[::3] = -1
+        if dup:
+            idx[1] = idx[2] = 7
+        used = [v for v in idx.tolist() if v >= 0]
+        assert slot_stats(idx) == (max(idx.tolist()), len(set(used)) != len(used))

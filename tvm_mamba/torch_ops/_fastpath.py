@@ -30,10 +30,13 @@ from ..runtime.cache import FAST_TTL_S, KERNEL_ENV_VARS
 from ..runtime.cudasim import current as sim_config
 from ..runtime.target import cudasim_active
 from . import _dlpack
+from ._recipe_code import compile_guard, compile_recipe
 
 _SLOW = object()  # a signature whose launches read a temporary: no recipe
 _AMBIGUOUS = object()  # a launch argument inside two inputs (they share memory in this call): not kept
 _MAX_ENTRIES = 4096  # signatures kept per op (a server sees a few per batch size)
+_HOT = 4  # recipes an op tries by guard before it computes the signature (the layers of a decode step share one)
+
 
 
 def _environ_reader() -> Callable[[], tuple]:
@@ -43,8 +46,8 @@ def _environ_reader() -> Callable[[], tuple]:
     encode = getattr(os.environ, "encodekey", None)
     if not isinstance(data, dict) or encode is None:
         return lambda: tuple(os.environ.get(name) for name in KERNEL_ENV_VARS)
-    keys = tuple(encode(name) for name in KERNEL_ENV_VARS)
-    return lambda: tuple(data.get(k) for k in keys)
+    keys, get = tuple(encode(name) for name in KERNEL_ENV_VARS), data.get
+    return lambda: tuple(map(get, keys))
 
 
 _environ = _environ_reader()
@@ -123,11 +126,16 @@ class _Recipe:
     """Launches (kernel, argument sources), fresh outputs (numel, dtype, device), the result's source(s);
     served under ``context`` until ``expires`` (then the op runs in full once more: the kernel cache's own
     re-resolution interval, so tuning records written meanwhile are picked up)."""
-    __slots__ = ("context", "expires", "launches", "outputs", "result")
+    __slots__ = ("context", "expires", "launches", "outputs", "result", "guard", "run")
 
-    def __init__(self, context, launches, outputs, result):
+    def __init__(self, context, launches, outputs, result, n_inputs):
         self.context, self.launches, self.outputs, self.result = context, launches, outputs, result
         self.expires = time.monotonic() + FAST_TTL_S
+        self.guard: Optional[Callable] = None  # guard(tensors, flags): this signature? (compile_guard)
+        self.run = compile_recipe(launches, outputs, result, n_inputs, _build)  # run(inputs) -> result
+
+    def serves(self) -> bool:
+        return self.context == context() and time.monotonic() < self.expires
 
 
 def _make_recipe(ctx, inputs, launches, result, copies=()):
@@ -158,7 +166,7 @@ def _make_recipe(ctx, inputs, launches, result, copies=()):
         return None
     result_spec = tuple(returned) if isinstance(result, tuple) else returned[0]
     return _Recipe(ctx, tuple(steps), tuple((numel, dtype, device) for _, numel, dtype, device in outputs),
-                   result_spec)
+                   result_spec, len(inputs))
 
 
 def _build(src, inputs, fresh, made=None):
@@ -200,9 +208,18 @@ class FastPath:
     def __init__(self, full: Callable, checks: Callable | None = None, copies: bool = False):
         self.full, self.checks, self.copies = full, checks, copies
         self._recipes: dict = {}
+        self._hot: tuple = ()  # recipes with guards, most recently used first
         self._lock = threading.Lock()
 
     def call(self, tensors: Sequence[Optional[torch.Tensor]], flags: tuple, *args):
+        if _dlpack.modes_allow_direct():
+            for recipe in self._hot:  # the last signatures, checked by their guards (no signature built)
+                if recipe.guard(tensors, flags):
+                    if not recipe.serves():
+                        break
+                    if self.checks is not None:
+                        self.checks(*args)
+                    return recipe.run(tensors)
         if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
             return self.full(*args)  # the full path names the argument that is no tensor
         sig = signature(tensors, flags)
@@ -214,13 +231,19 @@ class FastPath:
             return self.full(*args)
         if recipe is _SLOW:
             return self.full(*args)
-        if recipe is not None and recipe.context == context() and time.monotonic() < recipe.expires:
+        if recipe is not None and recipe.serves():
             if self.checks is not None:
                 self.checks(*args)
-            return self._run(recipe, tensors)
-        return self._watch(sig, tensors, args)
+            self._promote(recipe)
+            return recipe.run(tensors)
+        return self._watch(sig, tensors, flags, args)
 
-    def _watch(self, sig, tensors, args):
+    def _promote(self, recipe: _Recipe) -> None:
+        """Put ``recipe`` first among the guarded ones (a new tuple: readers in other threads see either)."""
+        if recipe.guard is not None and (not self._hot or self._hot[0] is not recipe):
+            self._hot = (recipe,) + tuple(r for r in self._hot if r is not recipe)[:_HOT - 1]
+
+    def _watch(self, sig, tensors, flags, args):
         ctx, outer = context(), _dlpack.recording()
         copies, saved = ([] if self.copies else None), _dlpack._capture.copies
         _dlpack._capture.copies = copies
@@ -234,30 +257,18 @@ class FastPath:
         made = _make_recipe(ctx, tensors, launches, result, copies or ())
         if made is _AMBIGUOUS:
             return result
+        if made is not None:
+            made.guard = compile_guard(tensors, flags)
         with self._lock:
             if len(self._recipes) >= _MAX_ENTRIES:
                 self._recipes.clear()
+                self._hot = ()
             self._recipes[sig] = _SLOW if made is None else made
+            if made is not None:
+                self._promote(made)
         return result
-
-    @staticmethod
-    def _run(recipe: _Recipe, inputs):
-        fresh = [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in recipe.outputs]
-        record, made = _dlpack.recording(), {}
-        for kernel, sources in recipe.launches:
-            args = []
-            for src in sources:  # the common kinds inline: a call passes about ten arguments
-                kind = src[0]
-                args.append(inputs[src[1]] if kind == "id" else fresh[src[1]] if kind == "new"
-                            else src[1] if kind == "const" else _build(src, inputs, fresh, made))
-            kernel(*args)
-            if record is not None:
-                record.append(_dlpack.Launch(kernel, tuple(args)))
-        spec = recipe.result
-        if isinstance(spec, tuple) and spec and isinstance(spec[0], tuple):
-            return tuple(_build(s, inputs, fresh) for s in spec)
-        return _build(spec, inputs, fresh)
 
     def clear(self) -> None:
         with self._lock:
             self._recipes.clear()
+            self._hot = ()
