@@ -263,7 +263,10 @@ class FastPath:
             if len(self._recipes) >= _MAX_ENTRIES:
                 self._recipes.clear()
                 self._hot = ()
+            old = self._recipes.get(sig)
             self._recipes[sig] = _SLOW if made is None else made
+            if old is not None and old is not _SLOW:  # an expired recipe of this signature: its guard goes too
+                self._hot = tuple(r for r in self._hot if r is not old)
             if made is not None:
                 self._promote(made)
         return result

@@ -33,6 +33,12 @@ def _slots(name: str, idx: Optional[Tensor], rows: int) -> Optional[Tensor]:
     return idx
 
 
+def _one_per_row(idx, rows: int) -> bool:
+    """``idx`` a 1-D int32 / int64 tensor of exactly ``rows`` slots: the kernels take it as it is."""
+    return type(idx) in (Tensor, torch.nn.Parameter) and idx.dim() == 1 and idx.shape[0] == rows and \
+        idx.dtype in (torch.int32, torch.int64)
+
+
 def offsets(name: str, loc, tokens: int) -> list[int]:
     """vLLM's (batch + 1,) cumulative offsets (``query_start_loc`` / ``cu_seqlens``) as a list, checked: int,
     1-D, from 0, non-decreasing, ending at most at ``tokens`` (ValueError / TypeError naming ``name``)."""
@@ -46,9 +52,12 @@ def offsets(name: str, loc, tokens: int) -> list[int]:
 
 def _kernel_slots(src: Tensor, null_block_id: int) -> Tensor:
     """vLLM's slots -> the kernels': the null block becomes -1 (a padding row). ``src`` itself when no row is
-    padding and it is int32 (a CPU decode step's usual case: checked through numpy, ~1 us)."""
+    padding and it is int32 (a CPU decode step's usual case: a decode batch's slots read as a list, ~1 us)."""
     if src.dtype == torch.int32 and src.device.type == "cpu":
-        if not (src.numpy() == null_block_id).any():
+        if src.numel() <= 128 and src.dim() == 1:
+            if null_block_id not in src.tolist():
+                return src
+        elif not (src.numpy() == null_block_id).any():
             return src
     return torch.where(src == null_block_id, -1, src).to(torch.int32)
 
@@ -81,6 +90,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     if enable_stochastic_rounding:
         raise ValueError("enable_stochastic_rounding: stochastic rounding of the state is not supported")
     if num_accepted_tokens is None and cu_seqlens is None:
+        if _one_per_row(state_batch_indices, x.shape[0]) and (dst_state_batch_indices is None or
+                                                               dst_state_batch_indices is state_batch_indices):
+            idx = _kernel_slots(state_batch_indices, null_block_id)  # a decode step's usual call: no views
+            return _write_out(out, _ssu(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices=idx), x)
         src = _slots("state_batch_indices", state_batch_indices, x.shape[0])
         dst = _slots("dst_state_batch_indices", dst_state_batch_indices, x.shape[0])
         if src is None:
@@ -187,6 +200,11 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
             raise ValueError("initial_state_idx: prefix caching with speculative / packed conv steps is not supported")
         result = _conv_window(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
                               query_start_loc, max_query_len, null_block_id)
+        return _write_out(x if out is None else out, result, x)
+    if _one_per_row(conv_state_indices, x.shape[0]) and initial_state_idx is None and \
+            block_idx_last_scheduled_token is None:  # a decode step's usual call: the slots as they are
+        result = _conv_update(x, conv_state, weight, bias, activation, None,
+                              _kernel_slots(conv_state_indices, null_block_id))
         return _write_out(x if out is None else out, result, x)
     idx = _slots("conv_state_indices", conv_state_indices, x.shape[0])
     if idx is not None:
