@@ -8,7 +8,9 @@ kernel cache reads). :class:`FastPath` runs an op's full implementation the firs
 watches the launches it makes (:class:`~._dlpack.capture_launches`) and keeps a *recipe*: per launch, the
 kernel and where each argument comes from — an input (or a view of it, rebuilt with ``as_strided``), a
 cached placeholder, or a fresh output. The next call with that signature runs only the op's data checks
-(index ranges: values, not shapes) and the launches.
+(index ranges: values, not shapes) and the launches. The last few recipes are tried first by their guards
+(torch's C++ tensor check, without building the signature), and each recipe runs as one generated
+straight-line function (torch_ops/_recipe_code.py).
 
 An op qualifies when its implementation touches memory only through kernels (no torch writes beside them)
 and its kernels take tensors only. A signature whose launches read a temporary gets no recipe and keeps the
@@ -36,7 +38,6 @@ _SLOW = object()  # a signature whose launches read a temporary: no recipe
 _AMBIGUOUS = object()  # a launch argument inside two inputs (they share memory in this call): not kept
 _MAX_ENTRIES = 4096  # signatures kept per op (a server sees a few per batch size)
 _HOT = 4  # recipes an op tries by guard before it computes the signature (the layers of a decode step share one)
-
 
 
 def _environ_reader() -> Callable[[], tuple]:
