@@ -315,3 +315,15 @@ def test_slot_stats_small_and_large(n):
             idx[1] = idx[2] = 7
         used = [v for v in idx.tolist() if v >= 0]
         assert slot_stats(idx) == (max(idx.tolist()), len(set(used)) != len(used))
+
+
+def test_bad_arguments_after_a_recipe_get_the_full_paths_errors(full_calls):
+    """A guard that cannot read an argument (no tensor where a recipe had one) leaves the call to the full
+    path, which names the argument."""
+    state, rest = _ssu_inputs()
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    _ssu(state.clone(), rest, idx)
+    with pytest.raises(TypeError, match="x"):
+        _ssu(state.clone(), (rest[0].tolist(),) + rest[1:], idx)
+    with pytest.raises((TypeError, ValueError), match="dt"):
+        _ssu(state.clone(), (rest[0], "dt") + rest[2:], idx)

@@ -214,13 +214,11 @@ class FastPath:
 
     def call(self, tensors: Sequence[Optional[torch.Tensor]], flags: tuple, *args):
         if _dlpack.modes_allow_direct():
-            for recipe in self._hot:  # the last signatures, checked by their guards (no signature built)
-                if recipe.guard(tensors, flags):
-                    if not recipe.serves():
-                        break
-                    if self.checks is not None:
-                        self.checks(*args)
-                    return recipe.run(tensors)
+            recipe = self._guarded(tensors, flags)
+            if recipe is not None:
+                if self.checks is not None:
+                    self.checks(*args)
+                return recipe.run(tensors)
         if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
             return self.full(*args)  # the full path names the argument that is no tensor
         sig = signature(tensors, flags)
@@ -238,6 +236,17 @@ class FastPath:
             self._promote(recipe)
             return recipe.run(tensors)
         return self._watch(sig, tensors, flags, args)
+
+    def _guarded(self, tensors, flags) -> Optional[_Recipe]:
+        """The serving recipe among the last ones whose guard passes this call, or None (the signature path
+        decides; also when a guard cannot read an argument: the full path names what is wrong with it)."""
+        try:
+            for recipe in self._hot:
+                if recipe.guard(tensors, flags):
+                    return recipe if recipe.serves() else None
+        except Exception:  # noqa: BLE001
+            pass
+        return None
 
     def _promote(self, recipe: _Recipe) -> None:
         """Put ``recipe`` first among the guarded ones (a new tuple: readers in other threads see either)."""
