@@ -6,8 +6,8 @@ in any call); the note gives the overhead in microseconds and the op's full path
 the cache lookup), which the first call of a signature takes. The two are timed in alternating rounds (a
 loop of calls, then a loop of kernel launches) and the overhead is the median of the rounds' differences:
 a single call's time swings more than the overhead on a shared VM, and slow stretches hit both loops of a
-round alike. Decode shapes of the 130M models, batch 1
-and 8 (the batch-8 rows from a slot pool with state indices, as continuous batching calls them).
+round alike. Decode shapes of the 130M models, batch 1 and 8 (the batch-8 rows from a slot pool with state
+indices, as continuous batching calls them).
 """
 from __future__ import annotations
 
