@@ -1,8 +1,8 @@
 """The package's layering: no module-level import circles, and the torch-free layers import no torch.
 
 The import graph is read from the sources with ``ast`` (nothing is imported to build it): one node per
-module of ``tvm_mamba`` plus the repository's ``schedules/`` folder as ``tvm_mamba.schedules`` (how
-``tvm_mamba.__init__._map_schedules_from_checkout`` and pyproject install it). An edge is an import
+module of ``tvm_mamba`` plus the repository's ``schedules/`` folder as ``tvm_mamba.schedules`` (what the
+``tvm_mamba/schedules`` link makes it; the walk does not follow links). An edge is an import
 statement, relative imports resolved against the importing module's package; ``from pkg import name`` points
 at ``pkg.name`` when that is a module, else at ``pkg``.
 
@@ -23,7 +23,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "tvm_mamba"
-# (module-name prefix, folder): the schedules folder sits beside the package and is mapped into it
+# (module-name prefix, folder): the schedules folder sits beside the package, linked into it
 FOLDERS = ((PACKAGE, ROOT / PACKAGE), (f"{PACKAGE}.schedules", ROOT / "schedules"))
 
 

@@ -1,6 +1,8 @@
-"""The wheel maps schedules/ into the package and ships tuning_logs/ as data."""
+"""schedules/ is the package's tvm_mamba.schedules through the tvm_mamba/schedules link (in a wheel, a copy);
+the wheel ships it and tuning_logs/ as data."""
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -36,3 +38,16 @@ def test_wheel_contains_schedules_and_tuning_logs(tmp_path):
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[vllm.general_plugins]\ntvm_mamba = tvm_mamba.vllm_plugin:register" in text
+
+
+def test_schedules_link_serves_a_checkout(tmp_path):
+    """tvm_mamba/schedules is a relative link to the repository's schedules/, so a checkout imported through
+    PYTHONPATH (a git worktree, the GPU machine's copy) uses its own schedules, with nothing mapped at import."""
+    link = ROOT / "tvm_mamba" / "schedules"
+    assert link.is_symlink() and link.readlink() == pathlib.Path("..") / "schedules"
+    code = "import tvm_mamba.schedules.cpu.ssd as m; print(m.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    where = pathlib.Path(out.stdout.strip()).resolve()
+    assert where == (ROOT / "schedules" / "cpu" / "ssd.py").resolve()

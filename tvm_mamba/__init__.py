@@ -8,30 +8,6 @@ import change::
 __version__ = "0.1.0"
 
 
-def _map_schedules_from_checkout() -> None:
-    """``schedules/`` sits beside the package in the repository and is installed as tvm_mamba.schedules
-    (pyproject). When the package is imported from a checkout (PYTHONPATH, a git worktree, a GPU machine
-    with only the TVM runtime), map that checkout's folder, so the schedules always match the package
-    beside them, even when another checkout is editable-installed."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    folder = pathlib.Path(__file__).resolve().parent.parent / "schedules"
-    if not (folder / "__init__.py").is_file():
-        return  # installed from a wheel: pyproject put the folder inside the package
-    spec = importlib.util.spec_from_file_location("tvm_mamba.schedules", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tvm_mamba.schedules"] = module
-    spec.loader.exec_module(module)
-    globals()["schedules"] = module
-
-
-_map_schedules_from_checkout()
-
 # Public name -> the module that defines it. Resolved on first use (PEP 562), so ``import tvm_mamba.compute``
 # or ``tvm_mamba.runtime`` (the torch-free layers: an AOT host with only TVM) does not import torch through
 # this file, and no module of the package imports this one to get at a sibling.

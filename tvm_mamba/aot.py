@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib
 import itertools
 import multiprocessing
 import json
@@ -32,14 +31,14 @@ import tempfile
 import time
 
 from .runtime import KernelKey, cpu_target, cuda_target, target_key
-from .runtime import dispatch, pack, rules, threads
+from .runtime import dispatch, pack, registry, rules, threads
 from .runtime.cache import PACK_THREADS, compile_module
 
 CASES_COPY = "gpu_check_configs.json"  # the name scripts/gpu_checks/cases.py looks for in a pack
 
 
 def _configs(op: str, preset: str):
-    mod = importlib.import_module(f"tvm_mamba.compute.{op}")
+    mod = registry.op(op).compute
     seen, out = set(), []
     for fn in ("build_check_configs", "tuning_configs"):
         f = getattr(mod, fn, None)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib
 import re
 import sys
 import time
@@ -91,8 +90,10 @@ def _print_tuning(tkey: str, gpu_name: str | None = None) -> None:
 
 
 def _configs(ops: list[str]):
+    from tvm_mamba.runtime import registry
+
     for op in ops:
-        mod = importlib.import_module(f"tvm_mamba.compute.{op}")
+        mod = registry.op(op).compute
         fn = getattr(mod, "build_check_configs", None)
         if fn is None:
             continue

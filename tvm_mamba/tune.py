@@ -19,7 +19,6 @@ interrupted run loses only the workload in flight. Tuning never executes anythin
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import math
@@ -35,7 +34,7 @@ import tvm
 
 from . import metaschedule as msd
 from .runtime import KernelKey, cpu_target, target_key
-from .runtime import dispatch, tuning
+from .runtime import dispatch, registry, tuning
 from .runtime.cache import compile_module
 from .schedules.rule import Decisions
 
@@ -46,7 +45,7 @@ CONFIRM_MARGIN = 0.03  # the winner must be >= 3% faster than the default in the
 
 
 def _configs(op: str, preset: str):
-    mod = importlib.import_module(f"tvm_mamba.compute.{op}")
+    mod = registry.op(op).compute
     if hasattr(mod, "tuning_configs"):
         return mod.tuning_configs(preset)
     return mod.build_check_configs() if hasattr(mod, "build_check_configs") else []
@@ -70,7 +69,7 @@ def bucket_for(names: list[str], batch: int, seqlen: int) -> dict[str, int]:
 
 def _derived(key: KernelKey, dims: dict) -> dict:
     """Dims the op derives from the others (e.g. a reduction's part count), via compute.<op>.derived_dims."""
-    fn = getattr(importlib.import_module(f"tvm_mamba.compute.{key.op}"), "derived_dims", None)
+    fn = getattr(registry.op(key.op).compute, "derived_dims", None)
     return fn(key.direction, dims, dict(key.static)) if fn is not None else {}
 
 

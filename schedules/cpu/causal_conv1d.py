@@ -14,21 +14,23 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...compute import _math
 from ...compute._causal_conv1d_signature import conv_kernel
 from ...compute._causal_conv1d_update import update_template
+from ...compute._math import math_for
 from ...compute.causal_conv1d import DIMS, CausalConv1dBwd, CausalConv1dFwd, window_value, zero_padding
 from ..rule import Decisions, kernel_attrs, schedule_of
+
+MATH = math_for()  # float32, the vectorizable polynomials (llvm.exp is one libm call per lane)
 
 F32 = "float32"
 
 
 def _act(v, activation):
-    return _math.silu(v) if activation == "silu" else v
+    return MATH.silu(v) if activation == "silu" else v
 
 
 def _act_grad(v, activation):
-    return _math.silu_grad(v) if activation == "silu" else tirx.const(1.0, F32)
+    return MATH.silu_grad(v) if activation == "silu" else tirx.const(1.0, F32)
 
 
 class _Taps:

@@ -21,9 +21,11 @@ import types
 
 from tvm.script import tirx as T
 
-from tvm_mamba.compute import _math
+from tvm_mamba.compute._math import math_for
 from tvm_mamba.compute.rmsnorm_gated import PART_ROWS, NormDims, dropout_keep
 from tvm_mamba.schedules import rule
+
+MATH = math_for()  # float32, the vectorizable polynomials (llvm.exp is one libm call per lane)
 
 KERNELS = ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")
 
@@ -61,7 +63,7 @@ def _fwd_math(d: NormDims, x_dtype: str) -> types.SimpleNamespace:
 
     def u(B, r, h):
         v = s(B, r, h)
-        return v * _math.silu(_f32(B["z"][r, h])) if d.gate_in else v
+        return v * MATH.silu(_f32(B["z"][r, h])) if d.gate_in else v
 
     def xhat(B, mu, rs, r, h):
         c = u(B, r, h)
@@ -72,7 +74,7 @@ def _fwd_math(d: NormDims, x_dtype: str) -> types.SimpleNamespace:
         if has_bias:
             v = v + _f32(B["bias"][h])
         if d.gate_out:
-            v = v * _math.silu(_f32(B["z"][r, h]))
+            v = v * MATH.silu(_f32(B["z"][r, h]))
         return v.astype(x_dtype)
 
     def y1(B, mu, rs, r, h):
@@ -202,12 +204,12 @@ def _bwd_math(d: NormDims, dout_dtype: str) -> types.SimpleNamespace:
 
     def xhat(B, mu, rs, r, h):
         v = _f32(B["x"][r, h])
-        v = v * _math.silu(zf(B, r, h)) if d.gate_in else v
+        v = v * MATH.silu(zf(B, r, h)) if d.gate_in else v
         return (v if rms else v - mu) * rs
 
     def dy(B, r, h):
         v = _f32(B["dout"][r, h])
-        return v * _math.silu(zf(B, r, h)) if d.gate_out else v
+        return v * MATH.silu(zf(B, r, h)) if d.gate_out else v
 
     def dy1(B, r, h):
         return _f32(B["dout1"][r, h])
@@ -222,7 +224,7 @@ def _bwd_math(d: NormDims, dout_dtype: str) -> types.SimpleNamespace:
 
     def ds(B, mu, rs, c1, c2, r, h):
         v = du(B, mu, rs, c1, c2, r, h)
-        v = v * _math.silu(zf(B, r, h)) if d.gate_in else v
+        v = v * MATH.silu(zf(B, r, h)) if d.gate_in else v
         return v + _f32(B["dresidual"][r, h]) if has_dres else v
 
     def dx_val(B, mu, rs, c1, c2, r, h):
@@ -232,9 +234,9 @@ def _bwd_math(d: NormDims, dout_dtype: str) -> types.SimpleNamespace:
     def dz_val(B, mu, rs, c1, c2, r, h):
         if nbg:
             yv = xhat(B, mu, rs, r, h) * _f32(B["weight"][h]) + (_f32(B["bias"][h]) if has_bias else T.float32(0))
-            v = _f32(B["dout"][r, h]) * yv * _math.silu_grad(zf(B, r, h))
+            v = _f32(B["dout"][r, h]) * yv * MATH.silu_grad(zf(B, r, h))
         else:
-            v = du(B, mu, rs, c1, c2, r, h) * _f32(B["x"][r, h]) * _math.silu_grad(zf(B, r, h))
+            v = du(B, mu, rs, c1, c2, r, h) * _f32(B["x"][r, h]) * MATH.silu_grad(zf(B, r, h))
         return v.astype(dout_dtype)
 
     return types.SimpleNamespace(xhat=xhat, dy=dy, dy1=dy1, dxhat=dxhat, ds=ds, dx_val=dx_val, dz_val=dz_val)

@@ -30,7 +30,7 @@ def test_check_dims(bad, match):
         ssd.check_dims(**dims)
 
 
-@pytest.mark.parametrize("direction", ssd.DIRECTIONS)
+@pytest.mark.parametrize("direction", ssd.KERNELS)
 def test_builders_are_stamped(direction):
     import dataclasses
 

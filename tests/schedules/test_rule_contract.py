@@ -47,9 +47,16 @@ TARGETS = {"cpu": cpu_target, "cuda-sm_90": lambda: cuda_target("sm_90")}
 
 
 def test_every_op_has_rules_for_both_folders():
+    """The rule modules on disk are the registry's (runtime/registry.py): a rule without a row is never used."""
+    from tvm_mamba.runtime import registry
+
     ops = {name.rsplit(".", 1)[1] for name in RULES}
     assert set(STAMPED) <= ops, f"rule modules found: {RULES}"
     assert all(f"tvm_mamba.schedules.{kind}.{op}" in RULES for op in ops for kind in ("cpu", "cuda")), RULES
+    assert set(registry.ops()) == ops
+    for op in ops:
+        for target, folder in ((cpu_target(), "cpu"), (cuda_target("sm_90"), "cuda")):
+            assert registry.op(op).rule(target).__name__ == f"tvm_mamba.schedules.{folder}.{op}"
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -66,7 +73,7 @@ def test_foreign_kernels_get_none(module, target):
 
 @pytest.mark.parametrize("target, folder", [(cpu_target, "cpu"), (lambda: cuda_target("sm_90"), "cuda")])
 def test_rules_are_chosen_by_capability(target, folder):
-    """GPU rules for any target with the ``gpu`` key (CUDA today, ROCm / Metal codegen later), else CPU."""
+    """GPU rules for any target with the ``gpu`` key (CUDA today, ROCm / Metal / WebGPU codegen later), else CPU."""
     from tvm.target import Target
 
     from tvm_mamba.runtime import dispatch
@@ -75,3 +82,6 @@ def test_rules_are_chosen_by_capability(target, folder):
     rocm = Target({"kind": "rocm", "mcpu": "gfx90a"}) if folder == "cuda" else target()
     assert "gpu" in rocm.keys or folder == "cpu"
     assert dispatch.rule_module(rocm, "int8_dot").__name__ == f"tvm_mamba.schedules.{folder}.int8_dot"
+    if folder == "cuda":
+        for kind in ("metal", "opencl", "webgpu"):
+            assert dispatch.rule_module(Target(kind), "ssd").__name__ == "tvm_mamba.schedules.cuda.ssd", kind

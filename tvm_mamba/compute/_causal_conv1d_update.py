@@ -22,10 +22,10 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import _math
 from ._causal_conv1d_dims import CausalConv1dUpdate
 from ._causal_conv1d_signature import conv_kernel
-from ._common import SERIAL_WORK, sigmoid, stamp
+from ._common import SERIAL_WORK, stamp
+from ._math import math_for
 
 F32 = "float32"
 
@@ -51,7 +51,7 @@ def update_template(d: CausalConv1dUpdate, mode: str = "generic", threads: int =
     def act(v):
         if activation != "silu":
             return v
-        return _math.silu(v) if mode == "cpu" else v * sigmoid(v)  # polynomial on CPUs, expf on GPUs
+        return math_for(native=mode != "cpu").silu(v)  # polynomial on CPUs, expf on GPUs
 
     @T.macro
     def row_step(x, state, weight, bias, idx, cseq, out, L, row):

@@ -32,12 +32,6 @@ def f32(expr) -> tirx.PrimExpr:
     return expr.astype("float32")
 
 
-def sigmoid(v):
-    """1 / (1 + exp(-v)) in float32."""
-    one = tirx.const(1.0, "float32")
-    return one / (one + tirx.exp(-v))
-
-
 # Kernels whose whole work is at most this many elements run on the calling thread (decode-size calls): a
 # thread-pool launch costs more than the work, and next to torch's spinning OpenMP threads a pinned TVM
 # worker could wait a scheduler slice per launch (the small LM's decode: 920-940 ms instead of ~80 ms in 2

@@ -11,6 +11,8 @@ give 0; NaN propagates; +inf saturates at e^88 ~ 1.65e38.
 """
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 
 _LOG2E = 1.4426950408889634
@@ -194,3 +196,10 @@ class Math:
             return silu_grad(x)
         s = self.sigmoid(x)
         return s * (self.one + x * (self.one - s))
+
+
+@functools.lru_cache(maxsize=None)
+def math_for(acc: str = "float32", native: bool = False, sincospi: bool = False) -> Math:
+    """One shared :class:`Math` per choice, made on first use: its constants are TVM expressions, which a
+    runtime-only TVM (no compiler) cannot make, so no module makes one at import."""
+    return Math(acc, native, sincospi)

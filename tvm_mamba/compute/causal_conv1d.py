@@ -20,7 +20,8 @@ from tvm import te, tirx
 
 from ._causal_conv1d_dims import (ACTIVATIONS, DIMS, WIDTHS, CausalConv1dBwd, CausalConv1dFwd,  # noqa: F401
                                   CausalConv1dUpdate, CausalConv1dVarlenStates)
-from ._common import f32, sigmoid, stamp
+from ._common import f32, stamp
+from ._math import math_for
 
 
 def _inputs(d: CausalConv1dFwd | CausalConv1dBwd):
@@ -62,6 +63,7 @@ def causal_conv1d_fwd(*dims, **fields) -> tirx.PrimFunc:
     out = act(bias + sum_k weight[:, k] * xx[..., t-(width-1)+k]); final_states = xx[..., seqlen-(width-1):].
     ``dims``: a :class:`CausalConv1dFwd`, or its fields (``dim, width, activation="none", ...``).
     """
+    m = math_for(native=True)  # the target's own exp (CUDA expf): these TE computes are the GPU rules'
     d = CausalConv1dFwd.of(*dims, **fields)
     width, has_seq_idx, has_init, x_dtype = d.width, d.has_seq_idx, d.has_init, d.x_dtype
     batch, seqlen, x, weight, bias, seq_idx, init = _inputs(d)
@@ -74,7 +76,7 @@ def causal_conv1d_fwd(*dims, **fields) -> tirx.PrimFunc:
 
     def finish(b, c, t):
         v = acc[b, c, t] + (f32(bias[c]) if d.has_bias else 0.0)
-        v = zero_padding(v * sigmoid(v) if d.activation == "silu" else v, seq_idx, has_seq_idx, b, t)
+        v = zero_padding(m.silu(v) if d.activation == "silu" else v, seq_idx, has_seq_idx, b, t)
         return v.astype(x_dtype)
 
     out = te.compute((batch, d.dim, seqlen), finish, name="out")
@@ -101,6 +103,7 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
     dx[s] = sum_k weight[k] * g[s + (width-1) - k] (same seq id) + dfinal[s - (seqlen-(width-1))];
     dweight[c, k] = sum_{b,t} g[b,c,t] * xx[b, c, t-(width-1)+k]; dbias[c] = sum_{b,t} g[b,c,t].
     """
+    m = math_for(native=True)  # the target's own exp (CUDA expf): these TE computes are the GPU rules'
     d = CausalConv1dBwd.of(*dims, **fields)
     dim, W, has_bias, has_seq_idx, has_init, has_dfinal = d.dim, d.width, d.has_bias, d.has_seq_idx, \
         d.has_init, d.has_dfinal
@@ -122,7 +125,7 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
         if d.activation != "silu":
             return dv
         v = pre[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
-        s = sigmoid(v)
+        s = m.sigmoid(v)
         return dv * s * (1.0 + v * (1.0 - s))
 
     # g: the workspace output (written once; dinit reads it), grad: the same values as an intermediate that
@@ -252,3 +255,8 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
                     has_bias=True)
         out += [("fwd", *CausalConv1dFwd(**base).key_parts()), ("bwd", *CausalConv1dBwd(**base).key_parts())]
     return out
+
+
+# direction -> builder(dims) -> PrimFunc: this op's kernels (runtime/registry.py reads this table)
+KERNELS = {"fwd": causal_conv1d_fwd, "bwd": causal_conv1d_bwd, "varlen_states": causal_conv1d_varlen_states,
+           "update": causal_conv1d_update}

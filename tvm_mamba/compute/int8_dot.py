@@ -204,3 +204,8 @@ def derived_dims(direction: str, dims: dict, static: dict) -> dict:
     if direction == "wgrad" and "M" in dims:
         return {"nparts": wgrad_parts(dims["M"], static["heads"], static["K"])}
     return {}
+
+
+# direction -> builder(dims) -> PrimFunc: this op's kernels (runtime/registry.py reads this table)
+KERNELS = {"matmul": int8_dot_matmul, "pack": int8_dot_pack, "unpack": int8_dot_unpack, "dgrad": int8_dot_dgrad,
+           "wgrad": int8_dot_wgrad}

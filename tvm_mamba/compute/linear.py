@@ -137,3 +137,7 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
         shapes += [(di, d), (d, VOCAB)]
     seen = list(dict.fromkeys(shapes))
     return [("fwd", *LinearDims(k, n, weight_dtype=w).key_parts()) for k, n in seen for w in WEIGHT_DTYPES]
+
+
+# direction -> builder(dims) -> PrimFunc: this op's kernels (runtime/registry.py reads this table)
+KERNELS = {"fwd": linear_fwd, "bwd": linear_bwd}

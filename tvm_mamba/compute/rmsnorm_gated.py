@@ -23,7 +23,8 @@ import dataclasses
 
 from tvm import te, tirx
 
-from ._common import OMIT_DEFAULT, Dims, check_dtype, f32, sigmoid, stamp
+from ._common import OMIT_DEFAULT, Dims, check_dtype, f32, stamp
+from ._math import math_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,15 +173,6 @@ def _f64(expr) -> tirx.PrimExpr:
     return expr.astype("float64")
 
 
-def _silu(v):
-    return v * sigmoid(v)
-
-
-def _silu_grad(v):
-    s = sigmoid(v)
-    return s * (1.0 + v * (1.0 - s))
-
-
 def _maybe(cond: bool, shape: tuple, dtype: str, name: str, full: tuple):
     return te.placeholder(full if cond else shape, dtype, name=name)
 
@@ -240,6 +232,7 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
     xhat = (u - mean_g(u)) * rstd_g(u); out = xhat * weight (+ bias) (* silu(z) if norm_before_gate);
     out1 = xhat * weight1 (+ bias1) (upstream's parallel norm); residual_out = s.
     """
+    m = math_for(native=True)  # the target's own exp (CUDA expf): these TE computes are the GPU rules'
     dd = RMSNormGatedFwd.of(*dims, **fields)
     d, x_dtype, weight_dtype = dd.norm(), dd.x_dtype, dd.weight_dtype
     res_dt, rout_dt = dd.residual_dtype or x_dtype, dd.residual_out_dtype or x_dtype
@@ -265,7 +258,7 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
         return v + f32(residual[r, h]) if d.has_residual else v
 
     def u(r, h):
-        return s(r, h) * _silu(f32(z[r, h])) if d.gate_in else s(r, h)
+        return s(r, h) * m.silu(f32(z[r, h])) if d.gate_in else s(r, h)
 
     mean, rstd = _stats(rows, d, u)
 
@@ -274,7 +267,7 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
 
     def finish(r, h):
         y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if d.has_bias else 0.0)
-        return (y * _silu(f32(z[r, h])) if d.gate_out else y).astype(x_dtype)
+        return (y * m.silu(f32(z[r, h])) if d.gate_out else y).astype(x_dtype)
 
     def finish1(r, h):
         return (xhat(r, h) * f32(weight1[h]) + (f32(bias1[h]) if d.has_bias1 else 0.0)).astype(x_dtype)
@@ -353,6 +346,7 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
     dz = dout*y*silu'(z) (norm_before_gate) or du*s*silu'(z); dx = dropout(ds) (* rowscale);
     dx1 = dropout1(ds); dweight = sum_rows dy*xhat; dbias = sum_rows dy; dweight1, dbias1 likewise from dout1.
     """
+    m = math_for(native=True)  # the target's own exp (CUDA expf): these TE computes are the GPU rules'
     dd = RMSNormGatedBwd.of(*dims, **fields)
     d, x_dtype, weight_dtype, dout_dtype = dd.norm(), dd.x_dtype, dd.weight_dtype, dd.dout_dtype or dd.x_dtype
     gs, G, p = d.group_size, d.ngroups, d.dropout_p
@@ -376,14 +370,14 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
         return f32(z[r, h])
 
     def u(r, h):
-        return f32(x[r, h]) * _silu(zf(r, h)) if d.gate_in else f32(x[r, h])
+        return f32(x[r, h]) * m.silu(zf(r, h)) if d.gate_in else f32(x[r, h])
 
     def xhat(r, h):
         return (u(r, h) if d.is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
 
     def dy(r, h):
         v = f32(dout[r, h])
-        return v * _silu(zf(r, h)) if d.gate_out else v
+        return v * m.silu(zf(r, h)) if d.gate_out else v
 
     def dxhat(r, h):
         v = dy(r, h) * f32(weight[h])
@@ -397,15 +391,15 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
         return rstd[r, h // gs] * (v - c2[r, h // gs] * (1.0 / gs) if c2 is not None else v)
 
     def ds(r, h):
-        v = du(r, h) * _silu(zf(r, h)) if d.gate_in else du(r, h)
+        v = du(r, h) * m.silu(zf(r, h)) if d.gate_in else du(r, h)
         return v + f32(dres[r, h]) if d.has_dresidual else v
 
     def dz_val(r, h):
         if d.norm_before_gate:
             y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if d.has_bias else 0.0)
-            v = f32(dout[r, h]) * y * _silu_grad(zf(r, h))
+            v = f32(dout[r, h]) * y * m.silu_grad(zf(r, h))
         else:
-            v = du(r, h) * f32(x[r, h]) * _silu_grad(zf(r, h))
+            v = du(r, h) * f32(x[r, h]) * m.silu_grad(zf(r, h))
         return v.astype(dout_dtype)
 
     def dx_val(r, h):
@@ -482,3 +476,7 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
                     norm_before_gate=False)
         out += [(direction, *cls(**base).key_parts()) for direction, cls in DIMS.items()]
     return out
+
+
+# direction -> builder(dims) -> PrimFunc: this op's kernels (runtime/registry.py reads this table)
+KERNELS = {"fwd": rmsnorm_gated_fwd, "bwd": rmsnorm_gated_bwd}

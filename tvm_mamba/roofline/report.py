@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib
 import subprocess
 
-from ..runtime import KernelKey
+from ..runtime import KernelKey, registry
 from . import hardware, measure, minimum
 
 
@@ -43,7 +42,7 @@ def preset_keys(preset: str, ops: list[str], arch: str, dtype: str | None = None
     chunk products then run on tensor cores)."""
     keys = []
     for op in ops:
-        mod = importlib.import_module(f"tvm_mamba.compute.{op}")
+        mod = registry.op(op).compute
         if not hasattr(mod, "tuning_configs"):
             continue
         for direction, static, dtypes in mod.tuning_configs(preset):

@@ -33,11 +33,7 @@ _PKG_ROOT = pathlib.Path(__file__).resolve().parent.parent
 def _source_digest() -> str:
     h = hashlib.sha256()
     for sub in ("compute", "schedules", "runtime"):
-        root = _PKG_ROOT / sub
-        if not root.exists():  # editable layouts map schedules/ elsewhere
-            import importlib
-
-            root = pathlib.Path(importlib.import_module(f"tvm_mamba.{sub}").__path__[0])
+        root = _PKG_ROOT / sub  # schedules: the link to the repository's schedules/ (or its copy in a wheel)
         files = list(root.rglob("*.py")) + [f for f in (root / "cudasim_include").rglob("*") if f.is_file()]
         for f in sorted(files):  # cudasim_include: the CUDA execution header the simulated kernels build with
             h.update(f.name.encode())

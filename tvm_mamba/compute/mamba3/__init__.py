@@ -34,7 +34,7 @@ from .preprocess import preprocess_template
 from .preprocess_bwd import preprocess_bwd_template
 from .step import step_template
 
-__all__ = ["DIMS", "TEMPLATES", "IO_DTYPES", "MimoStepDims", "PreDims", "StepDims", "acc_dtype", "build",
+__all__ = ["DIMS", "KERNELS", "TEMPLATES", "IO_DTYPES", "MimoStepDims", "PreDims", "StepDims", "acc_dtype", "build",
            "build_check_configs", "tuning_configs", "derived_dims", "mamba3_siso_step", "mamba3_mimo_step",
            "mamba3_step_rotate", "mamba3_step_update",
            "mamba3_siso_preprocess",
@@ -230,3 +230,9 @@ def derived_dims(direction: str, dims: dict, static: dict) -> dict:
     if direction not in PREPROCESS or "seqlen" not in dims:
         return {}
     return {"nchunks": -(-dims["seqlen"] // static["chunk_size"])}
+
+
+# direction -> builder(dims) -> PrimFunc: this op's kernels (runtime/registry.py reads this table)
+KERNELS = {"siso_step": mamba3_siso_step, "mimo_step": mamba3_mimo_step, "step_rotate": mamba3_step_rotate,
+           "step_update": mamba3_step_update, "siso_preprocess": mamba3_siso_preprocess,
+           "siso_preprocess_bwd": mamba3_siso_preprocess_bwd}

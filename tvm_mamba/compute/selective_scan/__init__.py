@@ -42,7 +42,7 @@ from .timescan import fwd_timescan_template
 from .timescan_bwd import bwd_timescan_template
 from .update import update_template
 
-__all__ = ["DIMS", "TEMPLATES", "VARIANTS", "IO_DTYPES", "ScanDims", "ScanBwdDims", "UpdateDims", "Layout", "acc_dtype",
+__all__ = ["DIMS", "KERNELS", "TEMPLATES", "VARIANTS", "IO_DTYPES", "ScanDims", "ScanBwdDims", "UpdateDims", "Layout", "acc_dtype",
            "block_size", "chunk_size", "vector_width", "build_check_configs", "tuning_configs", "build",
            "selective_scan_fwd", "selective_scan_bwd", "selective_scan_update", "selective_scan_fwd_chunked",
            "selective_scan_fwd_complex", "selective_scan_bwd_complex"]
@@ -156,3 +156,9 @@ def selective_scan_bwd_complex(dims: ScanBwdDims | None = None, /, **kwargs) -> 
     """
     d = _dims("bwd_complex", dims, kwargs, chunk=32)
     return build("bwd_complex", d, Layout(Math(d.acc)))
+
+
+# direction -> builder(dims) -> PrimFunc: this op's kernels (runtime/registry.py reads this table)
+KERNELS = {"fwd": selective_scan_fwd, "bwd": selective_scan_bwd, "update": selective_scan_update,
+           "fwd_chunked": selective_scan_fwd_chunked, "fwd_complex": selective_scan_fwd_complex,
+           "bwd_complex": selective_scan_bwd_complex}

@@ -65,10 +65,7 @@ from .._ssd_dims import head_parts
 
 __all__ = ["ssd_chunk_cumsum", "ssd_bmm_chunk", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan",
            "ssd_chunk_scan_bwd_dstates", "ssd_state_passing_bwd", "ssd_chunk_scan_bwd", "ssd_chunk_cumsum_bwd",
-           "ssd_head_sum", "ssd_chunk_state_varlen", "DIMS", "DIRECTIONS", "TEMPLATES", "check_dims", "head_parts"]
-
-DIRECTIONS = ("chunk_cumsum", "bmm_chunk", "chunk_state", "state_passing", "chunk_scan", "chunk_scan_bwd_dstates",
-              "state_passing_bwd", "chunk_scan_bwd", "chunk_cumsum_bwd", "head_sum", "chunk_state_varlen")
+           "ssd_head_sum", "ssd_chunk_state_varlen", "DIMS", "KERNELS", "TEMPLATES", "check_dims", "head_parts"]
 
 TEMPLATES = {"chunk_cumsum": cumsum_template, "chunk_cumsum_bwd": cumsum_bwd_template, "bmm_chunk": bmm_template,
              "chunk_state": chunk_state_template, "state_passing": passing_template,
@@ -189,3 +186,11 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
     f32 = {"x": "float32", "bc": "float32"}
     out += [("chunk_scan", mimo, f32), ("chunk_scan", dict(mimo, has_init=True), f32), ("chunk_scan_bwd", mimo, f32)]
     return out
+
+
+# direction -> builder(dims) -> PrimFunc: this op's kernels (runtime/registry.py reads this table)
+KERNELS = {"chunk_cumsum": ssd_chunk_cumsum, "bmm_chunk": ssd_bmm_chunk, "chunk_state": ssd_chunk_state,
+           "state_passing": ssd_state_passing, "chunk_scan": ssd_chunk_scan,
+           "chunk_scan_bwd_dstates": ssd_chunk_scan_bwd_dstates, "state_passing_bwd": ssd_state_passing_bwd,
+           "chunk_scan_bwd": ssd_chunk_scan_bwd, "chunk_cumsum_bwd": ssd_chunk_cumsum_bwd, "head_sum": ssd_head_sum,
+           "chunk_state_varlen": ssd_chunk_state_varlen}
