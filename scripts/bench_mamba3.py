@@ -33,7 +33,7 @@ import tvm_mamba
 from tvm_mamba.reference.blocks import mamba3_ref
 from tvm_mamba.reference.mamba3 import mamba3_siso_chunked_ref, mamba3_siso_step_ref
 from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_chunked_ref, mamba3_mimo_step_ref
-from tvm_mamba.simcheck.mamba3 import combined_inputs, mimo_step_inputs, step_inputs
+from tvm_mamba.tools.simcheck.mamba3 import combined_inputs, mimo_step_inputs, step_inputs
 
 OP = "mamba3"
 FULL = dict(nheads=24, nheads_qk=1, headdim_qk=128, headdim_v=64, headdim_angles=32, chunk_size=64)

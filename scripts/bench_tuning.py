@@ -12,7 +12,7 @@ import statistics
 import tvm
 from benchlib import Row
 
-from tvm_mamba import tune
+from tvm_mamba.tools import tune
 from tvm_mamba.runtime import KernelKey, cpu_target, dispatch, target_key, tuning
 from tvm_mamba.runtime.cache import compile_module
 from tvm_mamba.schedules.rule import Decisions

@@ -152,6 +152,30 @@ def test_no_import_cycles():
                                     if len(comp) > len(cycle) - 1 else "") for cycle, comp in found)
 
 
+# The product's layers, lowest first (docs/architecture.md): a module imports its own layer or lower ones.
+# compute/ holds the definitions, schedules/ lays them onto targets, runtime/ finds, builds and caches
+# kernels, torch_ops/ and modules/ are what users call. tools/ (checks, roofline, tuning, AOT) and the CLI
+# that dispatches to them sit beside the product: they import it, it never imports them.
+LAYERS = ("compute", "schedules", "runtime", "torch_ops", "modules")
+TOOLS = (f"{PACKAGE}.tools", f"{PACKAGE}.cli", f"{PACKAGE}.__main__")
+
+
+def _layer(module: str):
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_layers_import_downward_and_tools_stay_apart():
+    graph = import_graph()
+    upward = sorted((a, b) for a, deps in graph.items() for b in deps
+                    if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a))
+    assert not upward, "imports from a lower layer into a higher one:\n" + "\n".join(f"  {a} -> {b}" for a, b in upward)
+    into_tools = sorted((a, b) for a, deps in graph.items() for b in deps
+                        if b.startswith(TOOLS) and not a.startswith(TOOLS))
+    assert not into_tools, "the product imports a tool:\n" + "\n".join(f"  {a} -> {b}" for a, b in into_tools)
+    assert any(b.startswith(f"{PACKAGE}.tools") for b in graph[f"{PACKAGE}.cli"])  # the walk sees the CLI's imports
+
+
 # Run in a fresh interpreter as a TVM-only host (an AOT deployment) would: ``torch`` cannot be imported.
 # (tvm_ffi's own __init__ tries ``import torch`` first when it is installed, to dodge a symbol clash, so with
 # torch installed every TVM user has it in sys.modules; that attempt is not ours and is allowed to fail.)
@@ -179,7 +203,7 @@ print(sorted(set(attempts)), "torch" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("layer", ["tvm_mamba.compute", "tvm_mamba.runtime", "tvm_mamba.roofline"])
+@pytest.mark.parametrize("layer", ["tvm_mamba.compute", "tvm_mamba.runtime", "tvm_mamba.tools.roofline"])
 def test_torch_free_layers_import_no_torch(layer):
     """compute/ and runtime/ (every module) import without torch, and none of them tries to import it at
     import time (CONVENTIONS: only torch_ops/ imports torch and TVM together); the roofline tool neither

@@ -96,7 +96,7 @@ def test_no_device_is_a_loud_stop(tmp_path):
 @pytest.fixture(scope="module")
 def one_kernel_pack(tmp_path_factory):
     """A real CPU pack of one small causal_conv1d forward kernel."""
-    from tvm_mamba.aot import build_pack
+    from tvm_mamba.tools.aot import build_pack
 
     static = dict(dim=8, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False,
                   return_final=False)

@@ -9,17 +9,17 @@ build-check  builds every registered kernel configuration (each compute module's
              ``build-check: N kernels, F failed, S spilling (cuda sm_XY)``. Exit 1 if F > 0.
 sim-check    runs every configuration build-check builds (same flags) on the CPU through the CUDA execution
              harness (runtime/cudasim.py: TVM's CUDA source, g++, the CUDA execution model) against its
-             float64 reference (tvm_mamba/simcheck/<op>.py), and ends with exactly one line
+             float64 reference (tvm_mamba/tools/simcheck/<op>.py), and ends with exactly one line
              ``sim-check: N kernels, F failed (cuda sm_XY)``. Exit 1 if F > 0. ``--full``: each check with
              two whole production tiles / chunks and a ragged tail (simcheck.extent; CPU-heavy).
 tune         searches every kernel's knobs per (batch, seqlen) bucket on this machine (or a remote device
-             through a TVM RPC tracker) and appends the best to the user tuning folder (tvm_mamba/tune.py).
+             through a TVM RPC tracker) and appends the best to the user tuning folder (tvm_mamba/tools/tune.py).
 cache        lists the kernel cache per version folder; --clear removes it, --prune other versions' folders.
 roofline     each CUDA kernel at a preset's shapes: global bytes / flops / exps counted through the CUDA harness
              against the algorithm's minimum, occupancy from ptxas, the H200 roofline bound; ends with exactly
              one line ``roofline: N kernels, K above 2x of their bound, T on tensor cores (cuda sm_XY)``;
-             --out writes docs/roofline.md (tvm_mamba/roofline/).
-aot          builds a kernel pack for a machine with only the TVM runtime (tvm_mamba/aot.py, runtime/pack.py).
+             --out writes docs/roofline.md (tvm_mamba/tools/roofline/).
+aot          builds a kernel pack for a machine with only the TVM runtime (tvm_mamba/tools/aot.py, runtime/pack.py).
 """
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ def cmd_cache(args) -> int:
 
 def cmd_sim_check(args) -> int:
     """Every build-check configuration through the CUDA execution harness against its float64 reference."""
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
     from tvm_mamba.runtime import KernelKey, build_and_load
 
     ops, arch = _checked_ops_arch(args, "sim-check")
@@ -300,7 +300,7 @@ def _try(fn, *args) -> str | None:
 def cmd_roofline(args) -> int:
     """Count, fit and bound every preset kernel; print the table and the summary line; --out: markdown."""
     from tvm_mamba.compute._presets import presets
-    from tvm_mamba.roofline import METHOD, report
+    from tvm_mamba.tools.roofline import METHOD, report
 
     ops, arch = _checked_ops_arch(args, "roofline")
     names = [n for p in args.preset for n in p.split(",") if n]
@@ -339,7 +339,7 @@ def cmd_tune(args) -> int:
     seqlens = tuple(int(v) for v in args.seqlens.split(","))
     batches = tuple(int(v) for v in args.batches.split(","))
     if args.emit_candidates or args.measure or args.commit:
-        from tvm_mamba import candidates
+        from tvm_mamba.tools import candidates
 
         if args.measure:
             path = candidates.measure(args.measure, args.timings or "timings.json")
@@ -354,7 +354,7 @@ def cmd_tune(args) -> int:
                                      directions=_directions(args))
             print(f"tune: candidate pack in {folder}")
         return 0
-    from tvm_mamba import tune
+    from tvm_mamba.tools import tune
 
     if args.recheck:
         checked, demoted = tune.recheck(ops, args.out)
@@ -508,7 +508,7 @@ def main(argv=None) -> int:
             if args.target == "cuda":
                 _checked_arch(args.arch, args.cmd)
         if args.cmd == "aot":
-            from tvm_mamba import aot
+            from tvm_mamba.tools import aot
 
             if args.model and (args.target != "cpu" or args.out or args.configs):
                 raise _UsageError("aot --model: builds CPU kernels into your kernel cache; give --target cpu, "

@@ -76,7 +76,7 @@ class ChannelsLayout(CpuLayout):
 def apply(func, target, decisions: Decisions):
     name, static = kernel_attrs(func)
     direction = name[len("selective_scan_"):] if name and name.startswith("selective_scan_") else None
-    if target.kind.name != "llvm" or direction not in compute.TEMPLATES:
+    if "cpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
     dims = compute.DIMS[direction](**static)
     if direction == "fwd" and dims.dim % CH == 0:

@@ -153,7 +153,7 @@ def apply(func, target, decisions: Decisions):
     """The CPU layout of an SSD kernel (its template under ``Cpu``), or None for a kernel that is not an SSD kernel."""
     name, static = kernel_attrs(func)
     found = compute.template_of(name)
-    if target.kind.name != "llvm" or found is None:
+    if "cpu" not in target.keys or found is None:
         return None
     template, dims = found
     strategy = Cpu()

@@ -1,7 +1,7 @@
 """The checks behind scripts/gpu_check.py: every kernel configuration the package ships, run natively on a
 device (CUDA, or the CPU for a rehearsal) against the float64 references, timed kernel by kernel.
 
-The cases themselves are tvm_mamba/simcheck's (one definition per op: inputs, public call, reference and
+The cases themselves are tvm_mamba/tools/simcheck's (one definition per op: inputs, public call, reference and
 tolerances), run inside ``simcheck.on_device`` instead of the CUDA harness:
 
 - cases.py: which cases (every build-check configuration at simcheck's small sizes; each preset's tuning

@@ -1,6 +1,6 @@
 """Which cases gpu_check runs, and the kernel configurations they hit (what an AOT pack must hold).
 
-A case is one simcheck configuration (op, direction, static dims, dtypes; see tvm_mamba/simcheck) at given
+A case is one simcheck configuration (op, direction, static dims, dtypes; see tvm_mamba/tools/simcheck) at given
 sizes, or one whole LM (op "lm"):
 
 - "small": every configuration the package ships (each op's ``build_check_configs``, plus the presets' tuning
@@ -93,7 +93,7 @@ def kernel_configs(cases: list[Case], device_type: str, arch: str) -> list[dict]
     """[{op, direction, static, dtypes, batches, seqlens}]: every kernel the cases call on ``device_type`` with
     the shape buckets they call it at, found by running each case dry (every kernel a no-op that records its
     key; each case stops after its first kernel block): for "cuda" in the CUDA harness, for "cpu" on the CPU."""
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
 
     from . import runner
 
@@ -145,11 +145,11 @@ def load_cases(device_type: str, small: bool, ops, cases_file: str | None = None
 
 
 def estimates(arch: str = "sm_90", presets=PRESETS) -> dict:
-    """{ident@shape: {bytes, flops, bound_us, unit, min_us}}: the roofline report's row (tvm_mamba/roofline) of
+    """{ident@shape: {bytes, flops, bound_us, unit, min_us}}: the roofline report's row (tvm_mamba/tools/roofline) of
     each "preset" case's own kernel at the roofline's shape on ``arch`` (the ragged shape has none: each row
     costs a counting build and a ptxas run, ~30 s here); a key the roofline cannot count is left out (the run
     shows no estimate for it). Build host only (TVM's compiler, nvcc)."""
-    from tvm_mamba.roofline import report
+    from tvm_mamba.tools.roofline import report
     from tvm_mamba.runtime import KernelKey
 
     from .runner import ident

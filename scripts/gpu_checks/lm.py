@@ -64,7 +64,7 @@ def _reference(model, case: Case, ids):
 def check(case: Case) -> dict:
     """Prefill + decode on the device (one simcheck.target block), the float64 reference's logits, the
     comparisons (simcheck.compare, so the row's errors come from its log), then the timings."""
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
     from tvm_mamba.modules.lm import InferenceParams
 
     from .runner import timer

@@ -21,7 +21,7 @@ import torch
 def call_case(case, arch: str = "sm_90") -> dict:
     """Run ``case``'s checks (inside simcheck.on_device): simcheck's configuration check, or an LM case (which
     returns its timings)."""
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
 
     if case.op == "lm":
         from . import lm
@@ -74,7 +74,7 @@ def _dtype(dtypes: dict) -> str:
 def run_case(case, device: torch.device, repeats: int, time_it: bool, estimates: dict) -> list[dict]:
     """Rows for ``case`` on ``device``: one per kernel of the case's own (op, direction) it launched (all its
     kernels when none matches, e.g. the CPU's variant of a CUDA-only direction), each with the case's verdict."""
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
 
     from . import upstream
 

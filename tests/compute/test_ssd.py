@@ -163,7 +163,7 @@ def test_chunk_scan_bwd_diag_skip(x_dtype, has_z, ngroups, monkeypatch):
     bf16 x: dx within mamba_ssm's rule (2 x the bf16 reference's drift + atol), the f32 outputs as fp32 (the
     inputs are exact in both)."""
     from tvm_mamba.compute._ssd_dims import ScanBwdDims
-    from tvm_mamba.simcheck import ssd as sc
+    from tvm_mamba.tools.simcheck import ssd as sc
 
     dims = ScanBwdDims(nheads=H, ngroups=ngroups, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=has_z,
                        diag_skip=True, x_dtype=x_dtype)
@@ -204,7 +204,7 @@ def test_chunk_scan_step_group(step_group, ngroups):
     inside the CPU matmuls' 4-row blocks, G = 4 spans them."""
     from tvm_mamba.compute._ssd_dims import ScanBwdDims, ScanDims
     from tvm_mamba.reference.ssd import ssd_chunk_scan_strict_ref
-    from tvm_mamba.simcheck import ssd as sc
+    from tvm_mamba.tools.simcheck import ssd as sc
 
     flags = dict(nheads=H, ngroups=ngroups, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=True,
                  diag_skip=True, step_group=step_group)

@@ -293,7 +293,7 @@ def _config_id(config):
 @pytest.mark.parametrize("config", [c for c in build_check_configs() if c[2]["x"] == "float32"], ids=_config_id)
 def test_simcheck_build_check_configs_fp32(config):
     """sim-check's own check on every fp32 build-check configuration (dim 1536)."""
-    from tvm_mamba.simcheck import causal_conv1d as simcheck
+    from tvm_mamba.tools.simcheck import causal_conv1d as simcheck
 
     direction, static, dtypes = config
     simcheck.check(direction, static, dtypes, "sm_90")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import tvm_mamba
-from tvm_mamba import simcheck
+from tvm_mamba.tools import simcheck
 from tvm_mamba.compute import int8_dot as compute
 from tvm_mamba.reference.int8_dot import int8_matmul_ref, pack_int8x4_ref, unpack_int8x4_ref
-from tvm_mamba.simcheck import int8_dot as sc
+from tvm_mamba.tools.simcheck import int8_dot as sc
 from tvm_mamba.torch_ops.int8_dot import int8_matmul, pack_int8x4, unpack_int8x4
 
 sim = tvm_mamba.simulate_cuda

@@ -86,7 +86,7 @@ def _config_id(config):
 def test_simcheck_build_check_configs(config):
     """sim-check's own check on the fused add-norm build-check configurations (hidden 2048, bf16 x, fp32
     residual: mixer_seq_simple's Block with residual_in_fp32)."""
-    from tvm_mamba.simcheck import rmsnorm_gated as simcheck
+    from tvm_mamba.tools.simcheck import rmsnorm_gated as simcheck
 
     direction, static, dtypes = config
     simcheck.check(direction, static, dtypes, "sm_90")

@@ -11,10 +11,10 @@ import torch
 import tvm_mamba
 from tests.compute.test_mamba3_ref import make_inputs, step_inputs
 from tests.conftest import assert_close_to_ref
-from tvm_mamba import simcheck
+from tvm_mamba.tools import simcheck
 from tvm_mamba.compute import mamba3 as compute
 from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref, mamba3_siso_step_ref
-from tvm_mamba.simcheck import mamba3 as sc
+from tvm_mamba.tools.simcheck import mamba3 as sc
 
 
 @pytest.mark.parametrize("nheads_qk, nheads, N, P, S", [(1, 4, 8, 4, 2), (3, 6, 6, 5, 3)])

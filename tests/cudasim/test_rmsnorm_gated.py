@@ -180,7 +180,7 @@ def _config_id(config):
 def test_simcheck_build_check_configs_bf16(config):
     """sim-check's own check on every bf16 gated build-check configuration (hidden 2048, 256 threads a row;
     the fused add-norm's are in tests/cudasim/test_layer_norm.py)."""
-    from tvm_mamba.simcheck import rmsnorm_gated as simcheck
+    from tvm_mamba.tools.simcheck import rmsnorm_gated as simcheck
 
     direction, static, dtypes = config
     simcheck.check(direction, static, dtypes, "sm_90")

@@ -13,10 +13,10 @@ import torch
 
 import tvm_mamba
 from tests.conftest import assert_close_to_ref
-from tvm_mamba import simcheck
+from tvm_mamba.tools import simcheck
 from tvm_mamba.compute import selective_scan as compute
 from tvm_mamba.reference.selective_scan import selective_scan_ref
-from tvm_mamba.simcheck import selective_scan as sc
+from tvm_mamba.tools.simcheck import selective_scan as sc
 from tvm_mamba.torch_ops.selective_scan import chunk_for
 
 # name: (batch, seqlen, static dims: dim, dstate, b/c groups (0 time-invariant, 1 (batch, dstate, L),

@@ -20,8 +20,8 @@ from tests.conftest import assert_close_to_ref
 from tvm_mamba.compute import _ssd_dims
 from tvm_mamba.compute.ssd import build_check_configs
 from tvm_mamba.runtime.dispatch import record_keys
-from tvm_mamba.simcheck import CheckFailed
-from tvm_mamba.simcheck import ssd as simcheck
+from tvm_mamba.tools.simcheck import CheckFailed
+from tvm_mamba.tools.simcheck import ssd as simcheck
 
 H, G, P, N, Q = 8, 2, 8, 16, 16
 BATCH, SEQLEN = 2, 37

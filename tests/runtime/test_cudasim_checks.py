@@ -275,7 +275,7 @@ def test_wmma_contract(hand, name, match):
 def test_generated_kernel_without_its_barrier(tmp_path, monkeypatch):
     """rmsnorm_gated's block reduction with the barrier after its per-warp partials removed (as a schedule bug
     would): warp 0 reads the other warps' partials with nothing ordering them."""
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
     from tvm_mamba.cli import _configs
     from tvm_mamba.runtime import cache
 
@@ -298,7 +298,7 @@ def test_conv_bias_is_staged_by_one_thread(monkeypatch):
     word: a write-write race the checker reported (schedules/cuda/causal_conv1d.py ``_cooperative`` now gives
     it a unit loop, thread 0 alone writes it). Every conv forward / backward configuration with a bias runs
     clean with the checker on."""
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
     from tvm_mamba.cli import _configs
 
     monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "1")
@@ -314,7 +314,7 @@ def test_update_padding_lanes_read_no_state(monkeypatch):
     a read-write race the checker reported (in block (1,0,0), 3 heads x 3 rows x batch 3), until their load
     was guarded (compute/selective_scan/update.py ``_if_ok``). Mamba-2's layout (heads, groups), checks on."""
     from tests.cudasim.test_selective_scan import sc, X32
-    from tvm_mamba import simcheck
+    from tvm_mamba.tools import simcheck
 
     monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "1")
     static = dict(nheads=4, headdim=3, dstate=8, ngroups=2, has_D=True, has_z=True, has_dt_bias=True,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tvm
 
-from tvm_mamba import candidates, metaschedule as msd, tune
+from tvm_mamba.tools import candidates, metaschedule as msd, tune
 from tvm_mamba.compute.causal_conv1d import build_check_configs
 from tvm_mamba.runtime import KernelKey, cpu_target, cuda_target, dispatch, target_key, tuning
 from tvm_mamba.runtime.cache import compile_module

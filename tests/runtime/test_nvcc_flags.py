@@ -28,7 +28,7 @@ exec {real} "$@"
 # module exists, its codegen then calling tvm_callback_cuda_compile for the cubin.
 PACK = """
 import sys, pathlib
-from tvm_mamba.aot import build_pack
+from tvm_mamba.tools.aot import build_pack
 from tvm_mamba.runtime import pack
 folder = build_pack([], sys.argv[1], "cuda", "sm_90", seqlens=(512,), batches=(1,), configs=[{config!r}])
 assert not build_pack.failed, build_pack.failed

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tvm_mamba.aot import build_pack
+from tvm_mamba.tools.aot import build_pack
 
 STATIC = dict(dim=24, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False)
 DT = {"x": "float32", "weight": "float32"}

@@ -1,4 +1,4 @@
-"""The roofline tool (tvm_mamba/roofline/): the counting build counts a hand-made kernel exactly, the fit
+"""The roofline tool (tvm_mamba/tools/roofline/): the counting build counts a hand-made kernel exactly, the fit
 refuses counts that are not affine, the minimum model matches a hand computation, and the CLI prints its
 summary line."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tvm
 from tvm.script import tirx as T
 
 from tvm_mamba import cli
-from tvm_mamba.roofline import count, hardware, measure, minimum, report
+from tvm_mamba.tools.roofline import count, hardware, measure, minimum, report
 from tvm_mamba.runtime import cuda_target
 
 

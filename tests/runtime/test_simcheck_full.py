@@ -9,7 +9,7 @@ import importlib
 import pytest
 import tvm_mamba
 
-from tvm_mamba import simcheck
+from tvm_mamba.tools import simcheck
 from tvm_mamba.compute.rmsnorm_gated import PART_ROWS
 
 

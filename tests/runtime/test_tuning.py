@@ -19,7 +19,7 @@ import torch
 import tvm
 
 import tvm_mamba
-from tvm_mamba import tune
+from tvm_mamba.tools import tune
 from tvm_mamba.runtime import KernelKey, cpu_target, dispatch, target_key, tuning
 from tvm_mamba.runtime.cache import compile_module
 from tvm_mamba.schedules.rule import Decisions

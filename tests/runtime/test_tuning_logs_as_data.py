@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tvm_mamba
-from tvm_mamba import tune
+from tvm_mamba.tools import tune
 from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
 from tvm_mamba.runtime import KernelKey, cpu_target, dispatch, target_key, tuning
 

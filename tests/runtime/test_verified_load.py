@@ -90,7 +90,7 @@ def test_truncated_kernel_and_launcher_are_rebuilt_in_a_fresh_process(fresh_cach
 
 @pytest.fixture(scope="module")
 def small_pack(tmp_path_factory):
-    from tvm_mamba.aot import build_pack
+    from tvm_mamba.tools.aot import build_pack
 
     static = dict(dim=24, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False,
                   return_final=False)

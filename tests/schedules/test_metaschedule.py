@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import tvm
 
-from tvm_mamba import metaschedule as msd
+from tvm_mamba.tools import metaschedule as msd
 from tvm_mamba.compute.causal_conv1d import build_check_configs
 from tvm_mamba.runtime import KernelKey, cuda_target, dispatch, target_key
 from tvm_mamba.schedules.rule import Decisions

@@ -167,7 +167,7 @@ def test_cuda_rule_replays_as_a_metaschedule_design_space():
     once dropped that block's RV), with the knobs sampled in order, and the replay stages the rows."""
     from tvm import s_tir
 
-    from tvm_mamba import metaschedule as msd
+    from tvm_mamba.tools import metaschedule as msd
 
     direction, static, dtypes = C.tuning_configs()[1]
     key = KernelKey.make("rmsnorm_gated", direction, dtypes, static, "cuda-sm_90", {"rows": 256})

@@ -13,7 +13,7 @@ from tests.compute.test_mamba3_ref import with_changes
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.reference.mamba3_mimo import mamba3_mimo_ref, mamba3_mimo_step_ref
 from tvm_mamba.runtime.dispatch import record_keys
-from tvm_mamba.simcheck.mamba3 import mimo_step_inputs
+from tvm_mamba.tools.simcheck.mamba3 import mimo_step_inputs
 from tvm_mamba.torch_ops.mamba3_mimo_step import mamba3_mimo_step, mamba3_mimo_step_op
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16

@@ -462,7 +462,7 @@ def _tied_args(batch: int, dtype, seed: int = 9, nh: int = 4, p: int = 3, n: int
 
 
 def _update_keys(state, kw):
-    from tvm_mamba.simcheck import recording
+    from tvm_mamba.tools.simcheck import recording
 
     with recording() as keys:
         out = selective_state_update(state, **kw)

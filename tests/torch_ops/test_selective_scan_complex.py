@@ -7,7 +7,7 @@ import torch
 
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.reference.selective_scan import selective_scan_ref
-from tvm_mamba.simcheck import selective_scan as sc
+from tvm_mamba.tools.simcheck import selective_scan as sc
 from tvm_mamba.torch_ops.selective_scan import selective_scan_fn
 
 # name: (batch, seqlen, static dims); b/c groups: 0 time-invariant complex (dim, dstate), 1 (batch, dstate, 2L),

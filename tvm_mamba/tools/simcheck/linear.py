@@ -17,7 +17,7 @@ ROWS = 3
 
 
 def _inputs(d, seed: int = 0):
-    from ..torch_ops.linear import quantize_weight
+    from ...torch_ops.linear import quantize_weight
 
     g = generator(seed)
     xdt = getattr(torch, d.x_dtype)
@@ -37,9 +37,9 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def check(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration of linear in the harness (module docstring)."""
-    from ..compute.linear import LinearDims
-    from ..reference.linear import linear_grad_input_ref, linear_ref
-    from ..torch_ops.linear import linear
+    from ...compute.linear import LinearDims
+    from ...reference.linear import linear_grad_input_ref, linear_ref
+    from ...torch_ops.linear import linear
 
     if direction not in ("fwd", "bwd"):
         raise CheckFailed(f"{OP}: unknown direction {direction!r}")

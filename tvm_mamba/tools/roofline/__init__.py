@@ -24,7 +24,7 @@ covers, fp32 as the blocks call them), at the shape named above.
 * **cached**: the counted traffic with each buffer's loads and stores capped at the buffer's size, over the
   minimum: what a perfect cache would leave. Between *cached* and the actual ratio lie re-reads a cache can
   absorb; *cached* above 1 is extra traffic no cache removes (scratch buffers, checkpoints, partial sums).
-* **min**: every input read once, every output written once (tvm_mamba/roofline/minimum.py; scratch buffers
+* **min**: every input read once, every output written once (tvm_mamba/tools/roofline/minimum.py; scratch buffers
   excluded, partial sums at one part per group, in-place state twice).
 * **GFLOP / exps**: counted float `+ - * /`, min/max (an FMA is two), plus the tensor cores' multiply-adds
   (2 x 16^3 per wmma `mma_sync` of a warp), and exp-family plus other SFU calls (log1p, tanh, sqrt, ...).
@@ -38,7 +38,7 @@ covers, fp32 as the blocks call them), at the shape named above.
 * **bound**: max(bytes / 4.8 TB/s, flops / 66.9 TFLOPS fp32 + tensor-core flops / their rate, SFU ops /
   4.18e12 per s) with the counted figures; **roofline-min**: the same with the minimum figures and the best unit (matrix products on tensor
   cores: 989 TFLOPS bf16, 494.7 TFLOPS TF32 for fp32 data); **ratio** = bound / roofline-min. The unit in
-  brackets is the limiting one. Sources of the figures: tvm_mamba/roofline/hardware.py.
+  brackets is the limiting one. Sources of the figures: tvm_mamba/tools/roofline/hardware.py.
 * **Not a measurement**: no time here comes from a GPU. mamba_ssm's published kernel times for these shapes:
   not known (its papers report end-to-end throughput and scan speed-ups, not per-kernel times at these
   shapes), so none is shown.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import CheckFailed, compare, ran, recording, tolerance, extent, generator, size, target
-from ..compute._selective_scan_dims import block_size, chunk_size
+from ...compute._selective_scan_dims import block_size, chunk_size
 
 OP = "selective_scan"
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -86,7 +86,7 @@ def scan_results(inputs: dict, grads: bool, arch: str, grad_seed: int = 1, **sim
     keys the simulated calls ran. dout / dlast are random (the backward sees both gradient paths); ``sim``:
     simulate_cuda's order / seed."""
     import tvm_mamba
-    from ..reference.selective_scan import selective_scan_ref
+    from ...reference.selective_scan import selective_scan_ref
 
     ours = {k: (v.clone().requires_grad_(grads) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     ref = {k: (_to64(v).requires_grad_(grads) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
@@ -194,7 +194,7 @@ def update_results(inputs: dict, arch: str, steps: int = 2, **sim) -> tuple[dict
     {out_i, state: (simulated, float64 reference)} and the keys run. x/dt/z are reused each step; the
     reference rounds a 16-bit state to its dtype after each step, as the kernel stores it."""
     import tvm_mamba
-    from ..reference.selective_scan import selective_state_update_ref
+    from ...reference.selective_scan import selective_state_update_ref
 
     state = inputs["state"].clone()
     ref_state = inputs["state"].double()

@@ -66,8 +66,8 @@ def step_results(static: dict, dtypes: dict, arch: str, batch: int = 2, steps: i
     returned states (cast to the configuration's state dtypes, as Mamba3's inference cache copies them):
     {name: (simulated, float64 reference of that step on the same inputs)} and the keys run."""
     import tvm_mamba
-    from ..reference.mamba3 import mamba3_siso_step_ref
-    from ..reference.mamba3_mimo import mamba3_mimo_step_ref
+    from ...reference.mamba3 import mamba3_siso_step_ref
+    from ...reference.mamba3_mimo import mamba3_mimo_step_ref
 
     mimo = "mimo_rank" in static
     step, ref_step = ((tvm_mamba.mamba3_mimo_step, mamba3_mimo_step_ref) if mimo else
@@ -109,7 +109,7 @@ def combined_results(static: dict, dtypes: dict, arch: str, has_z: bool = True, 
     """One mamba3_siso_combined call in the harness at preprocess dims ``static``: {name: (simulated, float64
     reference)} for out and the final angle, ssm and k states, and the keys run."""
     import tvm_mamba
-    from ..reference.mamba3 import mamba3_siso_combined_ref
+    from ...reference.mamba3 import mamba3_siso_combined_ref
 
     Q = static["chunk_size"]
     args = combined_inputs(static, dtypes, size("batch", batch), size("seqlen", extent(Q + 3, Q)), has_z)
@@ -125,7 +125,7 @@ def backward_results(static: dict, dtypes: dict, arch: str, batch: int = 2) -> t
     for a random output gradient and random final-state gradients: {d<name>: (simulated, float64 reference
     gradient)} for every tensor argument and input state, and the keys run."""
     import tvm_mamba
-    from ..reference.mamba3 import mamba3_siso_combined_ref
+    from ...reference.mamba3 import mamba3_siso_combined_ref
 
     Q = static["chunk_size"]
     args = combined_inputs(static, dtypes, size("batch", batch), size("seqlen", extent(Q + 3, Q)), has_z=True,
@@ -188,9 +188,9 @@ def preprocess_results(static: dict, dtypes: dict, batch: int, seqlen: int, seq_
     packed sequences where ``seq_idx`` (1, seqlen) int32 is given (angle_out then per sequence, zero-filled):
     {output name: (kernel result, float64 ``mamba3_siso_preprocess_ref``)} for q, k, dA_cs (with its padded
     slots), scale, skip, angle_out and, with has_init, init."""
-    from ..compute._mamba3_dims import PreDims
-    from ..reference.mamba3 import mamba3_siso_preprocess_ref
-    from ..torch_ops._dlpack import kernel_for
+    from ...compute._mamba3_dims import PreDims
+    from ...reference.mamba3 import mamba3_siso_preprocess_ref
+    from ...torch_ops._dlpack import kernel_for
 
     inp = combined_inputs(static, dtypes, batch, seqlen, has_z=False)
     inp["ADT"][..., min(1, seqlen - 1)] = -200.0
@@ -223,8 +223,8 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
     ``mamba3_siso_preprocess_ref`` on Q, K repeated per head (so its Q / K gradients are the kernel's per-head
     dQh / dKh) with the batch-summed bias gradients (the kernel's dQb_part / dKb_part summed over batch).
     ``seq_idx`` (1, seqlen) int32: packed sequences (has_seq_idx; daout then one row per sequence)."""
-    from ..compute._mamba3_dims import PAIR_STEPS
-    from ..reference.mamba3 import mamba3_siso_preprocess_ref
+    from ...compute._mamba3_dims import PAIR_STEPS
+    from ...reference.mamba3 import mamba3_siso_preprocess_ref
 
     g = generator(seed + 1)
     H, HQ, N, P, A, Qc = (static[k] for k in ("nheads", "nheads_qk", "headdim_qk", "headdim_v", "headdim_angles",
@@ -274,8 +274,8 @@ def preprocess_bwd_results(static: dict, dtypes: dict, batch: int, seqlen: int, 
     """The preprocess backward kernel run on ``preprocess_bwd_case``'s arguments (on the CPU, or in the CUDA
     harness inside ``tvm_mamba.simulate_cuda``): {output name: (kernel result, float64 reference)}, the bias
     parts summed over batch."""
-    from ..compute._mamba3_dims import PreDims
-    from ..torch_ops._dlpack import kernel_for
+    from ...compute._mamba3_dims import PreDims
+    from ...torch_ops._dlpack import kernel_for
 
     args, ref = preprocess_bwd_case(static, dtypes, batch, seqlen, seed, seq_idx)
     dims = PreDims(**static, **{f"{k}_dtype": v for k, v in dtypes.items()})

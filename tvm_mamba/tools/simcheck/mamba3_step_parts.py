@@ -56,8 +56,8 @@ def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
 
 def parts_results(direction: str, static: dict, dtypes: dict, arch: str, batch: int = 2) -> tuple[dict, list]:
     """One call of ``direction``'s function in the harness: {name: (simulated, float64 reference)}, keys run."""
-    from ..reference.mamba3_mimo import apply_rotary_qk_inference_ref, mamba3_step_fn_ref
-    from ..torch_ops.mamba3_step_parts import apply_rotary_qk_inference_fwd, mamba3_step_fn
+    from ...reference.mamba3_mimo import apply_rotary_qk_inference_ref, mamba3_step_fn_ref
+    from ...torch_ops.mamba3_step_parts import apply_rotary_qk_inference_fwd, mamba3_step_fn
 
     if direction == "step_rotate":
         args = rotate_inputs(static, dtypes, batch)

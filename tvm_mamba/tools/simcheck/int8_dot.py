@@ -37,8 +37,8 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _check_matmul(static: dict, arch: str) -> None:
-    from ..reference.int8_dot import int8_matmul_ref
-    from ..torch_ops.int8_dot import int8_matmul
+    from ...reference.int8_dot import int8_matmul_ref
+    from ...torch_ops.int8_dot import int8_matmul
 
     N, K = static["N"], static["K"]
     a, b = codes(size("rows", 3), K, seed=1), codes(N, K, seed=2)
@@ -51,8 +51,8 @@ def _check_matmul(static: dict, arch: str) -> None:
 
 
 def _check_pack(direction: str, static: dict, arch: str) -> None:
-    from ..reference.int8_dot import pack_int8x4_ref, unpack_int8x4_ref
-    from ..torch_ops.int8_dot import pack_int8x4, unpack_int8x4
+    from ...reference.int8_dot import pack_int8x4_ref, unpack_int8x4_ref
+    from ...torch_ops.int8_dot import pack_int8x4, unpack_int8x4
 
     K = static["K"]
     x = codes(size("rows", 3), K, seed=3)
@@ -68,8 +68,8 @@ def projection_results(hin: int, H: int, E: int, Lc: int, arch: str, batch: int 
                        latent_out=None, relu_threshold=None, offload_codes: bool = False, **sim):
     """{name: (simulated, float64 reference)} for int8_lowrank_projection's out, grad input and grad weight
     (input (batch, hin, T, E), weight (H, E, Lc)), and the kernel keys it ran."""
-    from ..reference.int8_dot import int8_lowrank_projection_grads_ref, int8_lowrank_projection_ref
-    from ..torch_ops.int8_dot import int8_lowrank_projection, quantize_int8
+    from ...reference.int8_dot import int8_lowrank_projection_grads_ref, int8_lowrank_projection_ref
+    from ...torch_ops.int8_dot import int8_lowrank_projection, quantize_int8
 
     g = generator(7)
     x = torch.randn(batch, hin, T, E, generator=g).requires_grad_()
@@ -90,8 +90,8 @@ def decoder_tail_results(H: int, L: int, D: int, arch: str, batch: int = 1, T: i
                          offload_codes: bool = False, **sim):
     """{name: (simulated, float64 reference)} for int8_decoder_tail's out, grad y and grad decoder
     (y (batch, H, T, L), decoder (H*L, D)), and the kernel keys it ran."""
-    from ..reference.int8_dot import int8_decoder_tail_grads_ref, int8_decoder_tail_ref
-    from ..torch_ops.int8_dot import int8_decoder_tail, quantize_int8
+    from ...reference.int8_dot import int8_decoder_tail_grads_ref, int8_decoder_tail_ref
+    from ...torch_ops.int8_dot import int8_decoder_tail, quantize_int8
 
     g = generator(9)
     y = torch.randn(batch, H, T, L, generator=g).requires_grad_()

@@ -68,7 +68,7 @@ def _reference(t64: dict, static: dict, return_final: bool):
     upstream, see causal_conv1d_fn) the initial states continue the row's first sequence: they are
     prepended to x as positions carrying the id of position 0, and the reference runs without them (its
     own initial_states path masks every tap before t=0 when seq_idx is given)."""
-    from ..reference.causal_conv1d import causal_conv1d_ref
+    from ...reference.causal_conv1d import causal_conv1d_ref
 
     init, seq_idx = t64.get("initial_states"), t64.get("seq_idx")
     if init is None or seq_idx is None:
@@ -97,7 +97,7 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
     """Forward (returning final states when the config takes dfinal) then autograd backward with random
     cotangents in x's dtype; every input gradient against the float64 reference's autograd."""
     import tvm_mamba
-    from ..reference.causal_conv1d import causal_conv1d_ref
+    from ...reference.causal_conv1d import causal_conv1d_ref
 
     t = _inputs(static, dtypes, gen, _seqlen("bwd", static, dtypes, arch))
     grad_names = [n for n in ("x", "weight", "bias", "initial_states") if n in t]
@@ -125,7 +125,7 @@ def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -
     has_indices the state is a pool of BATCH + 3 slots and one row is padding (index -1); with
     has_cache_seqlens it is a circular buffer (one row's position wraps past state_len)."""
     import tvm_mamba
-    from ..reference.causal_conv1d import causal_conv1d_update_ref
+    from ...reference.causal_conv1d import causal_conv1d_update_ref
 
     xdt, wdt, sdt = DTYPES[dtypes["x"]], DTYPES[dtypes["weight"]], DTYPES[dtypes["state"]]
     dim, width, state_len = static["dim"], static["width"], static["state_len"]
@@ -153,7 +153,7 @@ def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -
 def _check_varlen_states(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
     """Packed sequences longer, shorter than state_len and empty: the gathered states, exactly."""
     import tvm_mamba
-    from ..reference.causal_conv1d import causal_conv1d_varlen_states_ref
+    from ...reference.causal_conv1d import causal_conv1d_varlen_states_ref
 
     lens = torch.tensor([0, 7, 1, static["state_len"], 2], dtype=torch.int32)
     x = torch.randn(int(lens.sum()), static["dim"], generator=gen).to(DTYPES[dtypes["x"]])

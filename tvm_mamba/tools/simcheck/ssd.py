@@ -153,7 +153,7 @@ def run(fn, case: Case, t: dict, dtype=None, **kw) -> dict:
 
 def reference(case: Case, t: dict) -> dict:
     """:func:`run` of the float64 recurrence on the same inputs."""
-    from ..reference.ssd import ssd_recurrence_ref, ssd_varlen_states_ref
+    from ...reference.ssd import ssd_recurrence_ref, ssd_varlen_states_ref
 
     def ref(x, dt, A, B, C, chunk_size, cu_seqlens=None, return_varlen_states=False, state_dtype=None, **kw):
         out = ssd_recurrence_ref(x, dt, A, B, C, **kw)
@@ -241,8 +241,8 @@ def scan_bwd_inputs(dims, batch: int, seqlen: int, seed: int = 0) -> dict:
 def scan_bwd_run(dims, t: dict) -> dict:
     """ssd_chunk_scan_bwd on ``t`` (the CPU kernel, or the CUDA one inside simulate_cuda) -> {"dx", "dB", "dC",
     "ddt", "ddA_step", "dD"}: dB / dC its per-part partials summed over each group's parts, dD per position."""
-    from ..compute._ssd_dims import head_parts
-    from ..torch_ops._dlpack import dummy, kernel_for, prepare
+    from ...compute._ssd_dims import head_parts
+    from ...torch_ops._dlpack import dummy, kernel_for, prepare
 
     x, B, C = t["x"], t["B"], t["C"]
     b, L, H, P = x.shape
@@ -266,7 +266,7 @@ def scan_bwd_reference(t: dict, dtype=torch.float64, step_group: int = 1) -> dic
     """The gradients :func:`scan_bwd_run` returns, by autograd of L = <dy, y> + <dSo, S> through
     ssd_chunk_scan_strict_ref (grouped by ``step_group``) run in ``dtype`` (float64: the oracle; bf16: its
     drift, mamba_ssm's rule)."""
-    from ..reference.ssd import ssd_chunk_scan_strict_ref
+    from ...reference.ssd import ssd_chunk_scan_strict_ref
 
     leaves = {k: t[k].detach().to(dtype).requires_grad_() for k in SCAN_BWD_GRADS}
     z = t["z"].to(dtype) if t["z"] is not None else None
@@ -280,7 +280,7 @@ def scan_bwd_reference(t: dict, dtype=torch.float64, step_group: int = 1) -> dic
 def scan_fwd_run(dims, t: dict) -> torch.Tensor:
     """ssd_chunk_scan with diag_skip (ScanDims ``dims``, has_init: t's Sin enters chunk 0) on ``t``
     (:func:`scan_bwd_inputs`) -> y (batch, seqlen, nheads, headdim) in x's dtype, z-gated with has_z."""
-    from ..torch_ops._dlpack import dummy, kernel_for, prepare
+    from ...torch_ops._dlpack import dummy, kernel_for, prepare
 
     x, B, C = t["x"], t["B"], t["C"]
     b, L, H, P = x.shape
@@ -299,8 +299,8 @@ def scan_fwd_run(dims, t: dict) -> torch.Tensor:
 def check_scan_fwd(static: dict, dtypes: dict, arch: str) -> None:
     """An ssd_chunk_scan configuration with diag_skip (and step_group) called directly: batch 1, two chunks
     (the second ragged, 3 long), against the float64 strict (grouped) chunk scan."""
-    from ..compute._ssd_dims import ScanDims
-    from ..reference.ssd import ssd_chunk_scan_strict_ref
+    from ...compute._ssd_dims import ScanDims
+    from ...reference.ssd import ssd_chunk_scan_strict_ref
 
     dims = ScanDims.from_key(static, dtypes)
     t = scan_bwd_inputs(dims, size("batch", 1), size("seqlen", dims.chunk_size + 3))
@@ -318,7 +318,7 @@ def check_scan_fwd(static: dict, dtypes: dict, arch: str) -> None:
 
 def check_scan_bwd(static: dict, dtypes: dict, arch: str) -> None:
     """The ssd_chunk_scan_bwd configuration with diag_skip: batch 1, two chunks (the second ragged, 3 long)."""
-    from ..compute._ssd_dims import ScanBwdDims
+    from ...compute._ssd_dims import ScanBwdDims
 
     dims = ScanBwdDims.from_key(static, dtypes)
     t = scan_bwd_inputs(dims, size("batch", 1), size("seqlen", dims.chunk_size + 3))

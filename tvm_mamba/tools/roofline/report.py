@@ -5,7 +5,7 @@ import dataclasses
 import datetime
 import subprocess
 
-from ..runtime import KernelKey, registry
+from ...runtime import KernelKey, registry
 from . import hardware, measure, minimum
 
 

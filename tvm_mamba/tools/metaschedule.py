@@ -23,10 +23,10 @@ import logging
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from .runtime import KernelKey, dispatch
-from .runtime.target import target_from_key
-from .schedules.rule import Decisions, SampledDecisions, on_schedule
-from .schedules.rule import watch as rule_watch
+from ..runtime import KernelKey, dispatch
+from ..runtime.target import target_from_key
+from ..schedules.rule import Decisions, SampledDecisions, on_schedule
+from ..schedules.rule import watch as rule_watch
 
 WORKLOADS, TRIALS = "database_workload.json", "database_tuning_record.json"
 BUILD_TIMEOUT_S = 120.0  # per candidate build, in MetaSchedule's builder process (its default is 30 s)

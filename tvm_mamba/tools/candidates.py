@@ -22,10 +22,10 @@ import sys
 import time
 
 from . import metaschedule as msd
-from .runtime import KernelKey, cpu_target, cuda_target, target_key
-from .runtime import dispatch, pack, tuning, verified
-from .runtime.cache import compile_module
-from .schedules.rule import Decisions
+from ..runtime import KernelKey, cpu_target, cuda_target, target_key
+from ..runtime import dispatch, pack, tuning, verified
+from ..runtime.cache import compile_module
+from ..schedules.rule import Decisions
 
 
 def emit(ops, out: str, n: int, target_kind: str = "cuda", arch: str = "sm_90", preset: str = "default",

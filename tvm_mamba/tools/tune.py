@@ -33,10 +33,10 @@ import numpy as np
 import tvm
 
 from . import metaschedule as msd
-from .runtime import KernelKey, cpu_target, target_key
-from .runtime import dispatch, registry, tuning
-from .runtime.cache import compile_module
-from .schedules.rule import Decisions
+from ..runtime import KernelKey, cpu_target, target_key
+from ..runtime import dispatch, registry, tuning
+from ..runtime.cache import compile_module
+from ..schedules.rule import Decisions
 
 SEQLENS = (512, 2048)
 BATCHES = (1, 4)

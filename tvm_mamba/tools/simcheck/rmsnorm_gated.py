@@ -20,7 +20,7 @@ def _lead() -> tuple:
     """The leading dims: LEAD; under sim-check --full one dim of two whole backward parts of PART_ROWS rows and
     a ragged tail (67 rows: also eight forward blocks of up to 8 rows_per_block, and a partial one); on a
     device (gpu_check) the sizes on_device gives."""
-    from ..compute.rmsnorm_gated import PART_ROWS
+    from ...compute.rmsnorm_gated import PART_ROWS
 
     rows = extent(LEAD[0] * LEAD[1], PART_ROWS)
     lead = LEAD if rows == LEAD[0] * LEAD[1] else (1, rows)
@@ -64,8 +64,8 @@ def _call(t: dict, static: dict, kernel: bool = True, extra: dict | None = None)
     """The configuration's public function (kernel) or its reference; the fused add-norm returns
     (out, (out1,) residual_out). ``extra``: the fused add-norm's rowscale and, with dropout, the keep masks
     (the kernel call stores its masks there, the reference call reads them)."""
-    from ..reference.layer_norm import layer_norm_ref
-    from ..reference.rmsnorm_gated import layernorm_gated_ref
+    from ...reference.layer_norm import layer_norm_ref
+    from ...reference.rmsnorm_gated import layernorm_gated_ref
 
     rms = static.get("is_rms_norm", True)
     if _fused(static):

@@ -34,7 +34,7 @@ import tvm
 import tvm_ffi
 from tvm.tirx import stmt as S
 
-from ..runtime import cudasim
+from ...runtime import cudasim
 
 COUNTER = "tvm_mamba_count"
 KINDS = ("load_bytes", "store_bytes", "flops", "exps", "sfu", "mma_flops")
@@ -49,7 +49,7 @@ MMA_FLOPS = 2 * 16 * 16 * 16  # one wmma m16n16k16 mma_sync of a warp
 TENSOR_CORE_MARKERS = ("wmma::", "mma.sync", "ldmatrix", "wgmma", "mma_sync", "__hmma")
 
 HEADER = f"""
-// ---- tvm_mamba roofline: per-kernel counters of the counting build (tvm_mamba/roofline/count.py) ----
+// ---- tvm_mamba roofline: per-kernel counters of the counting build (tvm_mamba/tools/roofline/count.py) ----
 extern "C" __attribute__((visibility("default"))) unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{SLOTS}];
 unsigned long long tvm_mamba_counts[{MAX_KERNELS}][{SLOTS}];
 static inline int {COUNTER}(int k, long long ld, long long st, long long fl, long long ex, long long sf,

@@ -2,7 +2,7 @@
 the CUDA execution harness (runtime/cudasim.py) against the float64 reference, through the public function
 that serves it.
 
-One module per op, ``tvm_mamba.simcheck.<op>``, with::
+One module per op, ``tvm_mamba.tools.simcheck.<op>``, with::
 
     def check(direction: str, static: dict, dtypes: dict, arch: str) -> None
 
@@ -37,7 +37,7 @@ class CheckFailed(AssertionError):
 @contextlib.contextmanager
 def recording():
     """``with recording() as keys:`` the KernelKeys of every kernel run inside."""
-    from ..runtime.dispatch import record_keys
+    from ...runtime.dispatch import record_keys
 
     with record_keys() as used:
         keys: list = []
@@ -95,7 +95,7 @@ def size(name: str, default: int) -> int:
 def target(arch: str, **sim):
     """The context kernel calls run in: ``simulate_cuda(arch, **sim)`` in the harness; on a device, a block that
     records every kernel launch into :func:`on_device`'s ``launches`` (replayed there to time each kernel)."""
-    from ..torch_ops._dlpack import capture_launches
+    from ...torch_ops._dlpack import capture_launches
 
     @contextlib.contextmanager
     def block():
@@ -155,7 +155,7 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: 
 
 def run_config(op: str, direction: str, static: dict, dtypes: dict, arch: str) -> None:
     """Run one build-check configuration through the harness (see the module docstring)."""
-    module = importlib.import_module(f"tvm_mamba.simcheck.{op}")
+    module = importlib.import_module(f"tvm_mamba.tools.simcheck.{op}")
     module.check(direction, dict(static), dict(dtypes), arch)
 
 
@@ -194,8 +194,8 @@ def extent(quick: int, tile) -> int:
 def production_knob(op: str, direction: str, static: dict, dtypes: dict, arch: str, name: str):
     """The value of schedule knob ``name`` (e.g. causal_conv1d's ``tile``) that the configuration's production
     plan uses: its tuning record's, else the schedule's hand default (read as the schedule picks it)."""
-    from ..runtime import KernelKey, dispatch
-    from ..schedules.rule import Decisions
+    from ...runtime import KernelKey, dispatch
+    from ...schedules.rule import Decisions
 
     key = KernelKey.make(op, direction, dtypes, static, "cudasim-" + arch)
     decisions = Decisions(dict(dispatch.plan(key).decisions))

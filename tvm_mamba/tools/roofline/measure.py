@@ -18,7 +18,7 @@ import tvm
 import tvm_ffi
 
 from .. import tune
-from ..runtime import KernelKey, dispatch
+from ...runtime import KernelKey, dispatch
 from . import count, hardware, minimum
 
 
@@ -188,8 +188,8 @@ def param_bytes(key: KernelKey, batch: int, seqlen: int, reduced: bool = True) -
 
 def ptxas(key: KernelKey, arch: str) -> dict[str, dict]:
     """{kernel name: ptxas stats} of the build-check source of ``key`` on its CUDA target."""
-    from ..runtime.cache import compile_module
-    from ..runtime.nvcc import ptxas_stats
+    from ...runtime.cache import compile_module
+    from ...runtime.nvcc import ptxas_stats
 
     cuda = dataclasses.replace(key, target="cuda-" + arch)
     src = compile_module(cuda, dispatch.schedule(cuda)).mod.imports[0].inspect_source("cuda")

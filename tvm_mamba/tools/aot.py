@@ -30,9 +30,9 @@ import sys
 import tempfile
 import time
 
-from .runtime import KernelKey, cpu_target, cuda_target, target_key
-from .runtime import dispatch, pack, registry, rules, threads
-from .runtime.cache import PACK_THREADS, compile_module
+from ..runtime import KernelKey, cpu_target, cuda_target, target_key
+from ..runtime import dispatch, pack, registry, rules, threads
+from ..runtime.cache import PACK_THREADS, compile_module
 
 CASES_COPY = "gpu_check_configs.json"  # the name scripts/gpu_checks/cases.py looks for in a pack
 
@@ -76,7 +76,7 @@ def _plan(configs, tkey: str, batches, seqlens):
 def _build_cpu(keys, jobs: int) -> dict:
     """{key: its file in the kernel cache | the exception}: what the test suite or an earlier call built is
     reused, the rest built ``jobs`` at a time (prebuild.build_in_pool)."""
-    from .runtime import prebuild
+    from ..runtime import prebuild
 
     with _no_pack():  # the cache, not a pack this process may have been pointed at
         if jobs <= 1:
@@ -173,10 +173,10 @@ def model_kernels(model_dir: str, dtype: str, weights: str | None) -> list[dict]
     to ``dtype`` and quantized to ``weights`` ("int8" / "bfloat16") if given; saved as its kernel set."""
     import torch
 
-    from .modules.generation import model_signature
-    from .modules.lm import MambaLMHeadModel
-    from .modules.quantize import quantize_weights
-    from .runtime import kernel_sets
+    from ..modules.generation import model_signature
+    from ..modules.lm import MambaLMHeadModel
+    from ..modules.quantize import quantize_weights
+    from ..runtime import kernel_sets
 
     model = MambaLMHeadModel.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     if weights:
@@ -188,7 +188,7 @@ def model_kernels(model_dir: str, dtype: str, weights: str | None) -> list[dict]
 
 def build_model(args) -> int:
     """``aot --model``: learn the model's kernel set in a child process, then build what the cache lacks."""
-    from .runtime import prebuild
+    from ..runtime import prebuild
 
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # a fresh process: the dry run leaves stubs in its memos
