@@ -101,7 +101,7 @@ def block_scheduled(key: KernelKey) -> bool:
     rules = dispatch.rule_module(target, key.op)
     func = dispatch.build_func(key)
     with rule_watch(func) as seen:
-        out = rules.apply(func, target, Decisions()) if rules is not None else None
+        out = rules.apply(func, target, Decisions())
     return out is not None and bool(seen.block)
 
 
