@@ -85,3 +85,21 @@ def test_rules_are_chosen_by_capability(target, folder):
     if folder == "cuda":
         for kind in ("metal", "opencl", "webgpu"):
             assert dispatch.rule_module(Target(kind), "ssd").__name__ == "tvm_mamba.schedules.cuda.ssd", kind
+
+
+def test_cpu_rules_decline_a_target_without_the_cpu_key():
+    """A CPU rule offered its own kernel for a GPU target returns None, and lays it out for any target with
+    the ``cpu`` key (TVM's C source target too): each checks that capability, never the target's kind name."""
+    from tvm.target import Target
+
+    from tvm_mamba.compute import selective_scan as ss
+    from tvm_mamba.compute import ssd
+    from tvm_mamba.schedules.cpu import selective_scan as cpu_scan
+    from tvm_mamba.schedules.cpu import ssd as cpu_ssd
+
+    update = ss.selective_scan_update(ss.UpdateDims(nheads=2, headdim=4, dstate=8, ngroups=1))
+    cumsum = ssd.ssd_chunk_cumsum(nheads=2, chunk_size=16)
+    for rule, func in ((cpu_scan, update), (cpu_ssd, cumsum)):
+        assert rule.apply(func, cpu_target(), Decisions()) is not None
+        assert rule.apply(func, Target("c"), Decisions()) is not None
+        assert rule.apply(func, cuda_target("sm_90"), Decisions()) is None
