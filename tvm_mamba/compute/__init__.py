@@ -1,6 +1,7 @@
 """TE/TIR definitions: pure functions of static dims + dtypes -> PrimFunc (no torch).
 
-One module per op (``causal_conv1d.py``, ...) with builders named ``<op>_<direction>``. Batch and sequence
+One module per op (``causal_conv1d.py``, ...) with builders named ``<op>_<direction>`` (the compiled symbol) and
+listed in its ``KERNELS`` table (direction -> builder), which runtime/registry.py reads. Batch and sequence
 length are symbolic; model dims are static. Each PrimFunc is stamped (``_common.stamp``) with the kernel
 name and its static parameters so that schedule rules can recognise it.
 """
