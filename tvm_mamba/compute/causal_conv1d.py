@@ -125,7 +125,7 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
         if d.activation != "silu":
             return dv
         v = pre[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
-        s = m.sigmoid(v)
+        s = m.sigmoid(v)  # dv * silu'(v), multiplied in this order (the generated kernels' bits are these)
         return dv * s * (1.0 + v * (1.0 - s))
 
     # g: the workspace output (written once; dinit reads it), grad: the same values as an intermediate that

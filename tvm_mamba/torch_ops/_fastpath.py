@@ -84,8 +84,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _source(a: torch.Tensor, inputs, outputs: list, copies=()):
-    """Where launch argument ``a`` comes from: ("id", j) input j itself; ("in", j, size, stride, offset delta,
-    [last view made]) a view inside input j; ("new", k) fresh output storage k (flat), ("out", k, size, stride,
+    """Where launch argument ``a`` comes from: ("id", j) input j itself; ("in", j, size, stride, offset delta) a
+    view inside input j; ("new", k) fresh output storage k (flat), ("out", k, size, stride,
     offset) a view of it; ("const", a) a cached placeholder; ("copy", k, source, size, stride, offset delta) a
     view of the k-th compact copy the op made (``copies``: (copy, original) pairs) of ``source`` (an input or
     a view inside one); None for anything else (a temporary)."""
@@ -106,7 +106,7 @@ def _source(a: torch.Tensor, inputs, outputs: list, copies=()):
             if a.shape == t.shape and a.stride() == t.stride() and lo == t_lo:
                 found = ("id", j)  # the input itself: so for every call of this signature
             else:
-                found = ("in", j, tuple(a.shape), tuple(a.stride()), a.storage_offset() - t.storage_offset(), [None])
+                found = ("in", j, tuple(a.shape), tuple(a.stride()), a.storage_offset() - t.storage_offset())
     if found is not None:
         return found
     for k, (ptr, numel, dtype, _device) in enumerate(outputs):
@@ -185,7 +185,7 @@ def _build(src, inputs, fresh, made=None):
     if kind == "new":
         return fresh[src[1]]
     if kind == "in":  # here only as what a "copy" copies; a launch's own views are remembered by _recipe_code
-        _, j, size, stride, delta, _memo = src
+        _, j, size, stride, delta = src
         t = inputs[j]
         return t.as_strided(size, stride, t.storage_offset() + delta)
     _, k, size, stride, offset = src

@@ -62,7 +62,7 @@ class _Writer:
             self.lines.append(f"    {target} = f{k}" if same else
                               f"    {target} = f{k}.as_strided({size!r}, {stride!r}, {offset})")
         elif kind == "in":
-            _, j, size, stride, delta, _memo = src
+            _, j, size, stride, delta = src
             memo = self.const([None], "M")
             offset = "" if delta == 0 else f", i{j}.storage_offset() + {delta}"
             self.lines += [f"    m = {memo}[0]",
