@@ -1,22 +1,26 @@
-"""The schedule-rule contract.
+"""The schedule-rule contract: one entry per rule.
 
 Every ``schedules/<cpu|cuda>/<op>.py`` exposes::
 
-    def apply(func: PrimFunc, target: Target, decisions: Decisions) -> s_tir.Schedule | None
+    def lay_out(kernel: str, dims: Dims, target: Target, decisions: Decisions) -> s_tir.Schedule | None
 
-``func`` is the compute builder's PrimFunc for one kernel; its ``tvm_mamba.kernel`` attribute names the
-kernel (``causal_conv1d_fwd``) and ``tvm_mamba.static`` carries its static dims and dtypes (an op with
-typed dims rebuilds them: ``compute.<op>.DIMS[direction](**static)``). A rule checks that it knows the
-kernel and the target's capability first (``"gpu" in target.keys`` for the ``cuda/`` rules, which serve any
-GPU codegen; ``"cpu"`` for ``cpu/``) and returns None when it does not (never raises on a foreign pattern:
-tests/schedules/test_rule_contract.py).
+``kernel`` names one of the op's kernels (the key's direction: ``"fwd"``, ``"chunk_scan"``) and ``dims`` are
+its typed static dims (``compute.<op>.DIMS``, rebuilt from the kernel key by ``Dims.from_key``). A rule checks
+that it knows the kernel and that the target has its capability (``"gpu" in target.keys`` for the ``cuda/``
+rules, which serve any GPU codegen; ``"cpu"`` for ``cpu/``) and returns None otherwise (never raises on a
+kernel or target it does not take: tests/schedules/test_rule_contract.py). It returns a Schedule in one of two
+forms:
+
+- a **template laid out** for the target: the op's loop-nest template built from ``dims`` under the target's
+  strategy (lanes, vectors, threads, shared memory), ``schedule_of(prim)``. Scans, windowed convs with a
+  scalar head and tail, the SSD kernels: see TVM_FIELD_GUIDE §10 (vectorizing a scan block returns wrong
+  numbers);
+- the op's **compute definition scheduled** block by block: ``schedule_compute(build(dims))``, the TE kernels
+  the GPU rules split, bind and stage. Only this form is a MetaSchedule design space (``on_schedule``).
 
 Each rule is a *design space*: every choice (vector width, time tile, threads per block, unroll, chunk
 length, algorithm) is made through ``decisions.pick(name, candidates, default)``. With no tuning record the
-defaults are used, so the hand schedule and the tuned one are the same code. CPU kernels whose state is
-per vector lane (scans, windowed convs with a scalar head/tail) are written as explicit loop nests from a
-template (see TVM_FIELD_GUIDE §10: vectorizing a scan block returns wrong numbers); the rule then returns a
-Schedule over that loop nest, and its knobs are searched by measurement.
+defaults are used, so the hand schedule and the tuned one are the same code.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import tvm
 from tvm import s_tir
 
 
-from tvm_mamba.compute._common import SERIAL_WORK  # noqa: E402,F401  (re-exported for the rules)
+from tvm_mamba.compute._common import SERIAL_WORK, stamp  # noqa: F401  (SERIAL_WORK: re-exported for the rules)
 
 
 class Decisions:
@@ -55,16 +59,15 @@ class Decisions:
         return json.dumps(self.values, sort_keys=True)
 
 
-def apply_by_kernel(table: Mapping[str, Any], func: tvm.tirx.PrimFunc, target, decisions: Decisions,
-                    capability: str):
-    """The ``apply`` of a rule file that has one schedule function per kernel: ``table[kernel](func, static,
-    decisions)`` where the target has ``capability`` (``"gpu"`` / ``"cpu"`` in ``target.keys``); None for a
-    foreign PrimFunc or target (the function itself may return None for a shape it does not take)."""
-    name, static = kernel_attrs(func)
-    schedule = table.get(name)
+def lay_out_by_kernel(table: Mapping[str, Any], kernel: str, dims, target, decisions: Decisions,
+                      capability: str):
+    """The ``lay_out`` of a rule file that has one function per kernel: ``table[kernel](dims, decisions)``
+    where the target has ``capability`` (``"gpu"`` / ``"cpu"`` in ``target.keys``); None for another kernel
+    or target (the function itself may return None for a shape it does not take)."""
+    schedule = table.get(kernel)
     if schedule is None or capability not in target.keys:
         return None
-    return schedule(func, static, decisions)
+    return schedule(dims, decisions)
 
 
 def vector_floats(target) -> int:
@@ -77,15 +80,6 @@ def vector_floats(target) -> int:
         return 16 if codegen.target_has_features("avx512f", target) else 8
     except Exception:  # a target LLVM cannot query (another architecture's triple): the narrower default
         return 8
-
-
-def kernel_attrs(func: tvm.tirx.PrimFunc) -> tuple[str | None, dict]:
-    """(kernel name, static dict) stamped on a compute builder's PrimFunc; (None, {}) if foreign."""
-    attrs = func.attrs
-    if attrs is None or "tvm_mamba.kernel" not in attrs:
-        return None, {}
-    static = json.loads(str(attrs["tvm_mamba.static"])) if "tvm_mamba.static" in attrs else {}
-    return str(attrs["tvm_mamba.kernel"]), static
 
 
 class SampledDecisions(Decisions):
@@ -123,36 +117,49 @@ def _scoped(name: str, value):
 
 
 def on_schedule(sch: s_tir.Schedule):
-    """Within the block, ``schedule_of`` hands rules this schedule (MetaSchedule's) instead of a new one."""
+    """Within the block, ``schedule_compute`` hands rules this schedule (MetaSchedule's, over the kernel's
+    compute definition with the bucket's shapes bound) instead of a new one."""
     return _scoped("sch", sch)
 
 
-def watch(func: tvm.tirx.PrimFunc):
-    """Within the block, ``schedule_of`` notes whether a rule scheduled ``func`` itself (``.block`` True: a
-    block-scheduled rule, a MetaSchedule design space) or a PrimFunc of its own (a loop-nest template)."""
-    return _scoped("watch", _Seen(func))
+def watch():
+    """Within the block, the schedule helpers note which form the rule took: ``.block`` True when it scheduled
+    the compute definition (``schedule_compute``: a MetaSchedule design space), False for a template."""
+    return _scoped("watch", _Seen())
 
 
 class _Seen:
-    def __init__(self, func):
-        self.func, self.block = func, None
+    block: bool | None = None
 
 
 class NotBlockScheduled(TypeError):
     """A loop-nest template rule was asked for a MetaSchedule design space (it builds a new PrimFunc)."""
 
 
-def schedule_of(func: tvm.tirx.PrimFunc, name: str = "main") -> s_tir.Schedule:
-    """A Schedule over ``func`` (or, inside ``on_schedule``, the schedule being sampled: only a rule that
-    schedules the compute's own PrimFunc can be one; a template's new PrimFunc raises NotBlockScheduled)."""
-    seen = getattr(_active, "watch", None)
-    if seen is not None:
-        seen.block = func.same_as(seen.func)
-    active = getattr(_active, "sch", None)
-    if active is not None:
-        if not func.same_as(active.mod[active.func_working_on or "main"]):
-            raise NotBlockScheduled("a loop-nest template is not a MetaSchedule design space")
-        return active
+def _new_schedule(func: tvm.tirx.PrimFunc, name: str) -> s_tir.Schedule:
     sch = s_tir.Schedule(tvm.IRModule({name: func}))
     sch.work_on(name)
     return sch
+
+
+def schedule_of(prim: tvm.tirx.PrimFunc, name: str) -> s_tir.Schedule:
+    """A Schedule over a template's PrimFunc laid out for the target (final: the rule's picks built it), named
+    after its kernel ``name`` (``compute._common.stamp``). Inside ``on_schedule`` a NotBlockScheduled: a
+    template is not a MetaSchedule design space."""
+    seen = getattr(_active, "watch", None)
+    if seen is not None:
+        seen.block = False
+    if getattr(_active, "sch", None) is not None:
+        raise NotBlockScheduled("a loop-nest template is not a MetaSchedule design space")
+    return _new_schedule(stamp(prim, name), name)
+
+
+def schedule_compute(func: tvm.tirx.PrimFunc, name: str) -> s_tir.Schedule:
+    """A Schedule over the kernel's compute definition ``func`` (the op's builder called with the rule's dims),
+    for the rule to split, bind and stage; inside ``on_schedule`` the schedule being sampled instead (the same
+    definition, its symbolic dims bound to a shape bucket's)."""
+    seen = getattr(_active, "watch", None)
+    if seen is not None:
+        seen.block = True
+    active = getattr(_active, "sch", None)
+    return active if active is not None else _new_schedule(func, name)

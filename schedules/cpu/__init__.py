@@ -1,4 +1,4 @@
-"""CPU (llvm) schedules: one module per op, ``apply(func, target, decisions) -> Schedule | None``."""
+"""CPU (llvm) schedules: one module per op, ``lay_out(kernel, dims, target, decisions) -> Schedule | None``."""
 
 from . import causal_conv1d, int8_dot, linear, mamba3, rmsnorm_gated, selective_scan, ssd  # noqa: E402
 

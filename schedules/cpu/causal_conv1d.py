@@ -17,8 +17,9 @@ from tvm.script import tirx as T
 from ...compute._causal_conv1d_signature import conv_kernel
 from ...compute._causal_conv1d_update import update_template
 from ...compute._math import math_for
-from ...compute.causal_conv1d import DIMS, CausalConv1dBwd, CausalConv1dFwd, window_value, zero_padding
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ...compute.causal_conv1d import (CausalConv1dBwd, CausalConv1dFwd, causal_conv1d_varlen_states, window_value,
+                                      zero_padding)
+from ..rule import Decisions, schedule_compute, schedule_of
 
 MATH = math_for()  # float32, the vectorizable polynomials (llvm.exp is one libm call per lane)
 
@@ -234,31 +235,28 @@ def _bwd(d: CausalConv1dBwd, V: int):
     return conv_kernel(d, body)
 
 
-def _varlen_states(func):
+def _varlen_states(dims):
     """states (batch, state_len, dim): one parallel task per (batch, state row), dim innermost (a copy of
     one contiguous row of x, or zeros)."""
-    sch = schedule_of(func, name="causal_conv1d_varlen_states")
+    sch = schedule_compute(causal_conv1d_varlen_states(dims), "causal_conv1d_varlen_states")
     blk = sch.get_sblock("states")
     b, j, _ = sch.get_loops(blk)
     sch.parallel(sch.fuse(b, j))
     return sch
 
 
-def apply(func, target, decisions: Decisions):
-    """Loop-nest template for the causal_conv1d kernels on CPU targets; None for anything else."""
-    kernel, st = kernel_attrs(func)
-    cls = DIMS.get(kernel[len("causal_conv1d_"):]) if kernel and kernel.startswith("causal_conv1d_") else None
-    if "cpu" not in target.keys or cls is None:
+def lay_out(kernel: str, dims, target, decisions: Decisions):
+    """The CPU loop nests of the causal_conv1d kernels; None for another kernel or target."""
+    if "cpu" not in target.keys:
         return None
-    dims = cls(**st)
-    if kernel == "causal_conv1d_fwd":
+    if kernel == "fwd":
         f = _fwd(dims, decisions.pick("vector", (8, 16, 32), 16))
-    elif kernel == "causal_conv1d_bwd":
+    elif kernel == "bwd":
         f = _bwd(dims, decisions.pick("vector", (8, 16, 32), 16))
-    elif kernel == "causal_conv1d_update":
+    elif kernel == "update":
         f = update_template(dims, mode="cpu")
-    elif kernel == "causal_conv1d_varlen_states":
-        return _varlen_states(func)
+    elif kernel == "varlen_states":
+        return _varlen_states(dims)
     else:
         return None
-    return schedule_of(f.with_attrs(dict(func.attrs)), name=kernel)
+    return schedule_of(f, f"causal_conv1d_{kernel}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from tvm_mamba.compute import int8_dot as int8_compute
 from tvm_mamba.schedules import rule
 
 VEC = 64  # bytes per zmm
@@ -371,13 +372,14 @@ def _has_vnni(target) -> bool:
                     "raptorlake", "meteorlake", "arrowlake", "lunarlake", "pantherlake", "graniterapids-d")
 
 
-def apply(func, target, decisions: rule.Decisions):
-    """Loop-nest schedule for int8_dot kernels, or None for a foreign PrimFunc."""
-    name, st = rule.kernel_attrs(func)
+def lay_out(kernel: str, d, target, decisions: rule.Decisions):
+    """The int8_dot kernels' CPU loop nests (pack / unpack: their compute scheduled), or None for another
+    kernel or target, and for the matmul without VNNI (the dispatcher's unscheduled TE: LLVM vectorizes it)."""
     if "cpu" not in target.keys:
         return None
-    if name == "int8_dot_matmul":
-        N, K = st["N"], st["K"]
+    name = f"int8_dot_{kernel}"
+    if kernel == "matmul":
+        N, K = d.N, d.K
         if not _has_vnni(target):
             return None  # no VNNI: the unscheduled TE (LLVM auto-vectorizes the int32 dot)
         nbs = tuple(v for v in (4, 2, 1) if N % v == 0)
@@ -395,30 +397,30 @@ def apply(func, target, decisions: rule.Decisions):
             MO2 = decisions.pick("pack_mo", (128, 256, 512, 1024, 2048), 2048)
             PM = decisions.pick("pack_min_rows", (64, 128, 256, 1 << 30), 128)
             packed = (MR, KC, MO2, PM)
-        return rule.schedule_of(_matmul(N, K, MB, NB, MO, packed), name=name)
-    if name == "int8_dot_dgrad":
+        return rule.schedule_of(_matmul(N, K, MB, NB, MO, packed), name)
+    if kernel == "dgrad":
         V = decisions.pick("vector", (16, 8), 16)
         MB = decisions.pick("rows", (1, 2, 4, 8), 4)
         # k_tile 64: a 64 x 64-float staged codes tile (16 KiB) fits any L1d of 32 KiB or more
         KT = decisions.pick("k_tile", (64, 128, 256), 64)
         MC = decisions.pick("row_chunk", (32, 64, 128, 256), 64)
-        return rule.schedule_of(_dgrad(st["heads"], st["N"], st["K"], V, MB, KT, MC), name=name)
-    if name == "int8_dot_wgrad":
+        return rule.schedule_of(_dgrad(d.heads, d.N, d.K, V, MB, KT, MC), name)
+    if kernel == "wgrad":
         V = decisions.pick("vector", (16, 8), 16)
         KBM = decisions.pick("k_vectors", (2, 4, 8), 4)
         # row_tile 64: the g tile (64 rows x KB*V floats = 16 KiB) fits any L1d of 32 KiB or more; 0 was the
         # hand schedule before the knob (1.6-1.9x slower at K = 2048 here), 128 / 256 are for larger L1s
         RT = decisions.pick("row_tile", (0, 64, 128, 256), 64)
-        return rule.schedule_of(_wgrad(st["heads"], st["code_heads"], st["N"], st["K"], V, KBM, RT), name=name)
-    if name in ("int8_dot_pack", "int8_dot_unpack"):
+        return rule.schedule_of(_wgrad(d.heads, d.code_heads, d.N, d.K, V, KBM, RT), name)
+    if kernel in ("pack", "unpack"):
         # block-scheduled (a MetaSchedule design space on CPU too): rows in parallel; the contiguous axis
         # (K/4 words or K bytes) split by ``vector`` and the inner part vectorized (1: the plain serial loop,
         # today's hand schedule, left to LLVM's loop vectorizer)
-        sch = rule.schedule_of(func, name=name)
-        blk = sch.get_sblock("packed" if name == "int8_dot_pack" else "codes")
+        sch = rule.schedule_compute(int8_compute.KERNELS[kernel](d), name)
+        blk = sch.get_sblock("packed" if kernel == "pack" else "codes")
         r, j = sch.get_loops(blk)
-        extent = (st["K"] + 3) // 4 if name == "int8_dot_pack" else st["K"]
-        lanes = (4, 8, 16, 32) if name == "int8_dot_pack" else (16, 32, 64)
+        extent = (d.K + 3) // 4 if kernel == "pack" else d.K
+        lanes = (4, 8, 16, 32) if kernel == "pack" else (16, 32, 64)
         vec = decisions.pick("vector", (1,) + tuple(v for v in lanes if extent % v == 0), 1)
         _, ji = sch.split(j, [None, vec])
         sch.vectorize(ji)

@@ -12,7 +12,7 @@ reading w once, so the loop nest streams each weight row exactly once per call a
   unroll weight vectors loaded and widened to float32 per k step (bf16: the 16 bits shifted into the top of
   a float32 lane; int8: sign-extend + convert), each used by every row of the tile. A row tile reads the
   task's weights (task x K) once; a further row tile rereads them from L2. Default one feature per tile: the
-  weights are then read as one sequential stream (see ``apply``);
+  weights are then read as one sequential stream (see ``lay_out``);
 - lanes and unrolled accumulators summed at the end, K % vector columns in scalar code, then scale, bias and
   the cast to x's dtype.
 Summation order: lane-strided partial sums (k = i mod vector*unroll), the unrolled ones folded, then the
@@ -209,13 +209,12 @@ def _bwd(d: LinearDims, V: int, KB: int):
     return linear_bwd
 
 
-def apply(func, target, decisions: rule.Decisions):
-    """Loop-nest schedule for linear kernels, or None for a foreign PrimFunc."""
-    name, st = rule.kernel_attrs(func)
-    if name not in ("linear_fwd", "linear_bwd"):
+def lay_out(kernel: str, d: LinearDims, target, decisions: rule.Decisions):
+    """The linear kernels' CPU loop nests, or None for another kernel or target."""
+    if kernel not in ("fwd", "bwd") or "cpu" not in target.keys:
         return None
-    d = LinearDims(**st)
-    if name == "linear_fwd":
+    name = f"linear_{kernel}"
+    if kernel == "fwd":
         lanes = rule.vector_floats(target)
         # the target's vector width: 16-float vectors on AVX2 (two ymm each) ran 10-30% slower at 4-256 rows
         V = decisions.pick("vector", (8, 16), lanes)
@@ -232,7 +231,7 @@ def apply(func, target, decisions: rule.Decisions):
         # rows per block (prefill-size calls): a block's rows of x (MR x in_features) stay in L2 while the
         # block's tasks stream their weights; at decode (<= MR rows) one block, the plain GEMV
         MR = decisions.pick("row_block", (32, 64, 128, 256), 64)
-        return rule.schedule_of(_fwd(d, TN, NB, MB, V, U, MR, _accumulators(lanes)), name=name)
+        return rule.schedule_of(_fwd(d, TN, NB, MB, V, U, MR, _accumulators(lanes)), name)
     V = decisions.pick("vector", (8, 16), 16)
     KB = decisions.pick("k_vectors", (1, 2, 4), 2)
-    return rule.schedule_of(_bwd(d, V, KB), name=name)
+    return rule.schedule_of(_bwd(d, V, KB), name)

@@ -23,19 +23,18 @@ from __future__ import annotations
 
 from ...compute import mamba3 as compute
 from ...compute._math import Math
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ..rule import Decisions, schedule_of
 from .selective_scan import CpuLayout
 from .ssd import Cpu
 
 
-def apply(func, target, decisions: Decisions):
-    name, static = kernel_attrs(func)
-    direction = name[len("mamba3_"):] if name and name.startswith("mamba3_") else None
+def lay_out(direction: str, dims, target, decisions: Decisions):
+    """A Mamba-3 kernel's template under the CPU's strategy; None for another kernel or target."""
     if "cpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
-    dims = compute.DIMS[direction](**static)
+    name = f"mamba3_{direction}"
     if direction in compute.PREPROCESS:
-        return schedule_of(compute.build(direction, dims, Cpu()), name=name)
+        return schedule_of(compute.build(direction, dims, Cpu()), name)
     widths = [v for v in (1, 2, 4, 8, 16) if dims.headdim_qk % v == 0]
     vec = decisions.pick("vector", widths, widths[-1])
-    return schedule_of(compute.build(direction, dims, CpuLayout(Math(dims.acc), vec=vec)), name=name)
+    return schedule_of(compute.build(direction, dims, CpuLayout(Math(dims.acc), vec=vec)), name)

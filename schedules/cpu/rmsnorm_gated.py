@@ -16,7 +16,6 @@ Knobs: ``vector`` (lane count, default the largest dividing group_size).
 """
 from __future__ import annotations
 
-import dataclasses
 import types
 
 from tvm.script import tirx as T
@@ -26,8 +25,6 @@ from tvm_mamba.compute.rmsnorm_gated import PART_ROWS, NormDims, dropout_keep
 from tvm_mamba.schedules import rule
 
 MATH = math_for()  # float32, the vectorizable polynomials (llvm.exp is one libm call per lane)
-
-KERNELS = ("rmsnorm_gated_fwd", "rmsnorm_gated_bwd")
 
 
 def _f32(v):
@@ -366,17 +363,16 @@ def _bwd(d: NormDims, x_dtype, w_dtype, dout_dtype, V):
     return rmsnorm_gated_bwd
 
 
-def apply(func, target, decisions: rule.Decisions):
-    """Loop-nest schedule of a gated RMSNorm kernel, or None for a foreign PrimFunc."""
-    name, st = rule.kernel_attrs(func)
-    if name not in KERNELS or "cpu" not in target.keys:
+def lay_out(kernel: str, dims, target, decisions: rule.Decisions):
+    """A gated norm kernel's CPU loop nest, or None for another kernel or target."""
+    if kernel not in ("fwd", "bwd") or "cpu" not in target.keys:
         return None
-    gs = st["group_size"]
-    widths = tuple(v for v in (16, 8, 4, 2, 1) if gs % v == 0)
+    d, x_dtype = dims.norm(), dims.x_dtype
+    widths = tuple(v for v in (16, 8, 4, 2, 1) if d.group_size % v == 0)
     V = decisions.pick("vector", widths, widths[0])
-    d = NormDims(**{f.name: st[f.name] for f in dataclasses.fields(NormDims) if f.name in st})
-    if name == "rmsnorm_gated_fwd":
-        tmpl = _fwd(d, st["x_dtype"], st["weight_dtype"], st["residual_dtype"], st["residual_out_dtype"], V)
+    if kernel == "fwd":
+        tmpl = _fwd(d, x_dtype, dims.weight_dtype, dims.residual_dtype or x_dtype, dims.residual_out_dtype or x_dtype,
+                    V)
     else:
-        tmpl = _bwd(d, st["x_dtype"], st["weight_dtype"], st["dout_dtype"], V)
-    return rule.schedule_of(tmpl, name=name)
+        tmpl = _bwd(d, x_dtype, dims.weight_dtype, dims.dout_dtype or x_dtype, V)
+    return rule.schedule_of(tmpl, f"rmsnorm_gated_{kernel}")

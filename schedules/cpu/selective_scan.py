@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 
 from ...compute import selective_scan as compute
 from ...compute._math import Math
-from ..rule import SERIAL_WORK, Decisions, kernel_attrs, schedule_of
+from ..rule import SERIAL_WORK, Decisions, schedule_of
 
 CH = 16  # channels per vector in the channels layout (one zmm of fp32)
 
@@ -73,18 +73,17 @@ class ChannelsLayout(CpuLayout):
         self.reduce = reduce
 
 
-def apply(func, target, decisions: Decisions):
-    name, static = kernel_attrs(func)
-    direction = name[len("selective_scan_"):] if name and name.startswith("selective_scan_") else None
+def lay_out(direction: str, dims, target, decisions: Decisions):
+    """A selective-scan kernel's template under a CPU layout; None for another kernel or target."""
     if "cpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
-    dims = compute.DIMS[direction](**static)
+    name = f"selective_scan_{direction}"
     if direction == "fwd" and dims.dim % CH == 0:
         if decisions.pick("layout", ("channels", "dstate"), "channels") == "channels":
-            return schedule_of(compute.build(direction, dims, ChannelsLayout(Math(dims.acc))), name=name)
+            return schedule_of(compute.build(direction, dims, ChannelsLayout(Math(dims.acc))), name)
     widths = [v for v in (1, 2, 4, 8, 16) if dims.dstate % v == 0]
     layout = CpuLayout(Math(dims.acc), vec=decisions.pick("vector", widths, compute.vector_width(dims.dstate)))
     if direction == "update" and dims.tie_hdim:
         rows = [r for r in (1, 2, 4, 8, 16, 32) if r < dims.headdim and dims.headdim % r == 0] + [dims.headdim]
         layout.head_rows = decisions.pick("head_rows", rows, dims.headdim)
-    return schedule_of(compute.build(direction, dims, layout), name=name)
+    return schedule_of(compute.build(direction, dims, layout), name)

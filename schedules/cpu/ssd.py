@@ -30,9 +30,9 @@ from ...compute import ssd as compute
 from ...compute.ssd.mm import (COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, lower_cols, matmul,
                                vblock, zero)
 from ...compute.ssd.strategy import Strategy, at
-from ..rule import Decisions, kernel_attrs, schedule_of, vector_floats
+from ..rule import Decisions, schedule_of, vector_floats
 
-_BLOCKED = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan_bwd")
+_BLOCKED = ("bmm_chunk", "chunk_state", "chunk_scan", "chunk_scan_bwd_dstates", "chunk_scan_bwd")
 
 
 class Cpu(Strategy):
@@ -149,15 +149,12 @@ def _staged(mm, M: int, W: int, K: int):
     return run
 
 
-def apply(func, target, decisions: Decisions):
-    """The CPU layout of an SSD kernel (its template under ``Cpu``), or None for a kernel that is not an SSD kernel."""
-    name, static = kernel_attrs(func)
-    found = compute.template_of(name)
-    if "cpu" not in target.keys or found is None:
+def lay_out(direction: str, dims, target, decisions: Decisions):
+    """The CPU layout of an SSD kernel (its template under ``Cpu``), or None for another kernel or target."""
+    if "cpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
-    template, dims = found
     strategy = Cpu()
-    if name in _BLOCKED:
+    if direction in _BLOCKED:
         # default block: 4 rows x 2 vector registers = 8 accumulator registers (4 x 32 with AVX-512, 4 x 16 with
         # AVX2: its 4 x 32 needs 16 ymm accumulators, all of AVX2's registers; measured on a 2-vCPU AVX2 EPYC at
         # the Mamba-2 130M shape, one thread: chunk_state 5.0 -> 3.9 ms, bmm_chunk 1.15 -> 0.65, chunk_scan
@@ -165,4 +162,4 @@ def apply(func, target, decisions: Decisions):
         cols = 2 * vector_floats(target)
         strategy = Cpu(decisions.pick("rows", ROWS, DEFAULT_ROWS), decisions.pick("cols", COLS, cols),
                        decisions.pick("order", ORDERS, DEFAULT_ORDER))
-    return schedule_of(template(dims(**static), strategy).with_attrs(dict(func.attrs)), name=name)
+    return schedule_of(compute.TEMPLATES[direction](dims, strategy), f"ssd_{direction}")

@@ -31,9 +31,9 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir
 
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ..rule import Decisions, schedule_compute, schedule_of
 from ...compute._causal_conv1d_update import update_template
-from ...compute.causal_conv1d import CausalConv1dUpdate
+from ...compute.causal_conv1d import KERNELS
 from ._common import bind_flat, schedule_acc_chain
 
 # Inputs a tile reads through its window or per output, staged once per block (the backward stages x per
@@ -219,20 +219,21 @@ def _bwd(sch: s_tir.Schedule, threads, tile, window: int) -> None:
     _small(sch, threads)
 
 
-def apply(func, target, decisions: Decisions):
-    kernel, static = kernel_attrs(func)
-    if "gpu" not in target.keys or kernel is None or not kernel.startswith("causal_conv1d_"):
+def lay_out(kernel: str, dims, target, decisions: Decisions):
+    """The TE kernels scheduled (fwd, bwd: the tiles above; varlen_states: a thread per output), the decode
+    step a template; None for another kernel or target."""
+    if "gpu" not in target.keys or kernel not in KERNELS:
         return None
+    name = f"causal_conv1d_{kernel}"
     threads = decisions.pick("threads", THREADS, 256)
-    if kernel == "causal_conv1d_update":  # a loop-nest template: one thread per (batch, channel) row
-        loop = update_template(CausalConv1dUpdate(**static), mode="cuda", threads=threads)
-        return schedule_of(loop.with_attrs(dict(func.attrs)), name=kernel)
-    sch = schedule_of(func, name=kernel)
-    if kernel in ("causal_conv1d_fwd", "causal_conv1d_bwd"):
-        layout = _fwd if kernel == "causal_conv1d_fwd" else _bwd
+    if kernel == "update":  # a loop-nest template: one thread per (batch, channel) row
+        return schedule_of(update_template(dims, mode="cuda", threads=threads), name)
+    sch = schedule_compute(KERNELS[kernel](dims), name)
+    if kernel in ("fwd", "bwd"):
+        layout = _fwd if kernel == "fwd" else _bwd
         tile = decisions.pick("tile", TILES, 1024)
         # the ring holds the tile and its halos; a MetaSchedule sample (ExprRV) may replay with any tile
-        window = _window(tile if isinstance(tile, int) else max(TILES), static["width"])
+        window = _window(tile if isinstance(tile, int) else max(TILES), dims.width)
         layout(sch, threads, tile, window)
     else:
         schedule_acc_chain(sch, threads)

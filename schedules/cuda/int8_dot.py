@@ -21,6 +21,7 @@ import functools
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
+from tvm_mamba.compute import int8_dot as int8_compute
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
 from tvm_mamba.schedules.cuda._tiled import K_SLICE, TILE_CAP
@@ -68,8 +69,8 @@ def _dp4a_s8s8s32() -> str:
     return name
 
 
-def _matmul(func, st: dict, decisions):
-    N, K = st["N"], st["K"]
+def _matmul(d, decisions):
+    N, K = d.N, d.K
     if K % 4:  # the dp4a tensorization needs whole 4-byte groups: the dlight fallback takes it
         return None
     # One row of a per block (blockIdx.y = m: M is symbolic, and an inexact split of it would put a
@@ -80,7 +81,7 @@ def _matmul(func, st: dict, decisions):
     tile = decisions.pick("tile", tiles, 128 if 128 in tiles else tiles[-1])
     kgroups = tuple(c for c in (4, 8, 16, 32) if K % (4 * c) == 0) or (1,)
     kgroup = decisions.pick("kgroups", kgroups, 16 if 16 in kgroups else kgroups[-1])
-    sch = rule.schedule_of(func, name="int8_dot_matmul")
+    sch = rule.schedule_compute(int8_compute.int8_dot_matmul(d), "int8_dot_matmul")
     blk = sch.get_sblock("c")
     m, n, k = sch.get_loops(blk)
     no, ni = sch.split(n, [None, tile])
@@ -107,13 +108,13 @@ def _matmul(func, st: dict, decisions):
 TC_ROWS = (32, 64, 128)
 
 
-def _tc_matmul(func, st: dict, decisions):
+def _tc_matmul(d, decisions):
     """int8 x int8 -> int32 on tensor cores (wmma m16n16k16 s8, _tiled_tc.tc_matmul): a block per TM rows of a
     (M symbolic: ceil(M / TM) row tiles, rows past M read as row M - 1 and not stored) x TW columns of b, both
     staged along K in fragment-blocked shared slices (128-bit copies). Needs N % 16 == K % 16 == 0 (else None:
     the dp4a kernel).
     Exact: integer products and int32 sums, as the dp4a kernel and the compute definition."""
-    N, K = st["N"], st["K"]
+    N, K = d.N, d.K
     if not TcTiling.fits(16, N, K):
         return None
     rows = decisions.pick("tc_rows", TC_ROWS, 64)
@@ -140,31 +141,31 @@ def _tc_matmul(func, st: dict, decisions):
     return _handwritten(matmul, "int8_dot_matmul")
 
 
-def _matmul_any(func, st: dict, decisions):
+def _matmul_any(d, decisions):
     """Tensor cores where the sides allow (knob ``tensor_cores``, default 1), else the dp4a kernel."""
-    if decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, st["N"], st["K"]) else False:
-        return _tc_matmul(func, st, decisions)
-    return _matmul(func, st, decisions)
+    if decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, d.N, d.K) else False:
+        return _tc_matmul(d, decisions)
+    return _matmul(d, decisions)
 
 
-def _elementwise(name: str, block: str):
+def _elementwise(kernel: str, block: str):
     """pack / unpack: one thread per output element of ``block``."""
 
-    def schedule(func, _st, decisions):
+    def schedule(d, decisions):
         threads = decisions.pick("threads", (128, 256, 512), 256)
-        sch = rule.schedule_of(func, name=name)
+        sch = rule.schedule_compute(int8_compute.KERNELS[kernel](d), f"int8_dot_{kernel}")
         threads_over(sch, sch.fuse(*sch.get_loops(sch.get_sblock(block))), threads)
         return sch
 
     return schedule
 
 
-def _tc_dgrad(st: dict, decisions):
+def _tc_dgrad(d, decisions):
     """out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n] on bf16 tensor cores: a block per (head, TM rows
     of M) x TW columns (M symbolic, rows past M read row M - 1 and are not stored); g staged as three bfloat16
     parts (``_tiled_tc._copy_split``: their sum is g exactly) against the codes (exact in bfloat16), so every
     product is float32's, summed in float32 by the mma. Needs N % 16 == K % 16 == 0."""
-    heads, N, K = st["heads"], st["N"], st["K"]
+    heads, N, K = d.heads, d.N, d.K
     rows = decisions.pick("tc_rows", TC_ROWS, 64)
     threads = decisions.pick("threads", (64, 128, 256), 128)
     tl = TcTiling.of(rows, N, K, threads, decisions.pick("tile", TILE_CAP, 64), "bfloat16")
@@ -191,13 +192,13 @@ def _tc_dgrad(st: dict, decisions):
     return _handwritten(dgrad, "int8_dot_dgrad")
 
 
-def _tc_wgrad(st: dict, decisions):
+def _tc_wgrad(d, decisions):
     """Stage 1 on bf16 tensor cores: partial[p, h, n, k] = sum over part p's rows m of codes[h|0, m, n] *
     g[h, m, k], a block per (part, head) x TM of N x TW of K, the part's rows (chunk = ceil(M / nparts),
     symbolic) in k slices, rows past the part or M zero in g; g split in three bfloat16 parts as in
     ``_tc_dgrad`` (float32 products). Stage 2 as ``_wgrad``'s: a thread per out[h, n, k], the parts in order.
     Needs N % 16 == K % 16 == 0."""
-    heads, code_heads, N, K = st["heads"], st["code_heads"], st["N"], st["K"]
+    heads, code_heads, N, K = d.heads, d.code_heads, d.N, d.K
     threads = decisions.pick("threads", (64, 128, 256), 128)
     tl = TcTiling.of(N, K, K_SLICE, threads, decisions.pick("tile", TILE_CAP, 64), "bfloat16")
     KT = tl.KT
@@ -237,22 +238,21 @@ def _tc_wgrad(st: dict, decisions):
 
 def _handwritten(func, name: str):
     """A template's own PrimFunc as kernel ``name`` (the tensor-core forms are written, not scheduled)."""
-    return rule.schedule_of(func.with_attrs({"global_symbol": name, "tirx.noalias": True, "tvm_mamba.kernel": name}),
-                            name=name)
+    return rule.schedule_of(func, name)
 
 
-def _on_tc(st: dict, decisions) -> bool:
+def _on_tc(d, decisions) -> bool:
     """The float backward on tensor cores (knob ``tensor_cores``, default 1) where N and K are multiples of 16."""
-    return decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, st["N"], st["K"]) else False
+    return decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, d.N, d.K) else False
 
 
-def _dgrad(func, st, decisions):
-    if _on_tc(st, decisions):
-        return _tc_dgrad(st, decisions)
+def _dgrad(d, decisions):
+    if _on_tc(d, decisions):
+        return _tc_dgrad(d, decisions)
     # out[h, m, n]: one block per (h, m) row x `threads` columns of n (threads read consecutive bytes of a
     # codes row: coalesced; g[h, m, k] is a broadcast), the K reduction serial per thread in a register.
     threads = decisions.pick("threads", (64, 128, 256), 128)
-    sch = rule.schedule_of(func, name="int8_dot_dgrad")
+    sch = rule.schedule_compute(int8_compute.int8_dot_dgrad(d), "int8_dot_dgrad")
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     h, m, n, _ = sch.get_loops(acc)
     no, ni = sch.split(n, [None, threads])
@@ -264,14 +264,14 @@ def _dgrad(func, st, decisions):
     return sch
 
 
-def _wgrad(func, st, decisions):
-    if _on_tc(st, decisions):
-        return _tc_wgrad(st, decisions)
+def _wgrad(d, decisions):
+    if _on_tc(d, decisions):
+        return _tc_wgrad(d, decisions)
     # Stage 1: one thread per partial[p, h, n, k] (consecutive k across a warp: coalesced g reads and
     # partial writes), the part's rows summed serially in order. Stage 2: one thread per out[h, n, k],
     # parts summed in order in a register, then scaled. Deterministic (no atomics).
     threads = decisions.pick("threads", (64, 128, 256), 256)
-    sch = rule.schedule_of(func, name="int8_dot_wgrad")
+    sch = rule.schedule_compute(int8_compute.int8_dot_wgrad(d), "int8_dot_wgrad")
     part, acc, out = sch.get_sblock("partial"), sch.get_sblock("acc"), sch.get_sblock("out")
     threads_over(sch, sch.fuse(*sch.get_loops(part)[:4]), threads)
     sch.reverse_compute_at(out, threads_over(sch, sch.fuse(*sch.get_loops(acc)[:3]), threads))
@@ -279,11 +279,10 @@ def _wgrad(func, st, decisions):
     return sch
 
 
-_KERNELS = {"int8_dot_matmul": _matmul_any, "int8_dot_dgrad": _dgrad, "int8_dot_wgrad": _wgrad,
-            "int8_dot_pack": _elementwise("int8_dot_pack", "packed"),
-            "int8_dot_unpack": _elementwise("int8_dot_unpack", "codes")}
+_KERNELS = {"matmul": _matmul_any, "dgrad": _dgrad, "wgrad": _wgrad, "pack": _elementwise("pack", "packed"),
+            "unpack": _elementwise("unpack", "codes")}
 
 
-def apply(func, target, decisions: rule.Decisions):
-    """Schedule an int8_dot kernel for CUDA, or None for a foreign PrimFunc / unsupported shape."""
-    return rule.apply_by_kernel(_KERNELS, func, target, decisions, "gpu")
+def lay_out(kernel: str, dims, target, decisions: rule.Decisions):
+    """An int8_dot kernel laid out for a GPU, or None for another kernel or target."""
+    return rule.lay_out_by_kernel(_KERNELS, kernel, dims, target, decisions, "gpu")

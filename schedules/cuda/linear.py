@@ -11,15 +11,16 @@ Knobs: ``warps`` (fwd), ``threads`` (bwd).
 """
 from __future__ import annotations
 
+from tvm_mamba.compute.linear import linear_bwd, linear_fwd
 from tvm_mamba.schedules import rule
 from ._common import bind_flat
 
 WARP = 32
 
 
-def _fwd(func, decisions):
+def _fwd(d, decisions):
     warps = decisions.pick("warps", (1, 2, 4, 8), 4)
-    sch = rule.schedule_of(func, name="linear_fwd")
+    sch = rule.schedule_compute(linear_fwd(d), "linear_fwd")
     acc, y = sch.get_sblock("acc"), sch.get_sblock("y")
     m, n = sch.get_loops(y)
     no, ni = sch.split(n, [None, warps])
@@ -32,20 +33,15 @@ def _fwd(func, decisions):
     return sch
 
 
-def _bwd(func, decisions):
+def _bwd(d, decisions):
     threads = decisions.pick("threads", (64, 128, 256), 128)
-    sch = rule.schedule_of(func, name="linear_bwd")
+    sch = rule.schedule_compute(linear_bwd(d), "linear_bwd")
     acc = sch.get_sblock("acc")
     sch.compute_at(acc, bind_flat(sch, sch.get_sblock("dx"), threads))
     sch.set_scope(acc, 0, "local")
     return sch
 
 
-def apply(func, target, decisions: rule.Decisions):
-    """Schedule a linear kernel for CUDA; None for foreign functions."""
-    name, _ = rule.kernel_attrs(func)
-    if name == "linear_fwd":
-        return _fwd(func, decisions)
-    if name == "linear_bwd":
-        return _bwd(func, decisions)
-    return None
+def lay_out(kernel: str, dims, target, decisions: rule.Decisions):
+    """A linear kernel's compute scheduled for a GPU; None for another kernel or target."""
+    return rule.lay_out_by_kernel({"fwd": _fwd, "bwd": _bwd}, kernel, dims, target, decisions, "gpu")

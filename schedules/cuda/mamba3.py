@@ -19,20 +19,19 @@ from __future__ import annotations
 
 from ...compute import mamba3 as compute
 from ...compute._math import Math
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ..rule import Decisions, schedule_of
 from .selective_scan import HEAD_ROWS, CudaLayout
 from .ssd import Gpu
 
 
-def apply(func, target, decisions: Decisions):
-    name, static = kernel_attrs(func)
-    direction = name[len("mamba3_"):] if name and name.startswith("mamba3_") else None
+def lay_out(direction: str, dims, target, decisions: Decisions):
+    """A Mamba-3 kernel's template under the GPU's strategy; None for another kernel or target."""
     if "gpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
+    name = f"mamba3_{direction}"
     threads = decisions.pick("threads", (64, 128, 256), 128)
-    dims = compute.DIMS[direction](**static)
     if direction in compute.PREPROCESS:
-        return schedule_of(compute.build(direction, dims, Gpu(threads)), name=name)
+        return schedule_of(compute.build(direction, dims, Gpu(threads)), name)
     math = Math(dims.acc, native=True)
     if direction == "step_rotate":
         layout = CudaLayout(math, threads)
@@ -45,4 +44,4 @@ def apply(func, target, decisions: Decisions):
         layout.head_rows = decisions.pick("head_rows", rows, max(r for r in rows if r <= want))
         layout.stage_bc = layout.head_rows > 1
         layout.rotate_layout = CudaLayout(math, threads)
-    return schedule_of(compute.build(direction, dims, layout), name=name)
+    return schedule_of(compute.build(direction, dims, layout), name)

@@ -22,7 +22,7 @@ import math
 
 import tvm
 
-from tvm_mamba.compute.rmsnorm_gated import PART_ROWS
+from tvm_mamba.compute.rmsnorm_gated import PART_ROWS, rmsnorm_gated_bwd, rmsnorm_gated_fwd
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
 
@@ -127,13 +127,13 @@ def _row_blocks(sch, loop, per_block: int):
     return bx, r
 
 
-def _fwd(func, st: dict, decisions):
-    gs = st["group_size"]
+def _fwd(d, decisions):
+    gs = d.group_size
     cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
     per_block = decisions.pick("rows_per_block", ROWS_PER_BLOCK, 4)
-    sch = rule.schedule_of(func, name="rmsnorm_gated_fwd")
-    rms = st["is_rms_norm"]
+    sch = rule.schedule_compute(rmsnorm_gated_fwd(d), "rmsnorm_gated_fwd")
+    rms = d.is_rms_norm
     # one kernel: a block walks its rows; per row the statistics (the group reductions as cross-thread
     # reductions, warp shuffles + shared memory; LayerNorm's mean first, then the centred squares), then out
     # (and residual_out, the masks, out1: one loop nest) in the same pass, all reading the row from shared
@@ -160,7 +160,7 @@ def _fwd(func, st: dict, decisions):
     return sch
 
 
-def _bwd(func, st: dict, decisions):
+def _bwd(d, decisions):
     """One pass: a block per part of PART_ROWS rows (compute.rmsnorm_gated) walks its rows in order, each row
     staged once in shared memory (x, z, dout, ...; the weights once per block). Per row, the per-group
     dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are cross-thread reductions kept in registers; each thread
@@ -169,11 +169,11 @@ def _bwd(func, st: dict, decisions):
     _sums_scope; written once per part).
     The dx loop nest and the partial sums' are merged part by part and row by row. Stage 2: one thread per
     feature adds the parts in order. Deterministic, no atomics."""
-    hidden, gs = st["hidden"], st["group_size"]
+    hidden, gs = d.hidden, d.group_size
     cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
     pthreads = decisions.pick("part_threads", (64, 128, 256), 128)
-    sch = rule.schedule_of(func, name="rmsnorm_gated_bwd")
+    sch = rule.schedule_compute(rmsnorm_gated_bwd(d), "rmsnorm_gated_bwd")
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     outs = [sch.get_sblock(n) for n in names if n == "dx" or n.startswith("dxdz_v")]
     sums, part, r = _part_rows(sch, outs[0], threads)
@@ -182,7 +182,7 @@ def _bwd(func, st: dict, decisions):
     # loop variable went to local memory: 4 spill stores on sm_90)
     grp, _, hi = sch.split(sch.get_loops(outs[0])[-1], [hidden // gs, None, threads])
     sch.bind(hi, "threadIdx.x")
-    reds = [sch.get_sblock(n) for n in (("dot",) if st["is_rms_norm"] else ("dot", "dysum"))]
+    reds = [sch.get_sblock(n) for n in (("dot",) if d.is_rms_norm else ("dot", "dysum"))]
     for blk in reds:
         _cross_thread(sch, blk, grp, threads)
     reserve = _sums_scope(sch, sums, reds + outs + [sums], threads, grp)
@@ -246,7 +246,6 @@ def _sums_scope(sch, sums, readers: list, threads, grp) -> int:
     return 0
 
 
-def apply(func, target, decisions: rule.Decisions):
-    """Schedule a gated RMSNorm kernel for CUDA; None for foreign functions."""
-    return rule.apply_by_kernel({"rmsnorm_gated_fwd": _fwd, "rmsnorm_gated_bwd": _bwd}, func, target, decisions,
-                                "gpu")
+def lay_out(kernel: str, dims, target, decisions: rule.Decisions):
+    """A gated norm kernel's compute scheduled for a GPU; None for another kernel or target."""
+    return rule.lay_out_by_kernel({"fwd": _fwd, "bwd": _bwd}, kernel, dims, target, decisions, "gpu")

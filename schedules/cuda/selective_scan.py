@@ -42,7 +42,7 @@ from tvm.script import tirx as T
 
 from ...compute import selective_scan as compute
 from ...compute._math import Math
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ..rule import Decisions, schedule_of
 
 MASK = tirx.const(0xFFFFFFFF, "uint32")
 HEAD_ROWS = (1, 2, 4, 8, 16)  # decode steps: rows of one head per warp lane
@@ -266,14 +266,14 @@ def _divisor_at_most(n: int, most: int) -> int:
     return max(k for k in range(1, max(1, min(n, most)) + 1) if n % k == 0)
 
 
-def apply(func, target, decisions: Decisions):
-    name, static = kernel_attrs(func)
-    direction = name[len("selective_scan_"):] if name and name.startswith("selective_scan_") else None
+def lay_out(direction: str, dims, target, decisions: Decisions):
+    """A selective-scan kernel's template under a GPU layout; None for another kernel (the chunked forward:
+    the CPU's) or target."""
     if "gpu" not in target.keys or direction not in ("fwd", "bwd", "update", "fwd_complex", "bwd_complex"):
         return None
+    name = f"selective_scan_{direction}"
     # the forward's block is threads / 32 channels sharing staged B / C: wider blocks re-read less
     threads = decisions.pick("threads", (64, 128, 256), 256 if direction == "fwd" else 128)
-    dims = compute.DIMS[direction](**static)
     if direction == "fwd":  # parallel in time: a warp per lane, threads / 32 lanes per block
         items = decisions.pick("items", ITEMS, 8)
         chans = threads // 32
@@ -281,7 +281,7 @@ def apply(func, target, decisions: Decisions):
         shared = all(not g or (dims.dim // g) % chans == 0 for g in (dims.b_groups, dims.c_groups))
         stage = _divisor_at_most(dims.dstate, STAGE_ELEMS // (32 * items)) if shared else 0
         layout = CudaTimeLayout(Math(dims.acc, native=True), items, chans, stage, dims.dstate, dims.u_dtype)
-        return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name=name)
+        return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name)
     if direction == "bwd":
         math = Math(dims.acc, native=True)
         items = [k for k in range(2, 17) if (32 * k) % dims.chunk == 0]  # 32 x items a multiple of the chunk
@@ -289,7 +289,7 @@ def apply(func, target, decisions: Decisions):
             k = decisions.pick("items", items, min(items, key=lambda k: abs(k - 4)))
             layout = CudaTimeLayout(math, k, dims.block, _bwd_stage_states(dims, 32 * k), dims.dstate)
             layout.reduce_layout = CudaLayout(math, threads, dims.dstate, warp=True)
-            return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name=name)
+            return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name)
         layout = CudaLayout(math, threads, dims.dstate, warp=True)
     elif direction == "update":  # CUDA's own exp / log1p, as the scans (the polynomials are the CPU's)
         layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
@@ -298,4 +298,4 @@ def apply(func, target, decisions: Decisions):
         layout.stage_bc = layout.head_rows > 1
     else:  # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled)
         layout = CudaLayout(Math(dims.acc, native=True, sincospi=True), threads)
-    return schedule_of(compute.build(direction, dims, layout), name=name)
+    return schedule_of(compute.build(direction, dims, layout), name)

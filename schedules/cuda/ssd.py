@@ -20,7 +20,7 @@ from tvm.script import tirx as T
 
 from ...compute import ssd as compute
 from ...compute.ssd.strategy import Strategy, causal_end
-from ..rule import Decisions, kernel_attrs, schedule_of
+from ..rule import Decisions, schedule_of
 from ._crossing import crossing_pass
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
 from ._tc_product import tc_product
@@ -30,11 +30,10 @@ from ._tiled_tc import TC, TcTiling, tc_causal, tc_matmul
 # the tiled kernels' default (threads, tile): the largest tile whose register block stays well below ptxas's
 # 255 (chunk_scan's carry / weight address math takes ~60 registers more than a plain product: at tile 128 it
 # reached 255)
-TILED = {"ssd_bmm_chunk": (256, 128), "ssd_chunk_state": (128, 128), "ssd_chunk_scan_bwd_dstates": (128, 128),
-         "ssd_chunk_scan": (256, 64), "ssd_chunk_scan_bwd": (256, 128)}
+TILED = {"bmm_chunk": (256, 128), "chunk_state": (128, 128), "chunk_scan_bwd_dstates": (128, 128),
+         "chunk_scan": (256, 64), "chunk_scan_bwd": (256, 128)}
 # the chunk products, on tensor cores when their operands are 16-bit (``tensor_core_dtype``)
-TENSOR_CORES = ("ssd_bmm_chunk", "ssd_chunk_state", "ssd_chunk_scan_bwd_dstates", "ssd_chunk_scan",
-                "ssd_chunk_scan_bwd")
+TENSOR_CORES = ("bmm_chunk", "chunk_state", "chunk_scan_bwd_dstates", "chunk_scan", "chunk_scan_bwd")
 
 
 class Gpu(Strategy):
@@ -106,24 +105,21 @@ def tensor_core_dtype(dims) -> str | None:
     return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"bfloat16", "float16"} else None
 
 
-def template(name: str, static: dict, threads: int = 128, serial: bool = False, tile: int = 64,
+def template(direction: str, dims, threads: int = 128, serial: bool = False, tile: int = 64,
              tensor_cores: bool = True):
-    """The CUDA layout of kernel ``name`` (serial=True: thread loops made serial, CUDA's math: for CPU tests)."""
-    template, dims = compute.template_of(name)
-    d = dims(**static)
-    tc = tensor_core_dtype(d) if tensor_cores and name in TENSOR_CORES else None
-    return template(d, Strategy(native_math=True) if serial else Gpu(threads, tile, tc))
+    """The CUDA layout of kernel ``ssd_<direction>`` (serial=True: thread loops made serial, CUDA's math: for CPU
+    tests)."""
+    tc = tensor_core_dtype(dims) if tensor_cores and direction in TENSOR_CORES else None
+    strategy = Strategy(native_math=True) if serial else Gpu(threads, tile, tc)
+    return compute.TEMPLATES[direction](dims, strategy)
 
 
-def apply(func, target, decisions: Decisions):
-    """The CUDA layout of an SSD kernel (same parameters as the compute builder), or None."""
-    name, static = kernel_attrs(func)
-    if "gpu" not in target.keys or compute.template_of(name) is None:
+def lay_out(direction: str, dims, target, decisions: Decisions):
+    """The CUDA layout of an SSD kernel, or None for another kernel or target."""
+    if "gpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
-    threads, tile = TILED.get(name, (128, 64))
+    threads, tile = TILED.get(direction, (128, 64))
     threads = decisions.pick("threads", (64, 128, 256), threads)
-    tile = decisions.pick("tile", TILE_CAP, tile) if name in TILED else tile
-    tc = bool(decisions.pick("tensor_cores", (0, 1), 1)) if name in TENSOR_CORES else False
-    prim = template(name, static, threads, tile=tile, tensor_cores=tc).with_attrs({"global_symbol": name, "tirx.noalias": True,
-                                                        "tvm_mamba.kernel": name})
-    return schedule_of(prim, name=name)
+    tile = decisions.pick("tile", TILE_CAP, tile) if direction in TILED else tile
+    tc = bool(decisions.pick("tensor_cores", (0, 1), 1)) if direction in TENSOR_CORES else False
+    return schedule_of(template(direction, dims, threads, tile=tile, tensor_cores=tc), f"ssd_{direction}")

@@ -145,7 +145,7 @@ def test_typed_dims_keep_the_kernel_keys():
     for direction, static, dtypes in ss.build_check_configs() + ss.tuning_configs():
         dims = ss.DIMS[direction].from_key(static, dtypes)
         assert dims.key_parts() == (static, dtypes), direction
-        assert ss.DIMS[direction](**dims.static()) == dims  # what the rules rebuild from the stamp
+        assert ss.DIMS[direction](**dims.static()) == dims  # the keyword form names every field
     with pytest.raises(TypeError, match="not both"):
         ss.selective_scan_fwd(ss.ScanDims(dim=8, dstate=16), dim=8)
 

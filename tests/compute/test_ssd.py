@@ -41,8 +41,7 @@ def test_builders_are_stamped(direction):
     func = fn(dims)
     assert str(func.attrs["tvm_mamba.kernel"]) == f"ssd_{direction}"
     assert str(func.attrs["global_symbol"]) == f"ssd_{direction}"
-    static = json.loads(str(func.attrs["tvm_mamba.static"]))
-    assert static.get("chunk_size", Q) == Q and static.get("nheads", H) == H  # head_sum: no chunk; bmm_chunk: no heads
+    assert set(func.attrs.keys()) == {"global_symbol", "tirx.noalias", "tvm_mamba.kernel"}  # no static stamp
 
 
 def test_dims_keep_the_keys():
@@ -62,7 +61,7 @@ def test_dims_keep_the_keys():
         dims = ssd.DIMS[direction].from_key(static, dtypes)
         assert dims.key_parts() == (dict(static), dict(dtypes)), (direction, static, dtypes)
     plain = ssd.DIMS["state_passing"](nheads=2, headdim=4, dstate=8, chunk_size=8)
-    assert "state" not in plain.key_parts()[1] and "state_dtype" not in plain.stamp_static()
+    assert "state" not in plain.key_parts()[1]
     with pytest.raises(ValueError, match="states"):
         ssd.DIMS["chunk_scan"](nheads=2, ngroups=1, headdim=4, dstate=8, chunk_size=8, state_dtype="int8")
     scan = dict(nheads=2, ngroups=1, headdim=4, dstate=8, chunk_size=8)  # diag_skip (Mamba-3): off = no key field

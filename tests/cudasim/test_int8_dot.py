@@ -43,7 +43,7 @@ def test_matmul_k_not_a_multiple_of_4_takes_the_fallback_schedule():
 
     from tvm_mamba.schedules.cuda import int8_dot as rule
 
-    assert rule.apply(compute.int8_dot_matmul(4, 3), Target("cuda"), None) is None
+    assert rule.lay_out("matmul", compute.DIMS["matmul"].of(4, 3), Target("cuda"), None) is None
     a, b = sc.codes(9, 3, seed=1), sc.codes(4, 3, seed=2)
     with simcheck.recording() as keys, sim("sm_90"):
         c = int8_matmul(a, b)
@@ -146,23 +146,24 @@ def test_simcheck_rejects_unknown_direction():
         sc.check("fwd", {}, {}, "sm_90")
 
 
-def _source(N: int, K: int, decisions: dict, func=None) -> str:
+def _source(kernel: str, dims, decisions: dict) -> str:
     import tvm
 
     from tvm_mamba.runtime import cuda_target
     from tvm_mamba.schedules.cuda import int8_dot as rule
     from tvm_mamba.schedules.rule import Decisions
 
-    sch = rule.apply(func or compute.int8_dot_matmul(N, K), cuda_target("sm_90"), Decisions(decisions))
+    sch = rule.lay_out(kernel, dims, cuda_target("sm_90"), Decisions(decisions))
     return tvm.compile(sch.mod, target=cuda_target("sm_90")).mod.imports[0].inspect_source("cuda")
 
 
 def test_matmul_on_tensor_cores_where_the_sides_allow():
     """N, K multiples of 16: wmma s8 x s8 -> s32 (schedules/cuda/int8_dot.py ``_tc_matmul``); else, or with
     tensor_cores 0, the dp4a kernel."""
-    assert "wmma::mma_sync" in (src := _source(64, 128, {})) and "signed char" in src
-    assert "__dp4a" in (dp4a := _source(64, 128, {"tensor_cores": 0})) and "wmma" not in dp4a
-    assert "wmma" not in _source(12, 128, {})
+    matmul = compute.DIMS["matmul"]
+    assert "wmma::mma_sync" in (src := _source("matmul", matmul.of(64, 128), {})) and "signed char" in src
+    assert "__dp4a" in (dp4a := _source("matmul", matmul.of(64, 128), {"tensor_cores": 0})) and "wmma" not in dp4a
+    assert "wmma" not in _source("matmul", matmul.of(12, 128), {})
 
 
 @pytest.mark.parametrize("decisions", [{"tc_rows": 32, "tile": 32, "threads": 64},
@@ -192,11 +193,12 @@ def _knobs(monkeypatch, decisions: dict) -> None:
 def test_backward_on_tensor_cores_where_the_sides_allow():
     """dgrad / wgrad with N, K multiples of 16: bf16 wmma (g in three bf16 parts, _tiled_tc._copy_split); else,
     or with tensor_cores 0, one thread per output on float FMA."""
-    for func in (compute.int8_dot_dgrad(2, 32, 16), compute.int8_dot_wgrad(2, 1, 32, 16)):
-        assert "wmma::mma_sync" in (src := _source(0, 0, {}, func)) and "nv_bfloat16" in src
-        assert "wmma" not in _source(0, 0, {"tensor_cores": 0}, func)
-    assert "wmma" not in _source(0, 0, {}, compute.int8_dot_dgrad(2, 32, 8))
-    assert "wmma" not in _source(0, 0, {}, compute.int8_dot_wgrad(2, 1, 24, 16))
+    dgrad, wgrad = compute.DIMS["dgrad"], compute.DIMS["wgrad"]
+    for kernel, dims in (("dgrad", dgrad.of(2, 32, 16)), ("wgrad", wgrad.of(2, 1, 32, 16))):
+        assert "wmma::mma_sync" in (src := _source(kernel, dims, {})) and "nv_bfloat16" in src
+        assert "wmma" not in _source(kernel, dims, {"tensor_cores": 0})
+    assert "wmma" not in _source("dgrad", dgrad.of(2, 32, 8), {})
+    assert "wmma" not in _source("wgrad", wgrad.of(2, 1, 24, 16), {})
 
 
 @pytest.mark.parametrize("decisions", [{}, {"tc_rows": 32, "tile": 32, "threads": 64},

@@ -391,7 +391,8 @@ def test_backward_falls_back_to_the_sequential_scan_where_no_time_block_fits():
     static = dict(dim=2, dstate=91, b_groups=1, c_groups=1, has_D=True, has_z=True, has_delta_bias=True,
                   delta_softplus=True, has_init=True)
     assert chunk_for(91) == 45
-    sch = cuda_rule.apply(compute.selective_scan_bwd(**static, chunk=45, block=2), cuda_target("sm_90"), Decisions())
+    sch = cuda_rule.lay_out("bwd", compute.DIMS["bwd"](**static, chunk=45, block=2), cuda_target("sm_90"),
+                            Decisions())
     assert "tvm_warp_shuffle_down" not in sch.mod.script()
     inp = sc.scan_inputs(static, {"u": "float32", "B": "float32", "C": "float32"}, 2, 100, 0)
     res, keys = sc.scan_results(inp, grads=True, arch="sm_90")

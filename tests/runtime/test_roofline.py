@@ -185,7 +185,8 @@ def test_tensor_core_products_are_counted_at_the_tensor_core_rate():
     keys = [k for k in report.preset_keys("mamba2-130m", ["ssd"], "sm_90", "bfloat16") if k.direction == "bmm_chunk"]
     assert keys and keys[0].dtype == {"bc": "bfloat16"}
     static = dict(ngroups=2, dstate=32, chunk_size=64, bc_dtype="bfloat16")
-    sch = cuda_rule.apply(ssd.ssd_bmm_chunk(**static), cuda_target("sm_90"), Decisions({"threads": 128, "tile": 64}))
+    sch = cuda_rule.lay_out("bmm_chunk", ssd.DIMS["bmm_chunk"](**static), cuda_target("sm_90"),
+                            Decisions({"threads": 128, "tile": 64}))
     built = count.build(sch.mod, cuda_target("sm_90"), "ssd_bmm_chunk")
     assert built.tensor_cores
     args = [tvm_ffi.from_dlpack(torch.ones(1, 64, 2, 32, dtype=torch.bfloat16)) for _ in range(2)]

@@ -7,11 +7,11 @@ import tvm
 from tvm_mamba.runtime import cuda_target
 
 
-def cuda_source(rule, func, decisions, arch: str = "sm_90") -> str:
-    """``rule.apply(func)`` compiled for CUDA ``arch``: the device source."""
+def cuda_source(rule, kernel: str, dims, decisions, arch: str = "sm_90") -> str:
+    """``rule.lay_out(kernel, dims)`` compiled for CUDA ``arch``: the device source."""
     target = cuda_target(arch)
     with target:
-        return tvm.compile(rule.apply(func, target, decisions).mod, target=target).mod.imports[0] \
+        return tvm.compile(rule.lay_out(kernel, dims, target, decisions).mod, target=target).mod.imports[0] \
             .inspect_source("cuda")
 
 

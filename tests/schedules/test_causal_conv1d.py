@@ -7,10 +7,8 @@ import re
 import pytest
 import torch
 import tvm
-from tvm import te
 
-from tvm_mamba.compute.causal_conv1d import (causal_conv1d_bwd, causal_conv1d_fwd, causal_conv1d_update,
-                                          causal_conv1d_varlen_states)
+from tvm_mamba.compute.causal_conv1d import DIMS, CausalConv1dBwd, CausalConv1dFwd
 from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
 from tvm_mamba.runtime import cpu_target, cuda_target
 from tvm_mamba.schedules.cpu import causal_conv1d as cpu_rule
@@ -21,24 +19,19 @@ from tests.schedules._cuda_source import cuda_source, kernels
 STATIC = dict(dim=8, width=4, activation="silu", has_bias=True, has_seq_idx=False, has_init=False)
 
 
-def _foreign():
-    a = te.placeholder((16,), "float32", name="a")
-    b = te.compute((16,), lambda i: a[i] * 2.0, name="b")
-    return te.create_prim_func([a, b])
-
-
 def test_rules_return_none_for_foreign_patterns_and_targets():
-    fwd = causal_conv1d_fwd(**STATIC, return_final=False)
-    assert cpu_rule.apply(_foreign(), cpu_target(), Decisions()) is None
-    assert cuda_rule.apply(_foreign(), cuda_target("sm_90"), Decisions()) is None
-    assert cpu_rule.apply(fwd, cuda_target("sm_90"), Decisions()) is None
-    assert cuda_rule.apply(fwd, cpu_target(), Decisions()) is None
+    fwd = DIMS["fwd"](**STATIC, return_final=False)
+    for kernel in ("no_such_kernel", "chunk_scan"):  # a name no op has; another op's kernel (ssd's)
+        assert cpu_rule.lay_out(kernel, fwd, cpu_target(), Decisions()) is None
+        assert cuda_rule.lay_out(kernel, fwd, cuda_target("sm_90"), Decisions()) is None
+    assert cpu_rule.lay_out("fwd", fwd, cuda_target("sm_90"), Decisions()) is None
+    assert cuda_rule.lay_out("fwd", fwd, cpu_target(), Decisions()) is None
 
 
 @pytest.mark.parametrize("vector", [8, 16, 32])
 def test_cpu_vector_knob_is_vectorized_and_correct(vector):
     d = Decisions({"vector": vector})
-    sch = cpu_rule.apply(causal_conv1d_fwd(**STATIC, return_final=False), cpu_target(), d)
+    sch = cpu_rule.lay_out("fwd", CausalConv1dFwd(**STATIC, return_final=False), cpu_target(), d)
     assert d.used == {"vector": vector} and d.space["vector"] == (8, 16, 32)
     ex = tvm.compile(sch.mod, target=cpu_target())
     assert f"<{vector} x float>" in ex.mod.inspect_source("ll")
@@ -56,7 +49,8 @@ def test_cpu_backward_vector_knob_correct():
     dout = torch.randn(2, 8, 61)
     (causal_conv1d_ref(xd, wd, bd, activation="silu") * dout.double()).sum().backward()
     for vector in (8, 32):
-        sch = cpu_rule.apply(causal_conv1d_bwd(**STATIC, has_dfinal=False), cpu_target(), Decisions({"vector": vector}))
+        sch = cpu_rule.lay_out("bwd", CausalConv1dBwd(**STATIC, has_dfinal=False), cpu_target(),
+                               Decisions({"vector": vector}))
         ex = tvm.compile(sch.mod, target=cpu_target())
         dx, dw, db = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
         ex["causal_conv1d_bwd"](x, w, b, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, 1), dout,
@@ -68,15 +62,15 @@ def test_cpu_backward_vector_knob_correct():
 
 def test_stale_decision_falls_back_to_default():
     d = Decisions({"vector": 7})
-    cpu_rule.apply(causal_conv1d_fwd(**STATIC, return_final=False), cpu_target(), d)
+    cpu_rule.lay_out("fwd", CausalConv1dFwd(**STATIC, return_final=False), cpu_target(), d)
     assert d.used["vector"] == 16
 
 
 @pytest.mark.parametrize("threads", [64, 256])
 def test_cuda_schedule_binds_threads_and_generates_source(threads):
-    func = causal_conv1d_bwd(**STATIC, has_dfinal=True)
+    dims = CausalConv1dBwd(**STATIC, has_dfinal=True)
     target = cuda_target("sm_90")
-    sch = cuda_rule.apply(func, target, Decisions({"threads": threads}))
+    sch = cuda_rule.lay_out("bwd", dims, target, Decisions({"threads": threads}))
     script = sch.mod.script()
     assert 'thread_binding' in script and "threadIdx.x" in script and "blockIdx.x" in script
     with target:
@@ -85,8 +79,8 @@ def test_cuda_schedule_binds_threads_and_generates_source(threads):
     assert "__global__" in src and f"__launch_bounds__({threads})" in src
 
 
-def _cuda_source(func, decisions):
-    return cuda_source(cuda_rule, func, decisions)
+def _cuda_source(kernel, dims, decisions):
+    return cuda_source(cuda_rule, kernel, dims, decisions)
 
 
 def test_cuda_forward_stages_the_window_once_per_tile():
@@ -94,7 +88,7 @@ def test_cuda_forward_stages_the_window_once_per_tile():
     shared ring of 2048 (time mod 2048, tile 1024 + 2 halos), weight and bias too; x is read from global
     memory in that one copy statement only, never per tap (5.5x the minimum bytes before)."""
     d = Decisions()
-    src = _cuda_source(causal_conv1d_fwd(**STATIC, return_final=False), d)
+    src = _cuda_source("fwd", CausalConv1dFwd(**STATIC, return_final=False), d)
     assert d.used == {"threads": 256, "tile": 1024} and d.space["tile"] == (512, 1024)
     (body,) = [b for b in kernels(src) if "out_ptr[" in b]
     assert "__shared__ alignas(64) float x_shared_ptr[2048]" in body and "& 2047)]" in body
@@ -107,7 +101,7 @@ def test_cuda_backward_is_one_pass_per_row_deterministic_and_staged():
     for the tile and its forward halo in a shared ring, then g (written, never read back), dx and the
     (width+1) per-thread sums from that ring; the sums meet in a fixed shuffle tree, then over batch in order:
     no float atomics anywhere, x / dout read by one statement each."""
-    src = _cuda_source(causal_conv1d_bwd(**STATIC, has_dfinal=False), Decisions())
+    src = _cuda_source("bwd", CausalConv1dBwd(**STATIC, has_dfinal=False), Decisions())
     assert "atomic" not in src
     (body,) = [b for b in kernels(src) if "dx_ptr[" in b]
     assert "g_ptr[" in body and "float partial_rf_local_ptr[5]" in body and "__shfl_down_sync" in body
@@ -132,14 +126,15 @@ def test_cuda_small_tiles_in_the_harness():
     (ref * dout.double()).sum().backward()
     seq = torch.zeros(1, 1, dtype=torch.int32)
     out, dx, dw, db, dinit = (torch.empty_like(t) for t in (x, x, w, b, init))
-    runs = (("causal_conv1d_fwd", causal_conv1d_fwd(**dims, return_final=False),
+    runs = (("fwd", CausalConv1dFwd(**dims, return_final=False),
              (x, w, b, seq, init, out, torch.zeros(1, 1, 1))),
-            ("causal_conv1d_bwd", causal_conv1d_bwd(**dims, has_dfinal=False),
+            ("bwd", CausalConv1dBwd(**dims, has_dfinal=False),
              (x, w, b, seq, init, dout, torch.zeros(1, 1, 1), dx, dw, db, dinit, torch.empty(2, 8, 1100),
               torch.empty(2, 8, 5))))
     target = cuda_target("sm_90")
-    for name, func, args in runs:
-        sch = cuda_rule.apply(func, target, Decisions({"threads": 64, "tile": 512}))
+    for kernel, kernel_dims, args in runs:
+        name = f"causal_conv1d_{kernel}"
+        sch = cuda_rule.lay_out(kernel, kernel_dims, target, Decisions({"threads": 64, "tile": 512}))
         with tempfile.TemporaryDirectory() as tmp:
             cudasim.link(cudasim.build(sch.mod, target, label=name), f"{tmp}/k.so")
             module = cudasim.load(f"{tmp}/k.so")
@@ -155,21 +150,21 @@ UPDATE = dict(dim=8, width=4, state_len=5, activation="silu", has_bias=True, has
 def test_update_template_cuda_one_thread_per_row_and_cpu_serial_below_threshold():
     """The decode step is one template: on CUDA a thread per (batch, channel) row (threads knob), on the CPU
     parallel rows with a serial branch for decode-size calls."""
-    func = causal_conv1d_update(**UPDATE)
+    dims = DIMS["update"](**UPDATE)
     target = cuda_target("sm_90")
-    sch = cuda_rule.apply(func, target, Decisions({"threads": 64}))
+    sch = cuda_rule.lay_out("update", dims, target, Decisions({"threads": 64}))
     with target:
         ex = tvm.compile(sch.mod, target=target)
     src = ex.mod.imports[0].inspect_source("cuda")
     assert "__global__" in src and "__launch_bounds__(64)" in src
-    cpu = cpu_rule.apply(func, cpu_target(), Decisions()).mod.script()
+    cpu = cpu_rule.lay_out("update", dims, cpu_target(), Decisions()).mod.script()
     assert "T.parallel" in cpu and f"<= {SERIAL_WORK}" in cpu
 
 
 def test_varlen_states_rules():
-    func = causal_conv1d_varlen_states(dim=8, state_len=3)
-    assert "T.parallel" in cpu_rule.apply(func, cpu_target(), Decisions()).mod.script()
+    dims = DIMS["varlen_states"](dim=8, state_len=3)
+    assert "T.parallel" in cpu_rule.lay_out("varlen_states", dims, cpu_target(), Decisions()).mod.script()
     target = cuda_target("sm_90")
     with target:
-        ex = tvm.compile(cuda_rule.apply(func, target, Decisions()).mod, target=target)
+        ex = tvm.compile(cuda_rule.lay_out("varlen_states", dims, target, Decisions()).mod, target=target)
     assert "__global__" in ex.mod.imports[0].inspect_source("cuda")

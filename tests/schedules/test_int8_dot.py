@@ -16,27 +16,28 @@ from tvm_mamba.schedules.rule import Decisions
 
 
 def test_rules_return_none_on_foreign_funcs():
-    from tvm_mamba.compute.rmsnorm_gated import rmsnorm_gated_fwd
-
-    foreign = rmsnorm_gated_fwd(16, 16)
-    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
-    assert cuda_rule.apply(foreign, cuda_target("sm_90"), Decisions()) is None
+    d = C.DIMS["pack"].of(16)
+    for kernel in ("no_such_kernel", "fwd"):  # a name no op has; another op's kernel (rmsnorm_gated's)
+        assert cpu_rule.lay_out(kernel, d, cpu_target(), Decisions()) is None
+        assert cuda_rule.lay_out(kernel, d, cuda_target("sm_90"), Decisions()) is None
+    assert cpu_rule.lay_out("pack", d, cuda_target("sm_90"), Decisions()) is None  # the other target family
+    assert cuda_rule.lay_out("pack", d, cpu_target(), Decisions()) is None
 
 
 def test_cpu_matmul_uses_vnni():
     """Compiled for a VNNI CPU (any x86 host can cross-compile it): vpdpbusd in the assembly."""
     target = cpu_target("cascadelake")
-    sch = cpu_rule.apply(C.int8_dot_matmul(16, 256), target, Decisions())
+    sch = cpu_rule.lay_out("matmul", C.DIMS["matmul"].of(16, 256), target, Decisions())
     asm = tvm.compile(sch.mod, target=target).mod.inspect_source("asm")
     assert "vpdpbusd" in asm
 
 
 def test_cpu_matmul_without_vnni_is_left_to_llvm():
-    assert cpu_rule.apply(C.int8_dot_matmul(16, 256), cpu_target("haswell"), Decisions()) is None
+    assert cpu_rule.lay_out("matmul", C.DIMS["matmul"].of(16, 256), cpu_target("haswell"), Decisions()) is None
 
 
 def test_cuda_matmul_without_k_multiple_of_4_falls_back():
-    assert cuda_rule.apply(C.int8_dot_matmul(16, 6), cuda_target("sm_90"), Decisions()) is None
+    assert cuda_rule.lay_out("matmul", C.DIMS["matmul"].of(16, 6), cuda_target("sm_90"), Decisions()) is None
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
@@ -64,7 +65,7 @@ def test_cpu_wgrad_knobs_against_float64(knobs):
     import torch
 
     H, CH, M, N, K, nparts = 2, 1, 1100, 8, 72, 3
-    sch = cpu_rule.apply(C.int8_dot_wgrad(H, CH, N, K), cpu_target(), Decisions(knobs))
+    sch = cpu_rule.lay_out("wgrad", C.DIMS["wgrad"].of(H, CH, N, K), cpu_target(), Decisions(knobs))
     fn = tvm.compile(sch.mod, target=cpu_target())["int8_dot_wgrad"]
     gen = torch.Generator().manual_seed(4)
     codes = torch.randint(-128, 128, (CH, M, N), dtype=torch.int8, generator=gen)
@@ -73,7 +74,8 @@ def test_cpu_wgrad_knobs_against_float64(knobs):
     fn(codes, g, torch.tensor([0.5]), out, part)
     ref = 0.5 * torch.einsum("mn,hmk->hnk", codes[0].double(), g.double())
     torch.testing.assert_close(out.double(), ref, atol=1e-5 * M, rtol=1e-5)
-    untiled = cpu_rule.apply(C.int8_dot_wgrad(H, CH, N, K), cpu_target(), Decisions(dict(knobs, row_tile=0)))
+    untiled = cpu_rule.lay_out("wgrad", C.DIMS["wgrad"].of(H, CH, N, K), cpu_target(),
+                              Decisions(dict(knobs, row_tile=0)))
     out0 = torch.empty(H, N, K)
     tvm.compile(untiled.mod, target=cpu_target())["int8_dot_wgrad"](codes, g, torch.tensor([0.5]), out0, part)
     assert torch.equal(out, out0)
@@ -91,7 +93,7 @@ def test_cpu_dgrad_staged_codes_against_float64(knobs):
     codes = torch.randint(-128, 128, (H, K, N), dtype=torch.int8, generator=gen)
     outs = []
     for d in (knobs, dict({k: v for k, v in knobs.items() if k == "rows"}, k_tile=256, row_chunk=128)):
-        sch = cpu_rule.apply(C.int8_dot_dgrad(H, N, K), cpu_target(), Decisions(d))
+        sch = cpu_rule.lay_out("dgrad", C.DIMS["dgrad"].of(H, N, K), cpu_target(), Decisions(d))
         out = torch.empty(H, M, N)
         tvm.compile(sch.mod, target=cpu_target())["int8_dot_dgrad"](g, codes, torch.tensor([0.3]), out)
         outs.append(out)

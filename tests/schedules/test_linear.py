@@ -6,7 +6,7 @@ import pytest
 import torch
 import tvm
 
-from tvm_mamba.compute.linear import LinearDims, build_check_configs, linear_fwd
+from tvm_mamba.compute.linear import LinearDims, build_check_configs
 from tvm_mamba.reference.linear import linear_ref
 from tvm_mamba.runtime import cpu_target, cuda_target, dispatch
 from tvm_mamba.runtime.cache import compile_module
@@ -18,11 +18,12 @@ from tvm_mamba.schedules.rule import Decisions
 
 
 def test_rules_return_none_on_foreign_funcs():
-    from tvm_mamba.compute.rmsnorm_gated import rmsnorm_gated_fwd
-
-    foreign = rmsnorm_gated_fwd(16, 16)
-    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
-    assert cuda_rule.apply(foreign, cuda_target("sm_90"), Decisions()) is None
+    d = LinearDims(16, 16)
+    for kernel in ("no_such_kernel", "matmul"):  # a name no op has; int8_dot's kernel
+        assert cpu_rule.lay_out(kernel, d, cpu_target(), Decisions()) is None
+        assert cuda_rule.lay_out(kernel, d, cuda_target("sm_90"), Decisions()) is None
+    assert cpu_rule.lay_out("fwd", d, cuda_target("sm_90"), Decisions()) is None  # the other target family
+    assert cuda_rule.lay_out("fwd", d, cpu_target(), Decisions()) is None
 
 
 def test_dims_validate_and_round_trip():
@@ -44,7 +45,7 @@ def test_dims_validate_and_round_trip():
 @pytest.mark.parametrize("wdt", ["float32", "bfloat16", "int8"])
 def test_cpu_fwd_knobs_against_float64(knobs, wdt):
     d = LinearDims(200, 37, True, "float32", wdt)
-    sch = cpu_rule.apply(linear_fwd(d), cpu_target(), Decisions(knobs))
+    sch = cpu_rule.lay_out("fwd", d, cpu_target(), Decisions(knobs))
     fn = tvm.compile(sch.mod, target=cpu_target())["linear_fwd"]
     g = torch.Generator().manual_seed(3)
     if wdt == "int8":
@@ -68,7 +69,7 @@ def test_cpu_fwd_row_blocks():
     """Prefill-size calls run a task per (block of row_block rows, features): full and ragged blocks, every
     rows % 4 remainder in the last one, each row the same bits as in a 1-row call and close to float64."""
     d = LinearDims(200, 37, True, "float32", "float32")
-    sch = cpu_rule.apply(linear_fwd(d), cpu_target(), Decisions(dict(row_block=32, rows=4)))
+    sch = cpu_rule.lay_out("fwd", d, cpu_target(), Decisions(dict(row_block=32, rows=4)))
     fn = tvm.compile(sch.mod, target=cpu_target())["linear_fwd"]
     g = torch.Generator().manual_seed(4)
     w, b, x = torch.randn(37, 200, generator=g), torch.randn(37, generator=g), torch.randn(99, 200, generator=g)
@@ -87,7 +88,7 @@ def test_cpu_fwd_row_blocks():
 def test_cpu_fwd_uses_the_targets_vectors(mcpu, reg):
     """Compiled for a named x86 CPU (any host can cross-compile): fused multiply-adds on its widest registers."""
     target = cpu_target(mcpu)
-    sch = cpu_rule.apply(linear_fwd(LinearDims(768, 64, weight_dtype="bfloat16")), target, Decisions())
+    sch = cpu_rule.lay_out("fwd", LinearDims(768, 64, weight_dtype="bfloat16"), target, Decisions())
     asm = tvm.compile(sch.mod, target=target).mod.inspect_source("asm")
     assert reg in asm and "vfmadd" in asm
 

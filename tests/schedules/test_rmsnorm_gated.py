@@ -16,17 +16,18 @@ from tests.schedules._cuda_source import cuda_source, kernels
 
 
 def test_rules_return_none_on_foreign_funcs():
-    from tvm_mamba.compute.int8_dot import int8_dot_pack
-
-    foreign = int8_dot_pack(8)
-    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
-    assert cuda_rule.apply(foreign, cuda_target("sm_90"), Decisions()) is None
+    d = C.DIMS["fwd"].of(16, 16)
+    for kernel in ("no_such_kernel", "pack"):  # a name no op has; int8_dot's kernel
+        assert cpu_rule.lay_out(kernel, d, cpu_target(), Decisions()) is None
+        assert cuda_rule.lay_out(kernel, d, cuda_target("sm_90"), Decisions()) is None
+    assert cpu_rule.lay_out("fwd", d, cuda_target("sm_90"), Decisions()) is None  # the other target family
+    assert cuda_rule.lay_out("fwd", d, cpu_target(), Decisions()) is None
 
 
 @pytest.mark.parametrize("gs,width", [(48, 16), (24, 8), (6, 2), (5, 1)])
 def test_cpu_vector_width_divides_group(gs, width):
     d = Decisions()
-    sch = cpu_rule.apply(C.rmsnorm_gated_fwd(gs * 2, gs, has_z=True), cpu_target(), d)
+    sch = cpu_rule.lay_out("fwd", C.DIMS["fwd"].of(gs * 2, gs, has_z=True), cpu_target(), d)
     assert sch is not None and d.used["vector"] == width
 
 
@@ -35,7 +36,7 @@ def test_cpu_forward_is_vectorized(mcpu, reg):
     """Compiled for a named x86 CPU (any host can cross-compile): its widest vector registers, and the SiLU's
     exp inline rather than a libm call."""
     target = cpu_target(mcpu)
-    sch = cpu_rule.apply(C.rmsnorm_gated_fwd(256, 64, has_z=True), target, Decisions())
+    sch = cpu_rule.lay_out("fwd", C.DIMS["fwd"].of(256, 64, has_z=True), target, Decisions())
     asm = tvm.compile(sch.mod, target=target).mod.inspect_source("asm")
     assert reg in asm and "expf" not in asm
 
@@ -54,9 +55,9 @@ def test_cuda_build_check_configs_compile_clean(arch):
 @pytest.mark.parametrize("has_z,nbg", [(True, False), (False, True)])
 def test_cuda_backward_is_hand_scheduled(has_z, nbg):
     # one block per row with a cross-thread (warp shuffle) reduction, not the dlight Fallback
-    func = C.rmsnorm_gated_bwd(512, 128, 1e-5, True, has_z, nbg, "bfloat16", "float32")
+    dims = C.DIMS["bwd"].of(512, 128, 1e-5, True, has_z, nbg, "bfloat16", "float32")
     d = Decisions()
-    sch = cuda_rule.apply(func, cuda_target("sm_90"), d)
+    sch = cuda_rule.lay_out("bwd", dims, cuda_target("sm_90"), d)
     assert sch is not None and d.used["threads"] == 128
     with cuda_target("sm_90"):
         src = tvm.compile(sch.mod, target=cuda_target("sm_90")).mod.imports[0].inspect_source("cuda")
@@ -66,8 +67,8 @@ def test_cuda_backward_is_hand_scheduled(has_z, nbg):
     assert stats["ok"] and all(k["spill_stores"] == 0 for k in stats["kernels"])
 
 
-def _cuda_source(func, decisions):
-    return cuda_source(cuda_rule, func, decisions)
+def _cuda_source(kernel, dims, decisions):
+    return cuda_source(cuda_rule, kernel, dims, decisions)
 
 
 MAMBA2 = dict(eps=1e-5, has_z=True, norm_before_gate=False)  # Mamba-2's gated norm (one group here)
@@ -79,7 +80,7 @@ def test_cuda_forward_is_one_staged_pass():
     (shuffle tree) and out read the staged row, rstd goes through shared memory (4.0x -> 1.08x the minimum
     bytes at Mamba-2 130M)."""
     d = Decisions()
-    src = _cuda_source(C.rmsnorm_gated_fwd(1024, 1024, **MAMBA2), d)
+    src = _cuda_source("fwd", C.DIMS["fwd"].of(1024, 1024, **MAMBA2), d)
     assert d.used == {"threads": 256, "rows_per_block": 4} and d.space["rows_per_block"] == (1, 2, 4, 8)
     (body,) = kernels(src)
     for name in ("x", "z", "weight"):
@@ -94,7 +95,7 @@ def test_cuda_backward_is_one_pass_with_the_weight_sums():
     each), the row's dot by a shuffle tree, dx / dz from the staged row, and each thread adds its features'
     dweight / dbias terms to the part's sums (shared memory here: they fit beside the staged row), written
     once per part; stage 2 adds the parts in order. No atomics, no re-read of the inputs for the sums."""
-    src = _cuda_source(C.rmsnorm_gated_bwd(1024, 1024, has_bias=True, **MAMBA2), Decisions())
+    src = _cuda_source("bwd", C.DIMS["bwd"].of(1024, 1024, has_bias=True, **MAMBA2), Decisions())
     assert "atomic" not in src
     ks = kernels(src)
     assert len(ks) == 3  # the pass; stage 2 of dweight and of dbias
@@ -111,9 +112,9 @@ def test_cuda_backward_sums_in_registers_when_shared_memory_is_full():
     """The parallel norm's backward (four weight terms, five staged rows and the vectors; build-check's
     configuration) leaves no room for the sums in shared memory: each thread keeps its (term, feature) sums
     in registers, without spilling."""
-    func = C.rmsnorm_gated_bwd(2048, 2048, 1e-5, has_bias=True, is_rms_norm=False, has_dresidual=True,
-                               store_dresidual=True, has_weight1=True, has_bias1=True, has_x1=True, dropout_p=0.1)
-    src = _cuda_source(func, Decisions())
+    dims = C.DIMS["bwd"].of(2048, 2048, 1e-5, has_bias=True, is_rms_norm=False, has_dresidual=True,
+                            store_dresidual=True, has_weight1=True, has_bias1=True, has_x1=True, dropout_p=0.1)
+    src = _cuda_source("bwd", dims, Decisions())
     (body,) = [b for b in kernels(src) if "partial_ptr[" in b and "_shared_ptr" in b]
     assert "float partial_local_ptr[32]" in body and "partial_local_shared" not in body
     stats = ptxas_stats(src, "sm_90")
@@ -143,15 +144,16 @@ def test_cuda_knobs_in_the_harness():
         out, rstd, dx, dz, dw = e(rows, hidden), e(rows, 2), e(rows, hidden), e(rows, hidden), e(hidden)
         partial = e(1, 2, hidden)
         one, i1 = e(1), torch.zeros(1, dtype=torch.int32)
-        runs = (("rmsnorm_gated_fwd", C.rmsnorm_gated_fwd(hidden, gs, **MAMBA2),
+        runs = (("fwd", C.DIMS["fwd"].of(hidden, gs, **MAMBA2),
                  (x, w, one, z, e(1, 1), one, i1, e(1, 1), one, one, i1, out, e(1, 1),
                   torch.zeros(1, 1, dtype=torch.uint8), e(1, 1), torch.zeros(1, 1, dtype=torch.uint8), e(1, 1), rstd)),
-                ("rmsnorm_gated_bwd", C.rmsnorm_gated_bwd(hidden, gs, **MAMBA2),
+                ("bwd", C.DIMS["bwd"].of(hidden, gs, **MAMBA2),
                  (x, w, one, z, dout, e(1, 1), rstd, e(1, 1), one, i1, one, e(1, 1), i1, dx, dz, dw, one, e(1, 1),
                   e(1, 1), one, one, partial)))
-        for name, func, args in runs:
-            sch = cuda_rule.apply(func, target, Decisions({"threads": 64, "rows_per_block": per_block,
-                                                           "part_threads": 64}))
+        for kernel, dims, args in runs:
+            name = f"rmsnorm_gated_{kernel}"
+            sch = cuda_rule.lay_out(kernel, dims, target, Decisions({"threads": 64, "rows_per_block": per_block,
+                                                                     "part_threads": 64}))
             with tempfile.TemporaryDirectory() as tmp:
                 cudasim.link(cudasim.build(sch.mod, target, label=name), f"{tmp}/k.so")
                 module = cudasim.load(f"{tmp}/k.so")
@@ -175,7 +177,7 @@ def test_cuda_rule_replays_as_a_metaschedule_design_space():
     sch = s_tir.Schedule(mod)
     d = msd.SampledDecisions(sch)
     with msd.on_schedule(sch):
-        cuda_rule.apply(sch.mod["main"], cuda_target("sm_90"), d)
+        cuda_rule.lay_out(direction, dispatch.dims_of(key), cuda_target("sm_90"), d)
     assert direction == "bwd" and d.order == ["threads", "part_threads"]
     replay = s_tir.Schedule(mod)
     sch.trace.simplified(remove_postproc=True).apply_to_schedule(replay, remove_postproc=False)

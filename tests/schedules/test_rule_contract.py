@@ -1,22 +1,18 @@
-"""The schedule-rule contract (schedules/rule.py) for every rule module: a PrimFunc the rule does not
-know, whether a plain TE kernel with no tvm_mamba stamp or another op's stamped kernel, gets None (never
-an exception, never a schedule), on a CPU and on a CUDA target, so dispatch can offer any kernel to any
-rule. The CUDA target is a cross-compile target (no GPU needed)."""
+"""The schedule-rule contract (schedules/rule.py) for every rule module: a kernel the rule does not know,
+whether a name no op has or another op's kernel (with its dims), and a target without the rule's capability
+(a CPU rule on a CUDA target, a CUDA rule on a CPU target) get None (never an exception, never a schedule), so
+dispatch can offer any kernel to any rule. The CUDA target is a cross-compile target (no GPU needed)."""
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
 import pytest
-from tvm import te
 
 import tvm_mamba.schedules.cpu
 import tvm_mamba.schedules.cuda
-from tvm_mamba.compute.causal_conv1d import causal_conv1d_varlen_states
-from tvm_mamba.compute.int8_dot import int8_dot_pack
-from tvm_mamba.compute.mamba3 import mamba3_siso_step
-from tvm_mamba.compute.rmsnorm_gated import rmsnorm_gated_fwd
-from tvm_mamba.runtime import cpu_target, cuda_target
+from tvm_mamba.compute import causal_conv1d, int8_dot, linear, mamba3, rmsnorm_gated, selective_scan, ssd
+from tvm_mamba.runtime import cpu_target, cuda_target, registry
 from tvm_mamba.schedules.rule import Decisions
 
 
@@ -29,29 +25,25 @@ def _rule_modules():
 
 RULES = sorted(_rule_modules())
 
-
-def _plain():
-    """A TE kernel no builder of the package made: no ``tvm_mamba.kernel`` attribute."""
-    n = te.var("n")
-    a = te.placeholder((n, 16), "float32", name="a")
-    b = te.compute((n, 16), lambda i, j: a[i, j] * 2.0, name="b")
-    return te.create_prim_func([a, b])
-
-
-# one small stamped kernel per op; a rule is offered those of the other ops
-STAMPED = {"causal_conv1d": lambda: causal_conv1d_varlen_states(dim=8, state_len=3),
-           "int8_dot": lambda: int8_dot_pack(16),
-           "mamba3": lambda: mamba3_siso_step(nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4, headdim_angles=2),
-           "rmsnorm_gated": lambda: rmsnorm_gated_fwd(16, 16)}
+# one small kernel per op, (direction, dims), that both of the op's rules lay out on their own target family;
+# a rule is offered those of the other ops (where the op has no kernel of that direction)
+SAMPLES = {"causal_conv1d": lambda: ("varlen_states", causal_conv1d.DIMS["varlen_states"](dim=8, state_len=3)),
+           "int8_dot": lambda: ("pack", int8_dot.DIMS["pack"].of(16)),
+           "linear": lambda: ("fwd", linear.LinearDims(16, 8)),
+           "mamba3": lambda: ("siso_step", mamba3.DIMS["siso_step"](nheads=2, nheads_qk=1, headdim_qk=8, headdim_v=4,
+                                                                       headdim_angles=2)),
+           "rmsnorm_gated": lambda: ("fwd", rmsnorm_gated.DIMS["fwd"].of(16, 16)),
+           "selective_scan": lambda: ("update", selective_scan.DIMS["update"](nheads=2, headdim=4, dstate=8,
+                                                                              ngroups=1)),
+           "ssd": lambda: ("chunk_cumsum", ssd.DIMS["chunk_cumsum"](nheads=2, chunk_size=16))}
+KERNELS = {op: registry.op(op).compute.KERNELS for op in registry.ops()}  # each op's kernel directions
 TARGETS = {"cpu": cpu_target, "cuda-sm_90": lambda: cuda_target("sm_90")}
 
 
 def test_every_op_has_rules_for_both_folders():
     """The rule modules on disk are the registry's (runtime/registry.py): a rule without a row is never used."""
-    from tvm_mamba.runtime import registry
-
     ops = {name.rsplit(".", 1)[1] for name in RULES}
-    assert set(STAMPED) <= ops, f"rule modules found: {RULES}"
+    assert set(SAMPLES) <= ops, f"rule modules found: {RULES}"
     assert all(f"tvm_mamba.schedules.{kind}.{op}" in RULES for op in ops for kind in ("cpu", "cuda")), RULES
     assert set(registry.ops()) == ops
     for op in ops:
@@ -63,12 +55,26 @@ def test_every_op_has_rules_for_both_folders():
 @pytest.mark.parametrize("module", RULES)
 def test_foreign_kernels_get_none(module, target):
     rule = importlib.import_module(module)
-    op = module.rsplit(".", 1)[1]
+    folder, op = module.rsplit(".", 2)[1:]
     tgt = TARGETS[target]()
-    assert rule.apply(_plain(), tgt, Decisions()) is None, f"{module} scheduled an unstamped TE kernel"
-    for other, build in STAMPED.items():
-        if other != op:
-            assert rule.apply(build(), tgt, Decisions()) is None, f"{module} scheduled a {other} kernel"
+    mine = set(KERNELS[op])
+    direction, dims = SAMPLES[op]()
+    assert direction in mine
+    own_family = "cpu" if "cpu" in tgt.keys else "cuda"
+    laid_out = rule.lay_out(direction, dims, tgt, Decisions())
+    if folder == own_family:  # the sample is this rule's: what the None below are checked against
+        assert laid_out is not None, f"{module} did not lay out its own {direction} kernel"
+    else:
+        assert laid_out is None, f"{module} laid out a kernel for a {target} target"
+    assert rule.lay_out("no_such_kernel", dims, tgt, Decisions()) is None, f"{module} laid out an unknown kernel"
+    for other, sample in SAMPLES.items():
+        if other == op:
+            continue
+        for name in sorted(set(KERNELS[other]) - mine):  # another op's kernel name, with this op's dims
+            assert rule.lay_out(name, dims, tgt, Decisions()) is None, f"{module} laid out a {other}_{name} kernel"
+        name, other_dims = sample()
+        if name not in mine:  # another op's kernel with its own dims
+            assert rule.lay_out(name, other_dims, tgt, Decisions()) is None, f"{module} scheduled a {other} kernel"
 
 
 @pytest.mark.parametrize("target, folder", [(cpu_target, "cpu"), (lambda: cuda_target("sm_90"), "cuda")])
@@ -93,13 +99,12 @@ def test_cpu_rules_decline_a_target_without_the_cpu_key():
     from tvm.target import Target
 
     from tvm_mamba.compute import selective_scan as ss
-    from tvm_mamba.compute import ssd
     from tvm_mamba.schedules.cpu import selective_scan as cpu_scan
     from tvm_mamba.schedules.cpu import ssd as cpu_ssd
 
-    update = ss.selective_scan_update(ss.UpdateDims(nheads=2, headdim=4, dstate=8, ngroups=1))
-    cumsum = ssd.ssd_chunk_cumsum(nheads=2, chunk_size=16)
-    for rule, func in ((cpu_scan, update), (cpu_ssd, cumsum)):
-        assert rule.apply(func, cpu_target(), Decisions()) is not None
-        assert rule.apply(func, Target("c"), Decisions()) is not None
-        assert rule.apply(func, cuda_target("sm_90"), Decisions()) is None
+    update = ss.UpdateDims(nheads=2, headdim=4, dstate=8, ngroups=1)
+    cumsum = ssd.DIMS["chunk_cumsum"](nheads=2, chunk_size=16)
+    for rule, kernel, dims in ((cpu_scan, "update", update), (cpu_ssd, "chunk_cumsum", cumsum)):
+        assert rule.lay_out(kernel, dims, cpu_target(), Decisions()) is not None
+        assert rule.lay_out(kernel, dims, Target("c"), Decisions()) is not None
+        assert rule.lay_out(kernel, dims, cuda_target("sm_90"), Decisions()) is None

@@ -8,7 +8,6 @@ import tvm
 
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.compute import selective_scan as ss
-from tvm_mamba.compute.causal_conv1d import causal_conv1d_fwd
 from tvm_mamba.compute.selective_scan.update import row_work
 from tvm_mamba.reference.selective_scan import selective_state_update_ref
 from tvm_mamba.runtime.nvcc import nvcc_path, ptxas_stats
@@ -22,18 +21,20 @@ STATIC = dict(dim=32, dstate=16, b_groups=1, c_groups=1, has_D=True, has_z=True,
 
 
 def test_rules_ignore_foreign_kernels():
-    foreign = causal_conv1d_fwd(dim=8, width=4)
-    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
-    assert cuda_rule.apply(foreign, cuda_target("sm_90"), Decisions()) is None
-    assert cuda_rule.apply(ss.selective_scan_fwd(**STATIC), cpu_target(), Decisions()) is None
+    fwd = ss.DIMS["fwd"].of(**STATIC)
+    for kernel in ("no_such_kernel", "varlen_states"):  # a name no op has; another op's kernel (causal_conv1d's)
+        assert cpu_rule.lay_out(kernel, fwd, cpu_target(), Decisions()) is None
+        assert cuda_rule.lay_out(kernel, fwd, cuda_target("sm_90"), Decisions()) is None
+    assert cuda_rule.lay_out("fwd", fwd, cpu_target(), Decisions()) is None  # the other target family
+    assert cpu_rule.lay_out("fwd", fwd, cuda_target("sm_90"), Decisions()) is None
 
 
 def test_gpu_rule_selects_by_capability():
     """The GPU rule serves any target with the "gpu" key (its loops are blockIdx x threadIdx + warp shuffles),
     not only kind "cuda"."""
-    sch = cuda_rule.apply(ss.selective_scan_fwd(**STATIC), tvm.target.Target("rocm"), Decisions())
+    sch = cuda_rule.lay_out("fwd", ss.DIMS["fwd"].of(**STATIC), tvm.target.Target("rocm"), Decisions())
     assert sch is not None and "tvm_warp_shuffle_up" in sch.mod.script()  # the forward's scan over time
-    sch = cuda_rule.apply(ss.selective_scan_bwd(**STATIC, block=2), tvm.target.Target("rocm"), Decisions())
+    sch = cuda_rule.lay_out("bwd", ss.DIMS["bwd"].of(**STATIC, block=2), tvm.target.Target("rocm"), Decisions())
     assert sch is not None and "tvm_warp_shuffle_xor" in sch.mod.script()  # the backward's dstate sums
 
 
@@ -41,7 +42,7 @@ def test_gpu_rule_selects_by_capability():
                                          ("dstate", {"layout": "dstate", "vector": 16})])
 def test_cpu_forward_layouts_are_vectorized(layout, used):
     dec = Decisions({"layout": layout} if layout else {})
-    sch = cpu_rule.apply(ss.selective_scan_fwd(**STATIC), cpu_target(), dec)
+    sch = cpu_rule.lay_out("fwd", ss.DIMS["fwd"].of(**STATIC), cpu_target(), dec)
     assert dec.used == used
     asm = tvm.compile(sch.mod, target=cpu_target()).mod.inspect_source("asm")
     assert "zmm" in asm or "ymm" in asm  # vector registers (AVX-512 / AVX2 hosts)
@@ -49,7 +50,7 @@ def test_cpu_forward_layouts_are_vectorized(layout, used):
 
 def test_cpu_forward_dim_not_multiple_of_16_uses_dstate_layout():
     dec = Decisions()
-    cpu_rule.apply(ss.selective_scan_fwd(**dict(STATIC, dim=24)), cpu_target(), dec)
+    cpu_rule.lay_out("fwd", ss.DIMS["fwd"].of(**dict(STATIC, dim=24)), cpu_target(), dec)
     assert dec.used == {"vector": 16}
 
 
@@ -59,9 +60,9 @@ def test_cuda_scan_kernels_compile_without_spills(dstate):
     st = dict(STATIC, dim=64, dstate=dstate, chunk=ss.chunk_size(dstate))
     dt = dict(u_dtype="bfloat16", B_dtype="bfloat16", C_dtype="float32")
     tgt = cuda_target("sm_90")
-    for func, shuffle in ((ss.selective_scan_fwd(**st, **dt), "__shfl_up_sync"),  # the pair scan over time
-                          (ss.selective_scan_bwd(**st, block=16, **dt), "__shfl_xor_sync")):  # dstate sums
-        sch = cuda_rule.apply(func, tgt, Decisions())
+    for kernel, dims, shuffle in (("fwd", ss.DIMS["fwd"].of(**st, **dt), "__shfl_up_sync"),  # the pair scan over time
+                                  ("bwd", ss.DIMS["bwd"].of(**st, block=16, **dt), "__shfl_xor_sync")):  # dstate sums
+        sch = cuda_rule.lay_out(kernel, dims, tgt, Decisions())
         with tgt:
             src = tvm.compile(sch.mod, target=tgt).mod.imports[0].inspect_source("cuda")
         assert shuffle in src
@@ -80,18 +81,19 @@ def test_complex_kernels_cpu_vectorized_and_cuda_compile():
     sx = ss  # the complex-A builders live in the same package
 
     st = dict(STATIC, chunk=ss.chunk_size(32))
-    funcs = (sx.selective_scan_fwd_complex(**st), sx.selective_scan_bwd_complex(**st, block=16))
-    for func in funcs:
+    kernels = (("fwd_complex", sx.DIMS["fwd_complex"].of(**st)),
+               ("bwd_complex", sx.DIMS["bwd_complex"].of(**st, block=16)))
+    for kernel, dims in kernels:
         dec = Decisions()
-        sch = cpu_rule.apply(func, cpu_target(), dec)
+        sch = cpu_rule.lay_out(kernel, dims, cpu_target(), dec)
         assert dec.used == {"vector": 16}
         asm = tvm.compile(sch.mod, target=cpu_target()).mod.inspect_source("asm")
         assert "zmm" in asm or "ymm" in asm
     if nvcc_path() is None:
         pytest.skip("nvcc not installed")
     tgt = cuda_target("sm_90")
-    for func in funcs:
-        sch = cuda_rule.apply(func, tgt, Decisions())
+    for kernel, dims in kernels:
+        sch = cuda_rule.lay_out(kernel, dims, tgt, Decisions())
         with tgt:
             src = tvm.compile(sch.mod, target=tgt).mod.imports[0].inspect_source("cuda")
         assert "sincospif(" in src and "cosf(" not in src and "sinf(" not in src  # one call per rotation
@@ -116,7 +118,7 @@ def test_cpu_tied_update_head_rows_knob():
     results = {}
     for rows in (1, 2, 8):
         dec = Decisions({"head_rows": rows})
-        fn = tvm.compile(cpu_rule.apply(ss.selective_scan_update(d), cpu_target(), dec).mod, target=cpu_target())
+        fn = tvm.compile(cpu_rule.lay_out("update", d, cpu_target(), dec).mod, target=cpu_target())
         assert dec.used["head_rows"] == rows
         for batch in (3, 129):
             st, out = pool.clone(), torch.full((batch, 4, 8), float("nan"))

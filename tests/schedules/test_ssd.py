@@ -4,28 +4,25 @@ from __future__ import annotations
 import pytest
 import torch
 import tvm
-from tvm.script import tirx as T
 
 from tvm_mamba.compute import ssd
-from tvm_mamba.runtime.target import cpu_target
+from tvm_mamba.runtime.target import cpu_target, cuda_target
 from tvm_mamba.schedules.cpu import ssd as cpu_rule
 from tvm_mamba.schedules.rule import Decisions
 
 
 def test_rule_declines_foreign_functions():
-    @T.prim_func
-    def foreign(a: T.Buffer((4,), "float32")):
-        for i in range(4):
-            a[i] = T.float32(0)
-
-    assert cpu_rule.apply(foreign, cpu_target(), Decisions()) is None
+    dims = ssd.DIMS["chunk_cumsum"](nheads=2, chunk_size=16)
+    for kernel in ("no_such_kernel", "fwd"):  # a name no op has; another op's kernel (causal_conv1d's, ...)
+        assert cpu_rule.lay_out(kernel, dims, cpu_target(), Decisions()) is None
+    assert cpu_rule.lay_out("chunk_cumsum", dims, cuda_target("sm_90"), Decisions()) is None  # not a CPU target
 
 
 @pytest.mark.parametrize("direction", ["chunk_scan", "chunk_scan_bwd"])
 def test_rule_schedules_and_compiles(direction):
-    func = getattr(ssd, f"ssd_{direction}")(nheads=2, ngroups=1, headdim=4, dstate=4, chunk_size=4, has_D=True,
-                                            has_z=True, has_seq_idx=True, x_dtype="bfloat16")
-    sch = cpu_rule.apply(func, cpu_target(), Decisions())
+    dims = ssd.DIMS[direction](nheads=2, ngroups=1, headdim=4, dstate=4, chunk_size=4, has_D=True, has_z=True,
+                               has_seq_idx=True, x_dtype="bfloat16")
+    sch = cpu_rule.lay_out(direction, dims, cpu_target(), Decisions())
     assert sch is not None
     with cpu_target():
         ex = tvm.compile(sch.mod, target=cpu_target())
@@ -91,12 +88,12 @@ def test_default_register_block_follows_the_vector_width(mcpu, lanes):
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "mtriple": "x86_64-linux-gnu"})
     assert vector_floats(target) == lanes
-    func = ssd.ssd_chunk_state(nheads=2, ngroups=1, headdim=4, dstate=4, chunk_size=4)
+    dims = ssd.DIMS["chunk_state"](nheads=2, ngroups=1, headdim=4, dstate=4, chunk_size=4)
     decisions = Decisions()
-    assert cpu_rule.apply(func, target, decisions) is not None
+    assert cpu_rule.lay_out("chunk_state", dims, target, decisions) is not None
     assert decisions.used["cols"] == 2 * lanes and decisions.used["rows"] == 4
     tuned = Decisions({"cols": 64})
-    cpu_rule.apply(func, target, tuned)
+    cpu_rule.lay_out("chunk_state", dims, target, tuned)
     assert tuned.used["cols"] == 64
 
 
@@ -197,9 +194,10 @@ def _run_both(name, static, decisions, tol, bf16=()):
     from tvm_mamba.runtime import cuda_target, cudasim
     from tvm_mamba.schedules.cuda import ssd as cuda_rule
 
-    template, dims = ssd.template_of(name)
-    serial = template(dims(**static), ssd.strategy.Strategy(native_math=True))
-    sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"), decisions)
+    direction = name.removeprefix("ssd_")
+    dims = ssd.DIMS[direction](**static)
+    serial = ssd.TEMPLATES[direction](dims, ssd.strategy.Strategy(native_math=True))
+    sch = cuda_rule.lay_out(direction, dims, cuda_target("sm_90"), decisions)
     got = [t.bfloat16() if i in bf16 else t
            for i, t in enumerate(_tiled_args(name, N=static["dstate"], per_position=static.get("diag_skip", False),
                                              D_per_head=static.get("has_D") and not static.get("D_has_hdim")))]
@@ -256,8 +254,9 @@ def _run_tensor_cores(name, static, args):
     from tvm_mamba.runtime import cuda_target, cudasim
     from tvm_mamba.schedules.cuda import ssd as cuda_rule
 
-    sch = cuda_rule.apply(getattr(ssd, name)(**static), cuda_target("sm_90"),
-                          Decisions({"threads": 128, "tile": 32, "tensor_cores": 1}))
+    direction = name.removeprefix("ssd_")
+    sch = cuda_rule.lay_out(direction, ssd.DIMS[direction](**static), cuda_target("sm_90"),
+                            Decisions({"threads": 128, "tile": 32, "tensor_cores": 1}))
     with tempfile.TemporaryDirectory() as tmp:
         built = cudasim.build(sch.mod, cuda_target("sm_90"), label=name)
         cudasim.link(built, f"{tmp}/k.so")

@@ -1,6 +1,6 @@
 """Typed static dims of the causal conv1d kernels: one frozen dataclass per direction, made by the torch op
-(torch_ops/causal_conv1d.py), turned into the KernelKey (``KernelKey.of``), passed to the compute builder
-and rebuilt by the schedule rules from the PrimFunc's stamp. Importable without TVM's compiler (no
+(torch_ops/causal_conv1d.py), turned into the KernelKey (``KernelKey.of``), rebuilt from the key
+(``from_key``) and handed to the compute builder or the target's rule. Importable without TVM's compiler (no
 TVMScript): the torch op builds keys with it on a runtime-only machine serving an AOT pack.
 
 Field order is the builders' positional order, and every field is in the key (none was added after the

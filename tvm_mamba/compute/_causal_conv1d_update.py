@@ -107,4 +107,4 @@ def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:
     the state update (linear shift or circular buffer). ``dims``: a :class:`CausalConv1dUpdate`, or its fields.
     """
     d = CausalConv1dUpdate.of(*dims, **fields)
-    return stamp(update_template(d), "causal_conv1d_update", d.static())
+    return stamp(update_template(d), "causal_conv1d_update")

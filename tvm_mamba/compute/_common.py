@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from typing import Any, Mapping
 
 from tvm import tirx
@@ -11,14 +10,10 @@ from tvm import tirx
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def stamp(func: tirx.PrimFunc, kernel: str, static: dict[str, Any]) -> tirx.PrimFunc:
-    """Name the PrimFunc after its kernel and record its static parameters for the schedule rules."""
-    return func.with_attrs({
-        "global_symbol": kernel,
-        "tirx.noalias": True,
-        "tvm_mamba.kernel": kernel,
-        "tvm_mamba.static": json.dumps(static, sort_keys=True),
-    })
+def stamp(func: tirx.PrimFunc, kernel: str) -> tirx.PrimFunc:
+    """Name the PrimFunc after its kernel (its symbol in the compiled library) and declare its buffers
+    unaliased (the kernels' inputs and outputs never overlap: the torch ops copy an output that would)."""
+    return func.with_attrs({"global_symbol": kernel, "tirx.noalias": True, "tvm_mamba.kernel": kernel})
 
 
 def check_dtype(name: str, dtype: str, allowed=FLOAT_DTYPES) -> str:
@@ -69,7 +64,7 @@ class Dims:
         return static, dtypes
 
     def static(self) -> dict[str, Any]:
-        """Every field by name (what ``stamp`` records on the PrimFunc for the rules)."""
+        """Every field by name (a builder's keyword form: ``builder(**dims.static())`` is ``builder(dims)``)."""
         return dataclasses.asdict(self)
 
     @classmethod

@@ -6,7 +6,7 @@ The dims flow from the torch op (torch_ops/ssd.py) to the KernelKey (``KernelKey
 (``from_key``) to the builder, the template, the strategy and the rule, instead of the keyword lists every
 signature repeated. ``key_parts()`` gives back exactly the maps the kernels have always been keyed with
 (fields ``<tensor>_dtype`` -> ``dtypes[<tensor>]``), so caches and committed tuning records still match:
-``state_dtype`` is left out of the key (and the stamp) at its default float32, as before it existed.
+``state_dtype`` is left out of the key at its default float32, as before it existed.
 compute/ssd/dims.py re-exports them for the builders (the ``compute.ssd`` package imports TVMScript).
 """
 from __future__ import annotations
@@ -40,11 +40,6 @@ class SSDDims(Dims):
         for f in dataclasses.fields(self):
             if f.name.endswith("_dtype"):
                 check_dtype(_DTYPE_NAMES.get(f.name, f.name[:-6]), getattr(self, f.name))
-
-    def stamp_static(self) -> dict:
-        """What ``stamp`` records: every field, less the OMIT_DEFAULT ones at their default (as the key)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if not (f.metadata.get("omit_default") and getattr(self, f.name) == f.default)}
 
 
 @dataclass(frozen=True)

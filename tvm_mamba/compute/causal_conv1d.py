@@ -88,7 +88,7 @@ def causal_conv1d_fwd(*dims, **fields) -> tirx.PrimFunc:
         if d.return_final else tirx.const(0, x_dtype),
         name="final_states")
     func = te.create_prim_func([x, weight, bias, seq_idx, init, out, final])
-    return stamp(func, "causal_conv1d_fwd", d.static())
+    return stamp(func, "causal_conv1d_fwd")
 
 
 def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
@@ -183,7 +183,7 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
     else:
         dbias = te.compute((1,), lambda c: tirx.const(0, weight_dtype), name="dbias")
     func = te.create_prim_func([x, weight, bias, seq_idx, init, dout, dfinal, dx, dweight, dbias, dinit, g, partial])
-    return stamp(func, "causal_conv1d_bwd", d.static())
+    return stamp(func, "causal_conv1d_bwd")
 
 
 def causal_conv1d_varlen_states(*dims, **fields) -> tirx.PrimFunc:
@@ -210,7 +210,7 @@ def causal_conv1d_varlen_states(*dims, **fields) -> tirx.PrimFunc:
 
     states = te.compute((batch, state_len, dim), state, name="states")
     func = te.create_prim_func([x, cu, states])
-    return stamp(func, "causal_conv1d_varlen_states", d.static())
+    return stamp(func, "causal_conv1d_varlen_states")
 
 
 def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:

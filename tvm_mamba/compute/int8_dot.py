@@ -84,7 +84,7 @@ def int8_dot_matmul(*dims, **fields) -> tirx.PrimFunc:
     k = te.reduce_axis((0, K), name="K")
     c = te.compute((M, N), lambda m, n: te.sum(a[m, k].astype("int32") * b[n, k].astype("int32"), axis=k),
                    name="c")
-    return stamp(te.create_prim_func([a, b, c]), "int8_dot_matmul", d.static())
+    return stamp(te.create_prim_func([a, b, c]), "int8_dot_matmul")
 
 
 def _packing(dims, fields) -> tuple[int, int, tirx.Var]:
@@ -108,7 +108,7 @@ def int8_dot_pack(*dims, **fields) -> tirx.PrimFunc:
         return acc
 
     packed = te.compute((rows, W), word, name="packed")
-    return stamp(te.create_prim_func([codes, packed]), "int8_dot_pack", dict(K=K))
+    return stamp(te.create_prim_func([codes, packed]), "int8_dot_pack")
 
 
 def int8_dot_unpack(*dims, **fields) -> tirx.PrimFunc:
@@ -120,7 +120,7 @@ def int8_dot_unpack(*dims, **fields) -> tirx.PrimFunc:
     codes = te.compute(
         (rows, K),
         lambda r, k: ((packed[r, k // 4] << (24 - 8 * (k % 4))) >> 24).astype("int8"), name="codes")
-    return stamp(te.create_prim_func([packed, codes]), "int8_dot_unpack", dict(K=K))
+    return stamp(te.create_prim_func([packed, codes]), "int8_dot_unpack")
 
 
 def int8_dot_dgrad(*dims, **fields) -> tirx.PrimFunc:
@@ -140,7 +140,7 @@ def int8_dot_dgrad(*dims, **fields) -> tirx.PrimFunc:
     acc = te.compute((heads, M, N),
                      lambda h, m, n: te.sum(g[h, m, k] * codes[h, k, n].astype("float32"), axis=k), name="acc")
     out = te.compute((heads, M, N), lambda h, m, n: acc[h, m, n] * scale[0], name="out")
-    return stamp(te.create_prim_func([g, codes, scale, out]), "int8_dot_dgrad", d.static())
+    return stamp(te.create_prim_func([g, codes, scale, out]), "int8_dot_dgrad")
 
 
 def int8_dot_wgrad(*dims, **fields) -> tirx.PrimFunc:
@@ -172,7 +172,7 @@ def int8_dot_wgrad(*dims, **fields) -> tirx.PrimFunc:
     pa = te.reduce_axis((0, nparts), name="nparts")
     acc = te.compute((heads, N, K), lambda h, n, kk: te.sum(partial[pa, h, n, kk], axis=pa), name="acc")
     out = te.compute((heads, N, K), lambda h, n, kk: acc[h, n, kk] * scale[0], name="out")
-    return stamp(te.create_prim_func([codes, g, scale, out, partial]), "int8_dot_wgrad", d.static())
+    return stamp(te.create_prim_func([codes, g, scale, out, partial]), "int8_dot_wgrad")
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

@@ -82,7 +82,7 @@ def linear_fwd(d: LinearDims) -> tirx.PrimFunc:
         return v.astype(d.x_dtype)
 
     y = te.compute((rows, d.out_features), epilogue, name="y")
-    return stamp(te.create_prim_func([x, w, scale, bias, y]), "linear_fwd", d.static())
+    return stamp(te.create_prim_func([x, w, scale, bias, y]), "linear_fwd")
 
 
 def linear_bwd(d: LinearDims) -> tirx.PrimFunc:
@@ -100,7 +100,7 @@ def linear_bwd(d: LinearDims) -> tirx.PrimFunc:
 
     acc = te.compute((rows, d.in_features), term, name="acc")
     dx = te.compute((rows, d.in_features), lambda m, kk: acc[m, kk].astype(d.x_dtype), name="dx")
-    return stamp(te.create_prim_func([dy, w, scale, dx]), "linear_bwd", d.static())
+    return stamp(te.create_prim_func([dy, w, scale, dx]), "linear_bwd")
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

@@ -285,12 +285,7 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
     func = te.create_prim_func([x, weight, bias, z, residual, rowscale, seeds, x1, weight1, bias1, seeds1,
                                 got["out"], got["residual_out"], got["dropout_mask"], got["out1"],
                                 got["dropout_mask1"], mean, rstd])
-    return stamp(func, "rmsnorm_gated_fwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
-                                                          residual_dtype=res_dt, residual_out_dtype=rout_dt))
-
-
-def _stamp_static(d: NormDims, **dtypes) -> dict:
-    return dict(dataclasses.asdict(d), **dtypes)
+    return stamp(func, "rmsnorm_gated_fwd")
 
 
 # rows per part of the weight / bias gradients' first stage: part p sums rows [p*PART_ROWS, (p+1)*PART_ROWS).
@@ -426,8 +421,7 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
     func = te.create_prim_func([x, weight, bias, z, dout, mean, rstd, dres, rowscale, seeds, weight1, dout1, seeds1,
                                 got["dx"], got["dz"], sums[0], sums[1], got["dresidual_in"], got["dx1"], sums[2],
                                 sums[3], partial])
-    return stamp(func, "rmsnorm_gated_bwd", _stamp_static(d, x_dtype=x_dtype, weight_dtype=weight_dtype,
-                                                          dout_dtype=dout_dtype))
+    return stamp(func, "rmsnorm_gated_bwd")
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

@@ -18,7 +18,7 @@ from ..schedules.rule import Decisions
 from . import tuning
 from .key import KernelKey, Plan  # noqa: F401  (Plan: re-exported, dispatch.Plan is its name in use)
 from . import rules
-from .rules import build_func, builder, compute_ops, dims_class, rule_module  # noqa: F401  (dispatch's API)
+from .rules import build_func, builder, compute_ops, dims_of, rule_module  # noqa: F401  (dispatch's API)
 from .target import target_from_key  # noqa: F401  (re-exported: cache and tests name it here)
 
 

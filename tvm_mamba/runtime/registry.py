@@ -3,8 +3,8 @@ discovery reads (runtime/rules.py, tune, aot, the CLI, the roofline).
 
 One row per op: its compute module (``KERNELS``: direction -> builder, ``DIMS``: the typed static dims,
 ``build_check_configs`` / ``tuning_configs`` / ``derived_dims`` where it has them) and its two rules, the
-CPU's (``schedules/cpu/<op>.py``) and the GPU's (``schedules/cuda/<op>.py``), each ``apply(func, target,
-decisions)``. Each is a plain import, made when first asked for, and the compute module apart from the
+CPU's (``schedules/cpu/<op>.py``) and the GPU's (``schedules/cuda/<op>.py``), each ``lay_out(direction,
+dims, target, decisions)``. Each is a plain import, made when first asked for, and the compute module apart from the
 rules: the rules and most compute modules write TVMScript, which a runtime-only TVM (the GPU machine serving
 an AOT pack, ``tune --measure`` there) cannot import, so the call-time path imports none of them until a
 kernel is built, and a TE-only compute module (conv1d, RMSNorm, int8, linear) is readable there without its
@@ -67,10 +67,13 @@ class OpEntry:
         return kernels[direction]
 
     def dims(self, direction: str):
-        """The kernel's typed static dims class (``compute.DIMS``: one class, or direction -> class), or None
-        for a kernel whose builder takes keyword arguments."""
-        dims = getattr(self.compute, "DIMS", None)
-        return dims.get(direction) if isinstance(dims, dict) else dims
+        """The kernel's typed static dims class (``compute.DIMS``: one class, or direction -> class)."""
+        dims = self.compute.DIMS
+        if not isinstance(dims, dict):
+            return dims
+        if direction not in dims:
+            raise KeyError(f"{self.name}: no kernel {direction!r} (the op has {', '.join(dims)})")
+        return dims[direction]
 
     def rule(self, target: Target) -> ModuleType:
         """The GPU rule (thread blocks, warps, shared memory) for a target with the ``gpu`` key, else the

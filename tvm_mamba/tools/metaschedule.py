@@ -49,12 +49,13 @@ def design_space(key: KernelKey):
     knob names in sampling order when the space is generated."""
     target = target_from_key(key.target)
     rules = dispatch.rule_module(target, key.op)
+    dims = dispatch.dims_of(key)
     picks: list[tuple[str, tuple]] = []
 
     def sch_fn(sch):
         d = SampledDecisions(sch)
         with on_schedule(sch):
-            out = rules.apply(sch.mod["main"], target, d) if rules is not None else None
+            out = rules.lay_out(key.direction, dims, target, d)
         if out is None:
             raise ValueError(f"no schedule rule applies to {key}")
         picks[:] = [(n, d.space[n]) for n in d.order]
@@ -95,13 +96,11 @@ def sample_candidates(key: KernelKey, n: int, seed: int = 0) -> list[dict]:
 
 
 def block_scheduled(key: KernelKey) -> bool:
-    """Whether the key's rule schedules the compute's own blocks, i.e. is a MetaSchedule design space (loop-nest
-    templates build a new PrimFunc from integer knobs and are not)."""
+    """Whether the key's rule schedules the compute definition's blocks (``schedule_compute``), i.e. is a
+    MetaSchedule design space (a template laid out is built from integer knobs and is not)."""
     target = target_from_key(key.target)
-    rules = dispatch.rule_module(target, key.op)
-    func = dispatch.build_func(key)
-    with rule_watch(func) as seen:
-        out = rules.apply(func, target, Decisions())
+    with rule_watch() as seen:
+        out = dispatch.rule_module(target, key.op).lay_out(key.direction, dispatch.dims_of(key), target, Decisions())
     return out is not None and bool(seen.block)
 
 

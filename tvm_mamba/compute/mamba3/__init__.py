@@ -54,8 +54,8 @@ PREPROCESS = ("siso_preprocess", "siso_preprocess_bwd")  # the directions laid o
 
 
 def build(direction: str, dims, layout: Layout) -> tirx.PrimFunc:
-    """``direction``'s template laid out by ``layout``, stamped with its kernel name and static dims."""
-    return stamp(TEMPLATES[direction](dims, layout), f"mamba3_{direction}", dims.static())
+    """``direction``'s template laid out by ``layout``, named after its kernel."""
+    return stamp(TEMPLATES[direction](dims, layout), f"mamba3_{direction}")
 
 
 def mamba3_siso_step(dims: StepDims | None = None, /, **kwargs) -> tirx.PrimFunc:

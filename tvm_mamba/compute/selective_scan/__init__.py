@@ -7,8 +7,8 @@ the complex-A scan, each ONE loop-nest template laid out per target by a ``Layou
 A recurrence cannot be TE (``te.scan`` is rejected by ``create_prim_func``), so every kernel here is a
 loop-nest *template*: a pure function of typed static dims (``_dims``) and a ``Layout`` (``_layout``: how
 lanes, dstate and dstate sums land on the machine; the math of one step is ``_step``) that returns a
-PrimFunc. ``selective_scan_<direction>(dims)`` builds it with the serial layout (what dispatch schedules);
-the rules in schedules/cpu and schedules/cuda rebuild it with their layouts. ``VARIANTS`` holds alternative
+PrimFunc. ``selective_scan_<direction>(dims)`` builds it with the serial layout (the definition tests and
+tools read); the rules in schedules/cpu and schedules/cuda build it with their layouts. ``VARIANTS`` holds alternative
 templates of the same kernels (same signature, the layout's choice of algorithm): the parallel-in-time forward
 and backward (timescan.py, timescan_bwd.py) that CUDA builds.
 
@@ -67,10 +67,10 @@ def vector_width(dstate: int, want: int = 16) -> int:
 
 
 def build(direction: str, dims, layout: Layout, variant: str | None = None) -> tirx.PrimFunc:
-    """``direction``'s template (or its ``variant``, ``VARIANTS``) laid out by ``layout``, stamped with its
-    kernel name and static dims."""
+    """``direction``'s template (or its ``variant``, ``VARIANTS``) laid out by ``layout``, named after its
+    kernel."""
     template = VARIANTS[direction][variant] if variant else TEMPLATES[direction]
-    return stamp(template(dims, layout), f"selective_scan_{direction}", dims.static())
+    return stamp(template(dims, layout), f"selective_scan_{direction}")
 
 
 def _dims(direction: str, dims, kwargs: dict, **defaults):

@@ -76,12 +76,6 @@ TEMPLATES = {"chunk_cumsum": cumsum_template, "chunk_cumsum_bwd": cumsum_bwd_tem
 lay it out with their strategy."""
 
 
-def template_of(kernel: str | None):
-    """(template, dims class) of kernel ``ssd_<direction>``, or None for a kernel that is not an SSD kernel."""
-    direction = kernel[len("ssd_"):] if kernel and kernel.startswith("ssd_") else None
-    return (TEMPLATES[direction], DIMS[direction]) if direction in TEMPLATES else None
-
-
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     """Tuning (and roofline) workloads: the five kernels with chunk matmuls (the others have no knobs) of each
     Mamba-2 preset (nheads, ngroups, headdim 64, dstate 128, chunk 256) as its block calls them: fp32, D per

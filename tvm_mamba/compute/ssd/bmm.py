@@ -48,4 +48,4 @@ def ssd_bmm_chunk(dims: BmmDims | None = None, strategy: Strategy = SERIAL, **kw
     register block (mm.py).
     """
     d = dims_of(BmmDims, dims, kw)
-    return stamp(bmm_template(d, strategy), "ssd_bmm_chunk", d.stamp_static())
+    return stamp(bmm_template(d, strategy), "ssd_bmm_chunk")

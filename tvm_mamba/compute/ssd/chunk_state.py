@@ -61,4 +61,4 @@ def ssd_chunk_state(dims: StateDims | None = None, strategy: Strategy = SERIAL, 
     register block (mm.py).
     """
     d = dims_of(StateDims, dims, kw)
-    return stamp(chunk_state_template(d, strategy), "ssd_chunk_state", d.stamp_static())
+    return stamp(chunk_state_template(d, strategy), "ssd_chunk_state")

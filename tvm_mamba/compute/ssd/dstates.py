@@ -108,4 +108,4 @@ def ssd_chunk_scan_bwd_dstates(dims: DstatesDims | None = None, strategy: Strate
     dz = dy * y_pre * silu'(z). The CPU strategy's knobs rows x cols x order: the matmul's register block (mm.py).
     """
     d = dims_of(DstatesDims, dims, kw)
-    return stamp(dstates_template(d, strategy), "ssd_chunk_scan_bwd_dstates", d.stamp_static())
+    return stamp(dstates_template(d, strategy), "ssd_chunk_scan_bwd_dstates")

@@ -136,7 +136,7 @@ def ssd_chunk_cumsum(dims: DtDims | None = None, strategy: Strategy = SERIAL, **
     (each step clamped below at DA_MIN: dA_step). ``dims``: a DtDims (or its fields as keywords).
     """
     d = dims_of(DtDims, dims, kw)
-    return stamp(cumsum_template(d, strategy), "ssd_chunk_cumsum", d.stamp_static())
+    return stamp(cumsum_template(d, strategy), "ssd_chunk_cumsum")
 
 
 def ssd_chunk_cumsum_bwd(dims: DtDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
@@ -150,4 +150,4 @@ def ssd_chunk_cumsum_bwd(dims: DtDims | None = None, strategy: Strategy = SERIAL
     ddA[l] = ddecay + ddA_step[l]: d dt_out = ddt_out + A ddA; dA = sum dt_out ddA; ddt = d dt_out dt'/ddt.
     """
     d = dims_of(DtDims, dims, kw)
-    return stamp(cumsum_bwd_template(d, strategy), "ssd_chunk_cumsum_bwd", d.stamp_static())
+    return stamp(cumsum_bwd_template(d, strategy), "ssd_chunk_cumsum_bwd")

@@ -157,7 +157,7 @@ def ssd_state_passing(dims: PassingDims | None = None, strategy: Strategy = SERI
     The running state stays float32; only the stored states_in are rounded to state_dtype.
     """
     d = dims_of(PassingDims, dims, kw)
-    return stamp(passing_template(d, strategy), "ssd_state_passing", d.stamp_static())
+    return stamp(passing_template(d, strategy), "ssd_state_passing")
 
 
 def ssd_state_passing_bwd(dims: PassingBwdDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
@@ -169,7 +169,7 @@ def ssd_state_passing_bwd(dims: PassingBwdDims | None = None, strategy: Strategy
     dH_nc = dfinal; dS_c = dH_{c+1}; ddecay_c = a_c <dH_{c+1}, Sin_c>; dH_c = dSloc_c + a_c dH_{c+1}.
     """
     d = dims_of(PassingBwdDims, dims, kw)
-    return stamp(passing_bwd_template(d, strategy), "ssd_state_passing_bwd", d.stamp_static())
+    return stamp(passing_bwd_template(d, strategy), "ssd_state_passing_bwd")
 
 
 def ssd_head_sum(dims: HeadSumDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
@@ -177,4 +177,4 @@ def ssd_head_sum(dims: HeadSumDims | None = None, strategy: Strategy = SERIAL, *
     the sum over the heads of each group in head order (dB / dC: the backward writes one partial per head;
     summing here, in a fixed order, keeps it deterministic without atomics)."""
     d = dims_of(HeadSumDims, dims, kw)
-    return stamp(head_sum_template(d, strategy), "ssd_head_sum", d.stamp_static())
+    return stamp(head_sum_template(d, strategy), "ssd_head_sum")

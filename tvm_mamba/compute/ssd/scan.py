@@ -139,4 +139,4 @@ def ssd_chunk_scan(dims: ScanDims | None = None, strategy: Strategy = SERIAL, **
     the CPU strategy's knobs rows x cols x order: the register block of its chunk matmuls (mm.py).
     """
     d = dims_of(ScanDims, dims, kw)
-    return stamp(chunk_scan_template(d, strategy), "ssd_chunk_scan", d.stamp_static())
+    return stamp(chunk_scan_template(d, strategy), "ssd_chunk_scan")

@@ -101,4 +101,4 @@ def ssd_chunk_scan_bwd(dims: ScanBwdDims | None = None, strategy: Strategy = SER
     strategy's knobs rows x cols x order: the register block of the chunk matmuls (mm.py).
     """
     d = dims_of(ScanBwdDims, dims, kw)
-    return stamp(chunk_scan_bwd_template(d, strategy), "ssd_chunk_scan_bwd", d.stamp_static())
+    return stamp(chunk_scan_bwd_template(d, strategy), "ssd_chunk_scan_bwd")

@@ -107,4 +107,4 @@ def ssd_chunk_state_varlen(dims: VarlenDims | None = None, strategy: Strategy = 
     carried state exp(dA_cs[l_e]) Sin_c where sequence i began before its last chunk (module docstring).
     """
     d = dims_of(VarlenDims, dims, kw)
-    return stamp(varlen_template(d, strategy), "ssd_chunk_state_varlen", d.stamp_static())
+    return stamp(varlen_template(d, strategy), "ssd_chunk_state_varlen")
