@@ -24,7 +24,7 @@ def test_wheel_contains_schedules_and_tuning_logs(tmp_path):
     assert len(logs) > 5
     missing = [p for p in logs if "tvm_mamba/" + p not in names]
     assert not missing, missing  # every tuning record ships (records.jsonl included)
-    assert "tvm_mamba/compute/causal_conv1d.py" in names
+    assert "tvm_mamba/compute/causal_conv1d/__init__.py" in names
     assert "tvm_mamba/runtime/cudasim_include/tvm_mamba_cudasim.h" in names  # the CUDA execution harness
     assert "tvm_mamba/runtime/cudasim_include/cuda/std/cstdint" in names
     # every module of the source tree ships: pyproject lists the packages one by one, and a new subpackage

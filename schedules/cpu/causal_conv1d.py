@@ -7,15 +7,15 @@ the window reaches before t=0: initial states / zeros), a vectorized main loop o
 conditions except the seq_idx mask, a vector select), and a scalar tail.
 
 Knobs (``decisions``): ``vector`` — lanes per main-loop step (8, 16, 32; default 16 = one zmm of fp32).
-The parameter lists (tvm_mamba/compute/_causal_conv1d_signature.py) match tvm_mamba/compute/causal_conv1d.py.
+The parameter lists (tvm_mamba/compute/causal_conv1d/signature.py) match tvm_mamba/compute/causal_conv1d/__init__.py.
 """
 from __future__ import annotations
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ...compute._causal_conv1d_signature import conv_kernel
-from ...compute._causal_conv1d_update import update_template
+from ...compute.causal_conv1d.signature import conv_kernel
+from ...compute.causal_conv1d.update import update_template
 from ...compute._math import math_for
 from ...compute.causal_conv1d import (CausalConv1dBwd, CausalConv1dFwd, causal_conv1d_varlen_states, window_value,
                                       zero_padding)

@@ -1,4 +1,4 @@
-"""CPU rule for linear (compute/linear.py): vector loop nests for the weight-streaming GEMV and the GEMM.
+"""CPU rule for linear (compute/linear/): vector loop nests for the weight-streaming GEMV and the GEMM.
 
 fwd: y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]). At decode (1..8 rows) the step is bound by
 reading w once, so the loop nest streams each weight row exactly once per call and keeps x (rows x K floats,

@@ -1,7 +1,7 @@
 """CPU rule for the norm kernels (gated RMSNorm / LayerNorm, fused residual-add norm): hand-written loop
 nests (parallel over rows, vectorized over hidden).
 
-Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated.py). Hidden and group_size are static,
+Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated/). Hidden and group_size are static,
 so every vectorized loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1
 dividing group_size. Sums of squares are float64 (as in the TE compute: no overflow for any float32 input),
 one partial sum per vector lane (field guide §10), added horizontally once per group; LayerNorm makes one
@@ -191,7 +191,7 @@ def _fwd(d: NormDims, x_dtype, w_dtype, res_dtype, rout_dtype, V):
 
 def _bwd_math(d: NormDims, dout_dtype: str) -> types.SimpleNamespace:
     """The backward's values at (row r, column h) from the row's buffers ``B``, given the group's mean mu,
-    rstd rs and the two group sums c1 = mean(dxhat * xhat), c2 = mean(dxhat) (see compute/rmsnorm_gated.py
+    rstd rs and the two group sums c1 = mean(dxhat * xhat), c2 = mean(dxhat) (see compute/rmsnorm_gated/
     for the formulas): xhat, dy, dy1, dxhat, ds, and the outputs dx, dz in dout's dtype."""
     has_bias, nbg, rms, has_dres, p = d.has_bias, d.norm_before_gate, d.is_rms_norm, d.has_dresidual, d.dropout_p
     has_w1 = d.has_weight1

@@ -1,4 +1,4 @@
-"""CUDA schedule for the causal_conv1d kernels (TE compute from tvm_mamba/compute/causal_conv1d.py).
+"""CUDA schedule for the causal_conv1d kernels (TE compute from tvm_mamba/compute/causal_conv1d/__init__.py).
 
 Forward: one block per (batch, channel) row and tile of ``tile`` time steps (blockIdx.x = row, blockIdx.y =
 tile). The block first stages in shared memory what its outputs read from global memory: the tile's window
@@ -19,7 +19,7 @@ tile (s_tir merge), grad computed at the merged tile loop, so x, dout, g and dx 
 row a fixed shuffle tree sums the thread slots; stage 2 sums the rows over batch in order. No atomics.
 (Three kernels before, with g written, then read by dx and again, with x, by the sums: 1.78x the minimum.)
 
-The decode step (causal_conv1d_update) is the loop-nest template of compute/_causal_conv1d_update.py laid
+The decode step (causal_conv1d_update) is the loop-nest template of compute/causal_conv1d/update.py laid
 out as one thread per (batch, channel) row, as upstream's kernel.
 
 Knobs: ``threads`` per block (64, 128, 256, 512; default 256); ``tile`` time steps per tile (512, 1024;
@@ -32,7 +32,7 @@ import tvm
 from tvm import s_tir
 
 from ..rule import Decisions, schedule_compute, schedule_of
-from ...compute._causal_conv1d_update import update_template
+from ...compute.causal_conv1d.update import update_template
 from ...compute.causal_conv1d import KERNELS
 from ._common import bind_flat, schedule_acc_chain
 

@@ -1,4 +1,4 @@
-"""CUDA rule for linear (compute/linear.py), correctness first.
+"""CUDA rule for linear (compute/linear/), correctness first.
 
 fwd: one warp per output feature: the 32 lanes of a warp read consecutive elements of one weight row (and
 of the x row: coalesced), each lane sums its strided part of in_features in a register, and the warp's

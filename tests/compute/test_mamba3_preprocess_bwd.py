@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_close_to_ref
-from tvm_mamba.compute._mamba3_dims import PreDims
+from tvm_mamba.compute.mamba3.dims import PreDims
 from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref, mamba3_siso_preprocess_ref
 from tvm_mamba.tools.simcheck.mamba3 import combined_inputs, preprocess_bwd_results, preprocess_results
 

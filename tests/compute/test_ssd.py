@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import assert_close_to_ref
-from tvm_mamba.compute import _ssd_dims, ssd
+from tvm_mamba.compute import ssd
+from tvm_mamba.compute.ssd import dims as ssd_dims
 from tvm_mamba.reference.ssd import process_dt, ssd_recurrence_ref
 from tvm_mamba.runtime import KernelKey, build_and_load, target_for_device, target_key
 
@@ -161,7 +162,7 @@ def test_chunk_scan_bwd_diag_skip(x_dtype, has_z, ngroups, monkeypatch):
     the dB / dC sums over 2 parts of one head and over 1 part of both heads (head_parts' task target 64 / 1).
     bf16 x: dx within mamba_ssm's rule (2 x the bf16 reference's drift + atol), the f32 outputs as fp32 (the
     inputs are exact in both)."""
-    from tvm_mamba.compute._ssd_dims import ScanBwdDims
+    from tvm_mamba.compute.ssd.dims import ScanBwdDims
     from tvm_mamba.tools.simcheck import ssd as sc
 
     dims = ScanBwdDims(nheads=H, ngroups=ngroups, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=has_z,
@@ -170,7 +171,7 @@ def test_chunk_scan_bwd_diag_skip(x_dtype, has_z, ngroups, monkeypatch):
     ref = sc.scan_bwd_reference(t)
     low = sc.scan_bwd_reference(t, torch.bfloat16)["dx"] if x_dtype == "bfloat16" else None
     for tasks in ((64, 1) if ngroups < H else (64,)):
-        monkeypatch.setattr(_ssd_dims, "HEAD_PART_TASKS", tasks)
+        monkeypatch.setattr(ssd_dims, "HEAD_PART_TASKS", tasks)
         got = sc.scan_bwd_run(dims, t)
         assert got["dx"].dtype == getattr(torch, x_dtype) and got["dD"].shape == t["D"].shape
         for name, r in ref.items():
@@ -201,7 +202,7 @@ def test_chunk_scan_step_group(step_group, ngroups):
     dB, dC, d dt, d dA_step, dD) against the float64 grouped strict chunk scan (reference/ssd.py) and its
     autograd; batch 2, 21 positions in 3 chunks of 8 (the last ragged inside a group). G = 2 selects per row
     inside the CPU matmuls' 4-row blocks, G = 4 spans them."""
-    from tvm_mamba.compute._ssd_dims import ScanBwdDims, ScanDims
+    from tvm_mamba.compute.ssd.dims import ScanBwdDims, ScanDims
     from tvm_mamba.reference.ssd import ssd_chunk_scan_strict_ref
     from tvm_mamba.tools.simcheck import ssd as sc
 

@@ -17,7 +17,7 @@ import torch
 
 import tvm_mamba
 from tests.conftest import assert_close_to_ref
-from tvm_mamba.compute import _ssd_dims
+from tvm_mamba.compute.ssd import dims as ssd_dims
 from tvm_mamba.compute.ssd import build_check_configs
 from tvm_mamba.runtime.dispatch import record_keys
 from tvm_mamba.tools.simcheck import CheckFailed
@@ -72,8 +72,8 @@ def test_all_features_fp32(tasks, keep, sim, monkeypatch):
     """Ragged seqlen, D (nheads, headdim), z, dt_bias, softplus, dt_limit, initial_states, seq_idx, a loss on
     final_states; 1, 2 and 4 parts of each group's 4 heads in the dB / dC sums (head_parts: 2 x 3 (batch,
     chunk) x 2 groups = 12 tasks per part, task targets 1 / 24 / 64); both backward memory modes."""
-    monkeypatch.setattr(_ssd_dims, "HEAD_PART_TASKS", tasks)
-    parts = _ssd_dims.head_parts(BATCH, 3, H, G)
+    monkeypatch.setattr(ssd_dims, "HEAD_PART_TASKS", tasks)
+    parts = ssd_dims.head_parts(BATCH, 3, H, G)
     assert parts == {1: 1, 24: 2, 64: 4}[tasks]
     case = _case()
     t = _inputs(case)
@@ -207,7 +207,7 @@ def test_simcheck_maps_every_build_check_config():
         assert case.backward == (direction in simcheck.BACKWARD)
         if direction == "head_sum":  # one dB / dC partial per head: nheads partials
             nchunks = math.ceil(case.seqlen / case.chunk_size)
-            assert _ssd_dims.head_parts(case.batch, nchunks, case.nheads, case.ngroups) * case.ngroups == \
+            assert ssd_dims.head_parts(case.batch, nchunks, case.nheads, case.ngroups) * case.ngroups == \
                 static["nheads"]
     with pytest.raises(CheckFailed, match="unknown direction"):
         simcheck.check("chunk_scan_fwd", {}, {}, "sm_90")
@@ -224,12 +224,12 @@ def test_chunk_scan_bwd_diag_skip(sim, monkeypatch):
     """Mamba-3's chunk-scan backward (diag_skip: strict causal sums, D / dD per position), the CUDA kernel
     called directly: fp32, batch 2, 37 positions (3 chunks, the last ragged), 2 heads per group summed in one
     dB / dC part and in two; every gradient against autograd of the float64 strict chunk scan."""
-    dims = _ssd_dims.ScanBwdDims(nheads=4, ngroups=2, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=True,
+    dims = ssd_dims.ScanBwdDims(nheads=4, ngroups=2, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=True,
                                  diag_skip=True)
     t = simcheck.scan_bwd_inputs(dims, BATCH, SEQLEN)
     ref = simcheck.scan_bwd_reference(t)
     for tasks in (64, 1):
-        monkeypatch.setattr(_ssd_dims, "HEAD_PART_TASKS", tasks)
+        monkeypatch.setattr(ssd_dims, "HEAD_PART_TASKS", tasks)
         _assert_fp32(simcheck.scan_bwd_run(dims, t), ref)
     assert _directions(sim) == {"chunk_scan_bwd"}
 
@@ -242,11 +242,11 @@ def test_chunk_scan_step_group(sim):
 
     flags = dict(nheads=4, ngroups=2, headdim=P, dstate=N, chunk_size=Q, has_D=True, has_z=True, diag_skip=True,
                  step_group=2)
-    t = simcheck.scan_bwd_inputs(_ssd_dims.ScanBwdDims(**flags), BATCH, SEQLEN)
+    t = simcheck.scan_bwd_inputs(ssd_dims.ScanBwdDims(**flags), BATCH, SEQLEN)
     want, _ = ssd_chunk_scan_strict_ref(**{k: t[k].double() for k in simcheck.SCAN_BWD_GRADS}, z=t["z"].double(),
                                         states_in=t["Sin"].double(), step_group=2)
-    got = dict(simcheck.scan_bwd_run(_ssd_dims.ScanBwdDims(**flags), t),
-               y=simcheck.scan_fwd_run(_ssd_dims.ScanDims(**flags, has_init=True), t))
+    got = dict(simcheck.scan_bwd_run(ssd_dims.ScanBwdDims(**flags), t),
+               y=simcheck.scan_fwd_run(ssd_dims.ScanDims(**flags, has_init=True), t))
     _assert_fp32(got, dict(simcheck.scan_bwd_reference(t, step_group=2), y=want))
     assert _directions(sim) == {"chunk_scan", "chunk_scan_bwd"}
 

@@ -104,7 +104,7 @@ def test_head_parts_of_the_dB_dC_sums(tasks, monkeypatch):
     """chunk_scan_bwd sums dB / dC over the heads of each part of a group (compute.ssd.head_parts): 2 x 3
     (batch, chunk) x 2 groups = 12 tasks per part, so task targets 1 / 24 / 64 give 1, 2 and 4 parts of the
     4 heads per group (1: no partials, the kernel writes dB / dC; 4: one partial per head)."""
-    from tvm_mamba.compute import _ssd_dims as compute_ssd
+    from tvm_mamba.compute.ssd import dims as compute_ssd
 
     monkeypatch.setattr(compute_ssd, "HEAD_PART_TASKS", tasks)
     assert compute_ssd.head_parts(2, 3, 8, 2) == {1: 1, 24: 2, 64: 4}[tasks]

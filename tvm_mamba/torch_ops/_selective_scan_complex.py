@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute._selective_scan_dims import ScanBwdDims, ScanDims, block_size, chunk_size
+from ..compute.selective_scan.dims import ScanBwdDims, ScanDims, block_size, chunk_size
 from ._dlpack import dummy, kernel_for, prepare, run_op
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute._causal_conv1d_dims import (CausalConv1dBwd, CausalConv1dFwd, CausalConv1dUpdate,
+from ..compute.causal_conv1d.dims import (CausalConv1dBwd, CausalConv1dFwd, CausalConv1dUpdate,
                                            CausalConv1dVarlenStates)
 from ._fastpath import FastPath
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, kernel_for, prepare,

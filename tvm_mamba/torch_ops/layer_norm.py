@@ -2,7 +2,7 @@
 Block (fused_add_norm=True) and MixerModel's final norm call it, on the TVM norm kernels.
 
 The kernels and custom ops are the gated norm's (``tvm_mamba::rmsnorm_gated_fwd/bwd``: one definition of the
-norm math, with a static residual flag; compute/rmsnorm_gated.py): one forward kernel adds the residual in
+norm math, with a static residual flag; compute/rmsnorm_gated/): one forward kernel adds the residual in
 float32, writes residual_out and normalizes the unrounded sum; the backward recomputes xhat from the stored
 residual_out (upstream's choice), adds the gradient of residual_out (prenorm) and writes d residual in
 residual's dtype when it differs from x's.

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute._mamba3_dims import PAIR_STEPS, PreDims, StepDims
-from ..compute._ssd_dims import (BmmDims, DstatesDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims, ScanDims,
+from ..compute.mamba3.dims import PAIR_STEPS, PreDims, StepDims
+from ..compute.ssd.dims import (BmmDims, DstatesDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims, ScanDims,
                                  StateDims, VarlenDims)
 from ._dlpack import FLOATS, check_shape, check_size, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 from ._packed_pad import PackedPad

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compute._mamba3_dims import mimo_chunk_steps
+from ..compute.mamba3.dims import mimo_chunk_steps
 from ._dlpack import FLOATS, check_shape, check_tensor, run_op
 from .mamba3 import _check_chunked, _Chunked, _group_sum, _ssd_bwd, chunk_scan, last_v_rows, preprocess_bwd
 from .ssd import seq_idx_of, validate_cu_seqlens

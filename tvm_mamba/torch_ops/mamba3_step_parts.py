@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute._mamba3_dims import MimoStepDims
+from ..compute.mamba3.dims import MimoStepDims
 from ._dlpack import FLOATS, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
 OP = "mamba3"

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute._selective_scan_dims import ScanBwdDims, ScanDims, UpdateDims, block_size, chunk_size
+from ..compute.selective_scan.dims import ScanBwdDims, ScanDims, UpdateDims, block_size, chunk_size
 from ._selective_scan_complex import complex_scan
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
                       prepare, prepare_pool, run_op, slot_stats, tvm_dtype)

@@ -6,7 +6,7 @@ forward has autograd registered.
 Forward: ssd_chunk_cumsum -> ssd_chunk_state -> ssd_state_passing -> ssd_chunk_scan (compute/ssd/).
 Backward: ssd_chunk_scan_bwd_dstates -> ssd_state_passing_bwd -> ssd_chunk_scan_bwd -> ssd_chunk_cumsum_bwd,
 then fixed-order sums of the partials: dB / dC per part of each group's heads (summed in the kernel over the
-part's heads; ssd_head_sum over the parts when there is more than one, compute/_ssd_dims.head_parts) and
+part's heads; ssd_head_sum over the parts when there is more than one, compute/ssd/dims.head_parts) and
 per-(batch, chunk) dD / dA / ddt_bias (torch sums). Deterministic: no atomics anywhere.
 
 What backward keeps (two memory modes, ``keep_chunk_states``):
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..compute._ssd_dims import (BmmDims, DstatesDims, DtDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims,
+from ..compute.ssd.dims import (BmmDims, DstatesDims, DtDims, HeadSumDims, PassingBwdDims, PassingDims, ScanBwdDims,
                                  ScanDims, StateDims, VarlenDims, head_parts)
 from ._dlpack import FLOATS, TORCH_TO_TVM, check_shape, check_tensor, dummy, kernel_for, prepare, run_op, tvm_dtype
 
@@ -73,7 +73,7 @@ class _Call:
                             has_seq_idx=self.has_seq)
 
     def kernel(self, direction, dims):
-        """The compiled kernel of ``direction`` for the typed ``dims`` (compute/_ssd_dims.py)."""
+        """The compiled kernel of ``direction`` for the typed ``dims`` (compute/ssd/dims.py)."""
         return kernel_for(OP, direction, self.dev, dims, batch=self.batch, seqlen=self.seqlen)
 
     def on_chunks(self, cls, **flags):

@@ -53,7 +53,7 @@ from tvm.script import tirx as T
 from .._math import is_nan
 from ..ssd.common import DA_MIN, F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
-from ._dims import PAIR_STEPS, PreDims
+from .dims import PAIR_STEPS, PreDims
 
 
 STEPS = PAIR_STEPS  # rotate pass: time steps per task (its Q / K pairs read once for every head of their group)

@@ -51,7 +51,7 @@ from tvm.script.ir_builder import IRBuilder
 
 from ..ssd.common import F32, I32, Z4
 from ..ssd.strategy import Strategy, unravel
-from ._dims import PreDims
+from .dims import PreDims
 from .preprocess import (AHEAD, STEPS, adt_passes, angles_macro, count, dot_macro, dot_tasks, gamma_at,
                          load_pairs_macro, pair_tasks, qk_dots_macro, rate_tanh, rotated, seq_ends, step_blocks,
                          trap_weight)

@@ -34,7 +34,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._dims import StepDims
+from .dims import StepDims
 from .preprocess import rate_tanh, trap_weight
 
 

@@ -1,7 +1,7 @@
 """Workload lists of the selective scan: what ``build-check`` compiles for CUDA and what tuning measures."""
 from __future__ import annotations
 
-from .._selective_scan_dims import block_size, chunk_size
+from .dims import block_size, chunk_size
 
 
 def build_check_configs() -> list[tuple[str, dict, dict]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .._math import Math
-from ._dims import ScanDims
+from .dims import ScanDims
 
 
 class ScanMath:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._dims import ScanBwdDims
+from .dims import ScanBwdDims
 from ._layout import Layout
 from ._signature import scan_kernel
 from .complex_fwd import _step_fns

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._dims import ScanDims
+from .dims import ScanDims
 from ._layout import Layout
 from ._signature import scan_kernel
 from ._step import ScanMath

@@ -23,7 +23,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._dims import UpdateDims
+from .dims import UpdateDims
 from ._layout import Layout
 from ._step import ScanMath
 

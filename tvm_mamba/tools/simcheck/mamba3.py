@@ -188,7 +188,7 @@ def preprocess_results(static: dict, dtypes: dict, batch: int, seqlen: int, seq_
     packed sequences where ``seq_idx`` (1, seqlen) int32 is given (angle_out then per sequence, zero-filled):
     {output name: (kernel result, float64 ``mamba3_siso_preprocess_ref``)} for q, k, dA_cs (with its padded
     slots), scale, skip, angle_out and, with has_init, init."""
-    from ...compute._mamba3_dims import PreDims
+    from ...compute.mamba3.dims import PreDims
     from ...reference.mamba3 import mamba3_siso_preprocess_ref
     from ...torch_ops._dlpack import kernel_for
 
@@ -223,7 +223,7 @@ def preprocess_bwd_case(static: dict, dtypes: dict, batch: int, seqlen: int, see
     ``mamba3_siso_preprocess_ref`` on Q, K repeated per head (so its Q / K gradients are the kernel's per-head
     dQh / dKh) with the batch-summed bias gradients (the kernel's dQb_part / dKb_part summed over batch).
     ``seq_idx`` (1, seqlen) int32: packed sequences (has_seq_idx; daout then one row per sequence)."""
-    from ...compute._mamba3_dims import PAIR_STEPS
+    from ...compute.mamba3.dims import PAIR_STEPS
     from ...reference.mamba3 import mamba3_siso_preprocess_ref
 
     g = generator(seed + 1)
@@ -274,7 +274,7 @@ def preprocess_bwd_results(static: dict, dtypes: dict, batch: int, seqlen: int, 
     """The preprocess backward kernel run on ``preprocess_bwd_case``'s arguments (on the CPU, or in the CUDA
     harness inside ``tvm_mamba.simulate_cuda``): {output name: (kernel result, float64 reference)}, the bias
     parts summed over batch."""
-    from ...compute._mamba3_dims import PreDims
+    from ...compute.mamba3.dims import PreDims
     from ...torch_ops._dlpack import kernel_for
 
     args, ref = preprocess_bwd_case(static, dtypes, batch, seqlen, seed, seq_idx)

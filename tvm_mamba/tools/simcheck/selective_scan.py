@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import CheckFailed, compare, ran, recording, tolerance, extent, generator, size, target
-from ...compute._selective_scan_dims import block_size, chunk_size
+from ...compute.selective_scan.dims import block_size, chunk_size
 
 OP = "selective_scan"
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -241,7 +241,7 @@ def scan_bwd_inputs(dims, batch: int, seqlen: int, seed: int = 0) -> dict:
 def scan_bwd_run(dims, t: dict) -> dict:
     """ssd_chunk_scan_bwd on ``t`` (the CPU kernel, or the CUDA one inside simulate_cuda) -> {"dx", "dB", "dC",
     "ddt", "ddA_step", "dD"}: dB / dC its per-part partials summed over each group's parts, dD per position."""
-    from ...compute._ssd_dims import head_parts
+    from ...compute.ssd.dims import head_parts
     from ...torch_ops._dlpack import dummy, kernel_for, prepare
 
     x, B, C = t["x"], t["B"], t["C"]
@@ -299,7 +299,7 @@ def scan_fwd_run(dims, t: dict) -> torch.Tensor:
 def check_scan_fwd(static: dict, dtypes: dict, arch: str) -> None:
     """An ssd_chunk_scan configuration with diag_skip (and step_group) called directly: batch 1, two chunks
     (the second ragged, 3 long), against the float64 strict (grouped) chunk scan."""
-    from ...compute._ssd_dims import ScanDims
+    from ...compute.ssd.dims import ScanDims
     from ...reference.ssd import ssd_chunk_scan_strict_ref
 
     dims = ScanDims.from_key(static, dtypes)
@@ -318,7 +318,7 @@ def check_scan_fwd(static: dict, dtypes: dict, arch: str) -> None:
 
 def check_scan_bwd(static: dict, dtypes: dict, arch: str) -> None:
     """The ssd_chunk_scan_bwd configuration with diag_skip: batch 1, two chunks (the second ragged, 3 long)."""
-    from ...compute._ssd_dims import ScanBwdDims
+    from ...compute.ssd.dims import ScanBwdDims
 
     dims = ScanBwdDims.from_key(static, dtypes)
     t = scan_bwd_inputs(dims, size("batch", 1), size("seqlen", dims.chunk_size + 3))

@@ -12,16 +12,16 @@ that the kernel never reads (its ``has_*`` flag is False). Batch and seqlen are 
 These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules
 emit hand-written loop nests with the same parameters (schedules/cpu/causal_conv1d.py). The decode step
 (``causal_conv1d_update``, in place on a state pool) is one loop-nest template for every target
-(_causal_conv1d_update.py); ``causal_conv1d_varlen_states`` gathers each packed sequence's last inputs.
+(causal_conv1d/update.py); ``causal_conv1d_varlen_states`` gathers each packed sequence's last inputs.
 """
 from __future__ import annotations
 
 from tvm import te, tirx
 
-from ._causal_conv1d_dims import (ACTIVATIONS, DIMS, WIDTHS, CausalConv1dBwd, CausalConv1dFwd,  # noqa: F401
+from .dims import (ACTIVATIONS, DIMS, WIDTHS, CausalConv1dBwd, CausalConv1dFwd,  # noqa: F401
                                   CausalConv1dUpdate, CausalConv1dVarlenStates)
-from ._common import f32, stamp
-from ._math import math_for
+from .._common import f32, stamp
+from .._math import math_for
 
 
 def _inputs(d: CausalConv1dFwd | CausalConv1dBwd):
@@ -215,10 +215,10 @@ def causal_conv1d_varlen_states(*dims, **fields) -> tirx.PrimFunc:
 
 def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:
     """Decode step, conv_state (pool, dim, state_len) updated in place -> out (batch, dim, seqlen): the
-    builder of direction "update", defined in _causal_conv1d_update.py. Imported on first use: that module
+    builder of direction "update", defined in update.py. Imported on first use: that module
     needs TVMScript, which a runtime-only TVM (a kernel pack on a GPU machine) lacks, and this module must
     stay importable there (build_check_configs). ``dims``: a :class:`CausalConv1dUpdate`, or its fields."""
-    from ._causal_conv1d_update import causal_conv1d_update as build
+    from .update import causal_conv1d_update as build
 
     return build(CausalConv1dUpdate.of(*dims, **fields))
 
@@ -247,7 +247,7 @@ def _direction(dims) -> str:
 def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     """Tuning workloads: the conv of each preset model (Mamba: d_inner channels; Mamba-2: conv_dim),
     width 4, SiLU, bias; forward and backward, fp32."""
-    from ._presets import presets
+    from .._presets import presets
 
     out = []
     for _, dims in presets(preset, families=("mamba", "mamba2")):

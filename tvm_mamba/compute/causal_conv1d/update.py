@@ -22,10 +22,10 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._causal_conv1d_dims import CausalConv1dUpdate
-from ._causal_conv1d_signature import conv_kernel
-from ._common import SERIAL_WORK, stamp
-from ._math import math_for
+from .dims import CausalConv1dUpdate
+from .signature import conv_kernel
+from .._common import SERIAL_WORK, stamp
+from .._math import math_for
 
 F32 = "float32"
 

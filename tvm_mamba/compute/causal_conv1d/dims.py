@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._common import FLOAT_DTYPES, Dims, check_dtype
+from .._common import FLOAT_DTYPES, Dims, check_dtype
 
 ACTIVATIONS = ("none", "silu")
 WIDTHS = range(2, 9)

@@ -16,43 +16,10 @@ AVX-512 loop nest with the same parameters (schedules/cpu/linear.py).
 """
 from __future__ import annotations
 
-import dataclasses
-
 from tvm import te, tirx
 
-from ._common import Dims, check_dtype, f32, stamp
-
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
-X_DTYPES = ("float32", "bfloat16")
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearDims(Dims):
-    """Static dims of one linear layer: in_features (K), out_features (N), a bias flag, x's and the weight's
-    dtypes (the scale exists iff the weight is int8)."""
-
-    in_features: int
-    out_features: int
-    has_bias: bool = False
-    x_dtype: str = "float32"
-    weight_dtype: str = "float32"
-
-    def __post_init__(self):
-        for name in ("in_features", "out_features"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: must be a positive int, got {v!r}")
-        if not isinstance(self.has_bias, bool):
-            raise ValueError(f"has_bias: must be a bool, got {self.has_bias!r}")
-        check_dtype("x_dtype", self.x_dtype, X_DTYPES)
-        check_dtype("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
-
-    @property
-    def has_scale(self) -> bool:
-        return self.weight_dtype == "int8"
-
-
-DIMS = LinearDims
+from .._common import f32, stamp
+from .dims import DIMS, LinearDims, WEIGHT_DTYPES, X_DTYPES  # noqa: F401  (the op's typed dims)
 
 
 def _weight_inputs(d: LinearDims):
@@ -125,7 +92,7 @@ def tuning_configs(preset: str = "default") -> list[tuple[str, dict, dict]]:
     (fp32 x): in_proj (Mamba: d_model -> 2 d_inner; Mamba-2: -> 2 d_inner + 2 ngroups d_state + nheads),
     out_proj (d_inner -> d_model), the LM head (d_model -> VOCAB), and Mamba's x_proj (d_inner -> dt_rank +
     2 d_state) and dt_proj (dt_rank -> d_inner)."""
-    from ._presets import presets
+    from .._presets import presets
 
     shapes = []
     for _, p in presets(preset, families=("mamba", "mamba2")):

@@ -1,5 +1,5 @@
 """The causal conv1d loop-nest kernels' signatures, written once (the forward and backward CPU templates in
-schedules/cpu/causal_conv1d.py, the decode step in _causal_conv1d_update.py).
+schedules/cpu/causal_conv1d.py, the decode step in update.py).
 
 Every kernel takes x: (batch, dim, seqlen) and weight: (dim, width), bias: (dim,) in weight's dtype. The
 forward and the backward add seq_idx: (batch, seqlen) int32 and initial_states: (batch, dim, width-1) in x's
@@ -15,7 +15,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._causal_conv1d_dims import CausalConv1dBwd, CausalConv1dFwd, CausalConv1dUpdate
+from .dims import CausalConv1dBwd, CausalConv1dFwd, CausalConv1dUpdate
 
 
 def _opt(cond: bool, shape: tuple) -> tuple:
@@ -25,7 +25,7 @@ def _opt(cond: bool, shape: tuple) -> tuple:
 
 def conv_kernel(d: CausalConv1dFwd | CausalConv1dBwd | CausalConv1dUpdate, body) -> tirx.PrimFunc:
     """The PrimFunc ``causal_conv1d_fwd`` / ``_bwd`` / ``_update`` (by the type of ``d``) whose loop nest is
-    ``body``; the parameter lists match tvm_mamba/compute/causal_conv1d.py."""
+    ``body``; the parameter lists match tvm_mamba/compute/causal_conv1d/__init__.py."""
     D, W, XT, WT = d.dim, d.width, d.x_dtype, d.weight_dtype
     update, backward = isinstance(d, CausalConv1dUpdate), isinstance(d, CausalConv1dBwd)
     iw = 2 if update else 1  # weight's handle: the decode step takes conv_state second

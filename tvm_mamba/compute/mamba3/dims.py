@@ -1,10 +1,10 @@
 """Typed static dims of the Mamba-3 kernels. Here, not in compute/mamba3/, so the torch op can key its kernels
-without importing TVMScript (a runtime-only machine serving an AOT pack), as compute/_ssd_dims.py."""
+without importing TVMScript (a runtime-only machine serving an AOT pack), as compute/ssd/dims.py."""
 from __future__ import annotations
 
 import dataclasses
 
-from ._common import OMIT_DEFAULT, Dims, check_dtype
+from .._common import OMIT_DEFAULT, Dims, check_dtype
 
 IO_DTYPES = ("float32", "float16", "bfloat16", "float64")
 # the preprocess's pair passes (compute/mamba3/preprocess*.py): time steps per task; the backward's bias

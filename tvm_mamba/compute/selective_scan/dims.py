@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ._common import OMIT_DEFAULT, Dims, check_dtype
+from .._common import OMIT_DEFAULT, Dims, check_dtype
 
 
 def chunk_size(dstate: int) -> int:
