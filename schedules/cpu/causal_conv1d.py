@@ -20,6 +20,7 @@ from ...compute._math import math_for
 from ...compute.causal_conv1d import (CausalConv1dBwd, CausalConv1dFwd, causal_conv1d_varlen_states, window_value,
                                       zero_padding)
 from ..rule import Decisions, schedule_compute, schedule_of
+from ._strategy import CpuStrategy
 
 MATH = math_for()  # float32, the vectorizable polynomials (llvm.exp is one libm call per lane)
 
@@ -254,7 +255,7 @@ def lay_out(kernel: str, dims, target, decisions: Decisions):
     elif kernel == "bwd":
         f = _bwd(dims, decisions.pick("vector", (8, 16, 32), 16))
     elif kernel == "update":
-        f = update_template(dims, mode="cpu")
+        f = update_template(dims, CpuStrategy())
     elif kernel == "varlen_states":
         return _varlen_states(dims)
     else:

@@ -24,21 +24,15 @@ from tvm.script import tirx as T
 
 from ...compute import selective_scan as compute
 from ...compute._math import Math
-from ..rule import SERIAL_WORK, Decisions, schedule_of
+from ..rule import Decisions, schedule_of
+from ._strategy import CpuLoops
 
 CH = 16  # channels per vector in the channels layout (one zmm of fp32)
 
 
-class CpuLayout(compute.Layout):
-    """Parallel lanes, dstate vectors of ``vec``, time-batched per-step math, polynomial exp."""
-
-    serial_work = SERIAL_WORK  # decode step: work up to this size runs on the calling thread (no pool launch)
-
-    def outer_loop(self, n):
-        return T.parallel(n)
-
-    def vec_loop(self, n):
-        return T.vectorized(n)
+class CpuLayout(CpuLoops, compute.Layout):
+    """Parallel lanes, dstate vectors of ``vec``, time-batched per-step math, polynomial exp; decode-size
+    work on the calling thread (``serial_work``, the CPU mixin's)."""
 
 
 class ChannelsLayout(CpuLayout):

@@ -29,24 +29,19 @@ from tvm.script import tirx as T
 from ...compute import ssd as compute
 from ...compute.ssd.mm import (COLS, DEFAULT_COLS, DEFAULT_ORDER, DEFAULT_ROWS, ORDERS, ROWS, lower_cols, matmul,
                                vblock, zero)
-from ...compute.ssd.strategy import Strategy, at
+from ...compute.ssd.strategy import ChunkStrategy, at
 from ..rule import Decisions, schedule_of, vector_floats
+from ._strategy import CpuLoops
 
 _BLOCKED = ("bmm_chunk", "chunk_state", "chunk_scan", "chunk_scan_bwd_dstates", "chunk_scan_bwd")
 
 
-class Cpu(Strategy):
+class Cpu(CpuLoops, ChunkStrategy):
     """Parallel tasks, whole lane axes vectorized, stack scratch, the polynomial math (x86 / Arm via LLVM)."""
-
-    name = "cpu"
-    vector = True
 
     def __init__(self, rows: int = DEFAULT_ROWS, cols: int = DEFAULT_COLS, order: int = DEFAULT_ORDER):
         super().__init__()
         self.rows, self.cols, self.order = rows, cols, order
-
-    def outer(self, extent):
-        return T.parallel(extent)
 
     def scaled_matmul(self, M: int, W: int, K: int):
         """A task per matmul: its operands staged in float32 stack buffers (rhs rows scaled once per k, lhs

@@ -35,6 +35,7 @@ from ..rule import Decisions, schedule_compute, schedule_of
 from ...compute.causal_conv1d.update import update_template
 from ...compute.causal_conv1d import KERNELS
 from ._common import bind_flat, schedule_acc_chain
+from ._strategy import GpuStrategy
 
 # Inputs a tile reads through its window or per output, staged once per block (the backward stages x per
 # tile and the rest per row, _bwd). Not staged: seq_idx (an
@@ -227,7 +228,7 @@ def lay_out(kernel: str, dims, target, decisions: Decisions):
     name = f"causal_conv1d_{kernel}"
     threads = decisions.pick("threads", THREADS, 256)
     if kernel == "update":  # a loop-nest template: one thread per (batch, channel) row
-        return schedule_of(update_template(dims, mode="cuda", threads=threads), name)
+        return schedule_of(update_template(dims, GpuStrategy(threads)), name)
     sch = schedule_compute(KERNELS[kernel](dims), name)
     if kernel in ("fwd", "bwd"):
         layout = _fwd if kernel == "fwd" else _bwd

@@ -43,6 +43,7 @@ from tvm.script import tirx as T
 from ...compute import selective_scan as compute
 from ...compute._math import Math
 from ..rule import Decisions, schedule_of
+from ._strategy import GpuLoops
 
 MASK = tirx.const(0xFFFFFFFF, "uint32")
 HEAD_ROWS = (1, 2, 4, 8, 16)  # decode steps: rows of one head per warp lane
@@ -59,7 +60,7 @@ def warp_width(dstate: int) -> int:
     return w
 
 
-class CudaLayout(compute.Layout):
+class CudaLayout(GpuLoops, compute.Layout):
     """Blocks x threads. ``warp``: W threads per lane (S = dstate / W unrolled states each, shuffle sums,
     clamped lanes, inline per-step math, free ``nchunk``); else one thread per lane (the serial layout's
     loops bound to blockIdx x threadIdx, ``threads`` lanes per block)."""
@@ -75,24 +76,18 @@ class CudaLayout(compute.Layout):
         if warp:
             self._warp_reductions()
 
-    def outer_loop(self, n):
-        return T.thread_binding(n, thread="blockIdx.x")
-
-    def lane_loop(self, n):
-        return T.thread_binding(n, thread="threadIdx.x")
-
-    def lane_inner(self):
-        return self.lane_loop(self.TPB * self.W)
+    def inner(self):  # W threads per lane
+        return self.thread_loop(self.threads * self.W)
 
     # warp lanes: every thread runs (clamped lane index), writes are guarded by lane_ok
     def lane_guard(self, lo, li, total):
         return True if self.warp else super().lane_guard(lo, li, total)
 
     def lane_of(self, lo, li, total):
-        return T.min(lo * self.TPB + li // self.W, total - 1) if self.warp else super().lane_of(lo, li, total)
+        return T.min(lo * self.threads + li // self.W, total - 1) if self.warp else super().lane_of(lo, li, total)
 
     def lane_ok(self, lo, li, total):
-        return lo * self.TPB + li // self.W < total if self.warp else True
+        return lo * self.threads + li // self.W < total if self.warp else True
 
     def thread(self, li):
         return li % self.W if self.warp else 0
@@ -156,7 +151,7 @@ class CudaLayout(compute.Layout):
         self.uniform, self.reduce_plus_lead = uniform, reduce_plus_lead
 
 
-class CudaTimeLayout(compute.Layout):
+class CudaTimeLayout(GpuLoops, compute.Layout):
     """The parallel-in-time forward (compute/selective_scan/timescan.py): a lane (one (batch, channel)) is a
     warp, thread p holding ``items`` consecutive steps of each time block of 32 x items; a block is
     ``chans`` lanes (warps) of one batch row; the pair scan is a Hillis-Steele scan over the warp by
@@ -209,12 +204,6 @@ class CudaTimeLayout(compute.Layout):
     def time_sum(buf, i):  # butterfly over the warp: every thread gets the lane's sum (a fixed order)
         for r in T.unroll(5):
             buf[i] = buf[i] + T.tvm_warp_shuffle_xor(MASK, buf[i], 1 << r, 32, 32)
-
-    def outer_loop(self, n):
-        return T.thread_binding(n, thread="blockIdx.x")
-
-    def lane_loop(self, n):
-        return T.thread_binding(n, thread="threadIdx.x")
 
     def item_loop(self, n):
         return T.unroll(n)

@@ -19,9 +19,10 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ...compute import ssd as compute
-from ...compute.ssd.strategy import Strategy, causal_end
+from ...compute.ssd.strategy import ChunkStrategy, causal_end
 from ..rule import Decisions, schedule_of
 from ._crossing import crossing_pass
+from ._strategy import GpuLoops
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
 from ._tc_product import tc_product
 from ._tiled_tc import TC, TcTiling, tc_causal, tc_matmul
@@ -36,18 +37,12 @@ TILED = {"bmm_chunk": (256, 128), "chunk_state": (128, 128), "chunk_scan_bwd_dst
 TENSOR_CORES = ("bmm_chunk", "chunk_state", "chunk_scan_bwd_dstates", "chunk_scan", "chunk_scan_bwd")
 
 
-class Gpu(Strategy):
+class Gpu(GpuLoops, ChunkStrategy):
     """blockIdx.x x threadIdx.x of ``threads``, a task per lane, scratch in registers, native math."""
 
-    name = "gpu"
-    scope = "local"
-
     def __init__(self, threads: int = 128, tile: int = 64, tensor_cores: str | None = None):
-        super().__init__(native_math=True)
-        self.threads, self.tile, self.tc = threads, tile, tensor_cores
-
-    def key(self) -> tuple:
-        return super().key() + (self.tile, self.tc)
+        super().__init__(native_math=True, threads=threads, scope="local")
+        self.tile, self.tc = tile, tensor_cores
 
     def scaled_matmul(self, M: int, W: int, K: int):
         """A block per output tile, operands staged in shared memory (_tiled.py); on tensor cores with
@@ -91,11 +86,6 @@ class Gpu(Strategy):
         """A block per task, a thread per column of the chunk (_crossing.py)."""
         return crossing_pass(Q, P, start)
 
-    def outer(self, extent):
-        return T.thread_binding(self.blocks(extent), thread="blockIdx.x")
-
-    def inner(self):
-        return T.thread_binding(self.threads, thread="threadIdx.x")
 
 
 def tensor_core_dtype(dims) -> str | None:
@@ -110,7 +100,7 @@ def template(direction: str, dims, threads: int = 128, serial: bool = False, til
     """The CUDA layout of kernel ``ssd_<direction>`` (serial=True: thread loops made serial, CUDA's math: for CPU
     tests)."""
     tc = tensor_core_dtype(dims) if tensor_cores and direction in TENSOR_CORES else None
-    strategy = Strategy(native_math=True) if serial else Gpu(threads, tile, tc)
+    strategy = ChunkStrategy(native_math=True) if serial else Gpu(threads, tile, tc)
     return compute.TEMPLATES[direction](dims, strategy)
 
 

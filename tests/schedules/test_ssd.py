@@ -196,7 +196,7 @@ def _run_both(name, static, decisions, tol, bf16=()):
 
     direction = name.removeprefix("ssd_")
     dims = ssd.DIMS[direction](**static)
-    serial = ssd.TEMPLATES[direction](dims, ssd.strategy.Strategy(native_math=True))
+    serial = ssd.TEMPLATES[direction](dims, ssd.strategy.ChunkStrategy(native_math=True))
     sch = cuda_rule.lay_out(direction, dims, cuda_target("sm_90"), decisions)
     got = [t.bfloat16() if i in bf16 else t
            for i, t in enumerate(_tiled_args(name, N=static["dstate"], per_position=static.get("diag_skip", False),

@@ -1,6 +1,6 @@
 """Decode step of the causal conv1d (``causal_conv1d_update``, causal-conv1d 1.7.0 semantics) as one
-loop-nest template, laid onto the machine by ``mode``: generic (serial), cpu (parallel rows), cuda
-(one thread per (batch, channel) row, as upstream's update kernel).
+loop-nest template, laid onto the machine by a strategy (compute/strategy.py): a task per (batch, channel) row;
+serial, parallel rows on a CPU, one thread per row on CUDA (as upstream's update kernel).
 
 Per row b, channel c, with slot = conv_state_indices[b] (or b) and S = state_len, W = width:
 
@@ -17,41 +17,30 @@ row (the torch op refuses duplicate slots), so the in-place update is race-free 
 """
 from __future__ import annotations
 
-import functools
-
 from tvm import tirx
 from tvm.script import tirx as T
 
 from .dims import CausalConv1dUpdate
 from .signature import conv_kernel
-from .._common import SERIAL_WORK, stamp
+from .._common import stamp
 from .._math import math_for
+from ..strategy import Strategy
 
 F32 = "float32"
 
 
-def _lanes(mode: str, threads: int):
-    """(outer loop, inner loop, rows per outer iteration) for ``mode``."""
-    if mode == "cuda":
-        return (functools.partial(T.thread_binding, thread="blockIdx.x"),
-                functools.partial(T.thread_binding, thread="threadIdx.x"), threads)
-    return (T.parallel if mode == "cpu" else T.serial), T.serial, 1
-
-
-def update_template(d: CausalConv1dUpdate, mode: str = "generic", threads: int = 128) -> tirx.PrimFunc:
-    """The decode-step loop nest (see the module docstring; its signature: conv_kernel); ``mode`` picks the
-    loops and the SiLU."""
+def update_template(d: CausalConv1dUpdate, strategy: Strategy) -> tirx.PrimFunc:
+    """The decode-step loop nest (see the module docstring; its signature: conv_kernel): a task per row, laid
+    out by ``strategy`` (its loops, scratch scope and SiLU)."""
     D, W, S = d.dim, d.width, d.state_len
+    G = strategy  # (S is the state length here)
     # plain names: TVMScript folds these Python values into the kernel's static branches
     activation, has_bias, has_indices, has_cache_seqlens = d.activation, d.has_bias, d.has_indices, d.has_cache_seqlens
     x_dtype, state_dtype = d.x_dtype, d.state_dtype
-    OUTER, INNER, TPB = _lanes(mode, threads)
-    SCOPE = "local" if mode == "cuda" else "global"
+    SCOPE, serial_work = G.scope, G.serial_work
 
     def act(v):
-        if activation != "silu":
-            return v
-        return math_for(native=mode != "cpu").silu(v)  # polynomial on CPUs, expf on GPUs
+        return G.math.silu(v) if activation == "silu" else v
 
     @T.macro
     def row_step(x, state, weight, bias, idx, cseq, out, L, row):
@@ -81,19 +70,26 @@ def update_template(d: CausalConv1dUpdate, mode: str = "generic", threads: int =
                                                        x[b, c, T.max(j + L - S, 0)].astype(state_dtype))
 
     @T.macro
+    def rows(x, state, weight, bias, idx, cseq, out, B, L):
+        if G.threads == 1:  # a row a block: no thread loop, no bound check
+            for row in G.outer(B * D):
+                row_step(x, state, weight, bias, idx, cseq, out, L, row)
+        else:
+            for ro in G.outer(B * D):
+                for ri in G.inner():
+                    if G.index(ro, ri) < B * D:
+                        row_step(x, state, weight, bias, idx, cseq, out, L, G.index(ro, ri))
+
+    @T.macro
     def body(x, state, weight, bias, idx, cseq, out, B, L):
-        if mode == "cpu":
-            if B * D * (L + S) <= SERIAL_WORK:  # decode-size: on the calling thread, no thread-pool launch
+        if serial_work is not None:
+            if B * D * (L + S) <= serial_work:  # decode-size: on the calling thread, no thread-pool launch
                 for row in T.serial(B * D):
                     row_step(x, state, weight, bias, idx, cseq, out, L, row)
             else:
-                for row in T.parallel(B * D):
-                    row_step(x, state, weight, bias, idx, cseq, out, L, row)
+                rows(x, state, weight, bias, idx, cseq, out, B, L)
         else:
-            for ro in OUTER((B * D + TPB - 1) // TPB):
-                for ri in INNER(TPB):
-                    if ro * TPB + ri < B * D:
-                        row_step(x, state, weight, bias, idx, cseq, out, L, ro * TPB + ri)
+            rows(x, state, weight, bias, idx, cseq, out, B, L)
 
     return conv_kernel(d, body)
 
@@ -107,4 +103,4 @@ def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:
     the state update (linear shift or circular buffer). ``dims``: a :class:`CausalConv1dUpdate`, or its fields.
     """
     d = CausalConv1dUpdate.of(*dims, **fields)
-    return stamp(update_template(d), "causal_conv1d_update")
+    return stamp(update_template(d, Strategy(math_for(native=True))), "causal_conv1d_update")

@@ -22,7 +22,7 @@ __all__ = ["DIMS", "KERNELS", "TEMPLATES", "IO_DTYPES", "MimoStepDims", "PreDims
            "mamba3_siso_preprocess_bwd", "PREPROCESS"]
 
 # direction -> typed static dims / template(dims, layout): the step takes a selective-scan Layout, the
-# preprocess an SSD Strategy (the rules pick each direction's)
+# preprocess an SSD ChunkStrategy (the rules pick each direction's)
 # step_rotate / step_update: the step's two passes as kernels of their own (upstream's
 # apply_rotary_qk_inference_fwd and mamba3_step_fn), the same template
 DIMS = {"siso_step": StepDims, "mimo_step": MimoStepDims, "step_rotate": MimoStepDims, "step_update": MimoStepDims,

@@ -52,7 +52,7 @@ from tvm.script import tirx as T
 
 from .._math import is_nan
 from ..ssd.common import DA_MIN, F32, I32, Z4
-from ..ssd.strategy import Strategy, unravel
+from ..ssd.strategy import ChunkStrategy, unravel
 from .dims import PAIR_STEPS, PreDims
 
 
@@ -66,7 +66,7 @@ def step_blocks(seqlen):
     return (seqlen + STEPS - 1) // STEPS
 
 
-def pair_tasks(d: PreDims, S: Strategy, seqlen) -> tuple:
+def pair_tasks(d: PreDims, S: ChunkStrategy, seqlen) -> tuple:
     """The rotate / pairs passes' task radix (batch, step block, block of ``S.lanes`` pairs) for ``unravel``;
     the task count is batch times the product of the rest (``count``)."""
     NP = d.headdim_qk // 2
@@ -81,7 +81,7 @@ def count(batch, radix: tuple):
     return n
 
 
-def dot_width(N: int, S: Strategy) -> int:
+def dot_width(N: int, S: ChunkStrategy) -> int:
     """Vector partials of a dot over N: the largest of 16, 8, 4, 2, 1 dividing N on a vector strategy, else 1."""
     return max(w for w in (1, 2, 4, 8, 16) if N % w == 0) if S.vector else 1
 
@@ -113,7 +113,7 @@ def adt_passes(m, adt):
     return tirx.any(is_nan(adt, m.acc), adt >= T.float32(DA_MIN))
 
 
-def angles_macro(d: PreDims, S: Strategy, final: bool = True):
+def angles_macro(d: PreDims, S: ChunkStrategy, final: bool = True):
     """Pass 1, task (b, h, block of ``S.lanes`` angles: all of them on a CPU, one on CUDA): the angle cumsum over
     time, cos / sin of theta_t stored in q[b, t, h, 2 i] / q[b, t, h, 2 i + 1] (the slots of pair i: the rotate
     pass reads them and overwrites the pair; the cos / sin calls here, off the rotate pass, whose register block
@@ -158,7 +158,7 @@ def angles_macro(d: PreDims, S: Strategy, final: bool = True):
     return angles
 
 
-def _turn_macro(d: PreDims, S: Strategy):
+def _turn_macro(d: PreDims, S: ChunkStrategy):
     """A macro ``turn(w, q, b, t, h, p, v)``: w.cs / w.sn[v] = cos / sin of pair p's angle at step t, stored by
     the angles pass in q's slots 2 p / 2 p + 1; 1 / 0 for pairs past headdim_angles. Vector lanes read the slots
     of min(p, A - 1) and select (one vector load, before the lanes' pairs are overwritten); a scalar lane reads
@@ -180,7 +180,7 @@ def _turn_macro(d: PreDims, S: Strategy):
     return turn
 
 
-def load_pairs_macro(d: PreDims, S: Strategy, V: int):
+def load_pairs_macro(d: PreDims, S: ChunkStrategy, V: int):
     """A macro ``load(w, Qm, Km, b, tb, hq, p0, seqlen)``: w.x[e, s, v] / w.y[e, s, v] = element e of pair p0 + v
     of Q / K[b, tb STEPS + s, hq] (float32) for the task's STEPS steps before seqlen: what the forward's rotate
     pass and the backward's pairs pass reuse for every head of the Q / K head. The step loop is unrolled: w.x /
@@ -199,7 +199,7 @@ def load_pairs_macro(d: PreDims, S: Strategy, V: int):
     return load
 
 
-def _rotate_macro(d: PreDims, S: Strategy):
+def _rotate_macro(d: PreDims, S: ChunkStrategy):
     """Pass 2, task (b, block of STEPS steps, block of ``S.lanes`` rotary pairs: all on a CPU, one on CUDA):
     q, k = R(theta) (Q + Q_bias[h]), R(theta) (K + K_bias[h]) for every head, each Q / K head's pairs read once
     per task into w.x / w.y (``load_pairs_macro``) and rotated for each of its heads (GQA), the head's biases once
@@ -269,7 +269,7 @@ def _rotate(out, xs, xb, w, b, t, h, s, p, v):
     T.buffer_store(out, r1, [b, t, h, 2 * p + 1])
 
 
-def _chunk_macro(d: PreDims, S: Strategy):
+def _chunk_macro(d: PreDims, S: ChunkStrategy):
     """Pass 3, task (b, h, c): dA_cs and scale of the chunk's positions."""
     H, Q, m = d.nheads, d.chunk_size, S.math
 
@@ -296,7 +296,7 @@ def _chunk_macro(d: PreDims, S: Strategy):
     return chunk
 
 
-def skip_block(d: PreDims, S: Strategy) -> tuple[int, int]:
+def skip_block(d: PreDims, S: ChunkStrategy) -> tuple[int, int]:
     """The skip pass's (positions, heads) per task: one of each where the strategy has vector lanes (the dot's
     lanes run along headdim_qk), else a DOT_STEPS x DOT_HEADS register block, its heads sharing a Q / K head,
     so each Q / K element is read once per block of heads and each bias once per block of positions."""
@@ -305,13 +305,13 @@ def skip_block(d: PreDims, S: Strategy) -> tuple[int, int]:
     return DOT_STEPS, max(h for h in range(1, DOT_HEADS + 1) if d.heads_per_qk % h == 0)
 
 
-def dot_tasks(d: PreDims, S: Strategy, positions) -> tuple:
+def dot_tasks(d: PreDims, S: ChunkStrategy, positions) -> tuple:
     """The dots' task radix (batch, block of TS positions, block of HB heads; ``skip_block``)."""
     TS, HB = skip_block(d, S)
     return (None, (positions + TS - 1) // TS, d.nheads // HB)
 
 
-def qk_dots_macro(d: PreDims, S: Strategy):
+def qk_dots_macro(d: PreDims, S: ChunkStrategy):
     """A macro ``dots(i, Qm, Km, Qb, Kb, put, positions)``, task i = (b, block of TS positions, block of HB heads
     of one Q / K head; ``skip_block``): put(b, h, t, X_t . Y_t) for each position t < ``positions`` and head h
     of the block (X = Q[hq] + Q_bias[h], Y = K[hq] + K_bias[h]: the unrotated diagonal dot), summed over n
@@ -364,7 +364,7 @@ def _put_skip(d: PreDims, m, out, Dv, DT, Trap, b, h, t, dot, seqlen):
     T.buffer_store(out, tirx.Select(t < seqlen, val, m.zero), [b, h, t // Q, t % Q])
 
 
-def dot_macro(N: int, S: Strategy):
+def dot_macro(N: int, S: ChunkStrategy):
     """A macro ``dot(r, slot, term)``: r[slot] = sum_n term(n) over n < N. A thread's serial sum where the
     strategy has no vector lanes (CUDA); on a CPU ``VW`` vector partial sums (lane vi sums n = vi mod VW, an
     explicit per-lane accumulator), then their sum: the serial scalar chain cost 40 of the kernel's 110 ms at
@@ -386,7 +386,7 @@ def dot_macro(N: int, S: Strategy):
     return dot
 
 
-def _init_macro(d: PreDims, S: Strategy):
+def _init_macro(d: PreDims, S: ChunkStrategy):
     """Pass 3, task (b, h, p): the initial ssm state row with the K / V states' trapezoid term."""
     H, P, N = d.nheads, d.headdim_v, d.headdim_qk
     V = S.lanes(N)
@@ -403,7 +403,7 @@ def _init_macro(d: PreDims, S: Strategy):
     return row
 
 
-def preprocess_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
+def preprocess_template(d: PreDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The preprocess's five passes laid out by ``S`` (module docstring). Parameters in order: Q, K, ADT, DT,
     Trap, Q_bias, K_bias, Angles, D, angle_state, ssm_state, k_state, v_state (absent ones: placeholders of
     ones), then the outputs q, k, dA_cs, scale, skip, angle_out, init, and last seq_idx (batch, seqlen) int32

@@ -50,14 +50,14 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from ..ssd.common import F32, I32, Z4
-from ..ssd.strategy import Strategy, unravel
+from ..ssd.strategy import ChunkStrategy, unravel
 from .dims import PreDims
 from .preprocess import (AHEAD, STEPS, adt_passes, angles_macro, count, dot_macro, dot_tasks, gamma_at,
                          load_pairs_macro, pair_tasks, qk_dots_macro, rate_tanh, rotated, seq_ends, step_blocks,
                          trap_weight)
 
 
-def _init_macro(d: PreDims, S: Strategy):
+def _init_macro(d: PreDims, S: ChunkStrategy):
     """Pass 1, task (b, h): c0, dk_state, dv_state (module docstring). The dk_state column sums accumulate in
     the output row itself (headdim_qk vectorized on a CPU; a thread's serial loop on CUDA, no register array)."""
     H, P, N, m = d.nheads, d.headdim_v, d.headdim_qk, S.math
@@ -109,7 +109,7 @@ def _pair_grads(io, w, b, t, h, s, p, v, turn: bool):
         T.buffer_store(w.acc, w.acc[j, v] + w.e[j, v], [j, v])
 
 
-def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
+def _sweep_macro(d: PreDims, S: ChunkStrategy, V: int, turn: bool):
     """Pass 4 over ``V`` pairs p0 .. p0 + V - 1 of the task's (b, STEPS steps): rotary pairs (``turn``: all below
     headdim_angles; cos / sin from dQh's slots, where pass 3 put them) or pass-through ones (theta = 0). For each
     Q / K head its pairs are read once (``load_pairs_macro``), then for each of its heads: the pair gradients
@@ -147,7 +147,7 @@ def _sweep_macro(d: PreDims, S: Strategy, V: int, turn: bool):
     return sweep
 
 
-def _pairs_macro(d: PreDims, S: Strategy):
+def _pairs_macro(d: PreDims, S: ChunkStrategy):
     """Pass 4, task (b, block of STEPS steps, block of ``S.lanes`` pairs): on a CPU (the whole pair axis) a vector
     sweep over the headdim_angles rotary pairs, then one over the rest; on CUDA (a pair per thread) the pair's
     own sweep."""
@@ -174,7 +174,7 @@ def _pairs_macro(d: PreDims, S: Strategy):
     return task
 
 
-def _reverse_macro(d: PreDims, S: Strategy):
+def _reverse_macro(d: PreDims, S: ChunkStrategy):
     """Pass 5, task (b, h, block of ``S.lanes`` angles), time reversed: G_t = daout + sum_{t' >= t} g_t' (g from
     gdt; packed: restarting at each sequence's last step from its daout row), dAngles = G pi (1 - tanh^2) DT, gdt
     = G pi tanh(Angles) (overwriting g), and with input states dangle_state = G_0. Blocks of AHEAD steps, each
@@ -215,7 +215,7 @@ def _reverse_macro(d: PreDims, S: Strategy):
     return reverse
 
 
-def _chunk_macro(d: PreDims, S: Strategy):
+def _chunk_macro(d: PreDims, S: ChunkStrategy):
     """Pass 6, task (b, h, c): dDT, dTrap, dADT of the chunk's positions (module docstring)."""
     H, A, Q, m = d.nheads, d.headdim_angles, d.chunk_size, S.math
     dot_g = dot_macro(A, S)
@@ -268,7 +268,7 @@ def _bind(**specs) -> SimpleNamespace:
     return SimpleNamespace(**out)
 
 
-def preprocess_bwd_template(d: PreDims, S: Strategy) -> tirx.PrimFunc:
+def preprocess_bwd_template(d: PreDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The preprocess backward's six passes laid out by ``S`` (module docstring). Parameters in order: inputs
     Q, K, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, k_state, v_state; gradients dq, dk, dscale,
     ddA_step, dskip, ddecay, daout, dinit; outputs dQh, dKh, dADT, dDT, dTrap, dQb_part, dKb_part, dAngles,

@@ -219,11 +219,11 @@ def _lanes(L, total, body):
     """A macro running ``body(lane, j, ok)`` for every lane < ``total`` (an expression of the kernel's batch) as
     the layout lays lanes out (j: the thread within the lane, ok: whether it stores); on a CPU work up to
     ``serial_work`` runs on the calling thread (``work``)."""
-    serial_work = getattr(L, "serial_work", None)
+    serial_work = L.serial_work
 
     @T.macro
     def group(lo, batch):
-        for li in L.lane_inner():
+        for li in L.inner():
             if L.lane_guard(lo, li, total(batch)):
                 body(L.lane_of(lo, li, total(batch)), L.thread(li), L.lane_ok(lo, li, total(batch)))
 
@@ -231,13 +231,13 @@ def _lanes(L, total, body):
     def run(batch, work):
         if serial_work is not None:
             if work <= serial_work:  # decode size: on the calling thread, no thread-pool launch
-                for lo in T.serial((total(batch) + L.TPB - 1) // L.TPB):
+                for lo in T.serial(L.blocks(total(batch))):
                     group(lo, batch)
             else:
-                for lo in L.lane_outer(total(batch)):
+                for lo in L.outer(total(batch)):
                     group(lo, batch)
         else:
-            for lo in L.lane_outer(total(batch)):
+            for lo in L.outer(total(batch)):
                 group(lo, batch)
 
     return run

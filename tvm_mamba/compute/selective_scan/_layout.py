@@ -1,9 +1,12 @@
-"""How the scan templates' loops land on a machine: the strategy contract, and the serial layout.
+"""How the scan templates' loops land on a machine: the scans' vocabulary on the strategy protocol, and the
+serial layout.
 
-A template writes each kernel once over abstract loops and asks its ``Layout`` how to lay them out:
+A template writes each kernel once over abstract loops and asks its ``Layout`` how to lay them out. The
+protocol's part (compute/strategy.py: tasks in ``outer`` x ``inner`` loops of ``threads`` a block, ``vloop``,
+``scope``, ``math``, ``serial_work``) is every strategy's; a scan adds:
 
-- **lanes** (one lane = one (batch, channel), or (batch, channel block) in the backward):
-  ``lane_outer(total)`` / ``lane_inner()`` are the two loops, ``lane_guard`` the bounds test wrapping the
+- **lanes** (a lane is a task: one (batch, channel), or (batch, channel block) in the backward): the
+  protocol's ``outer(total)`` / ``inner()`` are the two loops, ``lane_guard`` the bounds test wrapping the
   lane's body (Python True when every thread must run it, e.g. to join a warp shuffle), ``lane_of`` the
   lane index, ``lane_ok`` the predicate guarding the lane's writes, ``thread(li)`` this thread's index
   within its lane (0 when a lane is one thread);
@@ -41,22 +44,25 @@ A template writes each kernel once over abstract loops and asks its ``Layout`` h
   ``held_add(buf, n, value, p)`` (value the same on every time thread); the backward (timescan_bwd.py) adds
   ``pair_scan_rev`` (the same over threads > p, total over all), ``time_sum(buf, i)`` (buf[i] summed over the
   lane's time threads, on each) and ``reduce_layout`` (the layout of its stage-2 sums; None: this one);
-- ``math`` (a ``compute._math.Math``: polynomial or native exp), ``scope`` of lane-local buffers,
-  ``nchunk(seqlen, chunk)`` (the checkpoint count: an expression, or a free var bound by the buffer).
+- ``nchunk(seqlen, chunk)`` (the checkpoint count: an expression, or a free var bound by the buffer).
 
-``Layout`` itself is the serial layout (tests, the unscheduled PrimFunc dispatch gets); the CPU layout
-(parallel lanes, vectorized loops) and the CUDA one (blocks x threads, warp-split dstate, shuffle sums)
-live with their rules in schedules/cpu/selective_scan.py and schedules/cuda/selective_scan.py.
+``Layout`` itself is the serial layout (tests and tools read the definition it gives); the CPU layout
+(the CPU mixin's parallel lanes and vectorized loops) and the CUDA ones (the GPU mixin's blocks x threads,
+warp-split dstate, shuffle sums) live with their rules in schedules/cpu/selective_scan.py and
+schedules/cuda/selective_scan.py.
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
 from .._math import Math
+from ..strategy import Strategy
 
 
-class Layout:
-    """Serial lanes, serial dstate loop of ``vec`` (1: scalar) per step, lane-local buffers in ``scope``."""
+class Layout(Strategy):
+    """The scans' vocabulary on the strategy protocol (compute/strategy.py; a lane is a task, ``threads`` lanes
+    a block): serial lanes, serial dstate loop of ``vec`` (1: scalar) per step, lane-local buffers in
+    ``scope``."""
 
     time_batched = True
     chans = 1  # channels per forward lane (the CPU's channels layout: a vector of them)
@@ -74,23 +80,11 @@ class Layout:
     reduce_layout = None  # parallel-in-time backward: the layout of the stage-2 sums (None: this one)
 
     def __init__(self, math: Math, vec: int = 1, tvec: int = 16, scope: str = "global", lanes_per_block: int = 1):
-        self.math, self.V, self.tvec, self.scope = math, vec, tvec, scope
-        self.TPB = lanes_per_block
-        self.W = 1
+        super().__init__(math, threads=lanes_per_block, scope=scope)
+        self.V, self.tvec, self.W = vec, tvec, 1
         self._build_reductions()
 
-    # --- loop kinds (overridden by the CPU and CUDA layouts)
-    def outer_loop(self, n):
-        """Across lanes (CPU: parallel; CUDA: blocks)."""
-        return T.serial(n)
-
-    def lane_loop(self, n):
-        """Within a group of lanes (CUDA: threads of a block)."""
-        return T.serial(n)
-
-    def vec_loop(self, n):
-        return T.serial(n)
-
+    # --- loop kinds beyond the protocol's (block_loop, thread_loop, vloop: overridden by the CPU / GPU mixins)
     def item_loop(self, n):
         """Over a time thread's consecutive steps (CUDA: unrolled, registers)."""
         return T.serial(n)
@@ -99,18 +93,12 @@ class Layout:
         """Over a forward lane's ``chans`` channel slots (one: a loop of one the lowering removes)."""
         return T.serial(self.chans)
 
-    # --- lanes
-    def lane_outer(self, total):
-        return self.outer_loop((total + self.TPB - 1) // self.TPB)
-
-    def lane_inner(self):
-        return self.lane_loop(self.TPB)
-
+    # --- lanes: the protocol's outer(total) x inner() loops, and
     def lane_guard(self, lo, li, total):
-        return lo * self.TPB + li < total
+        return self.index(lo, li) < total
 
     def lane_of(self, lo, li, total):
-        return lo * self.TPB + li
+        return self.index(lo, li)
 
     def lane_ok(self, lo, li, total):
         return True
@@ -127,7 +115,7 @@ class Layout:
         return T.serial(N // self.V)
 
     def st_inner(self):
-        return self.vec_loop(self.V)
+        return self.vloop(self.V)
 
     def state(self, ko, ki, j):
         return ko * self.V + ki

@@ -32,7 +32,7 @@ def _chunk_macros(dims: ScanBwdDims, L: Layout, sm: ScanMath):
     @T.macro
     def scalars(delta, db, z, pb, b, d, c, NT):
         for io in range(NT // TV):
-            for ii in L.vec_loop(TV):
+            for ii in L.vloop(TV):
                 scalars_at(delta, db, z, pb, b, d, c * chunk + io * TV + ii, io * TV + ii)
         for i in range(NT // TV * TV, NT):
             scalars_at(delta, db, z, pb, b, d, c * chunk + i, i)
@@ -237,8 +237,8 @@ def _stage2_macros(dims: ScanBwdDims, L: Layout, m):
 
     @T.macro
     def group_rows(ws, dM, groups, batch, seqlen):
-        for lo in L.lane_outer(batch * groups * seqlen):
-            for li in L.lane_inner():
+        for lo in L.outer(batch * groups * seqlen):
+            for li in L.inner():
                 if L.lane_guard(lo, li, batch * groups * seqlen):
                     per_row(ws, dM, groups, seqlen, L.lane_of(lo, li, batch * groups * seqlen), L.thread(li),
                             L.lane_ok(lo, li, batch * groups * seqlen))
@@ -257,15 +257,15 @@ def bwd_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     @T.macro
     def body(u, delta, A, Bm, Cm, Dv, z, db, init, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit,
              wsA, wsB, wsC, wsS, batch, seqlen, nchunk):
-        for lo in L.lane_outer(batch * NBLK):
-            for li in L.lane_inner():
+        for lo in L.outer(batch * NBLK):
+            for li in L.inner():
                 if L.lane_guard(lo, li, batch * NBLK):
                     lane_i = T.meta_var(L.lane_of(lo, li, batch * NBLK))
                     lane(u, delta, A, Bm, Cm, Dv, z, db, ck, dout, dlast, du, ddelta, dz, dinit, wsA, wsB, wsC, wsS,
                          seqlen, nchunk, lane_i // NBLK, lane_i % NBLK, L.thread(li), L.lane_ok(lo, li, batch * NBLK))
         # stage 2: fixed-order sums over batch (and over the channel blocks of a group)
-        for lo in L.lane_outer(dim):
-            for li in L.lane_inner():
+        for lo in L.outer(dim):
+            for li in L.inner():
                 if L.lane_guard(lo, li, dim):
                     per_channel(wsA, wsB, wsC, wsS, dA, dB, dC, dD, ddb, batch, L.lane_of(lo, li, dim),
                                 L.thread(li), L.lane_ok(lo, li, dim))

@@ -110,12 +110,12 @@ def fwd_chunked_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     def body(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, batch, seqlen, nchunk):
         # pass 1 writes S_c into ck[c] and L_c into logdec[c]; pass 2 turns ck into the checkpoints in place
         logdec = T.alloc_buffer((batch, dim, nchunk, N), ACC)
-        for lc in L.outer_loop(batch * dim * nchunk):
+        for lc in L.block_loop(batch * dim * nchunk):
             local_scan(u, delta, db, A, Bm, ck, logdec, seqlen, lc // (dim * nchunk), lc // nchunk % dim,
                        lc % nchunk)
-        for lane in L.outer_loop(batch * dim):
+        for lane in L.block_loop(batch * dim):
             carry(init, ck, logdec, last, nchunk, lane // dim, lane % dim)
-        for lc in L.outer_loop(batch * dim * nchunk):
+        for lc in L.block_loop(batch * dim * nchunk):
             fixup(u, delta, db, A, Bm, Cm, Dv, z, ck, out, seqlen, lc // (dim * nchunk), lc // nchunk % dim,
                   lc % nchunk)
 

@@ -24,8 +24,8 @@ def _env(dims: ScanBwdDims, L: Layout) -> tuple:
     NV, NBLK = N // V, dim // BLK
     ACC = dims.acc
     m = L.math
-    OUTER, INNER, TPB, SCOPE = L.outer_loop, L.lane_loop, L.TPB, L.scope
-    VEC = L.vec_loop
+    OUTER, INNER, TPB, SCOPE = L.block_loop, L.thread_loop, L.threads, L.scope
+    VEC = L.vloop
     VARB, VARC = b_groups > 0, c_groups > 0
     BBPG = dim // b_groups // BLK if VARB else 1  # channel blocks per B group
     CBPG = dim // c_groups // BLK if VARC else 1

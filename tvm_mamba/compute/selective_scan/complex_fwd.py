@@ -97,8 +97,8 @@ def fwd_complex_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
     NV = N // V
     ACC = dims.acc
     m = L.math
-    OUTER, INNER, TPB, SCOPE = L.outer_loop, L.lane_loop, L.TPB, L.scope
-    VEC = L.vec_loop
+    OUTER, INNER, TPB, SCOPE = L.block_loop, L.thread_loop, L.threads, L.scope
+    VEC = L.vloop
     bval, cval, pre_dt, dt_of, rot = _step_fns(dims, m)
     two = tirx.const(2.0, ACC)
 

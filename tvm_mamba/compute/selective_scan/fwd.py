@@ -27,7 +27,7 @@ def _chunk_macros(dims: ScanDims, L: Layout, sm: ScanMath):
     @T.macro
     def chunk_dt(delta, db, dtb, b, d, c, NT):
         for io in range(NT // TV):
-            for ii in L.vec_loop(TV):
+            for ii in L.vloop(TV):
                 dtb[io * TV + ii] = sm.dt_at(delta, db, b, d, c * chunk + io * TV + ii)
         for i in range(NT // TV * TV, NT):
             dtb[i] = sm.dt_at(delta, db, b, d, c * chunk + i)
@@ -35,7 +35,7 @@ def _chunk_macros(dims: ScanDims, L: Layout, sm: ScanMath):
     @T.macro
     def chunk_out(u, Dv, z, out, yb, b, d, c, NT):
         for io in range(NT // TV):
-            for ii in L.vec_loop(TV):
+            for ii in L.vloop(TV):
                 out[b, d, c * chunk + io * TV + ii] = sm.finish(yb[io * TV + ii], u, Dv, z, b, d,
                                                                 c * chunk + (io * TV + ii))
         for i in range(NT // TV * TV, NT):
@@ -160,8 +160,8 @@ def fwd_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
 
     @T.macro
     def body(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, batch, seqlen, nchunk):
-        for lo in L.lane_outer(batch * NL):
-            for li in L.lane_inner():
+        for lo in L.outer(batch * NL):
+            for li in L.inner():
                 if L.lane_guard(lo, li, batch * NL):
                     lane = T.meta_var(L.lane_of(lo, li, batch * NL))
                     lane_scan(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, seqlen, nchunk,

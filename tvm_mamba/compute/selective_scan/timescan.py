@@ -216,10 +216,10 @@ def fwd_timescan_template(dims: ScanDims, L: Layout) -> tirx.PrimFunc:
 
     @T.macro
     def body(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, batch, seqlen, nchunk):
-        for lo in L.outer_loop(batch * NB):
+        for lo in L.block_loop(batch * NB):
             if L.min_blocks > 0:  # __launch_bounds__(threads, min_blocks): the register budget
                 T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", L.min_blocks)
-            for th in L.lane_loop(G * P):
+            for th in L.thread_loop(G * P):
                 lane_scan(u, delta, A, Bm, Cm, Dv, z, db, init, out, last, ck, seqlen, lo // NB,
                           T.min(lo % NB * G + th // P, dim - 1), th, lo % NB * G + th // P < dim)
 

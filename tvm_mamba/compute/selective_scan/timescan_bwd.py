@@ -269,15 +269,15 @@ def bwd_timescan_template(dims: ScanBwdDims, L: Layout) -> tirx.PrimFunc:
     @T.macro
     def body(u, delta, A, Bm, Cm, Dv, z, db, init, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit,
              wsA, wsB, wsC, wsS, batch, seqlen, nchunk):
-        for lo in L.outer_loop(batch * NBLK):
+        for lo in L.block_loop(batch * NBLK):
             if L.min_blocks > 0:
                 T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", L.min_blocks)
-            for th in L.lane_loop(G * P):
+            for th in L.thread_loop(G * P):
                 lane(u, delta, A, Bm, Cm, Dv, z, db, ck, dout, dlast, du, ddelta, dz, dinit, wsA, wsB, wsC, wsS,
                      seqlen, lo // NBLK, lo % NBLK, th)
         # stage 2: fixed-order sums over batch (and over the channel blocks of a group)
-        for lo in R.lane_outer(dims.dim):
-            for li in R.lane_inner():
+        for lo in R.outer(dims.dim):
+            for li in R.inner():
                 if R.lane_guard(lo, li, dims.dim):
                     per_channel(wsA, wsB, wsC, wsS, dA, dB, dC, dD, ddb, batch, R.lane_of(lo, li, dims.dim),
                                 R.thread(li), R.lane_ok(lo, li, dims.dim))

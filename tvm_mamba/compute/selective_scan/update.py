@@ -188,12 +188,12 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
     H, P, N, G = dims.nheads, dims.headdim, dims.dstate, dims.ngroups
     ACC, TIE, IDX, idx_dtype = dims.acc, dims.tie_hdim, dims.idx_dtype is not None, dims.idx_dtype
     ST, DT, ZT = dims.state_dtype or ACC, dims.dt_dtype or dims.x_dtype, dims.z_dtype or dims.x_dtype
-    serial_work, PB = getattr(L, "serial_work", None), P // head_rows(dims, L)
+    serial_work, PB = L.serial_work, P // head_rows(dims, L)
     lane = _lane_macro(dims, L)
 
     @T.macro
     def lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, lo):
-        for li in L.lane_inner():
+        for li in L.inner():
             if L.lane_guard(lo, li, batch * H * PB):
                 lane(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, L.lane_of(lo, li, batch * H * PB),
                      L.thread(li), L.lane_ok(lo, li, batch * H * PB))
@@ -217,13 +217,13 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
         out = T.match_buffer(out_h, (batch, H, P), dims.x_dtype)
         if serial_work is not None:
             if batch * H * P * row_work(dims) <= serial_work:  # decode-size: the calling thread, no pool launch
-                for lo in T.serial((batch * H * PB + L.TPB - 1) // L.TPB):
+                for lo in T.serial(L.blocks(batch * H * PB)):
                     lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, lo)
             else:
-                for lo in L.lane_outer(batch * H * PB):
+                for lo in L.outer(batch * H * PB):
                     lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, lo)
         else:
-            for lo in L.lane_outer(batch * H * PB):
+            for lo in L.outer(batch * H * PB):
                 lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, lo)
 
     return update

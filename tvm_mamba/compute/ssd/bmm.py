@@ -11,10 +11,10 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, ld
 from .dims import BmmDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, ChunkStrategy
 
 
-def bmm_template(d: BmmDims, S: Strategy) -> tirx.PrimFunc:
+def bmm_template(d: BmmDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_bmm_chunk kernel laid out by ``S``: task t = (batch, chunk, group), out[l, s] = sum_n C[l, n] B[s, n]
     for s <= l, 0 for s > l (positions past seqlen read as zero rows)."""
     G, N, Q = d.ngroups, d.dstate, d.chunk_size
@@ -39,7 +39,7 @@ def bmm_template(d: BmmDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def ssd_bmm_chunk(dims: BmmDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_bmm_chunk(dims: BmmDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """B, C: (batch, seqlen, ngroups, dstate) -> cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32.
 
     cb[c, g, l, s] = C_l . B_s within chunk c for s <= l, 0 above the diagonal (positions past seqlen count as

@@ -9,7 +9,7 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, batch_sids, c32, last_sid
 from .dims import StateDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, ChunkStrategy
 
 
 def _weight(m, dt_out, dA_cs, seq_idx, b, c, h, l, Q, seqlen, has_seq_idx):
@@ -22,7 +22,7 @@ def _weight(m, dt_out, dA_cs, seq_idx, b, c, h, l, Q, seqlen, has_seq_idx):
     return tirx.Select(c * Q + l < seqlen, w, c32(0.0))
 
 
-def chunk_state_template(d: StateDims, S: Strategy) -> tirx.PrimFunc:
+def chunk_state_template(d: StateDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_chunk_state kernel laid out by ``S``: task t = (batch, chunk, head), out[p, n] =
     sum_l x[l, p] (w[l] B[l, n]) (rows past seqlen: w = 0, x / B read at the last position)."""
     H, G, P, N, Q, m = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size, S.math
@@ -51,7 +51,7 @@ def chunk_state_template(d: StateDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def ssd_chunk_state(dims: StateDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_chunk_state(dims: StateDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """x: (batch, seqlen, nheads, headdim); B: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; seq_idx: (batch, seqlen) int32
     -> states: (batch, nchunks, nheads, headdim, dstate) f32.

@@ -14,7 +14,7 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, Z4, batch_sids, c32, carried_decay, gate, ld
 from .dims import DstatesDims, dims_of
-from .strategy import SERIAL, Strategy, unravel
+from .strategy import SERIAL, ChunkStrategy, unravel
 
 
 def _decay_in(m, seq_idx, dA_cs, b, h, c, l, Q, seqlen, has_seq_idx):
@@ -53,7 +53,7 @@ def _gate_lhs(d: DstatesDims, m, visited: bool, dy, z, y_pre, dz, seqlen, nchunk
         visit=lambda t, p, l, v: _dz_at(m, d.x_dtype, dz, y_pre, idx(t, p, l), pos(t, l) < seqlen, v))
 
 
-def dstates_template(d: DstatesDims, S: Strategy) -> tirx.PrimFunc:
+def dstates_template(d: DstatesDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_chunk_scan_bwd_dstates kernel laid out by ``S``: task t = (batch, chunk, head) for dstates_local
     (rows past seqlen: e = 0, g = 0, C read at the last position); with z, dz
     elementwise: the visit of the matmul's lhs g (``visits_lhs``) or a pass of its own."""
@@ -98,7 +98,7 @@ def dstates_template(d: DstatesDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def ssd_chunk_scan_bwd_dstates(dims: DstatesDims | None = None, strategy: Strategy = SERIAL,
+def ssd_chunk_scan_bwd_dstates(dims: DstatesDims | None = None, strategy: ChunkStrategy = SERIAL,
                                **kw) -> tirx.PrimFunc:
     """dy, z, y_pre: (batch, seqlen, nheads, headdim); C: (batch, seqlen, ngroups, dstate); dA_cumsum:
     (batch, nheads, nchunks, chunk_size); seq_idx: (batch, seqlen)

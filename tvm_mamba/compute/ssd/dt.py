@@ -10,7 +10,7 @@ from tvm.script.ir_builder import IRBuilder
 from .._common import stamp
 from .common import F32, dA_passes, dA_step, dt_stages
 from .dims import DtDims, dims_of
-from .strategy import SERIAL, Strategy, unravel
+from .strategy import SERIAL, ChunkStrategy, unravel
 
 
 class _Slots:
@@ -39,7 +39,7 @@ def _dt_inputs(d: DtDims, handles):
                                             for h, (n, shape) in zip(handles, shapes.items()))
 
 
-def cumsum_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
+def cumsum_template(d: DtDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_chunk_cumsum loop nest laid out by ``S`` (same parameters as the builder's PrimFunc): a task per
     (batch, head, chunk)."""
     H, Q, m, fa = d.nheads, d.chunk_size, S.math, _flags(d)
@@ -75,7 +75,7 @@ def cumsum_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def cumsum_bwd_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
+def cumsum_bwd_template(d: DtDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_chunk_cumsum_bwd loop nest laid out by ``S``: a task per (batch, head), its chunks in order."""
     H, Q, m, fa = d.nheads, d.chunk_size, S.math, _flags(d)
     tasks = S.tasks()
@@ -128,7 +128,7 @@ def cumsum_bwd_template(d: DtDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def ssd_chunk_cumsum(dims: DtDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_chunk_cumsum(dims: DtDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """dt: (batch, seqlen, nheads) f32; dt_bias: (nheads,); A: (nheads,); dt_limit: (2,) f32
     -> dt_out, dA_cumsum: (batch, nheads, nchunks, chunk_size) f32.
 
@@ -139,7 +139,7 @@ def ssd_chunk_cumsum(dims: DtDims | None = None, strategy: Strategy = SERIAL, **
     return stamp(cumsum_template(d, strategy), "ssd_chunk_cumsum")
 
 
-def ssd_chunk_cumsum_bwd(dims: DtDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_chunk_cumsum_bwd(dims: DtDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """dt: (batch, seqlen, nheads) f32; dt_bias, A: (nheads,); dt_limit: (2,); dt_out, ddt_out, ddA_step:
     (batch, nheads, nchunks, chunk_size) f32; ddecay: (batch, nheads, nchunks) f32 (gradient of the chunk's
     last dA_cumsum from state passing) -> ddt: (batch, seqlen, nheads) f32, dA_part, ddt_bias_part:

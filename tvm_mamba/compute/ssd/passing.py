@@ -8,10 +8,10 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, Z4, chunk_scale
 from .dims import HeadSumDims, PassingBwdDims, PassingDims, dims_of
-from .strategy import SERIAL, Strategy, unravel
+from .strategy import SERIAL, ChunkStrategy, unravel
 
 
-def _row_scan(d, S: Strategy, reverse: bool):
+def _row_scan(d, S: ChunkStrategy, reverse: bool):
     """A macro ``run(i, start, emit, step, finish, dA_cs, seq_idx, seqlen, nchunks)``: the scan over chunks of task
     i = (batch, head, p, lane block) of dstate lanes, chunks in order (``reverse``: last first): cur = start(b, h,
     p, n); per chunk c, with a = chunk_scale(c), emit(b, c, h, p, n, cur) then cur = step(b, c, h, p, n, a, cur);
@@ -39,7 +39,7 @@ def _row_scan(d, S: Strategy, reverse: bool):
     return run
 
 
-def passing_template(d: PassingDims, S: Strategy) -> tirx.PrimFunc:
+def passing_template(d: PassingDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_state_passing loop nest laid out by ``S``: a task per (batch, head, p) and lanes of n."""
     H, P, N, Q, sd = d.nheads, d.headdim, d.dstate, d.chunk_size, d.state_dtype
     scan, tasks = _row_scan(d, S, reverse=False), S.tasks()
@@ -64,7 +64,7 @@ def passing_template(d: PassingDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def passing_bwd_template(d: PassingBwdDims, S: Strategy) -> tirx.PrimFunc:
+def passing_bwd_template(d: PassingBwdDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_state_passing_bwd loop nest laid out by ``S``, in two launches: the reverse scan (a task per
     (batch, head, p), lanes of n), then ddecay per (batch, head, chunk) from the dS_c the first one stored:
     sum over n of (sum over p) in that order, the same on every target."""
@@ -115,7 +115,7 @@ def passing_bwd_template(d: PassingBwdDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def head_sum_template(d: HeadSumDims, S: Strategy) -> tirx.PrimFunc:
+def head_sum_template(d: HeadSumDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_head_sum loop nest laid out by ``S``: a task per (batch, position, group), lanes of n; each
     output sums its group's heads in head order, starting from the first."""
     H, G, N, od = d.nheads, d.ngroups, d.dstate, d.out_dtype
@@ -147,7 +147,7 @@ def head_sum_template(d: HeadSumDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def ssd_state_passing(dims: PassingDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_state_passing(dims: PassingDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """states: (batch, nchunks, nheads, headdim, dstate) f32; dA_cumsum: (batch, nheads, nchunks, chunk_size);
     initial_states: (batch, nheads, headdim, dstate) f32; seq_idx: (batch, seqlen) int32
     -> states_in: (batch, nchunks, nheads, headdim, dstate) in state_dtype (state entering each chunk),
@@ -160,7 +160,7 @@ def ssd_state_passing(dims: PassingDims | None = None, strategy: Strategy = SERI
     return stamp(passing_template(d, strategy), "ssd_state_passing")
 
 
-def ssd_state_passing_bwd(dims: PassingBwdDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_state_passing_bwd(dims: PassingBwdDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """states_in, dstates_local: (batch, nchunks, nheads, headdim, dstate) f32; dA_cumsum: (batch, nheads,
     nchunks, chunk_size); dfinal: (batch, nheads, headdim, dstate); seq_idx: (batch, seqlen)
     -> dstates_out: (batch, nchunks, nheads, headdim, dstate) (gradient of the state leaving each chunk),
@@ -172,7 +172,7 @@ def ssd_state_passing_bwd(dims: PassingBwdDims | None = None, strategy: Strategy
     return stamp(passing_bwd_template(d, strategy), "ssd_state_passing_bwd")
 
 
-def ssd_head_sum(dims: HeadSumDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_head_sum(dims: HeadSumDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """per_head: (batch, seqlen, nheads, dstate) f32 -> out: (batch, seqlen, ngroups, dstate) in out_dtype,
     the sum over the heads of each group in head order (dB / dC: the backward writes one partial per head;
     summing here, in a fixed order, keeps it deterministic without atomics)."""

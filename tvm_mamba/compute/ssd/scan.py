@@ -12,7 +12,7 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, Z4, batch_sids, carried_decay, d_per_row, d_shape, ld, seg_exp_of, skip_at
 from .dims import ScanDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, ChunkStrategy
 
 
 def _task(t, nchunks, H):
@@ -81,7 +81,7 @@ def _put(m, d: ScanDims, y, y_pre, z, task, l, p, v):
         T.buffer_store(y, v.astype(d.x_dtype), idx)
 
 
-def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
+def chunk_scan_template(d: ScanDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_chunk_scan kernel laid out by ``S``: task t = (batch, chunk, head), its chunk_size x headdim
     output by the strategy's ``causal_matmul`` (strategy.py): y0[l, p] = e[l] (C_l Sin)[p] + D x[l, p]
     + sum_{s<=l} w[l, s] x[s, p], w = (C.B^T) exp(segsum) dt' (D per row: D x as w's diagonal term where the
@@ -123,7 +123,7 @@ def chunk_scan_template(d: ScanDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def ssd_chunk_scan(dims: ScanDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_chunk_scan(dims: ScanDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """x, z: (batch, seqlen, nheads, headdim); cb: (batch, nchunks, ngroups, chunk_size, chunk_size) f32 (C.B^T,
     ssd_bmm_chunk); C: (batch, seqlen, ngroups, dstate); dt_out, dA_cumsum: (batch, nheads, nchunks, chunk_size)
     f32; states_in: (batch, nchunks, nheads, headdim, dstate) in state_dtype; D: (nheads,) or (nheads, headdim) f32;

@@ -24,10 +24,10 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, Z4, d_shape
 from .dims import ScanBwdDims, dims_of
-from .strategy import SERIAL, Strategy
+from .strategy import SERIAL, ChunkStrategy
 
 
-def chunk_scan_bwd_template(d: ScanBwdDims, S: Strategy) -> tirx.PrimFunc:
+def chunk_scan_bwd_template(d: ScanBwdDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_chunk_scan_bwd kernel laid out by ``S`` (parameters: ``ssd_chunk_scan_bwd``): the pieces run on
     staged operands per (batch, chunk, group, part) task where the strategy owns whole lane axes (a CPU), else
     a launch per piece, a task per output element."""
@@ -83,7 +83,7 @@ def _dd_shape(d: ScanBwdDims, batch, nchunks):
     return (batch, nchunks, d.nheads, d.headdim) if d.has_D else Z4
 
 
-def ssd_chunk_scan_bwd(dims: ScanBwdDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_chunk_scan_bwd(dims: ScanBwdDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """x, z, dy: (batch, seqlen, nheads, headdim); B, C: (batch, seqlen, ngroups, dstate); cb: (batch, nchunks,
     ngroups, chunk_size, chunk_size) f32 (C.B^T, ssd_bmm_chunk); dt_out, dA_cumsum:
     (batch, nheads, nchunks, chunk_size) f32; states_in, dstates_out: (batch, nchunks, nheads, headdim,

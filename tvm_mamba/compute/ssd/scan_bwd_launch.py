@@ -31,7 +31,7 @@ from . import scan_bwd_spec as spec
 from .common import (F32, I32, Row, batch_sids, carried_decay, causal, causal_end, causal_start, gate, ld, seg_exp,
                      seg_exp_of, skip_at, state_decay)
 from .dims import ScanBwdDims
-from .strategy import Strategy
+from .strategy import ChunkStrategy
 
 
 class _Reads:
@@ -93,7 +93,7 @@ def _at(r: _Reads, b, c, grp, h=None, gp=None) -> SimpleNamespace:
     return a
 
 
-def launches(d: ScanBwdDims, S: Strategy):
+def launches(d: ScanBwdDims, S: ChunkStrategy):
     """The macro ``body(o)``: every launch in order."""
     dx, gsum, dB, dC = _position_pieces(d, S)
     pairs = _step_pieces(d, S)
@@ -253,7 +253,7 @@ def _gsum_segment(d: ScanBwdDims, o, r: _Reads) -> SimpleNamespace:
         pos=_positions(d, lambda t, u: at(t).head(first(t) + u)))
 
 
-def _position_pieces(d: ScanBwdDims, S: Strategy):
+def _position_pieces(d: ScanBwdDims, S: ChunkStrategy):
     """dx (a task per (batch, chunk, head)), gsum, dB and dC (per (batch, chunk, part)): macros ``run(o, r)``
     executing scan_bwd_spec.pieces' specs by the strategy's ``product``."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
@@ -300,7 +300,7 @@ def _position_pieces(d: ScanBwdDims, S: Strategy):
             part_rows(sp.dB, "dBp", False), part_rows(sp.dC, "dCp", True))
 
 
-def _step_pieces(d: ScanBwdDims, S: Strategy):
+def _step_pieces(d: ScanBwdDims, S: ChunkStrategy):
     """The per-step gradients and dD: the macro ``run(o, r)`` of ``crossing_pass`` (scan_bwd_spec.py's
     crossing-pairs form; XB and the carried-state terms are dx's and dC's row dots, read here): d dt, d dA_step
     (its carried-state part reverse-cumsummed on the way) and dD."""

@@ -4,7 +4,7 @@ register-blocked matmuls of mm.py (knobs rows / cols / order of the strategy), a
 in head order; the intra-chunk dB / dC terms run once per part on gsum after the last head.
 
 Every piece is a macro over ``o`` (the kernel's buffers and symbolic sizes, scan_bwd.py) and ``w`` (the task's
-indices and stack scratch: ``Strategy.scratch`` and ``_at_task``). Rows past seqlen are staged as zeros and
+indices and stack scratch: ``ChunkStrategy.scratch`` and ``_at_task``). Rows past seqlen are staged as zeros and
 never stored.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from . import scan_bwd_spec as spec
 from .common import I32, batch_sids, carried_decay, causal, gate, ld, seg_exp, skip_at, state_decay
 from .dims import ScanBwdDims
 from .mm import lower_cols, matmul, vblock
-from .strategy import Strategy
+from .strategy import ChunkStrategy
 
 
-def task_body(d: ScanBwdDims, S: Strategy):
+def task_body(d: ScanBwdDims, S: ChunkStrategy):
     """The macro ``body(o)``: a parallel task per (batch, chunk, group, part) running the pieces below."""
     H, G, P, N, Q = d.nheads, d.ngroups, d.headdim, d.dstate, d.chunk_size
     R = H // G
@@ -66,7 +66,7 @@ def _reader(d: ScanBwdDims, o, w, h) -> SimpleNamespace:
         skip=lambda s, p, v: skip_at(d, o.Dm, b, h, c, s, p, v))
 
 
-def _staged(d: ScanBwdDims, S: Strategy, p: spec.Product):
+def _staged(d: ScanBwdDims, S: ChunkStrategy, p: spec.Product):
     """The macro ``run(r, init, store)``: Product ``p`` on reader r by mm.py's register-blocked matmul (knobs
     rows / cols / order), init(i, j) its start (``p.init`` or a running sum), store(i, j, v) the epilogue. Its
     causal range selects k per row (never 0 * a non-finite dy / x / B / C of another position)."""
@@ -92,7 +92,7 @@ def _at_task(w, o, task, G: int, R: int):
     return w
 
 
-def _stage(d: ScanBwdDims, S: Strategy):
+def _stage(d: ScanBwdDims, S: ChunkStrategy):
     """Macros ``stage_group(o, w)`` (zero the part's gsum blocks, stage the group's B / C rows, zero the dB / dC
     sums) and ``stage_head(o, w, h)`` (head h's decays, masks, x, g = dy silu(z), dSo^T; zeros past seqlen)."""
     P, N, Q, m = d.headdim, d.dstate, d.chunk_size, S.math
@@ -143,7 +143,7 @@ def _stage(d: ScanBwdDims, S: Strategy):
     return stage_group, stage_head
 
 
-def _head_pieces(d: ScanBwdDims, S: Strategy):
+def _head_pieces(d: ScanBwdDims, S: ChunkStrategy):
     """Macros ``rows_pass(o, w, r)`` and ``dx_piece(o, w, r)``: head h's g x^T, masks, gsum, d dt and d dA_step
     intra-chunk terms; its dx (spec.pieces' dx) and the chunk-state terms of d dt / d dA_step."""
     P, Q, m = d.headdim, d.chunk_size, S.math
@@ -200,7 +200,7 @@ def _head_pieces(d: ScanBwdDims, S: Strategy):
     return rows_pass, dx_piece
 
 
-def _part_pieces(d: ScanBwdDims, S: Strategy):
+def _part_pieces(d: ScanBwdDims, S: ChunkStrategy):
     """Macros ``dc_db_heads(o, w, r)`` (head h's terms of the part's dB / dC, its dD, d dt and d dA_step) and
     ``intra(o, w, r)`` (the part's intra-chunk dB / dC, then its rows stored): spec.pieces' dB, dC, dD."""
     P, N, Q = d.headdim, d.dstate, d.chunk_size

@@ -1,17 +1,13 @@
-"""How an SSD template is laid onto the machine: the strategy object every template takes.
+"""How an SSD template is laid onto the machine: SSD's vocabulary on the strategy protocol (compute/strategy.py).
 
 A template (compute/ssd/<kernel>.py) writes a kernel's math once, as independent *tasks* (an index range the
 template decomposes into (batch, chunk, head, ...)), each optionally owning a run of contiguous *lanes* (the
-innermost axis: dstate or headdim). The strategy decides:
+innermost axis: dstate or headdim). The protocol's part is every strategy's: the task loops (``outer`` x
+``inner``, ``index``: serial here, parallel on a CPU, blockIdx x threadIdx of ``threads`` on CUDA, from the
+targets' mixins), ``vloop``, ``scope``, ``math``. ``ChunkStrategy`` adds:
 
-* ``tasks(extent)``: how the task range becomes loops. ``Serial``: one serial loop (tests, and the unscheduled
-  PrimFunc a builder returns); the CPU strategy (schedules/cpu/ssd.py): a parallel loop; the CUDA strategy
-  (schedules/cuda/ssd.py): blockIdx x threadIdx of ``threads`` with a bound check. A template writes
-  ``for bx in S.outer(n): for tx in S.inner(): i = S.index(bx, tx); if i < n: ...`` (the CPU's and the serial
-  strategy's inner loop has extent 1 and the bound check folds away).
 * ``lanes(width)``: how many lanes of an elementwise-independent axis one task owns: the whole axis on a CPU
   (a vector), 1 on CUDA (a thread each). ``lane_loop(v)`` loops over them (vectorized / serial).
-* ``vloop(width)``: an axis a task runs itself (a reduction's operand row): vectorized on a CPU, serial on CUDA.
 * ``scaled_matmul(M, W, K)``: a chunk matmul out[t, i, j] = sum_k lhs(t, i, k) (scale(t, k) rhs(t, k, j)) over
   ``extent`` tasks t, k ascending from 0 on every layout: the serial / CUDA layout runs a task per output
   element reading the operands where they are; the CPU layout stages the task's operands (scale once per k)
@@ -31,8 +27,7 @@ innermost axis: dstate or headdim). The strategy decides:
   weighted segment per unit, optionally with a per-row dot of each unit's product), and the row pass of the
   causal pairs with running column sums. A task per output element here, a block per output tile or per task
   on CUDA (schedules/cuda/_tiled.py, _crossing.py).
-* ``scope``: where per-task scratch lives (the CPU's stack, CUDA registers; ``scratch`` allocates it), and
-  ``math`` (``_math.Math``: the CPU's vectorizable polynomials, or the target's native exp / log1p on CUDA).
+* ``scratch(**shapes)``: a task's scratch buffers in the protocol's ``scope`` (the CPU's stack, CUDA registers).
 * ``vector``: also which form a template with several chunk matmuls takes (ssd_chunk_scan_bwd): a task per
   chunk running them on staged operands (True: whole lane axes, mm.py's blocked matmuls), or a launch per
   piece with a task per output element.
@@ -49,41 +44,23 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from .._math import Math
+from ..strategy import Strategy
 
 
-class Strategy:
-    """Serial loops, a task per lane (as the CUDA strategy decomposes the work); ``native_math``: the target's
-    exp / log1p (CUDA's arithmetic, run on the CPU by tests) instead of the CPU polynomials. The layout of the
-    unscheduled PrimFunc a builder returns. Subclasses: schedules/cpu/ssd.py, schedules/cuda/ssd.py."""
+class ChunkStrategy(Strategy):
+    """SSD's vocabulary on the strategy protocol (compute/strategy.py): serial loops, a task per lane (as the CUDA
+    strategy decomposes the work); ``native_math``: the target's exp / log1p (CUDA's arithmetic, run on the CPU
+    by tests) instead of the CPU polynomials. The layout of the unscheduled PrimFunc a builder returns.
+    Subclasses: schedules/cpu/ssd.py, schedules/cuda/ssd.py."""
 
-    name = "serial"
-    scope = "global"
-    threads = 1
-    vector = False  # whether a task owns whole lane axes (and vectorizes them)
-
-    def __init__(self, native_math: bool = False):
-        self.math = Math("float32", native=native_math)
-
-    def outer(self, extent):
-        return T.serial(self.blocks(extent))
-
-    def inner(self):
-        return T.serial(self.threads)
-
-    def blocks(self, extent):
-        return (extent + self.threads - 1) // self.threads
-
-    def index(self, bx, tx):
-        return bx * self.threads + tx
+    def __init__(self, native_math: bool = False, threads: int = 1, scope: str = "global"):
+        super().__init__(Math("float32", native=native_math), threads, scope)
 
     def lanes(self, width: int) -> int:
         return width if self.vector else 1
 
     def lane_loop(self, v: int):
         return T.vectorized(v) if self.vector and v > 1 else T.serial(v)
-
-    def vloop(self, width: int):
-        return T.vectorized(width) if self.vector else T.serial(width)
 
     def scaled_matmul(self, M: int, W: int, K: int):
         """A macro ``run(extent, lhs, scale, rhs, store)``: a task per output (t, i, j), the sum over k in order
@@ -104,9 +81,6 @@ class Strategy:
                         store(i // (M * W), i // W % M, i % W, acc[0])
 
         return run
-
-    def key(self) -> tuple:
-        return (self.name, self.threads, self.math.native)
 
     def visits_lhs(self, M: int, W: int, K: int) -> bool:
         """Whether ``scaled_matmul``'s run takes its lhs as a *visited* operand: a namespace of ``loads`` (one or
@@ -323,7 +297,7 @@ class Strategy:
 
 
 def _serial_segment(unit: int):
-    """A macro ``run(acc, seg, t, i, j)``: acc[0] += one segment of ``Strategy.product`` at output (i, j) of task t
+    """A macro ``run(acc, seg, t, i, j)``: acc[0] += one segment of ``ChunkStrategy.product`` at output (i, j) of task t
     (acc[1]: a weighted segment's unit sum)."""
 
     @T.macro
@@ -363,8 +337,8 @@ def _serial_dd_row(ops, w, t, l, P: int):
             w.dc[p] = w.dc[p] + ops.g(t, l, p) * ops.x(t, l, p)
 
 
-def _serial_row_dot(S: Strategy, W: int, unit: int):
-    """A macro ``run(seg, t, i)``: a weighted ``Strategy.product`` segment's ``dot`` at row i of task t, per unit:
+def _serial_row_dot(S: ChunkStrategy, W: int, unit: int):
+    """A macro ``run(seg, t, i)``: a weighted ``ChunkStrategy.product`` segment's ``dot`` at row i of task t, per unit:
     the unit's sums recomputed per column j, j ascending."""
 
     @T.macro
@@ -414,4 +388,4 @@ def unravel(i, extents):
     return tuple(digits)
 
 
-SERIAL = Strategy()
+SERIAL = ChunkStrategy()

@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from .._common import stamp
 from .common import F32, I32, prev_sid
 from .dims import VarlenDims, dims_of
-from .strategy import SERIAL, Strategy, unravel
+from .strategy import SERIAL, ChunkStrategy, unravel
 
 
 def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
@@ -36,7 +36,7 @@ def carries(seq_idx, s, e, c, le, Q, has_seq_idx):
     return tirx.all(ok, seq_idx[tirx.max(e, 1) - 1] == prev_sid(seq_idx, c, Q))
 
 
-def varlen_template(d: VarlenDims, S: Strategy) -> tirx.PrimFunc:
+def varlen_template(d: VarlenDims, S: ChunkStrategy) -> tirx.PrimFunc:
     """The ssd_chunk_state_varlen kernel laid out by ``S``: a task per (sequence, head) and block of headdim rows
     (all of them on a CPU, one on CUDA) with lanes of dstate (all on a CPU, one on CUDA); each output element
     takes the carried term, then the sequence's tokens of its last chunk in order."""
@@ -96,7 +96,7 @@ def varlen_template(d: VarlenDims, S: Strategy) -> tirx.PrimFunc:
     return func
 
 
-def ssd_chunk_state_varlen(dims: VarlenDims | None = None, strategy: Strategy = SERIAL, **kw) -> tirx.PrimFunc:
+def ssd_chunk_state_varlen(dims: VarlenDims | None = None, strategy: ChunkStrategy = SERIAL, **kw) -> tirx.PrimFunc:
     """x: (seqlen, nheads, headdim); B: (seqlen, ngroups, dstate); dt_out, dA_cumsum: (nheads, nchunks,
     chunk_size) f32; states_in: (nchunks, nheads, headdim, dstate) in state_dtype; cu_seqlens: (num_seqs + 1,)
     int32 (validated by the caller: 0 = cu[0] <= cu[1] <= ... <= cu[-1] <= seqlen, the tail padding);
