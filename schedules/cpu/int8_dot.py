@@ -18,16 +18,19 @@ Knobs: ``mb``, ``nb``, ``mo`` (direct); ``pack_mr``, ``pack_kc``, ``pack_mo``, `
 dgrad / wgrad (the float32 straight-through backward): loop nests vectorized over the contiguous output
 axis with register tiles; wgrad's sum over rows is two-stage (fixed parts, fixed order). Knobs ``vector``,
 ``rows``, ``k_tile``, ``row_chunk`` (dgrad register tile, float staging of the codes per k tile and row
-chunk), ``k_vectors`` and ``row_tile`` (wgrad register tile and loop order).
+chunk), ``k_vectors`` and ``row_tile`` (wgrad register tile and loop order). Their parameter lists are declared
+once in tvm_mamba/compute/int8_dot/signature.py (``grad_kernel``, shared with the CUDA tensor-core forms): these
+templates supply only the loop nests.
 pack / unpack: block-scheduled (so also a MetaSchedule design space on CPU): parallel over rows, knob
 ``vector`` splits the contiguous axis and vectorizes the inner part (default 1: the serial loop).
 """
 from __future__ import annotations
 
-import tvm
 from tvm.script import tirx as T
 
 from tvm_mamba.compute import int8_dot as int8_compute
+from tvm_mamba.compute.int8_dot.dims import Int8DotDgrad, Int8DotWgrad
+from tvm_mamba.compute.int8_dot.signature import grad_kernel
 from tvm_mamba.schedules import rule
 
 VEC = 64  # bytes per zmm
@@ -198,7 +201,7 @@ def _largest_div(n: int, cands=(4, 2, 1)) -> int:
     return next(c for c in cands if n % c == 0) if n else 1
 
 
-def _dgrad(H: int, N: int, K: int, V: int, MB: int, KT: int, MC: int):
+def _dgrad(d: Int8DotDgrad, V: int, MB: int, KT: int, MC: int):
     """out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]. Parallel over (h, chunk of MC rows); per block
     of NB vectors of V columns of n and tile of KT k, the KT x NB*V codes are converted to float32 once into a
     stack tile (L1) and every MB-row register tile of the chunk (MB rows x NB vectors, <= 16 zmm) runs over it:
@@ -206,7 +209,8 @@ def _dgrad(H: int, N: int, K: int, V: int, MB: int, KT: int, MC: int):
     ``out`` between k tiles (unscaled; the scale is applied on the last tile), so every tiling sums k in order:
     bitwise equal results. The conversion is amortized over MC rows, and codes are read once per chunk. (The
     earlier schedule converted NB codes vectors per k inside the register tile: 1.2-1.4x slower at K = 1024.)
-    Rows past the last full MB tile: one-row tiles; N % V columns: a scalar loop."""
+    Rows past the last full MB tile: one-row tiles; N % V columns: a scalar loop. Its parameter list: grad_kernel."""
+    H, N, K = d.heads, d.N, d.K
     NV, NT = N // V, N % V
     NB = _largest_div(NV, tuple(c for c in (4, 2, 1) if c * MB <= 16))
     NKT = (K + KT - 1) // KT
@@ -230,14 +234,8 @@ def _dgrad(H: int, N: int, K: int, V: int, MB: int, KT: int, MC: int):
                     out[h, m0 + r, (jb * NB + t) * V + i] = acc[(r * NB + t) * V + i] * T.if_then_else(
                         kt == NKT - 1, scale[0], T.float32(1))
 
-    @T.prim_func
-    def int8_dot_dgrad(g_h: T.handle, c_h: T.handle, s_h: T.handle, o_h: T.handle):
-        T.func_attr({"global_symbol": "int8_dot_dgrad", "tirx.noalias": True})
-        M = T.int32()
-        g = T.match_buffer(g_h, (H, M, K), "float32")
-        codes = T.match_buffer(c_h, (H, K, N), "int8")
-        scale = T.match_buffer(s_h, (1,), "float32")
-        out = T.match_buffer(o_h, (H, M, N), "float32")
+    @T.macro
+    def body(g, codes, scale, out, M):
         for hc in T.parallel(H * ((M + MC - 1) // MC)):
             cf = T.alloc_buffer((KT * NB * V,), "float32")
             acc = T.alloc_buffer((MB * NB * V,), "float32")
@@ -263,10 +261,10 @@ def _dgrad(H: int, N: int, K: int, V: int, MB: int, KT: int, MC: int):
                         tac[0] = tac[0] + g[h, m_lo + r, k] * T.Cast("float32", codes[h, k, NV * V + nt])
                     out[h, m_lo + r, NV * V + nt] = tac[0] * scale[0]
 
-    return int8_dot_dgrad
+    return grad_kernel(d, body)
 
 
-def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4, RT: int = 0):
+def _wgrad(d: Int8DotWgrad, V: int, KBM: int = 4, RT: int = 0):
     """Stage 1: part p, head h, KB vectors of k: partial[p, h, n, k] = sum over the part's rows m (in order)
     of codes[h|0, m, n] * g[h, m, k]; register tile NB x KB vectors (each m: NB int8 broadcasts, KB loads of
     g, NB*KB FMAs). Parallel over (part, head, k block). Loop order, knob ``row_tile`` (RT):
@@ -276,7 +274,8 @@ def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4, RT: int = 0):
       next tile (its accumulators carried through ``partial``), so the RT x KB*V floats of g stay in L1.
       Same per-element summation order as 0: bitwise equal results.
     K % V columns: scalar loop. Stage 2: out[h, n, k] = scale * sum_p partial[p, h, n, k], parts in order.
-    Parallel over (h, n)."""
+    Parallel over (h, n). Its parameter list: grad_kernel."""
+    H, CH, N, K = d.heads, d.code_heads, d.N, d.K
     KV, KT = K // V, K % V
     KB = _largest_div(KV, tuple(c for c in (8, 4, 2, 1) if c <= KBM))
     NB = _largest_div(N, tuple(c for c in (4, 2, 1) if c * KB <= 16))  # <= 16 accumulators
@@ -287,11 +286,11 @@ def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4, RT: int = 0):
         return h if CH > 1 else 0
 
     @T.macro
-    def column_block(codes, g, part, acc, p, h, k0, nb, m0, rows, carry):
+    def column_block(codes, g, partial, acc, p, h, k0, nb, m0, rows, carry):
         for t in T.unroll(NB):
             for u in T.unroll(KB):
                 for i in T.vectorized(V):
-                    acc[(t * KB + u) * V + i] = T.if_then_else(carry, part[p, h, nb * NB + t, k0 + u * V + i],
+                    acc[(t * KB + u) * V + i] = T.if_then_else(carry, partial[p, h, nb * NB + t, k0 + u * V + i],
                                                                T.float32(0))
         for q in range(rows):
             for t in T.unroll(NB):
@@ -302,33 +301,25 @@ def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4, RT: int = 0):
         for t in T.unroll(NB):
             for u in T.unroll(KB):
                 for i in T.vectorized(V):
-                    part[p, h, nb * NB + t, k0 + u * V + i] = acc[(t * KB + u) * V + i]
+                    partial[p, h, nb * NB + t, k0 + u * V + i] = acc[(t * KB + u) * V + i]
 
     @T.macro
-    def part_rows(codes, g, part, acc, p, h, k0, m0, rows):
+    def part_rows(codes, g, partial, acc, p, h, k0, m0, rows):
         if RT == 0:
             for nb in range(NNB):
-                column_block(codes, g, part, acc, p, h, k0, nb, m0, rows, False)
+                column_block(codes, g, partial, acc, p, h, k0, nb, m0, rows, False)
         else:
             for qo in range((rows + RT - 1) // RT):
                 for nb in range(NNB):
-                    column_block(codes, g, part, acc, p, h, k0, nb, m0 + qo * RT, T.min(RT, rows - qo * RT), qo > 0)
+                    column_block(codes, g, partial, acc, p, h, k0, nb, m0 + qo * RT, T.min(RT, rows - qo * RT), qo > 0)
 
-    @T.prim_func
-    def int8_dot_wgrad(c_h: T.handle, g_h: T.handle, s_h: T.handle, o_h: T.handle, p_h: T.handle):
-        T.func_attr({"global_symbol": "int8_dot_wgrad", "tirx.noalias": True})
-        M = T.int32()
-        nparts = T.int32()
-        codes = T.match_buffer(c_h, (CH, M, N), "int8")
-        g = T.match_buffer(g_h, (H, M, K), "float32")
-        scale = T.match_buffer(s_h, (1,), "float32")
-        out = T.match_buffer(o_h, (H, N, K), "float32")
-        part = T.match_buffer(p_h, (nparts, H, N, K), "float32")
+    @T.macro
+    def body(codes, g, scale, out, partial, M, nparts):
         chunk = T.meta_var((M + nparts - 1) // nparts)
         for phk in T.parallel(nparts * H * NKB):
             acc = T.alloc_buffer((NB * KB * V,), "float32")
             p = T.meta_var(phk // (H * NKB1))
-            part_rows(codes, g, part, acc, p, phk // NKB1 % H, phk % NKB1 * KB * V, p * chunk,
+            part_rows(codes, g, partial, acc, p, phk // NKB1 % H, phk % NKB1 * KB * V, p * chunk,
                       T.max(T.min(chunk, M - p * chunk), 0))
         for phn in T.parallel(nparts * H * NNB * T.min(KT, 1)):
             tac = T.alloc_buffer((NB,), "float32")
@@ -343,7 +334,7 @@ def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4, RT: int = 0):
                         tac[t] = tac[t] + T.Cast("float32", codes[hc(h), p * chunk + q, n0 + t]) * g[
                             h, p * chunk + q, KV * V + kt]
                 for t in T.unroll(NB):
-                    part[p, h, n0 + t, KV * V + kt] = tac[t]
+                    partial[p, h, n0 + t, KV * V + kt] = tac[t]
         for hn in T.parallel(H * N):
             a2 = T.alloc_buffer((V,), "float32")
             t2 = T.alloc_buffer((1,), "float32")
@@ -352,16 +343,16 @@ def _wgrad(H: int, CH: int, N: int, K: int, V: int, KBM: int = 4, RT: int = 0):
                     a2[i] = T.float32(0)
                 for p in range(nparts):
                     for i in T.vectorized(V):
-                        a2[i] = a2[i] + part[p, hn // N, hn % N, kv * V + i]
+                        a2[i] = a2[i] + partial[p, hn // N, hn % N, kv * V + i]
                 for i in T.vectorized(V):
                     out[hn // N, hn % N, kv * V + i] = a2[i] * scale[0]
             for kt in range(KT):
                 t2[0] = T.float32(0)
                 for p in range(nparts):
-                    t2[0] = t2[0] + part[p, hn // N, hn % N, KV * V + kt]
+                    t2[0] = t2[0] + partial[p, hn // N, hn % N, KV * V + kt]
                 out[hn // N, hn % N, KV * V + kt] = t2[0] * scale[0]
 
-    return int8_dot_wgrad
+    return grad_kernel(d, body)
 
 
 def _has_vnni(target) -> bool:
@@ -404,14 +395,14 @@ def lay_out(kernel: str, d, target, decisions: rule.Decisions):
         # k_tile 64: a 64 x 64-float staged codes tile (16 KiB) fits any L1d of 32 KiB or more
         KT = decisions.pick("k_tile", (64, 128, 256), 64)
         MC = decisions.pick("row_chunk", (32, 64, 128, 256), 64)
-        return rule.schedule_of(_dgrad(d.heads, d.N, d.K, V, MB, KT, MC), name)
+        return rule.schedule_of(_dgrad(d, V, MB, KT, MC), name)
     if kernel == "wgrad":
         V = decisions.pick("vector", (16, 8), 16)
         KBM = decisions.pick("k_vectors", (2, 4, 8), 4)
         # row_tile 64: the g tile (64 rows x KB*V floats = 16 KiB) fits any L1d of 32 KiB or more; 0 was the
         # hand schedule before the knob (1.6-1.9x slower at K = 2048 here), 128 / 256 are for larger L1s
         RT = decisions.pick("row_tile", (0, 64, 128, 256), 64)
-        return rule.schedule_of(_wgrad(d.heads, d.code_heads, d.N, d.K, V, KBM, RT), name)
+        return rule.schedule_of(_wgrad(d, V, KBM, RT), name)
     if kernel in ("pack", "unpack"):
         # block-scheduled (a MetaSchedule design space on CPU too): rows in parallel; the contiguous axis
         # (K/4 words or K bytes) split by ``vector`` and the inner part vectorized (1: the plain serial loop,

@@ -9,7 +9,9 @@ foreign functions) None, and the dispatcher's dlight fallback schedules the plai
 dgrad / wgrad (float32 straight-through backward): on bf16 tensor cores where N and K are multiples of 16, g
 staged as three bf16 parts whose sum is g (float32-exact products against the codes); otherwise one thread per
 output element, reductions serial per thread in registers; wgrad's two-stage sum over rows keeps the fixed part
-order either way (deterministic).
+order either way (deterministic). The tensor-core forms are written loop nests whose parameter lists are declared
+once in tvm_mamba/compute/int8_dot/signature.py (``grad_kernel``, shared with the CPU templates); the per-thread
+forms schedule the TE definitions.
 pack / unpack: elementwise, one thread per output word / byte.
 Knobs: ``tile`` (threads per block edge), ``kgroups`` (4-byte K groups staged per step), ``threads`` (dgrad/wgrad
 and elementwise threads per block), ``tensor_cores`` / ``tc_rows`` (the tensor-core forms).
@@ -22,6 +24,7 @@ from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from tvm_mamba.compute import int8_dot as int8_compute
+from tvm_mamba.compute.int8_dot.signature import grad_kernel
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
 from tvm_mamba.schedules.cuda._tiled import K_SLICE, TILE_CAP
@@ -164,7 +167,7 @@ def _tc_dgrad(d, decisions):
     """out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n] on bf16 tensor cores: a block per (head, TM rows
     of M) x TW columns (M symbolic, rows past M read row M - 1 and are not stored); g staged as three bfloat16
     parts (``_tiled_tc._copy_split``: their sum is g exactly) against the codes (exact in bfloat16), so every
-    product is float32's, summed in float32 by the mma. Needs N % 16 == K % 16 == 0."""
+    product is float32's, summed in float32 by the mma. Needs N % 16 == K % 16 == 0. Its parameter list: grad_kernel."""
     heads, N, K = d.heads, d.N, d.K
     rows = decisions.pick("tc_rows", TC_ROWS, 64)
     threads = decisions.pick("threads", (64, 128, 256), 128)
@@ -177,19 +180,14 @@ def _tc_dgrad(d, decisions):
         if t % RT * TM + i < M:
             out[t // RT, t % RT * TM + i, j] = v * scale[0]
 
-    @T.prim_func
-    def dgrad(g_h: T.handle, codes_h: T.handle, scale_h: T.handle, out_h: T.handle):
-        M = T.int32()
-        g = T.match_buffer(g_h, (heads, M, K), "float32")
-        codes = T.match_buffer(codes_h, (heads, K, N), "int8")
-        scale = T.match_buffer(scale_h, (1,), "float32")
-        out = T.match_buffer(out_h, (heads, M, N), "float32")
+    @T.macro
+    def body(g, codes, scale, out, M):
         RT = T.meta_var((M + TM - 1) // TM)
         run(heads * RT, lambda t, i, k: g[t // RT, T.min(t % RT * TM + i, M - 1), k],
             lambda t, j, k: codes[t // RT, k, j].astype("float32"),
             lambda t, i, j, v: store(out, scale, M, RT, t, i, j, v))
 
-    return _handwritten(dgrad, "int8_dot_dgrad")
+    return _handwritten(grad_kernel(d, body), "int8_dot_dgrad")
 
 
 def _tc_wgrad(d, decisions):
@@ -197,7 +195,7 @@ def _tc_wgrad(d, decisions):
     g[h, m, k], a block per (part, head) x TM of N x TW of K, the part's rows (chunk = ceil(M / nparts),
     symbolic) in k slices, rows past the part or M zero in g; g split in three bfloat16 parts as in
     ``_tc_dgrad`` (float32 products). Stage 2 as ``_wgrad``'s: a thread per out[h, n, k], the parts in order.
-    Needs N % 16 == K % 16 == 0."""
+    Needs N % 16 == K % 16 == 0. Its parameter list: grad_kernel."""
     heads, code_heads, N, K = d.heads, d.code_heads, d.N, d.K
     threads = decisions.pick("threads", (64, 128, 256), 128)
     tl = TcTiling.of(N, K, K_SLICE, threads, decisions.pick("tile", TILE_CAP, 64), "bfloat16")
@@ -207,14 +205,8 @@ def _tc_wgrad(d, decisions):
     def store(partial, t, i, j, v):
         partial[t // heads, t % heads, i, j] = v
 
-    @T.prim_func
-    def wgrad(codes_h: T.handle, g_h: T.handle, scale_h: T.handle, out_h: T.handle, partial_h: T.handle):
-        M, nparts = T.int32(), T.int32()
-        codes = T.match_buffer(codes_h, (code_heads, M, N), "int8")
-        g = T.match_buffer(g_h, (heads, M, K), "float32")
-        scale = T.match_buffer(scale_h, (1,), "float32")
-        out = T.match_buffer(out_h, (heads, N, K), "float32")
-        partial = T.match_buffer(partial_h, (nparts, heads, N, K), "float32")
+    @T.macro
+    def body(codes, g, scale, out, partial, M, nparts):
         chunk = T.meta_var((M + nparts - 1) // nparts)
         run = T.meta_var(tc_matmul(tl, False, False, scaled=False, split="b",
                                    slices=lambda t: (chunk + KT - 1) // KT))
@@ -233,7 +225,7 @@ def _tc_wgrad(d, decisions):
                         acc[0] = acc[0] + partial[p, e // (N * K), e // K % N, e % K]
                     out[e // (N * K), e // K % N, e % K] = acc[0] * scale[0]
 
-    return _handwritten(wgrad, "int8_dot_wgrad")
+    return _handwritten(grad_kernel(d, body), "int8_dot_wgrad")
 
 
 def _handwritten(func, name: str):

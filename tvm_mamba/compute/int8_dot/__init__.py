@@ -8,7 +8,9 @@
 
 M / rows are symbolic; N and K are static. These TE definitions are the semantic source of truth and what
 the CUDA rules schedule (dp4a tensorize); the CPU rule emits a VNNI loop nest with the same parameters
-(schedules/cpu/int8_dot.py).
+(schedules/cpu/int8_dot.py). The hand-written dgrad / wgrad loop nests (the CPU templates, the CUDA
+tensor-core forms) take their parameter lists, declared once to match the TE definitions here, from
+signature.py (``grad_kernel``; TVMScript, so imported by those rules, not by this module).
 """
 from __future__ import annotations
 
