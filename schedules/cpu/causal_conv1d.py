@@ -6,84 +6,35 @@ Why not s_tir primitives on the TE compute: with a symbolic seqlen, split(t, [No
 the window reaches before t=0: initial states / zeros), a vectorized main loop over full vectors (no
 conditions except the seq_idx mask, a vector select), and a scalar tail.
 
+Only the loops are this file's: the math at a tap (the window it reads, the gradient flowing back to it, the
+activation and its derivative) is the TE definitions' own (tvm_mamba/compute/causal_conv1d/taps.py, with the
+CPU's polynomial exp), and the parameter lists are declared once (compute/causal_conv1d/signature.py).
+
 Knobs (``decisions``): ``vector`` — lanes per main-loop step (8, 16, 32; default 16 = one zmm of fp32).
-The parameter lists (tvm_mamba/compute/causal_conv1d/signature.py) match tvm_mamba/compute/causal_conv1d/__init__.py.
 """
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
-from ...compute.causal_conv1d.signature import conv_kernel
-from ...compute.causal_conv1d.update import update_template
 from ...compute._math import math_for
-from ...compute.causal_conv1d import (CausalConv1dBwd, CausalConv1dFwd, causal_conv1d_varlen_states, window_value,
-                                      zero_padding)
+from ...compute.causal_conv1d import CausalConv1dBwd, CausalConv1dFwd, causal_conv1d_varlen_states
+from ...compute.causal_conv1d.signature import conv_kernel
+from ...compute.causal_conv1d.taps import ConvMath
+from ...compute.causal_conv1d.update import update_template
 from ..rule import Decisions, schedule_compute, schedule_of
 from ._strategy import CpuStrategy
 
 MATH = math_for()  # float32, the vectorizable polynomials (llvm.exp is one libm call per lane)
-
 F32 = "float32"
 
 
-def _act(v, activation):
-    return MATH.silu(v) if activation == "silu" else v
-
-
-def _act_grad(v, activation):
-    return MATH.silu_grad(v) if activation == "silu" else tirx.const(1.0, F32)
-
-
-class _Taps:
-    """The float32 reads at a (batch b, channel c, position) for dims ``d`` (forward or backward): the window
-    (xx), x in the main loop (xtap), and the backward's g at a later source position, dout and dfinal, each
-    masked as the TE definitions mask them."""
-
-    def __init__(self, d: CausalConv1dFwd | CausalConv1dBwd):
-        self.d, self.W, self.zero = d, d.width, tirx.const(0.0, F32)
-
-    def xx(self, x, init, seq_idx, b, c, s, t):
-        return window_value(x, init, seq_idx, self.W, self.d.has_seq_idx, self.d.has_init, b, c, s, t)
-
-    @staticmethod
-    def same(seq_idx, b, s, t):  # both positions inside [0, L)
-        return seq_idx[b, s] == seq_idx[b, t]
-
-    def g_at(self, g, seq_idx, L, b, c, src, s):  # g[src] if src is a later position of s's sequence, else 0
-        val = g[b, c, tirx.min(tirx.max(src, 0), L - 1)]
-        if self.d.has_seq_idx:
-            val = tirx.Select(self.same(seq_idx, b, tirx.min(tirx.max(src, 0), L - 1), tirx.max(s, 0)), val,
-                              self.zero)
-        return tirx.if_then_else(tirx.all(src >= 0, src < L), val, self.zero)
-
-    def g_main(self, g, seq_idx, b, c, src, s):  # main loop: 0 <= s <= src < L
-        val = g[b, c, src]
-        return tirx.Select(self.same(seq_idx, b, src, s), val, self.zero) if self.d.has_seq_idx else val
-
-    def final_grad(self, dfinal, L, b, c, s):
-        if not self.d.has_dfinal:
-            return self.zero
-        W = self.W
-        j = s - (L - (W - 1))
-        return tirx.if_then_else(tirx.all(j >= 0, j < W - 1),
-                                 dfinal[b, c, tirx.min(tirx.max(j, 0), W - 2)].astype(F32), self.zero)
-
-    def dout_at(self, dout, seq_idx, b, c, t):  # a padding output is a constant 0: no gradient flows from it
-        return zero_padding(dout[b, c, t].astype(F32), seq_idx, self.d.has_seq_idx, b, t)
-
-    def xtap(self, x, seq_idx, b, c, s, t):  # main loop: s >= 0
-        v = x[b, c, s].astype(F32)
-        return tirx.Select(self.same(seq_idx, b, s, t), v, self.zero) if self.d.has_seq_idx else v
-
-
-def _pre_rows(d: CausalConv1dFwd | CausalConv1dBwd, V: int, tp: _Taps, value, final_states: bool = False):
+def _pre_rows(d: CausalConv1dFwd | CausalConv1dBwd, V: int, cm: ConvMath, value, final_states: bool = False):
     """The pass both directions make over every (batch, channel) row: the pre-activation
     pre[t] = bias + sum_k weight[k] * xx[t - (W-1) + k] (the forward's output; the backward recomputes it,
     cheaper than saving it: one row pass) in a scalar head (t < V: the window reaches before t = 0), full
     vectors and a scalar tail. ``dst[b, c, t] = value(aux, seq_idx, b, c, t, pre)``; with ``final_states``
     the row's last width-1 window values go to ``final`` in the same pass (the forward's final_states)."""
-    D, W, has_bias, x_dtype, has_init = d.dim, d.width, d.has_bias, d.x_dtype, d.has_init
+    D, W, has_bias, x_dtype = d.dim, d.width, d.has_bias, d.x_dtype
 
     @T.macro
     def pre_rows(x, weight, bias, seq_idx, init, aux, dst, final, B, L):
@@ -98,35 +49,37 @@ def _pre_rows(d: CausalConv1dFwd | CausalConv1dBwd, V: int, tp: _Taps, value, fi
             for t in range(T.min(L, V)):
                 acc[0] = wv[W]
                 for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * tp.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
+                    acc[0] = acc[0] + wv[k] * cm.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
                 dst[b, c, t] = value(aux, seq_idx, b, c, t, acc[0])
             for t0 in range(1, L // V):  # every tap inside the row
                 for i in T.vectorized(V):
                     acc[i] = wv[W]
                 for k in T.unroll(W):
                     for i in T.vectorized(V):
-                        acc[i] = acc[i] + wv[k] * tp.xtap(x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
+                        acc[i] = acc[i] + wv[k] * cm.xx(x, init, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i,
+                                                          inside=True)
                 for i in T.vectorized(V):
                     dst[b, c, t0 * V + i] = value(aux, seq_idx, b, c, t0 * V + i, acc[i])
             for t in range(T.max(L // V * V, V), L):
                 acc[0] = wv[W]
                 for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * tp.xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
+                    acc[0] = acc[0] + wv[k] * cm.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t, inside=True)
                 dst[b, c, t] = value(aux, seq_idx, b, c, t, acc[0])
             if final_states:
                 for j in range(W - 1):
-                    final[b, c, j] = window_value(x, init, seq_idx, W, False, has_init, b, c,
-                                                  L - (W - 1) + j, 0).astype(x_dtype)
+                    final[b, c, j] = cm.final_state(x, init, b, c, L, j).astype(x_dtype)
 
     return pre_rows
 
 
 def _fwd(d: CausalConv1dFwd, V: int):
     """The forward loop nest (its signature: conv_kernel): one _pre_rows pass, act applied, final states."""
-    def out_value(_, seq_idx, b, c, t, pre):  # padding positions (seq_idx < 0) output 0
-        return zero_padding(_act(pre, d.activation), seq_idx, d.has_seq_idx, b, t).astype(d.x_dtype)
+    cm = ConvMath(d, MATH)
 
-    pre_rows = _pre_rows(d, V, _Taps(d), out_value, final_states=d.return_final)
+    def out_value(_, seq_idx, b, c, t, pre):
+        return cm.out(seq_idx, b, t, pre).astype(d.x_dtype)
+
+    pre_rows = _pre_rows(d, V, cm, out_value, final_states=d.return_final)
 
     @T.macro
     def body(x, weight, bias, seq_idx, init, out, final, B, L):
@@ -135,7 +88,7 @@ def _fwd(d: CausalConv1dFwd, V: int):
     return conv_kernel(d, body)
 
 
-def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _Taps):
+def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, cm: ConvMath):
     """Phase 2, per row: dx, dinit, and the row's partial sums for dweight / dbias (stage 1 of 2)."""
     D, W, x_dtype, has_init = d.dim, d.width, d.x_dtype, d.has_init
 
@@ -149,19 +102,20 @@ def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _Taps):
                 acc[i] = T.float32(0)
             for k in T.unroll(W):
                 for i in T.vectorized(V):
-                    acc[i] = acc[i] + wv[k] * tp.g_main(g, seq_idx, b, c, s0 * V + i + (W - 1) - k, s0 * V + i)
+                    acc[i] = acc[i] + wv[k] * cm.later_grad(g, seq_idx, L, b, c, s0 * V + i + (W - 1) - k, s0 * V + i,
+                                                                  inside=True)
             for i in T.vectorized(V):
                 dx[b, c, s0 * V + i] = acc[i].astype(x_dtype)
         for s in range(nmain * V, L):
-            acc[0] = tp.final_grad(dfinal, L, b, c, s)
+            acc[0] = cm.final_grad(dfinal, L, b, c, s)
             for k in T.unroll(W):
-                acc[0] = acc[0] + wv[k] * tp.g_at(g, seq_idx, L, b, c, s + (W - 1) - k, s)
+                acc[0] = acc[0] + wv[k] * cm.later_grad(g, seq_idx, L, b, c, s + (W - 1) - k, s)
             dx[b, c, s] = acc[0].astype(x_dtype)
         if has_init:
             for j in range(W - 1):
-                acc[0] = tp.final_grad(dfinal, L, b, c, j - (W - 1))
+                acc[0] = cm.final_grad(dfinal, L, b, c, j - (W - 1))
                 for k in T.unroll(W):
-                    acc[0] = acc[0] + wv[k] * tp.g_at(g, seq_idx, L, b, c, j - k, 0)
+                    acc[0] = acc[0] + wv[k] * cm.later_grad(g, seq_idx, L, b, c, j - k, 0)
                 dinit[b, c, j] = acc[0].astype(x_dtype)
 
     @T.macro
@@ -171,18 +125,18 @@ def _bwd_grad_inputs(d: CausalConv1dBwd, V: int, tp: _Taps):
                 pacc[k, i] = T.float32(0)
         for t in range(T.min(L, V)):
             for k in T.unroll(W):
-                pacc[k, 0] = pacc[k, 0] + g[b, c, t] * tp.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
+                pacc[k, 0] = pacc[k, 0] + g[b, c, t] * cm.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t)
             pacc[W, 0] = pacc[W, 0] + g[b, c, t]
         for t0 in range(1, L // V):
             for k in T.unroll(W):
                 for i in T.vectorized(V):
-                    pacc[k, i] = pacc[k, i] + g[b, c, t0 * V + i] * tp.xtap(
-                        x, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i)
+                    pacc[k, i] = pacc[k, i] + g[b, c, t0 * V + i] * cm.xx(
+                        x, init, seq_idx, b, c, t0 * V + i - (W - 1) + k, t0 * V + i, inside=True)
             for i in T.vectorized(V):
                 pacc[W, i] = pacc[W, i] + g[b, c, t0 * V + i]
         for t in range(T.max(L // V * V, V), L):
             for k in T.unroll(W):
-                pacc[k, 0] = pacc[k, 0] + g[b, c, t] * tp.xtap(x, seq_idx, b, c, t - (W - 1) + k, t)
+                pacc[k, 0] = pacc[k, 0] + g[b, c, t] * cm.xx(x, init, seq_idx, b, c, t - (W - 1) + k, t, inside=True)
             pacc[W, 0] = pacc[W, 0] + g[b, c, t]
         for k in range(W + 1):
             acc[0] = T.float32(0)
@@ -210,12 +164,8 @@ def _bwd(d: CausalConv1dBwd, V: int):
     batch order (deterministic)."""
     # plain names: TVMScript folds these Python values into the kernel's static branches
     D, W, has_bias, weight_dtype = d.dim, d.width, d.has_bias, d.weight_dtype
-    tp = _Taps(d)
-
-    def g_value(dout, seq_idx, b, c, t, pre):
-        return tp.dout_at(dout, seq_idx, b, c, t) * _act_grad(pre, d.activation)
-
-    grad_pre, grad_inputs = _pre_rows(d, V, tp, g_value), _bwd_grad_inputs(d, V, tp)
+    cm = ConvMath(d, MATH)
+    grad_pre, grad_inputs = _pre_rows(d, V, cm, cm.grad), _bwd_grad_inputs(d, V, cm)
 
     @T.macro
     def body(x, weight, bias, seq_idx, init, dout, dfinal, dx, dweight, dbias, dinit, g, partial, B, L):

@@ -164,8 +164,8 @@ def _ref_seq_idx_init(x, w, b, init, seq_idx, activation):
 
 @pytest.mark.parametrize("first_cut", [1, 2, 5])
 def test_seq_idx_with_initial_and_final_states(first_cut):
-    """Regression: with seq_idx and initial_states together, the forward (window_value in
-    compute/causal_conv1d/__init__.py) added the initial-state taps to every output t < width-1, also to those of a
+    """Regression: with seq_idx and initial_states together, the forward (ConvMath.xx in
+    compute/causal_conv1d/taps.py) added the initial-state taps to every output t < width-1, also to those of a
     sequence starting at t = 1 or 2, while the backward's dinit only took gradient from the first sequence.
     first_cut is where the second sequence of row 0 starts (1, 2: inside the initial-state window)."""
     x, w, b = _inputs(batch=2, seqlen=19)

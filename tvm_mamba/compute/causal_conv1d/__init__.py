@@ -22,6 +22,7 @@ from .dims import (ACTIVATIONS, DIMS, WIDTHS, CausalConv1dBwd, CausalConv1dFwd, 
                                   CausalConv1dUpdate, CausalConv1dVarlenStates)
 from .._common import f32, stamp
 from .._math import math_for
+from .taps import ConvMath
 
 
 def _inputs(d: CausalConv1dFwd | CausalConv1dBwd):
@@ -35,27 +36,6 @@ def _inputs(d: CausalConv1dFwd | CausalConv1dBwd):
     return batch, seqlen, x, weight, bias, seq_idx, init
 
 
-def window_value(x, init, seq_idx, width, has_seq_idx, has_init, b, c, s, t):
-    """xx[b, c, s] as seen from output position t (float32): x, initial state, or 0 across a seq_idx change
-    (an initial state, at s < 0, belongs to the sequence of position 0, as the backward's dinit assumes)."""
-    zero = tirx.const(0.0, "float32")
-    inside = f32(x[b, c, tirx.max(s, 0)])
-    if has_seq_idx:
-        inside = tirx.Select(seq_idx[b, tirx.max(s, 0)] == seq_idx[b, t], inside, zero)
-    before = f32(init[b, c, tirx.max(s + (width - 1), 0)]) if has_init else zero
-    if has_init and has_seq_idx:  # initial states continue the row's first sequence only
-        before = tirx.Select(seq_idx[b, 0] == seq_idx[b, t], before, zero)
-    return tirx.if_then_else(s >= 0, inside, before)
-
-
-def zero_padding(value, seq_idx, has_seq_idx, b, t):
-    """``value`` at a real token, 0 at a padding position (seq_idx < 0): causal-conv1d 1.7.0's forward sets
-    those outputs to 0, so they are constants and their gradient is 0 as well."""
-    if not has_seq_idx:
-        return value
-    return tirx.Select(seq_idx[b, t] < 0, tirx.const(0.0, "float32"), value)  # value: float32
-
-
 def causal_conv1d_fwd(*dims, **fields) -> tirx.PrimFunc:
     """x: (batch, dim, seqlen); weight: (dim, width); bias: (dim,); seq_idx: (batch, seqlen) int32;
     initial_states: (batch, dim, width-1) -> out: (batch, dim, seqlen), final_states: (batch, dim, width-1).
@@ -63,28 +43,24 @@ def causal_conv1d_fwd(*dims, **fields) -> tirx.PrimFunc:
     out = act(bias + sum_k weight[:, k] * xx[..., t-(width-1)+k]); final_states = xx[..., seqlen-(width-1):].
     ``dims``: a :class:`CausalConv1dFwd`, or its fields (``dim, width, activation="none", ...``).
     """
-    m = math_for(native=True)  # the target's own exp (CUDA expf): these TE computes are the GPU rules'
     d = CausalConv1dFwd.of(*dims, **fields)
-    width, has_seq_idx, has_init, x_dtype = d.width, d.has_seq_idx, d.has_init, d.x_dtype
+    cm = ConvMath(d, math_for(native=True))  # the target's own exp (CUDA expf): these TE computes are the GPU's
+    width, x_dtype = d.width, d.x_dtype
     batch, seqlen, x, weight, bias, seq_idx, init = _inputs(d)
     k = te.reduce_axis((0, width), name="width")
     acc = te.compute(
         (batch, d.dim, seqlen),
-        lambda b, c, t: te.sum(f32(weight[c, k]) * window_value(
-            x, init, seq_idx, width, has_seq_idx, has_init, b, c, t - (width - 1) + k, t), axis=k),
+        lambda b, c, t: te.sum(f32(weight[c, k]) * cm.xx(x, init, seq_idx, b, c, t - (width - 1) + k, t), axis=k),
         name="conv_acc")
 
     def finish(b, c, t):
-        v = acc[b, c, t] + (f32(bias[c]) if d.has_bias else 0.0)
-        v = zero_padding(m.silu(v) if d.activation == "silu" else v, seq_idx, has_seq_idx, b, t)
-        return v.astype(x_dtype)
+        return cm.out(seq_idx, b, t, acc[b, c, t] + (f32(bias[c]) if d.has_bias else 0.0)).astype(x_dtype)
 
     out = te.compute((batch, d.dim, seqlen), finish, name="out")
     fshape = (batch, d.dim, width - 1) if d.return_final else (1, 1, 1)
     final = te.compute(
         fshape,
-        lambda b, c, j: window_value(x, init, seq_idx, width, False, has_init, b, c,
-                                     seqlen - (width - 1) + j, 0).astype(x_dtype)
+        lambda b, c, j: cm.final_state(x, init, b, c, seqlen, j).astype(x_dtype)
         if d.return_final else tirx.const(0, x_dtype),
         name="final_states")
     func = te.create_prim_func([x, weight, bias, seq_idx, init, out, final])
@@ -103,17 +79,16 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
     dx[s] = sum_k weight[k] * g[s + (width-1) - k] (same seq id) + dfinal[s - (seqlen-(width-1))];
     dweight[c, k] = sum_{b,t} g[b,c,t] * xx[b, c, t-(width-1)+k]; dbias[c] = sum_{b,t} g[b,c,t].
     """
-    m = math_for(native=True)  # the target's own exp (CUDA expf): these TE computes are the GPU rules'
     d = CausalConv1dBwd.of(*dims, **fields)
-    dim, W, has_bias, has_seq_idx, has_init, has_dfinal = d.dim, d.width, d.has_bias, d.has_seq_idx, \
-        d.has_init, d.has_dfinal
+    cm = ConvMath(d, math_for(native=True))  # the target's own exp (CUDA expf): these TE computes are the GPU's
+    dim, W, has_bias, has_init, has_dfinal = d.dim, d.width, d.has_bias, d.has_init, d.has_dfinal
     x_dtype, weight_dtype = d.x_dtype, d.weight_dtype
     batch, seqlen, x, weight, bias, seq_idx, init = _inputs(d)
     dout = te.placeholder((batch, dim, seqlen), x_dtype, name="dout")
     dfinal = te.placeholder((batch, dim, W - 1) if has_dfinal else (1, 1, 1), x_dtype, name="dfinal")
 
     def xx(b, c, s, t):
-        return window_value(x, init, seq_idx, W, has_seq_idx, has_init, b, c, s, t)
+        return cm.xx(x, init, seq_idx, b, c, s, t)
 
     k = te.reduce_axis((0, W), name="width")
     pre = te.compute((batch, dim, seqlen),
@@ -121,34 +96,18 @@ def causal_conv1d_bwd(*dims, **fields) -> tirx.PrimFunc:
                      name="pre_acc")
 
     def grad_pre(b, c, t):
-        dv = zero_padding(f32(dout[b, c, t]), seq_idx, has_seq_idx, b, t)
-        if d.activation != "silu":
-            return dv
-        v = pre[b, c, t] + (f32(bias[c]) if has_bias else 0.0)
-        s = m.sigmoid(v)  # dv * silu'(v), multiplied in this order (the generated kernels' bits are these)
-        return dv * s * (1.0 + v * (1.0 - s))
+        return cm.grad(dout, seq_idx, b, c, t, pre[b, c, t] + (f32(bias[c]) if has_bias else 0.0))
 
     # g: the workspace output (written once; dinit reads it), grad: the same values as an intermediate that
     # dx and the dweight / dbias sums read, so a schedule may compute it per tile in fast memory
     grad = te.compute((batch, dim, seqlen), grad_pre, name="grad")
     g = te.compute((batch, dim, seqlen), lambda b, c, t: grad[b, c, t], name="g")
-    zero = tirx.const(0.0, "float32")
 
     def g_at(b, c, src, s, g=grad):
-        """g[b, c, src] if src is a valid later position in the same sequence as s, else 0."""
-        ok = tirx.all(src >= 0, src < seqlen)
-        val = g[b, c, tirx.min(tirx.max(src, 0), seqlen - 1)]
-        if has_seq_idx:
-            val = tirx.Select(seq_idx[b, tirx.min(tirx.max(src, 0), seqlen - 1)] == seq_idx[b, tirx.max(s, 0)],
-                              val, zero)
-        return tirx.if_then_else(ok, val, zero)
+        return cm.later_grad(g, seq_idx, seqlen, b, c, src, s)
 
     def final_grad(b, c, s):
-        """dfinal flows to position s when s is among the last width-1 positions of xx."""
-        if not has_dfinal:
-            return zero
-        j = s - (seqlen - (W - 1))
-        return tirx.if_then_else(tirx.all(j >= 0, j < W - 1), f32(dfinal[b, c, tirx.min(tirx.max(j, 0), W - 2)]), zero)
+        return cm.final_grad(dfinal, seqlen, b, c, s)
 
     k2 = te.reduce_axis((0, W), name="width")
     dx_acc = te.compute((batch, dim, seqlen),
