@@ -251,6 +251,7 @@ def cmd_cache(args) -> int:
 def cmd_sim_check(args) -> int:
     """Every build-check configuration through the CUDA execution harness against its float64 reference."""
     from tvm_mamba.tools import simcheck
+    from tvm_mamba.tools.simcheck import ops as simcheck_ops
     from tvm_mamba.runtime import KernelKey, build_and_load
 
     ops, arch = _checked_ops_arch(args, "sim-check")
@@ -263,7 +264,7 @@ def cmd_sim_check(args) -> int:
         t0 = time.perf_counter()
         if err is None:
             with simcheck.full_shapes(args.full):
-                err = _try(simcheck.run_config, op, direction, static, dtypes, arch)
+                err = _try(simcheck_ops.run_config, op, direction, static, dtypes, arch)
         status = "ok  " if err is None else "FAIL"
         print(f"[{i + 1}/{len(keys)}] {status} {key}  ({time.perf_counter() - t0:.1f} s)", flush=True)
         if err is not None:

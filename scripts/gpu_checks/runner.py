@@ -21,13 +21,13 @@ import torch
 def call_case(case, arch: str = "sm_90") -> dict:
     """Run ``case``'s checks (inside simcheck.on_device): simcheck's configuration check, or an LM case (which
     returns its timings)."""
-    from tvm_mamba.tools import simcheck
+    from tvm_mamba.tools.simcheck import ops as simcheck_ops
 
     if case.op == "lm":
         from . import lm
 
         return lm.check(case)
-    simcheck.run_config(case.op, case.direction, case.static, case.dtypes, arch)
+    simcheck_ops.run_config(case.op, case.direction, case.static, case.dtypes, arch)
     return {}
 
 

@@ -12,6 +12,7 @@ import tvm_mamba
 from tests.compute.test_mamba3_ref import make_inputs, step_inputs
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.tools import simcheck
+from tvm_mamba.tools.simcheck import ops as simcheck_ops
 from tvm_mamba.compute import mamba3 as compute
 from tvm_mamba.reference.mamba3 import mamba3_siso_combined_ref, mamba3_siso_step_ref
 from tvm_mamba.tools.simcheck import mamba3 as sc
@@ -198,7 +199,7 @@ def test_simcheck_every_config():
                                        + ["siso_preprocess", "siso_preprocess_bwd"] + ["mimo_step"] * 3
                                        + ["step_rotate"] * 2 + ["step_update"] * 3)
     for direction, static, dtypes in configs:
-        simcheck.run_config("mamba3", direction, static, dtypes, "sm_90")
+        simcheck_ops.run_config("mamba3", direction, static, dtypes, "sm_90")
 
 
 @pytest.mark.parametrize("direction, ref_name", [("siso_step", "mamba3_siso_step_ref"),

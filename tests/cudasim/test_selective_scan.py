@@ -14,6 +14,7 @@ import torch
 import tvm_mamba
 from tests.conftest import assert_close_to_ref
 from tvm_mamba.tools import simcheck
+from tvm_mamba.tools.simcheck import ops as simcheck_ops
 from tvm_mamba.compute import selective_scan as compute
 from tvm_mamba.reference.selective_scan import selective_scan_ref
 from tvm_mamba.tools.simcheck import selective_scan as sc
@@ -195,7 +196,7 @@ def test_simcheck_every_update_config():
     configs = [c for c in compute.build_check_configs() if c[0] == "update"]
     assert len(configs) == 6 and configs[-1][1].get("tie_hdim") is True
     for direction, static, dtypes in configs:
-        simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
+        simcheck_ops.run_config("selective_scan", direction, static, dtypes, "sm_90")
 
 
 def test_simcheck_rejects_unknown_directions():
@@ -349,7 +350,7 @@ def test_simcheck_complex_configs_fp32():
     configs = [c for c in compute.build_check_configs() if c[0].endswith("_complex") and c[2]["u"] == "float32"]
     assert [c[0] for c in configs] == ["fwd_complex", "bwd_complex"]
     for direction, static, dtypes in configs:
-        simcheck.run_config("selective_scan", direction, static, dtypes, "sm_90")
+        simcheck_ops.run_config("selective_scan", direction, static, dtypes, "sm_90")
 
 
 def test_complex_A_sm80():

@@ -275,8 +275,8 @@ def test_wmma_contract(hand, name, match):
 def test_generated_kernel_without_its_barrier(tmp_path, monkeypatch):
     """rmsnorm_gated's block reduction with the barrier after its per-warp partials removed (as a schedule bug
     would): warp 0 reads the other warps' partials with nothing ordering them."""
-    from tvm_mamba.tools import simcheck
     from tvm_mamba.cli import _configs
+    from tvm_mamba.tools.simcheck import ops as simcheck_ops
     from tvm_mamba.runtime import cache
 
     def drop_barrier(code, target):
@@ -290,7 +290,7 @@ def test_generated_kernel_without_its_barrier(tmp_path, monkeypatch):
     op, direction, static, dtypes = next(iter(_configs(["rmsnorm_gated"])))
     with postproc(drop_barrier), pytest.raises(SimError, match=r"race \(read-write hazard\) on __shared__ array "
                                                                 r"red_buf_staging_ptr \(byte \d+\)"):
-        simcheck.run_config(op, direction, static, dtypes, "sm_90")
+        simcheck_ops.run_config(op, direction, static, dtypes, "sm_90")
 
 
 def test_conv_bias_is_staged_by_one_thread(monkeypatch):
@@ -298,14 +298,14 @@ def test_conv_bias_is_staged_by_one_thread(monkeypatch):
     word: a write-write race the checker reported (schedules/cuda/causal_conv1d.py ``_cooperative`` now gives
     it a unit loop, thread 0 alone writes it). Every conv forward / backward configuration with a bias runs
     clean with the checker on."""
-    from tvm_mamba.tools import simcheck
     from tvm_mamba.cli import _configs
+    from tvm_mamba.tools.simcheck import ops as simcheck_ops
 
     monkeypatch.setenv("TVM_MAMBA_SIM_CHECKS", "1")
     configs = [c for c in _configs(["causal_conv1d"]) if c[1] in ("fwd", "bwd") and c[2].get("has_bias")]
     assert {c[1] for c in configs} == {"fwd", "bwd"}
     for op, direction, static, dtypes in configs[:1] + [c for c in configs if c[1] == "bwd"][:1]:
-        simcheck.run_config(op, direction, static, dtypes, "sm_90")
+        simcheck_ops.run_config(op, direction, static, dtypes, "sm_90")
 
 
 def test_update_padding_lanes_read_no_state(monkeypatch):

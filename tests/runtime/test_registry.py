@@ -12,9 +12,14 @@ COMPUTE = pathlib.Path(registry.__file__).resolve().parents[1] / "compute"
 
 
 def _compute_ops_on_disk() -> set[str]:
-    """The public modules of tvm_mamba.compute (one per op; a large op's compute is a package)."""
-    names = {p.stem for p in COMPUTE.glob("*.py")} | {p.parent.name for p in COMPUTE.glob("*/__init__.py")}
-    return {name for name in names if not name.startswith("_")}
+    """The packages of tvm_mamba.compute: one per op (compute/<op>/, its dims.py beside its definitions); the
+    modules at the root are what the ops share (strategy.py, _math.py, _common.py, ...)."""
+    return {p.parent.name for p in COMPUTE.glob("*/__init__.py") if not p.parent.name.startswith("_")}
+
+
+def test_every_op_package_has_its_dims():
+    for name in _compute_ops_on_disk():
+        assert (COMPUTE / name / "dims.py").is_file(), name
 
 
 def test_every_compute_module_has_a_row():
@@ -58,3 +63,26 @@ def test_a_key_builds_through_its_row():
     func = rules.build_func(key)
     expected = linear_fwd(LinearDims.from_key(key.static, key.dtype))
     assert func.script() == expected.script()
+
+
+def test_every_op_has_a_sim_check():
+    """sim-check finds each op's check through one table (tools/simcheck/ops.py), and it covers every op a key
+    can name; an unknown op is a KeyError naming the choices."""
+    from tvm_mamba.tools.simcheck import ops as simcheck_ops
+
+    assert set(simcheck_ops.CHECKS) == set(registry.ops())
+    with pytest.raises(KeyError, match="no check for op 'nope'"):
+        simcheck_ops.run_config("nope", "fwd", {}, {}, "sm_90")
+
+
+def test_a_key_lays_out_through_its_rule():
+    """rules.apply hands the key's typed dims to the target's rule: the CPU rule's template, laid out once."""
+    from tvm_mamba.runtime import cpu_target, target_key
+    from tvm_mamba.schedules.rule import Decisions
+
+    key = KernelKey.make("linear", "fwd", {"x": "float32", "weight": "float32"},
+                         {"in_features": 32, "out_features": 16, "has_bias": False}, target_key(cpu_target()))
+    mod = rules.apply(key, Decisions())
+    assert list(mod.functions.keys())[0].name_hint == "linear_fwd"
+    assert "T.parallel" in mod.script() or "T.vectorized" in mod.script()
+    assert "tvm_mamba.static" not in mod.script()  # no static-dims stamp: the rule is handed the dims

@@ -10,6 +10,8 @@ import pytest
 import tvm_mamba
 
 from tvm_mamba.tools import simcheck
+
+from tvm_mamba.tools.simcheck import ops as simcheck_ops
 from tvm_mamba.compute.rmsnorm_gated import PART_ROWS
 
 
@@ -53,7 +55,7 @@ def _shape_seen(monkeypatch, op, direction, fn, arg, full: bool) -> tuple:
 
     monkeypatch.setattr(tvm_mamba, fn, record)
     with simcheck.full_shapes(full), pytest.raises(_Stop):
-        simcheck.run_config(op, direction, static, dtypes, "sm_90")
+        simcheck_ops.run_config(op, direction, static, dtypes, "sm_90")
     return seen[0], static, dtypes
 
 

@@ -2,7 +2,7 @@
 the CUDA execution harness (runtime/cudasim.py) against the float64 reference, through the public function
 that serves it.
 
-One module per op, ``tvm_mamba.tools.simcheck.<op>``, with::
+One module per op, ``tvm_mamba.tools.simcheck.<op>`` (found through ``ops.py``'s table: ``run_config``), with::
 
     def check(direction: str, static: dict, dtypes: dict, arch: str) -> None
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import importlib
 
 import torch
 
@@ -151,12 +150,6 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: 
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise CheckFailed(f"{name}: {int(bad.sum())} of {got.numel()} elements off (first at {idx}: "
                           f"{got[idx].item():.6g} vs {ref[idx].item():.6g}); max |err| {err.nan_to_num(1e30).max().item():.3g}")
-
-
-def run_config(op: str, direction: str, static: dict, dtypes: dict, arch: str) -> None:
-    """Run one build-check configuration through the harness (see the module docstring)."""
-    module = importlib.import_module(f"tvm_mamba.tools.simcheck.{op}")
-    module.check(direction, dict(static), dict(dtypes), arch)
 
 
 FULL_TILES, FULL_TAIL = 2, 3  # --full: whole production tiles per sequence, then a ragged tail (not a tile multiple)
