@@ -16,12 +16,12 @@ copied into the pack by ``python -m tvm_mamba aot --configs``, read back by :fun
 """
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import json
 import os
 import pathlib
 import sys
+
+from .common import Case, ident, sizes  # noqa: F401  (Case, sizes: the cases' API)
 
 FORMAT = "gpu_check-configs/1"
 CASES_FILE = "gpu_check_configs.json"  # the configs file's name inside a pack (aot --configs copies it)
@@ -30,37 +30,17 @@ SHAPES = {"cuda": {"preset": (4, 2048), "ragged": (3, 1037)}, "cpu": {"preset": 
 OPS = ("causal_conv1d", "selective_scan", "ssd", "mamba3", "rmsnorm_gated", "int8_dot", "linear", "lm")
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    op: str
-    direction: str
-    static: dict
-    dtypes: dict
-    sizes: dict  # simcheck.size overrides ({} at "small": simcheck's own sizes)
-    kind: str  # "small" | "preset" | "ragged" | "lm"
-    preset: str = ""
-
-    def shape(self) -> str:
-        s = self.sizes
-        return f"{s['batch']}x{s['seqlen']}" if "seqlen" in s else "small"
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def sizes(batch: int, seqlen: int) -> dict:
-    """simcheck.size overrides: batch, seqlen, and rows = batch x seqlen (linear / int8 products)."""
-    return {"batch": batch, "seqlen": seqlen, "rows": batch * seqlen}
-
-
 def _configs(op: str, fn: str, *args) -> list:
-    mod = importlib.import_module(f"tvm_mamba.compute.{op}")
-    f = getattr(mod, fn, None)
+    from tvm_mamba.runtime import registry
+
+    f = getattr(registry.op(op).compute, fn, None)
     return [] if f is None else list(f(*args))
 
 
 def enumerate_cases(device_type: str, presets=PRESETS, small: bool = False, ops=OPS) -> list[Case]:
     """Every case (module docstring) for a "cuda" or "cpu" device; ``small``: the "small" cases only."""
+    from tvm_mamba.runtime import registry
+
     from . import lm
 
     seen, out = set(), []
@@ -83,7 +63,7 @@ def enumerate_cases(device_type: str, presets=PRESETS, small: bool = False, ops=
             for p in presets:
                 for direction, static, dtypes in _configs(op, "tuning_configs", p):
                     add(op, direction, static, dtypes, sizes(b, L), kind, p)
-            if not hasattr(importlib.import_module(f"tvm_mamba.compute.{op}"), "tuning_configs"):  # linear, int8
+            if not hasattr(registry.op(op).compute, "tuning_configs"):  # int8: no tuning workloads
                 for direction, static, dtypes in _configs(op, "build_check_configs"):
                     add(op, direction, static, dtypes, sizes(b, L), kind)
     return out + (lm.cases(device_type, small=False) if "lm" in ops else [])
@@ -109,7 +89,7 @@ def kernel_configs(cases: list[Case], device_type: str, arch: str) -> list[dict]
                     print(f"gpu_check configs: {case.op}.{case.direction} {case.shape()} stopped early: "
                           f"{type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
     for k in resolved:
-        e = found.setdefault(runner.ident(k.op, k.direction, k.static, k.dtype),
+        e = found.setdefault(ident(k.op, k.direction, k.static, k.dtype),
                              dict(op=k.op, direction=k.direction, static=dict(k.static), dtypes=dict(k.dtype),
                                   batches=[], seqlens=[]))
         bucket = dict(k.shape_bucket)
@@ -152,7 +132,6 @@ def estimates(arch: str = "sm_90", presets=PRESETS) -> dict:
     from tvm_mamba.tools.roofline import report
     from tvm_mamba.runtime import KernelKey
 
-    from .runner import ident
 
     out = {}
     for case in enumerate_cases("cuda", presets, ops=[op for op in OPS if op != "lm"]):

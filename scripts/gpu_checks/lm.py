@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .cases import Case
+from .common import Case, timer
 
 MODELS = {  # preset -> (mixer, d_model, n_layer, mixer config)
     "mamba-130m": ("Mamba1", 768, 24, {"d_state": 16}),
@@ -67,7 +67,6 @@ def check(case: Case) -> dict:
     from tvm_mamba.tools import simcheck
     from tvm_mamba.modules.lm import InferenceParams
 
-    from .runner import timer
 
     b, L, steps = (case.sizes[k] for k in ("batch", "seqlen", "decode"))
     model = _model(case)

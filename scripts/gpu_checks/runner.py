@@ -10,12 +10,12 @@ argument bytes over that time (every buffer read or written once: a lower bound 
 from __future__ import annotations
 
 import contextlib
-import json
-import statistics
 import time
 import traceback
 
 import torch
+
+from .common import ident, timer
 
 
 def call_case(case, arch: str = "sm_90") -> dict:
@@ -29,31 +29,6 @@ def call_case(case, arch: str = "sm_90") -> dict:
         return lm.check(case)
     simcheck_ops.run_config(case.op, case.direction, case.static, case.dtypes, arch)
     return {}
-
-
-def timer(device: torch.device, fn, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` (CUDA events; wall clock on a CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(max(repeats, 1)):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def ident(op: str, direction: str, static: dict, dtypes: dict) -> str:
-    """The target-free name of a kernel configuration (estimates and configs are keyed by it)."""
-    return json.dumps([op, direction, dict(static), dict(dtypes)], sort_keys=True)
 
 
 def _arg_bytes(launches) -> int:

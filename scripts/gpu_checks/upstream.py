@@ -16,6 +16,8 @@ import inspect
 
 import torch
 
+from .common import timer
+
 # tvm_mamba function -> (upstream module, function)
 UPSTREAM = {
     "mamba_chunk_scan_combined": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
@@ -78,7 +80,6 @@ class Watch:
             return f"not available ({self.reason})"
         if not self.calls:
             return None
-        from .runner import timer
 
         name, (args, kwargs, ours) = next(iter(self.calls.items()))
         try:
