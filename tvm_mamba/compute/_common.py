@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import pathlib
 from typing import Any, Mapping
 
 from tvm import tirx
@@ -93,3 +95,23 @@ class Dims:
 @functools.lru_cache(maxsize=4096)
 def _cached_dims(cls, args: tuple, fields: tuple) -> Dims:
     return cls(*args, **dict(fields))
+
+
+def lazy_names(package: str, init_file: str):
+    """The ``__getattr__`` of an op package whose definitions write TVMScript (the scans, SSD, Mamba-3): the
+    op's names from its ``dims.py`` (typed dims: no TVMScript) or else its ``kernels.py`` (the builders, the
+    templates, ``KERNELS`` / ``DIMS`` / ``TEMPLATES``, the configs), each imported on first use. The torch op
+    keys its kernels with the dims on a runtime-only TVM (an AOT pack on a GPU machine), which cannot import
+    TVMScript. A submodule's own name is left to the import system."""
+    folder = pathlib.Path(init_file).parent
+
+    def getattr_(name: str):
+        if name.startswith("__") or (folder / f"{name}.py").exists():
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        for part in ("dims", "kernels"):
+            module = importlib.import_module(f"{package}.{part}")
+            if name in vars(module):
+                return vars(module)[name]
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return getattr_

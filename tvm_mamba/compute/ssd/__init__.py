@@ -50,19 +50,6 @@ PrimFunc the rules reschedule: the template laid out serially (``strategy=``: an
 """
 from __future__ import annotations
 
-import importlib
-import pathlib
+from .._common import lazy_names
 
-
-def __getattr__(name: str):
-    """The op's names, from ``dims.py`` (typed dims: no TVMScript) or else ``kernels.py`` (the builders, the
-    templates, ``KERNELS`` / ``DIMS`` / ``TEMPLATES``, the configs), each imported on first use: the torch
-    op keys its kernels with the dims on a runtime-only TVM (an AOT pack on a GPU machine), which cannot
-    import TVMScript. A submodule's own name is left to the import system."""
-    if name.startswith("__") or (pathlib.Path(__file__).parent / f"{name}.py").exists():
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    for part in ("dims", "kernels"):
-        module = importlib.import_module(f"{__name__}.{part}")
-        if name in vars(module):
-            return vars(module)[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, __file__)  # dims.py, then kernels.py, each imported on first use
