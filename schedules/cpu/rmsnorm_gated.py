@@ -1,12 +1,15 @@
 """CPU rule for the norm kernels (gated RMSNorm / LayerNorm, fused residual-add norm): hand-written loop
 nests (parallel over rows, vectorized over hidden).
 
-Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated/). Hidden and group_size are static,
-so every vectorized loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1
-dividing group_size. Sums of squares are float64 (as in the TE compute: no overflow for any float32 input),
-one partial sum per vector lane (field guide §10), added horizontally once per group; LayerNorm makes one
-more pass over the group (the float64 mean first, then the centred squares; the group is in L1 by then).
-SiLU uses the vectorizable exp of compute/_math.py (llvm.exp is scalarized).
+Same parameters as the TE compute (tvm_mamba/compute/rmsnorm_gated/), and the same per-element math: s, u,
+xhat, the outputs, the backward's gradients and dropout are compute/rmsnorm_gated/values.py's (FwdMath /
+BwdMath, under this file's MATH), shared with the TE definitions; this file gives only the loops (row tasks,
+vectors, the group sums, the weight/bias partial sums). Hidden and group_size are static, so every vectorized
+loop runs over full vectors (no tail); the vector width is the largest of 16/8/4/2/1 dividing group_size. Sums
+of squares are float64 (as in the TE compute: no overflow for any float32 input), one partial sum per vector
+lane (field guide §10), added horizontally once per group; LayerNorm makes one more pass over the group (the
+float64 mean first, then the centred squares; the group is in L1 by then). SiLU uses the vectorizable exp of
+compute/_math.py (llvm.exp is scalarized).
 
 Backward: rows are split into parts of PART_ROWS contiguous rows (as the TE definition; their count, the partial
 buffer's first dim, depends on the row count only, so results do not depend on the thread count); each part
@@ -16,81 +19,22 @@ Knobs: ``vector`` (lane count, default the largest dividing group_size).
 """
 from __future__ import annotations
 
-import types
-
 from tvm.script import tirx as T
 
 from tvm_mamba.compute._math import math_for
-from tvm_mamba.compute.rmsnorm_gated import PART_ROWS, NormDims, dropout_keep
+from tvm_mamba.compute.rmsnorm_gated import PART_ROWS, NormDims
+from tvm_mamba.compute.rmsnorm_gated.values import BwdMath, FwdMath
 from tvm_mamba.schedules import rule
 
 MATH = math_for()  # float32, the vectorizable polynomials (llvm.exp is one libm call per lane)
 
 
-def _f32(v):
-    """Widen a load to float32 (a float32 -> float32 cast is dropped by the simplifier)."""
-    return v.astype("float32")
-
-
-def _f64(v):
-    """Widen to float64 (the forward's sum of squares)."""
-    return v.astype("float64")
-
-
-def _dropout(v, seeds, r, h, p: float):
-    """upstream's dropout of one float32 element: kept ones scaled by 1 / (1 - p), the mask from the row seed."""
-    if p <= 0:
-        return v
-    return T.Select(dropout_keep(seeds[r], h, p), v / T.float32(1.0 - p), T.float32(0))
-
-
-def _fwd_math(d: NormDims, x_dtype: str) -> types.SimpleNamespace:
-    """The forward's values at (row r, column h), read from the row's buffers ``B`` (a dict, so each helper
-    reads whichever buffers the static flags use): s = dropout(x (* rowscale)) (+ dropout(x1)) (+ residual);
-    u = s (* silu(z) when gating before the norm); xhat; y (out) and y1 (out1) in x's dtype; centred, the
-    float64 u - mean the sum of squares reads."""
-    has_bias, has_res, rms, p, has_x1 = d.has_bias, d.has_residual, d.is_rms_norm, d.dropout_p, d.has_x1
-
-    def s(B, r, h):
-        v = _dropout(_f32(B["x"][r, h]) * B["rowscale"][r] if d.has_rowscale else _f32(B["x"][r, h]),
-                     B["seeds"], r, h, p)
-        if has_x1:
-            v = v + _dropout(_f32(B["x1"][r, h]), B["seeds1"], r, h, p)
-        return v + _f32(B["residual"][r, h]) if has_res else v
-
-    def u(B, r, h):
-        v = s(B, r, h)
-        return v * MATH.silu(_f32(B["z"][r, h])) if d.gate_in else v
-
-    def xhat(B, mu, rs, r, h):
-        c = u(B, r, h)
-        return (c if rms else c - mu) * rs
-
-    def y(B, mu, rs, r, h):
-        v = xhat(B, mu, rs, r, h) * _f32(B["weight"][h])
-        if has_bias:
-            v = v + _f32(B["bias"][h])
-        if d.gate_out:
-            v = v * MATH.silu(_f32(B["z"][r, h]))
-        return v.astype(x_dtype)
-
-    def y1(B, mu, rs, r, h):
-        v = xhat(B, mu, rs, r, h) * _f32(B["weight1"][h])
-        return (v + _f32(B["bias1"][h]) if d.has_bias1 else v).astype(x_dtype)
-
-    def centred(B, mu, r, h):
-        v = _f64(u(B, r, h))
-        return v if rms else v - mu[0]
-
-    return types.SimpleNamespace(s=s, u=u, y=y, y1=y1, centred=centred)
-
-
-def _fwd_row(d: NormDims, V: int, m: types.SimpleNamespace, rout_dtype: str):
+def _fwd_row(d: NormDims, V: int, m: FwdMath, rout_dtype: str):
     """The forward's work on one row: per group, the statistics, then every output of the row."""
     gs, eps, G, NV, inv_gs = d.group_size, d.eps, d.ngroups, d.group_size // V, 1.0 / d.group_size
-    store_res, rms, p, store_mask, has_x1, has_w1 = d.store_residual, d.is_rms_norm, d.dropout_p, \
-        d.store_dropout_mask, d.has_x1, d.has_weight1
-    s, u, y, y1, centred = m.s, m.u, m.y, m.y1, m.centred
+    store_res, rms, store_mask, has_x1, has_w1 = d.store_residual, d.is_rms_norm, d.store_dropout_mask, \
+        d.has_x1, d.has_weight1
+    s, u64, y, y1, keep_mask = m.s, m.u64, m.y, m.y1, m.keep_mask
 
     @T.macro
     def row(B, r):
@@ -107,7 +51,7 @@ def _fwd_row(d: NormDims, V: int, m: types.SimpleNamespace, rout_dtype: str):
                     acc[i] = T.float64(0)
                 for j in range(NV):
                     for i in T.vectorized(V):
-                        acc[i] = acc[i] + _f64(u(B, r, g * gs + j * V + i))
+                        acc[i] = acc[i] + u64(B, r, g * gs + j * V + i)
                 tot[0] = T.float64(0)
                 for i in range(V):
                     tot[0] = tot[0] + acc[i]
@@ -117,7 +61,7 @@ def _fwd_row(d: NormDims, V: int, m: types.SimpleNamespace, rout_dtype: str):
                 acc[i] = T.float64(0)
             for j in range(NV):
                 for i in T.vectorized(V):
-                    acc[i] = acc[i] + centred(B, mu, r, g * gs + j * V + i) * centred(B, mu, r, g * gs + j * V + i)
+                    acc[i] = acc[i] + u64(B, r, g * gs + j * V + i, mu[0]) * u64(B, r, g * gs + j * V + i, mu[0])
             tot[0] = T.float64(0)
             for i in range(V):
                 tot[0] = tot[0] + acc[i]
@@ -130,11 +74,11 @@ def _fwd_row(d: NormDims, V: int, m: types.SimpleNamespace, rout_dtype: str):
                     if store_res:
                         B["residual_out"][r, h] = s(B, r, h).astype(rout_dtype)
                     if store_mask:
-                        B["mask"][r, h] = dropout_keep(B["seeds"][r], h, p).astype("uint8")
+                        B["mask"][r, h] = keep_mask(B["seeds"], r, h)
                     if has_w1:
                         B["out1"][r, h] = y1(B, mu[0].astype("float32"), rs[0], r, h)
                     if store_mask and has_x1:
-                        B["mask1"][r, h] = dropout_keep(B["seeds1"][r], h, p).astype("uint8")
+                        B["mask1"][r, h] = keep_mask(B["seeds1"], r, h)
 
     return row
 
@@ -145,7 +89,7 @@ def _fwd(d: NormDims, x_dtype, w_dtype, res_dtype, rout_dtype, V):
     hidden, G = d.hidden, d.ngroups
     has_bias, has_res, store_res, rms = d.has_bias, d.has_residual, d.store_residual, d.is_rms_norm
     p, store_mask, has_x1, has_w1 = d.dropout_p, d.store_dropout_mask, d.has_x1, d.has_weight1
-    row = _fwd_row(d, V, _fwd_math(d, x_dtype), rout_dtype)
+    row = _fwd_row(d, V, FwdMath(d, MATH, x_dtype), rout_dtype)
 
     def full_if(cond):
         return lambda rows: (rows, hidden) if cond else (1, 1)
@@ -189,63 +133,13 @@ def _fwd(d: NormDims, x_dtype, w_dtype, res_dtype, rout_dtype, V):
     return rmsnorm_gated_fwd
 
 
-def _bwd_math(d: NormDims, dout_dtype: str) -> types.SimpleNamespace:
-    """The backward's values at (row r, column h) from the row's buffers ``B``, given the group's mean mu,
-    rstd rs and the two group sums c1 = mean(dxhat * xhat), c2 = mean(dxhat) (see compute/rmsnorm_gated/
-    for the formulas): xhat, dy, dy1, dxhat, ds, and the outputs dx, dz in dout's dtype."""
-    has_bias, nbg, rms, has_dres, p = d.has_bias, d.norm_before_gate, d.is_rms_norm, d.has_dresidual, d.dropout_p
-    has_w1 = d.has_weight1
-
-    def zf(B, r, h):
-        return _f32(B["z"][r, h])
-
-    def xhat(B, mu, rs, r, h):
-        v = _f32(B["x"][r, h])
-        v = v * MATH.silu(zf(B, r, h)) if d.gate_in else v
-        return (v if rms else v - mu) * rs
-
-    def dy(B, r, h):
-        v = _f32(B["dout"][r, h])
-        return v * MATH.silu(zf(B, r, h)) if d.gate_out else v
-
-    def dy1(B, r, h):
-        return _f32(B["dout1"][r, h])
-
-    def dxhat(B, r, h):
-        v = dy(B, r, h) * _f32(B["weight"][h])
-        return v + dy1(B, r, h) * _f32(B["weight1"][h]) if has_w1 else v
-
-    def du(B, mu, rs, c1, c2, r, h):
-        v = dxhat(B, r, h) - xhat(B, mu, rs, r, h) * c1
-        return rs * (v if rms else v - c2)
-
-    def ds(B, mu, rs, c1, c2, r, h):
-        v = du(B, mu, rs, c1, c2, r, h)
-        v = v * MATH.silu(zf(B, r, h)) if d.gate_in else v
-        return v + _f32(B["dresidual"][r, h]) if has_dres else v
-
-    def dx_val(B, mu, rs, c1, c2, r, h):
-        v = _dropout(ds(B, mu, rs, c1, c2, r, h), B["seeds"], r, h, p)
-        return (v * B["rowscale"][r] if d.has_rowscale else v).astype(dout_dtype)
-
-    def dz_val(B, mu, rs, c1, c2, r, h):
-        if nbg:
-            yv = xhat(B, mu, rs, r, h) * _f32(B["weight"][h]) + (_f32(B["bias"][h]) if has_bias else T.float32(0))
-            v = _f32(B["dout"][r, h]) * yv * MATH.silu_grad(zf(B, r, h))
-        else:
-            v = du(B, mu, rs, c1, c2, r, h) * _f32(B["x"][r, h]) * MATH.silu_grad(zf(B, r, h))
-        return v.astype(dout_dtype)
-
-    return types.SimpleNamespace(xhat=xhat, dy=dy, dy1=dy1, dxhat=dxhat, ds=ds, dx_val=dx_val, dz_val=dz_val)
-
-
-def _bwd_row(d: NormDims, V: int, m: types.SimpleNamespace, x_dtype: str, dout_dtype: str):
+def _bwd_row(d: NormDims, V: int, m: BwdMath, x_dtype: str):
     """The backward's work on one row of part ``pi``: per group, the two sums, then the row's gradients,
     and the row's terms added to the part's weight/bias partial sums (in row order)."""
     gs, G, NV, inv_gs = d.group_size, d.ngroups, d.group_size // V, 1.0 / d.group_size
-    has_z, rms, store_dres, p, has_w1 = d.has_z, d.is_rms_norm, d.store_dresidual, d.dropout_p, d.has_weight1
-    store_dx1 = d.has_x1 and p > 0
-    xhat, dy, dy1, dxhat, ds, dx_val, dz_val = m.xhat, m.dy, m.dy1, m.dxhat, m.ds, m.dx_val, m.dz_val
+    has_z, rms, store_dres, has_w1 = d.has_z, d.is_rms_norm, d.store_dresidual, d.has_weight1
+    store_dx1 = d.has_x1 and d.dropout_p > 0
+    xhat, dy, dy1, dxhat, ds, dx, dz, dx1 = m.xhat, m.dy, m.dy1, m.dxhat, m.ds, m.dx, m.dz, m.dx1
 
     @T.macro
     def row(B, part, pi, acc, tot, r):
@@ -271,14 +165,13 @@ def _bwd_row(d: NormDims, V: int, m: types.SimpleNamespace, x_dtype: str, dout_d
             for j in range(NV):
                 for i in T.vectorized(V):
                     h = T.meta_var(g * gs + j * V + i)
-                    B["dx"][r, h] = dx_val(B, mu, rs, tot[0], tot[1], r, h)
+                    B["dx"][r, h] = dx(B, mu, rs, tot[0], tot[1], r, h)
                     if has_z:
-                        B["dz"][r, h] = dz_val(B, mu, rs, tot[0], tot[1], r, h)
+                        B["dz"][r, h] = dz(B, mu, rs, tot[0], tot[1], r, h)
                     if store_dres:
                         B["dresidual_in"][r, h] = ds(B, mu, rs, tot[0], tot[1], r, h).astype(x_dtype)
                     if store_dx1:
-                        B["dx1"][r, h] = _dropout(ds(B, mu, rs, tot[0], tot[1], r, h), B["seeds1"], r, h,
-                                                  p).astype(dout_dtype)
+                        B["dx1"][r, h] = dx1(B, mu, rs, tot[0], tot[1], r, h)
                     part[pi, 0, h] = part[pi, 0, h] + dy(B, r, h) * xhat(B, mu, rs, r, h)
                     part[pi, 1, h] = part[pi, 1, h] + dy(B, r, h)
                     if has_w1:
@@ -296,7 +189,7 @@ def _bwd(d: NormDims, x_dtype, w_dtype, dout_dtype, V):
     has_dres, store_dres, p, has_w1 = d.has_dresidual, d.store_dresidual, d.dropout_p, d.has_weight1
     store_dx1 = d.has_x1 and p > 0
     NT = 4 if has_w1 else 2  # partial rows: dy*xhat, dy (, dy1*xhat, dy1)
-    row = _bwd_row(d, V, _bwd_math(d, dout_dtype), x_dtype, dout_dtype)
+    row = _bwd_row(d, V, BwdMath(d, MATH, dout_dtype), x_dtype)
 
     @T.prim_func
     def rmsnorm_gated_bwd(x_h: T.handle, w_h: T.handle, b_h: T.handle, z_h: T.handle, d_h: T.handle,

@@ -15,7 +15,9 @@ residual of layer_norm.py; the backward's x is then that stored residual_out, as
 float32 except the reductions over x (float64, so |x| up to the float32 maximum normalizes); out has x's
 dtype. Absent inputs and outputs are unused (1,)*ndim placeholders.
 These TE definitions are the semantic source of truth and what the CUDA rules schedule; the CPU rules emit
-hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py).
+hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py). The per-element math (s, u,
+xhat, the outputs, the backward's dxhat / du / ds / dx / dz, dropout) is written once in values.py and shared
+by both; each side keeps only its own reductions and loops.
 """
 from __future__ import annotations
 
@@ -23,48 +25,12 @@ from tvm import te, tirx
 
 from .._common import f32, stamp
 from .._math import math_for
-
-
 from .dims import DIMS, NormDims, RMSNormGatedBwd, RMSNormGatedFwd  # noqa: F401  (the op's typed dims)
-
-
-def _u32(v: int) -> tirx.PrimExpr:
-    return tirx.const(v, "uint32")
-
-
-def _mix32(v):
-    """A 32-bit integer hash with full avalanche (the "lowbias32" finalizer: xor-shift, multiply, twice)."""
-    v = v ^ (v >> _u32(16))
-    v = v * _u32(0x21F0AAAD)
-    v = v ^ (v >> _u32(15))
-    v = v * _u32(0x735A2D97)
-    return v ^ (v >> _u32(15))
-
-
-def dropout_keep(seed, h, p: float):
-    """Whether element ``h`` of the row with int32 ``seed`` is kept by dropout with probability ``p``: a
-    counter-based uniform u = hash(seed, h) / 2^32 in [0, 1) (24 bits), kept when u >= p, so forward and
-    backward recompute the same mask from the row's seed (upstream keeps per-row seeds too). Plain integer
-    arithmetic: the same expression on the CPU (vectorized) and CUDA."""
-    hv = _mix32(h.astype("uint32") * _u32(0x9E3779B9) + _u32(0x7F4A7C15))
-    u = (_mix32(hv ^ seed.astype("uint32")) >> _u32(8)).astype("float32") * tirx.const(2.0 ** -24, "float32")
-    return u >= tirx.const(p, "float32")
-
-
-def _f64(expr) -> tirx.PrimExpr:
-    """Widen to float64 (the reductions over x)."""
-    return expr.astype("float64")
+from .values import BwdMath, FwdMath
 
 
 def _maybe(cond: bool, shape: tuple, dtype: str, name: str, full: tuple):
     return te.placeholder(full if cond else shape, dtype, name=name)
-
-
-def _dropped(v, seeds, r, h, p: float):
-    """upstream's dropout of one float32 element: kept ones scaled by 1 / (1 - p), the mask from the row seed."""
-    if p <= 0:
-        return v
-    return tirx.Select(dropout_keep(seeds[r], h, p), v / tirx.const(1.0 - p, "float32"), tirx.const(0.0, "float32"))
 
 
 def _multi(shape, vals: list, name: str) -> list:
@@ -81,8 +47,9 @@ def _group_red(rows, G: int, gs: int, fn, name: str):
     return te.compute((rows, G), lambda r, g: te.sum(fn(r, g * gs + k), axis=k), name=name)
 
 
-def _stats(rows, d: NormDims, u):
-    """mean (LayerNorm; a (1, 1) placeholder for RMSNorm) and rstd, (rows, ngroups) float32, of u(r, h).
+def _stats(rows, d: NormDims, u64):
+    """mean (LayerNorm; a (1, 1) placeholder for RMSNorm) and rstd, (rows, ngroups) float32, of u, given
+    u64(r, h, mu=None): u in float64, less the float64 group mean mu when given (FwdMath.u64).
 
     Reductions in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and out garbage), while the
     square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny |u| (1e-30: u^2 = 1e-60)
@@ -90,13 +57,13 @@ def _stats(rows, d: NormDims, u):
     group, no E[u^2] - mean^2 cancellation)."""
     gs, G, eps = d.group_size, d.ngroups, d.eps
     if d.is_rms_norm:
-        ss = _group_red(rows, G, gs, lambda r, h: _f64(u(r, h)) * _f64(u(r, h)), "sumsq")
+        ss = _group_red(rows, G, gs, lambda r, h: u64(r, h) * u64(r, h), "sumsq")
         rstd = te.compute((rows, G), lambda r, g: f32(tirx.rsqrt(ss[r, g] * (1.0 / gs) + eps)), name="rstd")
         return te.placeholder((1, 1), "float32", name="mean"), rstd
-    s1 = _group_red(rows, G, gs, lambda r, h: _f64(u(r, h)), "sum")
+    s1 = _group_red(rows, G, gs, u64, "sum")
 
     def centred(r, h):
-        return _f64(u(r, h)) - s1[r, h // gs] * (1.0 / gs)
+        return u64(r, h, s1[r, h // gs] * (1.0 / gs))
 
     ss = _group_red(rows, G, gs, lambda r, h: centred(r, h) * centred(r, h), "sumsq")
     # one two-output compute ("stats_v0" = mean, "stats_v1" = rstd): both read the group's reductions in one
@@ -134,34 +101,21 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
     bias1 = _maybe(d.has_bias1, (1,), weight_dtype, "bias1", (d.hidden,))
     seeds1 = _maybe(p > 0 and d.has_x1, (1,), "int32", "seeds1", (rows,))
 
-    def s(r, h):
-        v = _dropped(f32(x[r, h]) * rowscale[r] if d.has_rowscale else f32(x[r, h]), seeds, r, h, p)
-        if d.has_x1:
-            v = v + _dropped(f32(x1[r, h]), seeds1, r, h, p)
-        return v + f32(residual[r, h]) if d.has_residual else v
+    fm = FwdMath(d, m, x_dtype)  # the per-element math (values.py), shared with the CPU loop nests
+    B = dict(x=x, weight=weight, bias=bias, z=z, residual=residual, rowscale=rowscale, seeds=seeds, x1=x1,
+             weight1=weight1, bias1=bias1, seeds1=seeds1)
+    mean, rstd = _stats(rows, d, lambda r, h, mu=None: fm.u64(B, r, h, mu))
 
-    def u(r, h):
-        return s(r, h) * m.silu(f32(z[r, h])) if d.gate_in else s(r, h)
-
-    mean, rstd = _stats(rows, d, u)
-
-    def xhat(r, h):
-        return (u(r, h) if d.is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
-
-    def finish(r, h):
-        y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if d.has_bias else 0.0)
-        return (y * m.silu(f32(z[r, h])) if d.gate_out else y).astype(x_dtype)
-
-    def finish1(r, h):
-        return (xhat(r, h) * f32(weight1[h]) + (f32(bias1[h]) if d.has_bias1 else 0.0)).astype(x_dtype)
+    def stat(r, h):  # the group's (mean, rstd) at column h
+        return (None if d.is_rms_norm else mean[r, h // gs]), rstd[r, h // gs]
 
     # residual_out, the masks and out1 share out's loop nest (blocks "out_v0" = out, then the others in this
     # order): one pass over s
-    wanted = [("out", True, finish), ("residual_out", d.store_residual, lambda r, h: s(r, h).astype(rout_dt)),
-              ("dropout_mask", d.store_dropout_mask, lambda r, h: dropout_keep(seeds[r], h, p).astype("uint8")),
-              ("out1", d.has_weight1, finish1),
-              ("dropout_mask1", d.store_dropout_mask and d.has_x1,
-               lambda r, h: dropout_keep(seeds1[r], h, p).astype("uint8"))]
+    wanted = [("out", True, lambda r, h: fm.y(B, *stat(r, h), r, h)),
+              ("residual_out", d.store_residual, lambda r, h: fm.s(B, r, h).astype(rout_dt)),
+              ("dropout_mask", d.store_dropout_mask, lambda r, h: fm.keep_mask(seeds, r, h)),
+              ("out1", d.has_weight1, lambda r, h: fm.y1(B, *stat(r, h), r, h)),
+              ("dropout_mask1", d.store_dropout_mask and d.has_x1, lambda r, h: fm.keep_mask(seeds1, r, h))]
     outs = _multi(full, [f for _, on, f in wanted if on], "out")
     dtypes = {"residual_out": rout_dt, "dropout_mask": "uint8", "dropout_mask1": "uint8", "out1": x_dtype}
     got = {n: outs.pop(0) if on else te.placeholder((1, 1), dtypes.get(n, x_dtype), name=n) for n, on, _ in wanted}
@@ -244,60 +198,41 @@ def rmsnorm_gated_bwd(*dims, **fields) -> tirx.PrimFunc:
     dout1 = _maybe(d.has_weight1, (1, 1), dout_dtype, "dout1", full)
     seeds1 = _maybe(p > 0 and d.has_x1, (1,), "int32", "seeds1", (rows,))
 
-    def zf(r, h):
-        return f32(z[r, h])
+    bm = BwdMath(d, m, dout_dtype)  # the per-element math (values.py), shared with the CPU loop nests
+    B = dict(x=x, weight=weight, bias=bias, z=z, dout=dout, dresidual=dres, rowscale=rowscale, seeds=seeds,
+             weight1=weight1, dout1=dout1, seeds1=seeds1)
 
-    def u(r, h):
-        return f32(x[r, h]) * m.silu(zf(r, h)) if d.gate_in else f32(x[r, h])
+    def stat(r, h):  # the group's (mean, rstd) at column h
+        return (None if d.is_rms_norm else mean[r, h // gs]), rstd[r, h // gs]
 
     def xhat(r, h):
-        return (u(r, h) if d.is_rms_norm else u(r, h) - mean[r, h // gs]) * rstd[r, h // gs]
-
-    def dy(r, h):
-        v = f32(dout[r, h])
-        return v * m.silu(zf(r, h)) if d.gate_out else v
+        return bm.xhat(B, *stat(r, h), r, h)
 
     def dxhat(r, h):
-        v = dy(r, h) * f32(weight[h])
-        return v + f32(dout1[r, h]) * f32(weight1[h]) if d.has_weight1 else v
+        return bm.dxhat(B, r, h)
 
     c1 = _group_red(rows, G, gs, lambda r, h: dxhat(r, h) * xhat(r, h), "dot")
     c2 = None if d.is_rms_norm else _group_red(rows, G, gs, dxhat, "dysum")
 
-    def du(r, h):
-        v = dxhat(r, h) - xhat(r, h) * c1[r, h // gs] * (1.0 / gs)
-        return rstd[r, h // gs] * (v - c2[r, h // gs] * (1.0 / gs) if c2 is not None else v)
-
-    def ds(r, h):
-        v = du(r, h) * m.silu(zf(r, h)) if d.gate_in else du(r, h)
-        return v + f32(dres[r, h]) if d.has_dresidual else v
-
-    def dz_val(r, h):
-        if d.norm_before_gate:
-            y = xhat(r, h) * f32(weight[h]) + (f32(bias[h]) if d.has_bias else 0.0)
-            v = f32(dout[r, h]) * y * m.silu_grad(zf(r, h))
-        else:
-            v = du(r, h) * f32(x[r, h]) * m.silu_grad(zf(r, h))
-        return v.astype(dout_dtype)
-
-    def dx_val(r, h):
-        v = _dropped(ds(r, h), seeds, r, h, p)
-        return (v * rowscale[r] if d.has_rowscale else v).astype(dout_dtype)
+    def at(r, h):  # BwdMath's arguments after B: mean, rstd, the group means c1, c2, then r, h
+        g = h // gs
+        return (*stat(r, h), c1[r, g] * (1.0 / gs), None if c2 is None else c2[r, g] * (1.0 / gs), r, h)
 
     # dx, dz, dresidual_in and dx1 as one multi-output compute ("dxdz": blocks dxdz_v0 = dx, then the others
     # in this order) sharing the (rows, d.hidden) loop nest, so a schedule computes the row's reductions once
     # under the row loop for all of them; a lone dx is the block "dx".
-    wanted = [("dx", True, dx_val), ("dz", d.has_z, dz_val),
-              ("dresidual_in", d.store_dresidual, lambda r, h: ds(r, h).astype(x_dtype)),
-              ("dx1", d.has_x1 and p > 0, lambda r, h: _dropped(ds(r, h), seeds1, r, h, p).astype(dout_dtype))]
+    wanted = [("dx", True, lambda r, h: bm.dx(B, *at(r, h))), ("dz", d.has_z, lambda r, h: bm.dz(B, *at(r, h))),
+              ("dresidual_in", d.store_dresidual, lambda r, h: bm.ds(B, *at(r, h)).astype(x_dtype)),
+              ("dx1", d.has_x1 and p > 0, lambda r, h: bm.dx1(B, *at(r, h)))]
     present = [f for _, on, f in wanted if on]
     outs = _multi(full, present, "dx" if len(present) == 1 else "dxdz")
     got = {n: outs.pop(0) if on else te.placeholder((1, 1), x_dtype if n == "dresidual_in" else dout_dtype, name=n)
            for n, on, _ in wanted}
-    terms = [("dweight", True, lambda r, h: dy(r, h) * xhat(r, h)), ("dbias", d.has_bias, dy)]
+    terms = [("dweight", True, lambda r, h: bm.dy(B, r, h) * xhat(r, h)),
+             ("dbias", d.has_bias, lambda r, h: bm.dy(B, r, h))]
     if d.has_weight1:
-        terms += [("dweight1", True, lambda r, h: f32(dout1[r, h]) * xhat(r, h)),
-                  ("dbias1", d.has_bias1, lambda r, h: f32(dout1[r, h]))]
+        terms += [("dweight1", True, lambda r, h: bm.dy1(B, r, h) * xhat(r, h)),
+                  ("dbias1", d.has_bias1, lambda r, h: bm.dy1(B, r, h))]
     partial, sums = _weight_grads(rows, d.hidden, terms, weight_dtype)
     if not d.has_weight1:
         sums += [te.placeholder((1,), weight_dtype, name=n) for n in ("dweight1", "dbias1")]
