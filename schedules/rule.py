@@ -12,7 +12,8 @@ kernel or target it does not take: tests/schedules/test_rule_contract.py). It re
 forms:
 
 - a **template laid out** for the target: the op's loop-nest template built from ``dims`` under the target's
-  strategy (lanes, vectors, threads, shared memory), ``schedule_of(prim)``. Scans, windowed convs with a
+  strategy (the one protocol of compute/strategy.py, its CPU / GPU half from the folder's ``_strategy.py``
+  mixin: lanes, vectors, threads, shared memory), ``schedule_of(prim, name)``. Scans, windowed convs with a
   scalar head and tail, the SSD kernels: see TVM_FIELD_GUIDE §10 (vectorizing a scan block returns wrong
   numbers);
 - the op's **compute definition scheduled** block by block: ``schedule_compute(build(dims))``, the TE kernels
@@ -31,7 +32,6 @@ from typing import Any, Iterable, Mapping
 
 import tvm
 from tvm import s_tir
-
 
 from tvm_mamba.compute._common import SERIAL_WORK, stamp  # noqa: F401  (SERIAL_WORK: re-exported for the rules)
 
