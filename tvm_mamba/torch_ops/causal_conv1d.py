@@ -155,9 +155,10 @@ def _live_min(values: Tensor, rows: Optional[Tensor]) -> Optional[int]:
 @torch.library.custom_op("tvm_mamba::causal_conv1d_update", mutates_args=("conv_state",))
 def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor], silu: bool,
                             cache_seqlens: Optional[Tensor], conv_state_indices: Optional[Tensor]) -> Tensor:
-    """x: (batch, dim, seqlen); conv_state: (batch or pool, dim, state_len), updated in place -> out."""
+    """x: (batch, dim, seqlen) or (batch, dim) (one token: out in that form, no view made);
+    conv_state: (batch or pool, dim, state_len), updated in place -> out."""
     _check_update_values(conv_state, cache_seqlens, conv_state_indices)
-    batch, dim, seqlen = x.shape
+    batch, dim, seqlen = x.shape if x.dim() == 3 else (*x.shape, 1)
     xk, weight = prepare(x), prepare(weight)
     out = torch.empty_like(xk)
     if batch * dim == 0 or seqlen == 0:
@@ -165,7 +166,7 @@ def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias:
     state = prepare_pool(conv_state, False)  # conv_state itself unless its elements overlap or it is unaligned
     dims = CausalConv1dUpdate.cached(dim, weight.shape[1], state.shape[2], "silu" if silu else "none",
                                      bias is not None, conv_state_indices is not None, cache_seqlens is not None,
-                                     tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state))
+                                     tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state), x.dim() == 2)
     kern = kernel_for(OP, "update", x.device, dims, batch=batch, seqlen=seqlen)
     kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), _opt(conv_state_indices, x, torch.int32, 1),
          _opt(cache_seqlens, x, torch.int32, 1), out)
@@ -317,13 +318,11 @@ def _causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cac
     check_tensor("x", x, dtypes=FLOATS)
     if x.dim() not in (2, 3):
         raise ValueError(f"x: expected (batch, dim) or (batch, dim, seqlen), got shape {tuple(x.shape)}")
-    squeeze = x.dim() == 2
-    x3 = x.unsqueeze(-1) if squeeze else x
+    x3 = x.unsqueeze(-1) if x.dim() == 2 else x  # for the checks: the kernel takes a 2-D x as it is
     silu = _activation(activation)
     _check_weight_bias(weight, bias, x, x3.shape[1])
     _check_update_args(x3, conv_state, weight, cache_seqlens, conv_state_indices)
-    out = run_op(causal_conv1d_update_op, x3, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
-    return out.squeeze(-1) if squeeze else out
+    return run_op(causal_conv1d_update_op, x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
 
 
 def causal_conv1d_varlen_states(x, cu_seqlens, state_len):

@@ -232,13 +232,15 @@ def _update_dims(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: 
     """The decode step's typed dims: the state, dt and z dtypes and the index dtype stay None where they are
     the defaults (accumulation dtype; x's dtype; no indices), and ``tie_hdim`` False for the untied kernel,
     so those kernels keep their keys (and tuning records)."""
-    _, nheads, headdim, dstate = state.shape
+    m1 = x.dim() == 2  # Mamba-1's own layout: nheads = dim, headdim 1, one group
+    nheads, headdim, dstate = (state.shape[1], 1, state.shape[2]) if m1 else state.shape[1:]
     other = lambda t, default: tvm_dtype(t) if t is not None and t.dtype != default else None  # noqa: E731
     return UpdateDims.cached(
-        nheads=nheads, headdim=headdim, dstate=dstate, ngroups=B.shape[1], has_D=D is not None, has_z=z is not None,
-        has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus), x_dtype=tvm_dtype(x),
+        nheads=nheads, headdim=headdim, dstate=dstate, ngroups=1 if m1 else B.shape[1], has_D=D is not None,
+        has_z=z is not None, has_dt_bias=dt_bias is not None, dt_softplus=bool(dt_softplus), x_dtype=tvm_dtype(x),
         B_dtype=tvm_dtype(B), C_dtype=tvm_dtype(C), state_dtype=other(state, acc_of(x)), dt_dtype=other(dt, x.dtype),
-        z_dtype=other(z, x.dtype), idx_dtype=tvm_dtype(idx) if idx is not None else None, tie_hdim=A.dim() == 1)
+        z_dtype=other(z, x.dtype), idx_dtype=tvm_dtype(idx) if idx is not None else None, tie_hdim=A.dim() == 1,
+        mamba1_layout=m1)
 
 
 @torch.library.custom_op("tvm_mamba::selective_state_update", mutates_args=("state",))
@@ -249,22 +251,23 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads, headdim);
     state_batch_indices: (batch,) int32/int64 slots of state (None: nstate = batch) -> out.
     Tied per-head form (mamba_ssm's TIE_HDIM, the kernel's ``tie_hdim``), chosen by a 1-D A: A (nheads,),
-    dt (batch, nheads), D, dt_bias (nheads,)."""
-    nstate, nheads, headdim, dstate = state.shape
-    tie = A.dim() == 1
-    acc = acc_of(x)
+    dt (batch, nheads), D, dt_bias (nheads,). Mamba-1 form (the kernel's ``mamba1_layout``), chosen by a 2-D
+    x: state (nstate, dim, dstate); x, dt, z: (batch, dim); A: (dim, dstate); B, C: (batch, dstate);
+    D, dt_bias: (dim,)."""
+    m1, tie, acc = x.dim() == 2, A.dim() == 1, acc_of(x)
     if state_batch_indices is not None:
-        _check_slots(state_batch_indices, nstate)
+        _check_slots(state_batch_indices, state.shape[0])
     xk, st = prepare(x), prepare_pool(state, True)  # the pool itself when its slots are compact
     out = torch.empty_like(xk)
-    if x.shape[0] * nheads * headdim == 0:
+    if x.numel() == 0:
         return out
     Bk, Ck = prepare(B), prepare(C)
     dims = _update_dims(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
     kern = kernel_for(OP, "update", x.device, dims)
-    vec = 1 if tie else 2  # D / dt_bias rank; an absent one is the kernel's (1, 1) placeholder in both forms
-    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, opt(D, x, acc, vec if D is not None else 2),
-         opt(z, x, x.dtype, 3), opt(dt_bias, x, acc, vec if dt_bias is not None else 2),
+    vec = 1 if tie or m1 else 2  # D / dt_bias rank
+    absent = 1 if m1 else 2  # an absent D / dt_bias: the kernel's placeholder of that rank
+    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, opt(D, x, acc, vec if D is not None else absent),
+         opt(z, x, x.dtype, x.dim()), opt(dt_bias, x, acc, vec if dt_bias is not None else absent),
          opt(state_batch_indices, x, torch.int32, 1), out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
         state.copy_(st)
@@ -499,7 +502,10 @@ def _selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         D, dt_bias = (v[:, 0] if v is not None else None for v in (D, dt_bias))
     A = A.to(acc)
     D, dt_bias = (v.to(acc) if v is not None else None for v in (D, dt_bias))
-    if not heads:  # Mamba-1 is the head layout with nheads = dim, headdim = 1
+    if not heads and B.dim() == 2 and C.dim() == 2:  # Mamba-1's own layout: the kernel takes it as it is
+        return run_op(selective_state_update_op, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+                      state_batch_indices)
+    if not heads:  # grouped B / C: the head layout with nheads = dim, headdim = 1
         B3 = B if B.dim() == 3 else B.unsqueeze(1)
         C3 = C if C.dim() == 3 else C.unsqueeze(1)
         u = lambda t: t.unsqueeze(-1) if t is not None else None  # noqa: E731

@@ -4,13 +4,14 @@
 TVMScript): the torch op builds keys with it on a runtime-only machine serving an AOT pack.
 
 Field order is the builders' positional order, and every field is in the key (none was added after the
-committed tuning records), so ``key_parts()`` gives the maps the keys have always had.
+committed tuning records) but the decode step's ``x_2d`` (left out of the key at its default), so
+``key_parts()`` gives the maps the keys have always had.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from .._common import FLOAT_DTYPES, Dims, check_dtype
+from .._common import FLOAT_DTYPES, OMIT_DEFAULT, Dims, check_dtype
 
 ACTIVATIONS = ("none", "silu")
 WIDTHS = range(2, 9)
@@ -65,7 +66,9 @@ class CausalConv1dBwd(_Conv):
 @dataclasses.dataclass(frozen=True)
 class CausalConv1dUpdate(Dims):
     """Decode step: conv_state (pool, dim, state_len), state_len >= width-1; has_indices: a
-    conv_state_indices (batch,) maps rows to pool slots; has_cache_seqlens: a circular state buffer."""
+    conv_state_indices (batch,) maps rows to pool slots; has_cache_seqlens: a circular state buffer;
+    x_2d: x and out are (batch, dim), one token without its seqlen axis (the form a server's decode step
+    passes: the kernel takes it as it comes, where a (batch, dim, 1) view would cost each call a tensor)."""
 
     dim: int
     width: int
@@ -77,6 +80,7 @@ class CausalConv1dUpdate(Dims):
     x_dtype: str = "float32"
     weight_dtype: str = "float32"
     state_dtype: str = "float32"
+    x_2d: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self):
         _check(self.dim, self.width, self.activation)

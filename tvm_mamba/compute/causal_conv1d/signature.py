@@ -1,7 +1,7 @@
 """The causal conv1d loop-nest kernels' signatures, written once (the forward and backward CPU templates in
 schedules/cpu/causal_conv1d.py, the decode step in update.py).
 
-Every kernel takes x: (batch, dim, seqlen) and weight: (dim, width), bias: (dim,) in weight's dtype. The
+Every kernel takes x: (batch, dim, seqlen) (the decode step's ``x_2d``: x and out (batch, dim)) and weight: (dim, width), bias: (dim,) in weight's dtype. The
 forward and the backward add seq_idx: (batch, seqlen) int32 and initial_states: (batch, dim, width-1) in x's
 dtype, then their own buffers: the forward writes (out, final_states); the backward takes (dout, dfinal) and
 writes the gradients (each the shape and dtype of its input) and its fp32 workspaces g: (batch, dim, seqlen)
@@ -30,20 +30,29 @@ def conv_kernel(d: CausalConv1dFwd | CausalConv1dBwd | CausalConv1dUpdate, body)
     update, backward = isinstance(d, CausalConv1dUpdate), isinstance(d, CausalConv1dBwd)
     iw = 2 if update else 1  # weight's handle: the decode step takes conv_state second
     has_seq_idx, has_init = (False, False) if update else (d.has_seq_idx, d.has_init)
+    x_2d = update and d.x_2d
 
     @T.macro
     def declare(h, B, L, P, PS):  # h: the kernel's handles, in signature order; P: the state pool (update),
         # PS its strides (slots a page apart in a server's pool; vLLM's (state_len, dim) pages transposed)
-        x = T.match_buffer(h[0], (B, D, L), XT)
         weight = T.match_buffer(h[iw], (D, W), WT)
         bias = T.match_buffer(h[iw + 1], _opt(d.has_bias, (D,)), WT)
         if update:
             state = T.match_buffer(h[1], (P, D, d.state_len), d.state_dtype, strides=PS)
             idx = T.match_buffer(h[4], _opt(d.has_indices, (B,)), "int32")
             cseq = T.match_buffer(h[5], _opt(d.has_cache_seqlens, (B,)), "int32")
-            out = T.match_buffer(h[6], (B, D, L), XT)
-            body(x, state, weight, bias, idx, cseq, out, B, L)
+            if x_2d:  # (batch, dim) in and out: the body reads them as (batch, dim, 1), the same memory
+                x2 = T.match_buffer(h[0], (B, D), XT)
+                out2 = T.match_buffer(h[6], (B, D), XT)
+                x = T.decl_buffer((B, D, 1), XT, data=x2.data)
+                out = T.decl_buffer((B, D, 1), XT, data=out2.data)
+                body(x, state, weight, bias, idx, cseq, out, B, 1)
+            else:
+                x = T.match_buffer(h[0], (B, D, L), XT)
+                out = T.match_buffer(h[6], (B, D, L), XT)
+                body(x, state, weight, bias, idx, cseq, out, B, L)
         else:
+            x = T.match_buffer(h[0], (B, D, L), XT)
             seq_idx = T.match_buffer(h[3], _opt(has_seq_idx, (B, L)), "int32")
             init = T.match_buffer(h[4], _opt(has_init, (B, D, W - 1)), XT)
             if backward:

@@ -7,7 +7,8 @@ from .dims import block_size, chunk_size
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA: Mamba-130M's
     d_inner 1536 at dstate 16, 64, 128, 256; B/C time-varying (batch, dstate, L) as in Mamba-1, with D, z,
-    delta_bias, softplus; fp32 and bf16; the complex-A scan; plus the decode step (and its serving form)."""
+    delta_bias, softplus; fp32 and bf16; the complex-A scan; plus the decode step (Mamba-1's own layout, and
+    the Mamba-2 head layout's serving and tied forms)."""
     out = []
     for dstate in (16, 64, 128, 256):
         for u_dtype in ("float32", "bfloat16"):
@@ -18,7 +19,7 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
             out.append(("fwd", base, dt))
             out.append(("bwd", dict(base, block=16), dt))
         out.append(("update", dict(nheads=1536, headdim=1, dstate=dstate, ngroups=1, has_D=True, has_z=True,
-                                    has_dt_bias=True, dt_softplus=True),
+                                    has_dt_bias=True, dt_softplus=True, mamba1_layout=True),
                     {"x": "float32", "B": "float32", "C": "float32"}))
     # complex A (S4D-style): B varying as in Mamba-1, C time-invariant complex
     for u_dtype in ("float32", "bfloat16"):

@@ -121,8 +121,11 @@ class UpdateDims(Dims):
     """The decode step's dims (Mamba-2 head layout; Mamba-1 is nheads = dim, headdim = 1).
 
     Optional dtypes default to None (state: the accumulation dtype; dt, z: x's; idx: no slot indices) and
-    ``tie_hdim`` (one A / dt / D / dt_bias per head) to False; at those defaults they are not in the kernel
-    key, so records of the fp32-state decode step keep matching.
+    ``tie_hdim`` (one A / dt / D / dt_bias per head) and ``mamba1_layout`` to False; at those defaults they
+    are not in the kernel key, so records of the fp32-state decode step keep matching. ``mamba1_layout``: the
+    kernel takes Mamba-1's own tensors (x, dt, z, out (batch, dim); state (nstate, dim, dstate); A (dim,
+    dstate); D, dt_bias (dim,); B, C (batch, dstate)) with nheads = dim, headdim = 1, where the head layout
+    would cost each call five views of new activations.
     """
 
     nheads: int
@@ -141,10 +144,14 @@ class UpdateDims(Dims):
     z_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
     idx_dtype: str | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
     tie_hdim: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    mamba1_layout: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self):
         if min(self.nheads, self.headdim, self.dstate, self.ngroups) < 1 or self.nheads % self.ngroups:
             raise ValueError(f"ngroups: must divide nheads={self.nheads}, got {self.ngroups}")
+        if self.mamba1_layout and (self.headdim, self.ngroups, self.tie_hdim) != (1, 1, False):
+            raise ValueError(f"mamba1_layout: needs headdim 1, one group and untied parameters, got headdim "
+                             f"{self.headdim}, ngroups {self.ngroups}, tie_hdim {self.tie_hdim}")
         for name in ("x", "B", "C", "state", "dt", "z"):
             dt = getattr(self, f"{name}_dtype")
             if dt is not None:

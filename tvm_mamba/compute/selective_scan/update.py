@@ -5,6 +5,8 @@ laid out by a one-thread-per-lane ``Layout`` (serial, CPU vector lanes, a CUDA t
 
 state: (nstate, nheads, headdim, dstate) updated in place (Mamba-1 runs as nheads = dim, headdim = 1);
 x, dt, z, out: (batch, nheads, headdim); A: (nheads, headdim, dstate); B, C: (batch, ngroups, dstate).
+``mamba1_layout`` takes Mamba-1's tensors without the unit axes (x (batch, dim), ...: UpdateDims) and reads
+them through head-layout buffers declared over the same memory: one loop nest for both.
 Tied per-head parameters (``tie_hdim``, mamba_ssm's TIE_HDIM layout: Mamba-2 has one A, dt, D, dt_bias per
 head): A: (nheads,), dt: (batch, nheads), D, dt_bias: (nheads,). A lane then runs ``head_rows`` rows of one
 head (the layout's choice: the whole head on the CPU, one row per CUDA thread) after computing the head's
@@ -188,7 +190,7 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
     H, P, N, G = dims.nheads, dims.headdim, dims.dstate, dims.ngroups
     ACC, TIE, IDX, idx_dtype = dims.acc, dims.tie_hdim, dims.idx_dtype is not None, dims.idx_dtype
     ST, DT, ZT = dims.state_dtype or ACC, dims.dt_dtype or dims.x_dtype, dims.z_dtype or dims.x_dtype
-    serial_work, PB = L.serial_work, P // head_rows(dims, L)
+    serial_work, PB, M1 = L.serial_work, P // head_rows(dims, L), dims.mamba1_layout
     lane = _lane_macro(dims, L)
 
     @T.macro
@@ -198,23 +200,8 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
                 lane(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, L.lane_of(lo, li, batch * H * PB),
                      L.thread(li), L.lane_ok(lo, li, batch * H * PB))
 
-    @T.prim_func
-    def update(state_h: T.handle, x_h: T.handle, dt_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle,
-               D_h: T.handle, z_h: T.handle, dtb_h: T.handle, sidx_h: T.handle, out_h: T.handle):
-        batch = T.int32()
-        nstate = T.int32()  # state slots in the pool (== batch without indices)
-        slot_stride = T.int32()  # elements between slots: a serving pool's pages hold more than this state
-        state = T.match_buffer(state_h, (nstate if IDX else batch, H, P, N), ST, strides=(slot_stride, P * N, N, 1))
-        x = T.match_buffer(x_h, (batch, H, P), dims.x_dtype)
-        dt = T.match_buffer(dt_h, (batch, H) if TIE else (batch, H, P), DT)
-        A = T.match_buffer(A_h, (H,) if TIE else (H, P, N), ACC)
-        Bm = T.match_buffer(B_h, (batch, G, N), dims.B_dtype)
-        Cm = T.match_buffer(C_h, (batch, G, N), dims.C_dtype)
-        Dv = T.match_buffer(D_h, ((H,) if TIE else (H, P)) if dims.has_D else (1, 1), ACC)
-        z = T.match_buffer(z_h, (batch, H, P) if dims.has_z else (1, 1, 1), ZT)
-        dtb = T.match_buffer(dtb_h, ((H,) if TIE else (H, P)) if dims.has_dt_bias else (1, 1), ACC)
-        sidx = T.match_buffer(sidx_h, (batch,) if IDX else (1,), idx_dtype or "int32")
-        out = T.match_buffer(out_h, (batch, H, P), dims.x_dtype)
+    @T.macro
+    def body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch):
         if serial_work is not None:
             if batch * H * P * row_work(dims) <= serial_work:  # decode-size: the calling thread, no pool launch
                 for lo in T.serial(L.blocks(batch * H * PB)):
@@ -225,5 +212,49 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
         else:
             for lo in L.outer(batch * H * PB):
                 lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, lo)
+
+    @T.prim_func
+    def update(state_h: T.handle, x_h: T.handle, dt_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle,
+               D_h: T.handle, z_h: T.handle, dtb_h: T.handle, sidx_h: T.handle, out_h: T.handle):
+        batch = T.int32()
+        nstate = T.int32()  # state slots in the pool (== batch without indices)
+        slot_stride = T.int32()  # elements between slots: a serving pool's pages hold more than this state
+        sidx = T.match_buffer(sidx_h, (batch,) if IDX else (1,), idx_dtype or "int32")
+        if M1:  # Mamba-1's own tensors, read through head-layout buffers over the same memory
+            state1 = T.match_buffer(state_h, (nstate if IDX else batch, H, N), ST, strides=(slot_stride, N, 1))
+            x1 = T.match_buffer(x_h, (batch, H), dims.x_dtype)
+            dt1 = T.match_buffer(dt_h, (batch, H), DT)
+            A1 = T.match_buffer(A_h, (H, N), ACC)
+            B1 = T.match_buffer(B_h, (batch, N), dims.B_dtype)
+            C1 = T.match_buffer(C_h, (batch, N), dims.C_dtype)
+            D1 = T.match_buffer(D_h, (H,) if dims.has_D else (1,), ACC)
+            z1 = T.match_buffer(z_h, (batch, H) if dims.has_z else (1, 1), ZT)
+            dtb1 = T.match_buffer(dtb_h, (H,) if dims.has_dt_bias else (1,), ACC)
+            out1 = T.match_buffer(out_h, (batch, H), dims.x_dtype)
+            state = T.decl_buffer((nstate if IDX else batch, H, 1, N), ST, data=state1.data,
+                                  strides=(slot_stride, N, N, 1))
+            x = T.decl_buffer((batch, H, 1), dims.x_dtype, data=x1.data)
+            dt = T.decl_buffer((batch, H, 1), DT, data=dt1.data)
+            A = T.decl_buffer((H, 1, N), ACC, data=A1.data)
+            Bm = T.decl_buffer((batch, 1, N), dims.B_dtype, data=B1.data)
+            Cm = T.decl_buffer((batch, 1, N), dims.C_dtype, data=C1.data)
+            Dv = T.decl_buffer((H, 1) if dims.has_D else (1, 1), ACC, data=D1.data)
+            z = T.decl_buffer((batch, H, 1) if dims.has_z else (1, 1, 1), ZT, data=z1.data)
+            dtb = T.decl_buffer((H, 1) if dims.has_dt_bias else (1, 1), ACC, data=dtb1.data)
+            out = T.decl_buffer((batch, H, 1), dims.x_dtype, data=out1.data)
+            body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch)
+        else:
+            state = T.match_buffer(state_h, (nstate if IDX else batch, H, P, N), ST,
+                                   strides=(slot_stride, P * N, N, 1))
+            x = T.match_buffer(x_h, (batch, H, P), dims.x_dtype)
+            dt = T.match_buffer(dt_h, (batch, H) if TIE else (batch, H, P), DT)
+            A = T.match_buffer(A_h, (H,) if TIE else (H, P, N), ACC)
+            Bm = T.match_buffer(B_h, (batch, G, N), dims.B_dtype)
+            Cm = T.match_buffer(C_h, (batch, G, N), dims.C_dtype)
+            Dv = T.match_buffer(D_h, ((H,) if TIE else (H, P)) if dims.has_D else (1, 1), ACC)
+            z = T.match_buffer(z_h, (batch, H, P) if dims.has_z else (1, 1, 1), ZT)
+            dtb = T.match_buffer(dtb_h, ((H,) if TIE else (H, P)) if dims.has_dt_bias else (1, 1), ACC)
+            out = T.match_buffer(out_h, (batch, H, P), dims.x_dtype)
+            body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch)
 
     return update

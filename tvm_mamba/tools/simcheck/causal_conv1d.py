@@ -121,7 +121,8 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
 
 
 def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
-    """A single-token step ((batch, dim) x) and a 3-token step; out and the in-place conv_state. With
+    """A single-token step ((batch, dim) x) under ``x_2d``, else a 1-token and a 3-token step ((batch, dim,
+    seqlen) x); out and the in-place conv_state. With
     has_indices the state is a pool of BATCH + 3 slots and one row is padding (index -1); with
     has_cache_seqlens it is a circular buffer (one row's position wraps past state_len)."""
     import tvm_mamba
@@ -136,7 +137,7 @@ def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -
     state = torch.randn(batch + 3 if indexed else batch, dim, state_len, generator=gen).to(sdt)
     idx = torch.tensor([batch + 2] + [-1] * (batch - 1), dtype=torch.int32) if indexed else None
     cs = torch.tensor([state_len - 1] + [5 * state_len] * (batch - 1), dtype=torch.int32) if circular else None
-    for shape in ((batch, dim), (batch, dim, 3)):
+    for shape in ((batch, dim),) if static.get("x_2d") else ((batch, dim, 1), (batch, dim, 3)):
         x = torch.randn(shape, generator=gen).to(xdt)
         before = state.clone()
         with recording() as keys, target(arch):

@@ -137,7 +137,8 @@ def _check_scan(direction: str, static: dict, dtypes: dict, arch: str) -> None:
 
 def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict:
     """selective_state_update keyword arguments: the Mamba-1 layout ((batch, dim, dstate) state) when
-    headdim == 1, else the Mamba-2 head layout. Optional dtype keys as in the kernel key: ``state`` (a 16-bit
+    headdim == 1, with B / C (batch, dstate) under ``mamba1_layout`` (the kernel that takes Mamba-1's tensors
+    as they are), else (batch, ngroups, dstate); else the Mamba-2 head layout. Optional dtype keys as in the kernel key: ``state`` (a 16-bit
     state), ``dt``, ``z``, and ``idx``: a pool of batch + 2 state slots, rows mapped to them in reverse
     order, the second row (when batch > 1) a padding row (index -1). ``tie_hdim``: A, dt, D, dt_bias one value
     per head, passed as expanded stride-0 views (Mamba2.step's call)."""
@@ -148,7 +149,7 @@ def update_inputs(static: dict, dtypes: dict, batch: int, seed: int = 0) -> dict
     st_dt, dt_dt, z_dt = (_dtype(dtypes[k]) if k in dtypes else d for k, d in
                           (("state", acc), ("dt", x_dt), ("z", x_dt)))
     lead = (H,) if P == 1 else (H, P)
-    bc_shape = (batch, N) if P == 1 and G == 1 else (batch, G, N)
+    bc_shape = (batch, N) if static.get("mamba1_layout") else (batch, G, N)
     sp = bool(static["dt_softplus"])
     dt = 0.5 * torch.randn(batch, *lead, generator=g)
     nslots = batch + 2 if "idx" in dtypes else batch
