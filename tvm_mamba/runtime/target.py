@@ -83,6 +83,21 @@ def cuda_target(arch: str = "sm_90") -> Target:
     })
 
 
+# WebGPU's default limits (the spec's: what every adapter grants without asking): invocations a workgroup,
+# workgroup memory in bytes, storage buffers a shader stage. No warp: TVM's WebGPU codegen has no shuffles.
+WEBGPU_LIMITS = {"max_num_threads": 256, "max_shared_memory_per_block": 16384, "max_storage_buffers": 8}
+
+
+@functools.lru_cache(maxsize=None)
+def webgpu_target() -> Target:
+    """The WebGPU target (WGSL; runtime/webgpu.py runs it through wgpu) at WebGPU's default limits, so a kernel
+    built for it runs on any adapter; its host code is never run (the launcher reads the lowered host
+    function), so its host is the generic CPU."""
+    return Target({"kind": "webgpu", "max_num_threads": WEBGPU_LIMITS["max_num_threads"],
+                   "max_shared_memory_per_block": WEBGPU_LIMITS["max_shared_memory_per_block"],
+                   "thread_warp_size": 1, "supports_subgroups": False}, host="llvm")
+
+
 def target_for_device(device) -> Target:
     """The TVM target that serves tensors on torch ``device`` (a torch.device or its string)."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
@@ -142,4 +157,7 @@ def target_from_key(key: str) -> Target:
         return cpu_target(rest)
     if kind in ("cuda", "cudasim"):  # cudasim: the CUDA kernels, run on the CPU by runtime/cudasim.py
         return cuda_target(rest)
-    raise ValueError(f"target: unknown target key {key!r} (expected 'llvm-<mcpu>', 'cuda-sm_XY' or 'cudasim-sm_XY')")
+    if key == "webgpu":
+        return webgpu_target()
+    raise ValueError(f"target: unknown target key {key!r} (expected 'llvm-<mcpu>', 'cuda-sm_XY', 'cudasim-sm_XY' "
+                     "or 'webgpu')")
