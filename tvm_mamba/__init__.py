@@ -31,14 +31,14 @@ _PUBLIC = {
     ".torch_ops.linear": ("linear", "quantize_weight"),
     ".modules.quantize": ("QuantizedLinear", "quantize_weights"),
 }
-_RENAMED = {"simulate_cuda": (".runtime.cudasim", "simulate"),
+_RENAMED = {"simulate_cuda": (".runtime.cudasim", "simulate"), "webgpu": (".runtime.webgpu", "use"),
             "LayerNormGated": (".modules.rmsnorm_gated", "LayerNorm")}  # layernorm_gated.py's LayerNorm
 _WHERE = {name: (module, name) for module, names in _PUBLIC.items() for name in names} | _RENAMED
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen_states", "mamba_chunk_scan_combined",
            "selective_scan_fn", "selective_state_update", "mamba3_siso_step", "mamba3_siso_combined", "mamba3_mimo", "rmsnorm_fn", "quantize_int8", "pack_int8x4", "unpack_int8x4", "int8_matmul",
            "int8_lowrank_projection", "int8_decoder_tail", "Mamba", "Mamba2", "Mamba3", "MambaConfig", "MambaLMHeadModel",
-           "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "__version__",
+           "RMSNormGated", "explain", "tuning_logs", "simulate_cuda", "webgpu", "__version__",
            "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
            "mamba3_mimo_step",
            "layernorm_fn", "layer_norm_fn", "rms_norm_fn", "LayerNormGated",

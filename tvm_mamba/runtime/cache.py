@@ -33,7 +33,7 @@ import filelock
 import tvm
 import tvm_ffi
 
-from . import cudasim, dispatch, kernel_sets, pack, progress, threads, verified
+from . import cudasim, dispatch, kernel_sets, pack, progress, threads, verified, webgpu
 from .cache_dir import (_source_digest, build_root, cache_base, cache_root, private_mkdir,  # noqa: F401
                         UntrustedPath)
 from .key import KernelKey, Plan
@@ -46,8 +46,9 @@ class Kernel:
                  build_seconds: float, load_seconds: float):
         self.key, self.plan, self.module, self.path = key, plan, module, path
         self.build_seconds, self.load_seconds = build_seconds, load_seconds
-        self.fn = module[f"{key.op}_{key.direction}"]
+        self.fn = module[f"{key.op}_{key.direction}"]  # a WebGPU module's: its launcher, called with tensors
         self.simulated = cudasim.is_sim(key.target)
+        self.webgpu = webgpu.is_webgpu(key.target)
 
     def __call__(self, *args):
         dispatch.note_key(self.key, self.plan)
@@ -61,7 +62,7 @@ class Kernel:
         DLPack view: same memory, no copy): converting ~10 torch tensors per call costs ~5-10 us, the kernel
         launch itself under 1 us, and a decode step replays ~170 launches. The caller keeps the tensors
         alive and never resizes them (a replay would write the old memory)."""
-        if self.simulated:
+        if self.simulated or self.webgpu:
             return lambda: self(*args)
         fn, key, plan = self.fn, self.key, self.plan
         views = tuple(tvm_ffi.from_dlpack(a.detach()) if hasattr(a, "__dlpack__") else a for a in args)
@@ -100,6 +101,8 @@ def compile_module(key: KernelKey, mod: tvm.IRModule):
     target = dispatch.target_from_key(key.target)
     if cudasim.is_sim(key.target):
         return cudasim.build(mod, target, label=str(key), checks=bool(cudasim.variant(key.target)))
+    if webgpu.is_webgpu(key.target):
+        return webgpu.build(mod, target, label=str(key))
     if target.kind.name == "cuda":
         from .nvcc import install_cuda_compile_hook
 
@@ -112,6 +115,8 @@ def _map(path: pathlib.Path):
     """The mapper verified.load calls for a cache file (never call it on an unverified file)."""
     if path.parent.name.startswith(cudasim.PREFIX):
         return cudasim.load(str(path))
+    if webgpu.is_webgpu(path.parent.name):
+        return webgpu.load(str(path))
     return load_library(path)
 
 

@@ -27,6 +27,7 @@ os.environ.setdefault("TVM_NUM_THREADS", str(usable_cpus()))
 import tvm  # noqa: E402
 from tvm.target import Target  # noqa: E402
 from .cudasim import active as cudasim_active  # noqa: E402
+from .webgpu import active as webgpu_active  # noqa: E402
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100")
 
@@ -117,6 +118,8 @@ def device_target_key(device) -> str:
     runtime installed: then the CPU key comes from the active kernel pack)."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
     if kind == "cpu":
+        if webgpu_active():  # `with tvm_mamba.webgpu():` CPU tensors run the WebGPU kernels through wgpu
+            return "webgpu"
         sim = cudasim_active()
         if sim is not None:  # `with tvm_mamba.simulate_cuda(arch):` CPU tensors run the CUDA kernels
             return sim.target_key

@@ -30,7 +30,7 @@ import torch
 from ..runtime import dispatch
 from ..runtime.cache import FAST_TTL_S, KERNEL_ENV_VARS
 from ..runtime.cudasim import current as sim_config
-from ..runtime.target import cudasim_active
+from ..runtime.target import cudasim_active, webgpu_active
 from . import _dlpack
 from ._recipe_code import compile_guard, compile_recipe
 
@@ -57,7 +57,8 @@ _environ = _environ_reader()
 def context() -> tuple:
     """What picks kernels beyond the call itself; a recipe serves only under the context it was made in."""
     sim = cudasim_active()
-    return (dispatch.generation(), None if sim is None else (sim.target_key, sim_config().checks), _environ())
+    return (dispatch.generation(), None if sim is None else (sim.target_key, sim_config().checks), webgpu_active(),
+            _environ())
 
 
 def signature(tensors: Sequence[Optional[torch.Tensor]], flags: tuple) -> Optional[tuple]:
