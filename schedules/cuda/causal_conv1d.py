@@ -35,7 +35,7 @@ from ..rule import Decisions, schedule_compute, schedule_of
 from ...compute.causal_conv1d.update import update_template
 from ...compute.causal_conv1d import KERNELS
 from ._common import bind_flat, schedule_acc_chain
-from ._strategy import GpuStrategy
+from ._strategy import CUDA_SHARED_BYTES, GpuCaps, GpuStrategy
 
 # Inputs a tile reads through its window or per output, staged once per block (the backward stages x per
 # tile and the rest per row, _bwd). Not staged: seq_idx (an
@@ -226,13 +226,16 @@ def lay_out(kernel: str, dims, target, decisions: Decisions):
     if "gpu" not in target.keys or kernel not in KERNELS:
         return None
     name = f"causal_conv1d_{kernel}"
-    threads = decisions.pick("threads", THREADS, 256)
+    caps = GpuCaps.of(target)
+    threads = decisions.pick("threads", caps.threads(THREADS), 256)
     if kernel == "update":  # a loop-nest template: one thread per (batch, channel) row
         return schedule_of(update_template(dims, GpuStrategy(threads)), name)
     sch = schedule_compute(KERNELS[kernel](dims), name)
     if kernel in ("fwd", "bwd"):
         layout = _fwd if kernel == "fwd" else _bwd
-        tile = decisions.pick("tile", TILES, 1024)
+        # the backward's x and grad rings: 2 x 8 KB at tile 1024, over WebGPU's default 16 KB with the row's
+        # weights; 512 where the target has less than CUDA's 48 KB
+        tile = decisions.pick("tile", TILES, 1024 if caps.shared_bytes >= CUDA_SHARED_BYTES else 512)
         # the ring holds the tile and its halos; a MetaSchedule sample (ExprRV) may replay with any tile
         window = _window(tile if isinstance(tile, int) else max(TILES), dims.width)
         layout(sch, threads, tile, window)

@@ -22,7 +22,7 @@ from ...compute import ssd as compute
 from ...compute.ssd.strategy import ChunkStrategy, causal_end
 from ..rule import Decisions, schedule_of
 from ._crossing import crossing_pass
-from ._strategy import GpuLoops
+from ._strategy import CUDA_SHARED_BYTES, GpuCaps, GpuLoops
 from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
 from ._tc_product import tc_product
 from ._tiled_tc import TC, TcTiling, tc_causal, tc_matmul
@@ -40,8 +40,8 @@ TENSOR_CORES = ("bmm_chunk", "chunk_state", "chunk_scan_bwd_dstates", "chunk_sca
 class Gpu(GpuLoops, ChunkStrategy):
     """blockIdx.x x threadIdx.x of ``threads``, a task per lane, scratch in registers, native math."""
 
-    def __init__(self, threads: int = 128, tile: int = 64, tensor_cores: str | None = None):
-        super().__init__(native_math=True, threads=threads, scope="local")
+    def __init__(self, threads: int = 128, tile: int = 64, tensor_cores: str | None = None, libm: bool = True):
+        super().__init__(native_math=True, threads=threads, scope="local", libm=libm)
         self.tile, self.tc = tile, tensor_cores
 
     def scaled_matmul(self, M: int, W: int, K: int):
@@ -96,20 +96,31 @@ def tensor_core_dtype(dims) -> str | None:
 
 
 def template(direction: str, dims, threads: int = 128, serial: bool = False, tile: int = 64,
-             tensor_cores: bool = True):
+             tensor_cores: bool = True, libm: bool = True):
     """The CUDA layout of kernel ``ssd_<direction>`` (serial=True: thread loops made serial, CUDA's math: for CPU
     tests)."""
     tc = tensor_core_dtype(dims) if tensor_cores and direction in TENSOR_CORES else None
-    strategy = ChunkStrategy(native_math=True) if serial else Gpu(threads, tile, tc)
+    strategy = ChunkStrategy(native_math=True) if serial else Gpu(threads, tile, tc, libm)
     return compute.TEMPLATES[direction](dims, strategy)
 
 
+# the tile cap a small shared-memory budget takes: two staged 32-deep operand slices of a 32-wide tile,
+# 8.4 KB (a 64 tile's 16.6 KB is over WebGPU's default 16 KB of workgroup memory)
+SMALL_TILE = 32
+
+
 def lay_out(direction: str, dims, target, decisions: Decisions):
-    """The CUDA layout of an SSD kernel, or None for another kernel or target."""
+    """The GPU layout of an SSD kernel, or None for another kernel or target. Chosen by the target's
+    capabilities (GpuCaps): tiles that fit its shared memory, tensor cores where it has them, WGSL's math
+    where it has no libm."""
     if "gpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
+    caps = GpuCaps.of(target)
     threads, tile = TILED.get(direction, (128, 64))
-    threads = decisions.pick("threads", (64, 128, 256), threads)
+    threads = decisions.pick("threads", (64, 128, 256), min(threads, caps.max_threads))
+    if caps.shared_bytes < CUDA_SHARED_BYTES:
+        tile = min(tile, SMALL_TILE)
     tile = decisions.pick("tile", TILE_CAP, tile) if direction in TILED else tile
-    tc = bool(decisions.pick("tensor_cores", (0, 1), 1)) if direction in TENSOR_CORES else False
-    return schedule_of(template(direction, dims, threads, tile=tile, tensor_cores=tc), f"ssd_{direction}")
+    tc = bool(decisions.pick("tensor_cores", (0, 1), 1)) if direction in TENSOR_CORES and caps.tensor_cores else False
+    return schedule_of(template(direction, dims, threads, tile=tile, tensor_cores=tc, libm=caps.libm),
+                       f"ssd_{direction}")

@@ -133,10 +133,13 @@ class Math:
     polynomials cost 20-100 extra registers per kernel there and spilled.
     ``sincospi=True`` (CUDA): the target has ``sincospi[f]`` (see ``sincospi``), and a rotation by an angle
     is computed through it instead of ``cos`` / ``sin``.
+    ``libm=False`` (WebGPU): the target's functions are WGSL's (exp, log, tanh, sin, cos): no log1p / expm1,
+    which native math then forms from exp and log with their rounding error corrected (:meth:`log1p`,
+    :meth:`expm1`).
     """
 
-    def __init__(self, acc: str = "float32", native: bool = False, sincospi: bool = False):
-        self.acc, self.native, self.has_sincospi = acc, native, sincospi
+    def __init__(self, acc: str = "float32", native: bool = False, sincospi: bool = False, libm: bool = True):
+        self.acc, self.native, self.has_sincospi, self.libm = acc, native, sincospi, libm
         self.zero, self.one = tirx.const(0.0, acc), tirx.const(1.0, acc)
         self.poly = acc == "float32" and not native
 
@@ -161,7 +164,24 @@ class Math:
     def softplus(self, x):
         if self.poly:
             return softplus(x)
-        return tirx.Select(x > self.const(20.0), x, tirx.log1p(tirx.exp(x)))
+        return tirx.Select(x > self.const(20.0), x, self.log1p(tirx.exp(x)))
+
+    def log1p(self, y):
+        """log(1 + y): the target's log1p, or without libm log(u) * y / (u - 1) with u = fl(1 + y) (the
+        rounding of 1 + y cancels: accurate to a few ulp; y itself where u rounds to 1)."""
+        if self.libm:
+            return tirx.log1p(y)
+        u = self.one + y
+        return tirx.Select(u == self.one, y, tirx.log(u) * (y / (u - self.one)))
+
+    def expm1(self, x):
+        """e^x - 1: CUDA's expm1f (float32), or without libm (u - 1) * x / log(u) with u = exp(x) (Kahan's
+        correction of the cancellation near 0; x itself where u rounds to 1, -1 where u - 1 does)."""
+        if self.libm:
+            return tirx.call_pure_extern("float32", "expm1f", x) if self.acc == "float32" else tirx.exp(x) - self.one
+        u = tirx.exp(x)
+        return tirx.Select(u == self.one, x,
+                           tirx.Select(u - self.one == -self.one, -self.one, (u - self.one) * x / tirx.log(u)))
 
     def softplus_grad(self, x):
         return tirx.Select(x > self.const(20.0), self.one, self.sigmoid(x))
@@ -187,7 +207,7 @@ class Math:
             return tanh(x)
         if self.acc != "float32":
             return tirx.tanh(x)
-        e = tirx.call_pure_extern("float32", "expm1f", x + x)
+        e = self.expm1(x + x)
         one = tirx.Select(x > self.zero, self.one, -self.one)
         return tirx.Select(tirx.abs(x) > self.const(9.0), one, e / (e + self.const(2.0)))
 
@@ -199,7 +219,7 @@ class Math:
 
 
 @functools.lru_cache(maxsize=None)
-def math_for(acc: str = "float32", native: bool = False, sincospi: bool = False) -> Math:
+def math_for(acc: str = "float32", native: bool = False, sincospi: bool = False, libm: bool = True) -> Math:
     """One shared :class:`Math` per choice, made on first use: its constants are TVM expressions, which a
     runtime-only TVM (no compiler) cannot make, so no module makes one at import."""
-    return Math(acc, native, sincospi)
+    return Math(acc, native, sincospi, libm)

@@ -57,20 +57,23 @@ def adapter_info() -> dict | None:
 
 
 # ---- the host function's expressions ------------------------------------------------------------------------
-def _div(a, b):
-    return a // b if isinstance(a, int) and isinstance(b, int) else a / b
+def _trunc_div(a, b):
+    """TIR's Div: C's division (integers truncated toward zero; floats as they are)."""
+    if isinstance(a, int) and isinstance(b, int):
+        q = abs(a) // abs(b)
+        return -q if (a < 0) != (b < 0) else q
+    return a / b
+
+
+def _trunc_mod(a, b):
+    """TIR's Mod: C's remainder (the sign of the dividend), not Python's floored one."""
+    return a - b * _trunc_div(a, b)
 
 
 _BINARY = {"Add": operator.add, "Sub": operator.sub, "Mul": operator.mul, "FloorDiv": operator.floordiv,
-           "FloorMod": operator.mod, "Div": _div, "Mod": lambda a, b: int(math_fmod(a, b)),
-           "Min": min, "Max": max, "EQ": operator.eq, "NE": operator.ne, "LT": operator.lt,
-           "LE": operator.le, "GT": operator.gt, "GE": operator.ge, "And": lambda a, b: a and b,
-           "Or": lambda a, b: a or b}
-
-
-def math_fmod(a, b):
-    """C's truncated remainder (TIR's Mod), not Python's floored one."""
-    return a - b * int(a / b)
+           "FloorMod": operator.mod, "Div": _trunc_div, "Mod": _trunc_mod, "Min": min, "Max": max,
+           "EQ": operator.eq, "NE": operator.ne, "LT": operator.lt, "LE": operator.le, "GT": operator.gt,
+           "GE": operator.ge, "And": lambda a, b: a and b, "Or": lambda a, b: a or b}
 
 
 def evaluate(e, env: dict):
@@ -91,7 +94,7 @@ def evaluate(e, env: dict):
         return evaluate(e.true_value if evaluate(e.condition, env) else e.false_value, env)
     if kind == "Cast":
         v = evaluate(e.value, env)
-        return float(v) if "float" in str(e.dtype) else int(v)
+        return float(v) if "float" in str(e.ty) else int(v)
     if kind == "Call" and e.op.name == "tirx.if_then_else":
         return evaluate(e.args[1] if evaluate(e.args[0], env) else e.args[2], env)
     if kind == "StringImm":
@@ -112,6 +115,8 @@ def _array(name: str, t) -> np.ndarray:
     dev = t.__dlpack_device__()[0] if hasattr(t, "__dlpack_device__") else 1
     if dev != 1:  # kDLCPU
         raise ValueError(f"{name}: the WebGPU path takes CPU tensors (copied to the adapter), got device type {dev}")
+    if hasattr(t, "detach"):  # a torch tensor that requires grad exports only detached (same memory)
+        t = t.detach()
     try:
         return np.from_dlpack(t)
     except (BufferError, TypeError, RuntimeError) as e:

@@ -50,11 +50,11 @@ from ..strategy import Strategy
 class ChunkStrategy(Strategy):
     """SSD's vocabulary on the strategy protocol (compute/strategy.py): serial loops, a task per lane (as the CUDA
     strategy decomposes the work); ``native_math``: the target's exp / log1p (CUDA's arithmetic, run on the CPU
-    by tests) instead of the CPU polynomials. The layout of the unscheduled PrimFunc a builder returns.
-    Subclasses: schedules/cpu/ssd.py, schedules/cuda/ssd.py."""
+    by tests) instead of the CPU polynomials; ``libm``: the target has libm's log1p (CUDA; not WGSL). The layout
+    of the unscheduled PrimFunc a builder returns. Subclasses: schedules/cpu/ssd.py, schedules/cuda/ssd.py."""
 
-    def __init__(self, native_math: bool = False, threads: int = 1, scope: str = "global"):
-        super().__init__(Math("float32", native=native_math), threads, scope)
+    def __init__(self, native_math: bool = False, threads: int = 1, scope: str = "global", libm: bool = True):
+        super().__init__(Math("float32", native=native_math, libm=libm), threads, scope)
 
     def lanes(self, width: int) -> int:
         return width if self.vector else 1

@@ -57,6 +57,7 @@ class Where:
     device: object = None
     sizes: dict = dataclasses.field(default_factory=dict)
     dry: bool = False
+    arch: str = ""  # the last arch :func:`target` ran the harness's calls under ("webgpu": on WebGPU)
     errors: list = dataclasses.field(default_factory=list)
     launches: list = dataclasses.field(default_factory=list)
 
@@ -91,9 +92,13 @@ def size(name: str, default: int) -> int:
     return int(_where.sizes.get(name, default))
 
 
+WEBGPU = "webgpu"  # the ``arch`` that runs the checks on WebGPU (wgpu) instead of the CUDA harness
+
+
 def target(arch: str, **sim):
-    """The context kernel calls run in: ``simulate_cuda(arch, **sim)`` in the harness; on a device, a block that
-    records every kernel launch into :func:`on_device`'s ``launches`` (replayed there to time each kernel)."""
+    """The context kernel calls run in: ``simulate_cuda(arch, **sim)`` in the harness (``arch`` "webgpu":
+    ``tvm_mamba.webgpu()``, the harness's options not applying); on a device, a block that records every kernel
+    launch into :func:`on_device`'s ``launches`` (replayed there to time each kernel)."""
     from ...torch_ops._dlpack import capture_launches
 
     @contextlib.contextmanager
@@ -101,7 +106,8 @@ def target(arch: str, **sim):
         if _where.device is None:
             import tvm_mamba
 
-            with tvm_mamba.simulate_cuda(arch, **sim):
+            _where.arch = arch
+            with tvm_mamba.webgpu() if arch == WEBGPU else tvm_mamba.simulate_cuda(arch, **sim):
                 yield
         else:
             with capture_launches() as launches:
@@ -115,12 +121,13 @@ def target(arch: str, **sim):
 
 def ran(keys, op: str, direction: str, static: dict, dtypes: dict) -> None:
     """CheckFailed unless one of ``keys`` is the configuration (op, direction, static dims, dtypes) on a
-    simulated CUDA target (on a CUDA device: its CUDA target): the case really ran the kernel that build-check
-    builds. On a CPU device nothing is required (the CPU dispatch keys its own kernels)."""
+    simulated CUDA target (on WebGPU: the webgpu target; on a CUDA device: its CUDA target): the case really
+    ran the kernel that build-check builds. On a CPU device nothing is required (the CPU dispatch keys its
+    own kernels)."""
     dev = _where.device
     if dev is not None and dev.type == "cpu":
         return
-    want = "cuda-" if dev is not None else "cudasim-"
+    want = "cuda-" if dev is not None else WEBGPU if _where.arch == WEBGPU else "cudasim-"
     for k in keys:
         if (k.op, k.direction) == (op, direction) and k.static == dict(static) and k.dtype == dict(dtypes) \
                 and k.target.startswith(want):
