@@ -1,13 +1,16 @@
 """``python -m tvm_mamba <command>``: info, build-check, sim-check, roofline, cache, tune, aot.
 
-info         target, thread count, cache location, versions, and one checked kernel call (causal conv1d
-             against the float64 reference).
+info         target, thread count, cache location, versions, the WebGPU adapter, and one checked kernel call
+             (causal conv1d against the float64 reference; ``--webgpu``: also on WebGPU).
 build-check  builds every registered kernel configuration (each compute module's build_check_configs())
              for CUDA with no GPU: TVM codegen, then nvcc --cubin with the packs' flags (runtime/nvcc.py
              NVCC_FLAGS: -O3 --use_fast_math, ptxas -v); prints registers, shared
              memory and spill bytes per kernel and ends with exactly one line
              ``build-check: N kernels, F failed, S spilling (cuda sm_XY)``. Exit 1 if F > 0.
-sim-check    runs every configuration build-check builds (same flags) on the CPU through the CUDA execution
+             ``--target webgpu|opencl|metal``: the GPU rules' source in that language, checked where a
+             checker is here (tvm_mamba/tools/gpu_sources.py); ``--target cpu``: LLVM's code for a CPU.
+sim-check    runs every configuration build-check builds (same flags; ``--target webgpu``: the float32 ones
+             on WebGPU through wgpu instead) on the CPU through the CUDA execution
              harness (runtime/cudasim.py: TVM's CUDA source, g++, the CUDA execution model) against its
              float64 reference (tvm_mamba/tools/simcheck/<op>.py), and ends with exactly one line
              ``sim-check: N kernels, F failed (cuda sm_XY)``. Exit 1 if F > 0. ``--full``: each check with
@@ -63,7 +66,43 @@ def cmd_info(args) -> int:
     ok = err < 1e-4
     print(f"check:       causal_conv1d_fn (2, 64, 300) silu: max |err| vs float64 reference = {err:.2e} "
           f"({'ok' if ok else 'FAILED'}; first call incl. build/load {dt:.2f}s)")
+    ok = _print_webgpu(getattr(args, "webgpu", False), (x, w, b)) and ok
     return 0 if ok else 1
+
+
+def _print_webgpu(check: bool, inputs) -> bool:
+    """The ``webgpu:`` line (the adapter wgpu finds, or why there is none) and, with ``check``, the same
+    conv call on WebGPU (``with tvm_mamba.webgpu():``); False when that check fails or cannot run."""
+    import importlib.util
+
+    import tvm_mamba
+    from tvm_mamba.reference.causal_conv1d import causal_conv1d_ref
+    from tvm_mamba.runtime import webgpu
+
+    if importlib.util.find_spec("wgpu") is None:
+        print("webgpu:      wgpu not installed (pip install 'tvm-mamba[webgpu]')")
+        return not check
+    info = webgpu.adapter_info()
+    if info is None:
+        print("webgpu:      wgpu found no adapter")
+        return not check
+    limits = info["limits"]
+    print(f"webgpu:      {info['device']} ({info['backend']}, {info['type']}; {info['description']}); "
+          f"{limits['max-compute-invocations-per-workgroup']} invocations, "
+          f"{limits['max-compute-workgroup-storage-size']} B workgroup memory, "
+          f"{limits['max-storage-buffers-per-shader-stage']} storage buffers a stage; "
+          f"shader-f16: {'yes' if 'shader-f16' in info['features'] else 'no'}")
+    if not check:
+        return True
+    x, w, b = inputs
+    t0 = time.perf_counter()
+    with tvm_mamba.webgpu():
+        out = tvm_mamba.causal_conv1d_fn(x, w, b, activation="silu")
+    dt = time.perf_counter() - t0
+    err = (out.double() - causal_conv1d_ref(x.double(), w.double(), b.double(), activation="silu")).abs().max().item()
+    print(f"check:       the same call on WebGPU: max |err| = {err:.2e} ({'ok' if err < 1e-4 else 'FAILED'}; "
+          f"first call incl. build {dt:.2f}s)")
+    return err < 1e-4
 
 
 def _print_tuning(tkey: str, gpu_name: str | None = None) -> None:
@@ -107,9 +146,10 @@ class _UsageError(Exception):
 
 def _checked_ops_arch(args, cmd: str):
     """(ops, arch) from --target / --ops / --arch; a _UsageError listing the valid values."""
-    if args.target != "cuda" and not (cmd == "build-check" and args.target == "cpu"):
-        raise _UsageError(f"{cmd}: --target must be cuda{' or cpu' * (cmd == 'build-check')}, got {args.target!r}")
-    if args.target == "cpu":
+    valid = ("cuda", "cpu", "webgpu", "metal", "opencl") if cmd == "build-check" else ("cuda", "webgpu")
+    if args.target not in valid:
+        raise _UsageError(f"{cmd}: --target must be one of {', '.join(valid)}, got {args.target!r}")
+    if args.target != "cuda":
         return _checked_ops(args.ops, cmd), None
     return _checked_ops(args.ops, cmd), _checked_arch(args.arch, cmd)
 
@@ -160,6 +200,10 @@ def cmd_build_check(args) -> int:
     ops, arch = _checked_ops_arch(args, "build-check")
     if args.target == "cpu":
         return _build_check_cpu(ops, args.mcpu)
+    if args.target in ("webgpu", "metal", "opencl"):
+        from tvm_mamba.tools import gpu_sources
+
+        return gpu_sources.run(_configs(ops), args.target)
     tkey = target_key(cuda_target(arch))
     pending: list = []
     failed = spilling = total = 0
@@ -256,9 +300,14 @@ def cmd_sim_check(args) -> int:
 
     ops, arch = _checked_ops_arch(args, "sim-check")
     configs = list(_configs(ops))
-    keys = [KernelKey.make(op, d, dt, st, "cudasim-" + arch) for op, d, st, dt in configs]
-    print(f"sim-check: compiling {len(keys)} kernels for the harness ({args.jobs} jobs) ...", flush=True)
-    warm = _compile_all(keys, args.jobs, build_and_load)
+    if args.target == "webgpu":  # float32 only (WGSL); built on first use (the keys carry the call's shape bucket)
+        arch, configs = simcheck.WEBGPU, [c for c in configs if all(v in _WEBGPU_DTYPES for v in c[3].values())]
+        keys = [KernelKey.make(op, d, dt, st, "webgpu") for op, d, st, dt in configs]
+        warm = [None] * len(keys)
+    else:
+        keys = [KernelKey.make(op, d, dt, st, "cudasim-" + arch) for op, d, st, dt in configs]
+        print(f"sim-check: compiling {len(keys)} kernels for the harness ({args.jobs} jobs) ...", flush=True)
+        warm = _compile_all(keys, args.jobs, build_and_load)
     failed = 0
     for i, ((op, direction, static, dtypes), key, err) in enumerate(zip(configs, keys, warm)):
         t0 = time.perf_counter()
@@ -270,8 +319,12 @@ def cmd_sim_check(args) -> int:
         if err is not None:
             failed += 1
             print("      " + err.replace("\n", "\n      ")[:1500], flush=True)
-    print(f"sim-check: {len(keys)} kernels, {failed} failed (cuda {arch}{', full shapes' if args.full else ''})")
+    where = "webgpu" if arch == simcheck.WEBGPU else f"cuda {arch}"
+    print(f"sim-check: {len(keys)} kernels, {failed} failed ({where}{', full shapes' if args.full else ''})")
     return 1 if failed else 0
+
+
+_WEBGPU_DTYPES = ("float32", "int32", "int64", "int8")  # the configurations sim-check runs on WebGPU
 
 
 def _compile_all(keys, jobs: int, build) -> list[str | None]:
@@ -399,19 +452,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tvm_mamba", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_SubParser)
-    sub.add_parser("info", help="target, cache, and one checked kernel call")
+    info = sub.add_parser("info", help="target, cache, and one checked kernel call")
+    info.add_argument("--webgpu", action="store_true", help="also check the call on WebGPU (needs wgpu)")
     checks = (("build-check", "build every kernel for CUDA here (nvcc, ptxas -v)", "nvcc"),
               ("sim-check", "run every build-check kernel on the CPU through the CUDA harness", "g++"))
     for name, helps, jobs in checks:  # the same kernel configurations: the same options
         chk = sub.add_parser(name, help=helps)
         if name == "build-check":
-            chk.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
-                             help="cuda (nvcc, ptxas -v), or cpu: LLVM codegen for --mcpu (default: cuda)")
+            chk.add_argument("--target", default="cuda", choices=("cuda", "cpu", "webgpu", "metal", "opencl"),
+                             help="cuda (nvcc, ptxas -v), cpu: LLVM codegen for --mcpu, or another GPU "
+                                  "language's source: webgpu (WGSL, validated by wgpu's naga), opencl (parsed "
+                                  "by libclang), metal (generated) (default: cuda)")
             chk.add_argument("--mcpu", default=None,
                              help="with --target cpu: the LLVM CPU, x86 (znver3, skylake-avx512) or AArch64 "
                                   "(neoverse-v1, cortex-a76, apple-m1) (default: this host's)")
         else:
-            chk.add_argument("--target", default="cuda", help="the codegen target: cuda, the only one (default: cuda)")
+            chk.add_argument("--target", default="cuda", choices=("cuda", "webgpu"),
+                             help="cuda: the CUDA kernels through the harness, or webgpu: the float32 "
+                                  "configurations on WebGPU through wgpu (default: cuda)")
         chk.add_argument("--arch", default="sm_90", help=ARCH_HELP)
         chk.add_argument("--ops", default="", help=OPS_HELP.format(default="all", ops="{ops}"))
         chk.add_argument("--jobs", type=int, default=2,

@@ -68,7 +68,7 @@ class _AfterSplit:
 _FUNCTION = re.compile(r"^// Function: (\S+)\n//-+\n", re.M)
 
 
-def _wgsl_by_kernel(source: str) -> dict[str, str]:
+def wgsl_by_kernel(source: str) -> dict[str, str]:
     """The WGSL of each kernel in TVM's concatenated source (each shader headed by ``// Function: name``, the
     header written twice)."""
     marks = list(_FUNCTION.finditer(source))
@@ -98,7 +98,7 @@ def build(mod: tvm.IRModule, target, label: str = "") -> Build:
     grab = _AfterSplit()
     with tvm.transform.PassContext(instruments=[grab]):
         ex = tvm.compile(mod, target=target)
-    wgsl = _wgsl_by_kernel(ex.mod.imports[0].inspect_source("")) if ex.mod.imports else {}
+    wgsl = wgsl_by_kernel(ex.mod.imports[0].inspect_source("")) if ex.mod.imports else {}
     hosts, kernels = [], {}
     for gv, func in grab.mod.functions.items():
         if func.attrs.get("tirx.is_global_func"):
