@@ -2,11 +2,15 @@
 
 Decode step: one thread per (batch, head, headdim_v row) lane (``warp=False``: blockIdx x threadIdx, the
 lane's rotary pairs serial in registers; at upstream's shape, batch 1 x 32 heads x 64 rows = 2048 threads),
-CUDA's own expf / tanhf / cosf / sinf. Knob: ``threads`` per block (64, 128, 256; default 128). Serves any
-target with the "gpu" key. The MIMO step (``mimo_step``) the same way: rotate a thread per (batch, rank, head,
-pair), update a thread per row holding its R output sums in registers (rank 4 at upstream's shape: 39-48
-registers, no spills). Upstream's two-function path (``step_rotate``, ``step_update``: each pass alone, one
-launch each) the same way.
+CUDA's own expf / tanhf / cosf / sinf. Knob: ``threads`` per block (64, 128, 256 up to the target's
+``max_num_threads``; default 128). Serves any target with the "gpu" key. The MIMO step (``mimo_step``) the same
+way: rotate a thread per (batch, rank, head, pair), update a thread per row holding its R output sums in
+registers (rank 4 at upstream's shape: 39-48 registers, no spills). Upstream's two-function path
+(``step_rotate``, ``step_update``: each pass alone, one launch each) the same way.
+The update pass (siso_step, mimo_step, step_update) runs on warp lanes over headdim_qk where the target's
+warps shuffle (``thread_warp_size`` >= 32, read from ``target.attrs``: selective_scan.py's warp kernels);
+where they do not (WebGPU without subgroups: 1) a lane is one thread, one row, its headdim_qk states serial
+and its dot products a loop (the serial layout's loops on blockIdx x threadIdx), as pass 1 always is.
 
 Chunked forward's preprocess: the SSD CUDA strategy (schedules/cuda/ssd.py ``Gpu``): a launch per pass, a thread
 per task (angles: (batch, head, angle), serial over time; rotate: (batch, 16 steps, rotary pair); chunk: (batch,
@@ -18,9 +22,9 @@ angle); pairs: (batch, 16 steps, pair); chunk: (batch, head, chunk)).
 from __future__ import annotations
 
 from ...compute import mamba3 as compute
-from ...compute._math import Math
 from ..rule import Decisions, schedule_of
-from .selective_scan import HEAD_ROWS, CudaLayout
+from ._strategy import GpuCaps
+from .selective_scan import HEAD_ROWS, WARP, CudaLayout, pick_threads, target_math
 from .ssd import Gpu
 
 
@@ -29,11 +33,12 @@ def lay_out(direction: str, dims, target, decisions: Decisions):
     if "gpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
     name = f"mamba3_{direction}"
-    threads = decisions.pick("threads", (64, 128, 256), 128)
+    caps = GpuCaps.of(target)
+    threads = pick_threads(caps, decisions, 128)
     if direction in compute.PREPROCESS:
-        return schedule_of(compute.build(direction, dims, Gpu(threads)), name)
-    math = Math(dims.acc, native=True)
-    if direction == "step_rotate":
+        return schedule_of(compute.build(direction, dims, Gpu(threads, libm=caps.libm)), name)
+    math = target_math(dims, caps)
+    if direction == "step_rotate" or caps.warp < WARP:  # a thread per lane: no shuffles (or pass 1 alone)
         layout = CudaLayout(math, threads)
     else:  # pass 2 on warp lanes over headdim_qk, rows of a head per lane; pass 1 a thread per rotary pair
         layout = CudaLayout(math, threads, dims.headdim_qk, warp=True)

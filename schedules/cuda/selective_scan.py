@@ -31,9 +31,21 @@ Complex A (``warp=False``): one thread per lane, the dstate loop serial; its rot
 with the expression, ptxas spilled 4 bytes in the fp32 dstate-16 backward; ptxas's spilling at 40-56
 registers is fragile, so re-run ``build-check`` after any change to the templates.
 
-Knobs: ``threads`` per block (64, 128, 256; default 128, the time-parallel forward 256); ``items`` (steps per
-thread of the time-parallel kernels); ``head_rows`` (tied decode step). The rule serves any target with the
-"gpu" key whose codegen has warp shuffles (CUDA today).
+Knobs: ``threads`` per block (64, 128, 256 up to the target's ``max_num_threads``; default 128, the
+time-parallel forward 256); ``items`` (steps per thread of the time-parallel kernels); ``head_rows`` (tied
+decode step). The rule serves any target with the "gpu" key and chooses by its capabilities
+(``_strategy.GpuCaps``, read from ``target.attrs``), not its kind:
+
+- ``thread_warp_size`` >= 32 (CUDA): the warp kernels above. Below (WebGPU without subgroups: 1) there are no
+  shuffles, so a lane is one thread (``warp=False``): the sequential forward / backward and the decode step
+  with a lane's dstate serial in the thread (the serial layout's loops on blockIdx x threadIdx, its sums a
+  loop), as the complex-A kernels always were; no shared memory at all;
+- ``max_shared_memory_per_block``: the time-parallel forward stages ``STAGE_ELEMS`` (step, state) values per
+  48 KB, the backward stages what fits beside its reduction rows in the limit less ``SMEM_SPARE``; a
+  backward ``items`` whose rows leave no room is not a candidate (none left: the sequential kernel);
+- ``max_num_threads``: the ``threads`` candidates a block may have;
+- ``libm`` (CUDA's log1pf / sincospif; not WGSL's): else ``Math`` forms log1p from exp / log and the complex
+  rotation uses cos / sin (``target_math``).
 """
 from __future__ import annotations
 
@@ -43,14 +55,16 @@ from tvm.script import tirx as T
 from ...compute import selective_scan as compute
 from ...compute._math import Math
 from ..rule import Decisions, schedule_of
-from ._strategy import GpuLoops
+from ._strategy import CUDA_SHARED_BYTES, GpuCaps, GpuLoops
 
 MASK = tirx.const(0xFFFFFFFF, "uint32")
 HEAD_ROWS = (1, 2, 4, 8, 16)  # decode steps: rows of one head per warp lane
 ITEMS = (4, 8, 16)  # forward: consecutive steps per thread (a time block is 32 x items steps)
+THREADS = (64, 128, 256)  # threads per block (the target's max_num_threads caps them)
 REGS = 80  # forward: the register budget a thread at dstate <= 32 (launch bounds' minimum blocks per SM)
-SMEM_BYTES = 44 * 1024  # backward: static shared memory budget (48 KB is the static limit)
-STAGE_ELEMS = 4096  # forward: staged (step, state) values of B and of C per slice (2 x 16.5 KB fp32)
+SMEM_SPARE = 4 * 1024  # backward: shared memory not staged (CUDA's 48 KB static limit -> a 44 KB budget)
+STAGE_ELEMS = 4096  # forward: staged (step, state) values of B and of C per slice at CUDA's 48 KB (2 x 16.5 KB)
+WARP = 32  # the warp kernels' shuffles span 32 threads (mask 0xFFFFFFFF, width 32)
 
 
 def warp_width(dstate: int) -> int:
@@ -241,13 +255,18 @@ class CudaTimeLayout(GpuLoops, compute.Layout):
         self.pair_scan_rev = scan(T.tvm_warp_shuffle_down, 31, 0)
 
 
-def _bwd_stage_states(dims, tc: int) -> int:
-    """States of B / C the backward stages per slice: what fits beside its dB / dC reduction rows
-    (block x tc each) in SMEM_BYTES of static shared memory."""
+def _bwd_smem(dims, tc: int) -> tuple[int, int]:
+    """Shared memory bytes of the time-parallel backward at time blocks of ``tc`` steps: its dB / dC
+    reduction rows (block x tc each) and one staged state of B / C."""
     width = 8 if dims.acc == "float64" else 4
-    rows = (dims.varying_B + dims.varying_C) * dims.block * tc * width
-    per_state = 2 * (tc + tc // 32) * width
-    return _divisor_at_most(dims.dstate, (SMEM_BYTES - rows) // per_state)
+    return (dims.varying_B + dims.varying_C) * dims.block * tc * width, 2 * (tc + tc // 32) * width
+
+
+def _bwd_stage_states(dims, tc: int, budget: int) -> int:
+    """States of B / C the backward stages per slice: what fits beside its reduction rows in ``budget``
+    bytes of shared memory."""
+    rows, per_state = _bwd_smem(dims, tc)
+    return _divisor_at_most(dims.dstate, (budget - rows) // per_state)
 
 
 def _divisor_at_most(n: int, most: int) -> int:
@@ -255,36 +274,72 @@ def _divisor_at_most(n: int, most: int) -> int:
     return max(k for k in range(1, max(1, min(n, most)) + 1) if n % k == 0)
 
 
+def _fwd(dims, caps: GpuCaps, decisions: Decisions, threads: int):
+    """The forward: parallel in time on warps (a warp per lane, threads / 32 lanes a block sharing staged
+    B / C: wider blocks re-read less); without shuffles the sequential scan, a thread per lane."""
+    if caps.warp < WARP:
+        return compute.build("fwd", dims, CudaLayout(target_math(dims, caps), threads))
+    items = decisions.pick("items", ITEMS, 8)
+    chans = threads // 32
+    # B / C staged for the block's lanes when they share one group (else each lane reads its own)
+    shared = all(not g or (dims.dim // g) % chans == 0 for g in (dims.b_groups, dims.c_groups))
+    elems = STAGE_ELEMS * caps.shared_bytes // CUDA_SHARED_BYTES  # the staging at 48 KB, scaled to the limit
+    stage = _divisor_at_most(dims.dstate, elems // (32 * items)) if shared else 0
+    layout = CudaTimeLayout(target_math(dims, caps), items, chans, stage, dims.dstate, dims.u_dtype)
+    return compute.build("fwd", dims, layout, variant="timescan")
+
+
+def _bwd(dims, caps: GpuCaps, decisions: Decisions, threads: int):
+    """The backward: parallel in time where 32 x items is a multiple of the checkpoint chunk and its
+    reduction rows leave shared memory for a staged state (a block per channel block, a warp per channel,
+    time blocks from checkpoints); else the sequential warp-lane kernel; without shuffles a thread per lane."""
+    math = target_math(dims, caps)
+    if caps.warp < WARP:
+        return compute.build("bwd", dims, CudaLayout(math, threads))
+    budget = caps.shared_bytes - SMEM_SPARE
+    items = [k for k in range(2, 17) if (32 * k) % dims.chunk == 0 and sum(_bwd_smem(dims, 32 * k)) <= budget]
+    if items:
+        k = decisions.pick("items", items, min(items, key=lambda k: abs(k - 4)))
+        layout = CudaTimeLayout(math, k, dims.block, _bwd_stage_states(dims, 32 * k, budget), dims.dstate)
+        layout.reduce_layout = CudaLayout(math, threads, dims.dstate, warp=True)
+        return compute.build("bwd", dims, layout, variant="timescan")
+    return compute.build("bwd", dims, CudaLayout(math, threads, dims.dstate, warp=True))
+
+
+def _update(dims, caps: GpuCaps, decisions: Decisions, threads: int):
+    """The decode step (CUDA's own exp / log1p, as the scans; the polynomials are the CPU's): warp lanes of
+    ``head_rows`` rows sharing staged B / C; without shuffles a thread per row, its dstate serial."""
+    if caps.warp < WARP:
+        return compute.build("update", dims, CudaLayout(target_math(dims, caps), threads))
+    layout = CudaLayout(target_math(dims, caps), threads, dims.dstate, warp=True)
+    rows = [r for r in HEAD_ROWS if dims.headdim % r == 0]
+    layout.head_rows = decisions.pick("head_rows", rows, 4 if 4 in rows else rows[-1])
+    layout.stage_bc = layout.head_rows > 1
+    return compute.build("update", dims, layout)
+
+
+def target_math(dims, caps: GpuCaps, sincospi: bool = False) -> Math:
+    """The target's own float math in the accumulation dtype (not the CPU's polynomials): CUDA's expf / log1pf
+    (and ``sincospi``'s sincospif where asked); where the target has no libm beyond exp / log / sin / cos
+    (WGSL) log1p and expm1 formed from them, a rotation through cos / sin."""
+    return Math(dims.acc, native=True, sincospi=sincospi and caps.libm, libm=caps.libm)
+
+
+def pick_threads(caps: GpuCaps, decisions: Decisions, default: int) -> int:
+    """The ``threads`` knob: THREADS up to the target's max_num_threads (``default`` if it may, else the most)."""
+    fit = caps.threads(THREADS)
+    return decisions.pick("threads", fit, default if default in fit else fit[-1])
+
+
 def lay_out(direction: str, dims, target, decisions: Decisions):
-    """A selective-scan kernel's template under a GPU layout; None for another kernel (the chunked forward:
-    the CPU's) or target."""
+    """A selective-scan kernel's template under a GPU layout chosen by the target's capabilities (module
+    docstring); None for another kernel (the chunked forward: the CPU's) or target."""
     if "gpu" not in target.keys or direction not in ("fwd", "bwd", "update", "fwd_complex", "bwd_complex"):
         return None
-    name = f"selective_scan_{direction}"
-    # the forward's block is threads / 32 channels sharing staged B / C: wider blocks re-read less
-    threads = decisions.pick("threads", (64, 128, 256), 256 if direction == "fwd" else 128)
-    if direction == "fwd":  # parallel in time: a warp per lane, threads / 32 lanes per block
-        items = decisions.pick("items", ITEMS, 8)
-        chans = threads // 32
-        # B / C staged for the block's lanes when they share one group (else each lane reads its own)
-        shared = all(not g or (dims.dim // g) % chans == 0 for g in (dims.b_groups, dims.c_groups))
-        stage = _divisor_at_most(dims.dstate, STAGE_ELEMS // (32 * items)) if shared else 0
-        layout = CudaTimeLayout(Math(dims.acc, native=True), items, chans, stage, dims.dstate, dims.u_dtype)
-        return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name)
-    if direction == "bwd":
-        math = Math(dims.acc, native=True)
-        items = [k for k in range(2, 17) if (32 * k) % dims.chunk == 0]  # 32 x items a multiple of the chunk
-        if items:  # parallel in time: a block per channel block, a warp per channel; time blocks from checkpoints
-            k = decisions.pick("items", items, min(items, key=lambda k: abs(k - 4)))
-            layout = CudaTimeLayout(math, k, dims.block, _bwd_stage_states(dims, 32 * k), dims.dstate)
-            layout.reduce_layout = CudaLayout(math, threads, dims.dstate, warp=True)
-            return schedule_of(compute.build(direction, dims, layout, variant="timescan"), name)
-        layout = CudaLayout(math, threads, dims.dstate, warp=True)
-    elif direction == "update":  # CUDA's own exp / log1p, as the scans (the polynomials are the CPU's)
-        layout = CudaLayout(Math(dims.acc, native=True), threads, dims.dstate, warp=True)
-        rows = [r for r in HEAD_ROWS if dims.headdim % r == 0]
-        layout.head_rows = decisions.pick("head_rows", rows, 4 if 4 in rows else rows[-1])
-        layout.stage_bc = layout.head_rows > 1
-    else:  # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled)
-        layout = CudaLayout(Math(dims.acc, native=True, sincospi=True), threads)
-    return schedule_of(compute.build(direction, dims, layout), name)
+    caps = GpuCaps.of(target)
+    threads = pick_threads(caps, decisions, 256 if direction == "fwd" else 128)
+    if direction in ("fwd", "bwd", "update"):
+        func = {"fwd": _fwd, "bwd": _bwd, "update": _update}[direction](dims, caps, decisions, threads)
+    else:  # complex A: CUDA's own exp and sincospi (cosf / sinf's slow path spilled); a thread per lane
+        func = compute.build(direction, dims, CudaLayout(target_math(dims, caps, sincospi=True), threads))
+    return schedule_of(func, f"selective_scan_{direction}")
