@@ -3,8 +3,9 @@ crossing pairs of d dA_step, the carried-state terms' reverse cumsum and dD, sca
 task (batch, chunk, head), a thread per column k of the chunk.
 
 Thread k keeps x_k (headdim values) in registers and its column's two running sums (d dt's and the crossing
-pairs' R[k]). The rows are visited from the last up in bands of ``BAND``: the band's g rows are staged in
-shared memory (read by every thread: broadcasts), each thread forms the band's g_l . x_k in registers
+pairs' R[k]). The rows are visited from the last up in bands of ``BAND`` (fewer rows where a block's shared
+memory is small: ``band_within``): the band's g rows are staged in shared memory (read by every thread:
+broadcasts), each thread forms the band's g_l . x_k in registers
 (headdim-long, p ascending; not where the whole band lies before column k's causal rows or past the
 sequence: the warps above the diagonal skip the band's multiply-adds), then row by row from the band's last
 its weight (one exp per causal pair), its running sums, and R_l[k] into a shared band table (the weight's
@@ -29,12 +30,33 @@ from tvm.script import tirx as T
 from ._tiled import _buffers, _fill, _stage_positions, _typed, _values, largest_divisor
 
 BAND = 16  # rows per band (the row sums' threads; each thread's band of g . x accumulators)
+READERS = 3  # the pass's per-position readers at most: dA_cs, dt and the sequence id (scan_bwd_launch.py)
 
 
-def crossing_pass(Q: int, P: int, start):
-    """The strategy's ``crossing_pass`` run (strategy.py), a block of Q threads per task."""
-    TB = largest_divisor(Q, min(BAND, max(1, Q // 2)))  # two bands at least: with one (chunk 16), TVM 0.27's
-    # CompactBufferAllocation failed (an int32 literal out of range)
+def _bands(Q: int, band: int = BAND) -> int:
+    """The band's rows: the largest divisor of Q <= ``band``, two bands at least (with one, at chunk 16, TVM
+    0.27's CompactBufferAllocation failed: an int32 literal out of range)."""
+    return largest_divisor(Q, min(band, max(1, Q // 2)))
+
+
+def crossing_floats(Q: int, P: int, band: int = BAND) -> int:
+    """The 4-byte words of shared memory ``crossing_pass(Q, P, start, band)`` allocates: the band table TB x
+    (Q + 1), the band's g rows TB x P, pre and after (Q each), the band's and the columns' per-position values."""
+    TB = _bands(Q, band)
+    return TB * (Q + 1) + TB * P + 2 * Q + READERS * (TB + Q)
+
+
+def band_within(Q: int, P: int, shared_bytes: int) -> int:
+    """The widest band (BAND, or a smaller divisor of Q) whose pass fits ``shared_bytes``: at chunk 256 and
+    headdim 64, BAND's 25.3 KB is over WebGPU's 16 KB of workgroup memory, a band of 8 takes 15.1 KB."""
+    fits = [b for b in range(1, BAND + 1) if Q % b == 0 and 4 * crossing_floats(Q, P, b) <= shared_bytes]
+    return max(fits, default=1)
+
+
+def crossing_pass(Q: int, P: int, start, band: int = BAND):
+    """The strategy's ``crossing_pass`` run (strategy.py), a block of Q threads per task, the rows in bands of
+    ``band`` (at most; ``band_within``: a smaller block budget takes narrower bands, the sums are the same)."""
+    TB = _bands(Q, band)
     LR = Q + 1  # the band table's row stride
     NB = Q // TB
     copies = (TB * P + Q - 1) // Q
@@ -50,8 +72,8 @@ def crossing_pass(Q: int, P: int, start):
         for bx in T.thread_binding(extent, thread="blockIdx.x"):
             T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)  # (_tiled.py: MIN_BLOCKS)
             sh = T.meta_var(_buffers("shared", g=(TB * P,), rs=(TB * LR,), pre=(Q,), after=(Q,)))
-            vb = T.meta_var(_typed("shared", "vb", TB, ops.pos))  # the band's per-position values
-            vk = T.meta_var(_typed("shared", "vk", Q, ops.pos))  # the columns' (read after the first barrier)
+            vb = T.meta_var(_slots("vb", TB, ops.pos))  # the band's per-position values
+            vk = T.meta_var(_slots("vk", Q, ops.pos))  # the columns' (read after the first barrier)
             for tx in T.thread_binding(Q, thread="threadIdx.x"):
                 reg = T.meta_var(_buffers("local", xr=(P,), acc=(TB,), run=(6,), dc=((P + Q - 1) // Q,)))
                 for p in T.unroll(P):
@@ -99,6 +121,12 @@ def crossing_pass(Q: int, P: int, start):
                 dd_store(ops, reg, bx, tx)
 
     return run
+
+
+def _slots(name: str, n: int, pos) -> list:
+    """The shared per-position slots (_tiled.py ``_typed``) of at most READERS readers (``crossing_floats``)."""
+    assert len(pos) <= READERS, f"crossing_pass: {len(pos)} per-position readers, crossing_floats counts {READERS}"
+    return _typed("shared", name, n, pos)
 
 
 def _dd(Q: int, TB: int, P: int):

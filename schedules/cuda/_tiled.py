@@ -53,11 +53,13 @@ class Tile:
 
 @dataclasses.dataclass(frozen=True)
 class Tiling(Tile):
-    """A ``Tile`` computed by CM x CW threads each owning an RM x RW register block."""
+    """A ``Tile`` computed by CM x CW threads each owning an RM x RW register block; ``k_slice``: the deepest slice
+    staged per round (K_SLICE; thinner where a block's shared memory is small: ``product_floats``)."""
 
     CM: int
     CW: int
     threads: int
+    k_slice: int = K_SLICE
 
     @property
     def RM(self) -> int:
@@ -68,14 +70,16 @@ class Tiling(Tile):
         return self.TW // self.CW
 
     @staticmethod
-    def of(M: int, W: int, K: int, threads: int, cap: int = 64, full_width: bool = False) -> "Tiling":
+    def of(M: int, W: int, K: int, threads: int, cap: int = 64, full_width: bool = False,
+           k_slice: int = K_SLICE) -> "Tiling":
         """The tile for an M x W x K product: sides the largest divisors <= ``cap``, as many computing threads
         as fit ``threads`` with the most square register block (fewest operand loads per multiply-add).
         ``full_width``: the tile spans all W columns (a block then holds whole rows: ``tiled_product``'s row
-        dots), its rows at most cap^2 / W (the register block no larger than a cap x cap tile's)."""
+        dots), its rows at most cap^2 / W (the register block no larger than a cap x cap tile's). ``k_slice``:
+        the slices' depth, at most (a thinner one stages less shared memory: 16 KB of WebGPU workgroup memory)."""
         TW = W if full_width else largest_divisor(W, cap)
         TM = largest_divisor(M, max(1, min(cap, cap * cap // W)) if full_width else cap)
-        KT = largest_divisor(K, K_SLICE)
+        KT = largest_divisor(K, k_slice)
         best = None
         for cw in (d for d in range(1, TW + 1) if TW % d == 0):
             for cm in (d for d in range(1, TM + 1) if TM % d == 0):
@@ -83,7 +87,7 @@ class Tiling(Tile):
                     key = (-cm * cw, TM // cm + TW // cw, -cw)
                     best = min(best, (key, cm, cw)) if best else (key, cm, cw)
         _, cm, cw = best
-        return Tiling(M, W, K, TM, TW, KT, cm, cw, threads)
+        return Tiling(M, W, K, TM, TW, KT, cm, cw, threads, k_slice)
 
 
 def _copy(tl, rows: int, cols: int, k_fast: bool, at=None, dtype: str | None = None):
@@ -291,7 +295,7 @@ def tiled_causal(tl: Tiling, end):
     in slices of KS, its weights staged once per tile (the exp of the segment sum once per (i, s)); slices
     past the tile's last row (or the chunk's rows) are not visited. The per-position values (``pos``) are
     staged too: the tile's rows once, each slice's positions with the slice."""
-    KS = largest_divisor(tl.M, K_SLICE)
+    KS = largest_divisor(tl.M, tl.k_slice)
     carried_product = block_product(tl, tl.KT, True, True)
     causal_product = block_product(tl, KS, True, False)
     fill_rows, fill_cols = _fill(tl, tl.TM), _fill(tl, KS)
@@ -397,17 +401,16 @@ def _typed(scope: str, name: str, n: int, pos) -> list:
 def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool = False):
     """The strategy's ``product`` run (strategy.py): a block per TM x TW tile of a task's output, the init in
     the register block, then each segment's k range over the tile's rows (from its first row's lo to its last
-    row's hi, in whole slices of the largest divisor of its unit <= K_SLICE: the reads stay inside the
+    row's hi, in whole slices of the largest divisor of its unit <= tl.k_slice: the reads stay inside the
     segment) staged slice by slice, each row's own range selected per term. A segment's per-position values
     (``pos``) are staged too: the tile's rows once, each slice's (or, weighted, the tile's columns') with it.
     A weighted segment's row ``dot`` (the tile spans the width: ``Tiling.of(full_width=True)``): each thread
     sums its columns' terms per row into shared memory, then a thread per row sums the row's threads (in
     column-thread order) and stores it."""
-    KTs = [largest_divisor(u, K_SLICE) for u in units]
+    KTs, SA, SB = _product_slices(tl, units, a_fast, b_fast)
     runs = [_segment(tl, u, kt, a_fast, b_fast) for u, kt in zip(units, KTs)]
     blocks = tl.M // tl.TM * (tl.W // tl.TW)
     RM, RW, CM, CW, KX = tl.RM, tl.RW, tl.CM, tl.CW, max(KTs)
-    SA, SB = KX * stride(tl.TM, a_fast), max(KX * stride(tl.TW, b_fast), tl.TM * (tl.CW + 1))
     store_rows = _store_rows(tl)
 
     @T.macro
@@ -431,6 +434,22 @@ def tiled_product(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool =
                 store_rows(reg.acc, t, i0, j0, tx, rows, store)
 
     return run
+
+
+def _product_slices(tl: Tiling, units: tuple, a_fast: bool = False, b_fast: bool = False) -> tuple:
+    """``tiled_product``'s slice depths (per unit: the largest divisor <= tl.k_slice) and its two slice buffers'
+    floats (a: KX x TM; b: KX x TW, or a row dot's TM x (CW + 1) partial sums where larger)."""
+    KTs = [largest_divisor(u, tl.k_slice) for u in units]
+    KX = max(KTs)
+    return KTs, KX * stride(tl.TM, a_fast), max(KX * stride(tl.TW, b_fast), tl.TM * (tl.CW + 1))
+
+
+def product_floats(tl: Tiling, units: tuple, readers: int = 4) -> int:
+    """At most how many 4-byte words of shared memory ``tiled_product`` on ``tl`` allocates: the slices, and the
+    per-position slots (``segment_slots``) of at most ``readers`` readers (``_typed``: 4) over the tile's rows
+    (vr, vw) and a slice's or the tile's columns (vc). For the rule to pick a ``k_slice`` within a budget."""
+    KTs, SA, SB = _product_slices(tl, units)
+    return SA + SB + readers * (2 * tl.TM + max(max(KTs), tl.TW))
 
 
 def _row_parts(tl: Tiling, segs, slices):

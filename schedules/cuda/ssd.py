@@ -21,9 +21,9 @@ from tvm.script import tirx as T
 from ...compute import ssd as compute
 from ...compute.ssd.strategy import ChunkStrategy, causal_end
 from ..rule import Decisions, schedule_of
-from ._crossing import crossing_pass
+from ._crossing import band_within, crossing_pass
 from ._strategy import CUDA_SHARED_BYTES, GpuCaps, GpuLoops
-from ._tiled import TILE_CAP, Tiling, tiled_causal, tiled_matmul, tiled_product
+from ._tiled import K_SLICE, TILE_CAP, Tiling, product_floats, tiled_causal, tiled_matmul, tiled_product
 from ._tc_product import tc_product
 from ._tiled_tc import TC, TcTiling, tc_causal, tc_matmul
 
@@ -38,11 +38,13 @@ TENSOR_CORES = ("bmm_chunk", "chunk_state", "chunk_scan_bwd_dstates", "chunk_sca
 
 
 class Gpu(GpuLoops, ChunkStrategy):
-    """blockIdx.x x threadIdx.x of ``threads``, a task per lane, scratch in registers, native math."""
+    """blockIdx.x x threadIdx.x of ``threads``, a task per lane, scratch in registers, native math; a block's
+    staged operands within ``shared_bytes`` (the products' k-slices, the crossing pass's bands)."""
 
-    def __init__(self, threads: int = 128, tile: int = 64, tensor_cores: str | None = None, libm: bool = True):
+    def __init__(self, threads: int = 128, tile: int = 64, tensor_cores: str | None = None, libm: bool = True,
+                 shared_bytes: int = CUDA_SHARED_BYTES):
         super().__init__(native_math=True, threads=threads, scope="local", libm=libm)
-        self.tile, self.tc = tile, tensor_cores
+        self.tile, self.tc, self.shared_bytes = tile, tensor_cores, shared_bytes
 
     def scaled_matmul(self, M: int, W: int, K: int):
         """A block per output tile, operands staged in shared memory (_tiled.py); on tensor cores with
@@ -77,14 +79,24 @@ class Gpu(GpuLoops, ChunkStrategy):
 
     def product(self, M: int, W: int, units: tuple, dots: bool = False):
         """A block per output tile, each segment staged slice by slice (_tiled.py ``tiled_product``); with row
-        ``dots`` a tile spans the whole width (its block sums each row's dot)."""
+        ``dots`` a tile spans the whole width (its block sums each row's dot), its slices as deep as
+        ``shared_bytes`` allows (``_product_tiling``)."""
         if self.tc and TcTiling.fits(M, W, TC) and all(u % TC == 0 for u in units):
             return tc_product(TcTiling.of(M, W, min(units), self.threads, self.tile, self.tc, full_width=dots), units)
-        return tiled_product(Tiling.of(M, W, min(units), self.threads, self.tile, full_width=dots), units)
+        return tiled_product(self._product_tiling(M, W, units, dots), units)
+
+    def _product_tiling(self, M: int, W: int, units: tuple, dots: bool) -> Tiling:
+        """The product's tiling with the deepest k-slice (K_SLICE, K_SLICE / 2, ...) that fits ``shared_bytes``:
+        a full-width tile stages KT x W floats of the right operand (dC at dstate 256: 32 x 256 = 32 KB, over
+        WebGPU's 16 KB; 8-deep slices take 8 KB), the same products in more rounds (the sums' order unchanged)."""
+        slices = [K_SLICE >> i for i in range(K_SLICE.bit_length())]
+        tilings = [Tiling.of(M, W, min(units), self.threads, self.tile, full_width=dots, k_slice=ks) for ks in slices]
+        return next((tl for tl in tilings if 4 * product_floats(tl, units) <= self.shared_bytes), tilings[-1])
 
     def crossing_pass(self, Q: int, P: int, start):
-        """A block per task, a thread per column of the chunk (_crossing.py)."""
-        return crossing_pass(Q, P, start)
+        """A block per task, a thread per column of the chunk, bands of rows that fit ``shared_bytes``
+        (_crossing.py)."""
+        return crossing_pass(Q, P, start, band_within(Q, P, self.shared_bytes))
 
 
 
@@ -96,11 +108,11 @@ def tensor_core_dtype(dims) -> str | None:
 
 
 def template(direction: str, dims, threads: int = 128, serial: bool = False, tile: int = 64,
-             tensor_cores: bool = True, libm: bool = True):
+             tensor_cores: bool = True, libm: bool = True, shared_bytes: int = CUDA_SHARED_BYTES):
     """The CUDA layout of kernel ``ssd_<direction>`` (serial=True: thread loops made serial, CUDA's math: for CPU
-    tests)."""
+    tests); a block's shared memory within ``shared_bytes``."""
     tc = tensor_core_dtype(dims) if tensor_cores and direction in TENSOR_CORES else None
-    strategy = ChunkStrategy(native_math=True) if serial else Gpu(threads, tile, tc, libm)
+    strategy = ChunkStrategy(native_math=True) if serial else Gpu(threads, tile, tc, libm, shared_bytes)
     return compute.TEMPLATES[direction](dims, strategy)
 
 
@@ -111,8 +123,9 @@ SMALL_TILE = 32
 
 def lay_out(direction: str, dims, target, decisions: Decisions):
     """The GPU layout of an SSD kernel, or None for another kernel or target. Chosen by the target's
-    capabilities (GpuCaps): tiles that fit its shared memory, tensor cores where it has them, WGSL's math
-    where it has no libm."""
+    capabilities (GpuCaps): tiles that fit its shared memory (a small budget also thins the backward's
+    full-width k-slices and crossing bands: ``Gpu``), tensor cores where it has them, WGSL's math where it has
+    no libm."""
     if "gpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
     caps = GpuCaps.of(target)
@@ -122,5 +135,6 @@ def lay_out(direction: str, dims, target, decisions: Decisions):
         tile = min(tile, SMALL_TILE)
     tile = decisions.pick("tile", TILE_CAP, tile) if direction in TILED else tile
     tc = bool(decisions.pick("tensor_cores", (0, 1), 1)) if direction in TENSOR_CORES and caps.tensor_cores else False
-    return schedule_of(template(direction, dims, threads, tile=tile, tensor_cores=tc, libm=caps.libm),
+    return schedule_of(template(direction, dims, threads, tile=tile, tensor_cores=tc, libm=caps.libm,
+                                shared_bytes=caps.shared_bytes),
                        f"ssd_{direction}")
