@@ -61,7 +61,9 @@ class GpuCaps:
     - ``float64``: float64 arithmetic (WGSL has none);
     - ``bytes``: 8-bit buffers (int8 codes, uint8 masks); without them an 8-bit tensor is passed as the
       32-bit words of its bytes (compute/int8_dot/codes.py);
-    - ``halves``: bfloat16 / float16 buffers; without them the kernels take float32 (:meth:`storable`)."""
+    - ``halves``: bfloat16 / float16 buffers; without them the kernels take float32 (:meth:`storable`);
+    - ``libm``: C libm's functions beyond exp / log / tanh / sin / cos (CUDA's log1pf, expm1f, sincospif);
+    - ``int64``: 64-bit integers (WGSL has none: slot indices are taken as int32, :meth:`storable`)."""
 
     max_threads: int
     shared_bytes: int
@@ -72,6 +74,7 @@ class GpuCaps:
     bytes: bool
     halves: bool
     libm: bool = True  # C libm's names beyond exp / log / tanh (log1pf, expm1f, sincospif): CUDA, not WGSL
+    int64: bool = True  # 64-bit integers (slot indices): not WGSL
 
     @classmethod
     def of(cls, target) -> "GpuCaps":
@@ -82,7 +85,8 @@ class GpuCaps:
                    shared_bytes=int(a.get("max_shared_memory_per_block", 48 * 1024)),
                    warp=int(a.get("thread_warp_size", 32)), tensor_cores=sm >= 80, dp4a=sm >= 61,
                    float64=_supports(target, "supports_float64"), bytes=_supports(target, "supports_8bit_buffer"),
-                   halves=_supports(target, "supports_16bit_buffer"), libm=target.kind.name == "cuda")
+                   halves=_supports(target, "supports_16bit_buffer"), libm=target.kind.name == "cuda",
+                   int64=target.kind.name != "webgpu")
 
     def threads(self, candidates) -> tuple:
         """The thread counts of ``candidates`` a block may have (at least the smallest one)."""
@@ -96,9 +100,12 @@ class GpuCaps:
 
     def storable(self, dims):
         """``dims`` with every bfloat16 / float16 dtype field made float32 where the target has no 16-bit
-        buffers (WGSL): the kernels there take and return float32 tensors, the caller converts."""
-        if self.halves:
-            return dims
-        wide = {f.name: "float32" for f in dataclasses.fields(dims)
-                if f.name.endswith("_dtype") and getattr(dims, f.name) in _HALF}
-        return dataclasses.replace(dims, **wide) if wide else dims
+        buffers, and every int64 one (slot indices) int32 where it has no 64-bit integers (WGSL has neither):
+        the kernels there take 32-bit tensors, the caller converts (the WebGPU launcher converts int64 and
+        float16 tensors on their way to the adapter and back)."""
+        swap = {} if self.halves else {h: "float32" for h in _HALF}
+        if not self.int64:
+            swap["int64"] = "int32"
+        narrow = {f.name: swap[getattr(dims, f.name)] for f in dataclasses.fields(dims)
+                  if f.name.endswith("_dtype") and getattr(dims, f.name) in swap}
+        return dataclasses.replace(dims, **narrow) if narrow else dims

@@ -309,6 +309,7 @@ def _bwd(dims, caps: GpuCaps, decisions: Decisions, threads: int):
 def _update(dims, caps: GpuCaps, decisions: Decisions, threads: int):
     """The decode step (CUDA's own exp / log1p, as the scans; the polynomials are the CPU's): warp lanes of
     ``head_rows`` rows sharing staged B / C; without shuffles a thread per row, its dstate serial."""
+    dims = caps.storable(dims)  # (int64 slot indices: int32 on WebGPU, converted by its launcher)
     if caps.warp < WARP:
         return compute.build("update", dims, CudaLayout(target_math(dims, caps), threads))
     layout = CudaLayout(target_math(dims, caps), threads, dims.dstate, warp=True)

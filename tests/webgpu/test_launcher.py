@@ -56,3 +56,19 @@ def test_arguments_checked_before_anything_runs(tmp_path):
     with pytest.raises(TypeError, match="2 arguments expected"):
         run(x)
     assert (y == 0).all()
+
+
+def test_int64_indices_and_float16_tensors_converted_both_ways(tmp_path):
+    """WGSL has no 64-bit integers and (without shader-f16) no float16: such tensors go to the adapter converted
+    and come back converted where a kernel wrote them; an index beyond int32 is refused before anything runs."""
+    bump = _load(bump_rows, tmp_path)
+    pool = torch.zeros(4, 16)
+    idx = torch.tensor([2, 0])
+    bump(pool, idx)
+    assert pool[[2, 0]].eq(1).all() and pool[[1, 3]].eq(0).all() and idx.dtype == torch.int64
+    half = torch.zeros(4, 16, dtype=torch.float16)
+    bump(half, torch.tensor([1], dtype=torch.int32))
+    assert half.dtype == torch.float16 and half[1].eq(1).all() and half[0].eq(0).all()
+    with pytest.raises(ValueError, match="beyond int32"):
+        bump(pool, torch.tensor([2 ** 40]))
+    assert pool.sum() == 32

@@ -130,9 +130,22 @@ def _bind_dim(expr, value: int, env: dict, what: str) -> None:
         raise ValueError(f"{what}: expected {evaluate(expr, env)}, got {value}")
 
 
-def bind_params(func, args, env: dict) -> dict:
+# what a 32-bit WGSL buffer takes in place of a wider or narrower tensor: the launcher copies it converted (a
+# slot index beyond int32 refused), and converts back what a kernel wrote
+_WIDEN = {(np.dtype(np.int64), np.int32), (np.dtype(np.float16), np.float32)}
+
+
+def _converted(name: str, a: np.ndarray, want) -> np.ndarray:
+    if a.dtype == np.int64 and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name}: int64 values beyond int32's range (WebGPU has no 64-bit integers)")
+    return a.astype(want)
+
+
+def bind_params(func, args, env: dict, originals: dict | None = None) -> dict:
     """Bind ``func``'s buffer parameters to the tensors ``args`` (torch CPU tensors or numpy arrays): shape and
-    stride variables into ``env`` (checked where already bound or constant); returns {buffer parameter: array}."""
+    stride variables into ``env`` (checked where already bound or constant); returns {buffer parameter: array}.
+    An int64 / float16 tensor where the kernel takes int32 / float32 is bound as a converted copy (WGSL has
+    neither type), its original kept in ``originals`` for the write-back."""
     if len(args) != len(func.params):
         raise TypeError(f"webgpu: {len(func.params)} arguments expected, got {len(args)}")
     data = {}
@@ -141,6 +154,10 @@ def bind_params(func, args, env: dict) -> dict:
         want = _DTYPES.get(str(p.dtype))
         if want is None:
             raise TypeError(f"{p.name}: WebGPU kernels take float32 / int32 buffers, this one is {p.dtype}")
+        if (a.dtype, want) in _WIDEN:
+            if originals is not None:
+                originals[p] = a
+            a = _converted(p.name, a, want)
         if a.dtype != want:
             raise TypeError(f"{p.name}: expected {np.dtype(want).name}, got {a.dtype}")
         if len(p.shape) != a.ndim:
@@ -238,7 +255,8 @@ class Launcher:
 
     def __call__(self, *args):
         env: dict = {}
-        data = bind_params(self.host, args, env)
+        originals: dict = {}
+        data = bind_params(self.host, args, env, originals)
         roots = {p: p for p in data}  # buffer variable -> the parameter whose memory it is
         launches = []
         for stmt in _statements(self.host.body):
@@ -255,7 +273,9 @@ class Launcher:
                 launches.append(self._launch_args(stmt.value, env, roots))
             elif not (kind == "Evaluate" and type(stmt.value).__name__ == "IntImm"):
                 raise NotImplementedError(f"webgpu: the host function holds a {kind}, which this launcher cannot run")
-        self._run(launches, data)
+        written = self._run(launches, data)
+        for p in written & originals.keys():  # a converted copy a kernel wrote: back into its tensor, converted
+            originals[p][...] = data[p]
 
     def _launch_args(self, call, env: dict, roots: dict):
         """(kernel name, {pointer param: buffer parameter}, {scalar param: value}, launch extents)."""
@@ -270,7 +290,8 @@ class Launcher:
                 scalars[pname] = evaluate(a, env)
         return name, pointers, scalars, [evaluate(a, env) for a in rest[len(params):]]
 
-    def _run(self, launches, data: dict) -> None:
+    def _run(self, launches, data: dict) -> set:
+        """Dispatch ``launches`` in one submission; the parameters some kernel wrote, read back into ``data``."""
         import wgpu
 
         adapter, dev = device()
@@ -307,6 +328,7 @@ class Launcher:
             if flat.size:
                 raw = dev.queue.read_buffer(buffers[dvar], 0, flat.nbytes)
                 flat[:] = np.frombuffer(raw, dtype=flat.dtype, count=flat.size)
+        return written
 
 
 def _upload(dev, wgpu, flat: np.ndarray):
