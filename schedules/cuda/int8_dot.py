@@ -13,6 +13,12 @@ order either way (deterministic). The tensor-core forms are written loop nests w
 once in tvm_mamba/compute/int8_dot/signature.py (``grad_kernel``, shared with the CPU templates); the per-thread
 forms schedule the TE definitions.
 pack / unpack: elementwise, one thread per output word / byte.
+Capabilities (``GpuCaps``, from the target): tensor cores and ``__dp4a`` only where the target has them (CUDA);
+elsewhere (WebGPU) the matmul is the same tiled kernel with the 4-byte dot unrolled in plain int32 arithmetic,
+and the float backward the per-thread forms. Where the target has no 8-bit buffers (WGSL) every int8 tensor is
+passed as the int32 words of its bytes (compute/int8_dot/codes.py: ``t.view(torch.int32)``), each byte
+unpacked with shifts; the kernels take float32 g as everywhere (the bf16 parts exist only on tensor cores).
+Threads per block and staged shared memory stay within the target's limits.
 Knobs: ``tile`` (threads per block edge), ``kgroups`` (4-byte K groups staged per step), ``threads`` (dgrad/wgrad
 and elementwise threads per block), ``tensor_cores`` / ``tc_rows`` (the tensor-core forms).
 """
@@ -24,9 +30,11 @@ from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from tvm_mamba.compute import int8_dot as int8_compute
+from tvm_mamba.compute.int8_dot.codes import held
 from tvm_mamba.compute.int8_dot.signature import grad_kernel
 from tvm_mamba.schedules import rule
-from tvm_mamba.schedules.cuda._common import threads_over
+from tvm_mamba.schedules.cuda._common import bind_flat, threads_over
+from tvm_mamba.schedules.cuda._strategy import GpuCaps
 from tvm_mamba.schedules.cuda._tiled import K_SLICE, TILE_CAP
 from tvm_mamba.schedules.cuda._tiled_tc import TcTiling, tc_matmul
 
@@ -72,19 +80,25 @@ def _dp4a_s8s8s32() -> str:
     return name
 
 
-def _matmul(d, decisions):
+def _matmul(d, decisions, caps: GpuCaps):
+    """The tiled matmul (comment below); its 4-byte dot a dp4a where the target has it (CUDA), else unrolled
+    int32 multiply-adds (WebGPU: a and b held as words, a byte per shift). K % 4 != 0: None (the dispatcher's
+    dlight fallback schedules the byte definition), or a thread per output where the target has no 8-bit
+    buffers, so the fallback's bytes could not be its buffers (_matmul_plain)."""
     N, K = d.N, d.K
-    if K % 4:  # the dp4a tensorization needs whole 4-byte groups: the dlight fallback takes it
-        return None
+    if K % 4:  # no whole 4-byte groups to tensorize or stage
+        return None if caps.bytes else _matmul_plain(d, decisions, caps)
     # One row of a per block (blockIdx.y = m: M is symbolic, and an inexact split of it would put a
     # predicate on the compute block, which the dp4a tensorize cannot match), `tile` columns of b per block
     # (one output per thread), K staged through shared memory `kgroups` 4-byte groups at a time (the knob is
-    # the group count, not bytes, so MetaSchedule's trace has no arithmetic on the sampled value).
-    tiles = tuple(t for t in (32, 64, 128, 256) if N % t == 0) or (1,)
+    # the group count, not bytes, so MetaSchedule's trace has no arithmetic on the sampled value). Staged per
+    # step: (tile + 1) * kgroups * 4 bytes, within the target's shared memory at the largest tile.
+    tiles = caps.threads(tuple(t for t in (32, 64, 128, 256) if N % t == 0) or (1,))
     tile = decisions.pick("tile", tiles, 128 if 128 in tiles else tiles[-1])
-    kgroups = tuple(c for c in (4, 8, 16, 32) if K % (4 * c) == 0) or (1,)
+    fit = [c for c in (4, 8, 16, 32) if (max(tiles) + 1) * 4 * c <= caps.shared_bytes]
+    kgroups = tuple(c for c in fit if K % (4 * c) == 0) or (1,)
     kgroup = decisions.pick("kgroups", kgroups, 16 if 16 in kgroups else kgroups[-1])
-    sch = rule.schedule_compute(int8_compute.int8_dot_matmul(d), "int8_dot_matmul")
+    sch = rule.schedule_compute(int8_compute.int8_dot_matmul(d, storage=held(caps.bytes)), "int8_dot_matmul")
     blk = sch.get_sblock("c")
     m, n, k = sch.get_loops(blk)
     no, ni = sch.split(n, [None, tile])
@@ -103,7 +117,21 @@ def _matmul(d, decisions):
         _, tx = sch.split(fused, [None, tile])
         sch.bind(tx, "threadIdx.x")
     sch.decompose_reduction(blk, k2)
-    sch.tensorize(ki, _dp4a_s8s8s32())
+    if caps.dp4a:
+        sch.tensorize(ki, _dp4a_s8s8s32())
+    else:
+        sch.unroll(ki)
+    return sch
+
+
+def _matmul_plain(d, decisions, caps: GpuCaps):
+    """c[m, n]: a thread per output, the K reduction serial in a register (K % 4 != 0 on a target without
+    8-bit buffers: no whole 4-byte groups to stage, and a and b are flat words, rows not word-aligned)."""
+    threads = decisions.pick("threads", caps.threads((64, 128, 256)), 128)
+    sch = rule.schedule_compute(int8_compute.int8_dot_matmul(d, storage=held(caps.bytes)), "int8_dot_matmul")
+    blk = sch.get_sblock("c")
+    cl = sch.cache_write(blk, 0, "local")
+    sch.compute_at(blk, bind_flat(sch, cl, threads))
     return sch
 
 
@@ -144,20 +172,22 @@ def _tc_matmul(d, decisions):
     return _handwritten(matmul, "int8_dot_matmul")
 
 
-def _matmul_any(d, decisions):
-    """Tensor cores where the sides allow (knob ``tensor_cores``, default 1), else the dp4a kernel."""
-    if decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, d.N, d.K) else False:
+def _matmul_any(d, decisions, caps: GpuCaps):
+    """Tensor cores where the target has them and the sides allow (knob ``tensor_cores``, default 1), else the
+    tiled kernel."""
+    if _on_tc(d, decisions, caps):
         return _tc_matmul(d, decisions)
-    return _matmul(d, decisions)
+    return _matmul(d, decisions, caps)
 
 
 def _elementwise(kernel: str, block: str):
     """pack / unpack: one thread per output element of ``block``."""
 
-    def schedule(d, decisions):
-        threads = decisions.pick("threads", (128, 256, 512), 256)
-        sch = rule.schedule_compute(int8_compute.KERNELS[kernel](d), f"int8_dot_{kernel}")
-        threads_over(sch, sch.fuse(*sch.get_loops(sch.get_sblock(block))), threads)
+    def schedule(d, decisions, caps: GpuCaps):
+        threads = decisions.pick("threads", caps.threads((128, 256, 512)), 256)
+        sch = rule.schedule_compute(int8_compute.KERNELS[kernel](d, storage=held(caps.bytes)), f"int8_dot_{kernel}")
+        loops = sch.get_loops(sch.get_sblock(block))  # one loop: codes as flat words (K % 4 != 0)
+        threads_over(sch, sch.fuse(*loops) if len(loops) > 1 else loops[0], threads)
         return sch
 
     return schedule
@@ -233,18 +263,19 @@ def _handwritten(func, name: str):
     return rule.schedule_of(func, name)
 
 
-def _on_tc(d, decisions) -> bool:
-    """The float backward on tensor cores (knob ``tensor_cores``, default 1) where N and K are multiples of 16."""
-    return decisions.pick("tensor_cores", (0, 1), 1) if TcTiling.fits(16, d.N, d.K) else False
+def _on_tc(d, decisions, caps: GpuCaps) -> bool:
+    """On tensor cores (knob ``tensor_cores``, default 1) where the target has them and N and K are multiples
+    of 16."""
+    return caps.tensor_cores and TcTiling.fits(16, d.N, d.K) and decisions.pick("tensor_cores", (0, 1), 1)
 
 
-def _dgrad(d, decisions):
-    if _on_tc(d, decisions):
+def _dgrad(d, decisions, caps: GpuCaps):
+    if _on_tc(d, decisions, caps):
         return _tc_dgrad(d, decisions)
     # out[h, m, n]: one block per (h, m) row x `threads` columns of n (threads read consecutive bytes of a
     # codes row: coalesced; g[h, m, k] is a broadcast), the K reduction serial per thread in a register.
-    threads = decisions.pick("threads", (64, 128, 256), 128)
-    sch = rule.schedule_compute(int8_compute.int8_dot_dgrad(d), "int8_dot_dgrad")
+    threads = decisions.pick("threads", caps.threads((64, 128, 256)), 128)
+    sch = rule.schedule_compute(int8_compute.int8_dot_dgrad(d, storage=held(caps.bytes)), "int8_dot_dgrad")
     acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
     h, m, n, _ = sch.get_loops(acc)
     no, ni = sch.split(n, [None, threads])
@@ -256,14 +287,14 @@ def _dgrad(d, decisions):
     return sch
 
 
-def _wgrad(d, decisions):
-    if _on_tc(d, decisions):
+def _wgrad(d, decisions, caps: GpuCaps):
+    if _on_tc(d, decisions, caps):
         return _tc_wgrad(d, decisions)
     # Stage 1: one thread per partial[p, h, n, k] (consecutive k across a warp: coalesced g reads and
     # partial writes), the part's rows summed serially in order. Stage 2: one thread per out[h, n, k],
     # parts summed in order in a register, then scaled. Deterministic (no atomics).
-    threads = decisions.pick("threads", (64, 128, 256), 256)
-    sch = rule.schedule_compute(int8_compute.int8_dot_wgrad(d), "int8_dot_wgrad")
+    threads = decisions.pick("threads", caps.threads((64, 128, 256)), 256)
+    sch = rule.schedule_compute(int8_compute.int8_dot_wgrad(d, storage=held(caps.bytes)), "int8_dot_wgrad")
     part, acc, out = sch.get_sblock("partial"), sch.get_sblock("acc"), sch.get_sblock("out")
     threads_over(sch, sch.fuse(*sch.get_loops(part)[:4]), threads)
     sch.reverse_compute_at(out, threads_over(sch, sch.fuse(*sch.get_loops(acc)[:3]), threads))
@@ -276,5 +307,9 @@ _KERNELS = {"matmul": _matmul_any, "dgrad": _dgrad, "wgrad": _wgrad, "pack": _el
 
 
 def lay_out(kernel: str, dims, target, decisions: rule.Decisions):
-    """An int8_dot kernel laid out for a GPU, or None for another kernel or target."""
-    return rule.lay_out_by_kernel(_KERNELS, kernel, dims, target, decisions, "gpu")
+    """An int8_dot kernel laid out for a GPU by its capabilities (GpuCaps), or None for another kernel or
+    target."""
+    schedule = _KERNELS.get(kernel)
+    if schedule is None or "gpu" not in target.keys:
+        return None
+    return schedule(dims, decisions, GpuCaps.of(target))

@@ -14,6 +14,12 @@ weight gradients) walks them in order with the same row staging; per row the per
 are written and each thread adds its features' weight / bias terms to the part's sums (shared memory, or
 registers when they do not fit), written once per part. Stage 2: one thread per feature adds the parts in
 order. Deterministic, no atomics.
+Capabilities (``GpuCaps``, from the target): threads per block within the target's, and what a block stages
+within its shared memory less the reductions' scratch (:func:`_budget`: on a target without warp shuffles,
+WebGPU's thread_warp_size 1, TVM's cross-thread reduction is a tree in shared memory, a float per thread).
+Without float64 (WGSL) the forward's reductions are float32; without 8-bit buffers its dropout masks are int32
+words of the same bytes, each its own kernel (a thread per word); without 16-bit buffers the kernels take and
+return float32 (``GpuCaps.storable``: the caller converts bf16 / fp16 tensors).
 Knobs: ``threads`` (threads per row block), ``rows_per_block`` (forward), ``part_threads`` (stage 2).
 """
 from __future__ import annotations
@@ -22,9 +28,11 @@ import math
 
 import tvm
 
+from tvm_mamba.compute.int8_dot.codes import held
 from tvm_mamba.compute.rmsnorm_gated import PART_ROWS, rmsnorm_gated_bwd, rmsnorm_gated_fwd
 from tvm_mamba.schedules import rule
 from tvm_mamba.schedules.cuda._common import threads_over
+from tvm_mamba.schedules.cuda._strategy import GpuCaps
 
 
 def _cross_thread(sch, block, loop, threads):
@@ -37,9 +45,19 @@ def _cross_thread(sch, block, loop, threads):
 
 
 ROWS_PER_BLOCK = (1, 2, 4, 8)
-# static shared memory a block may stage (48 KB is the static limit; a little left for the reductions)
-SHARED_BUDGET = 46 * 1024
+# shared memory a block keeps back from staging for the reductions and the statistics' copies: at least 2 KB
+# (CUDA: 46 of its 48 KB of static shared memory are staged)
+RESERVE = 2 * 1024
 WEIGHTS = ("weight", "bias", "weight1", "bias1")  # (hidden,) inputs, staged once per block of rows
+
+
+def _budget(caps: GpuCaps, threads, reductions: int, stats: int = 0) -> int:
+    """Bytes of shared memory a block may stage: the target's per block less RESERVE, or less the scratch of
+    ``reductions`` cross-thread reductions over ``threads`` threads plus ``stats`` bytes of statistics' copies
+    where that is more (WebGPU: 16 KB, a 256-thread reduction's tree takes 1 KB). A MetaSchedule-sampled
+    ``threads`` counts as the target's most."""
+    t = threads if isinstance(threads, int) else caps.max_threads
+    return caps.shared_bytes - max(RESERVE, reductions * caps.reduction_bytes(t) + stats)
 
 
 def _global_inputs(sch, consumers: list) -> dict:
@@ -61,11 +79,11 @@ def _stage_bytes(buf) -> int:
     return math.prod(int(n) for n in dims) * buf.dtype.bits // 8
 
 
-def _plan(sch, consumers: list, reserve: int = 0) -> list:
+def _plan(sch, consumers: list, budget: int, reserve: int = 0) -> list:
     """The global inputs of ``consumers`` that _stage copies, in order: the per-row inputs, most-read first
     (a row the reductions and every output read saves the most requests), then the weight vectors, each while
-    the block's shared memory plus ``reserve`` bytes stays within :data:`SHARED_BUDGET`; the rest are read
-    from global memory where used (Mamba-2 2.7B's float32 backward: x, z and dout rows are 60 KB)."""
+    the block's shared memory plus ``reserve`` bytes stays within ``budget`` (:func:`_budget`); the rest are
+    read from global memory where used (Mamba-2 2.7B's float32 backward: x, z and dout rows are 60 KB)."""
     bufs = list(_global_inputs(sch, consumers).values())
 
     def readers(buf):
@@ -74,13 +92,13 @@ def _plan(sch, consumers: list, reserve: int = 0) -> list:
     order = sorted((b for b in bufs if _per_row(b)), key=lambda b: -readers(b)) + [b for b in bufs if not _per_row(b)]
     out, total = [], reserve
     for buf in order:
-        if total + _stage_bytes(buf) <= SHARED_BUDGET:
+        if total + _stage_bytes(buf) <= budget:
             out.append(buf)
             total += _stage_bytes(buf)
     return out
 
 
-def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, reserve: int = 0) -> None:
+def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, budget: int, reserve: int = 0) -> None:
     """cache_read into shared memory the global inputs the ``consumers`` read (:func:`_plan`): (rows, hidden)
     inputs (x, z, residual, x1, dout, ...) and per-row scalars (rstd, rowscale, seeds) at ``row_loop`` (each
     element requested once per row, then read from shared memory by both passes over the row), the (hidden,)
@@ -89,7 +107,7 @@ def _stage(sch, consumers: list, row_loop, outer_loop, threads: int, reserve: in
     warp)."""
     for blk in consumers:  # MetaSchedule's trace simplifier drops a block RV used only as a cache's consumer
         sch.annotate(blk, "tvm_mamba.staged_row", 1)  # (dxdz_v1, out_v1): an annotation keeps it (no effect)
-    for buf in _plan(sch, consumers, reserve):
+    for buf in _plan(sch, consumers, budget, reserve):
         readers = [b for b in consumers if any(rg.source.same_as(buf) for rg in sch.get(b).reads)]
         idx = next(i for i, rg in enumerate(sch.get(readers[0]).reads) if rg.source.same_as(buf))
         cache = sch.cache_read(readers[0], idx, "shared", consumer_blocks=readers)
@@ -127,12 +145,13 @@ def _row_blocks(sch, loop, per_block: int):
     return bx, r
 
 
-def _fwd(d, decisions):
-    gs = d.group_size
-    cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
+def _fwd(d, decisions, caps: GpuCaps):
+    d, gs = caps.storable(d), d.group_size
+    cands = caps.threads(tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,))
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
     per_block = decisions.pick("rows_per_block", ROWS_PER_BLOCK, 4)
-    sch = rule.schedule_compute(rmsnorm_gated_fwd(d), "rmsnorm_gated_fwd")
+    func = rmsnorm_gated_fwd(d, wide="float64" if caps.float64 else "float32", storage=held(caps.bytes))
+    sch = rule.schedule_compute(func, "rmsnorm_gated_fwd")
     rms = d.is_rms_norm
     # one kernel: a block walks its rows; per row the statistics (the group reductions as cross-thread
     # reductions, warp shuffles + shared memory; LayerNorm's mean first, then the centred squares), then out
@@ -156,11 +175,16 @@ def _fwd(d, decisions):
         _threads_over(sch, sch.get_loops(blk)[-1:], threads)
     _, hi = sch.split(sch.get_loops(outs[0])[-1], [None, threads])
     sch.bind(hi, "threadIdx.x")
-    _stage(sch, reds + outs, r, bx, threads)
+    stat_bytes = len(stats) * 4 * (d.hidden // gs)  # the statistics' shared copies
+    _stage(sch, reds + outs, r, bx, threads, _budget(caps, threads, len(reds), stat_bytes))
+    for name in names:  # masks held as words (no 8-bit buffers): a kernel of their own, a thread per word
+        if name.startswith("dropout_mask"):
+            loops = sch.get_loops(sch.get_sblock(name))
+            threads_over(sch, sch.fuse(*loops) if len(loops) > 1 else loops[0], threads)
     return sch
 
 
-def _bwd(d, decisions):
+def _bwd(d, decisions, caps: GpuCaps):
     """One pass: a block per part of PART_ROWS rows (compute.rmsnorm_gated) walks its rows in order, each row
     staged once in shared memory (x, z, dout, ...; the weights once per block). Per row, the per-group
     dot(dxhat, xhat) (and LayerNorm's sum(dxhat)) are cross-thread reductions kept in registers; each thread
@@ -169,10 +193,10 @@ def _bwd(d, decisions):
     _sums_scope; written once per part).
     The dx loop nest and the partial sums' are merged part by part and row by row. Stage 2: one thread per
     feature adds the parts in order. Deterministic, no atomics."""
-    hidden, gs = d.hidden, d.group_size
-    cands = tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,)
+    d, hidden, gs = caps.storable(d), d.hidden, d.group_size
+    cands = caps.threads(tuple(t for t in (32, 64, 128, 256, 512) if gs % t == 0) or (1,))
     threads = decisions.pick("threads", cands, 256 if 256 in cands else cands[-1])
-    pthreads = decisions.pick("part_threads", (64, 128, 256), 128)
+    pthreads = decisions.pick("part_threads", caps.threads((64, 128, 256)), 128)
     sch = rule.schedule_compute(rmsnorm_gated_bwd(d), "rmsnorm_gated_bwd")
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     outs = [sch.get_sblock(n) for n in names if n == "dx" or n.startswith("dxdz_v")]
@@ -185,8 +209,9 @@ def _bwd(d, decisions):
     reds = [sch.get_sblock(n) for n in (("dot",) if d.is_rms_norm else ("dot", "dysum"))]
     for blk in reds:
         _cross_thread(sch, blk, grp, threads)
-    reserve = _sums_scope(sch, sums, reds + outs + [sums], threads, grp)
-    _stage(sch, reds + outs + [sums], r, part, threads, reserve)
+    budget = _budget(caps, threads, len(reds))
+    reserve = _sums_scope(sch, sums, reds + outs + [sums], threads, grp, budget)
+    _stage(sch, reds + outs + [sums], r, part, threads, budget, reserve)
     for name in ("dweight", "dbias", "dweight1", "dbias1"):  # stage 2: a thread per feature, parts in order
         if name + "_acc" in names:
             acc = sch.get_sblock(name + "_acc")
@@ -225,9 +250,9 @@ def _part_rows(sch, out, threads: int):
     return blk, part, r
 
 
-def _sums_scope(sch, sums, readers: list, threads, grp) -> int:
+def _sums_scope(sch, sums, readers: list, threads, grp, budget: int) -> int:
     """Where a block keeps its partial sums (each thread its features' terms): shared memory when they fit
-    beside everything the block stages (:data:`SHARED_BUDGET`), else registers. Registers are the fallback:
+    beside everything the block stages (``budget``), else registers. Registers are the fallback:
     live across the whole row walk, across the calls of the IEEE division's slow path (SiLU, dropout's
     1 / (1 - p)), they made ptxas spill a few bytes (8 groups of 256 features: 8-24 bytes at 48 registers on
     sm_80 / sm_90) where shared memory does not. With registers, the group loop ``grp`` is unrolled by nvcc
@@ -236,7 +261,7 @@ def _sums_scope(sch, sums, readers: list, threads, grp) -> int:
     acc = sch.get(sums).writes[0].source
     need = math.prod(int(n) for n in acc.shape[1:]) * 4
     staged = sum(_stage_bytes(buf) for buf in _global_inputs(sch, readers).values())
-    if staged + need <= SHARED_BUDGET:
+    if staged + need <= budget:
         sch.set_scope(sums, 0, "shared")
         return need
     if isinstance(threads, int):  # a thread's own (term, feature / threads) slots, not a row-sized array
@@ -247,5 +272,9 @@ def _sums_scope(sch, sums, readers: list, threads, grp) -> int:
 
 
 def lay_out(kernel: str, dims, target, decisions: rule.Decisions):
-    """A gated norm kernel's compute scheduled for a GPU; None for another kernel or target."""
-    return rule.lay_out_by_kernel({"fwd": _fwd, "bwd": _bwd}, kernel, dims, target, decisions, "gpu")
+    """A gated norm kernel's compute scheduled for a GPU by its capabilities (GpuCaps); None for another
+    kernel or target."""
+    schedule = {"fwd": _fwd, "bwd": _bwd}.get(kernel)
+    if schedule is None or "gpu" not in target.keys:
+        return None
+    return schedule(dims, decisions, GpuCaps.of(target))

@@ -106,10 +106,12 @@ def evaluate(e, env: dict):
 _DTYPES = {"float32": np.float32, "int32": np.int32, "uint32": np.uint32}
 
 
-def _array(name: str, t) -> np.ndarray:
-    """``t`` (a torch CPU tensor, or anything with ``__dlpack__``) as a numpy array over the same memory."""
+def _array(name: str, t):
+    """(``t`` as a numpy array over the same memory, None) for a torch CPU tensor or anything with
+    ``__dlpack__``; for a bfloat16 torch tensor (numpy has no bfloat16) a float32 copy and the call that writes it
+    back rounded."""
     if isinstance(t, np.ndarray):
-        return t
+        return t, None
     if not hasattr(t, "__dlpack__"):
         raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
     dev = t.__dlpack_device__()[0] if hasattr(t, "__dlpack_device__") else 1
@@ -117,63 +119,72 @@ def _array(name: str, t) -> np.ndarray:
         raise ValueError(f"{name}: the WebGPU path takes CPU tensors (copied to the adapter), got device type {dev}")
     if hasattr(t, "detach"):  # a torch tensor that requires grad exports only detached (same memory)
         t = t.detach()
+    if str(getattr(t, "dtype", "")) == "torch.bfloat16":
+        wide = t.float()
+        return np.from_dlpack(wide), lambda: t.copy_(wide)
     try:
-        return np.from_dlpack(t)
+        return np.from_dlpack(t), None
     except (BufferError, TypeError, RuntimeError) as e:
-        raise TypeError(f"{name}: WebGPU kernels take float32 / int32 tensors, got {getattr(t, 'dtype', t)}") from e
+        raise TypeError(f"{name}: WebGPU kernels take 32-bit buffers, got {getattr(t, 'dtype', t)}") from e
 
 
-def _bind_dim(expr, value: int, env: dict, what: str) -> None:
-    if type(expr).__name__ in ("Var", "SizeVar") and expr not in env:
-        env[expr] = value
-    elif evaluate(expr, env) != value:
-        raise ValueError(f"{what}: expected {evaluate(expr, env)}, got {value}")
+def _converted(name: str, a: np.ndarray, want):
+    """(``a`` as the buffer a kernel taking ``want`` reads, its write-back or None): itself; an int64 / float16
+    array as an int32 / float32 copy (WGSL has neither type; an index beyond int32 refused); an 8-bit array as
+    the int32 words of its bytes (int8 codes, uint8 masks: compute/int8_dot/codes.py's WORDS), a zero-copy
+    view where its rows are whole words, else its flat bytes padded to whole words."""
+    if a.dtype == want:
+        return a, None
+    if (a.dtype, want) in ((np.int64, np.int32), (np.float16, np.float32)):
+        if a.dtype == np.int64 and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{name}: int64 values beyond int32's range (WebGPU has no 64-bit integers)")
+        copy = a.astype(want)
+        return copy, lambda: np.copyto(a, copy, casting="unsafe")
+    if a.dtype in (np.int8, np.uint8) and want == np.int32:
+        if a.ndim and a.flags.c_contiguous and a.shape[-1] % 4 == 0:
+            return a.view(np.int32), None
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        words = np.zeros((raw.size + 3) // 4, np.int32)
+        words.view(np.uint8)[:raw.size] = raw
+        return words, lambda: np.copyto(a, words.view(np.uint8)[:raw.size].view(a.dtype).reshape(a.shape))
+    raise TypeError(f"{name}: expected {np.dtype(want).name}, got {a.dtype}")
 
 
-# what a 32-bit WGSL buffer takes in place of a wider or narrower tensor: the launcher copies it converted (a
-# slot index beyond int32 refused), and converts back what a kernel wrote
-_WIDEN = {(np.dtype(np.int64), np.int32), (np.dtype(np.float16), np.float32)}
-
-
-def _converted(name: str, a: np.ndarray, want) -> np.ndarray:
-    if a.dtype == np.int64 and a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"{name}: int64 values beyond int32's range (WebGPU has no 64-bit integers)")
-    return a.astype(want)
+def _is_var(expr) -> bool:
+    return type(expr).__name__ in ("Var", "SizeVar")
 
 
 def bind_params(func, args, env: dict, originals: dict | None = None) -> dict:
     """Bind ``func``'s buffer parameters to the tensors ``args`` (torch CPU tensors or numpy arrays): shape and
-    stride variables into ``env`` (checked where already bound or constant); returns {buffer parameter: array}.
-    An int64 / float16 tensor where the kernel takes int32 / float32 is bound as a converted copy (WGSL has
-    neither type), its original kept in ``originals`` for the write-back."""
+    stride variables into ``env`` (every variable first, then every extent checked: a flat word buffer's
+    extent is an expression of other parameters' dims); returns {buffer parameter: array}. A tensor bound
+    converted (:func:`_array`, :func:`_converted`) leaves its write-back in ``originals``."""
     if len(args) != len(func.params):
         raise TypeError(f"webgpu: {len(func.params)} arguments expected, got {len(args)}")
-    data = {}
+    data, extents = {}, []
     for p, t in zip(func.params, args):
-        a = _array(p.name, t)
         want = _DTYPES.get(str(p.dtype))
         if want is None:
             raise TypeError(f"{p.name}: WebGPU kernels take float32 / int32 buffers, this one is {p.dtype}")
-        if (a.dtype, want) in _WIDEN:
-            if originals is not None:
-                originals[p] = a
-            a = _converted(p.name, a, want)
-        if a.dtype != want:
-            raise TypeError(f"{p.name}: expected {np.dtype(want).name}, got {a.dtype}")
+        a, back_t = _array(p.name, t)
+        a, back_a = _converted(p.name, a, want)
+        if originals is not None and (back_t or back_a):
+            originals[p] = [f for f in (back_a, back_t) if f]  # in this order: the array, then the tensor
         if len(p.shape) != a.ndim:
             raise ValueError(f"{p.name}: expected {len(p.shape)} dimensions, got shape {a.shape}")
         strides = [st // a.itemsize for st in a.strides]
-        for d, expr in enumerate(p.shape):
-            _bind_dim(expr, a.shape[d], env, f"{p.name}.shape[{d}]")
-        if len(p.strides):
-            for d, expr in enumerate(p.strides):
-                if a.shape[d] != 1:
-                    _bind_dim(expr, strides[d], env, f"{p.name}.stride({d})")
-                elif type(expr).__name__ in ("Var", "SizeVar") and expr not in env:
-                    env[expr] = strides[d]
+        extents += [(expr, a.shape[d], f"{p.name}.shape[{d}]", True) for d, expr in enumerate(p.shape)]
+        if len(p.strides):  # a size-1 axis's stride binds a variable but is never checked (never stepped)
+            extents += [(expr, strides[d], f"{p.name}.stride({d})", a.shape[d] != 1) for d, expr in enumerate(p.strides)]
         elif not (a.flags.c_contiguous or a.size <= 1):
             raise ValueError(f"{p.name}: expected a contiguous tensor, got strides {tuple(strides)}")
         data[p] = a
+    for expr, value, _, _ in extents:
+        if _is_var(expr) and expr not in env:
+            env[expr] = value
+    for expr, value, what, checked in extents:
+        if checked and evaluate(expr, env) != value:
+            raise ValueError(f"{what}: expected {evaluate(expr, env)}, got {value}")
     return data
 
 
@@ -188,6 +199,7 @@ def span(a: np.ndarray) -> np.ndarray:
 
 
 # ---- the kernels ---------------------------------------------------------------------------------------------
+_WGSL_NAME = re.compile(r"[^A-Za-z0-9_]")  # what TVM's WGSL codegen writes as "_" in a name
 _BINDING = re.compile(r"@group\(0\) @binding\((\d+)\) var<storage, (read|read_write)> (\w+)")
 _POD = re.compile(r"struct PODArgs \{([^}]*)\}", re.S)
 _POD_FORMAT = {"i32": "i", "u32": "I", "f32": "f"}
@@ -275,19 +287,20 @@ class Launcher:
                 raise NotImplementedError(f"webgpu: the host function holds a {kind}, which this launcher cannot run")
         written = self._run(launches, data)
         for p in written & originals.keys():  # a converted copy a kernel wrote: back into its tensor, converted
-            originals[p][...] = data[p]
+            for back in originals[p]:
+                back()
 
     def _launch_args(self, call, env: dict, roots: dict):
-        """(kernel name, {pointer param: buffer parameter}, {scalar param: value}, launch extents)."""
+        """(kernel name, {pointer param: buffer parameter}, {scalar param: value}, launch extents); parameters
+        by their WGSL names (a TE output ``out.v0`` binds as ``out_v0_ptr``)."""
         name, rest = call.args[0].value, list(call.args[1:])
-        params = [n for n, _ in self.specs[name]["params"]]
-        kinds = dict(self.specs[name]["params"])
+        params = self.specs[name]["params"]
         pointers, scalars = {}, {}
-        for pname, a in zip(params, rest[:len(params)]):
-            if kinds[pname] == "ptr":
-                pointers[pname] = roots[_data_of(a)]
+        for (pname, kind), a in zip(params, rest[:len(params)]):
+            if kind == "ptr":
+                pointers[_WGSL_NAME.sub("_", pname)] = roots[_data_of(a)]
             else:
-                scalars[pname] = evaluate(a, env)
+                scalars[_WGSL_NAME.sub("_", pname)] = evaluate(a, env)
         return name, pointers, scalars, [evaluate(a, env) for a in rest[len(params):]]
 
     def _run(self, launches, data: dict) -> set:

@@ -11,28 +11,32 @@ the CUDA rules schedule (dp4a tensorize); the CPU rule emits a VNNI loop nest wi
 (schedules/cpu/int8_dot.py). The hand-written dgrad / wgrad loop nests (the CPU templates, the CUDA
 tensor-core forms) take their parameter lists, declared once to match the TE definitions here, from
 signature.py (``grad_kernel``; TVMScript, so imported by those rules, not by this module).
+Every builder takes ``storage``: how its int8 tensors are held, as bytes (the default) or, for a target without
+8-bit buffers (WebGPU), as the 32-bit words of the same bytes (codes.py); the math is the same.
 """
 from __future__ import annotations
 
 from tvm import te, tirx
 
 from .._common import stamp
-
-
+from .codes import BYTES, WORDS, Storage  # noqa: F401  (how the 8-bit tensors are held: bytes or words)
 from .dims import DIMS, Int8DotDgrad, Int8DotMatmul, Int8DotPacking, Int8DotWgrad  # noqa: F401  (the op's typed dims)
 
 
-def int8_dot_matmul(*dims, **fields) -> tirx.PrimFunc:
+def int8_dot_matmul(*dims, storage: Storage = BYTES, **fields) -> tirx.PrimFunc:
     """a: (M, K) int8, b: (N, K) int8 -> c: (M, N) int32; c[m, n] = sum_k a[m, k] * b[n, k] (exact).
-    ``dims``: an :class:`Int8DotMatmul`, or its fields ``N, K``."""
+    ``dims``: an :class:`Int8DotMatmul`, or its fields ``N, K``; a and b held as ``storage`` says."""
     d = Int8DotMatmul.of(*dims, **fields)
     N, K = d.N, d.K
     M = te.var("M")
-    a = te.placeholder((M, K), "int8", name="a")
-    b = te.placeholder((N, K), "int8", name="b")
+    a = storage.placeholder((M, K), "int8", "a")
+    b = storage.placeholder((N, K), "int8", "b")
     k = te.reduce_axis((0, K), name="K")
-    c = te.compute((M, N), lambda m, n: te.sum(a[m, k].astype("int32") * b[n, k].astype("int32"), axis=k),
-                   name="c")
+
+    def at(buf, rows, r):
+        return storage.read(buf, (rows, K), "int8", (r, k), "int32")
+
+    c = te.compute((M, N), lambda m, n: te.sum(at(a, M, m) * at(b, N, n), axis=k), name="c")
     return stamp(te.create_prim_func([a, b, c]), "int8_dot_matmul")
 
 
@@ -42,17 +46,18 @@ def _packing(dims, fields) -> tuple[int, int, tirx.Var]:
     return K, (K + 3) // 4, te.var("rows")
 
 
-def int8_dot_pack(*dims, **fields) -> tirx.PrimFunc:
+def int8_dot_pack(*dims, storage: Storage = BYTES, **fields) -> tirx.PrimFunc:
     """codes: (rows, K) int8 -> packed: (rows, ceil(K/4)) int32, byte i of word j = codes[:, 4j+i] (0 past K).
-    ``dims``: an :class:`Int8DotPacking`, or ``K``."""
+    ``dims``: an :class:`Int8DotPacking`, or ``K``; codes held as ``storage`` says."""
     K, W, rows = _packing(dims, fields)
-    codes = te.placeholder((rows, K), "int8", name="codes")
+    codes = storage.placeholder((rows, K), "int8", "codes")
 
     def word(r, j):
         acc = tirx.const(0, "int32")
         for i in range(4):
             kk = 4 * j + i
-            byte = tirx.if_then_else(kk < K, codes[r, tirx.min(kk, K - 1)].astype("int32") & 0xFF, 0)
+            code = storage.read(codes, (rows, K), "int8", (r, tirx.min(kk, K - 1)), "int32")
+            byte = tirx.if_then_else(kk < K, code & 0xFF, 0)
             acc = acc | (byte << (8 * i))
         return acc
 
@@ -60,52 +65,55 @@ def int8_dot_pack(*dims, **fields) -> tirx.PrimFunc:
     return stamp(te.create_prim_func([codes, packed]), "int8_dot_pack")
 
 
-def int8_dot_unpack(*dims, **fields) -> tirx.PrimFunc:
+def int8_dot_unpack(*dims, storage: Storage = BYTES, **fields) -> tirx.PrimFunc:
     """packed: (rows, ceil(K/4)) int32 -> codes: (rows, K) int8; inverse of :func:`int8_dot_pack`.
-    ``dims``: an :class:`Int8DotPacking`, or ``K``."""
+    ``dims``: an :class:`Int8DotPacking`, or ``K``; codes held as ``storage`` says."""
     K, W, rows = _packing(dims, fields)
     packed = te.placeholder((rows, W), "int32", name="packed")
     # shift the wanted byte to the top, then arithmetic-shift it down: sign extension in one step
-    codes = te.compute(
-        (rows, K),
-        lambda r, k: ((packed[r, k // 4] << (24 - 8 * (k % 4))) >> 24).astype("int8"), name="codes")
+    codes = storage.output((rows, K), "int8", lambda r, k: (packed[r, k // 4] << (24 - 8 * (k % 4))) >> 24,
+                           "codes")
     return stamp(te.create_prim_func([packed, codes]), "int8_dot_unpack")
 
 
-def int8_dot_dgrad(*dims, **fields) -> tirx.PrimFunc:
+def int8_dot_dgrad(*dims, storage: Storage = BYTES, **fields) -> tirx.PrimFunc:
     """Straight-through input gradient, a float x codes matmul (the scale is a device tensor, no host sync).
 
     g: (heads, M, K) float32, codes: (heads, K, N) int8, scale: (1,) float32 -> out: (heads, M, N) float32;
     out[h, m, n] = scale * sum_k g[h, m, k] * codes[h, k, n]. (Projection: k = latent (h, l), n = E;
-    decoder tail: k = D, n = (h, l).) M is symbolic. ``dims``: an :class:`Int8DotDgrad`, or its fields.
+    decoder tail: k = D, n = (h, l).) M is symbolic. ``dims``: an :class:`Int8DotDgrad`, or its fields; codes
+    held as ``storage`` says.
     """
     d = Int8DotDgrad.of(*dims, **fields)
     heads, N, K = d.heads, d.N, d.K
     M = te.var("M")
     g = te.placeholder((heads, M, K), "float32", name="g")
-    codes = te.placeholder((heads, K, N), "int8", name="codes")
+    codes = storage.placeholder((heads, K, N), "int8", "codes")
     scale = te.placeholder((1,), "float32", name="scale")
     k = te.reduce_axis((0, K), name="K")
-    acc = te.compute((heads, M, N),
-                     lambda h, m, n: te.sum(g[h, m, k] * codes[h, k, n].astype("float32"), axis=k), name="acc")
+
+    def code(h, n):
+        return storage.read(codes, (heads, K, N), "int8", (h, k, n), "float32")
+
+    acc = te.compute((heads, M, N), lambda h, m, n: te.sum(g[h, m, k] * code(h, n), axis=k), name="acc")
     out = te.compute((heads, M, N), lambda h, m, n: acc[h, m, n] * scale[0], name="out")
     return stamp(te.create_prim_func([g, codes, scale, out]), "int8_dot_dgrad")
 
 
-def int8_dot_wgrad(*dims, **fields) -> tirx.PrimFunc:
+def int8_dot_wgrad(*dims, storage: Storage = BYTES, **fields) -> tirx.PrimFunc:
     """Straight-through weight gradient, codes^T x float summed over the rows M = batch*T in two stages.
 
     codes: (code_heads, M, N) int8 (code_heads 1 = shared by every head), g: (heads, M, K) float32,
     scale: (1,) float32 -> out: (heads, N, K) float32 and partial: (nparts, heads, N, K) float32 (stage 1:
     part p sums rows [p*chunk, (p+1)*chunk) in order, chunk = ceil(M/nparts); stage 2 adds the parts in
     order: deterministic, no atomics). out[h, n, k] = scale * sum_m codes[h|0, m, n] * g[h, m, k].
-    ``dims``: an :class:`Int8DotWgrad`, or its fields.
+    ``dims``: an :class:`Int8DotWgrad`, or its fields; codes held as ``storage`` says.
     """
     d = Int8DotWgrad.of(*dims, **fields)
     heads, code_heads, N, K = d.heads, d.code_heads, d.N, d.K
     M = te.var("M")
     nparts = te.var("nparts")
-    codes = te.placeholder((code_heads, M, N), "int8", name="codes")
+    codes = storage.placeholder((code_heads, M, N), "int8", "codes")
     g = te.placeholder((heads, M, K), "float32", name="g")
     scale = te.placeholder((1,), "float32", name="scale")
     chunk = tirx.indexdiv(M + nparts - 1, nparts)
@@ -113,7 +121,8 @@ def int8_dot_wgrad(*dims, **fields) -> tirx.PrimFunc:
 
     def part(p, h, n, kk):
         m = tirx.min(p * chunk + j, M - 1)
-        v = codes[h if code_heads > 1 else 0, m, n].astype("float32") * g[h, m, kk]
+        code = storage.read(codes, (code_heads, M, N), "int8", (h if code_heads > 1 else 0, m, n), "float32")
+        v = code * g[h, m, kk]
         # te.sum(where=...) is dropped by create_prim_func in TVM 0.27: mask the summand instead
         return te.sum(tirx.if_then_else(p * chunk + j < M, v, tirx.const(0.0, "float32")), axis=j)
 

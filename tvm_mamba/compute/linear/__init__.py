@@ -12,33 +12,45 @@ float x, so the only error against the fp32 layer is the weight's rounding (no a
 There is no weight gradient: low-precision weights are frozen (inference), see torch_ops/linear.py.
 
 These TE definitions are the semantic source of truth and what the CUDA rule schedules; the CPU rule emits an
-AVX-512 loop nest with the same parameters (schedules/cpu/linear.py).
+AVX-512 loop nest with the same parameters (schedules/cpu/linear.py). ``storage`` says how an int8 weight is
+held: bytes (the default), or the int32 words of its bytes for a target without 8-bit buffers (WebGPU;
+compute/int8_dot/codes.py).
 """
 from __future__ import annotations
 
 from tvm import te, tirx
 
 from .._common import f32, stamp
+from ..int8_dot.codes import BYTES, Storage
 from .dims import DIMS, LinearDims, WEIGHT_DTYPES, X_DTYPES  # noqa: F401  (the op's typed dims)
 
 
-def _weight_inputs(d: LinearDims):
-    """weight, scale and bias placeholders ((1,) and unused for an absent scale or bias)."""
-    w = te.placeholder((d.out_features, d.in_features), d.weight_dtype, name="weight")
+def _weight_inputs(d: LinearDims, storage: Storage):
+    """weight, scale and bias placeholders ((1,) and unused for an absent scale or bias), and a function of
+    (n, k) giving weight[n, k] as float32 (an int8 weight held as ``storage`` says)."""
+    shape = (d.out_features, d.in_features)
+    if d.weight_dtype == "int8":
+        w = storage.placeholder(shape, "int8", "weight")
+    else:
+        w = te.placeholder(shape, d.weight_dtype, name="weight")
     scale = te.placeholder((d.out_features if d.has_scale else 1,), "float32", name="scale")
     bias = te.placeholder((d.out_features if d.has_bias else 1,), "float32", name="bias")
-    return w, scale, bias
+
+    def wf(n, k):
+        return storage.read(w, shape, "int8", (n, k), "float32") if d.weight_dtype == "int8" else f32(w[n, k])
+
+    return w, scale, bias, wf
 
 
-def linear_fwd(d: LinearDims) -> tirx.PrimFunc:
+def linear_fwd(d: LinearDims, storage: Storage = BYTES) -> tirx.PrimFunc:
     """x: (rows, in_features), weight: (out_features, in_features), scale: (out_features,) float32 (int8
     weight), bias: (out_features,) float32 (has_bias) -> y: (rows, out_features) in x's dtype;
     y[m, n] = scale[n] * sum_k x[m, k] * weight[n, k] + bias[n] (float32 accumulation)."""
     rows = te.var("rows")
     x = te.placeholder((rows, d.in_features), d.x_dtype, name="x")
-    w, scale, bias = _weight_inputs(d)
+    w, scale, bias, wf = _weight_inputs(d, storage)
     k = te.reduce_axis((0, d.in_features), name="in_features")
-    acc = te.compute((rows, d.out_features), lambda m, n: te.sum(f32(x[m, k]) * f32(w[n, k]), axis=k), name="acc")
+    acc = te.compute((rows, d.out_features), lambda m, n: te.sum(f32(x[m, k]) * wf(n, k), axis=k), name="acc")
 
     def epilogue(m, n):
         v = acc[m, n]
@@ -52,18 +64,18 @@ def linear_fwd(d: LinearDims) -> tirx.PrimFunc:
     return stamp(te.create_prim_func([x, w, scale, bias, y]), "linear_fwd")
 
 
-def linear_bwd(d: LinearDims) -> tirx.PrimFunc:
+def linear_bwd(d: LinearDims, storage: Storage = BYTES) -> tirx.PrimFunc:
     """dy: (rows, out_features) in x's dtype, weight: (out_features, in_features), scale: (out_features,)
     float32 (int8 weight) -> dx: (rows, in_features) in x's dtype; dx[m, k] = sum_n dy[m, n] * scale[n] * weight[n, k]
     (float32 accumulation; the bias flag does not change the input gradient)."""
     rows = te.var("rows")
     dy = te.placeholder((rows, d.out_features), d.x_dtype, name="dy")
-    w, scale, _ = _weight_inputs(d)
+    w, scale, _, wf = _weight_inputs(d, storage)
     n = te.reduce_axis((0, d.out_features), name="out_features")
 
     def term(m, kk):
         g = f32(dy[m, n]) * scale[n] if d.has_scale else f32(dy[m, n])
-        return te.sum(g * f32(w[n, kk]), axis=n)
+        return te.sum(g * wf(n, kk), axis=n)
 
     acc = te.compute((rows, d.in_features), term, name="acc")
     dx = te.compute((rows, d.in_features), lambda m, kk: acc[m, kk].astype(d.x_dtype), name="dx")

@@ -18,6 +18,10 @@ These TE definitions are the semantic source of truth and what the CUDA rules sc
 hand-written loop nests with the same parameters (schedules/cpu/rmsnorm_gated.py). The per-element math (s, u,
 xhat, the outputs, the backward's dxhat / du / ds / dx / dz, dropout) is written once in values.py and shared
 by both; each side keeps only its own reductions and loops.
+What a target lacks is a builder argument its GPU rule passes (schedules/cuda/rmsnorm_gated.py, from the
+target's capabilities): ``wide``, the reductions' type (float32 where there is no float64: WGSL; then |u| above
+~1.8e19 overflows u^2), and ``storage``, how the uint8 dropout masks are held (int32 words of the same bytes
+where there are no 8-bit buffers: compute/int8_dot/codes.py).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from tvm import te, tirx
 
 from .._common import f32, stamp
 from .._math import math_for
+from ..int8_dot.codes import BYTES, Storage
 from .dims import DIMS, NormDims, RMSNormGatedBwd, RMSNormGatedFwd  # noqa: F401  (the op's typed dims)
 from .values import BwdMath, FwdMath
 
@@ -49,7 +54,7 @@ def _group_red(rows, G: int, gs: int, fn, name: str):
 
 def _stats(rows, d: NormDims, u64):
     """mean (LayerNorm; a (1, 1) placeholder for RMSNorm) and rstd, (rows, ngroups) float32, of u, given
-    u64(r, h, mu=None): u in float64, less the float64 group mean mu when given (FwdMath.u64).
+    u64(r, h, mu=None): u in float64 (FwdMath.wide), less the group mean mu when given (FwdMath.u64).
 
     Reductions in float64: u^2 overflows float32 for |u| > 1.8e19 (rstd became 0 and out garbage), while the
     square of any float32 fits float64 (<= 1.2e77) with room for the sum, and tiny |u| (1e-30: u^2 = 1e-60)
@@ -73,7 +78,12 @@ def _stats(rows, d: NormDims, u64):
     return mean, rstd
 
 
-def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
+def _mask_words(fm: FwdMath, seeds):
+    """The keep mask of the rows' ``seeds`` as an int32 value of (r, h), for a mask held as words."""
+    return lambda r, h: fm.keep_mask(seeds, r, h, "int32")
+
+
+def rmsnorm_gated_fwd(*dims, wide: str = "float64", storage: Storage = BYTES, **fields) -> tirx.PrimFunc:
     """x, z, x1: (rows, hidden); residual: (rows, hidden); weight, bias, weight1, bias1: (hidden,); rowscale:
     (rows,) f32; seeds, seeds1: (rows,) int32 -> out, out1: (rows, hidden) in x's dtype, residual_out: (rows,
     hidden), dropout_mask, dropout_mask1: (rows, hidden) uint8, mean, rstd: (rows, hidden/group_size) f32.
@@ -81,6 +91,7 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
     s = dropout(x (* rowscale)) (+ dropout1(x1)) (+ residual); u = s (* silu(z) if not norm_before_gate);
     xhat = (u - mean_g(u)) * rstd_g(u); out = xhat * weight (+ bias) (* silu(z) if norm_before_gate);
     out1 = xhat * weight1 (+ bias1) (upstream's parallel norm); residual_out = s.
+    ``wide``: the reductions' float type; ``storage``: how the masks are held (module docstring).
     """
     m = math_for(native=True)  # the target's own exp (CUDA expf): these TE computes are the GPU rules'
     dd = RMSNormGatedFwd.of(*dims, **fields)
@@ -101,7 +112,7 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
     bias1 = _maybe(d.has_bias1, (1,), weight_dtype, "bias1", (d.hidden,))
     seeds1 = _maybe(p > 0 and d.has_x1, (1,), "int32", "seeds1", (rows,))
 
-    fm = FwdMath(d, m, x_dtype)  # the per-element math (values.py), shared with the CPU loop nests
+    fm = FwdMath(d, m, x_dtype, wide)  # the per-element math (values.py), shared with the CPU loop nests
     B = dict(x=x, weight=weight, bias=bias, z=z, residual=residual, rowscale=rowscale, seeds=seeds, x1=x1,
              weight1=weight1, bias1=bias1, seeds1=seeds1)
     mean, rstd = _stats(rows, d, lambda r, h, mu=None: fm.u64(B, r, h, mu))
@@ -116,9 +127,18 @@ def rmsnorm_gated_fwd(*dims, **fields) -> tirx.PrimFunc:
               ("dropout_mask", d.store_dropout_mask, lambda r, h: fm.keep_mask(seeds, r, h)),
               ("out1", d.has_weight1, lambda r, h: fm.y1(B, *stat(r, h), r, h)),
               ("dropout_mask1", d.store_dropout_mask and d.has_x1, lambda r, h: fm.keep_mask(seeds1, r, h))]
-    outs = _multi(full, [f for _, on, f in wanted if on], "out")
     dtypes = {"residual_out": rout_dt, "dropout_mask": "uint8", "dropout_mask1": "uint8", "out1": x_dtype}
-    got = {n: outs.pop(0) if on else te.placeholder((1, 1), dtypes.get(n, x_dtype), name=n) for n, on, _ in wanted}
+    # masks held as words are computes of their own (blocks "dropout_mask", "dropout_mask1": a word is four
+    # columns), not values of out's loop nest; absent, the (1, 1) placeholder's one word
+    apart = {"dropout_mask": seeds, "dropout_mask1": seeds1} if storage.words else {}
+    outs = _multi(full, [f for n, on, f in wanted if on and n not in apart], "out")
+    got = {}
+    for n, on, _ in wanted:
+        if n in apart:
+            got[n] = (storage.output(full, "uint8", _mask_words(fm, apart[n]), n) if on
+                      else storage.placeholder((1, 1), "uint8", n))
+        else:
+            got[n] = outs.pop(0) if on else te.placeholder((1, 1), dtypes.get(n, x_dtype), name=n)
     func = te.create_prim_func([x, weight, bias, z, residual, rowscale, seeds, x1, weight1, bias1, seeds1,
                                 got["out"], got["residual_out"], got["dropout_mask"], got["out1"],
                                 got["dropout_mask1"], mean, rstd])

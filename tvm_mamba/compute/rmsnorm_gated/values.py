@@ -52,8 +52,8 @@ class NormMath:
     definitions, the vectorizable polynomials on the CPU); ``out_dtype`` is the dtype of the kernel's
     outputs (the forward's out / out1: x's; the backward's dx / dz / dx1: dout's)."""
 
-    def __init__(self, d: NormDims, m: Math, out_dtype: str):
-        self.d, self.m, self.out_dtype = d, m, out_dtype
+    def __init__(self, d: NormDims, m: Math, out_dtype: str, wide: str = "float64"):
+        self.d, self.m, self.out_dtype, self.wide = d, m, out_dtype, wide
 
     def dropout(self, v, seeds, r, h):
         """upstream's dropout of one float32 element: kept ones scaled by 1 / (1 - p), the mask from the row's
@@ -63,9 +63,9 @@ class NormMath:
             return v
         return tirx.Select(dropout_keep(seeds[r], h, p), v / tirx.const(1.0 - p, F32), tirx.const(0.0, F32))
 
-    def keep_mask(self, seeds, r, h):
-        """The stored dropout mask (uint8: 1 where kept)."""
-        return dropout_keep(seeds[r], h, self.d.dropout_p).astype("uint8")
+    def keep_mask(self, seeds, r, h, dtype: str = "uint8"):
+        """The stored dropout mask (uint8: 1 where kept; ``dtype`` int32 for a mask held as words)."""
+        return dropout_keep(seeds[r], h, self.d.dropout_p).astype(dtype)
 
     def zf(self, B, r, h):
         return f32(B["z"][r, h])
@@ -96,9 +96,10 @@ class FwdMath(NormMath):
         return self.gated_in(B, self.s(B, r, h), r, h)
 
     def u64(self, B, r, h, mu=None):
-        """u widened to float64 (the reductions over x), less the float64 group mean ``mu`` when given
-        (LayerNorm's centred value; RMSNorm never centres)."""
-        v = self.u(B, r, h).astype("float64")
+        """u widened to ``wide`` (the reductions over x: float64, or float32 on a target without float64),
+        less the group mean ``mu`` (in ``wide``) when given (LayerNorm's centred value; RMSNorm never
+        centres)."""
+        v = self.u(B, r, h).astype(self.wide)
         return v if self.d.is_rms_norm or mu is None else v - mu
 
     def xhat(self, B, mu, rs, r, h):
