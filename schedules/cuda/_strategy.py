@@ -101,8 +101,8 @@ class GpuCaps:
     def storable(self, dims):
         """``dims`` with every bfloat16 / float16 dtype field made float32 where the target has no 16-bit
         buffers, and every int64 one (slot indices) int32 where it has no 64-bit integers (WGSL has neither):
-        the kernels there take 32-bit tensors, the caller converts (the WebGPU launcher converts int64 and
-        float16 tensors on their way to the adapter and back)."""
+        the kernels there take 32-bit tensors, which the WebGPU launcher converts (bf16 / fp16 / int64 tensors on
+        their way to the adapter and back; runtime/webgpu_launch.py)."""
         swap = {} if self.halves else {h: "float32" for h in _HALF}
         if not self.int64:
             swap["int64"] = "int32"

@@ -227,6 +227,7 @@ def lay_out(kernel: str, dims, target, decisions: Decisions):
         return None
     name = f"causal_conv1d_{kernel}"
     caps = GpuCaps.of(target)
+    dims = caps.storable(dims)  # 32-bit buffers where the target has no others (WebGPU)
     threads = decisions.pick("threads", caps.threads(THREADS), 256)
     if kernel == "update":  # a loop-nest template: one thread per (batch, channel) row
         return schedule_of(update_template(dims, GpuStrategy(threads)), name)

@@ -11,7 +11,7 @@ Capabilities (``GpuCaps``, from the target): blocks of at most the target's thre
 where the target has no warp shuffles (WebGPU: thread_warp_size 1) TVM lowers the 32 lanes' reduction to a
 tree in shared memory (128 bytes a feature). Where it has no 8-bit buffers an int8 weight is passed as the
 int32 words of its bytes (compute/int8_dot/codes.py), and with no 16-bit buffers the kernels take and return
-float32 x / weight (``GpuCaps.storable``: the caller converts).
+float32 x / weight (``GpuCaps.storable``: the WebGPU launcher converts the tensors).
 Knobs: ``warps`` (fwd), ``threads`` (bwd).
 """
 from __future__ import annotations

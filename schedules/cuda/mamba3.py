@@ -34,6 +34,7 @@ def lay_out(direction: str, dims, target, decisions: Decisions):
         return None
     name = f"mamba3_{direction}"
     caps = GpuCaps.of(target)
+    dims = caps.storable(dims)  # 32-bit buffers where the target has no others (WebGPU)
     threads = pick_threads(caps, decisions, 128)
     if direction in compute.PREPROCESS:
         return schedule_of(compute.build(direction, dims, Gpu(threads, libm=caps.libm)), name)

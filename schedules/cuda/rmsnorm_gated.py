@@ -19,7 +19,7 @@ within its shared memory less the reductions' scratch (:func:`_budget`: on a tar
 WebGPU's thread_warp_size 1, TVM's cross-thread reduction is a tree in shared memory, a float per thread).
 Without float64 (WGSL) the forward's reductions are float32; without 8-bit buffers its dropout masks are int32
 words of the same bytes, each its own kernel (a thread per word); without 16-bit buffers the kernels take and
-return float32 (``GpuCaps.storable``: the caller converts bf16 / fp16 tensors).
+return float32 (``GpuCaps.storable``: the WebGPU launcher converts bf16 / fp16 tensors).
 Knobs: ``threads`` (threads per row block), ``rows_per_block`` (forward), ``part_threads`` (stage 2).
 """
 from __future__ import annotations

@@ -129,6 +129,7 @@ def lay_out(direction: str, dims, target, decisions: Decisions):
     if "gpu" not in target.keys or direction not in compute.TEMPLATES:
         return None
     caps = GpuCaps.of(target)
+    dims = caps.storable(dims)  # 32-bit buffers where the target has no others (WebGPU)
     threads, tile = TILED.get(direction, (128, 64))
     threads = decisions.pick("threads", (64, 128, 256), min(threads, caps.max_threads))
     if caps.shared_bytes < CUDA_SHARED_BYTES:

@@ -57,8 +57,13 @@ def test_parameters_bind_shapes_and_strides():
     assert sorted((v.name, n) for v, n in env.items()) == [("dim", 32), ("pool", 5), ("rows", 3),
                                                            ("slot_stride", 48)]
     assert len(data) == 2
-    with pytest.raises(TypeError, match="idx: expected int32"):
-        bind_params(func, (pool, torch.zeros(3, dtype=torch.int64)), {})
+    with pytest.raises(TypeError, match="idx: expected int32, got float64"):
+        bind_params(func, (pool, torch.zeros(3, dtype=torch.float64)), {})
+    originals: dict = {}
+    wide = torch.zeros(3, dtype=torch.int64)  # WGSL has no int64: bound as an int32 copy, written back if written
+    data = bind_params(func, (pool, wide), {}, originals)
+    (idx_param, backs), = originals.items()
+    assert data[idx_param].dtype.name == "int32" and len(backs) == 1
     with pytest.raises(ValueError, match=r"s.stride\(1\): expected 1, got 2"):
         bind_params(func, (torch.zeros(5, 64)[:, ::2], torch.zeros(3, dtype=torch.int32)), {})
     with pytest.raises(TypeError, match="x: expected a tensor, got int"):
