@@ -18,11 +18,18 @@ import importlib.util
 import tvm
 from tvm.target import Target
 
-# what clang's -fdeclare-opencl-builtins leaves to the header the libclang wheel lacks
-_CL_PRELUDE = ("typedef unsigned char uchar;\ntypedef unsigned short ushort;\ntypedef unsigned int uint;\n"
-               "typedef unsigned long ulong;\ntypedef uint cl_mem_fence_flags;\n"
-               "#define CLK_LOCAL_MEM_FENCE 0x01\n#define CLK_GLOBAL_MEM_FENCE 0x02\n")
-_CL_ARGS = ["-x", "cl", "-cl-std=CL1.2", "-cl-no-stdinc", "-Xclang", "-fdeclare-opencl-builtins"]
+# what clang's -fdeclare-opencl-builtins leaves to the header the libclang wheel lacks: the scalar and vector
+# type names, size_t, the fence flags
+_CL_SCALARS = {"char": "char", "uchar": "unsigned char", "short": "short", "ushort": "unsigned short",
+               "int": "int", "uint": "unsigned int", "long": "long", "ulong": "unsigned long", "float": "float"}
+_CL_PRELUDE = "".join(f"typedef {c} {n};\n" for n, c in _CL_SCALARS.items() if n != c) + "".join(
+    f"typedef {c} {n}{w} __attribute__((ext_vector_type({w})));\n" for n, c in _CL_SCALARS.items()
+    for w in (2, 3, 4, 8, 16)) + ("typedef __SIZE_TYPE__ size_t;\ntypedef __PTRDIFF_TYPE__ ptrdiff_t;\n"
+                                   "typedef uint cl_mem_fence_flags;\n#define CLK_LOCAL_MEM_FENCE 0x01\n"
+                                   "#define CLK_GLOBAL_MEM_FENCE 0x02\n")
+# (the feature macro the header sets for OpenCL 1.2's per-address-space builtins: vload4 on a __global pointer)
+_CL_ARGS = ["-x", "cl", "-cl-std=CL1.2", "-cl-no-stdinc", "-Xclang", "-fdeclare-opencl-builtins",
+            "-D__opencl_c_named_address_space_builtins=1"]
 
 
 def target_of(kind: str) -> Target:
