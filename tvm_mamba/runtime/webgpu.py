@@ -24,10 +24,10 @@ import contextlib
 import json
 import re
 
-import tvm
-from tvm.ir.instrument import pass_instrument
-
 from .webgpu_launch import Launcher, adapter_info, device  # noqa: F401 (the public names of the backend)
+
+# (TVM's compiler is imported where a kernel is built or loaded: runtime/target.py imports this module for
+# ``active``, also on a machine with only the TVM runtime)
 
 TARGET_KEY = "webgpu"
 _active: list[bool] = []
@@ -52,17 +52,21 @@ def is_webgpu(target_key: str) -> bool:
 
 
 # ---- build -----------------------------------------------------------------------------------------------------
-@pass_instrument
-class _AfterSplit:
-    """Keeps the module right after ``SplitHostDevice``: host function and device kernels, before the host is
-    lowered to TVM's packed calling convention."""
+def _after_split():
+    """A pass instrument keeping the module right after ``SplitHostDevice`` (``.mod``): host function and
+    device kernels, before the host is lowered to TVM's packed calling convention."""
+    from tvm.ir.instrument import pass_instrument
 
-    def __init__(self):
-        self.mod = None
+    @pass_instrument
+    class AfterSplit:
+        def __init__(self):
+            self.mod = None
 
-    def run_after_pass(self, mod, info):
-        if info.name == "tirx.SplitHostDevice":
-            self.mod = mod
+        def run_after_pass(self, mod, info):
+            if info.name == "tirx.SplitHostDevice":
+                self.mod = mod
+
+    return AfterSplit()
 
 
 _FUNCTION = re.compile(r"^// Function: (\S+)\n//-+\n", re.M)
@@ -92,10 +96,12 @@ class Build:
             json.dump({"entry": self.entry, "host": self.host_json, "kernels": self.kernels}, f)
 
 
-def build(mod: tvm.IRModule, target, label: str = "") -> Build:
-    """Compile ``mod`` (one entry function) for ``target`` (webgpu_target): TVM's WGSL of each device kernel and
-    the host function that launches them."""
-    grab = _AfterSplit()
+def build(mod, target, label: str = "") -> Build:
+    """Compile ``mod`` (an IRModule, one entry function) for ``target`` (webgpu_target): TVM's WGSL of each
+    device kernel and the host function that launches them."""
+    import tvm
+
+    grab = _after_split()
     with tvm.transform.PassContext(instruments=[grab]):
         ex = tvm.compile(mod, target=target)
     wgsl = wgsl_by_kernel(ex.mod.imports[0].inspect_source("")) if ex.mod.imports else {}
@@ -124,6 +130,8 @@ class Module:
         if name != self.data["entry"]:
             raise KeyError(f"webgpu: this module holds {self.data['entry']!r}, not {name!r}")
         if self._launcher is None:
+            import tvm
+
             self._launcher = Launcher(tvm.ir.load_json(self.data["host"]), self.data["kernels"])
         return self._launcher
 
