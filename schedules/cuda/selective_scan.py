@@ -309,7 +309,6 @@ def _bwd(dims, caps: GpuCaps, decisions: Decisions, threads: int):
 def _update(dims, caps: GpuCaps, decisions: Decisions, threads: int):
     """The decode step (CUDA's own exp / log1p, as the scans; the polynomials are the CPU's): warp lanes of
     ``head_rows`` rows sharing staged B / C; without shuffles a thread per row, its dstate serial."""
-    dims = caps.storable(dims)  # (int64 slot indices: int32 on WebGPU, converted by its launcher)
     if caps.warp < WARP:
         return compute.build("update", dims, CudaLayout(target_math(dims, caps), threads))
     layout = CudaLayout(target_math(dims, caps), threads, dims.dstate, warp=True)
@@ -338,6 +337,7 @@ def lay_out(direction: str, dims, target, decisions: Decisions):
     if "gpu" not in target.keys or direction not in ("fwd", "bwd", "update", "fwd_complex", "bwd_complex"):
         return None
     caps = GpuCaps.of(target)
+    dims = caps.storable(dims)  # 32-bit buffers where the target has no others (WebGPU)
     threads = pick_threads(caps, decisions, 256 if direction == "fwd" else 128)
     if direction in ("fwd", "bwd", "update"):
         func = {"fwd": _fwd, "bwd": _bwd, "update": _update}[direction](dims, caps, decisions, threads)

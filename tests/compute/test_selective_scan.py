@@ -26,6 +26,11 @@ def _kl(M):
     return M.transpose(-1, -2).contiguous() if M.dim() == 4 else M
 
 
+def _one_ws(regions):
+    """The backward's one workspace (``_signature.bwd_workspace``): room for its regions wsA, wsB, wsC, wsS."""
+    return torch.empty(sum(r.numel() for r in regions), dtype=regions[0].dtype)
+
+
 def test_generic_forward_backward_match_reference():
     batch, dim, N, L = 2, 4, 4, 11  # 3 chunks of 4, the last one partial
     fwd = _compile(ss.selective_scan_fwd(**STATIC, **F64))
@@ -49,7 +54,8 @@ def test_generic_forward_backward_match_reference():
     du, ddelta, dA, dB, dC, dD, ddb, dz, dinit = grads
     ws = (torch.empty(batch, dim, N, **o), torch.empty(batch, dim // 2, L, N, **o), torch.empty(batch, dim, N, **o),
           torch.empty(batch, dim, 2, **o))
-    bwd(u, delta, A, _kl(B), C, D, z, db, init, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, *ws)
+    bwd(u, delta, A, _kl(B), C, D, z, db, init, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit,
+        _one_ws(ws))
     mine = dict(u=du, delta=ddelta, A=dA, B=dB.transpose(-1, -2), C=dC, D=dD, z=dz, db=ddb, init=dinit)
     for (name, val), leaf in zip(mine.items(), leaves):
         torch.testing.assert_close(val, leaf.grad, rtol=1e-9, atol=1e-9, msg=name)
@@ -133,7 +139,7 @@ def test_generic_complex_forward_backward_match_reference():
     grads = [torch.empty_like(t) for t in (u, delta, A, Bk, Ck, D, db, z, init)]
     ws = [torch.empty(batch, dim, N, 2, dtype=torch.float64), torch.empty(batch, dim, L, N, 2, dtype=torch.float64),
           torch.empty(batch, dim, N, 2, dtype=torch.float64), torch.empty(batch, dim, 2, dtype=torch.float64)]
-    bwd(u, delta, A, Bk, Ck, D, z, db, init, ck, dout, dlast, *grads, *ws)
+    bwd(u, delta, A, Bk, Ck, D, z, db, init, ck, dout, dlast, *grads, _one_ws(ws))
     for name, val, leaf in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "ddb", "dz", "dinit"), grads,
                                (lu, ld, lA, lB, lC, lD, ldb, lz, li)):
         torch.testing.assert_close(val, leaf.grad, rtol=1e-9, atol=1e-9, msg=name)
@@ -189,7 +195,7 @@ def test_time_parallel_templates_serial_layout(c_groups):
     ws = (torch.empty(batch, dim, N, **o), torch.empty(batch, dim, L, N, **o),
           torch.empty(batch, dim, L, N, **o) if c_groups else torch.empty(batch, dim, N, **o),
           torch.empty(batch, dim, 2, **o))
-    bwd(*args, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, *ws)
+    bwd(*args, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, _one_ws(ws))
     mine = dict(u=du, delta=ddelta, A=dA, B=dB.transpose(-1, -2), C=dC.transpose(-1, -2) if c_groups else dC,
                 D=dD, z=dz, db=ddb, init=dinit)
     for (name, val), leaf in zip(mine.items(), leaves):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..compute.selective_scan.dims import ScanBwdDims, ScanDims, block_size, chunk_size
+from ..compute.selective_scan.dims import bwd_workspace
 from ._dlpack import dummy, kernel_for, prepare, run_op
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
@@ -95,15 +96,11 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
         if checkpoints is None:
             checkpoints = _scan_forward(u, delta, A, Bk, Ck, D, z, delta_bias, initial_state, delta_softplus,
                                         out=du)[2]
-        ws = dict(dtype=acc, device=u.device)
-        wsA = torch.empty((batch, dim, dstate, 2), **ws)
-        wsB = torch.empty((batch, dim // blk, seqlen, dstate, 2) if bg else (batch, dim, dstate, 2), **ws)
-        wsC = torch.empty((batch, dim // blk, seqlen, dstate, 2) if cg else (batch, dim, dstate, 2), **ws)
-        wsS = torch.empty((batch, dim, 2), **ws)
+        ws = u.new_empty((bwd_workspace(dims, batch, seqlen, (2,))[1],), dtype=acc)  # every region's partials
         kern = kernel_for(OP, "bwd_complex", u.device, dims, seqlen=seqlen)
         kern(u, delta, prepare(A), Bk, Ck, opt(D, u, acc, 1), opt(z, u, u.dtype, 3), opt(delta_bias, u, acc, 1),
              opt(initial_state, u, acc, 4), prepare(checkpoints), dout, dlast,
-             du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, wsA, wsB, wsC, wsS)
+             du, ddelta, dA, dB, dC, dD, ddb, dz, dinit, ws)
     empty = lambda: u.new_empty((0,), dtype=acc)  # noqa: E731  (one per output: outputs may not alias)
     return (du, ddelta, dA, dB, dC, dD if D is not None else empty(), dz if z is not None else u.new_empty((0,)),
             ddb if delta_bias is not None else empty(), dinit if initial_state is not None else empty())

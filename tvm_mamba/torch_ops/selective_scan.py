@@ -14,9 +14,9 @@ ceil(seqlen/chunk), dstate) fp32, chunk = ``chunk_for(dstate)`` (48 at dstate 16
 backward runs (its out goes into the du buffer, which the backward kernel overwrites next); then the
 backward kernel recomputes the states of one chunk at a time from them and runs the reverse scan.
 Cost: one forward kernel per backward (docs/selective_scan.md has the figures).
-Workspaces (fp32): per-(batch, channel) partials of dA / D / delta_bias / time-invariant dB, dC
-(batch, dim, dstate); for time-varying B/C, per-(batch, channel block) partials (batch, dim/block, seqlen,
-dstate), summed in a fixed order in a second stage (deterministic, no atomics).
+Workspace (fp32, one allocation: ``bwd_workspace``): per-(batch, channel) partials of dA / D / delta_bias /
+time-invariant dB, dC (batch, dim, dstate); for time-varying B/C, per-(batch, channel block) partials (batch,
+dim/block, seqlen, dstate), summed in a fixed order in a second stage (deterministic, no atomics).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..compute.selective_scan.dims import ScanBwdDims, ScanDims, UpdateDims, block_size, chunk_size
+from ..compute.selective_scan.dims import bwd_workspace
 from ._selective_scan_complex import complex_scan
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
                       prepare, prepare_pool, run_op, slot_stats, tvm_dtype)
@@ -165,15 +166,11 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     if checkpoints is None:
         checkpoints = _scan_forward(u, delta, A, Bk, bg, Ck, cg, D, z, delta_bias, initial_state, delta_softplus,
                                     out=du)[2]
-    ws = dict(dtype=acc, device=u.device)
-    wsA = torch.empty((batch, dim, dstate), **ws)
-    wsB = torch.empty((batch, dim // blk, seqlen, dstate) if bg else (batch, dim, dstate), **ws)
-    wsC = torch.empty((batch, dim // blk, seqlen, dstate) if cg else (batch, dim, dstate), **ws)
-    wsS = torch.empty((batch, dim, 2), **ws)
+    ws = u.new_empty((bwd_workspace(dims, batch, seqlen)[1],), dtype=acc)  # the partials of every region
     kern = kernel_for(OP, "bwd", u.device, dims, seqlen=seqlen)
     kern(u, delta, prepare(A), Bk, Ck, opt(D, u, acc, 1), opt(z, u, u.dtype, 3), opt(delta_bias, u, acc, 1),
          opt(initial_state, u, acc, 3), prepare(checkpoints), dout, dlast,
-         du, ddelta, dA, dBk, dCk, dD, ddb, dz, dinit, wsA, wsB, wsC, wsS)
+         du, ddelta, dA, dBk, dCk, dD, ddb, dz, dinit, ws)
     return (du, ddelta, dA, _bc_user(dBk, B), _bc_user(dCk, C),
             dD if D is not None else _empty0(dD), dz if z is not None else _empty0(u),
             ddb if delta_bias is not None else _empty0(ddb), dinit if initial_state is not None else _empty0(dinit))

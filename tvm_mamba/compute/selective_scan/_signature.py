@@ -2,18 +2,59 @@
 
 Every forward kernel (fwd, fwd_chunked, fwd_complex) takes (u, delta, A, B, C, D, z, delta_bias,
 initial_state) and writes (out, last_state, checkpoints); every backward (bwd, bwd_complex) takes the same
-inputs plus (checkpoints, dout, dlast) and writes the gradients (each the shape of its input) and the fp32
-workspaces. A complex A adds a trailing (re, im) axis of 2 (``pair``) to A, B, C and every state, and keeps
-a time-invariant B / C in the accumulation dtype. A template supplies only its body: a macro called with
-the matched buffers, then batch, seqlen and nchunk (the checkpoint count, ``L.nchunk``).
+inputs plus (checkpoints, dout, dlast) and writes the gradients (each the shape of its input) and one
+workspace ``ws`` in the accumulation dtype (``bwd_workspace``). Its four regions (wsA, wsB, wsC, wsS: the
+partials stage 2 sums) are buffers declared over that one allocation, so a GPU kernel binds one buffer for
+them: WebGPU caps the storage buffers of one shader (8 by default, 16 on llvmpipe) and the backward's
+first kernel binds 16 (u, delta, A, B, C, D, z, delta_bias, checkpoints, dout, dlast, du, ddelta, dz,
+dinit, ws; four workspaces made it 19). A complex A adds a trailing (re, im) axis of 2 (``pair``) to A,
+B, C and every state, and keeps a time-invariant B / C in the accumulation dtype. A template supplies only
+its body: a macro called with the matched buffers (the four regions each as a buffer), then batch, seqlen
+and nchunk (the checkpoint count, ``L.nchunk``).
 """
 from __future__ import annotations
 
+
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .dims import ScanDims
+from .dims import ScanDims, bwd_workspace
 from ._layout import Layout
+
+
+def _views_into_kernels(func: tirx.PrimFunc, names: tuple) -> tirx.PrimFunc:
+    """``func`` with the views ``names`` (declared first thing in its body) declared again at the top of
+    each GPU kernel (each outermost thread-bound loop) instead; unchanged where no loop is thread-bound
+    (CPU, serial). Why: TVM's SplitHostDevice gives a kernel one parameter per outside *buffer* it reads,
+    not one per allocation, so the four views declared outside bound four storage buffers (stage 1: 18 of
+    WebGPU's 16); declared inside, the kernel's one parameter is their allocation ``ws``. ConvertSSA makes
+    each kernel's declarations fresh buffers (one buffer declared twice is ill-formed)."""
+    seq = list(func.body.seq)
+    decls = [s for s in seq if isinstance(s, tirx.DeclBuffer) and s.buffer.name in names]
+    assert len(decls) == len(names), "the views are declared first thing in the body"
+    found = []
+
+    def kernels(stmt):  # stmt with ``decls`` at the top of each outermost thread-bound loop in it
+        if isinstance(stmt, tirx.For):
+            if stmt.kind == tirx.ForKind.THREAD_BINDING:
+                found.append(stmt)
+                body = tirx.SeqStmt(decls + [stmt.body])
+            else:
+                body = kernels(stmt.body)
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
+                            stmt.annotations, stmt.step)
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([kernels(s) for s in stmt.seq])
+        if isinstance(stmt, tirx.IfThenElse):
+            return tirx.IfThenElse(stmt.condition, kernels(stmt.then_case),
+                                   kernels(stmt.else_case) if stmt.else_case is not None else None)
+        return stmt
+
+    body = tirx.SeqStmt([kernels(s) for s in seq if not any(s.same_as(d) for d in decls)])
+    if not found:
+        return func
+    return tirx.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(body)}))["main"]
 
 
 def scan_kernel(dims: ScanDims, L: Layout, body, backward: bool = False, pair: tuple = ()) -> tirx.PrimFunc:
@@ -27,11 +68,6 @@ def scan_kernel(dims: ScanDims, L: Layout, body, backward: bool = False, pair: t
     def bc(groups, batch, seqlen):
         """B / C: (batch, groups, seqlen, dstate) time-varying, else (dim, dstate) (+ pair)."""
         return (batch, groups, seqlen, N, *P) if groups else (dim, N, *P)
-
-    def ws(varying, batch, seqlen):
-        """Workspace of dB / dC partials: per channel block and step when varying, else per channel
-        (``dims`` is a ``ScanBwdDims`` here)."""
-        return (batch, dims.nblocks, seqlen, N, *P) if varying else (batch, dim, N, *P)
 
     @T.macro
     def declare(h, batch, seqlen):  # h: the kernel's handles, in signature order
@@ -59,10 +95,12 @@ def scan_kernel(dims: ScanDims, L: Layout, body, backward: bool = False, pair: t
             ddb = T.match_buffer(h[18], db.shape, ACC)
             dz = T.match_buffer(h[19], z.shape, UT)
             dinit = T.match_buffer(h[20], init.shape, ACC)
-            wsA = T.match_buffer(h[21], (batch, dim, N, *P), ACC)
-            wsB = T.match_buffer(h[22], ws(VARB, batch, seqlen), ACC)
-            wsC = T.match_buffer(h[23], ws(VARC, batch, seqlen), ACC)
-            wsS = T.match_buffer(h[24], (batch, dim, 2), ACC)
+            regions, size = T.meta_var(bwd_workspace(dims, batch, seqlen, P))  # (dims: a ScanBwdDims here)
+            ws = T.match_buffer(h[21], (size,), ACC)
+            wsA = T.decl_buffer(regions[0][0], ACC, data=ws.data, elem_offset=regions[0][1])
+            wsB = T.decl_buffer(regions[1][0], ACC, data=ws.data, elem_offset=regions[1][1])
+            wsC = T.decl_buffer(regions[2][0], ACC, data=ws.data, elem_offset=regions[2][1])
+            wsS = T.decl_buffer(regions[3][0], ACC, data=ws.data, elem_offset=regions[3][1])
             body(u, delta, A, Bm, Cm, Dv, z, db, init, ck, dout, dlast, du, ddelta, dA, dB, dC, dD, ddb, dz, dinit,
                  wsA, wsB, wsC, wsS, batch, seqlen, nchunk)
         else:
@@ -76,14 +114,13 @@ def scan_kernel(dims: ScanDims, L: Layout, body, backward: bool = False, pair: t
         def bwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,
                 z_h: T.handle, db_h: T.handle, init_h: T.handle, ck_h: T.handle, dout_h: T.handle, dlast_h: T.handle,
                 du_h: T.handle, ddelta_h: T.handle, dA_h: T.handle, dB_h: T.handle, dC_h: T.handle, dD_h: T.handle,
-                ddb_h: T.handle, dz_h: T.handle, dinit_h: T.handle,
-                wsA_h: T.handle, wsB_h: T.handle, wsC_h: T.handle, wsS_h: T.handle):
+                ddb_h: T.handle, dz_h: T.handle, dinit_h: T.handle, ws_h: T.handle):
             batch = T.int32()
             seqlen = T.int32()
             declare((u_h, delta_h, A_h, B_h, C_h, D_h, z_h, db_h, init_h, ck_h, dout_h, dlast_h, du_h, ddelta_h, dA_h,
-                     dB_h, dC_h, dD_h, ddb_h, dz_h, dinit_h, wsA_h, wsB_h, wsC_h, wsS_h), batch, seqlen)
+                     dB_h, dC_h, dD_h, ddb_h, dz_h, dinit_h, ws_h), batch, seqlen)
 
-        return bwd
+        return _views_into_kernels(bwd, ("wsA", "wsB", "wsC", "wsS"))
 
     @T.prim_func
     def fwd(u_h: T.handle, delta_h: T.handle, A_h: T.handle, B_h: T.handle, C_h: T.handle, D_h: T.handle,

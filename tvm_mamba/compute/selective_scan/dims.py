@@ -9,6 +9,8 @@ records keep matching.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import math
 
 from .._common import OMIT_DEFAULT, Dims, check_dtype
@@ -165,3 +167,21 @@ class UpdateDims(Dims):
     @property
     def acc(self) -> str:
         return acc_dtype(self.x_dtype)
+
+
+def bwd_workspace(dims, batch, seqlen, pair: tuple = ()) -> tuple[list[tuple[tuple, object]], object]:
+    """The backward's one workspace: ([(shape, element offset) of wsA, wsB, wsC, wsS], its size), in the
+    accumulation dtype. wsA: dA partials (batch, dim, dstate); wsB / wsC: dB / dC partials, per channel
+    block and step when varying (batch, dim // block, seqlen, dstate), else per channel (batch, dim, dstate);
+    wsS: dD and d delta_bias partials (batch, dim, 2); ``pair`` appended to every region but wsS. ``dims``:
+    a ``ScanBwdDims``; plain ints give the torch op's size, ``T.int32`` vars the kernel's shapes."""
+    N, P = dims.dstate, tuple(pair)
+
+    def bc(varying):
+        return (batch, dims.nblocks, seqlen, N, *P) if varying else (batch, dims.dim, N, *P)
+
+    regions, size = [], 0
+    for shape in ((batch, dims.dim, N, *P), bc(dims.varying_B), bc(dims.varying_C), (batch, dims.dim, 2)):
+        regions.append((shape, size))
+        size = size + functools.reduce(operator.mul, shape)
+    return regions, size

@@ -76,8 +76,9 @@ def selective_scan_bwd(dims: ScanBwdDims | None = None, /, **kwargs) -> tirx.Pri
     Inputs: the forward's inputs, checkpoints: (batch, dim, nchunk, dstate), dout: (batch, dim, seqlen),
     dlast: (batch, dim, dstate) (gradient flowing in through last_state; zeros when unused).
     Outputs: du, ddelta, dz: (batch, dim, seqlen); dA: (dim, dstate); dB, dC: B's/C's kernel layout;
-    dD, ddelta_bias: (dim,); dinit: (batch, dim, dstate); float32 workspaces wsA: (batch, dim, dstate),
-    wsB/wsC: (batch, dim // block, seqlen, dstate) for varying B/C else (batch, dim, dstate), wsS: (batch, dim, 2).
+    dD, ddelta_bias: (dim,); dinit: (batch, dim, dstate); one float32 workspace ws (flat, ``bwd_workspace``'s
+    size) holding the regions wsA: (batch, dim, dstate), wsB/wsC: (batch, dim // block, seqlen, dstate) for
+    varying B/C else (batch, dim, dstate), wsS: (batch, dim, 2).
 
     g_t = dy_t C_t + exp(dt_{t+1} A) g_{t+1} (g_{L-1} also gets dlast); dB_t = g_t dt_t u_t; dC_t = dy_t h_t;
     d dt_t = sum_n g_t (B_t u_t + A exp(dt_t A) h_{t-1}); dA = sum_t g_t dt_t exp(dt_t A) h_{t-1};
@@ -127,8 +128,9 @@ def selective_scan_bwd_complex(dims: ScanBwdDims | None = None, /, **kwargs) -> 
 
     Inputs: the forward's inputs, checkpoints, dout: (batch, dim, seqlen), dlast: (batch, dim, dstate, 2).
     Outputs: du, ddelta, dz: (batch, dim, seqlen); dA: (dim, dstate, 2); dB, dC: B's/C's kernel layout;
-    dD, ddelta_bias: (dim,); dinit: (batch, dim, dstate, 2); workspaces wsA: (batch, dim, dstate, 2),
-    wsB/wsC: (batch, dim // block, seqlen, dstate, 2) varying else (batch, dim, dstate, 2), wsS: (batch, dim, 2).
+    dD, ddelta_bias: (dim,); dinit: (batch, dim, dstate, 2); one workspace ws (flat, ``bwd_workspace``'s size)
+    holding wsA: (batch, dim, dstate, 2), wsB/wsC: (batch, dim // block, seqlen, dstate, 2) varying else
+    (batch, dim, dstate, 2), wsS: (batch, dim, 2).
     Gradients of complex tensors are dL/dRe + i dL/dIm (torch's convention).
     """
     d = _dims("bwd_complex", dims, kwargs, chunk=32)

@@ -23,7 +23,7 @@ import dataclasses
 
 SCRATCH = {
     ("selective_scan", "fwd"): {"ck"},  # state checkpoints saved for the backward (a schedule choice)
-    ("selective_scan", "bwd"): {"ck", "wsA", "wsB", "wsC", "wsS"},  # the minimum recomputes the states
+    ("selective_scan", "bwd"): {"ck", "ws"},  # the minimum recomputes the states; ws: the partials
     ("ssd", "chunk_scan_bwd"): set(),
     ("mamba3", "siso_step"): {"qrot"},  # the rotated q, written by the rotate pass for the update pass
     ("mamba3", "mimo_step"): {"qrot"},
