@@ -17,14 +17,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.selective_scan.dims import ScanBwdDims, ScanDims, block_size, chunk_size
+from ..compute.selective_scan.dims import WEBGPU_PRIVATE_FLOATS, ScanBwdDims, ScanDims, block_size, chunk_size
+from ..runtime.target import device_target_key
 from ..compute.selective_scan.dims import bwd_workspace
 from ._dlpack import dummy, kernel_for, prepare, run_op
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
 
-def complex_chunk(dstate: int) -> int:
-    return chunk_size(2 * dstate)
+def complex_chunk(dstate: int, device=None) -> int:
+    """The complex scan's checkpoint interval (its states are (re, im) pairs: 2 dstate floats; on WebGPU the
+    lane's 8 KB of private memory, as ``selective_scan.chunk_for``)."""
+    webgpu = device is not None and device_target_key(device) == "webgpu"
+    return chunk_size(2 * dstate, WEBGPU_PRIVATE_FLOATS if webgpu else None)
 
 
 def _groups(M: Tensor) -> int:
@@ -34,7 +38,7 @@ def _groups(M: Tensor) -> int:
 def _dims(cls, u, A, Bk, Ck, D, z, delta_bias, delta_softplus, initial_state, **extra):
     """``scan_dims`` of kernel-layout B / C with the complex scan's checkpoint chunk."""
     return scan_dims(cls, u, A, Bk, _groups(Bk), Ck, _groups(Ck), D, z, delta_bias, delta_softplus, initial_state,
-                     complex_chunk(A.shape[1]), **extra)
+                     complex_chunk(A.shape[1], u.device), **extra)
 
 
 def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
@@ -59,7 +63,8 @@ def selective_scan_complex_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
 
 @selective_scan_complex_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
-    return (torch.empty_like(u, memory_format=torch.contiguous_format), *new_states(u, A, complex_chunk(A.shape[1])))
+    return (torch.empty_like(u, memory_format=torch.contiguous_format),
+            *new_states(u, A, complex_chunk(A.shape[1], u.device)))
 
 
 @torch.library.custom_op("tvm_mamba::selective_scan_complex_bwd", mutates_args=())

@@ -25,7 +25,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.selective_scan.dims import ScanBwdDims, ScanDims, UpdateDims, block_size, chunk_size
+from ..compute.selective_scan.dims import (WEBGPU_PRIVATE_FLOATS, ScanBwdDims, ScanDims, UpdateDims, block_size,
+                                           chunk_size)
+from ..runtime.target import device_target_key
 from ..compute.selective_scan.dims import bwd_workspace
 from ._selective_scan_complex import complex_scan
 from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
@@ -34,10 +36,13 @@ from ._fastpath import FastPath
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
 
-def chunk_for(dstate: int) -> int:
+def chunk_for(dstate: int, device=None) -> int:
     """Checkpoint interval: the backward keeps (chunk+1) x dstate states per lane on the stack (<= 17 KiB);
-    checkpoint memory is 1/chunk of storing every state."""
-    return chunk_size(dstate)
+    checkpoint memory is 1/chunk of storing every state. On WebGPU (``tvm_mamba.webgpu()``) a lane's private
+    memory is 8 KB: a shorter chunk (``chunk_size``'s ``private_floats``). ``device``: the tensors' (None: the
+    interval of every other target)."""
+    webgpu = device is not None and device_target_key(device) == "webgpu"
+    return chunk_size(dstate, WEBGPU_PRIVATE_FLOATS if webgpu else None)
 
 
 # Algorithm choice for the forward: the chunked (parallel-in-time) scan runs the recurrence twice (local
@@ -88,7 +93,7 @@ def _bc_user(dM: Tensor, like: Tensor) -> Tensor:
 def _dims(cls, u, A, Bk, bg, Ck, cg, D, z, delta_bias, delta_softplus, initial_state, **extra):
     """``scan_dims`` with the real scan's checkpoint chunk."""
     return scan_dims(cls, u, A, Bk, bg, Ck, cg, D, z, delta_bias, delta_softplus, initial_state,
-                     chunk_for(A.shape[1]), **extra)
+                     chunk_for(A.shape[1], u.device), **extra)
 
 
 def _scan_forward(u: Tensor, delta: Tensor, A: Tensor, Bk: Tensor, bg: int, Ck: Tensor, cg: int,
@@ -119,7 +124,8 @@ def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
 
 @selective_scan_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
-    return (torch.empty_like(u, memory_format=torch.contiguous_format), *new_states(u, A, chunk_for(A.shape[1])))
+    return (torch.empty_like(u, memory_format=torch.contiguous_format),
+            *new_states(u, A, chunk_for(A.shape[1], u.device)))
 
 
 def _empty0(like: Tensor) -> Tensor:

@@ -16,9 +16,18 @@ import math
 from .._common import OMIT_DEFAULT, Dims, check_dtype
 
 
-def chunk_size(dstate: int) -> int:
+# the private (per-invocation) float32 values a WebGPU lane of the scan's backward may hold, its chunk of states
+# and its ~7 dstate-sized arrays: Mesa's llvmpipe computed wrong gradients past it (dstate 64 at chunk 17; at
+# dstate 256 with any chunk), and a GPU would spill
+WEBGPU_PRIVATE_FLOATS = 1024
+
+
+def chunk_size(dstate: int, private_floats: int | None = None) -> int:
     """Default checkpoint interval (the torch op's choice; a static dim of the kernels): state memory for
-    the backward's chunk recompute stays <= 4096 fp32 values per lane."""
+    the backward's chunk recompute stays <= 4096 fp32 values per lane; with ``private_floats`` (WebGPU's
+    budget) the chunk and the lane's other arrays fit it (dstate 64: 9, 128 and up: 1)."""
+    if private_floats is not None:
+        return max(1, min(48, private_floats // dstate - 7))
     return max(8, min(48, 4096 // dstate))
 
 

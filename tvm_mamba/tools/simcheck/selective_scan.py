@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import CheckFailed, compare, ran, recording, tolerance, extent, generator, size, target
-from ...compute.selective_scan.dims import block_size, chunk_size
+from . import WEBGPU, CheckFailed, compare, ran, recording, tolerance, extent, generator, size, target
+from ...compute.selective_scan.dims import WEBGPU_PRIVATE_FLOATS, block_size, chunk_size
 
 OP = "selective_scan"
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -118,11 +118,15 @@ def compare_all(res: dict, label: str) -> None:
 
 
 def _check_scan(direction: str, static: dict, dtypes: dict, arch: str) -> None:
-    """fwd / bwd, or fwd_complex / bwd_complex (complex A, chunk sized for 2 x dstate real values)."""
+    """fwd / bwd, or fwd_complex / bwd_complex (complex A, chunk sized for 2 x dstate real values). On WebGPU
+    the configuration at the torch op's WebGPU chunk (a lane's 8 KB of private memory: ``chunk_size``)."""
     cplx = direction.endswith("_complex")
-    want_chunk = chunk_size(2 * static["dstate"] if cplx else static["dstate"])
-    if static["chunk"] != want_chunk:
-        raise CheckFailed(f"{OP}: chunk={static['chunk']} is not the torch op's choice {want_chunk}")
+    states = 2 * static["dstate"] if cplx else static["dstate"]
+    if static["chunk"] != chunk_size(states):
+        raise CheckFailed(f"{OP}: chunk={static['chunk']} is not the torch op's choice {chunk_size(states)}")
+    if arch == WEBGPU:
+        static = dict(static, chunk=chunk_size(states, WEBGPU_PRIVATE_FLOATS))
+    want_chunk = static["chunk"]
     if direction.startswith("bwd"):
         want_block = block_size(static["dim"], static["b_groups"], static["c_groups"])
         if static.get("block") != want_block:
