@@ -28,16 +28,7 @@ def _id(config) -> str:
     return f"{op}-{direction}-{same.index(config)}"
 
 
-def _known(config):
-    """The configurations Mesa's llvmpipe computes wrongly (docs/webgpu.md, "Limits"): the selective scan's
-    backward at dstate 256, whose lane holds more private memory than llvmpipe runs correctly at any chunk."""
-    op, direction, static, _ = config
-    if (op, direction) == ("selective_scan", "bwd") and static["dstate"] > 128:
-        return [pytest.mark.xfail(strict=True, reason="llvmpipe: a lane's private arrays past ~1K floats")]
-    return []
-
-
-@pytest.mark.parametrize("config", [pytest.param(c, marks=_known(c)) for c in CONFIGS], ids=[_id(c) for c in CONFIGS])
+@pytest.mark.parametrize("config", CONFIGS, ids=[_id(c) for c in CONFIGS])
 def test_kernel_on_webgpu_against_float64_reference(config):
     op, direction, static, dtypes = config
     simcheck_ops.run_config(op, direction, static, dtypes, WEBGPU)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.selective_scan.dims import WEBGPU_PRIVATE_FLOATS, ScanBwdDims, ScanDims, block_size, chunk_size
+from ..compute.selective_scan.dims import WEBGPU_BLOCK, WEBGPU_PRIVATE_FLOATS, ScanBwdDims, ScanDims, block_size, chunk_size
 from ..runtime.target import device_target_key
 from ..compute.selective_scan.dims import bwd_workspace
 from ._dlpack import dummy, kernel_for, prepare, run_op
@@ -80,7 +80,7 @@ def selective_scan_complex_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C
     dstate, acc = A.shape[1], acc_of(u)
     u, delta, Bk, Ck = prepare(u), prepare(delta), prepare(B), prepare(C)
     bg, cg = _groups(Bk), _groups(Ck)
-    blk = block_size(dim, bg, cg)
+    blk = block_size(dim, bg, cg, WEBGPU_BLOCK if device_target_key(u.device) == "webgpu" else 16)
     dims = _dims(ScanBwdDims, u, A, Bk, Ck, D, z, delta_bias, delta_softplus, initial_state, block=blk)
     dout = prepare(dout.to(u.dtype))
     dlast = prepare(dlast.to(acc)) if dlast is not None else u.new_zeros((batch, dim, dstate, 2), dtype=acc)

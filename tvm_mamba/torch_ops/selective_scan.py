@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compute.selective_scan.dims import (WEBGPU_PRIVATE_FLOATS, ScanBwdDims, ScanDims, UpdateDims, block_size,
+from ..compute.selective_scan.dims import (WEBGPU_BLOCK, WEBGPU_PRIVATE_FLOATS, ScanBwdDims, ScanDims, UpdateDims, block_size,
                                            chunk_size)
 from ..runtime.target import device_target_key
 from ..compute.selective_scan.dims import bwd_workspace
@@ -145,7 +145,7 @@ def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     dstate, acc = A.shape[1], acc_of(u)
     Bk, bg = _bc_kernel(B)
     Ck, cg = _bc_kernel(C)
-    blk = block_size(dim, bg, cg)
+    blk = block_size(dim, bg, cg, WEBGPU_BLOCK if device_target_key(u.device) == "webgpu" else 16)
     dims = _dims(ScanBwdDims, u, A, Bk, bg, Ck, cg, D, z, delta_bias, delta_softplus, initial_state, block=blk)
     u, delta = prepare(u), prepare(delta)
     dout = prepare(dout.to(u.dtype))

@@ -31,8 +31,14 @@ def chunk_size(dstate: int, private_floats: int | None = None) -> int:
     return max(8, min(48, 4096 // dstate))
 
 
+# channels a WebGPU backward lane runs (``block_size``'s ``want``): at 16, with z, at dstate 256, llvmpipe computed
+# wrong gradients for the last two channels of every block
+WEBGPU_BLOCK = 8
+
+
 def block_size(dim: int, b_groups: int, c_groups: int, want: int = 16) -> int:
-    """Channels per backward lane: the largest divisor <= want of every group's channel count."""
+    """Channels per backward lane: the largest divisor <= want of every group's channel count (WebGPU:
+    ``want`` = WEBGPU_BLOCK)."""
     g = dim
     for groups in (b_groups, c_groups):
         if groups:

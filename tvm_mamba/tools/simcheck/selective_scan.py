@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import WEBGPU, CheckFailed, compare, ran, recording, tolerance, extent, generator, size, target
-from ...compute.selective_scan.dims import WEBGPU_PRIVATE_FLOATS, block_size, chunk_size
+from ...compute.selective_scan.dims import WEBGPU_BLOCK, WEBGPU_PRIVATE_FLOATS, block_size, chunk_size
 
 OP = "selective_scan"
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -124,10 +124,12 @@ def _check_scan(direction: str, static: dict, dtypes: dict, arch: str) -> None:
     states = 2 * static["dstate"] if cplx else static["dstate"]
     if static["chunk"] != chunk_size(states):
         raise CheckFailed(f"{OP}: chunk={static['chunk']} is not the torch op's choice {chunk_size(states)}")
-    if arch == WEBGPU:
+    if arch == WEBGPU:  # the torch op's WebGPU chunk and block
         static = dict(static, chunk=chunk_size(states, WEBGPU_PRIVATE_FLOATS))
+        if direction.startswith("bwd"):
+            static["block"] = block_size(static["dim"], static["b_groups"], static["c_groups"], WEBGPU_BLOCK)
     want_chunk = static["chunk"]
-    if direction.startswith("bwd"):
+    if direction.startswith("bwd") and arch != WEBGPU:
         want_block = block_size(static["dim"], static["b_groups"], static["c_groups"])
         if static.get("block") != want_block:
             raise CheckFailed(f"{OP}: block={static.get('block')} is not the torch op's choice {want_block}")
