@@ -301,7 +301,7 @@ def cmd_sim_check(args) -> int:
     ops, arch = _checked_ops_arch(args, "sim-check")
     configs = list(_configs(ops))
     if args.target == "webgpu":  # float32 only (WGSL); built on first use (the keys carry the call's shape bucket)
-        arch, configs = simcheck.WEBGPU, [c for c in configs if all(v in _WEBGPU_DTYPES for v in c[3].values())]
+        arch, configs = simcheck.WEBGPU, [c for c in configs if simcheck.on_webgpu(c[3])]
         keys = [KernelKey.make(op, d, dt, st, "webgpu") for op, d, st, dt in configs]
         warm = [None] * len(keys)
     else:
@@ -323,8 +323,6 @@ def cmd_sim_check(args) -> int:
     print(f"sim-check: {len(keys)} kernels, {failed} failed ({where}{', full shapes' if args.full else ''})")
     return 1 if failed else 0
 
-
-_WEBGPU_DTYPES = ("float32", "int32", "int64", "int8")  # the configurations sim-check runs on WebGPU
 
 
 def _compile_all(keys, jobs: int, build) -> list[str | None]:

@@ -8,18 +8,14 @@ from __future__ import annotations
 import pytest
 
 from tvm_mamba.runtime import registry
-from tvm_mamba.tools.simcheck import WEBGPU
+from tvm_mamba.tools.simcheck import WEBGPU, on_webgpu
 from tvm_mamba.tools.simcheck import ops as simcheck_ops
 
 pytestmark = [pytest.mark.webgpu, pytest.mark.usefixtures("adapter")]
 
 
-def _float32(dtypes: dict) -> bool:
-    return all(v in ("float32", "int32", "int64", "int8") for v in dtypes.values())
-
-
 CONFIGS = [(op, direction, static, dtypes) for op in registry.ops()
-           for direction, static, dtypes in registry.op(op).compute.build_check_configs() if _float32(dtypes)]
+           for direction, static, dtypes in registry.op(op).compute.build_check_configs() if on_webgpu(dtypes)]
 
 
 def _id(config) -> str:

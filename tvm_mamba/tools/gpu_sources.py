@@ -18,6 +18,8 @@ import importlib.util
 import tvm
 from tvm.target import Target
 
+from .simcheck import on_webgpu
+
 # what clang's -fdeclare-opencl-builtins leaves to the header the libclang wheel lacks: the scalar and vector
 # type names, size_t, the fence flags
 _CL_SCALARS = {"char": "char", "uchar": "unsigned char", "short": "short", "ushort": "unsigned short",
@@ -40,10 +42,6 @@ def target_of(kind: str) -> Target:
     if kind in ("metal", "opencl"):
         return Target(kind, host="llvm")
     raise ValueError(f"target: expected webgpu, metal or opencl, got {kind!r}")
-
-
-def _float32(dtypes: dict) -> bool:
-    return all(v in ("float32", "int32", "int64", "int8") for v in dtypes.values())
 
 
 class _Checker:
@@ -94,7 +92,7 @@ def run(configs, kind: str) -> int:
     total = failed = skipped = 0
     for op, direction, static, dtypes in configs:
         label = f"{op}.{direction} {static} {dtypes}"
-        if kind == "webgpu" and not _float32(dtypes):
+        if kind == "webgpu" and not on_webgpu(dtypes):
             skipped += 1
             continue
         total += 1

@@ -95,6 +95,12 @@ def size(name: str, default: int) -> int:
 WEBGPU = "webgpu"  # the ``arch`` that runs the checks on WebGPU (wgpu) instead of the CUDA harness
 
 
+def on_webgpu(dtypes: dict) -> bool:
+    """Whether a configuration of these dtypes runs on WebGPU: float32 (WGSL has no bf16, and f16 only with
+    shader-f16), with 32-bit, 64-bit (converted) and 8-bit (as words) integer indices / codes."""
+    return all(v in ("float32", "int32", "int64", "int8") for v in dtypes.values())
+
+
 def target(arch: str, **sim):
     """The context kernel calls run in: ``simulate_cuda(arch, **sim)`` in the harness (``arch`` "webgpu":
     ``tvm_mamba.webgpu()``, the harness's options not applying); on a device, a block that records every kernel
