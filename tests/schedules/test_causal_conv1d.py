@@ -168,3 +168,32 @@ def test_varlen_states_rules():
     with target:
         ex = tvm.compile(cuda_rule.lay_out("varlen_states", dims, target, Decisions()).mod, target=target)
     assert "__global__" in ex.mod.imports[0].inspect_source("cuda")
+
+
+@pytest.mark.parametrize("bad, match", [([2, 7], "conv_state_indices: a slot is out of range"),
+                                        ([5, 5], "conv_state_indices: two rows name the same conv_state slot"),
+                                        ([5, -1, 2, 5], "same conv_state slot"),
+                                        ("seqlens", "cache_seqlens: must be >= 0")])
+def test_cpu_update_kernel_refuses_bad_values_before_it_writes(bad, match):
+    """The CPU decode step checks its own slots (compute/strategy.py slot_checks) and the cache_seqlens of rows
+    that are not padding, before its first write (the torch op's recipe relies on it); the CUDA layout cannot
+    raise and has no such check."""
+    dims = DIMS["update"](dim=6, width=4, state_len=3, activation="silu", has_bias=False, has_indices=True,
+                          has_cache_seqlens=True, x_2d=True)
+    fn = tvm.compile(cpu_rule.lay_out("update", dims, cpu_target(), Decisions()).mod, target=cpu_target())
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([5, -1, 2, 0] if bad == "seqlens" else bad, dtype=torch.int32)
+    seqlens = torch.tensor([1, -4, 0, -2] if bad == "seqlens" else [1] * len(bad), dtype=torch.int32)
+    x, pool, w = (torch.randn(*shape, generator=g) for shape in ((len(idx), 6), (7, 6, 3), (6, 4)))
+    before = pool.clone()
+    with pytest.raises(ValueError, match=match):
+        fn(x, pool, w, torch.ones(1), idx, seqlens, torch.empty(len(idx), 6))
+    assert torch.equal(pool, before)
+    live = torch.tensor([5, -1, 2, 0], dtype=torch.int32)  # row 1 pads: its negative cache_seqlens is never read
+    fn(torch.randn(4, 6, generator=g), pool, w, torch.ones(1), live, torch.tensor([1, -4, 0, 2], dtype=torch.int32),
+       torch.empty(4, 6))
+    assert not torch.equal(pool, before)
+    for target, rule in ((cuda_target("sm_90"), cuda_rule), (cpu_target(), cpu_rule)):
+        plain = dims if rule is cuda_rule else dims.replace(has_indices=False, has_cache_seqlens=False)
+        assert "assert" not in rule.lay_out("update", plain, target, Decisions()).mod.script()
+    assert "assert" in cpu_rule.lay_out("update", dims, cpu_target(), Decisions()).mod.script()

@@ -122,7 +122,8 @@ def test_cpu_tied_update_head_rows_knob():
         assert dec.used["head_rows"] == rows
         for batch in (3, 129):
             st, out = pool.clone(), torch.full((batch, 4, 8), float("nan"))
-            fn(st, x[:batch], dt[:batch], A, B[:batch], C[:batch], D, z[:batch], dtb, idx[:batch], out)
+            fn(st, x[:batch], dt[:batch, :, None].expand(batch, 4, 8), A, B[:batch], C[:batch], D, z[:batch], dtb,
+               idx[:batch], out)
             o64, s64 = selective_state_update_ref(
                 pool.double(), x[:batch].double(), dt[:batch, :, None].expand(batch, 4, 8).double(),
                 A[:, None, None].expand(4, 8, 16).double(), B[:batch].double(), C[:batch].double(),
@@ -134,3 +135,41 @@ def test_cpu_tied_update_head_rows_knob():
             results[rows, batch] = (out, st)
     for (rows, batch), (out, st) in results.items():
         assert torch.equal(out, results[8, batch][0]) and torch.equal(st, results[8, batch][1]), (rows, batch)
+
+
+@pytest.mark.parametrize("layout", ["mamba1", "tied", "heads"])
+@pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
+def test_cpu_update_kernel_refuses_bad_slots_before_it_writes(layout, idx_dtype):
+    """The CPU decode step checks its slots itself (compute/strategy.py slot_checks: each < the pool's slots,
+    no two alike; negative = padding, any number of them) before its first write, in every layout; the CUDA
+    layout cannot raise and has no such check (its torch op reads the indices first)."""
+    H, P = (6, 1) if layout == "mamba1" else (2, 4)
+    d = ss.UpdateDims(nheads=H, headdim=P, dstate=8, ngroups=1, has_D=False, has_z=False, has_dt_bias=False,
+                      dt_softplus=False, idx_dtype=idx_dtype, tie_hdim=layout == "tied",
+                      mamba1_layout=layout == "mamba1")
+    fn = tvm.compile(cpu_rule.lay_out("update", d, cpu_target(), Decisions()).mod, target=cpu_target())
+    g = torch.Generator().manual_seed(2)
+    heads = (H,) if layout == "mamba1" else (H, P)
+    pool = torch.randn(5, *heads, 8, generator=g)
+    A = -torch.rand(H, generator=g) if layout == "tied" else -torch.rand(*heads, 8, generator=g)
+    one = torch.ones((1,) if layout == "mamba1" else (1, 1))
+
+    def call(slots):
+        n, dtype = len(slots), getattr(torch, idx_dtype)
+        x, dt = torch.randn(n, *heads, generator=g), torch.rand(n, H, P, generator=g)
+        B, C = (torch.randn(n, 8, generator=g) if layout == "mamba1" else torch.randn(n, 1, 8, generator=g)
+                for _ in range(2))
+        dt = dt[:, :, :1].expand(n, H, P) if layout == "tied" else dt.reshape(n, *heads)
+        fn(pool, x, dt, A, B, C, one, torch.ones((1,) * (len(heads) + 1)), one, torch.tensor(slots, dtype=dtype),
+           torch.empty(n, *heads))
+
+    before = pool.clone()
+    for slots, match in (([1, 5], "state_batch_indices: a slot is out of range for state"),
+                         ([4, -1, 2, 4], "state_batch_indices: two rows name the same state slot")):
+        with pytest.raises(ValueError, match=match):
+            call(slots)
+        assert torch.equal(pool, before)
+    call([4, -1, 2, -1, 0])  # padding rows may repeat
+    assert torch.equal(pool[[1, 3]], before[[1, 3]]) and not torch.equal(pool[4], before[4])
+    cuda = cuda_rule.lay_out("update", d, cuda_target("sm_90"), Decisions()).mod.script()
+    assert "assert" not in cuda and "assert" in cpu_rule.lay_out("update", d, cpu_target(), Decisions()).mod.script()

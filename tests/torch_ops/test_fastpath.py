@@ -2,6 +2,8 @@
 checking index values every time; anything the recipe cannot stand for takes the full path."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -94,6 +96,28 @@ def test_index_values_are_checked_on_every_recipe_call(full_calls):
             _ssu(s, rest, bad)
         assert torch.equal(s, state)  # refused before the kernel ran
     assert len(full_calls) == 1
+
+
+@pytest.mark.parametrize("sim", [False, True], ids=["cpu", "cudasim"])
+def test_cpu_recipes_leave_the_value_checks_to_their_kernel(full_calls, monkeypatch, sim):
+    """A CPU kernel refuses bad slots itself (compute/strategy.py slot_checks), so a recipe of CPU launches
+    reads no index in Python unless the kernel refused the call (then the checks name the value); a CUDA
+    kernel (here the CPU harness's) cannot raise: its recipe checks first, every call."""
+    checks = []
+    for fast in (scan_ops._SSU_FAST, conv_ops._UPDATE_FAST):
+        monkeypatch.setattr(fast, "checks", lambda *a, _c=fast.checks: checks.append(1) or _c(*a))
+    state, rest = _ssu_inputs()
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    conv = (torch.randn(3, 6), torch.randn(5, 6, 3), torch.randn(6, 4), None, "silu", None, idx)
+    with (tvm_mamba.simulate_cuda("sm_90") if sim else contextlib.nullcontext()):
+        for _ in range(3):
+            _ssu(state.clone(), rest, idx)
+            tvm_mamba.causal_conv1d_update(conv[0], conv[1].clone(), *conv[2:])
+        assert len(full_calls) == 2 and len(checks) == (4 if sim else 0)
+        s = state.clone()
+        with pytest.raises(ValueError, match="index 5 is out of range"):  # the Python check's words either way
+            _ssu(s, rest, torch.tensor([4, -1, 5], dtype=torch.int32))
+        assert torch.equal(s, state) and len(full_calls) == 2
 
 
 def test_strided_inputs_are_copied_by_the_recipe_a_copied_pool_takes_the_full_path(full_calls):

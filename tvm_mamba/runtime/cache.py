@@ -40,7 +40,8 @@ from .key import KernelKey, Plan
 
 
 class Kernel:
-    """A loaded kernel: ``kernel(*tensors)``; ``.key``, ``.plan``, ``.path``, ``.build_seconds``."""
+    """A loaded kernel: ``kernel(*tensors)``; ``.key``, ``.plan``, ``.path``, ``.build_seconds``; ``.on_host``: a
+    CPU kernel (its own host function: it refuses bad index values itself, compute/strategy.py)."""
 
     def __init__(self, key: KernelKey, plan: Plan, module: Any, path: pathlib.Path | None,
                  build_seconds: float, load_seconds: float):
@@ -49,6 +50,7 @@ class Kernel:
         self.fn = module[f"{key.op}_{key.direction}"]  # a WebGPU module's: its launcher, called with tensors
         self.simulated = cudasim.is_sim(key.target)
         self.webgpu = webgpu.is_webgpu(key.target)
+        self.on_host = key.target.startswith("llvm")  # a CPU kernel: it can raise (compute/strategy.py checks_values)
 
     def __call__(self, *args):
         dispatch.note_key(self.key, self.plan)

@@ -8,7 +8,8 @@ kernel cache reads). :class:`FastPath` runs an op's full implementation the firs
 watches the launches it makes (:class:`~._dlpack.capture_launches`) and keeps a *recipe*: per launch, the
 kernel and where each argument comes from — an input (or a view of it, rebuilt with ``as_strided``), a
 cached placeholder, or a fresh output. The next call with that signature runs only the op's data checks
-(index ranges: values, not shapes) and the launches. The last few recipes are tried first by their guards
+(index ranges: values, not shapes; on the CPU the kernels check those themselves) and the launches. The last
+few recipes are tried first by their guards
 (torch's C++ tensor check, without building the signature), and each recipe runs as one generated
 straight-line function (torch_ops/_recipe_code.py).
 
@@ -128,13 +129,14 @@ class _Recipe:
     """Launches (kernel, argument sources), fresh outputs (numel, dtype, device), the result's source(s);
     served under ``context`` until ``expires`` (then the op runs in full once more: the kernel cache's own
     re-resolution interval, so tuning records written meanwhile are picked up)."""
-    __slots__ = ("context", "expires", "launches", "outputs", "result", "guard", "run")
+    __slots__ = ("context", "expires", "launches", "outputs", "result", "guard", "run", "on_host")
 
-    def __init__(self, context, launches, outputs, result, n_inputs):
+    def __init__(self, context, launches, outputs, result, inputs):
         self.context, self.launches, self.outputs, self.result = context, launches, outputs, result
+        self.on_host = all(kernel.on_host for kernel, _ in launches)  # every kernel checks its own values
         self.expires = time.monotonic() + FAST_TTL_S
         self.guard: Optional[Callable] = None  # guard(tensors, flags): this signature? (compile_guard)
-        self.run = compile_recipe(launches, outputs, result, n_inputs, _build)  # run(inputs) -> result
+        self.run = compile_recipe(launches, outputs, result, inputs, _build)  # run(inputs) -> result
 
     def serves(self) -> bool:
         return self.context == context() and time.monotonic() < self.expires
@@ -168,7 +170,8 @@ def _make_recipe(ctx, inputs, launches, result, copies=()):
         return None
     result_spec = tuple(returned) if isinstance(result, tuple) else returned[0]
     return _Recipe(ctx, tuple(steps), tuple((numel, dtype, device) for _, numel, dtype, device in outputs),
-                   result_spec, len(inputs))
+                   result_spec, tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+                                      for t in inputs))
 
 
 def _build(src, inputs, fresh, made=None):
@@ -197,13 +200,17 @@ class FastPath:
     """``FastPath(full, checks)``: ``call(tensors, flags, *args)`` runs ``full(*args)`` (the op's public
     implementation) the first time a signature of ``tensors`` (every tensor argument, None where absent) and
     ``flags`` (every non-tensor argument) is seen, and its recipe after; ``checks(*args)`` runs first on
-    every recipe call (the value checks: indices in range, distinct slots), raising as ``full`` would.
+    every recipe call (the value checks: indices in range, distinct slots), raising as ``full`` would;
+    ``host_checks``: the op's CPU kernels make those checks themselves before they write (compute/strategy.py
+    ``slot_checks``), so a recipe whose launches all run on the host skips them, and runs them only after a
+    kernel refused the call, to name the value as the full path does.
     ``copies``: the op's compact copies of read-only inputs (``_dlpack.prepare``: a strided ``x``, as a
     server's sliced activations are) are made again by the recipe; only for ops whose kernels write no such
     copy (their in-place pools go through ``prepare_pool``, which is never replayed)."""
 
-    def __init__(self, full: Callable, checks: Callable | None = None, copies: bool = False):
-        self.full, self.checks, self.copies = full, checks, copies
+    def __init__(self, full: Callable, checks: Callable | None = None, copies: bool = False,
+                 host_checks: bool = False):
+        self.full, self.checks, self.copies, self.host_checks = full, checks, copies, host_checks
         self._recipes: dict = {}
         self._hot: tuple = ()  # recipes with guards, most recently used first
         self._lock = threading.Lock()
@@ -212,9 +219,7 @@ class FastPath:
         if _dlpack.modes_allow_direct():
             recipe = self._guarded(tensors, flags)
             if recipe is not None:
-                if self.checks is not None:
-                    self.checks(*args)
-                return recipe.run(tensors)
+                return self._serve(recipe, tensors, args)
         if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
             return self.full(*args)  # the full path names the argument that is no tensor
         sig = signature(tensors, flags)
@@ -227,11 +232,22 @@ class FastPath:
         if recipe is _SLOW:
             return self.full(*args)
         if recipe is not None and recipe.serves():
-            if self.checks is not None:
-                self.checks(*args)
             self._promote(recipe)
-            return recipe.run(tensors)
+            return self._serve(recipe, tensors, args)
         return self._watch(sig, tensors, flags, args)
+
+    def _serve(self, recipe: _Recipe, tensors, args):
+        """``recipe.run``, after the value checks where its kernels do not make them."""
+        if self.checks is None:
+            return recipe.run(tensors)
+        if not (self.host_checks and recipe.on_host):
+            self.checks(*args)
+            return recipe.run(tensors)
+        try:
+            return recipe.run(tensors)
+        except ValueError:  # a kernel refused a value (nothing written): the checks name it as the full path does
+            self.checks(*args)
+            raise
 
     def _guarded(self, tensors, flags) -> Optional[_Recipe]:
         """The serving recipe among the last ones whose guard passes this call, or None (the signature path

@@ -38,7 +38,7 @@ class _Writer:
     def __init__(self, build: Callable, shapes: dict):
         self.shapes = shapes  # output k -> the (size, stride) it is allocated with, where one view covers it
         self.lines: list[str] = []
-        self.env: dict = {"_empty": torch.empty, "_note": dispatch.note_key, "_recording": _dlpack.recording,
+        self.env: dict = {"_empty": torch.empty, "_empty_like": torch.empty_like, "_note": dispatch.note_key, "_recording": _dlpack.recording,
                           "_Launch": _dlpack.Launch, "_build": build}
         self.needs_fresh = self.needs_made = False
 
@@ -99,11 +99,28 @@ def _shapes(launches, outputs, specs) -> dict:
     return shapes
 
 
-def compile_recipe(launches, outputs, result, n_inputs: int, build: Callable) -> Callable:
+def _contiguous_strides(size) -> tuple:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _like(inputs, size, dtype, device) -> Optional[int]:
+    """An input of exactly the geometry ``torch.empty(size)`` gives (the guard holds it to that geometry every
+    call), whose ``empty_like`` allocates the output for less than ``empty``'s argument parsing (a decode step's
+    out is x's twin); None if there is none."""
+    want = (tuple(size), _contiguous_strides(size), dtype, device)
+    return next((j for j, geometry in enumerate(inputs) if geometry == want), None)
+
+
+def compile_recipe(launches, outputs, result, inputs, build: Callable) -> Callable:
     """``run(inputs) -> result``: allocate ``outputs`` ((numel, dtype, device) each), run ``launches``
-    ((kernel, sources) each) with arguments built from ``inputs`` (the call's tensors, by position) and the
-    fresh outputs, note each kernel's key (explain) and record each launch when a ``capture_launches``
-    block is open, and return what ``result`` (a source, or a tuple of sources) names."""
+    ((kernel, sources) each) with arguments built from the call's tensors (by position; ``inputs``: their
+    (shape, strides, dtype, device) or None, as every call of the signature has them) and the fresh outputs,
+    note each kernel's key (explain) and record each launch when a ``capture_launches`` block is open, and
+    return what ``result`` (a source, or a tuple of sources) names."""
     multi = isinstance(result, tuple) and bool(result) and isinstance(result[0], tuple)
     specs = result if multi else (result,)
     w = _Writer(build, _shapes(launches, outputs, specs))
@@ -122,9 +139,12 @@ def compile_recipe(launches, outputs, result, n_inputs: int, build: Callable) ->
     for r, spec in enumerate(specs):
         w.arg(spec, f"r{r}")
     returned = ", ".join(f"r{r}" for r in range(len(specs)))
-    head = ["def run(inputs):", f"    {''.join(f'i{j}, ' for j in range(n_inputs))}= inputs"]
-    head += [f"    f{k} = _empty({w.shapes.get(k, (numel,))[0]!r}, dtype={w.const(dtype, 'D')}, "
-             f"device={w.const(device, 'V')})" for k, (numel, dtype, device) in enumerate(outputs)]
+    head = ["def run(inputs):", f"    {''.join(f'i{j}, ' for j in range(len(inputs)))}= inputs"]
+    for k, (numel, dtype, device) in enumerate(outputs):
+        size = w.shapes.get(k, ((numel,),))[0]
+        j = _like(inputs, size, dtype, device)
+        head.append(f"    f{k} = _empty({size!r}, dtype={w.const(dtype, 'D')}, device={w.const(device, 'V')})"
+                    if j is None else f"    f{k} = _empty_like(i{j})")
     if w.needs_fresh:
         head.append(f"    fresh = [{', '.join(f'f{k}' for k in range(len(outputs)))}]")
     if w.needs_made:

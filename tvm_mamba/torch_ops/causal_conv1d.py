@@ -346,4 +346,4 @@ def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
     return run_op(causal_conv1d_varlen_states_op, x, cu_seqlens, state_len).transpose(1, 2)
 
 
-_UPDATE_FAST = FastPath(_causal_conv1d_update, _update_values, copies=True)
+_UPDATE_FAST = FastPath(_causal_conv1d_update, _update_values, copies=True, host_checks=True)

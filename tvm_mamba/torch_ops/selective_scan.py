@@ -269,7 +269,10 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     kern = kernel_for(OP, "update", x.device, dims)
     vec = 1 if tie or m1 else 2  # D / dt_bias rank
     absent = 1 if m1 else 2  # an absent D / dt_bias: the kernel's placeholder of that rank
-    kern(st, xk, prepare(dt), prepare(A), Bk, Ck, opt(D, x, acc, vec if D is not None else absent),
+    dtk = prepare(dt)
+    if tie:  # the kernel reads the tied dt at headdim 0 of the expanded view mamba_ssm passes (one view less a call)
+        dtk = dtk[:, :, None].expand(-1, -1, x.shape[2])
+    kern(st, xk, dtk, prepare(A), Bk, Ck, opt(D, x, acc, vec if D is not None else absent),
          opt(z, x, x.dtype, x.dim()), opt(dt_bias, x, acc, vec if dt_bias is not None else absent),
          opt(state_batch_indices, x, torch.int32, 1), out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
@@ -519,4 +522,4 @@ def _selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                   state_batch_indices)
 
 
-_SSU_FAST = FastPath(_selective_state_update, _ssu_values, copies=True)
+_SSU_FAST = FastPath(_selective_state_update, _ssu_values, copies=True, host_checks=True)

@@ -24,7 +24,7 @@ from .dims import CausalConv1dUpdate
 from .signature import conv_kernel
 from .._common import stamp
 from .._math import math_for
-from ..strategy import Strategy
+from ..strategy import Strategy, slot_checks
 
 F32 = "float32"
 
@@ -80,8 +80,20 @@ def update_template(d: CausalConv1dUpdate, strategy: Strategy) -> tirx.PrimFunc:
                     if G.index(ro, ri) < B * D:
                         row_step(x, state, weight, bias, idx, cseq, out, L, G.index(ro, ri))
 
+    CHECK = G.checks_values
+    check = slot_checks("conv_state_indices", "conv_state")
+
     @T.macro
     def body(x, state, weight, bias, idx, cseq, out, B, L):
+        if CHECK:  # before the first write: a refused call leaves the pool as it was
+            if has_indices:
+                check(idx, B, state.shape[0])
+            if has_cache_seqlens:  # a padding row's value is never read
+                for b in T.serial(B):
+                    if has_indices:
+                        T.Assert(tirx.Or(idx[b] < 0, cseq[b] >= 0), "cache_seqlens: must be >= 0", "ValueError")
+                    else:
+                        T.Assert(cseq[b] >= 0, "cache_seqlens: must be >= 0", "ValueError")
         if serial_work is not None:
             if B * D * (L + S) <= serial_work:  # decode-size: on the calling thread, no thread-pool launch
                 for row in T.serial(B * D):

@@ -8,7 +8,9 @@ x, dt, z, out: (batch, nheads, headdim); A: (nheads, headdim, dstate); B, C: (ba
 ``mamba1_layout`` takes Mamba-1's tensors without the unit axes (x (batch, dim), ...: UpdateDims) and reads
 them through head-layout buffers declared over the same memory: one loop nest for both.
 Tied per-head parameters (``tie_hdim``, mamba_ssm's TIE_HDIM layout: Mamba-2 has one A, dt, D, dt_bias per
-head): A: (nheads,), dt: (batch, nheads), D, dt_bias: (nheads,). A lane then runs ``head_rows`` rows of one
+head): A: (nheads,), D, dt_bias: (nheads,), dt: (batch, nheads, headdim) of any strides, read at headdim 0 (the
+expanded view mamba_ssm's Mamba2.step passes, taken as it comes: a view of each step's new dt would cost its
+call more than the kernel's whole head loop). A lane then runs ``head_rows`` rows of one
 head (the layout's choice: the whole head on the CPU, one row per CUDA thread) after computing the head's
 softplus(dt + dt_bias) and exp(dt' A) once: 1,536 times a layer -> 24 at Mamba-2 130M's (1, 24, 64, 128) on
 the CPU, 32-35 -> 21-26 us a layer in its decode step (2 threads). Each row's arithmetic is unchanged (same
@@ -28,6 +30,7 @@ from tvm.script import tirx as T
 from .dims import UpdateDims
 from ._layout import Layout
 from ._step import ScanMath
+from ..strategy import slot_checks
 
 
 def _scalars_macro(dims: UpdateDims, L: Layout):
@@ -37,7 +40,7 @@ def _scalars_macro(dims: UpdateDims, L: Layout):
 
     @T.macro
     def scalars(hs, dt, A, dtb, b, hh, p, j):
-        L.uniform(hs, 0, m.cast(dt[b, hh] if TIE else dt[b, hh, p]) + (
+        L.uniform(hs, 0, m.cast(dt[b, hh, 0 if TIE else p]) + (
             (dtb[hh] if TIE else dtb[hh, p]) if dims.has_dt_bias else m.zero), j)
         hs[1] = m.softplus(hs[0]) if dims.dt_softplus else hs[0]
         if TIE:
@@ -192,6 +195,8 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
     ST, DT, ZT = dims.state_dtype or ACC, dims.dt_dtype or dims.x_dtype, dims.z_dtype or dims.x_dtype
     serial_work, PB, M1 = L.serial_work, P // head_rows(dims, L), dims.mamba1_layout
     lane = _lane_macro(dims, L)
+    CHECK = IDX and L.checks_values
+    check = slot_checks("state_batch_indices", "state", idx_dtype or "int32")
 
     @T.macro
     def lanes(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, lo):
@@ -201,7 +206,9 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
                      L.thread(li), L.lane_ok(lo, li, batch * H * PB))
 
     @T.macro
-    def body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch):
+    def body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, nstate):
+        if CHECK:  # before the first write: a refused call leaves the pool as it was
+            check(sidx, batch, nstate)
         if serial_work is not None:
             if batch * H * P * row_work(dims) <= serial_work:  # decode-size: the calling thread, no pool launch
                 for lo in T.serial(L.blocks(batch * H * PB)):
@@ -242,12 +249,15 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
             z = T.decl_buffer((batch, H, 1) if dims.has_z else (1, 1, 1), ZT, data=z1.data)
             dtb = T.decl_buffer((H, 1) if dims.has_dt_bias else (1, 1), ACC, data=dtb1.data)
             out = T.decl_buffer((batch, H, 1), dims.x_dtype, data=out1.data)
-            body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch)
+            body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, nstate)
         else:
             state = T.match_buffer(state_h, (nstate if IDX else batch, H, P, N), ST,
                                    strides=(slot_stride, P * N, N, 1))
             x = T.match_buffer(x_h, (batch, H, P), dims.x_dtype)
-            dt = T.match_buffer(dt_h, (batch, H) if TIE else (batch, H, P), DT)
+            dt_sb = T.int32()  # tied: dt's strides (an expanded view, headdim stride 0, as it comes)
+            dt_sh = T.int32()
+            dt_sp = T.int32()
+            dt = T.match_buffer(dt_h, (batch, H, P), DT, strides=(dt_sb, dt_sh, dt_sp) if TIE else None)
             A = T.match_buffer(A_h, (H,) if TIE else (H, P, N), ACC)
             Bm = T.match_buffer(B_h, (batch, G, N), dims.B_dtype)
             Cm = T.match_buffer(C_h, (batch, G, N), dims.C_dtype)
@@ -255,6 +265,6 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
             z = T.match_buffer(z_h, (batch, H, P) if dims.has_z else (1, 1, 1), ZT)
             dtb = T.match_buffer(dtb_h, ((H,) if TIE else (H, P)) if dims.has_dt_bias else (1, 1), ACC)
             out = T.match_buffer(out_h, (batch, H, P), dims.x_dtype)
-            body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch)
+            body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, nstate)
 
     return update
