@@ -122,8 +122,8 @@ def test_cpu_tied_update_head_rows_knob():
         assert dec.used["head_rows"] == rows
         for batch in (3, 129):
             st, out = pool.clone(), torch.full((batch, 4, 8), float("nan"))
-            fn(st, x[:batch], dt[:batch, :, None].expand(batch, 4, 8), A, B[:batch], C[:batch], D, z[:batch], dtb,
-               idx[:batch], out)
+            fn(st, x[:batch], dt[:batch, :, None].expand(batch, 4, 8), A[:, None, None].expand(4, 8, 16), B[:batch],
+               C[:batch], D[:, None].expand(4, 8), z[:batch], dtb[:, None].expand(4, 8), idx[:batch], out)
             o64, s64 = selective_state_update_ref(
                 pool.double(), x[:batch].double(), dt[:batch, :, None].expand(batch, 4, 8).double(),
                 A[:, None, None].expand(4, 8, 16).double(), B[:batch].double(), C[:batch].double(),
@@ -151,7 +151,8 @@ def test_cpu_update_kernel_refuses_bad_slots_before_it_writes(layout, idx_dtype)
     g = torch.Generator().manual_seed(2)
     heads = (H,) if layout == "mamba1" else (H, P)
     pool = torch.randn(5, *heads, 8, generator=g)
-    A = -torch.rand(H, generator=g) if layout == "tied" else -torch.rand(*heads, 8, generator=g)
+    A = -torch.rand(*heads, 8, generator=g)
+    A = A[:, :1, :1].expand(H, P, 8) if layout == "tied" else A
     one = torch.ones((1,) if layout == "mamba1" else (1, 1))
 
     def call(slots):

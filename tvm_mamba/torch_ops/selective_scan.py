@@ -269,12 +269,14 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     kern = kernel_for(OP, "update", x.device, dims)
     vec = 1 if tie or m1 else 2  # D / dt_bias rank
     absent = 1 if m1 else 2  # an absent D / dt_bias: the kernel's placeholder of that rank
-    dtk = prepare(dt)
-    if tie:  # the kernel reads the tied dt at headdim 0 of the expanded view mamba_ssm passes (one view less a call)
-        dtk = dtk[:, :, None].expand(-1, -1, x.shape[2])
-    kern(st, xk, dtk, prepare(A), Bk, Ck, opt(D, x, acc, vec if D is not None else absent),
-         opt(z, x, x.dtype, x.dim()), opt(dt_bias, x, acc, vec if dt_bias is not None else absent),
-         opt(state_batch_indices, x, torch.int32, 1), out)
+    dtk, Ak = prepare(dt), prepare(A)
+    Dk, dtbk = (opt(v, x, acc, vec if v is not None else absent) for v in (D, dt_bias))
+    if tie:  # the kernel reads the expanded views mamba_ssm passes, as they come (no view of a new dt per call)
+        P, N = x.shape[2], st.shape[3]
+        dtk, Ak = dtk[:, :, None].expand(-1, -1, P), Ak[:, None, None].expand(-1, P, N)
+        Dk, dtbk = (v if v.dim() == 2 else v[:, None].expand(-1, P) for v in (Dk, dtbk))
+    kern(st, xk, dtk, Ak, Bk, Ck, Dk, opt(z, x, x.dtype, x.dim()), dtbk, opt(state_batch_indices, x, torch.int32, 1),
+         out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
         state.copy_(st)
     return out

@@ -8,10 +8,11 @@ x, dt, z, out: (batch, nheads, headdim); A: (nheads, headdim, dstate); B, C: (ba
 ``mamba1_layout`` takes Mamba-1's tensors without the unit axes (x (batch, dim), ...: UpdateDims) and reads
 them through head-layout buffers declared over the same memory: one loop nest for both.
 Tied per-head parameters (``tie_hdim``, mamba_ssm's TIE_HDIM layout: Mamba-2 has one A, dt, D, dt_bias per
-head): A: (nheads,), D, dt_bias: (nheads,), dt: (batch, nheads, headdim) of any strides, read at headdim 0 (the
-expanded view mamba_ssm's Mamba2.step passes, taken as it comes: a view of each step's new dt would cost its
-call more than the kernel's whole head loop). A lane then runs ``head_rows`` rows of one
-head (the layout's choice: the whole head on the CPU, one row per CUDA thread) after computing the head's
+head): A, D, dt_bias, dt in their untied shapes but of any strides, read at headdim (and dstate) index 0: the
+expanded views mamba_ssm's Mamba2.step passes, taken as they come (a view of each step's new dt, and a check
+of each parameter's, would cost a decode call more than the kernel's head loop). A lane then runs
+``head_rows`` rows of one head (the layout's choice: the whole head on the CPU, one row per CUDA thread) after
+computing the head's
 softplus(dt + dt_bias) and exp(dt' A) once: 1,536 times a layer -> 24 at Mamba-2 130M's (1, 24, 64, 128) on
 the CPU, 32-35 -> 21-26 us a layer in its decode step (2 threads). Each row's arithmetic is unchanged (same
 bits). Same math.
@@ -41,10 +42,10 @@ def _scalars_macro(dims: UpdateDims, L: Layout):
     @T.macro
     def scalars(hs, dt, A, dtb, b, hh, p, j):
         L.uniform(hs, 0, m.cast(dt[b, hh, 0 if TIE else p]) + (
-            (dtb[hh] if TIE else dtb[hh, p]) if dims.has_dt_bias else m.zero), j)
+            dtb[hh, 0 if TIE else p] if dims.has_dt_bias else m.zero), j)
         hs[1] = m.softplus(hs[0]) if dims.dt_softplus else hs[0]
         if TIE:
-            L.uniform(hs, 2, hs[1] * A[hh], j)  # the exp's argument bound first: its polynomial reads it ~20 times
+            L.uniform(hs, 2, hs[1] * A[hh, 0, 0], j)  # the exp's argument bound first: its polynomial reads it ~20x
             hs[2] = m.exp(hs[2])
 
     return scalars
@@ -67,8 +68,8 @@ def _row_macro(dims: UpdateDims, L: Layout):
     HPG, ACC, TIE, m, SCOPE = dims.nheads // dims.ngroups, dims.acc, dims.tie_hdim, L.math, L.scope
     ST, STAGE = dims.state_dtype or ACC, L.stage_bc
 
-    def per_head(v, hh, p):  # D: (nheads,) tied, else (nheads, headdim)
-        return v[hh] if TIE else v[hh, p]
+    def per_head(v, hh, p):  # D: (nheads, headdim), tied: read at headdim 0
+        return v[hh, 0 if TIE else p]
 
     def to_state(v):
         return v if ST == ACC else v.astype(ST)
@@ -254,16 +255,18 @@ def update_template(dims: UpdateDims, L: Layout) -> tirx.PrimFunc:
             state = T.match_buffer(state_h, (nstate if IDX else batch, H, P, N), ST,
                                    strides=(slot_stride, P * N, N, 1))
             x = T.match_buffer(x_h, (batch, H, P), dims.x_dtype)
-            dt_sb = T.int32()  # tied: dt's strides (an expanded view, headdim stride 0, as it comes)
-            dt_sh = T.int32()
-            dt_sp = T.int32()
+            # tied: dt, A, D, dt_bias are expanded views (stride 0 over headdim / dstate), taken as they come
+            dt_sb, dt_sh, dt_sp = T.int32(), T.int32(), T.int32()
+            A_sh, A_sp, A_sn = T.int32(), T.int32(), T.int32()
+            D_sh, D_sp, dtb_sh, dtb_sp = T.int32(), T.int32(), T.int32(), T.int32()
             dt = T.match_buffer(dt_h, (batch, H, P), DT, strides=(dt_sb, dt_sh, dt_sp) if TIE else None)
-            A = T.match_buffer(A_h, (H,) if TIE else (H, P, N), ACC)
+            A = T.match_buffer(A_h, (H, P, N), ACC, strides=(A_sh, A_sp, A_sn) if TIE else None)
             Bm = T.match_buffer(B_h, (batch, G, N), dims.B_dtype)
             Cm = T.match_buffer(C_h, (batch, G, N), dims.C_dtype)
-            Dv = T.match_buffer(D_h, ((H,) if TIE else (H, P)) if dims.has_D else (1, 1), ACC)
+            Dv = T.match_buffer(D_h, (H, P) if dims.has_D else (1, 1), ACC, strides=(D_sh, D_sp) if TIE else None)
             z = T.match_buffer(z_h, (batch, H, P) if dims.has_z else (1, 1, 1), ZT)
-            dtb = T.match_buffer(dtb_h, ((H,) if TIE else (H, P)) if dims.has_dt_bias else (1, 1), ACC)
+            dtb = T.match_buffer(dtb_h, (H, P) if dims.has_dt_bias else (1, 1), ACC,
+                                 strides=(dtb_sh, dtb_sp) if TIE else None)
             out = T.match_buffer(out_h, (batch, H, P), dims.x_dtype)
             body(state, x, dt, A, Bm, Cm, Dv, z, dtb, sidx, out, batch, nstate)
 

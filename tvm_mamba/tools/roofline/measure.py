@@ -177,11 +177,14 @@ def param_bytes(key: KernelKey, batch: int, seqlen: int, reduced: bool = True) -
         bucket.update({k: v for k, v in minimum.reduced_dims(dict(key.static)).items() if k in bucket})
     analyzer = tune.bucket_analyzer(func, bucket)
     parts = minimum.PART_AXES.get((key.op, key.direction), {}) if reduced else {}
+    broadcast = minimum.broadcast_axes(key.op, key.direction, dict(key.static))
     out = {}
     for p in func.params:
         shape = list(tune._shape(p, bucket, analyzer))
         if p.name in parts:
             shape[parts[p.name]] = 1
+        for axis in broadcast.get(p.name, ()):
+            shape[axis] = 1
         out[p.name] = math.prod(shape) * tvm_ffi.dtype(str(p.dtype)).bits // 8
     return out
 

@@ -36,6 +36,14 @@ INOUT = {("selective_scan", "update"): {"state"}}
 PART_AXES = {("rmsnorm_gated", "bwd"): {"partial": 0}, ("mamba3", "siso_preprocess_bwd"): {"dQb": 1, "dKb": 1}}
 
 
+def broadcast_axes(op: str, direction: str, static: dict) -> dict[str, tuple[int, ...]]:
+    """{parameter: axes it is read at index 0 along} (a view of stride 0 there: one element counted): the
+    tied decode step takes mamba_ssm's expanded per-head dt, A, D, dt_bias as they come."""
+    if (op, direction) == ("selective_scan", "update") and static.get("tie_hdim"):
+        return {"dt": (2,), "A": (1, 2), "Dv": (1,), "dtb": (1,)}
+    return {}
+
+
 def reduced_dims(static: dict) -> dict[str, int]:
     """Symbolic partial-count dims at their minimum: one part per group."""
     return {"gparts": int(static.get("ngroups", 1)), "nparts": 1}
