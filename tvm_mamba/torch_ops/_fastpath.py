@@ -9,9 +9,9 @@ watches the launches it makes (:class:`~._dlpack.capture_launches`) and keeps a 
 kernel and where each argument comes from — an input (or a view of it, rebuilt with ``as_strided``), a
 cached placeholder, or a fresh output. The next call with that signature runs only the op's data checks
 (index ranges: values, not shapes; on the CPU the kernels check those themselves) and the launches. The last
-few recipes are tried first by their guards
-(torch's C++ tensor check, without building the signature), and each recipe runs as one generated
-straight-line function (torch_ops/_recipe_code.py).
+few recipes are tried first by their guards (torch's C++ tensor check, without building the signature); each
+recipe's guard, context check and launches run as one generated straight-line function
+(torch_ops/_recipe_code.py).
 
 An op qualifies when its implementation touches memory only through kernels (no torch writes beside them)
 and its kernels take tensors only. A signature whose launches read a temporary gets no recipe and keeps the
@@ -33,7 +33,7 @@ from ..runtime.cache import FAST_TTL_S, KERNEL_ENV_VARS
 from ..runtime.cudasim import current as sim_config
 from ..runtime.target import cudasim_active, webgpu_active
 from . import _dlpack
-from ._recipe_code import compile_guard, compile_recipe
+from ._recipe_code import MISS, compile_recipe, compile_serve
 
 _SLOW = object()  # a signature whose launches read a temporary: no recipe
 _AMBIGUOUS = object()  # a launch argument inside two inputs (they share memory in this call): not kept
@@ -129,13 +129,13 @@ class _Recipe:
     """Launches (kernel, argument sources), fresh outputs (numel, dtype, device), the result's source(s);
     served under ``context`` until ``expires`` (then the op runs in full once more: the kernel cache's own
     re-resolution interval, so tuning records written meanwhile are picked up)."""
-    __slots__ = ("context", "expires", "launches", "outputs", "result", "guard", "run", "on_host")
+    __slots__ = ("context", "expires", "launches", "outputs", "result", "serve", "run", "on_host")
 
     def __init__(self, context, launches, outputs, result, inputs):
         self.context, self.launches, self.outputs, self.result = context, launches, outputs, result
         self.on_host = all(kernel.on_host for kernel, _ in launches)  # every kernel checks its own values
         self.expires = time.monotonic() + FAST_TTL_S
-        self.guard: Optional[Callable] = None  # guard(tensors, flags): this signature? (compile_guard)
+        self.serve: Optional[Callable] = None  # serve(tensors, flags, args): guarded run (compile_serve)
         self.run = compile_recipe(launches, outputs, result, inputs, _build)  # run(inputs) -> result
 
     def serves(self) -> bool:
@@ -217,9 +217,10 @@ class FastPath:
 
     def call(self, tensors: Sequence[Optional[torch.Tensor]], flags: tuple, *args):
         if _dlpack.modes_allow_direct():
-            recipe = self._guarded(tensors, flags)
-            if recipe is not None:
-                return self._serve(recipe, tensors, args)
+            for recipe in self._hot:
+                result = recipe.serve(tensors, flags, args)
+                if result is not MISS:
+                    return result
         if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
             return self.full(*args)  # the full path names the argument that is no tensor
         sig = signature(tensors, flags)
@@ -249,20 +250,9 @@ class FastPath:
             self.checks(*args)
             raise
 
-    def _guarded(self, tensors, flags) -> Optional[_Recipe]:
-        """The serving recipe among the last ones whose guard passes this call, or None (the signature path
-        decides; also when a guard cannot read an argument: the full path names what is wrong with it)."""
-        try:
-            for recipe in self._hot:
-                if recipe.guard(tensors, flags):
-                    return recipe if recipe.serves() else None
-        except Exception:  # noqa: BLE001
-            pass
-        return None
-
     def _promote(self, recipe: _Recipe) -> None:
         """Put ``recipe`` first among the guarded ones (a new tuple: readers in other threads see either)."""
-        if recipe.guard is not None and (not self._hot or self._hot[0] is not recipe):
+        if recipe.serve is not None and (not self._hot or self._hot[0] is not recipe):
             self._hot = (recipe,) + tuple(r for r in self._hot if r is not recipe)[:_HOT - 1]
 
     def _watch(self, sig, tensors, flags, args):
@@ -280,7 +270,8 @@ class FastPath:
         if made is _AMBIGUOUS:
             return result
         if made is not None:
-            made.guard = compile_guard(tensors, flags)
+            made.serve = compile_serve(made.run, tensors, flags, made.context, made.expires, context, self.checks,
+                                       checks_first=not (self.host_checks and made.on_host))
         with self._lock:
             if len(self._recipes) >= _MAX_ENTRIES:
                 self._recipes.clear()

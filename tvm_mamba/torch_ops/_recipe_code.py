@@ -19,6 +19,7 @@ resized in place since has moved it. The tuple is replaced whole, so a thread re
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
@@ -154,18 +155,28 @@ def compile_recipe(launches, outputs, result, inputs, build: Callable) -> Callab
     source = "\n".join(head + w.lines + tail) + "\n"
     exec(compile(source, "<tvm_mamba recipe>", "exec"), w.env)  # noqa: S102 - our own straight-line code
     run = w.env["run"]
-    run.source = source
+    run.source, run.body, run.env = source, head[2:] + w.lines + tail, w.env  # body: after the inputs' unpacking
     return run
 
 
-def compile_guard(tensors, flags) -> Optional[Callable]:
-    """``guard(tensors, flags) -> bool``: whether a call has the signature (torch_ops/_fastpath.signature) of
-    this one, without building it. Torch's C++ tensor guard (``TensorGuards``: what dynamo checks before
-    it reuses a compiled frame — Python type, dispatch keys, where functorch wrappers and inference tensors
-    differ, dtype, device, requires_grad, sizes, strides) over the tensors present, plus the positions of
-    the Nones, each address modulo 64, the flags and, when a tensor requires grad, grad mode off. About
-    2 us for ten tensors where the signature and its dict lookup take ~10. None without TensorGuards (or
-    with a torch whose guard API changed): the signature path then serves alone."""
+MISS = object()  # what serve() returns for a call it does not stand for
+
+
+def compile_serve(run: Callable, tensors, flags, context: tuple, expires: float, context_now: Callable,
+                  checks: Optional[Callable], checks_first: bool) -> Optional[Callable]:
+    """``serve(tensors, flags, args) -> result``, or MISS when the call is not of this recipe's signature
+    (torch_ops/_fastpath.signature) or the recipe no longer serves: the guard, the recipe's context and expiry,
+    the value checks and ``run``'s body, one function (a decode call's Python, run after a kernel that
+    streamed megabytes of state, costs per distinct function it enters as much as per line).
+
+    The guard is torch's C++ tensor check (``TensorGuards``: what dynamo checks before it reuses a compiled
+    frame — Python type, dispatch keys, where functorch wrappers and inference tensors differ, dtype, device,
+    requires_grad, sizes, strides) over the tensors present, plus the positions of the Nones, each address
+    modulo 64, the flags and, when a tensor requires grad, grad mode off; an argument it cannot read is a
+    MISS (the full path names it). ``checks(*args)`` runs before the launches when ``checks_first``, else only
+    after a kernel raised ValueError (kernels that check the values themselves: the checks then name the
+    value). None without TensorGuards (or with a torch whose guard API changed): the signature path then
+    serves alone."""
     present = [i for i, t in enumerate(tensors) if t is not None]
     if _TensorGuards is None or not present:
         return None
@@ -175,13 +186,28 @@ def compile_guard(tensors, flags) -> Optional[Callable]:
                               dynamic_dims_strides=[list(t.stride()) for t in ts]).check
     except Exception:  # noqa: BLE001 - see above
         return None
-    env = {"_check": check, "_flags": flags, "_grad": torch.is_grad_enabled}
-    absent = "".join(f" or t[{i}] is not None" for i, t in enumerate(tensors) if t is None)
+    env = dict(run.env, _check=check, _flags=flags, _grad=torch.is_grad_enabled, _MISS=MISS, _context=context_now,
+               _ctx=context, _expires=expires, _monotonic=time.monotonic, _checks=checks)
+    absent = "".join(f" or i{i} is not None" for i, t in enumerate(tensors) if t is None)
     grad = " or _grad()" if any(t.requires_grad for t in ts) else ""
-    names = ", ".join(f"t{i}" for i in present)
-    aligned = "".join(f" and t{i}.data_ptr() & 63 == {tensors[i].data_ptr() & 63}" for i in present)
-    source = (f"def guard(t, flags):\n    if flags != _flags{absent}{grad}:\n        return False\n"
-              f"    {names}, = {', '.join(f't[{i}]' for i in present)},\n"
-              f"    return _check({names}){aligned}\n")
-    exec(compile(source, "<tvm_mamba guard>", "exec"), env)  # noqa: S102 - our own straight-line code
-    return env["guard"]
+    zero = [i for i in present if tensors[i].data_ptr() & 63 == 0]  # the usual case: one test for all of them
+    aligned = (f" and ({' | '.join(f'i{i}.data_ptr()' for i in zero)}) & 63 == 0" if zero else "") + "".join(
+        f" and i{i}.data_ptr() & 63 == {tensors[i].data_ptr() & 63}" for i in present if i not in zero)
+    lines = ["def serve(inputs, flags, args):", "    try:",
+             f"        {''.join(f'i{j}, ' for j in range(len(tensors)))}= inputs",
+             f"        if flags != _flags{absent}{grad} or not (_check({', '.join(f'i{i}' for i in present)}){aligned}):",
+             "            return _MISS", "    except Exception:", "        return _MISS",
+             "    if _monotonic() >= _expires or _context() != _ctx:", "        return _MISS"]
+    if checks is None:
+        lines += run.body
+    elif checks_first:
+        lines += ["    _checks(*args)"] + run.body
+    else:
+        lines += ["    try:"] + ["    " + line for line in run.body] + \
+            ["    except ValueError:  # a kernel refused a value (nothing written): the checks name it",
+             "        _checks(*args)", "        raise"]
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<tvm_mamba serve>", "exec"), env)  # noqa: S102 - our own straight-line code
+    serve = env["serve"]
+    serve.source = source
+    return serve
