@@ -198,3 +198,44 @@ def test_conv_update_sliding_window_of_speculative_and_packed_steps(form, dtype,
         torch.testing.assert_close(pool[slot, :, :span].double(), want, **tol)
         assert torch.equal(pool[slot, :, span:], pool0[slot, :, span:])
     assert torch.equal(pool[[0, 1, 3]], pool0[[0, 1, 3]])
+
+
+@pytest.mark.parametrize("layout", ["heads", "tied", "mamba1"])
+def test_decode_out_is_written_by_the_kernel_or_copied_when_it_cannot_be(layout):
+    """vLLM's decode call with 1-D slots and ``out``: the kernel writes ``out`` itself (no output allocated,
+    a repeated call's recipe takes ``out`` as an input), bitwise the mamba_ssm form's result; an ``out`` that is
+    strided or shares memory with an input (here x itself) gets the result copied instead, same values."""
+    from tvm_mamba.torch_ops import selective_scan as scan_ops
+
+    inp = _inputs(3, seed=4)
+    if layout == "tied":
+        inp.update(dt=inp["dt"][:, :, :1].expand(3, H, P), A=inp["A"][:, :1, :1].expand(H, P, N),
+                   D=inp["D"][:, :1].expand(H, P), dt_bias=inp["dt_bias"][:, :1].expand(H, P))
+    if layout == "mamba1":
+        dim = H * P
+        inp = dict(state=inp["state"].reshape(POOL, dim, N), x=inp["x"].reshape(3, dim), dt=inp["dt"].reshape(3, dim),
+                   A=inp["A"].reshape(dim, N), B=inp["B"][:, 0], C=inp["C"][:, 0], D=inp["D"].reshape(dim),
+                   z=inp["z"].reshape(3, dim), dt_bias=inp["dt_bias"].reshape(dim))
+    idx = torch.tensor([5, 0, 2], dtype=torch.int32)  # row 1: the null block
+    pool0 = inp["state"].clone()
+    want = tvm_mamba.selective_state_update(pool0.clone(), *(inp[k] for k in ("x", "dt", "A", "B", "C", "D", "z",
+                                                                                "dt_bias")),
+                                            dt_softplus=True, state_batch_indices=torch.tensor([5, -1, 2]))
+    scan_ops._SSU_FAST.clear()
+    for _ in range(3):
+        inp["state"].copy_(pool0)
+        out = torch.full_like(inp["x"], float("nan"))
+        assert _call(inp, state_batch_indices=idx, out=out) is out
+        assert torch.equal(out, want)
+    (recipe,) = scan_ops._SSU_FAST._hot
+    assert recipe.outputs == () and recipe.result == ("id", 10)  # the kernel wrote out: nothing allocated for it
+    for out in (torch.full((3, 2 * out.numel() // 3), float("nan"))[:, ::2].view(out.shape), inp["x"].clone()):
+        inp["state"].copy_(pool0)
+        if out.is_contiguous():  # out is x: the kernel must not write what it reads
+            inp["x"], x = out, out.clone()
+            got = _call(inp, state_batch_indices=idx, out=out)
+            inp["x"] = x
+        else:
+            got = _call(inp, state_batch_indices=idx, out=out)
+        assert got is out and torch.equal(out, want)
+    scan_ops._SSU_FAST.clear()

@@ -231,6 +231,12 @@ def check_size(name: str, numel: int) -> None:
                          f"may have at most 2**31 - 1 = {MAX_ELEMENTS} elements")
 
 
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (may overlap: a kernel writing one must not read the
+    other)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def check_no_overlap(name: str, t: torch.Tensor) -> None:
     """ValueError for a tensor updated in place whose elements share memory (a stride-0 / expanded view):
     checked before any kernel runs, so a refused call leaves it untouched."""

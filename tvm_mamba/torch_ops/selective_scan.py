@@ -30,8 +30,9 @@ from ..compute.selective_scan.dims import (WEBGPU_BLOCK, WEBGPU_PRIVATE_FLOATS, 
 from ..runtime.target import device_target_key
 from ..compute.selective_scan.dims import bwd_workspace
 from ._selective_scan_complex import complex_scan
-from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
-                      prepare, prepare_pool, run_op, slot_stats, tvm_dtype)
+from ._dlpack import (ALIGN, FLOATS, check_no_overlap, check_shape, check_tensor, dummy, eager_direct,
+                      kernel_device_type, kernel_for, prepare, prepare_pool, run_op, shares_storage, slot_stats,
+                      tvm_dtype)
 from ._fastpath import FastPath
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
@@ -257,13 +258,23 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     dt (batch, nheads), D, dt_bias (nheads,). Mamba-1 form (the kernel's ``mamba1_layout``), chosen by a 2-D
     x: state (nstate, dim, dstate); x, dt, z: (batch, dim); A: (dim, dstate); B, C: (batch, dstate);
     D, dt_bias: (dim,)."""
-    m1, tie, acc = x.dim() == 2, A.dim() == 1, acc_of(x)
     if state_batch_indices is not None:
         _check_slots(state_batch_indices, state.shape[0])
-    xk, st = prepare(x), prepare_pool(state, True)  # the pool itself when its slots are compact
-    out = torch.empty_like(xk)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out)
+    return out
+
+
+def launch_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                  z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
+                  state_batch_indices: Optional[Tensor], out: Tensor) -> None:
+    """The decode-step kernel on :func:`selective_state_update_op`'s tensors (slots checked by the caller),
+    writing ``out`` (x's shape and dtype, compact, 64-byte aligned): the op's body, and what a caller that owns
+    ``out`` (vLLM's form) runs in eager mode instead of the op and a copy."""
+    m1, tie, acc = x.dim() == 2, A.dim() == 1, acc_of(x)
     if x.numel() == 0:
-        return out
+        return
+    xk, st = prepare(x), prepare_pool(state, True)  # the pool itself when its slots are compact
     Bk, Ck = prepare(B), prepare(C)
     dims = _update_dims(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
     kern = kernel_for(OP, "update", x.device, dims)
@@ -279,7 +290,6 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
          out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
         state.copy_(st)
-    return out
 
 
 @selective_state_update_op.register_fake
@@ -479,19 +489,40 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
     dt' = softplus?(dt + dt_bias); state = exp(dt' A) state + dt' B x; out = (C . state + D x) * silu(z).
     """
-    return _SSU_FAST.call((state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices), (bool(dt_softplus),),
+    return _SSU_FAST.call((state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, None), (bool(dt_softplus),),
                           state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
 
 
-def _ssu_values(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices):
+def _ssu_values(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out=None):
     if state_batch_indices is not None:
         _check_slots(state_batch_indices, state.shape[0])
 
 
+def _run_update(out: Optional[Tensor], *args) -> Tensor:
+    """selective_state_update_op(*args), its result in ``out`` when given: the kernel writes ``out`` itself
+    in eager mode when it is compact, aligned and apart from every input (a server's preallocated output),
+    else the op's result is copied there."""
+    if out is None:
+        return run_op(selective_state_update_op, *args)
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if eager_direct(out, *tensors) and out.is_contiguous() and not out.data_ptr() % ALIGN and \
+            not any(shares_storage(out, t) for t in tensors):
+        if args[-1] is not None:
+            _check_slots(args[-1], args[0].shape[0])
+        launch_update(*args, out)
+    else:
+        out.copy_(run_op(selective_state_update_op, *args))
+    return out
+
+
 def _selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                            state_batch_indices=None):
-    """The full path of :func:`selective_state_update`: checks, layout, kernel key, launch."""
+                            state_batch_indices=None, out=None):
+    """The full path of :func:`selective_state_update`: checks, layout, kernel key, launch; ``out`` (vLLM's
+    form, torch_ops/serving.py): x's shape, dtype and device, written and returned."""
     check_tensor("x", x, dtypes=FLOATS + (torch.float64,))
+    if out is not None:
+        check_tensor("out", out, dtypes=(x.dtype,), device=x.device)
+        check_shape("out", out, tuple(x.shape))
     acc = acc_of(x)
     if x.dim() not in (2, 3):
         raise ValueError(f"x: expected (batch, dim) or (batch, nheads, headdim), got shape {tuple(x.shape)}")
@@ -511,17 +542,24 @@ def _selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     A = A.to(acc)
     D, dt_bias = (v.to(acc) if v is not None else None for v in (D, dt_bias))
     if not heads and B.dim() == 2 and C.dim() == 2:  # Mamba-1's own layout: the kernel takes it as it is
-        return run_op(selective_state_update_op, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                      state_batch_indices)
+        return _run_update(out, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), state_batch_indices)
     if not heads:  # grouped B / C: the head layout with nheads = dim, headdim = 1
         B3 = B if B.dim() == 3 else B.unsqueeze(1)
         C3 = C if C.dim() == 3 else C.unsqueeze(1)
         u = lambda t: t.unsqueeze(-1) if t is not None else None  # noqa: E731
-        out = run_op(selective_state_update_op, state.unsqueeze(2), u(x), u(dt), A.unsqueeze(1), B3, C3, u(D), u(z),
-                     u(dt_bias), bool(dt_softplus), state_batch_indices)
-        return out.squeeze(-1)
-    return run_op(selective_state_update_op, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                  state_batch_indices)
+        y = _run_update(u(out), state.unsqueeze(2), u(x), u(dt), A.unsqueeze(1), B3, C3, u(D), u(z), u(dt_bias),
+                        bool(dt_softplus), state_batch_indices)
+        return y.squeeze(-1) if out is None else out
+    return _run_update(out, state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), state_batch_indices)
 
 
 _SSU_FAST = FastPath(_selective_state_update, _ssu_values, copies=True, host_checks=True)
+
+
+def selective_state_update_into(out, state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                                state_batch_indices=None):
+    """:func:`selective_state_update` writing ``out`` (x's shape, dtype and device; vLLM's form): in eager mode
+    the kernel writes it directly (no output allocated, nothing copied), and a repeated call runs its
+    prepared launch as the mamba_ssm form does. Returns ``out``."""
+    return _SSU_FAST.call((state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out), (bool(dt_softplus),),
+                          state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .causal_conv1d import causal_conv1d_fn as _conv_fn, causal_conv1d_update as _conv_update
-from .selective_scan import selective_state_update as _ssu
+from .selective_scan import selective_state_update as _ssu, selective_state_update_into as _ssu_into
 
 NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID
 
@@ -93,7 +93,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         if _one_per_row(state_batch_indices, x.shape[0]) and (dst_state_batch_indices is None or
                                                                dst_state_batch_indices is state_batch_indices):
             idx = _kernel_slots(state_batch_indices, null_block_id)  # a decode step's usual call: no views
-            return _write_out(out, _ssu(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices=idx), x)
+            if out is None:
+                return _ssu(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices=idx)
+            return _ssu_into(out, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx)  # the kernel writes out
         src = _slots("state_batch_indices", state_batch_indices, x.shape[0])
         dst = _slots("dst_state_batch_indices", dst_state_batch_indices, x.shape[0])
         if src is None:
