@@ -239,3 +239,30 @@ def test_decode_out_is_written_by_the_kernel_or_copied_when_it_cannot_be(layout)
             got = _call(inp, state_batch_indices=idx, out=out)
         assert got is out and torch.equal(out, want)
     scan_ops._SSU_FAST.clear()
+
+
+def test_conv_decode_over_x_is_written_by_the_kernel_or_copied_when_it_cannot_be():
+    """vLLM's conv step with 1-D slots and no ``out``: the kernel writes the result over x itself (a
+    repeated call's recipe allocates nothing and returns x), bitwise the mamba form's result; a strided x
+    (a row slice of a projection's output) gets the result copied over it instead, same values."""
+    from tvm_mamba.torch_ops import causal_conv1d as conv_ops
+
+    g = torch.Generator().manual_seed(5)
+    D, W = 24, 4
+    state0, w, b = torch.randn(POOL, D, W - 1, generator=g), torch.randn(D, W, generator=g), torch.randn(D, generator=g)
+    idx = torch.tensor([6, 0, 3], dtype=torch.int32)  # row 1: the null block
+    x0 = torch.randn(3, D, generator=g)
+    want_state = state0.clone()
+    want = tvm_mamba.causal_conv1d_update(x0, want_state, w, b, "silu", None, torch.tensor([6, -1, 3]).int())
+    conv_ops._UPDATE_FAST.clear()
+    for _ in range(3):
+        x, state = x0.clone(), state0.clone()
+        assert serving.causal_conv1d_update(x, state, w, b, "silu", idx) is x
+        assert torch.equal(x, want) and torch.equal(state, want_state)
+    (recipe,) = conv_ops._UPDATE_FAST._hot
+    assert recipe.outputs == () and recipe.result == ("id", 0)
+    wide = torch.cat([x0, torch.randn(3, 8, generator=g)], dim=1)
+    x, state = wide[:, :D], state0.clone()
+    assert serving.causal_conv1d_update(x, state, w, b, "silu", idx) is x
+    assert torch.equal(x, want) and torch.equal(state, want_state)
+    conv_ops._UPDATE_FAST.clear()

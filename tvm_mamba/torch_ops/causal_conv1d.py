@@ -20,8 +20,8 @@ from torch import Tensor
 from ..compute.causal_conv1d.dims import (CausalConv1dBwd, CausalConv1dFwd, CausalConv1dUpdate,
                                            CausalConv1dVarlenStates)
 from ._fastpath import FastPath
-from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, kernel_for, prepare,
-                      prepare_pool, run_op, slot_stats, tvm_dtype)
+from ._dlpack import (ALIGN, FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, eager_direct,
+                      kernel_for, prepare, prepare_pool, run_op, shares_storage, slot_stats, tvm_dtype)
 
 OP = "causal_conv1d"
 
@@ -158,21 +158,29 @@ def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias:
     """x: (batch, dim, seqlen) or (batch, dim) (one token: out in that form, no view made);
     conv_state: (batch or pool, dim, state_len), updated in place -> out."""
     _check_update_values(conv_state, cache_seqlens, conv_state_indices)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch_update(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices, out)
+    return out
+
+
+def launch_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor], silu: bool,
+                  cache_seqlens: Optional[Tensor], conv_state_indices: Optional[Tensor], out: Optional[Tensor]) -> None:
+    """The decode-step kernel on :func:`causal_conv1d_update_op`'s tensors (values checked by the caller),
+    writing ``out`` (x's shape, compact), or x itself when ``out`` is None (in place, vLLM's convention: x
+    (batch, dim), compact, 64-byte aligned, apart from the other tensors; the caller checked)."""
     batch, dim, seqlen = x.shape if x.dim() == 3 else (*x.shape, 1)
-    xk, weight = prepare(x), prepare(weight)
-    out = torch.empty_like(xk)
     if batch * dim == 0 or seqlen == 0:
-        return out
+        return
+    xk, weight = (x, prepare(weight)) if out is None else (prepare(x), prepare(weight))
     state = prepare_pool(conv_state, False)  # conv_state itself unless its elements overlap or it is unaligned
     dims = CausalConv1dUpdate.cached(dim, weight.shape[1], state.shape[2], "silu" if silu else "none",
                                      bias is not None, conv_state_indices is not None, cache_seqlens is not None,
-                                     tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state), x.dim() == 2)
+                                     tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state), x.dim() == 2, out is None)
     kern = kernel_for(OP, "update", x.device, dims, batch=batch, seqlen=seqlen)
     kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), _opt(conv_state_indices, x, torch.int32, 1),
-         _opt(cache_seqlens, x, torch.int32, 1), out)
+         _opt(cache_seqlens, x, torch.int32, 1), out if out is not None else _opt(None, x, x.dtype, 2))
     if state is not conv_state:  # a strided or unaligned conv_state: the kernel updated a compact copy
         conv_state.copy_(state)
-    return out
 
 
 @causal_conv1d_update_op.register_fake
@@ -302,19 +310,28 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     (pool, dim, state_len) (continuous batching); a negative index marks a padding row: its out is 0 and
     no slot is touched. A slot >= pool, a slot named twice or a negative cache_seqlens is a ValueError
     before the kernel runs. A call with the same shapes, strides, dtypes and flags as an earlier one runs
-    the launch prepared then (torch_ops/_fastpath.py): only the index values are checked again.
+    the launch prepared then (torch_ops/_fastpath.py; on the CPU the kernel checks the index values itself).
     """
-    return _UPDATE_FAST.call((x, conv_state, weight, bias, cache_seqlens, conv_state_indices), (activation,),
+    return _UPDATE_FAST.call((x, conv_state, weight, bias, cache_seqlens, conv_state_indices), (activation, False),
                              x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
-def _update_values(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
+def causal_conv1d_update_into_x(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None):
+    """:func:`causal_conv1d_update` with the result written over x and x returned (vLLM's convention): for a
+    one-token x (batch, dim), compact and aligned, in eager mode, the kernel writes it in place (nothing
+    allocated, nothing copied); otherwise the result is copied there."""
+    return _UPDATE_FAST.call((x, conv_state, weight, bias, None, conv_state_indices), (activation, True),
+                             x, conv_state, weight, bias, activation, None, conv_state_indices, True)
+
+
+def _update_values(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices, into_x=False):
     _check_update_values(conv_state, cache_seqlens, conv_state_indices)
 
 
 def _causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
-                          conv_state_indices=None):
-    """The full path of :func:`causal_conv1d_update`: checks, kernel key, launch."""
+                          conv_state_indices=None, into_x=False):
+    """The full path of :func:`causal_conv1d_update` (``into_x``: of :func:`causal_conv1d_update_into_x`):
+    checks, kernel key, launch."""
     check_tensor("x", x, dtypes=FLOATS)
     if x.dim() not in (2, 3):
         raise ValueError(f"x: expected (batch, dim) or (batch, dim, seqlen), got shape {tuple(x.shape)}")
@@ -322,7 +339,17 @@ def _causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cac
     silu = _activation(activation)
     _check_weight_bias(weight, bias, x, x3.shape[1])
     _check_update_args(x3, conv_state, weight, cache_seqlens, conv_state_indices)
-    return run_op(causal_conv1d_update_op, x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
+    args = (x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
+    if not into_x:
+        return run_op(causal_conv1d_update_op, *args)
+    others = [t for t in args[1:] if isinstance(t, Tensor)]
+    if x.dim() == 2 and eager_direct(x, *others) and x.is_contiguous() and not x.data_ptr() % ALIGN and \
+            not any(shares_storage(x, t) for t in others):
+        _check_update_values(conv_state, cache_seqlens, conv_state_indices)
+        launch_update(*args, None)
+    else:
+        x.copy_(run_op(causal_conv1d_update_op, *args))
+    return x
 
 
 def causal_conv1d_varlen_states(x, cu_seqlens, state_len):

@@ -485,7 +485,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     float32 and the new state is rounded once per step. float64 x needs every tensor float64.
 
     A call with the same shapes, strides, dtypes and flags as an earlier one runs the launch prepared then
-    (torch_ops/_fastpath.py): only the index values are checked again.
+    (torch_ops/_fastpath.py; on the CPU the kernel checks the index values itself).
 
     dt' = softplus?(dt + dt_bias); state = exp(dt' A) state + dt' B x; out = (C . state + D x) * silu(z).
     """

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .causal_conv1d import causal_conv1d_fn as _conv_fn, causal_conv1d_update as _conv_update
+from .causal_conv1d import (causal_conv1d_fn as _conv_fn, causal_conv1d_update as _conv_update,
+                            causal_conv1d_update_into_x as _conv_update_into_x)
 from .selective_scan import selective_state_update as _ssu, selective_state_update_into as _ssu_into
 
 NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID
@@ -205,9 +206,10 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
         return _write_out(x if out is None else out, result, x)
     if _one_per_row(conv_state_indices, x.shape[0]) and initial_state_idx is None and \
             block_idx_last_scheduled_token is None:  # a decode step's usual call: the slots as they are
-        result = _conv_update(x, conv_state, weight, bias, activation, None,
-                              _kernel_slots(conv_state_indices, null_block_id))
-        return _write_out(x if out is None else out, result, x)
+        idx = _kernel_slots(conv_state_indices, null_block_id)
+        if out is None:  # vLLM's convention: the result over x (the kernel writes it there)
+            return _conv_update_into_x(x, conv_state, weight, bias, activation, idx)
+        return _write_out(out, _conv_update(x, conv_state, weight, bias, activation, None, idx), x)
     idx = _slots("conv_state_indices", conv_state_indices, x.shape[0])
     if idx is not None:
         def pick(name, pointer):  # each row's block at ``pointer`` (per row), or its first one

@@ -185,8 +185,8 @@ def causal_conv1d_update(*dims, **fields) -> tirx.PrimFunc:
 def build_check_configs() -> list[tuple[str, dict, dict]]:
     """(direction, static dims, dtypes) built by ``python -m tvm_mamba build-check`` for CUDA.
     d_inner 1536 is Mamba-130M's; width 4 is every released Mamba's, 8 the widest supported. The decode
-    step as a model's step and a server's call it (one token, (batch, dim) x) and with a circular state and
-    several tokens."""
+    step as a model's step and a server's call it (one token, (batch, dim) x; vLLM's, written over x) and
+    with a circular state and several tokens."""
     dims = []
     for x_dtype in ("float32", "bfloat16"):
         base = dict(dim=1536, activation="silu", has_bias=True, x_dtype=x_dtype)
@@ -196,6 +196,8 @@ def build_check_configs() -> list[tuple[str, dict, dict]]:
                  CausalConv1dBwd(**base, width=4, has_seq_idx=True, has_init=True, has_dfinal=True),
                  CausalConv1dUpdate(**base, width=4, state_len=3, state_dtype=x_dtype, x_2d=True),
                  CausalConv1dUpdate(**base, width=4, state_len=3, has_indices=True, state_dtype=x_dtype, x_2d=True),
+                 CausalConv1dUpdate(**base, width=4, state_len=3, has_indices=True, state_dtype=x_dtype, x_2d=True,
+                                    in_place=True),
                  CausalConv1dUpdate(**base, width=4, state_len=6, has_indices=True, has_cache_seqlens=True,
                                     state_dtype=x_dtype),
                  CausalConv1dVarlenStates(dim=1536, state_len=3, x_dtype=x_dtype)]

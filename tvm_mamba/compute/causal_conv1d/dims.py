@@ -68,7 +68,9 @@ class CausalConv1dUpdate(Dims):
     """Decode step: conv_state (pool, dim, state_len), state_len >= width-1; has_indices: a
     conv_state_indices (batch,) maps rows to pool slots; has_cache_seqlens: a circular state buffer;
     x_2d: x and out are (batch, dim), one token without its seqlen axis (the form a server's decode step
-    passes: the kernel takes it as it comes, where a (batch, dim, 1) view would cost each call a tensor)."""
+    passes: the kernel takes it as it comes, where a (batch, dim, 1) view would cost each call a tensor);
+    in_place (with x_2d): the result is written over x (vLLM's convention), each row's token read before it
+    is overwritten; the out argument is then a (1, 1) placeholder."""
 
     dim: int
     width: int
@@ -81,9 +83,12 @@ class CausalConv1dUpdate(Dims):
     weight_dtype: str = "float32"
     state_dtype: str = "float32"
     x_2d: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    in_place: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self):
         _check(self.dim, self.width, self.activation)
+        if self.in_place and not self.x_2d:
+            raise ValueError("in_place: the result is written over x only for one token a row (x_2d)")
         if self.state_len < self.width - 1:
             raise ValueError(f"conv_state: state length must be >= width-1 = {self.width - 1}, got {self.state_len}")
         for name, dt in (("x", self.x_dtype), ("weight", self.weight_dtype), ("conv_state", self.state_dtype)):

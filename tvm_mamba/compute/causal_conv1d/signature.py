@@ -43,10 +43,13 @@ def conv_kernel(d: CausalConv1dFwd | CausalConv1dBwd | CausalConv1dUpdate, body)
             cseq = T.match_buffer(h[5], _opt(d.has_cache_seqlens, (B,)), "int32")
             if x_2d:  # (batch, dim) in and out: the body reads them as (batch, dim, 1), the same memory
                 x2 = T.match_buffer(h[0], (B, D), XT)
-                out2 = T.match_buffer(h[6], (B, D), XT)
+                out2 = T.match_buffer(h[6], (1, 1) if d.in_place else (B, D), XT)  # in place: a placeholder
                 x = T.decl_buffer((B, D, 1), XT, data=x2.data)
-                out = T.decl_buffer((B, D, 1), XT, data=out2.data)
-                body(x, state, weight, bias, idx, cseq, out, B, 1)
+                if d.in_place:  # out is x itself: one buffer (two views of one pointer would be two kernel
+                    body(x, state, weight, bias, idx, cseq, x, B, 1)  # parameters, each __restrict__)
+                else:
+                    out = T.decl_buffer((B, D, 1), XT, data=out2.data)
+                    body(x, state, weight, bias, idx, cseq, out, B, 1)
             else:
                 x = T.match_buffer(h[0], (B, D, L), XT)
                 out = T.match_buffer(h[6], (B, D, L), XT)

@@ -10,7 +10,8 @@ Per row b, channel c, with slot = conv_state_indices[b] (or b) and S = state_len
     linear state:   conv_state[slot, c, :] <- [conv_state[slot, c, :] | x[b, c, :]][-S:]
     circular state: conv_state[slot, c, (base + i) mod S] <- x[b, c, i], i ascending (a later token wins)
 
-A row whose slot is negative is padding: its out is 0 and no slot is touched. conv_state is a pool
+A row whose slot is negative is padding: its out is 0 and no slot is touched. ``in_place`` (one token a row):
+out is x itself, written after the row's state update has read the token (vLLM's decode step). conv_state is a pool
 (pool, dim, S) of any strides (a server's pages: slots apart, vLLM's (S, dim) storage transposed) updated in
 place: each row reads its window before it writes, and a slot belongs to one
 row (the torch op refuses duplicate slots), so the in-place update is race-free on every target.
@@ -36,6 +37,7 @@ def update_template(d: CausalConv1dUpdate, strategy: Strategy) -> tirx.PrimFunc:
     G = strategy  # (S is the state length here)
     # plain names: TVMScript folds these Python values into the kernel's static branches
     activation, has_bias, has_indices, has_cache_seqlens = d.activation, d.has_bias, d.has_indices, d.has_cache_seqlens
+    in_place = d.in_place
     x_dtype, state_dtype = d.x_dtype, d.state_dtype
     SCOPE, serial_work = G.scope, G.serial_work
 
@@ -60,7 +62,8 @@ def update_template(d: CausalConv1dUpdate, strategy: Strategy) -> tirx.PrimFunc:
                         t + k < W - 1,
                         state[slot, c, T.floormod(base + S - (W - 1) + T.min(t + k, W - 2), S)].astype(F32),
                         x[b, c, T.max(t + k - (W - 1), 0)].astype(F32))
-                out[b, c, t] = act(acc[0]).astype(x_dtype)
+                if not in_place:
+                    out[b, c, t] = act(acc[0]).astype(x_dtype)
             if has_cache_seqlens:
                 for i in range(L):
                     state[slot, c, T.floormod(base + i, S)] = x[b, c, i].astype(state_dtype)
@@ -68,6 +71,8 @@ def update_template(d: CausalConv1dUpdate, strategy: Strategy) -> tirx.PrimFunc:
                 for j in range(S):
                     state[slot, c, j] = T.if_then_else(j + L < S, state[slot, c, T.min(j + L, S - 1)],
                                                        x[b, c, T.max(j + L - S, 0)].astype(state_dtype))
+            if in_place:  # out is x (one token): written over the token only after the state took it
+                out[b, c, 0] = act(acc[0]).astype(x_dtype)
 
     @T.macro
     def rows(x, state, weight, bias, idx, cseq, out, B, L):

@@ -122,11 +122,12 @@ def _check_bwd(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> N
 
 def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -> None:
     """A single-token step ((batch, dim) x) under ``x_2d``, else a 1-token and a 3-token step ((batch, dim,
-    seqlen) x); out and the in-place conv_state. With
+    seqlen) x); out and the in-place conv_state (``in_place``: vLLM's call, out written over x). With
     has_indices the state is a pool of BATCH + 3 slots and one row is padding (index -1); with
     has_cache_seqlens it is a circular buffer (one row's position wraps past state_len)."""
     import tvm_mamba
     from ...reference.causal_conv1d import causal_conv1d_update_ref
+    from ...torch_ops.causal_conv1d import causal_conv1d_update_into_x
 
     xdt, wdt, sdt = DTYPES[dtypes["x"]], DTYPES[dtypes["weight"]], DTYPES[dtypes["state"]]
     dim, width, state_len = static["dim"], static["width"], static["state_len"]
@@ -141,8 +142,11 @@ def _check_update(static: dict, dtypes: dict, arch: str, gen: torch.Generator) -
         x = torch.randn(shape, generator=gen).to(xdt)
         before = state.clone()
         with recording() as keys, target(arch):
-            out = tvm_mamba.causal_conv1d_update(x, state, weight, bias, activation=_activation(static),
-                                                 cache_seqlens=cs, conv_state_indices=idx)
+            if static.get("in_place"):
+                out = causal_conv1d_update_into_x(x.clone(), state, weight, bias, _activation(static), idx)
+            else:
+                out = tvm_mamba.causal_conv1d_update(x, state, weight, bias, activation=_activation(static),
+                                                     cache_seqlens=cs, conv_state_indices=idx)
         ran(keys, OP, "update", static, dtypes)
         ref, ref_state = causal_conv1d_update_ref(x.double(), before.double(), weight.double(),
                                                   bias.double() if bias is not None else None,
