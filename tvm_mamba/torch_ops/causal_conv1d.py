@@ -158,7 +158,7 @@ def causal_conv1d_update_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias:
     """x: (batch, dim, seqlen) or (batch, dim) (one token: out in that form, no view made);
     conv_state: (batch or pool, dim, state_len), updated in place -> out."""
     _check_update_values(conv_state, cache_seqlens, conv_state_indices)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     launch_update(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices, out)
     return out
 

@@ -260,7 +260,7 @@ def selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B
     D, dt_bias: (dim,)."""
     if state_batch_indices is not None:
         _check_slots(state_batch_indices, state.shape[0])
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     launch_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, out)
     return out
 
@@ -284,8 +284,9 @@ def launch_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C:
     Dk, dtbk = (opt(v, x, acc, vec if v is not None else absent) for v in (D, dt_bias))
     if tie:  # the kernel reads the expanded views mamba_ssm passes, as they come (no view of a new dt per call)
         P, N = x.shape[2], st.shape[3]
-        dtk, Ak = dtk[:, :, None].expand(-1, -1, P), Ak[:, None, None].expand(-1, P, N)
-        Dk, dtbk = (v if v.dim() == 2 else v[:, None].expand(-1, P) for v in (Dk, dtbk))
+        dtk = dtk.as_strided((*dtk.shape, P), (*dtk.stride(), 0))  # as_strided: a third of index + expand's cost
+        Ak = Ak.as_strided((Ak.shape[0], P, N), (Ak.stride(0), 0, 0))
+        Dk, dtbk = (v if v.dim() == 2 else v.as_strided((v.shape[0], P), (v.stride(0), 0)) for v in (Dk, dtbk))
     kern(st, xk, dtk, Ak, Bk, Ck, Dk, opt(z, x, x.dtype, x.dim()), dtbk, opt(state_batch_indices, x, torch.int32, 1),
          out)
     if st.data_ptr() != state.data_ptr():  # prepare() had to copy: write the new state back
