@@ -39,8 +39,8 @@ class _Writer:
     def __init__(self, build: Callable, shapes: dict):
         self.shapes = shapes  # output k -> the (size, stride) it is allocated with, where one view covers it
         self.lines: list[str] = []
-        self.env: dict = {"_empty": torch.empty, "_empty_like": torch.empty_like, "_note": dispatch.note_key, "_recording": _dlpack.recording,
-                          "_Launch": _dlpack.Launch, "_build": build}
+        self.env: dict = {"_empty": torch.empty, "_empty_like": torch.empty_like, "_note": dispatch.note_key,
+                          "_recording": _dlpack.recording, "_Launch": _dlpack.Launch, "_build": build}
         self.needs_fresh = self.needs_made = False
 
     def const(self, value, stem: str) -> str:
@@ -193,9 +193,10 @@ def compile_serve(run: Callable, tensors, flags, context: tuple, expires: float,
     zero = [i for i in present if tensors[i].data_ptr() & 63 == 0]  # the usual case: one test for all of them
     aligned = (f" and ({' | '.join(f'i{i}.data_ptr()' for i in zero)}) & 63 == 0" if zero else "") + "".join(
         f" and i{i}.data_ptr() & 63 == {tensors[i].data_ptr() & 63}" for i in present if i not in zero)
+    checked = f"_check({', '.join(f'i{i}' for i in present)}){aligned}"
     lines = ["def serve(inputs, flags, args):", "    try:",
              f"        {''.join(f'i{j}, ' for j in range(len(tensors)))}= inputs",
-             f"        if flags != _flags{absent}{grad} or not (_check({', '.join(f'i{i}' for i in present)}){aligned}):",
+             f"        if flags != _flags{absent}{grad} or not ({checked}):",
              "            return _MISS", "    except Exception:", "        return _MISS",
              "    if _monotonic() >= _expires or _context() != _ctx:", "        return _MISS"]
     if checks is None:
