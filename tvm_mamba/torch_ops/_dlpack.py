@@ -231,10 +231,15 @@ def check_size(name: str, numel: int) -> None:
                          f"may have at most 2**31 - 1 = {MAX_ELEMENTS} elements")
 
 
-def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of one storage (may overlap: a kernel writing one must not read the
-    other)."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def kernel_may_write(t: torch.Tensor, others) -> bool:
+    """Whether a kernel may write its result into the caller's ``t`` directly (vLLM's ``out``, or x itself):
+    eager mode, ``t`` compact and 64-byte aligned (a kernel argument as is), sharing no storage with the
+    call's other tensors ``others`` (a kernel writing one must not read another). Else the caller computes
+    into a fresh tensor and copies."""
+    others = [o for o in others if isinstance(o, torch.Tensor)]
+    ptr = t.untyped_storage().data_ptr()
+    return eager_direct(t, *others) and t.is_contiguous() and not t.data_ptr() % ALIGN and \
+        all(o.untyped_storage().data_ptr() != ptr for o in others)
 
 
 def check_no_overlap(name: str, t: torch.Tensor) -> None:

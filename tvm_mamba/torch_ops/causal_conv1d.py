@@ -20,8 +20,8 @@ from torch import Tensor
 from ..compute.causal_conv1d.dims import (CausalConv1dBwd, CausalConv1dFwd, CausalConv1dUpdate,
                                            CausalConv1dVarlenStates)
 from ._fastpath import FastPath
-from ._dlpack import (ALIGN, FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, eager_direct,
-                      kernel_for, prepare, prepare_pool, run_op, shares_storage, slot_stats, tvm_dtype)
+from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_size, check_tensor, dummy, kernel_for,
+                      kernel_may_write, prepare, prepare_pool, run_op, slot_stats, tvm_dtype)
 
 OP = "causal_conv1d"
 
@@ -171,14 +171,14 @@ def launch_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[
     batch, dim, seqlen = x.shape if x.dim() == 3 else (*x.shape, 1)
     if batch * dim == 0 or seqlen == 0:
         return
-    xk, weight = (x, prepare(weight)) if out is None else (prepare(x), prepare(weight))
+    xk, weight = x if out is None else prepare(x), prepare(weight)  # in place: x as it is (the caller checked)
     state = prepare_pool(conv_state, False)  # conv_state itself unless its elements overlap or it is unaligned
     dims = CausalConv1dUpdate.cached(dim, weight.shape[1], state.shape[2], "silu" if silu else "none",
                                      bias is not None, conv_state_indices is not None, cache_seqlens is not None,
                                      tvm_dtype(xk), tvm_dtype(weight), tvm_dtype(state), x.dim() == 2, out is None)
     kern = kernel_for(OP, "update", x.device, dims, batch=batch, seqlen=seqlen)
     kern(xk, state, weight, _opt(bias, x, weight.dtype, 1), _opt(conv_state_indices, x, torch.int32, 1),
-         _opt(cache_seqlens, x, torch.int32, 1), out if out is not None else _opt(None, x, x.dtype, 2))
+         _opt(cache_seqlens, x, torch.int32, 1), out if out is not None else dummy(x.device, x.dtype, 2))
     if state is not conv_state:  # a strided or unaligned conv_state: the kernel updated a compact copy
         conv_state.copy_(state)
 
@@ -342,9 +342,7 @@ def _causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cac
     args = (x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
     if not into_x:
         return run_op(causal_conv1d_update_op, *args)
-    others = [t for t in args[1:] if isinstance(t, Tensor)]
-    if x.dim() == 2 and eager_direct(x, *others) and x.is_contiguous() and not x.data_ptr() % ALIGN and \
-            not any(shares_storage(x, t) for t in others):
+    if x.dim() == 2 and kernel_may_write(x, args[1:]):
         _check_update_values(conv_state, cache_seqlens, conv_state_indices)
         launch_update(*args, None)
     else:

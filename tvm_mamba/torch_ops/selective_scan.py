@@ -30,9 +30,8 @@ from ..compute.selective_scan.dims import (WEBGPU_BLOCK, WEBGPU_PRIVATE_FLOATS, 
 from ..runtime.target import device_target_key
 from ..compute.selective_scan.dims import bwd_workspace
 from ._selective_scan_complex import complex_scan
-from ._dlpack import (ALIGN, FLOATS, check_no_overlap, check_shape, check_tensor, dummy, eager_direct,
-                      kernel_device_type, kernel_for, prepare, prepare_pool, run_op, shares_storage, slot_stats,
-                      tvm_dtype)
+from ._dlpack import (FLOATS, check_no_overlap, check_shape, check_tensor, dummy, kernel_device_type, kernel_for,
+                      kernel_may_write, prepare, prepare_pool, run_op, slot_stats, tvm_dtype)
 from ._fastpath import FastPath
 from ._selective_scan_kernel import OP, acc_of, new_states, opt, scan_dims, scan_forward
 
@@ -505,9 +504,7 @@ def _run_update(out: Optional[Tensor], *args) -> Tensor:
     else the op's result is copied there."""
     if out is None:
         return run_op(selective_state_update_op, *args)
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if eager_direct(out, *tensors) and out.is_contiguous() and not out.data_ptr() % ALIGN and \
-            not any(shares_storage(out, t) for t in tensors):
+    if kernel_may_write(out, args):
         if args[-1] is not None:
             _check_slots(args[-1], args[0].shape[0])
         launch_update(*args, out)
